@@ -1,0 +1,178 @@
+"""The ``distserve`` command line.
+
+Every subcommand validates its arguments up front and exits with status 2 and
+one sentence on bad input (argparse's convention), before loading a model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+
+def _positive_int(name: str):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {text!r}") from None
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"{name} must be >= 1, got {value}")
+        return value
+    return parse
+
+
+def _float_in(name: str, lo: float, hi: float, lo_open: bool = False):
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be a number, got {text!r}") from None
+        ok = (value > lo if lo_open else value >= lo) and value <= hi
+        if not ok:
+            bracket = "(" if lo_open else "["
+            raise argparse.ArgumentTypeError(f"{name} must be in {bracket}{lo}, {hi}], got {value}")
+        return value
+    return parse
+
+
+def _token_ids(text: str) -> list[int]:
+    try:
+        ids = [int(t) for t in text.split(",") if t.strip() != ""]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--prompt-ids must be comma-separated integers like 1,2,3, got {text!r}") from None
+    if not ids:
+        raise argparse.ArgumentTypeError("--prompt-ids must contain at least one token id")
+    if any(i < 0 for i in ids):
+        raise argparse.ArgumentTypeError("--prompt-ids must be non-negative")
+    return ids
+
+
+def _add_make_tiny_model(sub) -> None:
+    p = sub.add_parser(
+        "make-tiny-model",
+        help="write a deterministic random-weight Llama in Hugging Face format",
+        description="Write a deterministic random-weight Llama (config.json, model.safetensors, "
+                    "byte-level tokenizer) to OUT_DIR. Example: distserve make-tiny-model /tmp/tiny --layers 2",
+    )
+    p.add_argument("out_dir")
+    p.add_argument("--layers", type=_positive_int("--layers"), default=4)
+    p.add_argument("--hidden", type=_positive_int("--hidden"), default=256)
+    p.add_argument("--heads", type=_positive_int("--heads"), default=4)
+    p.add_argument("--kv-heads", type=_positive_int("--kv-heads"), default=None,
+                   help="key/value heads (default: --heads)")
+    p.add_argument("--intermediate", type=_positive_int("--intermediate"), default=None)
+    p.add_argument("--vocab", type=_positive_int("--vocab"), default=512)
+    p.add_argument("--max-positions", type=_positive_int("--max-positions"), default=2048)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tie-word-embeddings", action="store_true")
+
+
+def _add_generate(sub) -> None:
+    p = sub.add_parser(
+        "generate",
+        help="generate from one prompt in-process (no server)",
+        description="Generate from one prompt with the engine in this process. "
+                    "Example: distserve generate --prompt 'Hello' --max-tokens 8 --json",
+    )
+    p.add_argument("--model", default=None, help="Hugging Face model folder (default: the built-in tiny model)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text (tokenized with the model's tokenizer)")
+    src.add_argument("--prompt-ids", type=_token_ids, help="prompt as token ids, e.g. 1,2,3")
+    p.add_argument("--max-tokens", type=_positive_int("--max-tokens"), default=16)
+    p.add_argument("--temperature", type=_float_in("--temperature", 0.0, 100.0), default=0.0,
+                   help="0 = greedy (default)")
+    p.add_argument("--top-p", type=_float_in("--top-p", 0.0, 1.0, lo_open=True), default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
+    p.add_argument("--json", action="store_true", help="print one JSON object: token_ids, text, ...")
+
+
+def cmd_make_tiny_model(args) -> int:
+    from server.engine.tiny_model import make_tiny_model
+
+    if args.hidden % args.heads:
+        return _usage_error(f"--hidden ({args.hidden}) must be a multiple of --heads ({args.heads})")
+    kv = args.kv_heads or args.heads
+    if args.heads % kv:
+        return _usage_error(f"--heads ({args.heads}) must be a multiple of --kv-heads ({kv})")
+    if args.vocab < 259:
+        return _usage_error(f"--vocab must be >= 259 (3 special + 256 byte tokens), got {args.vocab}")
+    path = make_tiny_model(
+        args.out_dir, layers=args.layers, hidden=args.hidden, heads=args.heads, kv_heads=kv,
+        intermediate=args.intermediate, vocab=args.vocab, max_positions=args.max_positions,
+        seed=args.seed, tie_word_embeddings=args.tie_word_embeddings,
+    )
+    print(path)
+    return 0
+
+
+def _usage_error(sentence: str) -> int:
+    print(f"distserve: error: {sentence}", file=sys.stderr)
+    return 2
+
+
+def cmd_generate(args) -> int:
+    from server.engine.llm_engine import EngineConfig, LLMEngine
+    from server.engine.sampling_params import SamplingParams
+    from server.engine.tokenizer import Tokenizer
+
+    if args.top_k < 0:
+        return _usage_error(f"--top-k must be >= 0, got {args.top_k}")
+    try:
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                                top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos)
+        engine = LLMEngine(EngineConfig(model=args.model, device=args.device, dtype=args.dtype))
+    except (ValueError, FileNotFoundError) as e:
+        return _usage_error(str(e))
+    tokenizer = Tokenizer.from_folder(engine.model_path)
+    prompt_ids = args.prompt_ids if args.prompt_ids is not None else tokenizer.encode(args.prompt)
+    try:
+        [token_ids] = engine.generate([prompt_ids], params)
+    except ValueError as e:
+        return _usage_error(str(e))
+    text = tokenizer.decode(token_ids)
+    if args.json:
+        print(json.dumps({"prompt_token_ids": prompt_ids, "token_ids": token_ids, "text": text}))
+    else:
+        print(text)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="distserve",
+        description="LLM serving with prefill/decode disaggregation.",
+    )
+    parser.add_argument("--log-level", default="WARNING")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_make_tiny_model(sub)
+    _add_generate(sub)
+    try:
+        from server.launcher import add_serve_parsers
+    except ImportError:
+        pass
+    else:
+        add_serve_parsers(sub)
+    return parser
+
+
+COMMANDS = {"make-tiny-model": cmd_make_tiny_model, "generate": cmd_generate}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    handler = COMMANDS.get(args.command) or args.handler
+    return handler(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,310 @@
+"""Typed, frozen server configuration, validated once at construction.
+
+Every section is a frozen dataclass whose fields carry their own spec (kind,
+range, choices) in ``field(metadata=...)``: that is the one table per section
+that both the defaults and the validation come from.  A bad value fails when
+the object is built, with the full dotted key in the message, so nothing
+downstream re-checks configuration.
+
+    cfg = load_config("configs/distserve_config.yaml",
+                      overrides={"decode": {"top_p": 0.9}})
+"""
+
+from __future__ import annotations
+
+import difflib
+import numbers
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, ClassVar, Mapping
+from urllib.parse import urlparse
+
+import yaml
+
+__all__ = [
+    "BreakerConfig",
+    "CacheConfig",
+    "ConfigError",
+    "DecodeConfig",
+    "DistServeConfig",
+    "KVTransferConfig",
+    "PrefillConfig",
+    "RouterConfig",
+    "load_config",
+]
+
+
+class ConfigError(ValueError):
+    """A configuration file, mapping or value is invalid."""
+
+
+# --------------------------------------------------------------------------- specs
+
+
+@dataclass(frozen=True)
+class _Spec:
+    kind: str  # int | float | bool | str | enum | url_list
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False
+    hi_open: bool = False
+    choices: tuple[str, ...] = ()
+    nullable: bool = False
+    pow2: bool = False
+
+
+def _opt(default: Any, kind: str, **spec: Any) -> Any:
+    """A leaf field: its default and how to validate it."""
+    return field(default=default, metadata={"spec": _Spec(kind, **spec)})
+
+
+def _sub(cls: type) -> Any:
+    """A nested section field."""
+    return field(default_factory=cls, metadata={"section": cls})
+
+
+_KIND_NAMES = {
+    "int": "an integer",
+    "float": "a number",
+    "bool": "a boolean (true/false)",
+    "str": "a string",
+    "url_list": "a list of strings",
+}
+
+_MS_MAX = 3_600_000  # one hour, in milliseconds
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else repr(x)
+
+
+def _describe(v: Any) -> str:
+    return "null" if v is None else f"{type(v).__name__} {v!r}"
+
+
+def _range_text(s: _Spec) -> str:
+    if s.hi is None:
+        return f"{'>' if s.lo_open else '>='} {_num(s.lo)}"
+    return f"in {'(' if s.lo_open else '['}{_num(s.lo)}, {_num(s.hi)}{')' if s.hi_open else ']'}"
+
+
+def _validate(key: str, s: _Spec, v: Any) -> Any:
+    """Return ``v`` normalised (int/float/tuple) or raise ConfigError."""
+    if v is None and s.nullable:
+        return None
+    if s.kind == "enum":
+        if not isinstance(v, str) or v not in s.choices:
+            raise ConfigError(f"{key!r} must be one of {', '.join(s.choices)}; got {v!r}")
+        return v
+    if s.kind == "int":
+        ok = isinstance(v, numbers.Integral) and not isinstance(v, bool)
+        v = int(v) if ok else v
+    elif s.kind == "float":
+        ok = isinstance(v, numbers.Real) and not isinstance(v, bool)
+        v = float(v) if ok else v
+    elif s.kind == "bool":
+        ok = isinstance(v, bool)
+    elif s.kind == "str":
+        ok = isinstance(v, str)
+    else:  # url_list
+        ok = isinstance(v, (list, tuple)) and all(isinstance(u, str) for u in v)
+        v = tuple(v) if ok else v
+    if not ok:
+        what = _KIND_NAMES[s.kind] + (" or null" if s.nullable else "")
+        raise ConfigError(f"{key!r} must be {what}, got {_describe(v)}")
+    if s.lo is not None:
+        # Written so that NaN fails every comparison.
+        in_range = (v > s.lo if s.lo_open else v >= s.lo) and (
+            s.hi is None or (v < s.hi if s.hi_open else v <= s.hi)
+        )
+        if s.pow2 and not (v > 0 and v & (v - 1) == 0):
+            in_range = False
+        if not in_range:
+            pow2 = "a power of two " if s.pow2 else ""
+            raise ConfigError(f"{key!r} must be {pow2}{_range_text(s)}, got {_num(v)}")
+    if s.kind == "url_list":
+        for i, u in enumerate(v):
+            p = urlparse(u)
+            if p.scheme not in ("http", "https") or not p.netloc:
+                raise ConfigError(f"'{key}[{i}]' must be an http(s) URL, got {u!r}")
+    return v
+
+
+# ------------------------------------------------------------------------ sections
+
+
+class _Section:
+    """Shared behaviour: validate on construction, from_dict / to_dict."""
+
+    _section: ClassVar[str] = ""
+
+    @classmethod
+    def _key(cls, name: str) -> str:
+        return f"{cls._section}.{name}" if cls._section else name
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            v = getattr(self, f.name)
+            sub = f.metadata.get("section")
+            if sub is not None:
+                if not isinstance(v, sub):
+                    object.__setattr__(self, f.name, sub.from_dict(v))
+            else:
+                object.__setattr__(self, f.name, _validate(self._key(f.name), f.metadata["spec"], v))
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any] | None) -> Any:
+        """Build from a (possibly partial) mapping; missing keys take defaults.
+
+        ``None`` (an empty YAML section) means "all defaults".
+        """
+        if d is None:
+            d = {}
+        if not isinstance(d, Mapping):
+            where = f"section {cls._section!r}" if cls._section else "the configuration"
+            raise ConfigError(f"{where} must be a mapping of keys to values, got {_describe(d)}")
+        valid = [f.name for f in fields(cls)]
+        for k in d:
+            if k not in valid:
+                close = difflib.get_close_matches(str(k), valid, n=1)
+                hint = (
+                    f"did you mean {cls._key(close[0])!r}?"
+                    if close
+                    else f"valid keys{' of ' + repr(cls._section) if cls._section else ''}: {', '.join(valid)}"
+                )
+                raise ConfigError(f"unknown key {cls._key(str(k))!r}; {hint}")
+        return cls(**d)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain nested dict (lists, not tuples) that ``from_dict`` accepts."""
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            out[f.name] = v.to_dict() if isinstance(v, _Section) else list(v) if isinstance(v, tuple) else v
+        return out
+
+
+@dataclass(frozen=True)
+class PrefillConfig(_Section):
+    _section: ClassVar[str] = "prefill"
+    max_batch_size: int = _opt(32, "int", lo=1, hi=4096)
+    max_seq_len: int = _opt(2048, "int", lo=16, hi=1_048_576)
+    attention_backend: str = _opt("auto", "enum", choices=("auto", "sdpa", "flash_attn_v2", "triton"))
+    max_num_batched_tokens: int = _opt(4096, "int", lo=1, hi=16_777_216)
+    torch_threads: int = _opt(0, "int", lo=0, hi=1024)  # 0 = leave torch's default
+
+
+@dataclass(frozen=True)
+class DecodeConfig(_Section):
+    _section: ClassVar[str] = "decode"
+    max_batch_size: int = _opt(128, "int", lo=1, hi=4096)
+    max_concurrent_requests: int = _opt(64, "int", lo=1, hi=1_000_000)
+    sampling_strategy: str = _opt("top_p", "enum", choices=("greedy", "top_p"))
+    top_p: float = _opt(0.95, "float", lo=0, hi=1, lo_open=True)
+    gc_interval_ms: int = _opt(500, "int", lo=1, hi=_MS_MAX)
+    max_stale_slots: int = _opt(16, "int", lo=0, hi=1_000_000)
+    torch_threads: int = _opt(0, "int", lo=0, hi=1024)
+
+
+@dataclass(frozen=True)
+class CacheConfig(_Section):
+    _section: ClassVar[str] = "cache"
+    block_size: int = _opt(16, "int", lo=1, hi=256, pow2=True)
+    num_gpu_blocks: int = _opt(0, "int", lo=0, hi=10_000_000)  # 0 = size automatically
+    kv_cache_memory_mb: int = _opt(512, "int", lo=1, hi=10_000_000)
+    dtype: str = _opt("auto", "enum", choices=("auto", "float32", "float16", "bfloat16"))
+
+
+@dataclass(frozen=True)
+class KVTransferConfig(_Section):
+    _section: ClassVar[str] = "kv_transfer"
+    transport: str = _opt("auto", "enum", choices=("auto", "shm", "cuda_ipc", "tcp", "nixl"))
+    zero_copy_threshold_mb: float = _opt(16.0, "float", lo=0)
+    lease_ms: int = _opt(30_000, "int", lo=1, hi=_MS_MAX)
+    failure_policy: str = _opt("recompute", "enum", choices=("recompute", "fail"))
+    pull_timeout_ms: int = _opt(10_000, "int", lo=1, hi=_MS_MAX)
+    checksum: bool = _opt(True, "bool")
+
+
+@dataclass(frozen=True)
+class BreakerConfig(_Section):
+    _section: ClassVar[str] = "router.breaker"
+    enabled: bool = _opt(False, "bool")
+    metric: str = _opt("ttft", "enum", choices=("ttft", "tpot", "itl", "e2e"))
+    percentile: float = _opt(99.0, "float", lo=0, hi=100, lo_open=True, hi_open=True)
+    threshold_ms: float = _opt(300.0, "float", lo=0, lo_open=True)
+    consecutive_s: float = _opt(5.0, "float", lo=0, lo_open=True)
+    cooldown_s: float = _opt(30.0, "float", lo=0, lo_open=True)
+    probe_fraction: float = _opt(0.1, "float", lo=0, hi=1, lo_open=True)
+    min_samples: int = _opt(20, "int", lo=1, hi=10_000_000)
+
+
+@dataclass(frozen=True)
+class RouterConfig(_Section):
+    _section: ClassVar[str] = "router"
+    host: str = _opt("127.0.0.1", "str")
+    port: int = _opt(8080, "int", lo=0, hi=65535)  # 0 = pick a free port
+    backup_pool: tuple[str, ...] = _opt((), "url_list")
+    heartbeat_interval_ms: int = _opt(1000, "int", lo=1, hi=_MS_MAX)
+    heartbeat_timeout_ms: int = _opt(3000, "int", lo=1, hi=_MS_MAX)
+    request_timeout_s: float = _opt(600.0, "float", lo=0, lo_open=True)
+    # None = read env DISTSERVE_ADMIN_TOKEN, else generate one at startup.
+    admin_token: str | None = _opt(None, "str", nullable=True)
+    breaker: BreakerConfig = _sub(BreakerConfig)
+
+
+@dataclass(frozen=True)
+class DistServeConfig(_Section):
+    model: str | None = _opt(None, "str", nullable=True)  # None = built-in tiny model
+    prefill: PrefillConfig = _sub(PrefillConfig)
+    decode: DecodeConfig = _sub(DecodeConfig)
+    cache: CacheConfig = _sub(CacheConfig)
+    kv_transfer: KVTransferConfig = _sub(KVTransferConfig)
+    router: RouterConfig = _sub(RouterConfig)
+
+
+# -------------------------------------------------------------------------- loading
+
+
+def _merge(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    """Recursive merge; a mapping merges into a mapping, anything else replaces."""
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, Mapping) and isinstance(out.get(k), Mapping) else v
+    return out
+
+
+def _read_yaml(path: Path) -> Any:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read config file: {e.strerror or e}") from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
+        problem = getattr(e, "problem", None) or str(e)
+        raise ConfigError(f"{where}: invalid YAML: {problem}") from None
+
+
+def load_config(
+    path: str | Path | None = None, overrides: Mapping[str, Any] | None = None
+) -> DistServeConfig:
+    """Load ``path`` (None = built-in defaults), then merge nested ``overrides``.
+
+    The file is validated on its own first, so its errors name the file; the
+    overrides (e.g. from CLI flags) are then merged and validated the same way.
+    """
+    cfg = DistServeConfig()
+    if path is not None:
+        try:
+            cfg = DistServeConfig.from_dict(_read_yaml(Path(path)))
+        except ConfigError as e:
+            msg = str(e)
+            raise ConfigError(msg if msg.startswith(str(path)) else f"{path}: {msg}") from None
+    if overrides:
+        if not isinstance(overrides, Mapping):
+            raise ConfigError(f"overrides must be a mapping, got {_describe(overrides)}")
+        cfg = DistServeConfig.from_dict(_merge(cfg.to_dict(), overrides))
+    return cfg

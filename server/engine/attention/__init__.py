@@ -1,0 +1,23 @@
+"""Attention backends behind one interface; ``get_attention_backend`` resolves names."""
+
+from __future__ import annotations
+
+import torch
+
+from server.engine.attention.base import AttentionBackend, AttentionMetadata
+from server.engine.attention.sdpa import SdpaBackend
+
+BACKEND_NAMES = ("auto", "sdpa", "flash_attn_v2", "triton")
+
+
+def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
+    if name not in BACKEND_NAMES:
+        raise ValueError(f"attention_backend must be one of {', '.join(BACKEND_NAMES)}; got {name!r}")
+    if name in ("auto", "sdpa"):
+        return SdpaBackend()
+    if device.type != "cuda":
+        raise ValueError(f"attention_backend {name!r} needs a CUDA device; use 'sdpa' or 'auto' on {device.type}")
+    raise ValueError(f"attention_backend {name!r} is not available in this build; use 'sdpa' or 'auto'")
+
+
+__all__ = ["AttentionBackend", "AttentionMetadata", "SdpaBackend", "get_attention_backend", "BACKEND_NAMES"]

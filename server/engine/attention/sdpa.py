@@ -1,0 +1,63 @@
+"""Attention through ``torch.nn.functional.scaled_dot_product_attention`` (CPU and GPU).
+
+Prefills run one SDPA call per sequence (causal; with an explicit mask when
+earlier tokens of the sequence are already cached, i.e. chunked prefill or a
+re-admitted sequence). Decodes run as one batched call over the padded block
+tables with a key-padding mask, so a decode step costs one call per layer
+whatever the batch size.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from server.engine.attention.base import AttentionBackend, AttentionMetadata, gather_kv, write_kv
+
+
+class SdpaBackend(AttentionBackend):
+    name = "sdpa"
+
+    def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float):
+        write_kv(kv_cache, k, v, meta.slot_mapping)
+        out = torch.empty_like(q)
+        gqa = q.shape[1] != k.shape[1]
+        start = 0
+        for i, (qlen, slen) in enumerate(zip(meta.prefill_query_lens, meta.prefill_seq_lens)):
+            end = start + qlen
+            qi = q[start:end].transpose(0, 1)  # [H, qlen, D]
+            if qlen == slen:  # the whole context is new: no cache read needed
+                ki, vi = k[start:end], v[start:end]
+                mask, causal = None, True
+            else:
+                ki, vi = gather_kv(kv_cache, meta.prefill_block_tables[i], slen, meta.block_size)
+                # query j sits at absolute position slen - qlen + j and sees keys <= it
+                qpos = torch.arange(slen - qlen, slen, device=q.device)[:, None]
+                mask = torch.arange(slen, device=q.device)[None, :] <= qpos
+                causal = False
+            o = F.scaled_dot_product_attention(
+                qi, ki.transpose(0, 1), vi.transpose(0, 1),
+                attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=gqa,
+            )
+            out[start:end] = o.transpose(0, 1)
+            start = end
+        if meta.num_decodes:
+            out[start:] = self._decode(q[start:], kv_cache, meta, scale, gqa)
+        return out
+
+    @staticmethod
+    def _decode(q, kv_cache, meta: AttentionMetadata, scale: float, gqa: bool):
+        bs = meta.block_size
+        nb = kv_cache.shape[1] // bs
+        max_blocks = -(-meta.decode_max_seq_len // bs)
+        tables = meta.decode_block_tables[:, :max_blocks]
+        paged = kv_cache.view(2, nb, bs, *kv_cache.shape[2:])
+        kv = paged[:, tables].flatten(2, 3)  # [2, B, L, Hkv, D]
+        length = kv.shape[2]
+        mask = torch.arange(length, device=q.device)[None, :] < meta.decode_seq_lens[:, None]
+        o = F.scaled_dot_product_attention(
+            q[:, :, None, :],  # [B, H, 1, D]
+            kv[0].transpose(1, 2), kv[1].transpose(1, 2),  # [B, Hkv, L, D]
+            attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=gqa,
+        )
+        return o[:, :, 0, :]

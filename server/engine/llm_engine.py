@@ -1,0 +1,285 @@
+"""One engine: model + KV pool + scheduler + sampler, stepped by its owner.
+
+The engine is single-threaded and synchronous: a worker process owns one and
+calls ``step()`` in a loop (``server/workers``), the CLI and the tests call it
+directly. It serves the three roles of disaggregated serving:
+
+- colocated: ``add_request`` then ``step()`` until finished;
+- prefill: ``add_request(..., prefill_only=True)``; the sequence stops after
+  token #1 with its blocks kept (``FINISHED_PREFILLED``) until the worker has
+  copied them out with ``take_prefilled_kv``;
+- decode: ``add_prefilled_request`` writes transferred KV into fresh blocks and
+  continues from token #1.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from dataclasses import dataclass
+
+import torch
+
+from server.engine.attention import get_attention_backend
+from server.engine.block_manager import BlockManager
+from server.engine.loader import load_state_dict, resolve_model_path
+from server.engine.model import LlamaForCausalLM
+from server.engine.model_config import ModelConfig
+from server.engine.model_runner import ModelRunner, kv_bytes_per_block
+from server.engine.sampler import Sampler
+from server.engine.sampling_params import SamplingParams
+from server.engine.scheduler import Scheduler, SchedulerConfig
+from server.engine.sequence import Sequence, SequenceStatus
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = None  # None = the built-in tiny model
+    device: str = "cpu"
+    dtype: str = "auto"  # auto: float32 on CPU, the checkpoint's dtype on GPU
+    block_size: int = 16
+    num_blocks: int = 0  # 0 = from kv_cache_memory_mb
+    kv_cache_memory_mb: int = 512
+    max_model_len: int = 0  # 0 = the model's max_position_embeddings
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    prefill_policy: str = "fcfs"
+    decode_policy: str = "fcfs"
+    attention_backend: str = "auto"
+    torch_threads: int = 0  # 0 = leave torch's default
+
+    def __post_init__(self) -> None:
+        if self.dtype != "auto" and self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be auto or one of {', '.join(_DTYPES)}, got {self.dtype!r}")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+
+
+@dataclass
+class EngineStats:
+    num_steps: int = 0
+    num_preemptions: int = 0
+    num_prompt_tokens: int = 0  # tokens computed in prefill chunks (recompute included)
+    num_generated_tokens: int = 0
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig = EngineConfig()) -> None:
+        self.config = config
+        if config.torch_threads > 0:
+            torch.set_num_threads(config.torch_threads)
+        self.model_path = resolve_model_path(config.model)
+        self.model_config = ModelConfig.from_folder(self.model_path)
+        self.device = torch.device(config.device)
+        self.dtype = self._resolve_dtype()
+        backend = get_attention_backend(config.attention_backend, self.device)
+        with torch.device("meta"):
+            model = LlamaForCausalLM(self.model_config, backend)
+        model = model.to_empty(device=self.device).to(self.dtype)
+        model.load_hf_weights(load_state_dict(self.model_path, dtype=self.dtype, device=str(self.device)))
+        self.model = model.eval()
+        self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
+        num_blocks = config.num_blocks or max(
+            1, config.kv_cache_memory_mb * 2**20 // kv_bytes_per_block(self.model_config, config.block_size, self.dtype)
+        )
+        self.block_manager = BlockManager(num_blocks, config.block_size)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                prefill_policy=config.prefill_policy,
+                decode_policy=config.decode_policy,
+            ),
+            self.block_manager,
+        )
+        self.runner = ModelRunner(self.model, num_blocks, config.block_size, self.dtype, self.device)
+        self.sampler = Sampler()
+        self.stats = EngineStats()
+        self.requests: dict[str, Sequence] = {}
+        self._seeds: dict[str, int] = {}
+        self._rng = random.Random()
+        self.eos_token_ids = set(self.model_config.eos_token_ids)
+
+    def _resolve_dtype(self) -> torch.dtype:
+        if self.config.dtype != "auto":
+            return _DTYPES[self.config.dtype]
+        if self.device.type == "cpu":
+            return torch.float32
+        return _DTYPES.get(self.model_config.torch_dtype, torch.bfloat16)
+
+    # --- requests ----------------------------------------------------------
+    def _check_new(self, request_id: str, prompt_token_ids: list[int]) -> None:
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in this engine")
+        if not prompt_token_ids:
+            raise ValueError("prompt must contain at least one token")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(prompt_token_ids)} tokens; max_seq_len is {self.max_model_len} "
+                f"(prompt + at least one generated token must fit)"
+            )
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    *, prefill_only: bool = False) -> None:
+        self._check_new(request_id, prompt_token_ids)
+        seq = Sequence(request_id, list(prompt_token_ids), params, prefill_only=prefill_only)
+        self._register(seq)
+        self.scheduler.add(seq)
+
+    def can_admit_prefilled(self, num_tokens: int) -> bool:
+        return self.block_manager.can_allocate(num_tokens + 1) and (
+            self.scheduler.num_running < self.config.max_num_seqs
+        )
+
+    def add_prefilled_request(self, request_id: str, prompt_token_ids: list[int], output_token_ids: list[int],
+                              kv: torch.Tensor, params: SamplingParams) -> bool:
+        """Admit a request whose first ``len(prompt)`` tokens' KV arrived from a prefill worker.
+
+        ``output_token_ids`` holds the tokens already generated (token #1). Returns
+        False, changing nothing, when the pool cannot take it now (back-pressure).
+        """
+        self._check_new(request_id, prompt_token_ids)
+        n = len(prompt_token_ids)
+        expected = self.runner.kv_shape(n)
+        if tuple(kv.shape) != expected:
+            raise ValueError(f"KV for {request_id!r} has shape {tuple(kv.shape)}, expected {expected}")
+        if not self.can_admit_prefilled(n):
+            return False
+        seq = Sequence(request_id, list(prompt_token_ids), params, output_token_ids=list(output_token_ids))
+        self.block_manager.grow(seq, n + 1)
+        self.runner.scatter_kv(seq.block_table, kv)
+        seq.num_computed_tokens = n
+        self._register(seq)
+        self.scheduler.add_running(seq)
+        return True
+
+    def _register(self, seq: Sequence) -> None:
+        self.requests[seq.request_id] = seq
+        seed = seq.sampling_params.seed
+        self._seeds[seq.request_id] = seed if seed is not None else self._rng.getrandbits(62)
+
+    def abort_request(self, request_id: str) -> bool:
+        seq = self.requests.get(request_id)
+        if seq is None:
+            return False
+        self.scheduler.remove(seq)
+        seq.status = SequenceStatus.FINISHED_ABORTED
+        self._release(seq)
+        return True
+
+    def _release(self, seq: Sequence) -> None:
+        if seq.block_table:
+            self.block_manager.free(seq)
+        self.requests.pop(seq.request_id, None)
+        self._seeds.pop(seq.request_id, None)
+
+    def take_prefilled_kv(self, request_id: str) -> tuple[Sequence, torch.Tensor]:
+        """KV of a FINISHED_PREFILLED sequence as one contiguous tensor; frees its blocks."""
+        seq = self.requests.get(request_id)
+        if seq is None or seq.status != SequenceStatus.FINISHED_PREFILLED:
+            raise KeyError(f"request {request_id!r} is not a finished prefill")
+        kv = self.runner.gather_kv(seq.block_table, len(seq.prompt_token_ids))
+        self._release(seq)
+        return seq, kv
+
+    # --- stepping ----------------------------------------------------------
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        outputs: list[RequestOutput] = []
+        for seq in sched.rejected:
+            seq.status = SequenceStatus.FINISHED_ABORTED
+            log.warning("request %s does not fit in the KV pool; aborted", seq.request_id)
+            self._release(seq)
+            outputs.append(self._output(seq, []))
+        if sched.is_empty:
+            return outputs
+        self.stats.num_steps += 1
+        self.stats.num_preemptions += len(sched.preempted)
+        self.stats.num_prompt_tokens += sum(s.num_new_tokens for s in sched.scheduled if s.num_new_tokens > 1)
+        logits = self.runner.execute(sched.scheduled)
+        sampling = [s.seq for s in sched.scheduled if s.samples]
+        tokens = self.sampler.sample(
+            logits,
+            [s.sampling_params for s in sampling],
+            [self._seeds[s.request_id] for s in sampling],
+            [s.num_output_tokens for s in sampling],
+        ) if sampling else []
+        for s in sched.scheduled:
+            s.seq.num_computed_tokens += s.num_new_tokens
+        self.stats.num_generated_tokens += len(tokens)
+        for seq, token in zip(sampling, tokens):
+            seq.output_token_ids.append(token)
+            self._check_stop(seq, token)
+            if seq.is_finished:
+                self.scheduler.remove(seq)
+                if seq.status != SequenceStatus.FINISHED_PREFILLED:
+                    self._release(seq)
+            outputs.append(self._output(seq, [token]))
+        return outputs
+
+    def _check_stop(self, seq: Sequence, token: int) -> None:
+        p = seq.sampling_params
+        if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
+            seq.status = SequenceStatus.FINISHED_STOPPED
+            seq.stop_reason = token
+        elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            seq.status = SequenceStatus.FINISHED_LENGTH
+        elif seq.prefill_only:
+            seq.status = SequenceStatus.FINISHED_PREFILLED
+
+    @staticmethod
+    def _output(seq: Sequence, new_tokens: list[int]) -> RequestOutput:
+        return RequestOutput(
+            request_id=seq.request_id,
+            new_token_ids=new_tokens,
+            finished=seq.is_finished,
+            finish_reason=seq.status.finish_reason,
+            num_prompt_tokens=len(seq.prompt_token_ids),
+            num_output_tokens=seq.num_output_tokens,
+        )
+
+    # --- convenience -------------------------------------------------------
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
+        """Run prompts to completion together (continuous batching); generated ids per prompt."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [f"gen-{i}-{self._rng.getrandbits(32):08x}" for i in range(len(prompts))]
+        result: dict[str, list[int]] = {i: [] for i in ids}
+        for rid, prompt, p in zip(ids, prompts, plist):
+            self.add_request(rid, prompt, p)
+        pending = set(ids)
+        while pending:
+            for out in self.step():
+                if out.request_id in result:
+                    result[out.request_id].extend(out.new_token_ids)
+                    if out.finished:
+                        pending.discard(out.request_id)
+        return [result[i] for i in ids]
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_manager.num_free_blocks
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.block_manager.num_used_blocks

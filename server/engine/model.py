@@ -1,0 +1,214 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2-style bias) over a paged KV cache.
+
+Tokens arrive flattened across sequences (``[num_tokens]``), as in vLLM, so one
+forward serves a mixed batch of prefills and decodes. Q/K/V and gate/up
+projections are fused at load time: fewer, larger GEMMs matter on CPU and in
+launch-bound GPU decode alike. The arithmetic follows Hugging Face's
+``LlamaForCausalLM`` operation for operation (RMSNorm in float32, RoPE by
+``rotate_half``) so greedy tokens match it exactly.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from server.engine.attention import AttentionBackend, AttentionMetadata
+from server.engine.model_config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    dim = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
+    rs = cfg.rope_scaling
+    if rs.rope_type == "linear":
+        inv_freq = inv_freq / rs.factor
+    elif rs.rope_type == "llama3":
+        old_ctx = rs.original_max_position_embeddings
+        low_wavelen = old_ctx / rs.low_freq_factor
+        high_wavelen = old_ctx / rs.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / rs.factor, inv_freq)
+        smooth = (old_ctx / wavelen - rs.low_freq_factor) / (rs.high_freq_factor - rs.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / rs.factor + smooth * scaled
+        is_medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        inv_freq = torch.where(is_medium, smoothed, scaled)
+    return inv_freq
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables indexed by absolute position; grown on demand."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        # Plain attributes, not buffers: the model is built on the meta device and
+        # these tables are (re)computed on the real one at first use.
+        self.inv_freq = rope_inv_freq(cfg)
+        self._cache_len = 0
+        self._cos = self._sin = None
+
+    def _build(self, length: int, device: torch.device) -> None:
+        pos = torch.arange(length, device=device, dtype=torch.int64).float()
+        freqs = torch.outer(pos, self.inv_freq.to(device))
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self._cos, self._sin = emb.cos(), emb.sin()
+        self._cache_len = length
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype, max_position: int):
+        if max_position >= self._cache_len or self._cos.device != positions.device:
+            self._build(max(2 * (max_position + 1), 4096), positions.device)
+        return self._cos[positions].to(dtype), self._sin[positions].to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [T, heads, D]; cos/sin: [T, D]
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim ** -0.5
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        # Llama's attention_bias covers o_proj too; Qwen2 biases q/k/v only.
+        o_bias = cfg.attention_bias and cfg.architecture != "Qwen2ForCausalLM"
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=o_bias)
+
+    def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata, backend: AttentionBackend):
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rope(q.view(t, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rope(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        o = backend.forward(q, k, v, kv_cache, meta, self.scale)
+        return self.o_proj(o.reshape(t, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = LlamaAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = LlamaMLP(cfg)
+
+    def forward(self, x, cos, sin, kv_cache, meta, backend):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta, backend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.config = cfg
+        self.backend = backend
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.rotary = RotaryEmbedding(cfg)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(self, input_ids, positions, kv_caches: list[torch.Tensor], meta: AttentionMetadata,
+                max_position: int) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary(positions, x.dtype, max_position)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x = layer(x, cos, sin, kv_cache, meta, self.backend)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    # --- weights -----------------------------------------------------------
+    @torch.no_grad()
+    def load_hf_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up.
+
+        Every parameter must be filled and every tensor consumed (a rotary
+        ``inv_freq`` buffer excepted): a silently half-loaded model is the worst
+        failure a loader can have.
+        """
+        sd = dict(state_dict)
+        used: set[str] = set()
+
+        def take(name: str) -> torch.Tensor:
+            if name not in sd:
+                raise ValueError(f"weights: missing tensor '{name}'")
+            used.add(name)
+            return sd[name]
+
+        def copy(param: torch.Tensor, src: torch.Tensor, name: str) -> None:
+            if tuple(param.shape) != tuple(src.shape):
+                raise ValueError(f"weights: '{name}' has shape {tuple(src.shape)}, expected {tuple(param.shape)}")
+            param.copy_(src)
+
+        cfg = self.config
+        copy(self.embed_tokens.weight, take("model.embed_tokens.weight"), "model.embed_tokens.weight")
+        copy(self.norm.weight, take("model.norm.weight"), "model.norm.weight")
+        if not cfg.tie_word_embeddings:
+            copy(self.lm_head.weight, take("lm_head.weight"), "lm_head.weight")
+        else:  # re-tie: moving modules between devices (to_empty) unties shared parameters
+            self.lm_head.weight = self.embed_tokens.weight
+            used.add("lm_head.weight")
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            att = layer.self_attn
+            qkv = torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
+            copy(att.qkv_proj.weight, qkv, p + "self_attn.qkv_proj.weight")
+            if att.qkv_proj.bias is not None:
+                copy(att.qkv_proj.bias, torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"]),
+                     p + "self_attn.qkv_proj.bias")
+            copy(att.o_proj.weight, take(p + "self_attn.o_proj.weight"), p + "self_attn.o_proj.weight")
+            if att.o_proj.bias is not None:
+                copy(att.o_proj.bias, take(p + "self_attn.o_proj.bias"), p + "self_attn.o_proj.bias")
+            mlp = layer.mlp
+            gate_up = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
+            copy(mlp.gate_up_proj.weight, gate_up, p + "mlp.gate_up_proj.weight")
+            copy(mlp.down_proj.weight, take(p + "mlp.down_proj.weight"), p + "mlp.down_proj.weight")
+            if mlp.gate_up_proj.bias is not None:
+                copy(mlp.gate_up_proj.bias, torch.cat([take(p + "mlp.gate_proj.bias"), take(p + "mlp.up_proj.bias")]),
+                     p + "mlp.gate_up_proj.bias")
+                copy(mlp.down_proj.bias, take(p + "mlp.down_proj.bias"), p + "mlp.down_proj.bias")
+            copy(layer.input_layernorm.weight, take(p + "input_layernorm.weight"), p + "input_layernorm.weight")
+            copy(layer.post_attention_layernorm.weight, take(p + "post_attention_layernorm.weight"),
+                 p + "post_attention_layernorm.weight")
+        extra = [n for n in sd if n not in used and not n.endswith("rotary_emb.inv_freq")]
+        if extra:
+            raise ValueError(f"weights: {len(extra)} unexpected tensor(s), e.g. '{extra[0]}'")

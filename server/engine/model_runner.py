@@ -1,0 +1,117 @@
+"""Turns a scheduled step into tensors, runs the model, returns the logits to sample from.
+
+Also owns the KV pool (one ``[2, num_blocks * block_size, kv_heads, head_dim]``
+tensor per layer) and the two copies that cross process boundaries in
+disaggregated serving: ``gather_kv`` (prefill side, blocks → contiguous) and
+``scatter_kv`` (decode side, contiguous → blocks).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from server.engine.attention import AttentionBackend, AttentionMetadata
+from server.engine.model import LlamaForCausalLM
+from server.engine.model_config import ModelConfig
+from server.engine.scheduler import ScheduledSeq
+
+
+def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    elem = torch.empty((), dtype=dtype).element_size()
+    return cfg.num_hidden_layers * 2 * block_size * cfg.num_key_value_heads * cfg.head_dim * elem
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        cfg = model.config
+        self.model = model
+        self.config = cfg
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.device = device
+        self.dtype = dtype
+        self.kv_caches = [
+            torch.zeros(2, num_blocks * block_size, cfg.num_key_value_heads, cfg.head_dim,
+                        dtype=dtype, device=device)
+            for _ in range(cfg.num_hidden_layers)
+        ]
+
+    def _slots(self, block_table: list[int], start: int, end: int) -> list[int]:
+        bs = self.block_size
+        return [block_table[p // bs] * bs + p % bs for p in range(start, end)]
+
+    @torch.inference_mode()
+    def execute(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
+        """Run one step; returns float32 logits, one row per entry with ``samples`` true."""
+        tokens: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        pf_qlens, pf_slens, pf_tables = [], [], []
+        dec_slens, dec_tables = [], []
+        sample_rows: list[int] = []
+        for s in scheduled:
+            seq, n = s.seq, s.num_new_tokens
+            start = seq.num_computed_tokens
+            end = start + n
+            ids = seq.all_token_ids
+            tokens.extend(ids[start:end])
+            positions.extend(range(start, end))
+            slots.extend(self._slots(seq.block_table, start, end))
+            if n == 1:
+                dec_slens.append(end)
+                dec_tables.append(seq.block_table)
+            else:
+                pf_qlens.append(n)
+                pf_slens.append(end)
+                pf_tables.append(torch.tensor(seq.block_table, dtype=torch.long, device=self.device))
+            if s.samples:
+                sample_rows.append(len(tokens) - 1)
+        dev = self.device
+        if dec_tables:
+            width = max(len(t) for t in dec_tables)
+            table = torch.zeros(len(dec_tables), width, dtype=torch.long)
+            for i, t in enumerate(dec_tables):
+                table[i, : len(t)] = torch.tensor(t, dtype=torch.long)
+            dec_table_t = table.to(dev)
+            dec_slens_t = torch.tensor(dec_slens, dtype=torch.long, device=dev)
+        else:
+            dec_table_t = dec_slens_t = None
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            block_size=self.block_size,
+            prefill_query_lens=pf_qlens,
+            prefill_seq_lens=pf_slens,
+            prefill_block_tables=pf_tables,
+            decode_seq_lens=dec_slens_t,
+            decode_block_tables=dec_table_t,
+            decode_max_seq_len=max(dec_slens, default=0),
+        )
+        hidden = self.model(
+            torch.tensor(tokens, dtype=torch.long, device=dev),
+            torch.tensor(positions, dtype=torch.long, device=dev),
+            self.kv_caches, meta, max(positions),
+        )
+        if not sample_rows:
+            return torch.empty(0, self.config.vocab_size)
+        rows = torch.tensor(sample_rows, dtype=torch.long, device=dev)
+        return self.model.compute_logits(hidden[rows])
+
+    # --- KV movement for disaggregation -----------------------------------
+    @torch.inference_mode()
+    def gather_kv(self, block_table: list[int], num_tokens: int) -> torch.Tensor:
+        """``[num_layers, 2, num_tokens, kv_heads, head_dim]`` contiguous copy on the cache's device."""
+        slots = torch.tensor(self._slots(block_table, 0, num_tokens), dtype=torch.long, device=self.device)
+        return torch.stack([c.index_select(1, slots) for c in self.kv_caches])
+
+    @torch.inference_mode()
+    def scatter_kv(self, block_table: list[int], kv: torch.Tensor) -> None:
+        num_tokens = kv.shape[2]
+        slots = torch.tensor(self._slots(block_table, 0, num_tokens), dtype=torch.long, device=self.device)
+        kv = kv.to(device=self.device, dtype=self.dtype)
+        for layer, cache in enumerate(self.kv_caches):
+            cache.index_copy_(1, slots, kv[layer])
+
+    def kv_shape(self, num_tokens: int) -> tuple[int, ...]:
+        c = self.config
+        return (c.num_hidden_layers, 2, num_tokens, c.num_key_value_heads, c.head_dim)
