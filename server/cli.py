@@ -154,12 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_make_tiny_model(sub)
     _add_generate(sub)
-    try:
-        from server.launcher import add_serve_parsers
-    except ImportError:
-        pass
-    else:
-        add_serve_parsers(sub)
+    from server.launcher import add_serve_parsers
+
+    add_serve_parsers(sub)
     return parser
 
 

@@ -26,6 +26,7 @@ from server.engine.loader import load_state_dict, resolve_model_path
 from server.engine.model import LlamaForCausalLM
 from server.engine.model_config import ModelConfig
 from server.engine.model_runner import ModelRunner, kv_bytes_per_block
+from server.engine.presets import init_random_weights, is_preset, preset_config
 from server.engine.sampler import Sampler
 from server.engine.sampling_params import SamplingParams
 from server.engine.scheduler import Scheduler, SchedulerConfig
@@ -51,6 +52,7 @@ class EngineConfig:
     decode_policy: str = "fcfs"
     attention_backend: str = "auto"
     torch_threads: int = 0  # 0 = leave torch's default
+    enforce_eager: bool = False  # CUDA only: no CUDA graphs for decode steps
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in _DTYPES:
@@ -82,15 +84,19 @@ class LLMEngine:
         self.config = config
         if config.torch_threads > 0:
             torch.set_num_threads(config.torch_threads)
-        self.model_path = resolve_model_path(config.model)
-        self.model_config = ModelConfig.from_folder(self.model_path)
+        preset = is_preset(config.model)  # "preset:NAME": random weights made on the device, no files
+        self.model_path = None if preset else resolve_model_path(config.model)
+        self.model_config = preset_config(config.model) if preset else ModelConfig.from_folder(self.model_path)
         self.device = torch.device(config.device)
         self.dtype = self._resolve_dtype()
         backend = get_attention_backend(config.attention_backend, self.device)
         with torch.device("meta"):
             model = LlamaForCausalLM(self.model_config, backend)
         model = model.to_empty(device=self.device).to(self.dtype)
-        model.load_hf_weights(load_state_dict(self.model_path, dtype=self.dtype, device=str(self.device)))
+        if preset:
+            init_random_weights(model)
+        else:
+            model.load_hf_weights(load_state_dict(self.model_path, dtype=self.dtype, device=str(self.device)))
         self.model = model.eval()
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         num_blocks = config.num_blocks or max(
@@ -113,6 +119,10 @@ class LLMEngine:
         self._seeds: dict[str, int] = {}
         self._rng = random.Random()
         self.eos_token_ids = set(self.model_config.eos_token_ids)
+        if self.device.type == "cuda":  # fused kernels + decode CUDA graphs
+            from server.engine.cuda_graph_runner import setup_cuda_engine
+
+            setup_cuda_engine(self)
 
     def _resolve_dtype(self) -> torch.dtype:
         if self.config.dtype != "auto":
@@ -122,14 +132,14 @@ class LLMEngine:
         return _DTYPES.get(self.model_config.torch_dtype, torch.bfloat16)
 
     # --- requests ----------------------------------------------------------
-    def _check_new(self, request_id: str, prompt_token_ids: list[int]) -> None:
+    def _check_new(self, request_id: str, prompt_token_ids: list[int], num_outputs: int = 0) -> None:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in this engine")
         if not prompt_token_ids:
             raise ValueError("prompt must contain at least one token")
-        if len(prompt_token_ids) >= self.max_model_len:
+        if len(prompt_token_ids) + num_outputs >= self.max_model_len:
             raise ValueError(
-                f"prompt has {len(prompt_token_ids)} tokens; max_seq_len is {self.max_model_len} "
+                f"prompt has {len(prompt_token_ids) + num_outputs} tokens; max_seq_len is {self.max_model_len} "
                 f"(prompt + at least one generated token must fit)"
             )
         vocab = self.model_config.vocab_size
@@ -138,37 +148,59 @@ class LLMEngine:
             raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    *, prefill_only: bool = False) -> None:
-        self._check_new(request_id, prompt_token_ids)
-        seq = Sequence(request_id, list(prompt_token_ids), params, prefill_only=prefill_only)
+                    *, prefill_only: bool = False, output_token_ids: list[int] | None = None) -> None:
+        """Queue a request. ``output_token_ids`` resumes a request that already produced
+        tokens elsewhere (migration, or a KV transfer that failed under policy ``recompute``):
+        they are prefilled with the prompt and generation continues after them."""
+        outputs = list(output_token_ids or [])
+        self._check_new(request_id, prompt_token_ids, len(outputs))
+        seq = Sequence(request_id, list(prompt_token_ids), params, prefill_only=prefill_only,
+                       output_token_ids=outputs)
         self._register(seq)
         self.scheduler.add(seq)
 
-    def can_admit_prefilled(self, num_tokens: int) -> bool:
-        return self.block_manager.can_allocate(num_tokens + 1) and (
-            self.scheduler.num_running < self.config.max_num_seqs
-        )
+    # --- decode side of a KV transfer: reserve blocks, then commit the pulled KV ---
+    def reserve_prefilled(self, request_id: str, prompt_token_ids: list[int], output_token_ids: list[int],
+                          params: SamplingParams) -> bool:
+        """Allocate blocks for a request whose KV will arrive from a prefill worker.
+
+        The KV covers every token but the newest (``len(prompt) + len(outputs) - 1``).
+        Returns False, changing nothing, when the pool cannot take it now: the caller
+        retries later (back-pressure). A reserved request is not scheduled until
+        ``commit_prefilled``; ``abort_request`` releases it like any other.
+        """
+        if not output_token_ids:
+            raise ValueError("a prefilled request needs its first generated token")
+        self._check_new(request_id, prompt_token_ids, len(output_token_ids))
+        seq = Sequence(request_id, list(prompt_token_ids), params, output_token_ids=list(output_token_ids))
+        if not self.block_manager.can_grow(seq, seq.num_tokens) or (
+            self.scheduler.num_running >= self.config.max_num_seqs
+        ):
+            return False
+        self.block_manager.grow(seq, seq.num_tokens)
+        self._register(seq)
+        return True
+
+    def commit_prefilled(self, request_id: str, kv: torch.Tensor) -> None:
+        seq = self.requests.get(request_id)
+        if seq is None or seq.status != SequenceStatus.WAITING or seq in self.scheduler.waiting:
+            raise KeyError(f"request {request_id!r} has no reservation")
+        expected = self.runner.kv_shape(seq.num_tokens - 1)
+        if tuple(kv.shape) != expected:
+            raise ValueError(f"KV for {request_id!r} has shape {tuple(kv.shape)}, expected {expected}")
+        self.runner.scatter_kv(seq.block_table, kv)
+        seq.num_computed_tokens = seq.num_tokens - 1
+        self.scheduler.add_running(seq)
 
     def add_prefilled_request(self, request_id: str, prompt_token_ids: list[int], output_token_ids: list[int],
                               kv: torch.Tensor, params: SamplingParams) -> bool:
-        """Admit a request whose first ``len(prompt)`` tokens' KV arrived from a prefill worker.
-
-        ``output_token_ids`` holds the tokens already generated (token #1). Returns
-        False, changing nothing, when the pool cannot take it now (back-pressure).
-        """
-        self._check_new(request_id, prompt_token_ids)
-        n = len(prompt_token_ids)
-        expected = self.runner.kv_shape(n)
+        """``reserve_prefilled`` + ``commit_prefilled`` in one call."""
+        expected = self.runner.kv_shape(len(prompt_token_ids) + len(output_token_ids) - 1)
         if tuple(kv.shape) != expected:
             raise ValueError(f"KV for {request_id!r} has shape {tuple(kv.shape)}, expected {expected}")
-        if not self.can_admit_prefilled(n):
+        if not self.reserve_prefilled(request_id, prompt_token_ids, output_token_ids, params):
             return False
-        seq = Sequence(request_id, list(prompt_token_ids), params, output_token_ids=list(output_token_ids))
-        self.block_manager.grow(seq, n + 1)
-        self.runner.scatter_kv(seq.block_table, kv)
-        seq.num_computed_tokens = n
-        self._register(seq)
-        self.scheduler.add_running(seq)
+        self.commit_prefilled(request_id, kv)
         return True
 
     def _register(self, seq: Sequence) -> None:
@@ -192,11 +224,12 @@ class LLMEngine:
         self._seeds.pop(seq.request_id, None)
 
     def take_prefilled_kv(self, request_id: str) -> tuple[Sequence, torch.Tensor]:
-        """KV of a FINISHED_PREFILLED sequence as one contiguous tensor; frees its blocks."""
+        """KV of a FINISHED_PREFILLED sequence (every token but the newest) as one
+        contiguous tensor; frees its blocks."""
         seq = self.requests.get(request_id)
         if seq is None or seq.status != SequenceStatus.FINISHED_PREFILLED:
             raise KeyError(f"request {request_id!r} is not a finished prefill")
-        kv = self.runner.gather_kv(seq.block_table, len(seq.prompt_token_ids))
+        kv = self.runner.gather_kv(seq.block_table, seq.num_tokens - 1)
         self._release(seq)
         return seq, kv
 

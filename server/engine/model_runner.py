@@ -36,6 +36,7 @@ class ModelRunner:
                         dtype=dtype, device=device)
             for _ in range(cfg.num_hidden_layers)
         ]
+        self.graph_runner = None  # CudaGraphRunner for all-decode steps on CUDA (cuda_graph_runner.py)
 
     def _slots(self, block_table: list[int], start: int, end: int) -> list[int]:
         bs = self.block_size
@@ -44,6 +45,10 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
         """Run one step; returns float32 logits, one row per entry with ``samples`` true."""
+        if self.graph_runner is not None:
+            logits = self.graph_runner.execute(scheduled)
+            if logits is not None:
+                return logits
         tokens: list[int] = []
         positions: list[int] = []
         slots: list[int] = []

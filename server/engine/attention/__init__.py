@@ -13,10 +13,25 @@ BACKEND_NAMES = ("auto", "sdpa", "flash_attn_v2", "triton")
 def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
     if name not in BACKEND_NAMES:
         raise ValueError(f"attention_backend must be one of {', '.join(BACKEND_NAMES)}; got {name!r}")
+    if name == "auto" and device.type == "cuda":  # GPU: the Triton paged-decode backend when Triton imports
+        from server.engine.attention.triton_decode import HAS_TRITON, TritonBackend
+
+        if HAS_TRITON:
+            return TritonBackend()
     if name in ("auto", "sdpa"):
         return SdpaBackend()
     if device.type != "cuda":
         raise ValueError(f"attention_backend {name!r} needs a CUDA device; use 'sdpa' or 'auto' on {device.type}")
+    if name == "triton":
+        from server.engine.attention.triton_decode import HAS_TRITON, TritonBackend
+
+        if HAS_TRITON:
+            return TritonBackend()
+    if name == "flash_attn_v2":
+        from server.engine.attention.flash_attn_backend import HAS_FLASH_ATTN, FlashAttnBackend
+
+        if HAS_FLASH_ATTN:
+            return FlashAttnBackend()
     raise ValueError(f"attention_backend {name!r} is not available in this build; use 'sdpa' or 'auto'")
 
 

@@ -1,0 +1,320 @@
+"""Triton paged-decode attention, and the ``triton`` backend built on it.
+
+The decode kernel reads the paged cache through the block table directly (no
+gather into a contiguous copy): one program per (sequence, kv head, split),
+each streaming its share of the context in ``BLOCK_N``-token tiles with an
+online softmax in float32. All query heads of a GQA group are served by the
+program of their kv head, so each K/V byte is read once per step.
+
+Split-K: when ``batch * kv_heads`` is too small to fill the GPU (batch 1, long
+contexts) the context is cut into ``num_splits`` partitions; every split writes
+an unnormalised partial (acc, max, sum) and a second small kernel combines them.
+The grid and the partition size depend only on host-side static numbers
+(batch, kv heads, an upper bound on the context), never on the device-side
+lengths, so a step can be captured in a CUDA graph: splits past a sequence's
+end exit at once.
+
+Prefills go through ``torch.nn.functional.scaled_dot_product_attention``
+(flash kernel on CUDA for bf16/fp16) on ``[1, H, T, D]`` views whose last
+dimension is contiguous; chunked prefills (earlier tokens already cached) use
+the SDPA backend's masked path.
+
+The module imports without Triton (CPU installs); ``HAS_TRITON`` says whether
+the kernels exist.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from server.engine.attention.base import AttentionBackend, AttentionMetadata, gather_kv
+
+try:  # pragma: no cover - depends on the install
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except Exception:  # ImportError, or a broken driver stack
+    triton = None
+    tl = None
+    HAS_TRITON = False
+
+# Launch parameters; the GPU bench may override them (see bench/gpu_engine.py).
+DECODE_CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2, "target_programs_per_sm": 2,
+                 "min_partition": 256}
+_LOG2E = 1.4426950408889634
+_SM_COUNT: dict[int, int] = {}
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+def plan_splits(batch: int, num_kv_heads: int, max_context: int, device: torch.device) -> tuple[int, int]:
+    """(num_splits, partition_size) for a launch; host-side, static numbers only."""
+    block_n = DECODE_CONFIG["BLOCK_N"]
+    max_context = max(1, max_context)
+    if max_context <= DECODE_CONFIG["min_partition"]:
+        return 1, -(-max_context // block_n) * block_n
+    programs = batch * num_kv_heads
+    want = -(-DECODE_CONFIG["target_programs_per_sm"] * _sm_count(device) // programs)
+    splits = max(1, min(want, -(-max_context // DECODE_CONFIG["min_partition"]), 64))
+    partition = -(-(-(-max_context // splits)) // block_n) * block_n
+    splits = -(-max_context // partition)
+    return splits, partition
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _paged_decode_kernel(
+        q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, part_o_ptr, part_ml_ptr,
+        scale_log2,
+        stride_qt, stride_qh,
+        stride_ct, stride_ch,
+        stride_bt,
+        stride_ot, stride_oh,
+        partition_size,
+        num_heads,
+        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+        USE_DOT: tl.constexpr,
+    ):
+        b = tl.program_id(0)
+        kvh = tl.program_id(1)
+        sp = tl.program_id(2)
+        seq_len = tl.load(lens_ptr + b).to(tl.int32)
+        start = sp * partition_size
+        end = tl.minimum(start + partition_size, seq_len)
+
+        offs_g = tl.arange(0, GROUP_PAD)
+        offs_d = tl.arange(0, HEAD_DIM)
+        mask_g = offs_g < GROUP
+        heads = kvh * GROUP + offs_g
+        q = tl.load(q_ptr + b * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+                    mask=mask_g[:, None], other=0.0)
+        if not USE_DOT:
+            q = q.to(tl.float32)
+
+        m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+        l_i = tl.zeros([GROUP_PAD], tl.float32)
+        acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+        bt_row = bt_ptr + b.to(tl.int64) * stride_bt
+        for n0 in range(start, end, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < end
+            blk = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=mask_n, other=0).to(tl.int64)
+            slot = blk * BLOCK_SIZE + (offs_n % BLOCK_SIZE)
+            kv_off = slot[:, None] * stride_ct + kvh * stride_ch + offs_d[None, :]
+            k = tl.load(k_ptr + kv_off, mask=mask_n[:, None], other=0.0)
+            if USE_DOT:
+                s = tl.dot(q, tl.trans(k))  # [GROUP_PAD, BLOCK_N] fp32
+            else:
+                s = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
+            s = tl.where(mask_n[None, :], s * scale_log2, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(v_ptr + kv_off, mask=mask_n[:, None], other=0.0)
+            if USE_DOT:
+                pv = tl.dot(p.to(v.dtype), v)
+            else:
+                pv = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
+
+        if NUM_SPLITS == 1:
+            o = acc / l_i[:, None]
+            tl.store(out_ptr + b * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+                     o.to(out_ptr.dtype.element_ty), mask=mask_g[:, None])
+        else:
+            # partials: o [B, H, S, D] fp32; ml [B, H, S, 2] fp32 (max in log2 units, sum)
+            row = (b * num_heads + heads).to(tl.int64) * NUM_SPLITS + sp
+            tl.store(part_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=mask_g[:, None])
+            tl.store(part_ml_ptr + row * 2, m_i, mask=mask_g)
+            tl.store(part_ml_ptr + row * 2 + 1, l_i, mask=mask_g)
+
+    @triton.jit
+    def _combine_splits_kernel(
+        part_o_ptr, part_ml_ptr, out_ptr, stride_ot, stride_oh, num_heads,
+        NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+    ):
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        offs_s = tl.arange(0, SPLITS_PAD)
+        offs_d = tl.arange(0, HEAD_DIM)
+        mask_s = offs_s < NUM_SPLITS
+        row = (b * num_heads + h).to(tl.int64) * NUM_SPLITS + offs_s
+        m = tl.load(part_ml_ptr + row * 2, mask=mask_s, other=float("-inf"))
+        l = tl.load(part_ml_ptr + row * 2 + 1, mask=mask_s, other=0.0)
+        m_max = tl.max(m, 0)
+        w = tl.where(mask_s & (m > float("-inf")), tl.exp2(m - m_max), 0.0)
+        denom = tl.sum(l * w, 0)
+        o = tl.load(part_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], mask=mask_s[:, None], other=0.0)
+        res = tl.sum(o * w[:, None], 0) / denom
+        tl.store(out_ptr + b * stride_ot + h * stride_oh + offs_d, res.to(out_ptr.dtype.element_ty))
+
+
+def paged_decode_attention(
+    q: torch.Tensor,  # [B, H, D], last dim contiguous
+    kv_cache: torch.Tensor,  # [2, slots, Hkv, D]
+    block_tables: torch.Tensor,  # [B, W] int32/int64
+    seq_lens: torch.Tensor,  # [B] int32/int64, each >= 1
+    block_size: int,
+    scale: float,
+    max_context: int,
+    out: torch.Tensor | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Decode attention over a paged cache. ``max_context`` is a static upper bound on ``seq_lens``.
+
+    No host synchronisation and a grid fixed by (B, Hkv, max_context): safe inside a CUDA graph.
+    """
+    if not HAS_TRITON:
+        raise RuntimeError("paged_decode_attention needs the triton package")
+    bsz, num_heads, head_dim = q.shape
+    num_kv_heads = kv_cache.shape[2]
+    group = num_heads // num_kv_heads
+    assert num_heads % num_kv_heads == 0 and head_dim == _next_pow2(head_dim), "head_dim must be a power of two"
+    assert q.stride(-1) == 1 and kv_cache.stride(-1) == 1
+    if out is None:
+        out = torch.empty(bsz, num_heads, head_dim, dtype=q.dtype, device=q.device)
+    if bsz == 0:
+        return out
+    cfg = DECODE_CONFIG
+    if num_splits is None:
+        splits, partition = plan_splits(bsz, num_kv_heads, max_context, q.device)
+    else:
+        splits = max(1, num_splits)
+        partition = -(-(-(-max(1, max_context) // splits)) // cfg["BLOCK_N"]) * cfg["BLOCK_N"]
+        splits = -(-max(1, max_context) // partition)
+    use_dot = group >= 8
+    group_pad = max(16, _next_pow2(group)) if use_dot else _next_pow2(group)
+    block_n = cfg["BLOCK_N"] if (group_pad == 1 or use_dot) else max(16, cfg["BLOCK_N"] // group_pad)
+    if splits > 1:
+        part_o = torch.empty(bsz * num_heads * splits * head_dim, dtype=torch.float32, device=q.device)
+        part_ml = torch.empty(bsz * num_heads * splits * 2, dtype=torch.float32, device=q.device)
+    else:
+        part_o = part_ml = out  # unused
+    k_view, v_view = kv_cache[0], kv_cache[1]
+    _paged_decode_kernel[(bsz, num_kv_heads, splits)](
+        q, k_view, v_view, block_tables, seq_lens, out, part_o, part_ml,
+        scale * _LOG2E,
+        q.stride(0), q.stride(1),
+        k_view.stride(0), k_view.stride(1),
+        block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        partition,
+        num_heads,
+        GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=splits, USE_DOT=use_dot,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    if splits > 1:
+        _combine_splits_kernel[(bsz, num_heads)](
+            part_o, part_ml, out, out.stride(0), out.stride(1), num_heads,
+            NUM_SPLITS=splits, SPLITS_PAD=_next_pow2(splits), HEAD_DIM=head_dim, num_warps=4,
+        )
+    return out
+
+
+def prefill_attention_sdpa(q, k, v, kv_cache, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> int:
+    """Prefill part of a step through SDPA; returns the number of prefill tokens written to ``out``."""
+    gqa = q.shape[1] != k.shape[1]
+    start = 0
+    for i, (qlen, slen) in enumerate(zip(meta.prefill_query_lens, meta.prefill_seq_lens)):
+        end = start + qlen
+        if qlen == slen:  # whole context new: causal flash attention on [1, H, T, D] views
+            qi = q[start:end].transpose(0, 1)[None]
+            ki = k[start:end].transpose(0, 1)[None]
+            vi = v[start:end].transpose(0, 1)[None]
+            if gqa and q.device.type == "cuda":
+                rep = q.shape[1] // k.shape[1]
+                ki = ki.repeat_interleave(rep, dim=1)
+                vi = vi.repeat_interleave(rep, dim=1)
+                o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale)
+            else:
+                o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=gqa)
+            out[start:end] = o[0].transpose(0, 1)
+        else:  # chunked prefill / recompute: earlier keys come from the cache
+            ki, vi = gather_kv(kv_cache, meta.prefill_block_tables[i], slen, meta.block_size)
+            qpos = torch.arange(slen - qlen, slen, device=q.device)[:, None]
+            mask = torch.arange(slen, device=q.device)[None, :] <= qpos
+            o = F.scaled_dot_product_attention(
+                q[start:end].transpose(0, 1), ki.transpose(0, 1), vi.transpose(0, 1),
+                attn_mask=mask, scale=scale, enable_gqa=gqa,
+            )
+            out[start:end] = o.transpose(0, 1)
+        start = end
+    return start
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _write_kv_kernel(k_ptr, v_ptr, cache_k_ptr, cache_v_ptr, slot_ptr,
+                         stride_kt, stride_kh, stride_vt, stride_vh, stride_ct, stride_ch,
+                         NUM_KV_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr):
+        t = tl.program_id(0)
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        offs_h = tl.arange(0, HEADS_PAD)
+        offs_d = tl.arange(0, HEAD_DIM)
+        m = (offs_h[:, None] < NUM_KV_HEADS) & (slot >= 0)
+        k = tl.load(k_ptr + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=m)
+        v = tl.load(v_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=m)
+        dst = slot * stride_ct + offs_h[:, None] * stride_ch + offs_d[None, :]
+        tl.store(cache_k_ptr + dst, k, mask=m)
+        tl.store(cache_v_ptr + dst, v, mask=m)
+
+
+def write_kv_triton(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store new K/V at their slots; a negative slot (CUDA-graph padding) is skipped."""
+    t, hkv, d = k.shape
+    if t == 0:
+        return
+    ck, cv = kv_cache[0], kv_cache[1]
+    _write_kv_kernel[(t,)](
+        k, v, ck, cv, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        ck.stride(0), ck.stride(1), NUM_KV_HEADS=hkv, HEADS_PAD=_next_pow2(hkv), HEAD_DIM=d, num_warps=4,
+    )
+
+
+class TritonBackend(AttentionBackend):
+    """Prefill: SDPA (flash on CUDA); decode: the Triton paged kernel. CUDA-graph capturable for decode."""
+
+    name = "triton"
+    supports_cuda_graph = True  # negative slots are skipped, fixed grid, no host sync in decode
+
+    def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float):
+        write_kv_triton(kv_cache, k, v, meta.slot_mapping)
+        return self.attend(q, k, v, kv_cache, meta, scale)
+
+    def attend(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float):
+        """Attention only: the new K/V are already in ``kv_cache``."""
+        out = torch.empty_like(q)
+        start = prefill_attention_sdpa(q, k, v, kv_cache, meta, scale, out) if meta.num_prefills else 0
+        if meta.num_decodes:
+            paged_decode_attention(
+                q[start:], kv_cache, meta.decode_block_tables, meta.decode_seq_lens, meta.block_size,
+                scale, meta.decode_max_seq_len, out=out[start:],
+            )
+        return out
+
+
+def triton_available() -> bool:
+    return HAS_TRITON
+
+
+__all__ = ["TritonBackend", "paged_decode_attention", "write_kv_triton", "plan_splits", "HAS_TRITON",
+           "DECODE_CONFIG", "prefill_attention_sdpa", "triton_available"]

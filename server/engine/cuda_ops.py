@@ -1,0 +1,214 @@
+"""Fused Triton kernels for the GPU forward, and the fused model forward that uses them.
+
+The plain-PyTorch model (``model.py``) issues ~40 kernels per layer: RMSNorm
+alone is eight elementwise passes in float32, RoPE another ten. On a GPU that
+costs twice: in prefill every pass streams the whole ``[T, hidden]`` activation
+through memory, and in decode (even inside a CUDA graph) every kernel boundary
+costs a few microseconds. ``enable_fused_ops`` swaps the model's forward for one
+that issues, per layer:
+
+    add+RMSNorm, qkv GEMM, RoPE+KV-cache write, attention, o GEMM,
+    add+RMSNorm, gate_up GEMM, SiLU*mul, down GEMM
+
+The kernels round their intermediates to the model dtype exactly where the
+PyTorch ops do (``x * cos`` and ``rotate_half(x) * sin`` rounded separately,
+``silu(gate)`` rounded before ``* up``, RMSNorm cast before the weight), so the
+fused forward computes the same function as ``LlamaForCausalLM.forward`` up to
+float32 reduction order.
+
+Only for backends with an ``attend`` method (attention without the KV write:
+the RoPE kernel already stored K/V). Importable without Triton.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+
+try:  # pragma: no cover - depends on the install
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except Exception:
+    triton = None
+    tl = None
+    HAS_TRITON = False
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, stride_x, stride_r, stride_o, n_cols, eps,
+                         HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, BLOCK)
+        mask = offs < n_cols
+        x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+        if HAS_RESIDUAL:  # residual += x (rounded like a torch add), then normalise the sum
+            r = tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0)
+            x = (x.to(tl.float32) + r.to(tl.float32)).to(r.dtype)
+            tl.store(res_ptr + row * stride_r + offs, x, mask=mask)
+        xf = x.to(tl.float32)
+        var = tl.sum(xf * xf, 0) / n_cols
+        y = (xf * tl.rsqrt(var + eps)).to(out_ptr.dtype.element_ty).to(tl.float32)
+        w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * stride_o + offs, (w * y).to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _rope_cache_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, slot_ptr, q_out_ptr, k_out_ptr,
+                           cache_k_ptr, cache_v_ptr,
+                           stride_qkv, stride_cos, stride_ct, stride_ch,
+                           NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                           HB: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        hh = tl.program_id(1) * HB + tl.arange(0, HB)  # head index over [q heads | k heads]
+        HALF: tl.constexpr = HEAD_DIM // 2
+        offs_d = tl.arange(0, HEAD_DIM)
+        valid = hh < NUM_HEADS + NUM_KV_HEADS
+        is_q = hh < NUM_HEADS
+        is_k = valid & (hh >= NUM_HEADS)
+        pos = tl.load(pos_ptr + t).to(tl.int64)
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        row = qkv_ptr + t * stride_qkv
+        m2 = valid[:, None]
+        x = tl.load(row + hh[:, None] * HEAD_DIM + offs_d[None, :], mask=m2, other=0.0)
+        rot_d = (offs_d + HALF) % HEAD_DIM
+        xr = tl.load(row + hh[:, None] * HEAD_DIM + rot_d[None, :], mask=m2, other=0.0).to(tl.float32)
+        xr = tl.where(offs_d[None, :] < HALF, -xr, xr)
+        dt = x.dtype
+        c = tl.load(cos_ptr + pos * stride_cos + offs_d).to(dt).to(tl.float32)
+        s = tl.load(sin_ptr + pos * stride_cos + offs_d).to(dt).to(tl.float32)
+        a = (x.to(tl.float32) * c[None, :]).to(dt).to(tl.float32)
+        b = (xr * s[None, :]).to(dt).to(tl.float32)
+        y = (a + b).to(dt)
+        tl.store(q_out_ptr + t * (NUM_HEADS * HEAD_DIM) + hh[:, None] * HEAD_DIM + offs_d[None, :], y,
+                 mask=is_q[:, None])
+        kh = hh - NUM_HEADS
+        km = is_k[:, None]
+        tl.store(k_out_ptr + t * (NUM_KV_HEADS * HEAD_DIM) + kh[:, None] * HEAD_DIM + offs_d[None, :], y, mask=km)
+        cm = km & (slot >= 0)
+        dst = slot * stride_ct + kh[:, None] * stride_ch + offs_d[None, :]
+        tl.store(cache_k_ptr + dst, y, mask=cm)
+        v = tl.load(row + (hh[:, None] + NUM_KV_HEADS) * HEAD_DIM + offs_d[None, :], mask=cm, other=0.0)
+        tl.store(cache_v_ptr + dst, v, mask=cm)
+
+    @triton.jit
+    def _silu_mul_kernel(gu_ptr, out_ptr, stride_gu, stride_o, n_cols, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n_cols
+        g = tl.load(gu_ptr + row * stride_gu + offs, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(gu_ptr + row * stride_gu + n_cols + offs, mask=mask, other=0.0).to(tl.float32)
+        dt = out_ptr.dtype.element_ty
+        sg = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+        tl.store(out_ptr + row * stride_o + offs, (sg * u).to(dt), mask=mask)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """RMSNorm of ``x`` (or of ``residual += x`` in place, when a residual is given)."""
+    t, n = x.shape
+    out = torch.empty_like(x)
+    if t == 0:
+        return out
+    block = _next_pow2(n)
+    res = residual if residual is not None else x
+    _rms_norm_kernel[(t,)](x, res, weight, out, x.stride(0), res.stride(0), out.stride(0), n, eps,
+                           HAS_RESIDUAL=residual is not None, BLOCK=block,
+                           num_warps=min(16, max(4, block // 512)))
+    return out
+
+
+def rope_and_cache(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   kv_cache: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int,
+                   head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE on q and k of a fused qkv projection; K/V stored at ``slot_mapping`` (negative: skipped).
+
+    Returns ``q [T, H, D]`` and ``k [T, Hkv, D]`` (rotated, contiguous).
+    """
+    t = qkv.shape[0]
+    q = torch.empty(t, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    k = torch.empty(t, num_kv_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    if t == 0:
+        return q, k
+    hb = 8
+    ck, cv = kv_cache[0], kv_cache[1]
+    _rope_cache_kernel[(t, -(-(num_heads + num_kv_heads) // hb))](
+        qkv, positions, cos, sin, slot_mapping, q, k, ck, cv,
+        qkv.stride(0), cos.stride(0), ck.stride(0), ck.stride(1),
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HB=hb, num_warps=4,
+    )
+    return q, k
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    t, n2 = gate_up.shape
+    n = n2 // 2
+    out = torch.empty(t, n, dtype=gate_up.dtype, device=gate_up.device)
+    if t == 0:
+        return out
+    block = 1024
+    _silu_mul_kernel[(t, -(-n // block))](gate_up, out, gate_up.stride(0), out.stride(0), n, BLOCK=block, num_warps=4)
+    return out
+
+
+def _fused_attention(attn, h, positions, cos, sin, kv_cache, meta, backend):
+    t = h.shape[0]
+    qkv = attn.qkv_proj(h)
+    q, k = rope_and_cache(qkv, positions, cos, sin, kv_cache, meta.slot_mapping,
+                          attn.num_heads, attn.num_kv_heads, attn.head_dim)
+    v = qkv[:, attn.q_size + attn.kv_size:].view(t, attn.num_kv_heads, attn.head_dim)
+    o = backend.attend(q, k, v, kv_cache, meta, attn.scale)
+    return attn.o_proj(o.reshape(t, attn.q_size))
+
+
+def fused_forward(model, input_ids, positions, kv_caches, meta, max_position: int) -> torch.Tensor:
+    """Drop-in for ``LlamaForCausalLM.forward`` (bound by ``enable_fused_ops``)."""
+    x = model.embed_tokens(input_ids)
+    rot = model.rotary
+    if max_position >= rot._cache_len or rot._cos.device != x.device:
+        rot._build(max(2 * (max_position + 1), 4096), x.device)
+    cos, sin = rot._cos, rot._sin  # float32 [L, D]; rounded to the model dtype in the kernel
+    backend = model.backend
+    residual = None
+    for layer, kv_cache in zip(model.layers, kv_caches):
+        ln1 = layer.input_layernorm
+        if residual is None:
+            residual = x
+            h = rms_norm(x, ln1.weight, ln1.eps)
+        else:
+            h = rms_norm(x, ln1.weight, ln1.eps, residual=residual)
+        h = _fused_attention(layer.self_attn, h, positions, cos, sin, kv_cache, meta, backend)
+        ln2 = layer.post_attention_layernorm
+        h = rms_norm(h, ln2.weight, ln2.eps, residual=residual)
+        mlp = layer.mlp
+        x = mlp.down_proj(silu_mul(mlp.gate_up_proj(h)))
+    if residual is None:  # no layers
+        return model.norm(x)
+    return rms_norm(x, model.norm.weight, model.norm.eps, residual=residual)
+
+
+def can_fuse(model) -> bool:
+    cfg = model.config
+    d = cfg.head_dim
+    return HAS_TRITON and hasattr(model.backend, "attend") and d == _next_pow2(d) and d % 2 == 0
+
+
+def enable_fused_ops(model) -> bool:
+    """Bind ``fused_forward`` as the model's forward; False (nothing changed) when not possible."""
+    if not can_fuse(model):
+        return False
+    model.forward = types.MethodType(fused_forward, model)
+    model.fused_ops = True
+    return True
+
+
+def disable_fused_ops(model) -> None:
+    if "forward" in model.__dict__:
+        del model.forward
+    model.fused_ops = False

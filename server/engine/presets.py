@@ -1,0 +1,99 @@
+"""Model-shape presets with random weights made directly on the target device.
+
+``EngineConfig(model="preset:llama-2-7b", device="cuda")`` builds a Llama-2-7B
+shaped engine without any file: no download, no 13 GB checkpoint, weights drawn
+on the GPU in a second. Used by the GPU benchmarks and tests, where only the
+shape (bytes moved, FLOPs) matters, never the text.
+
+Initialisation: every matrix N(0, 0.02) (the Llama/HF ``initializer_range``),
+RMSNorm weights 1, biases 0, drawn from a seeded generator on the device; with
+these the residual stream of the 32-layer model stays O(10) and every
+activation finite in bf16.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from server.engine.model_config import ModelConfig
+
+PRESET_PREFIX = "preset:"
+INIT_STD = 0.02
+
+PRESETS: dict[str, ModelConfig] = {
+    "llama-2-7b": ModelConfig(
+        architecture="LlamaForCausalLM", vocab_size=32000, hidden_size=4096, intermediate_size=11008,
+        num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32, head_dim=128,
+        max_position_embeddings=4096, rms_norm_eps=1e-5, rope_theta=10000.0,
+        bos_token_id=1, eos_token_ids=(2,), torch_dtype="bfloat16",
+    ),
+    # Llama-3-8B shape (GQA 4:1), for the kernel's grouped path.
+    "llama-3-8b": ModelConfig(
+        architecture="LlamaForCausalLM", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+        num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+        max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=500000.0,
+        bos_token_id=128000, eos_token_ids=(128001,), torch_dtype="bfloat16",
+    ),
+    # Small shapes for GPU tests (seconds to build, same code paths).
+    "tiny-gpu": ModelConfig(
+        architecture="LlamaForCausalLM", vocab_size=1024, hidden_size=512, intermediate_size=1376,
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, head_dim=128,
+        max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=10000.0,
+        bos_token_id=1, eos_token_ids=(2,), torch_dtype="bfloat16",
+    ),
+    "tiny-gpu-gqa": ModelConfig(
+        architecture="LlamaForCausalLM", vocab_size=1024, hidden_size=1024, intermediate_size=2816,
+        num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2, head_dim=128,
+        max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=10000.0,
+        bos_token_id=1, eos_token_ids=(2,), torch_dtype="bfloat16",
+    ),
+}
+
+
+def is_preset(model: str | None) -> bool:
+    return isinstance(model, str) and model.startswith(PRESET_PREFIX)
+
+
+def preset_config(model: str) -> ModelConfig:
+    name = model[len(PRESET_PREFIX):] if is_preset(model) else model
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; known: {', '.join(sorted(PRESETS))}")
+    return PRESETS[name]
+
+
+@torch.no_grad()
+def init_random_weights(model: torch.nn.Module, seed: int = 0, std: float = INIT_STD) -> None:
+    """Fill every parameter in place on its own device: norms 1, biases 0, matrices N(0, std)."""
+    params = list(model.named_parameters())
+    device = params[0][1].device if params else torch.device("cpu")
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    for name, p in params:
+        if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+            p.fill_(1.0)
+        elif name.endswith(".bias"):
+            p.zero_()
+        elif p.dtype in (torch.float16, torch.bfloat16):
+            # draw in float32 chunk by chunk (normal_ on bf16 is fine too, this keeps draws dtype-independent)
+            flat = p.view(-1)
+            step = 1 << 26
+            for i in range(0, flat.numel(), step):
+                chunk = flat[i:i + step]
+                chunk.copy_(torch.randn(chunk.shape, generator=gen, device=device, dtype=torch.float32) * std)
+        else:
+            p.normal_(0.0, std, generator=gen)
+    if getattr(model.config, "tie_word_embeddings", False):
+        model.lm_head.weight = model.embed_tokens.weight
+
+
+def build_random_model(name: str, backend, device: str | torch.device = "cpu",
+                       dtype: torch.dtype = torch.bfloat16, seed: int = 0):
+    """A ``LlamaForCausalLM`` of a preset's shape with random weights, built on ``device``."""
+    from server.engine.model import LlamaForCausalLM
+
+    cfg = preset_config(name)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg, backend)
+    model = model.to_empty(device=torch.device(device)).to(dtype)
+    init_random_weights(model, seed)
+    return model.eval()

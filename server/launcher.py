@@ -1,0 +1,364 @@
+"""``distserve serve | router | worker | demo``: process orchestration.
+
+``serve`` starts a router and its workers as child processes, waits until every
+worker is registered and healthy, prints where it listens, and on Ctrl-C /
+SIGTERM stops every child it started (by PID: SIGTERM, then SIGKILL after a
+grace period). Children watch their parent's PID and exit if it disappears, so
+a killed launcher leaves nothing behind.
+
+CPU placement (``--cpu-pinning auto``, the default): in disaggregated mode
+prefill workers get the first half of the CPUs this process may use and
+decode workers the second half, each with one torch thread per CPU it owns, so
+a long prefill cannot steal cycles from token generation — the DistServe
+thesis, applied to cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from server.config import ConfigError, DistServeConfig, load_config
+
+TOKEN_ENV = "DISTSERVE_ADMIN_TOKEN"
+
+
+def _usage_error(sentence: str) -> int:
+    print(f"distserve: error: {sentence}", file=sys.stderr)
+    return 2
+
+
+def _load(args) -> DistServeConfig:
+    overrides: dict = {}
+    if getattr(args, "model", None):
+        overrides["model"] = args.model
+    router: dict = {}
+    if getattr(args, "port", None) is not None:
+        router["port"] = args.port
+    if getattr(args, "host", None):
+        router["host"] = args.host
+    if router:
+        overrides["router"] = router
+    return load_config(args.config, overrides)
+
+
+def _token(cfg: DistServeConfig, generate: bool) -> str | None:
+    tok = os.environ.get(TOKEN_ENV) or cfg.router.admin_token
+    if not tok and generate:
+        tok = secrets.token_hex(16)
+    return tok
+
+
+# --- placement ---------------------------------------------------------------
+def plan_cpus(mode: str, num_prefill: int, num_decode: int, pinning: str) -> dict[str, list[int]]:
+    """CPU list per role ('' = unpinned)."""
+    if pinning == "none" or mode != "disaggregated" or not hasattr(os, "sched_getaffinity"):
+        return {}
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        return {}
+    half = max(1, len(cpus) // 2)
+    return {"prefill": cpus[:half], "decode": cpus[half:]}
+
+
+@dataclass
+class Launcher:
+    config: DistServeConfig
+    mode: str
+    num_prefill: int
+    num_decode: int
+    token: str
+    pinning: str = "auto"
+    device: str = "cpu"
+    served_model_name: str | None = None
+    log_dir: Path | None = None
+    procs: list[subprocess.Popen] = field(default_factory=list)
+    url: str | None = None
+
+    def __post_init__(self) -> None:
+        self._tmp = tempfile.TemporaryDirectory(prefix="distserve-")
+        self.config_path = Path(self._tmp.name) / "config.yaml"
+        self.config_path.write_text(yaml.safe_dump(self.config.to_dict()))
+
+    def _spawn(self, argv: list[str], name: str, cpus: list[int] | None = None,
+               threads: int | None = None) -> subprocess.Popen:
+        env = dict(os.environ)
+        env[TOKEN_ENV] = self.token
+        if threads:
+            env["OMP_NUM_THREADS"] = str(threads)
+        cmd = [sys.executable, "-m", "server.cli", *argv]
+        out = None
+        if self.log_dir is not None:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            out = open(self.log_dir / f"{name}.log", "ab")
+        p = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
+                             start_new_session=True)
+        if out is not None:
+            out.close()
+        self.procs.append(p)
+        return p
+
+    def start(self, timeout_s: float = 180.0) -> str:
+        ready = Path(self._tmp.name) / "router.json"
+        argv = ["router", "--config", str(self.config_path), "--ready-file", str(ready),
+                "--parent-pid", str(os.getpid())]
+        if self.served_model_name:
+            argv += ["--served-model-name", self.served_model_name]
+        router = self._spawn(argv, "router")
+        deadline = time.monotonic() + timeout_s
+        while not ready.exists():
+            if router.poll() is not None:
+                raise RuntimeError(f"router exited with status {router.returncode} before it was ready")
+            if time.monotonic() > deadline:
+                raise RuntimeError("router did not start in time")
+            time.sleep(0.05)
+        self.url = json.loads(ready.read_text())["url"]
+        placement = plan_cpus(self.mode, self.num_prefill, self.num_decode, self.pinning)
+        roles = (["prefill"] * self.num_prefill + ["decode"] * self.num_decode
+                 if self.mode == "disaggregated" else ["colocated"] * self.num_decode)
+        for i, role in enumerate(roles):
+            cpus = placement.get(role)
+            argv = ["worker", "--role", role, "--router", self.url, "--config", str(self.config_path),
+                    "--device", self.device, "--parent-pid", str(os.getpid()), "--worker-id", f"{role}-{i}"]
+            if cpus:
+                argv += ["--cpus", ",".join(map(str, cpus))]
+            self._spawn(argv, f"{role}-{i}", cpus, len(cpus) if cpus else None)
+        self.wait_healthy(len(roles), deadline)
+        return self.url
+
+    def workers(self) -> dict:
+        req = urllib.request.Request(f"{self.url}/v1/workers", headers={"Authorization": f"Bearer {self.token}"})
+        with urllib.request.urlopen(req, timeout=5) as r:
+            return json.loads(r.read())
+
+    def wait_healthy(self, expected: int, deadline: float) -> None:
+        while True:
+            for p in self.procs:
+                if p.poll() is not None:
+                    raise RuntimeError(f"process {p.pid} ({' '.join(p.args[3:5])}) exited with status "
+                                       f"{p.returncode} during start-up")
+            try:
+                ws = self.workers()["workers"]
+                if sum(w["healthy"] for w in ws) >= expected:
+                    return
+            except (urllib.error.URLError, OSError, ValueError):
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"workers not healthy in time ({expected} expected)")
+            time.sleep(0.1)
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM every child we started (workers first, router last), then SIGKILL stragglers."""
+        for p in reversed(self.procs):
+            if p.poll() is None:
+                try:
+                    p.send_signal(signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + grace_s
+        for p in self.procs:
+            try:
+                p.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        self.procs.clear()
+        self._tmp.cleanup()
+
+
+# --- commands --------------------------------------------------------------------
+def cmd_serve(args) -> int:
+    try:
+        cfg = _load(args)
+    except ConfigError as e:
+        return _usage_error(str(e))
+    if args.prefill < 1 or args.decode < 1:
+        return _usage_error("--prefill and --decode must be >= 1")
+    launcher = Launcher(cfg, args.mode, args.prefill, args.decode, _token(cfg, generate=True),
+                        pinning=args.cpu_pinning, device=args.device, served_model_name=args.served_model_name,
+                        log_dir=Path(args.log_dir) if args.log_dir else None)
+    stop = {"flag": False}
+
+    def on_signal(signum, frame):
+        stop["flag"] = True
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        url = launcher.start()
+        n = f"{args.prefill} prefill + {args.decode} decode" if args.mode == "disaggregated" else \
+            f"{args.decode} colocated"
+        print(f"distserve ready: {url} ({args.mode}, {n} workers)", flush=True)
+        if args.ready_file:
+            from server.router.main import write_ready_file
+            write_ready_file(args.ready_file, {"url": url, "pid": os.getpid(), "token": launcher.token})
+        while not stop["flag"]:
+            if launcher.procs[0].poll() is not None:
+                print("distserve: router exited; shutting down", file=sys.stderr)
+                return 1
+            time.sleep(0.2)
+        return 0
+    except RuntimeError as e:
+        print(f"distserve: error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        launcher.stop()
+
+
+def _watch_parent(parent_pid: int | None) -> None:
+    """Exit this process when the launcher that started it is gone (no orphans)."""
+    if not parent_pid:
+        return
+
+    async def watch():
+        while True:
+            try:
+                os.kill(parent_pid, 0)
+            except ProcessLookupError:
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+            await asyncio.sleep(1.0)
+
+    asyncio.get_running_loop().create_task(watch())
+
+
+def cmd_router(args) -> int:
+    from server.router.main import serve_router
+    try:
+        cfg = _load(args)
+    except ConfigError as e:
+        return _usage_error(str(e))
+    token = _token(cfg, generate=False)
+    if not token:
+        return _usage_error(f"the router needs an admin token: set {TOKEN_ENV} or router.admin_token")
+
+    async def main():
+        _watch_parent(args.parent_pid)
+        return await serve_router(cfg, token, model_path=cfg.model, served_model_name=args.served_model_name,
+                                  ready_file=args.ready_file)
+
+    return asyncio.run(main())
+
+
+def cmd_worker(args) -> int:
+    from server.workers.worker import WorkerOptions, serve_worker
+    try:
+        cfg = _load(args)
+    except ConfigError as e:
+        return _usage_error(str(e))
+    token = _token(cfg, generate=False)
+    if not token:
+        return _usage_error(f"a worker needs the router's admin token: set {TOKEN_ENV} or router.admin_token")
+    try:
+        cpus = tuple(int(c) for c in args.cpus.split(",")) if args.cpus else ()
+    except ValueError:
+        return _usage_error(f"--cpus must be a comma-separated list of CPU numbers, got {args.cpus!r}")
+    opts = WorkerOptions(role=args.role, router_url=args.router.rstrip("/"), config=cfg, token=token,
+                         host=args.host or "127.0.0.1", port=args.port or 0, device=args.device,
+                         worker_id=args.worker_id or "", cpus=cpus)
+
+    async def main():
+        _watch_parent(args.parent_pid)
+        return await serve_worker(opts)
+
+    return asyncio.run(main())
+
+
+def cmd_demo(args) -> int:
+    from server.demo import run_demo
+    if args.port is None:
+        args.port = 0  # the demo never needs a fixed port
+    try:
+        cfg = _load(args)
+    except ConfigError as e:
+        return _usage_error(str(e))
+    if args.requests < 1 or args.concurrency < 1 or args.max_tokens < 1:
+        return _usage_error("--requests, --concurrency and --max-tokens must be >= 1")
+    launcher = Launcher(cfg, args.mode, 1, 1, _token(cfg, generate=True))
+    try:
+        url = launcher.start()
+        print(f"distserve demo: server up at {url} ({args.mode}: router + "
+              f"{'1 prefill + 1 decode' if args.mode == 'disaggregated' else '1 colocated'} worker)", flush=True)
+        return run_demo(url, launcher, num_requests=args.requests, concurrency=args.concurrency,
+                        max_tokens=args.max_tokens)
+    except RuntimeError as e:
+        print(f"distserve: error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        launcher.stop()
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", default=None, help="YAML config (default: built-in defaults)")
+    p.add_argument("--model", default=None, help="Hugging Face model folder (default: the built-in tiny model)")
+
+
+def add_serve_parsers(sub) -> None:
+    p = sub.add_parser("serve", help="start router + workers and serve until Ctrl-C",
+                       description="Start the router and its workers locally. "
+                                   "Example: distserve serve --prefill 1 --decode 1 --port 8080")
+    _common(p)
+    p.add_argument("--prefill", type=int, default=1, help="prefill workers (disaggregated mode)")
+    p.add_argument("--decode", type=int, default=1, help="decode workers, or colocated workers in colocated mode")
+    p.add_argument("--mode", choices=["disaggregated", "colocated"], default="disaggregated")
+    p.add_argument("--port", type=int, default=None, help="router port (default: config router.port; 0 = any)")
+    p.add_argument("--host", default=None, help="router bind address (default 127.0.0.1)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--cpu-pinning", choices=["auto", "none"], default="auto")
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--ready-file", default=None, help="write {url, pid, token} here once healthy")
+    p.add_argument("--log-dir", default=None, help="write each child's log to DIR/<name>.log")
+    p.set_defaults(handler=cmd_serve)
+
+    p = sub.add_parser("router", help="run the HTTP router alone",
+                       description="Run the router. Workers register with it. "
+                                   "Example: DISTSERVE_ADMIN_TOKEN=s3cret distserve router --port 8080")
+    _common(p)
+    p.add_argument("--port", type=int, default=None)
+    p.add_argument("--host", default=None)
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--ready-file", default=None)
+    p.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
+    p.set_defaults(handler=cmd_router)
+
+    p = sub.add_parser("worker", help="run one prefill, decode or colocated worker",
+                       description="Run one worker and register it with a router. Example: "
+                                   "DISTSERVE_ADMIN_TOKEN=s3cret distserve worker --role decode "
+                                   "--router http://127.0.0.1:8080")
+    _common(p)
+    p.add_argument("--role", choices=["prefill", "decode", "colocated"], required=True)
+    p.add_argument("--router", required=True, help="router URL, e.g. http://127.0.0.1:8080")
+    p.add_argument("--host", default=None, help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=None, help="port (default: any free port)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--cpus", default=None, help="pin to these CPUs, e.g. 0,1")
+    p.add_argument("--worker-id", default=None)
+    p.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
+    p.set_defaults(handler=cmd_worker)
+
+    p = sub.add_parser("demo", help="serve the built-in model, push a short load through it, print a summary",
+                       description="The README's main job: start router + 1 prefill + 1 decode worker, send a "
+                                   "short streaming load through the OpenAI API, print latencies, stop. "
+                                   "Example: distserve demo --requests 32")
+    _common(p)
+    p.add_argument("--mode", choices=["disaggregated", "colocated"], default="disaggregated")
+    p.add_argument("--requests", type=int, default=32)
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--port", type=int, default=None)
+    p.add_argument("--host", default=None)
+    p.set_defaults(handler=cmd_demo)

@@ -1,0 +1,70 @@
+"""Prometheus metrics of the router and the workers, each in its own registry.
+
+Names and semantics follow vLLM's (``vllm:time_to_first_token_seconds`` etc.),
+with the ``distserve_`` prefix, so dashboards carry over. No module-level
+registry: every app instance owns one, which keeps tests and multiple apps in
+one process independent.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5,
+                   0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15,
+                0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.ttft = Histogram("distserve_time_to_first_token_seconds", "Time to first token (router view).",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("distserve_time_per_output_token_seconds", "Mean time per output token after "
+                              "the first, per request.", buckets=TPOT_BUCKETS, registry=r)
+        self.itl = Histogram("distserve_inter_token_latency_seconds", "Time between streamed token batches.",
+                             buckets=TPOT_BUCKETS, registry=r)
+        self.e2e = Histogram("distserve_e2e_request_latency_seconds", "End-to-end request latency.",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.kv_transfer_seconds = Histogram("distserve_kv_transfer_seconds", "KV pull time reported by decode "
+                                             "workers.", ["transport"], buckets=LATENCY_BUCKETS, registry=r)
+        self.requests = Counter("distserve_requests", "Finished requests by status.", ["status"], registry=r)
+        self.prompt_tokens = Counter("distserve_prompt_tokens", "Prompt tokens of finished requests.", registry=r)
+        self.generation_tokens = Counter("distserve_generation_tokens", "Generated tokens.", registry=r)
+        self.migrations = Counter("distserve_migrations", "Requests moved to another worker mid-stream.",
+                                  registry=r)
+        self.kv_transfer_bytes = Counter("distserve_kv_transfer_bytes", "KV bytes moved prefill → decode.",
+                                         ["transport"], registry=r)
+        self.running = Gauge("distserve_num_requests_running", "Requests in flight at the router.", registry=r)
+        self.workers = Gauge("distserve_workers", "Registered workers.", ["role", "health"], registry=r)
+
+
+class WorkerMetrics:
+    def __init__(self, role: str) -> None:
+        r = self.registry = CollectorRegistry()
+        self.role = role
+        self.queue_depth = Gauge("distserve_queue_depth", "Requests waiting in this worker.", registry=r)
+        self.running = Gauge("distserve_num_requests_running", "Requests running in this worker.", registry=r)
+        self.kv_blocks_used = Gauge("distserve_kv_blocks_used", "KV blocks in use.", registry=r)
+        self.kv_blocks_free = Gauge("distserve_kv_blocks_free", "KV blocks free.", registry=r)
+        self.staged_kv = Gauge("distserve_kv_staged_requests", "KV payloads staged for pull.", registry=r)
+        self.steps = Gauge("distserve_engine_steps", "Engine steps so far.", registry=r)
+        self.preemptions = Gauge("distserve_num_preemptions", "Preemptions by recompute so far.", registry=r)
+        self.prefill_seconds = Histogram("distserve_prefill_seconds", "Prefill request time in this worker.",
+                                         buckets=LATENCY_BUCKETS, registry=r)
+        self.kv_transfer_seconds = Histogram("distserve_kv_transfer_seconds", "KV pull time.", ["transport"],
+                                             buckets=LATENCY_BUCKETS, registry=r)
+        self.kv_transfer_bytes = Counter("distserve_kv_transfer_bytes", "KV bytes pulled.", ["transport"],
+                                         registry=r)
+        self.kv_transfer_failures = Counter("distserve_kv_transfer_failures", "Failed KV pulls.", ["transport"],
+                                            registry=r)
+
+    def refresh(self, status, loop_stats) -> None:
+        self.queue_depth.set(status.num_waiting + status.num_reserving)
+        self.running.set(status.num_running)
+        self.kv_blocks_used.set(status.kv_blocks_used)
+        self.kv_blocks_free.set(status.kv_blocks_free)
+        self.staged_kv.set(status.num_staged_kv)
+        self.steps.set(loop_stats.num_steps)
+        self.preemptions.set(loop_stats.num_preemptions)

@@ -1,0 +1,438 @@
+"""The router's HTTP layer: OpenAI API, the seed's /generate, worker registry, metrics.
+
+Routes only translate: HTTP ⇄ ``EngineRequest`` and token events ⇄ OpenAI
+JSON/SSE. Where a request goes is ``pipeline.py``; who is alive is
+``registry.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import secrets
+import time
+import uuid
+from contextlib import aclosing, asynccontextmanager
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+import aiohttp
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from server.config import DistServeConfig
+from server.engine.tokenizer import Tokenizer
+from server.metrics import RouterMetrics
+from server.router import protocol
+from server.router.pipeline import EngineRequest, NoWorkersError, Pipeline, PipelineOptions, TokenEvent
+from server.router.protocol import InvalidRequest
+from server.router.registry import RegistrationRefused, WorkerRegistry
+from server.router.text import TextAssembler
+from server.workers.protocol import HeartbeatRequest, InternalSampling, RegisterRequest
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RouterState:
+    config: DistServeConfig
+    token: str
+    registry: WorkerRegistry
+    metrics: RouterMetrics = field(default_factory=RouterMetrics)
+    served_model_name: str | None = None
+    model_path: str | None = None
+    tokenizer: Tokenizer | None = None
+    pipeline: Pipeline | None = None
+
+    def get_tokenizer(self) -> Tokenizer:
+        if self.tokenizer is None:
+            path = self.model_path or self.registry.model_path()
+            if path is None:
+                raise NoWorkersError("no worker has registered a model yet")
+            self.tokenizer = Tokenizer.from_folder(path)
+            self.model_path = path
+        return self.tokenizer
+
+    def model_name(self) -> str:
+        if self.served_model_name:
+            return self.served_model_name
+        path = self.model_path or self.registry.model_path()
+        return path or "distserve"
+
+    def max_seq_len(self) -> int:
+        lens = [self.config.prefill.max_seq_len]
+        worker_len = self.registry.max_model_len()
+        if worker_len:
+            lens.append(worker_len)
+        return min(lens)
+
+
+def _error(status: int, message: str, param: str | None = None, headers: dict | None = None) -> JSONResponse:
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    if status == 503:
+        kind = "service_unavailable"
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}},
+                        status_code=status, headers=headers)
+
+
+def _unavailable(message: str) -> JSONResponse:
+    return _error(503, message, headers={"Retry-After": "1"})
+
+
+def create_router_app(state: RouterState) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
+        async with aiohttp.ClientSession(connector=connector) as http:
+            state.pipeline = Pipeline(state.registry, http, state.metrics, PipelineOptions(
+                token=state.token, request_timeout_s=state.config.router.request_timeout_s))
+            yield
+
+    app = FastAPI(title="distserve router", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.router = state
+
+    def authorized(request: Request) -> bool:
+        got = request.headers.get("authorization", "")
+        return hmac.compare_digest(got.encode(), f"Bearer {state.token}".encode())
+
+    async def json_body(request: Request):
+        try:
+            return await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise InvalidRequest("request body is not valid JSON") from None
+
+    # --- control plane -----------------------------------------------------
+    @app.post("/register")
+    async def register(request: Request):
+        if not authorized(request):
+            return _error(401, "missing or wrong bearer token")
+        try:
+            req = RegisterRequest.model_validate(await json_body(request))
+            info = state.registry.register(req)
+        except InvalidRequest as e:
+            return _error(400, str(e))
+        except RegistrationRefused as e:
+            log.error("%s", e)
+            return _error(409, str(e))
+        except ValueError as e:
+            return _error(422, f"invalid registration: {e}")
+        log.info("worker %s (%s, pid %d) registered at %s", info.worker_id, info.role, info.pid, info.url)
+        return {"registered": info.worker_id}
+
+    @app.post("/heartbeat")
+    async def heartbeat(request: Request):
+        if not authorized(request):
+            return _error(401, "missing or wrong bearer token")
+        try:
+            hb = HeartbeatRequest.model_validate(await json_body(request))
+        except (InvalidRequest, ValueError) as e:
+            return _error(400, f"invalid heartbeat: {e}")
+        if not state.registry.heartbeat(hb.worker_id, hb.status):
+            return _error(404, f"unknown worker {hb.worker_id}; register first")
+        return {"ok": True}
+
+    @app.post("/deregister")
+    async def deregister(request: Request):
+        if not authorized(request):
+            return _error(401, "missing or wrong bearer token")
+        body = await json_body(request)
+        wid = body.get("worker_id") if isinstance(body, dict) else None
+        if not isinstance(wid, str):
+            return _error(400, "worker_id: required string")
+        return {"deregistered": state.registry.deregister(wid)}
+
+    @app.get("/v1/workers")
+    async def workers(request: Request):
+        if not authorized(request):
+            return _error(401, "missing or wrong bearer token")
+        state.registry.sweep()
+        now = time.monotonic()
+        return {"mode": state.registry.mode(),
+                "workers": [w.to_dict(now) for w in state.registry.workers.values()]}
+
+    @app.get("/health")
+    async def health():
+        mode = state.registry.mode()
+        if mode is None:
+            return _unavailable("no healthy workers")
+        return {"status": "ok", "mode": mode}
+
+    @app.get("/metrics")
+    async def metrics():
+        reg = state.registry
+        reg.sweep()
+        for role in ("prefill", "decode", "colocated"):
+            ws = [w for w in reg.workers.values() if w.role == role]
+            state.metrics.workers.labels(role, "healthy").set(sum(w.healthy for w in ws))
+            state.metrics.workers.labels(role, "unhealthy").set(sum(not w.healthy for w in ws))
+        return PlainTextResponse(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{
+            "id": state.model_name(), "object": "model", "created": 0, "owned_by": "distserve",
+            "max_model_len": state.max_seq_len()}]}
+
+    # --- data plane --------------------------------------------------------
+    @app.exception_handler(InvalidRequest)
+    async def invalid(request: Request, exc: InvalidRequest):
+        return _error(400, str(exc), exc.param)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        req = protocol.parse(protocol.CompletionRequest, await json_body(request))
+        return await _serve(request, req, _prompt_ids(state, req.prompt), "completion")
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        req = protocol.parse(protocol.ChatCompletionRequest, await json_body(request))
+        if req.max_completion_tokens is not None and req.max_tokens is None:
+            req.max_tokens = req.max_completion_tokens
+        text = protocol.render_chat(req.messages)
+        return await _serve(request, req, _tokenize(state, text), "chat")
+
+    @app.post("/generate")
+    async def generate(request: Request):
+        req = protocol.parse(protocol.GenerateRequest, await json_body(request))
+        if (req.prompt is None) == (req.prompt_token_ids is None):
+            raise InvalidRequest("prompt: give exactly one of prompt or prompt_token_ids", "prompt")
+        ids = _tokenize(state, req.prompt) if req.prompt is not None else _check_ids(state, req.prompt_token_ids)
+        return await _serve(request, req, ids, "generate")
+
+    async def _serve(request: Request, req, prompt_ids: list[int], kind: str):
+        max_len = state.max_seq_len()
+        if len(prompt_ids) >= max_len:
+            raise InvalidRequest(f"prompt: {len(prompt_ids)} tokens is longer than max_seq_len allows "
+                                 f"({max_len} tokens, including at least one generated token)", "prompt")
+        max_tokens = req.max_tokens
+        if max_tokens is None:
+            max_tokens = 16 if kind == "completion" else max_len - len(prompt_ids)
+        if len(prompt_ids) + max_tokens > max_len:
+            raise InvalidRequest(f"max_tokens: prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) "
+                                 f"exceeds max_seq_len ({max_len})", "max_tokens")
+        sampling = InternalSampling(
+            max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=max(req.top_k, 0),
+            seed=req.seed if req.seed is not None else secrets.randbits(62),
+            stop_token_ids=req.stop_token_ids or [], ignore_eos=req.ignore_eos)
+        try:
+            state.pipeline.check_available()
+            tokenizer = state.get_tokenizer()
+        except NoWorkersError as e:
+            state.metrics.requests.labels("unavailable").inc()
+            return _unavailable(f"{e}; retry later")
+        ereq = EngineRequest(f"{kind[:4]}-{uuid.uuid4().hex}", prompt_ids, sampling)
+        run = _Run(state, ereq, TextAssembler(tokenizer, req.stop_strings()))
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            fmt = {"completion": _sse_completion, "chat": _sse_chat, "generate": _ndjson_generate}[kind]
+            media = "application/x-ndjson" if kind == "generate" else "text/event-stream"
+            return StreamingResponse(fmt(run, state.model_name(), include_usage), media_type=media)
+        try:
+            await _until_done_or_disconnect(request, run.collect())
+        except _ClientGone:
+            return JSONResponse({}, status_code=499)
+        if run.error:
+            return _error(500, run.error)
+        return JSONResponse(_final_body(kind, run, state.model_name()))
+
+    return app
+
+
+# --- helpers ---------------------------------------------------------------
+def _tokenize(state: RouterState, text: str) -> list[int]:
+    try:
+        tok = state.get_tokenizer()
+    except NoWorkersError:
+        raise InvalidRequest("prompt: text prompts need a registered model; try again shortly") from None
+    return tok.encode(text)
+
+
+def _check_ids(state: RouterState, ids: list[int]) -> list[int]:
+    if not ids:
+        raise InvalidRequest("prompt: must not be empty", "prompt")
+    vocab = None
+    for w in state.registry.workers.values():
+        vocab = w.fingerprint.get("vocab_size")
+        break
+    if vocab is not None and any(not 0 <= t < vocab for t in ids):
+        raise InvalidRequest(f"prompt: token ids must be in [0, {vocab})", "prompt")
+    return ids
+
+
+def _prompt_ids(state: RouterState, prompt) -> list[int]:
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (list, str)):
+        if len(prompt) != 1:
+            raise InvalidRequest("prompt: batched prompts are not supported; send one request per prompt", "prompt")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if not prompt:
+            raise InvalidRequest("prompt: must not be empty", "prompt")
+        return _tokenize(state, prompt)
+    return _check_ids(state, list(prompt))
+
+
+class _ClientGone(Exception):
+    pass
+
+
+async def _until_done_or_disconnect(request: Request, coro) -> None:
+    """Await ``coro`` unless the client disconnects first; then cancel it (frees worker KV)."""
+    task = asyncio.ensure_future(coro)
+
+    async def watch() -> None:
+        while True:
+            if (await request.receive())["type"] == "http.disconnect":
+                return
+
+    watcher = asyncio.ensure_future(watch())
+    done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    if task in done:
+        watcher.cancel()
+        task.result()
+        return
+    task.cancel()
+    raise _ClientGone()
+
+
+class _Run:
+    """One request's progress: tokens, text, timings; records metrics when it ends."""
+
+    def __init__(self, state: RouterState, req: EngineRequest, text: TextAssembler) -> None:
+        self.state, self.req, self.assembler = state, req, text
+        self.token_ids: list[int] = []
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+        self.first_token_at: float | None = None
+        self.last_event_at: float | None = None
+
+    async def events(self) -> AsyncIterator[tuple[TokenEvent, str]]:
+        m = self.state.metrics
+        m.running.inc()
+        status = "aborted"
+        try:
+            async with aclosing(self.state.pipeline.generate(self.req)) as stream:
+                async for ev in stream:
+                    now = time.perf_counter()
+                    if ev.token_ids:
+                        if self.first_token_at is None:
+                            self.first_token_at = now
+                            m.ttft.observe(now - self.req.arrival)
+                        elif self.last_event_at is not None:
+                            m.itl.observe(now - self.last_event_at)
+                        self.last_event_at = now
+                    self.token_ids.extend(ev.token_ids)
+                    if ev.error:
+                        self.error, status = ev.error, "error"
+                        self.finish_reason = "error"
+                        yield ev, ""
+                        return
+                    delta = self.assembler.push(ev.token_ids, final=ev.finished)
+                    if self.assembler.stopped:
+                        self.finish_reason = "stop"
+                        status = "ok"
+                        yield TokenEvent(ev.token_ids, True, "stop"), delta
+                        return  # closing the pipeline closes the worker stream: it aborts and frees KV
+                    if ev.finished:
+                        if ev.finish_reason not in ("stop", "length"):  # engine abort: did not fit the KV pool
+                            self.error = f"request ended early ({ev.finish_reason}): it does not fit this server's KV cache"
+                            self.finish_reason, status = "error", "error"
+                            yield TokenEvent(ev.token_ids, True, "error", self.error), ""
+                            return
+                        self.finish_reason = ev.finish_reason
+                        status = "ok"
+                    yield ev, delta
+                    if ev.finished:
+                        return
+        except NoWorkersError as e:
+            self.error, status, self.finish_reason = f"{e}", "unavailable", "error"
+            yield TokenEvent([], True, "error", self.error), ""
+        finally:
+            m.running.dec()
+            m.requests.labels(status).inc()
+            if status == "ok":
+                e2e = time.perf_counter() - self.req.arrival
+                m.e2e.observe(e2e)
+                m.prompt_tokens.inc(len(self.req.prompt_token_ids))
+                m.generation_tokens.inc(len(self.token_ids))
+                if self.first_token_at is not None and len(self.token_ids) > 1:
+                    m.tpot.observe((time.perf_counter() - self.first_token_at) / (len(self.token_ids) - 1))
+
+    async def collect(self) -> None:
+        async for _ in self.events():
+            pass
+
+    def usage(self) -> dict:
+        p, c = len(self.req.prompt_token_ids), len(self.token_ids)
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+def _final_body(kind: str, run: _Run, model: str) -> dict:
+    created = int(time.time())
+    if kind == "generate":
+        return {"id": run.req.request_id, "text": run.assembler.text, "token_ids": run.token_ids,
+                "finish_reason": run.finish_reason, "usage": run.usage()}
+    if kind == "chat":
+        return {"id": f"chatcmpl-{run.req.request_id}", "object": "chat.completion", "created": created,
+                "model": model, "choices": [{"index": 0, "message": {"role": "assistant",
+                                                                     "content": run.assembler.text},
+                                             "finish_reason": run.finish_reason, "logprobs": None}],
+                "usage": run.usage()}
+    return {"id": f"cmpl-{run.req.request_id}", "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": 0, "text": run.assembler.text, "finish_reason": run.finish_reason,
+                         "logprobs": None}],
+            "usage": run.usage()}
+
+
+def _sse(obj: dict) -> bytes:
+    return f"data: {json.dumps(obj, separators=(',', ':'), ensure_ascii=False)}\n\n".encode()
+
+
+def _sse_error(message: str) -> bytes:
+    return _sse({"error": {"message": message, "type": "server_error", "code": 500}})
+
+
+async def _sse_completion(run: _Run, model: str, include_usage: bool):
+    rid, created = f"cmpl-{run.req.request_id}", int(time.time())
+    async for ev, delta in run.events():
+        if ev.error:
+            yield _sse_error(ev.error)
+            break
+        reason = run.finish_reason if ev.finished else None
+        yield _sse({"id": rid, "object": "text_completion", "created": created, "model": model,
+                    "choices": [{"index": 0, "text": delta, "logprobs": None, "finish_reason": reason}]})
+    if include_usage and not run.error:
+        yield _sse({"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [],
+                    "usage": run.usage()})
+    yield b"data: [DONE]\n\n"
+
+
+async def _sse_chat(run: _Run, model: str, include_usage: bool):
+    rid, created = f"chatcmpl-{run.req.request_id}", int(time.time())
+    first = True
+    async for ev, delta in run.events():
+        if ev.error:
+            yield _sse_error(ev.error)
+            break
+        d = {"role": "assistant", "content": delta} if first else {"content": delta}
+        first = False
+        reason = run.finish_reason if ev.finished else None
+        yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+                    "choices": [{"index": 0, "delta": d, "logprobs": None, "finish_reason": reason}]})
+    if include_usage and not run.error:
+        yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+                    "choices": [], "usage": run.usage()})
+    yield b"data: [DONE]\n\n"
+
+
+async def _ndjson_generate(run: _Run, model: str, include_usage: bool):
+    async for ev, delta in run.events():
+        line = {"text": delta, "token_ids": ev.token_ids, "finished": ev.finished}
+        if ev.finished:
+            line["finish_reason"] = run.finish_reason
+            line["usage"] = run.usage()
+        if ev.error:
+            line["error"] = ev.error
+        yield (json.dumps(line, ensure_ascii=False) + "\n").encode()

@@ -1,0 +1,57 @@
+"""``distserve router``: run the HTTP gateway."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import socket
+from pathlib import Path
+
+import uvicorn
+
+from server.config import DistServeConfig
+from server.router.app import RouterState, create_router_app
+from server.router.registry import WorkerRegistry
+
+log = logging.getLogger(__name__)
+
+
+def write_ready_file(path: str | None, payload: dict) -> None:
+    """Atomically publish ``payload`` (tmp file + rename): a reader never sees half a file."""
+    if not path:
+        return
+    tmp = Path(f"{path}.tmp.{os.getpid()}")
+    tmp.write_text(json.dumps(payload))
+    os.replace(tmp, path)
+
+
+async def serve_router(config: DistServeConfig, token: str, *, model_path: str | None = None,
+                       served_model_name: str | None = None, ready_file: str | None = None) -> int:
+    rc = config.router
+    registry = WorkerRegistry(heartbeat_timeout_s=rc.heartbeat_timeout_ms / 1000.0)
+    state = RouterState(config=config, token=token, registry=registry, served_model_name=served_model_name,
+                        model_path=model_path)
+    app = create_router_app(state)
+    sock = socket.create_server((rc.host, rc.port), backlog=2048, reuse_port=False)
+    host, port = sock.getsockname()[:2]
+    url = f"http://{host}:{port}"
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False,
+                                           timeout_graceful_shutdown=5, timeout_keep_alive=30))
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))
+    server.install_signal_handlers = lambda: None
+
+    async def announce() -> None:
+        while not server.started:
+            await asyncio.sleep(0.01)
+        write_ready_file(ready_file, {"url": url, "pid": os.getpid()})
+        log.info("router listening on %s (pid %d)", url, os.getpid())
+
+    task = asyncio.create_task(announce())
+    await server.serve(sockets=[sock])
+    task.cancel()
+    return 0

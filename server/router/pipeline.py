@@ -1,0 +1,207 @@
+"""One request's journey through the workers, as a stream of token events.
+
+Disaggregated: prefill worker (token #1 + KV handle) → token #1 is yielded at
+once → decode worker pulls the KV and streams the rest. Colocated: one worker
+does both. If a worker fails mid-request (connection refused or reset, or a
+stream that ends without a finish), the request is *migrated*: prompt + the
+tokens generated so far are prefilled again on a live worker and the stream
+continues. Sampling is a pure function of (seed, token index), so the client
+sees the same tokens it would have seen without the failure: no gap, no
+duplicate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+import aiohttp
+
+from server.metrics import RouterMetrics
+from server.router.registry import WorkerInfo, WorkerRegistry
+from server.workers.protocol import InternalSampling
+
+log = logging.getLogger(__name__)
+
+
+class NoWorkersError(Exception):
+    """No healthy worker can take the request (HTTP 503 before streaming starts)."""
+
+
+class WorkerFailed(Exception):
+    def __init__(self, worker: WorkerInfo, reason: str) -> None:
+        super().__init__(f"{worker.role} worker {worker.worker_id}: {reason}")
+        self.worker = worker
+
+
+@dataclass
+class EngineRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: InternalSampling  # seed always set by the router, so migrations reproduce tokens
+    arrival: float = field(default_factory=time.perf_counter)
+
+
+@dataclass
+class TokenEvent:
+    token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+@dataclass
+class PipelineOptions:
+    token: str
+    request_timeout_s: float
+    worker_wait_s: float = 10.0  # how long a started stream waits for a live worker after a failure
+    max_migrations: int = 3
+
+
+class Pipeline:
+    def __init__(self, registry: WorkerRegistry, http: aiohttp.ClientSession, metrics: RouterMetrics,
+                 options: PipelineOptions) -> None:
+        self.registry = registry
+        self.http = http
+        self.metrics = metrics
+        self.options = options
+        self.headers = {"Authorization": f"Bearer {options.token}"}
+
+    def check_available(self) -> str:
+        mode = self.registry.mode()
+        if mode is None:
+            raise NoWorkersError("no healthy workers are registered")
+        return mode
+
+    async def _wait_for_mode(self) -> str | None:
+        deadline = time.monotonic() + self.options.worker_wait_s
+        while True:
+            mode = self.registry.mode()
+            if mode is not None or time.monotonic() > deadline:
+                return mode
+            await asyncio.sleep(0.05)
+
+    async def generate(self, req: EngineRequest) -> AsyncIterator[TokenEvent]:
+        outputs: list[int] = []
+        failures = 0
+        while True:
+            mode = await self._wait_for_mode() if failures else self.check_available()
+            if mode is None:
+                yield TokenEvent([], True, "error", "no healthy workers left to continue the request")
+                return
+            try:
+                if mode == "disaggregated":
+                    stream = self._disaggregated(req, outputs)
+                else:
+                    stream = self._colocated(req, outputs)
+                async with aclosing(stream):
+                    async for event in stream:
+                        outputs.extend(event.token_ids)
+                        yield event
+                        if event.finished:
+                            return
+                raise RuntimeError("worker stream ended without a finish")  # defensive; streams raise
+            except NoWorkersError as e:
+                if not outputs and not failures:
+                    raise  # nothing streamed yet: the caller answers 503
+                failures += 1
+                if failures > self.options.max_migrations:
+                    yield TokenEvent([], True, "error", f"giving up: {e}")
+                    return
+            except WorkerFailed as e:
+                failures += 1
+                self.registry.mark_suspect(e.worker.worker_id)
+                if outputs:
+                    self.metrics.migrations.inc()
+                log.warning("request %s: %s; %s (attempt %d)", req.request_id, e,
+                            "migrating" if outputs else "retrying", failures)
+                if failures > self.options.max_migrations:
+                    yield TokenEvent([], True, "error", f"giving up after {failures} worker failures: {e}")
+                    return
+
+    # --- the two paths ------------------------------------------------------
+    async def _colocated(self, req: EngineRequest, outputs: list[int]) -> AsyncIterator[TokenEvent]:
+        worker = self.registry.pick("colocated")
+        if worker is None:
+            raise NoWorkersError("no healthy colocated worker")
+        async with aclosing(self._stream(worker, req, outputs, None)) as stream:
+            async for ev in stream:
+                yield ev
+
+    async def _disaggregated(self, req: EngineRequest, outputs: list[int]) -> AsyncIterator[TokenEvent]:
+        decode = self.registry.pick("decode")
+        prefill = self.registry.pick("prefill")
+        if decode is None or prefill is None:
+            raise NoWorkersError("no healthy prefill/decode pair")
+        first = await self._prefill(prefill, req, outputs, decode.host_id)
+        done = outputs + first["token_ids"]  # copy now: the caller extends `outputs` when we yield
+        yield TokenEvent(first["token_ids"], first["finished"], first.get("finish_reason"))
+        if first["finished"]:
+            return
+        if not decode.healthy:  # failed while we prefilled: pick again
+            decode = self.registry.pick("decode") or decode
+        async with aclosing(self._stream(decode, req, done, first["kv"])) as stream:
+            async for ev in stream:
+                yield ev
+
+    async def _prefill(self, worker: WorkerInfo, req: EngineRequest, outputs: list[int], peer_host: str) -> dict:
+        body = {"request_id": req.request_id, "prompt_token_ids": req.prompt_token_ids,
+                "output_token_ids": outputs, "sampling": req.sampling.model_dump(), "peer_host_id": peer_host}
+        worker.inflight += 1
+        try:
+            async with self.http.post(f"{worker.url}/internal/prefill", json=body, headers=self.headers,
+                                      timeout=aiohttp.ClientTimeout(total=self.options.request_timeout_s)) as r:
+                if r.status == 400:
+                    detail = (await r.json()).get("detail", "bad request")
+                    raise ValueError(detail)
+                if r.status != 200:
+                    raise WorkerFailed(worker, f"prefill answered HTTP {r.status}")
+                return await r.json()
+        except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as e:
+            raise WorkerFailed(worker, f"prefill failed: {type(e).__name__}: {e}") from None
+        except asyncio.CancelledError:
+            asyncio.ensure_future(self._abort(worker, req.request_id))
+            raise
+        finally:
+            worker.inflight -= 1
+
+    async def _stream(self, worker: WorkerInfo, req: EngineRequest, outputs: list[int],
+                      kv: dict | None) -> AsyncIterator[TokenEvent]:
+        body = {"request_id": req.request_id, "prompt_token_ids": req.prompt_token_ids,
+                "output_token_ids": outputs, "sampling": req.sampling.model_dump(), "kv": kv}
+        worker.inflight += 1
+        try:
+            async with self.http.post(f"{worker.url}/internal/generate", json=body, headers=self.headers,
+                                      timeout=aiohttp.ClientTimeout(total=None, sock_connect=5,
+                                                                    sock_read=self.options.request_timeout_s)) as r:
+                if r.status != 200:
+                    raise WorkerFailed(worker, f"generate answered HTTP {r.status}")
+                async for raw in r.content:
+                    line = json.loads(raw)
+                    if "kv_transfer_seconds" in line:
+                        transport = line.get("kv_transport", "?")
+                        self.metrics.kv_transfer_seconds.labels(transport).observe(line["kv_transfer_seconds"])
+                        self.metrics.kv_transfer_bytes.labels(transport).inc(line.get("kv_transfer_bytes", 0))
+                    ev = TokenEvent(line.get("token_ids", []), line.get("finished", False),
+                                    line.get("finish_reason"), line.get("error"))
+                    yield ev
+                    if ev.finished:
+                        return
+            raise WorkerFailed(worker, "stream ended before the request finished")
+        except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError, json.JSONDecodeError) as e:
+            raise WorkerFailed(worker, f"stream broke: {type(e).__name__}: {e}") from None
+        finally:
+            worker.inflight -= 1
+
+    async def _abort(self, worker: WorkerInfo, request_id: str) -> None:
+        try:
+            async with self.http.post(f"{worker.url}/internal/abort", json={"request_id": request_id},
+                                      headers=self.headers, timeout=aiohttp.ClientTimeout(total=2)):
+                pass
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            pass

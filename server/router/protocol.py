@@ -1,0 +1,121 @@
+"""OpenAI-compatible request schemas and their validation.
+
+Every rejection is an ``InvalidRequest`` carrying a sentence that names the
+field; the app turns it into HTTP 400 with OpenAI's error shape. Fields we do
+not implement are accepted only at their neutral value (e.g.
+``presence_penalty: 0``) so a client never silently gets something other than
+what it asked for; unknown fields are ignored, as OpenAI does.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+
+class InvalidRequest(ValueError):
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _SamplingFields(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=-1, ge=-1)
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**63)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    n: int = Field(default=1, ge=1)
+    logprobs: Any = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    user: str | None = None
+
+    def neutral_checks(self) -> None:
+        if self.n != 1:
+            raise InvalidRequest("n: only n=1 is supported; send one request per completion", "n")
+        if self.logprobs not in (None, False, 0):
+            raise InvalidRequest("logprobs: not supported by this server", "logprobs")
+        for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0),
+                              ("repetition_penalty", 1.0), ("min_p", 0.0)):
+            if getattr(self, name) != neutral:
+                raise InvalidRequest(f"{name}: only {neutral} is supported", name)
+        stops = self.stop_strings()
+        if any(not s for s in stops):
+            raise InvalidRequest("stop: stop strings must be non-empty", "stop")
+        if len(stops) > 16:
+            raise InvalidRequest("stop: at most 16 stop strings", "stop")
+
+    def stop_strings(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[int] | list[str] | list[list[int]]
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[dict[str, Any]] | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        parts = []
+        for p in self.content:
+            if p.get("type") != "text" or not isinstance(p.get("text"), str):
+                raise InvalidRequest("messages: only text content parts are supported", "messages")
+            parts.append(p["text"])
+        return "".join(parts)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+
+
+class GenerateRequest(_SamplingFields):
+    """The seed article's ``POST /generate``: prompt text or ids, NDJSON when streaming."""
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+
+
+def parse(model: type[BaseModel], body: Any) -> Any:
+    if not isinstance(body, dict):
+        raise InvalidRequest("request body must be a JSON object")
+    try:
+        req = model.model_validate(body)
+    except ValidationError as e:
+        err = e.errors()[0]
+        field = ".".join(str(p) for p in err["loc"] if not isinstance(p, int)) or "body"
+        # pydantic reports every union member; keep the first, human sentence
+        raise InvalidRequest(f"{field}: {err['msg']}", field) from None
+    req.neutral_checks()
+    return req
+
+
+def render_chat(messages: list[ChatMessage]) -> str:
+    """A plain, model-agnostic chat format (the built-in tiny model has no template of its own)."""
+    out = [f"<|{m.role}|>\n{m.text()}\n" for m in messages]
+    out.append("<|assistant|>\n")
+    return "".join(out)

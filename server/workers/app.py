@@ -1,0 +1,225 @@
+"""A worker's HTTP face: internal endpoints the router calls, plus /health and /metrics.
+
+- ``POST /internal/prefill`` (prefill role): run prefill, sample token #1, stage
+  the KV under a lease, answer with the token and the KV handle.
+- ``POST /internal/generate`` (decode and colocated roles): NDJSON stream of
+  tokens. With a KV handle: reserve blocks (back-pressure), pull the KV, decode.
+  Without one: prefill locally (colocated, or recompute after a failed pull or
+  a migration).
+- ``POST /internal/abort``; ``GET /internal/status``.
+
+When the router drops a stream (its client went away), the generator is
+cancelled and the request is aborted in the engine: its blocks are freed at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from dataclasses import dataclass, field
+
+from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from server.config import DistServeConfig
+from server.engine.sampling_params import SamplingParams
+from server.kv_transfer import KVHandle, KVPuller, KVStagingServer, TransferStatus
+from server.kv_transfer.factory import choose_transport, host_id
+from server.metrics import WorkerMetrics
+from server.workers.engine_loop import EngineLoop
+from server.workers.protocol import (
+    AbortRequest, GenerateRequest, InternalSampling, PrefillRequest, PrefillResponse, StreamLine, WorkerStatus,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class WorkerState:
+    role: str
+    worker_id: str
+    config: DistServeConfig
+    token: str
+    loop: EngineLoop
+    metrics: WorkerMetrics
+    sender: KVStagingServer | None = None
+    puller: KVPuller | None = None
+    inflight: int = 0
+    fatal_error: str | None = None  # set when the router refuses us; the process exits with it
+    started: float = field(default_factory=time.monotonic)
+
+    def status(self) -> WorkerStatus:
+        s = self.loop.stats
+        return WorkerStatus(
+            num_waiting=s.num_waiting, num_running=s.num_running, num_reserving=s.num_reserving,
+            kv_blocks_used=s.kv_blocks_used, kv_blocks_free=s.kv_blocks_free,
+            num_staged_kv=self.sender.num_staged if self.sender else 0, inflight=self.inflight,
+        )
+
+
+def to_sampling_params(s: InternalSampling) -> SamplingParams:
+    return SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+                          seed=s.seed, stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos)
+
+
+def create_worker_app(state: WorkerState) -> FastAPI:
+    app = FastAPI(title=f"distserve {state.role} worker", docs_url=None, redoc_url=None)
+    app.state.worker = state
+
+    def require_token(request: Request) -> None:
+        got = request.headers.get("authorization", "")
+        if not hmac.compare_digest(got.encode(), f"Bearer {state.token}".encode()):
+            raise HTTPException(status_code=401, detail="missing or wrong bearer token")
+
+    def require_role(*roles: str) -> None:
+        if state.role not in roles:
+            raise HTTPException(status_code=409, detail=f"this is a {state.role} worker; "
+                                                        f"endpoint needs role {' or '.join(roles)}")
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "role": state.role, "worker_id": state.worker_id}
+
+    @app.get("/metrics")
+    async def metrics():
+        state.metrics.refresh(state.status(), state.loop.stats)
+        return PlainTextResponse(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/internal/status", dependencies=[Depends(require_token)])
+    async def status():
+        return state.status().model_dump()
+
+    @app.post("/internal/abort", dependencies=[Depends(require_token)])
+    async def abort(body: AbortRequest):
+        aborted = await state.loop.abort(body.request_id)
+        if state.sender is not None:
+            aborted = state.sender.abort(body.request_id) or aborted
+        return {"aborted": aborted}
+
+    @app.post("/internal/prefill", dependencies=[Depends(require_token)])
+    async def prefill(body: PrefillRequest, request: Request):
+        require_role("prefill")
+        return await _prefill(state, body)
+
+    @app.post("/internal/generate", dependencies=[Depends(require_token)])
+    async def generate(body: GenerateRequest):
+        require_role("decode", "colocated")
+        if body.kv is not None and state.role != "decode":
+            raise HTTPException(status_code=409, detail="only decode workers accept a KV handle")
+        return StreamingResponse(_generate_stream(state, body), media_type="application/x-ndjson")
+
+    return app
+
+
+async def _prefill(state: WorkerState, body: PrefillRequest) -> JSONResponse:
+    rid = body.request_id
+    try:
+        params = to_sampling_params(body.sampling)
+        q = await state.loop.add_request(rid, body.prompt_token_ids, params, prefill_only=True,
+                                         output_token_ids=body.output_token_ids)
+    except ValueError as e:
+        raise HTTPException(status_code=400, detail=str(e)) from None
+    state.inflight += 1
+    t0 = time.perf_counter()
+    try:
+        out = await asyncio.wait_for(q.get(), state.config.router.request_timeout_s)
+        if out.finish_reason != "prefilled":  # stopped at token #1 (EOS, max_tokens=1) or aborted
+            return JSONResponse(PrefillResponse(token_ids=out.new_token_ids, finished=True,
+                                                finish_reason=out.finish_reason,
+                                                prefill_seconds=time.perf_counter() - t0).model_dump())
+        _, kv = await state.loop.call(lambda: state.loop.engine.take_prefilled_kv(rid))
+        kvc = state.config.kv_transfer
+        nbytes = kv.numel() * kv.element_size()
+        same_host = body.peer_host_id is None or body.peer_host_id == host_id()
+        transport = choose_transport(kvc.transport, nbytes, same_host, kvc.zero_copy_threshold_mb)
+        handle = await asyncio.to_thread(state.sender.stage, rid, kv, kvc.lease_ms, transport=transport,
+                                         checksum=kvc.checksum)
+        state.metrics.prefill_seconds.observe(time.perf_counter() - t0)
+        return JSONResponse(PrefillResponse(token_ids=out.new_token_ids, finished=False, kv=handle.to_dict(),
+                                            prefill_seconds=time.perf_counter() - t0).model_dump())
+    except BaseException:
+        state.loop.abort_nowait(rid)  # client gone or timed out: free the blocks now
+        raise
+    finally:
+        state.loop.close_stream(rid)
+        state.inflight -= 1
+
+
+def _line(**kw) -> bytes:
+    return (StreamLine(**kw).model_dump_json(exclude_none=True) + "\n").encode()
+
+
+async def _generate_stream(state: WorkerState, body: GenerateRequest):
+    rid = body.request_id
+    loop = state.loop
+    state.inflight += 1
+    try:
+        params = to_sampling_params(body.sampling)
+        transfer: dict = {}
+        if body.kv is not None:
+            q, transfer = await _admit_with_kv(state, body, params)
+            if q is None:
+                yield _line(finished=True, finish_reason="error", error=transfer["error"])
+                return
+        else:
+            q = await loop.add_request(rid, body.prompt_token_ids, params, output_token_ids=body.output_token_ids)
+        first = True
+        timeout = state.config.router.request_timeout_s
+        while True:
+            out = await asyncio.wait_for(q.get(), timeout)
+            # coalesce whatever else is already queued into one line
+            tokens, finished, reason = list(out.new_token_ids), out.finished, out.finish_reason
+            while not finished and not q.empty():
+                more = q.get_nowait()
+                tokens.extend(more.new_token_ids)
+                finished, reason = more.finished, more.finish_reason
+            extra = transfer if first else {}
+            first = False
+            yield _line(token_ids=tokens, finished=finished, finish_reason=reason, **extra)
+            if finished:
+                return
+    except ValueError as e:  # invalid request (engine validation)
+        yield _line(finished=True, finish_reason="error", error=str(e))
+    except asyncio.TimeoutError:
+        yield _line(finished=True, finish_reason="error", error="worker timed out")
+    finally:
+        state.inflight -= 1
+        loop.close_stream(rid)
+        loop.abort_nowait(rid)  # no-op when finished; frees the blocks when the router went away
+
+
+async def _admit_with_kv(state: WorkerState, body: GenerateRequest, params: SamplingParams):
+    """Reserve blocks, pull the KV, commit. Returns (queue, transfer info) or (None, {"error": ...})."""
+    loop, rid, kvc = state.loop, body.request_id, state.config.kv_transfer
+    try:
+        handle = KVHandle.from_dict(body.kv)
+    except (ValueError, TypeError) as e:
+        return None, {"error": f"invalid kv handle: {e}"}
+    if handle.request_id != rid:
+        return None, {"error": "kv handle belongs to another request"}
+    outputs = body.output_token_ids
+    await loop.reserve(rid, body.prompt_token_ids, outputs, params, state.config.router.request_timeout_s)
+    t0 = time.perf_counter()
+    result = await asyncio.to_thread(state.puller.pull, handle, kvc.pull_timeout_ms / 1000.0)
+    elapsed = time.perf_counter() - t0
+    if result.status == TransferStatus.SUCCESS:
+        state.metrics.kv_transfer_seconds.labels(handle.transport).observe(elapsed)
+        state.metrics.kv_transfer_bytes.labels(handle.transport).inc(result.nbytes)
+        try:
+            q = await loop.commit(rid, result.tensor)
+        except (KeyError, ValueError) as e:
+            await loop.abort(rid)
+            return None, {"error": f"kv commit failed: {e}"}
+        return q, {"kv_transfer_seconds": elapsed, "kv_transfer_bytes": result.nbytes,
+                   "kv_transport": handle.transport}
+    state.metrics.kv_transfer_failures.labels(handle.transport).inc()
+    await loop.abort(rid)  # drop the reservation
+    log.warning("KV pull for %s failed (%s): %s", rid, result.status.name, result.error)
+    if kvc.failure_policy == "fail":
+        return None, {"error": f"KV transfer failed: {result.error}"}
+    # recompute: prefill prompt + token #1 here; sampling is seeded per index, so tokens are unchanged
+    q = await loop.add_request(rid, body.prompt_token_ids, params, output_token_ids=outputs)
+    return q, {"kv_transport": "recompute"}

@@ -1,0 +1,90 @@
+"""Router ↔ worker messages (JSON over HTTP; token streams as NDJSON lines).
+
+Both sides import these models, so a field renamed on one side breaks the
+other's tests rather than production.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+ROLES = ("prefill", "decode", "colocated")
+
+
+class InternalSampling(BaseModel):
+    max_tokens: int = Field(ge=1)
+    temperature: float = Field(ge=0.0, le=100.0)
+    top_p: float = Field(gt=0.0, le=1.0)
+    top_k: int = Field(ge=0, default=0)
+    seed: int | None = None
+    stop_token_ids: list[int] = Field(default_factory=list)
+    ignore_eos: bool = False
+
+
+class PrefillRequest(BaseModel):
+    request_id: str = Field(min_length=1, max_length=256)
+    prompt_token_ids: list[int] = Field(min_length=1)
+    output_token_ids: list[int] = Field(default_factory=list)  # tokens generated before a migration
+    sampling: InternalSampling
+    peer_host_id: str | None = None  # host of the decode worker that will pull
+
+
+class PrefillResponse(BaseModel):
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str | None = None
+    kv: dict[str, Any] | None = None  # KVHandle.to_dict() when not finished
+    prefill_seconds: float = 0.0
+
+
+class GenerateRequest(BaseModel):
+    """Decode (with ``kv``) or colocated/recompute (``kv`` null) generation."""
+    request_id: str = Field(min_length=1, max_length=256)
+    prompt_token_ids: list[int] = Field(min_length=1)
+    output_token_ids: list[int] = Field(default_factory=list)
+    sampling: InternalSampling
+    kv: dict[str, Any] | None = None
+
+
+class StreamLine(BaseModel):
+    """One NDJSON line of a generate stream."""
+    token_ids: list[int] = Field(default_factory=list)
+    finished: bool = False
+    finish_reason: str | None = None
+    error: str | None = None
+    kv_transfer_seconds: float | None = None
+    kv_transfer_bytes: int | None = None
+    kv_transport: str | None = None
+
+
+class AbortRequest(BaseModel):
+    request_id: str
+
+
+class WorkerStatus(BaseModel):
+    num_waiting: int = 0
+    num_running: int = 0
+    num_reserving: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_free: int = 0
+    num_staged_kv: int = 0
+    inflight: int = 0
+
+
+class RegisterRequest(BaseModel):
+    worker_id: str = Field(min_length=1, max_length=128)
+    role: Literal["prefill", "decode", "colocated"]
+    url: str = Field(min_length=1, max_length=512)
+    pid: int
+    fingerprint: dict[str, Any]
+    model_path: str | None = None
+    max_model_len: int = Field(ge=1)
+    host_id: str = ""
+    status: WorkerStatus = Field(default_factory=WorkerStatus)
+
+
+class HeartbeatRequest(BaseModel):
+    worker_id: str
+    status: WorkerStatus = Field(default_factory=WorkerStatus)

@@ -1,0 +1,156 @@
+"""``distserve worker``: one engine, one role, one HTTP server, registered with a router.
+
+Start order does not matter: the worker keeps trying to register until the
+router answers, re-registers when the router forgets it (restart), and
+heartbeats its load (queue depth, KV blocks) so the router can route by load
+and take it out of rotation when the heartbeats stop (dead or frozen).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import uuid
+from dataclasses import dataclass
+
+import aiohttp
+import uvicorn
+
+from server.config import DistServeConfig
+from server.engine.llm_engine import EngineConfig, LLMEngine
+from server.kv_transfer import KVPuller, KVStagingServer
+from server.kv_transfer.factory import host_id
+from server.metrics import WorkerMetrics
+from server.workers.app import WorkerState, create_worker_app
+from server.workers.engine_loop import EngineLoop
+from server.workers.protocol import RegisterRequest
+
+log = logging.getLogger(__name__)
+
+EXIT_REFUSED = 3  # the router refused registration (token or model fingerprint)
+
+
+@dataclass(frozen=True)
+class WorkerOptions:
+    role: str
+    router_url: str
+    config: DistServeConfig
+    token: str
+    host: str = "127.0.0.1"
+    port: int = 0
+    device: str = "cpu"
+    worker_id: str = ""
+    cpus: tuple[int, ...] = ()
+
+
+def engine_config_for(role: str, cfg: DistServeConfig, device: str) -> EngineConfig:
+    """Map the role's config section onto the engine (DESIGN section 6)."""
+    pf, dc, cache = cfg.prefill, cfg.decode, cfg.cache
+    common = dict(model=cfg.model, device=device, dtype=cache.dtype, block_size=cache.block_size,
+                  num_blocks=cache.num_gpu_blocks, kv_cache_memory_mb=cache.kv_cache_memory_mb,
+                  max_model_len=pf.max_seq_len, max_num_batched_tokens=pf.max_num_batched_tokens,
+                  attention_backend=pf.attention_backend)
+    if role == "prefill":
+        return EngineConfig(**common, max_num_seqs=pf.max_batch_size, prefill_policy="wfs",
+                            torch_threads=pf.torch_threads)
+    if role == "decode":
+        return EngineConfig(**common, max_num_seqs=min(dc.max_batch_size, dc.max_concurrent_requests),
+                            decode_policy="fewest_remaining", torch_threads=dc.torch_threads)
+    return EngineConfig(**common, max_num_seqs=dc.max_batch_size, torch_threads=dc.torch_threads)
+
+
+def fingerprint(engine: LLMEngine) -> dict:
+    """What a prefill/decode pair must agree on for KV to be interchangeable."""
+    c = engine.model_config
+    return {"architecture": c.architecture, "model": c.fingerprint(), "dtype": str(engine.dtype).split(".")[-1],
+            "num_layers": c.num_hidden_layers, "num_kv_heads": c.num_key_value_heads, "head_dim": c.head_dim,
+            "vocab_size": c.vocab_size}
+
+
+async def _registration_loop(state: WorkerState, opts: WorkerOptions, reg: RegisterRequest,
+                             server: uvicorn.Server) -> None:
+    interval = opts.config.router.heartbeat_interval_ms / 1000.0
+    headers = {"Authorization": f"Bearer {opts.token}"}
+    registered = False
+    timeout = aiohttp.ClientTimeout(total=max(2.0, 2 * interval))
+    async with aiohttp.ClientSession(timeout=timeout, headers=headers) as http:
+        while not server.should_exit:
+            try:
+                if not registered:
+                    reg.status = state.status()
+                    async with http.post(f"{opts.router_url}/register", json=reg.model_dump()) as r:
+                        if r.status in (401, 403, 409, 422):
+                            detail = (await r.json()).get("detail", r.reason)
+                            log.error("router refused registration (%s): %s", r.status, detail)
+                            state.fatal_error = f"router refused registration: {detail}"
+                            server.should_exit = True
+                            return
+                        registered = r.status == 200
+                        if registered:
+                            log.info("registered with router %s as %s %s", opts.router_url, opts.role,
+                                        reg.worker_id)
+                else:
+                    body = {"worker_id": reg.worker_id, "status": state.status().model_dump()}
+                    async with http.post(f"{opts.router_url}/heartbeat", json=body) as r:
+                        if r.status == 404:  # the router restarted and forgot us
+                            registered = False
+                            continue
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+                if registered:
+                    log.warning("router unreachable (%s); will re-register", e)
+                registered = False
+            await asyncio.sleep(interval)
+        if registered:
+            try:
+                async with http.post(f"{opts.router_url}/deregister", json={"worker_id": reg.worker_id}):
+                    pass
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+                pass
+
+
+async def serve_worker(opts: WorkerOptions) -> int:
+    if opts.cpus:
+        os.sched_setaffinity(0, opts.cpus)
+    engine = LLMEngine(engine_config_for(opts.role, opts.config, opts.device))
+    loop = asyncio.get_running_loop()
+    engine_loop = EngineLoop(engine, loop)
+    kvc = opts.config.kv_transfer
+    state = WorkerState(role=opts.role, worker_id=opts.worker_id or f"{opts.role}-{uuid.uuid4().hex[:8]}",
+                        config=opts.config, token=opts.token, loop=engine_loop, metrics=WorkerMetrics(opts.role))
+    if opts.role == "prefill":
+        state.sender = KVStagingServer(opts.host, 0, default_lease_ms=kvc.lease_ms, checksum=kvc.checksum)
+    if opts.role == "decode":
+        state.puller = KVPuller()
+    sock = socket.create_server((opts.host, opts.port), backlog=1024)
+    port = sock.getsockname()[1]
+    url = f"http://{opts.host}:{port}"
+    app = create_worker_app(state)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
+                                           timeout_graceful_shutdown=5))
+    reg = RegisterRequest(worker_id=state.worker_id, role=opts.role, url=url, pid=os.getpid(),
+                          fingerprint=fingerprint(engine), model_path=str(engine.model_path),
+                          max_model_len=engine.max_model_len, host_id=host_id())
+    engine_loop.start()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))
+    server.install_signal_handlers = lambda: None
+    reg_task = asyncio.create_task(_registration_loop(state, opts, reg, server))
+    log.info("%s worker %s listening on %s (pid %d)", opts.role, state.worker_id, url, os.getpid())
+    try:
+        await server.serve(sockets=[sock])
+    finally:
+        server.should_exit = True
+        try:
+            await asyncio.wait_for(reg_task, 3)
+        except (asyncio.TimeoutError, Exception):
+            reg_task.cancel()
+        engine_loop.stop()
+        if state.sender is not None:
+            state.sender.close()
+    if state.fatal_error:
+        print(f"distserve worker: error: {state.fatal_error}", flush=True)
+        return EXIT_REFUSED
+    return 0

@@ -1,0 +1,478 @@
+"""KV data plane: real loopback sockets, real POSIX shared memory, one real second process."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import secrets
+import socket
+import struct
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+
+from server.kv_transfer import (FrameError, KVHandle, KVPuller, KVStagingServer, PullResult,
+                                StagingFullError, TransferStatus, choose_transport, host_id)
+from server.kv_transfer import frame as fr
+
+REPO = Path(__file__).resolve().parents[2]
+SHAPE = (3, 2, 17, 4, 24)  # [num_layers, 2, num_tokens, num_kv_heads, head_dim]
+
+
+# ------------------------------------------------------------------ helpers
+def kv(dtype=torch.float32, shape=SHAPE, seed=0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    if dtype in (torch.int8, torch.uint8):
+        lo, hi = (-128, 128) if dtype == torch.int8 else (0, 256)
+        return torch.randint(lo, hi, shape, generator=g, dtype=dtype)
+    return torch.randn(shape, generator=g).to(dtype)
+
+
+def sha(t: torch.Tensor) -> str:
+    return hashlib.sha256(fr.tensor_bytes(t.contiguous())).hexdigest()
+
+
+def shm_names(prefix: str) -> list[str]:
+    return sorted(n for n in os.listdir("/dev/shm") if n.startswith(prefix))
+
+
+def wait_until(cond, timeout=3.0) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.01)
+    return cond()
+
+
+@pytest.fixture
+def prefix() -> str:
+    return f"dskvt{secrets.token_hex(4)}_"
+
+
+@pytest.fixture
+def server(prefix):
+    srv = KVStagingServer(shm_prefix=prefix, io_timeout_s=5.0)
+    yield srv
+    srv.close()
+    assert shm_names(prefix) == [], "close() must unlink every segment"
+
+
+@pytest.fixture
+def puller() -> KVPuller:
+    return KVPuller()
+
+
+class FakeSender:
+    """A listener that answers one PULL with whatever `behave(conn)` writes: lets a test play a
+    broken or hostile sender against the real KVPuller."""
+
+    def __init__(self, behave):
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self.sock.getsockname()[1]}"
+        self.thread = threading.Thread(target=self._run, args=(behave,), daemon=True)
+        self.thread.start()
+
+    def _run(self, behave):
+        conn, _ = self.sock.accept()
+        with conn:
+            fr.read_frame(conn)
+            behave(conn)
+
+    def handle(self, t: torch.Tensor, checksum: int | None = None) -> KVHandle:
+        return KVHandle(request_id="fake", transport="tcp", address=self.address,
+                        secret="ab" * 16, nbytes=t.numel() * t.element_size(),
+                        shape=tuple(t.shape), dtype=fr.dtype_name(t.dtype),
+                        checksum=checksum, host_id=host_id())
+
+    def close(self):
+        self.thread.join(timeout=5)
+        self.sock.close()
+
+
+def data_header(t: torch.Tensor, checksum: int | None, **over) -> bytes:
+    f = fr.Frame(fr.FrameType.DATA_INLINE, request_id="fake", dtype=t.dtype, shape=tuple(t.shape),
+                 nbytes=t.numel() * t.element_size(), checksum=checksum)
+    return fr.encode_frame(dataclasses.replace(f, **over))
+
+
+# ------------------------------------------------------------------ round trips
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16,
+                                   torch.int8, torch.uint8])
+def test_round_trip(server, puller, prefix, transport, dtype):
+    t = kv(dtype)
+    handle = server.stage("req-1", t, transport=transport)
+    assert handle.nbytes == t.numel() * t.element_size() and handle.checksum is not None
+    assert server.num_staged == 1 and server.staged_bytes == handle.nbytes
+    if transport == "shm":
+        assert len(shm_names(prefix)) == 1
+    result = puller.pull(KVHandle.from_dict(json.loads(json.dumps(handle.to_dict()))), 5)
+    assert result.status is TransferStatus.SUCCESS, result.error
+    assert result.tensor.dtype == dtype and tuple(result.tensor.shape) == SHAPE
+    assert torch.equal(result.tensor, t) and result.tensor.data_ptr() != t.data_ptr()
+    assert result.nbytes == handle.nbytes and result.seconds > 0
+    # ACK frees the entry before pull() returns; release afterwards is a harmless no-op
+    assert server.num_staged == 0 and server.staged_bytes == 0 and shm_names(prefix) == []
+    assert server.poll("req-1") is TransferStatus.SUCCESS
+    assert server.release("req-1") is False
+    assert server.stats.transfers_ok == 1 and server.stats.bytes_sent == handle.nbytes
+
+
+def test_non_contiguous_empty_and_concurrent(server, puller):
+    t = kv(shape=(2, 2, 8, 4, 16)).transpose(2, 3)
+    empty = torch.empty(4, 2, 0, 2, 8, dtype=torch.bfloat16)
+    handles = [server.stage("nc", t), server.stage("empty", empty, transport="shm")]
+    handles += [server.stage(f"c{i}", kv(seed=i), transport=("tcp", "shm")[i % 2])
+                for i in range(6)]
+    results: dict[str, PullResult] = {}
+    threads = [threading.Thread(target=lambda h=h: results.__setitem__(h.request_id,
+                                                                       puller.pull(h, 5)))
+               for h in handles]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert all(r.ok for r in results.values()), {k: r.error for k, r in results.items()}
+    assert torch.equal(results["nc"].tensor, t) and results["empty"].tensor.shape == empty.shape
+    assert all(torch.equal(results[f"c{i}"].tensor, kv(seed=i)) for i in range(6))
+    assert server.num_staged == 0
+
+
+def test_stage_rejects_bad_input(server):
+    server.stage("dup", kv())
+    with pytest.raises(ValueError, match="already staged"):
+        server.stage("dup", kv())
+    with pytest.raises(ValueError, match="dtype"):
+        server.stage("f64", torch.zeros(2, 2, dtype=torch.float64))
+    with pytest.raises(ValueError, match="transport"):
+        server.stage("x", kv(), transport="nixl")
+    with pytest.raises(ValueError, match="request_id"):
+        server.stage("", kv())
+    with pytest.raises(ValueError, match="lease_ms"):
+        server.stage("x", kv(), lease_ms=0)
+    small = KVStagingServer(max_staged_bytes=kv().numel() * 4)
+    try:
+        small.stage("a", kv())
+        with pytest.raises(StagingFullError):
+            small.stage("b", kv(), transport="shm")
+    finally:
+        small.close()
+
+
+# ------------------------------------------------------------------ refusals
+def test_wrong_secret_refused_then_right_secret_works(server, puller):
+    t = kv()
+    handle = server.stage("r", t)
+    bad = dataclasses.replace(handle, secret=secrets.token_hex(16))
+    result = puller.pull(bad, 5)
+    assert result.status is TransferStatus.FAILED and result.tensor is None
+    assert "authentication failed" in result.error
+    assert server.stats.auth_failures == 1 and server.stats.bytes_sent == 0
+    assert server.poll("r") is TransferStatus.PENDING
+    assert torch.equal(puller.pull(handle, 5).tensor, t)
+
+
+def test_unknown_id(server, puller):
+    handle = server.stage("known", kv())
+    result = puller.pull(dataclasses.replace(handle, request_id="nope"), 5)
+    assert result.status is TransferStatus.FAILED and "not staged" in result.error
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_lease_expiry_frees_entry(server, puller, prefix, transport):
+    handle = server.stage("lease", kv(), lease_ms=40, transport=transport)
+    assert wait_until(lambda: server.num_staged == 0)
+    assert server.poll("lease") is TransferStatus.EXPIRED
+    assert server.stats.transfers_expired == 1 and shm_names(prefix) == []
+    result = puller.pull(handle, 5)
+    assert result.status is TransferStatus.EXPIRED and "expired" in result.error
+
+
+def test_release_and_abort_before_pull(server, puller, prefix):
+    h1 = server.stage("a", kv(), transport="shm")
+    h2 = server.stage("b", kv(), transport="shm")
+    assert len(shm_names(prefix)) == 2
+    assert server.release("a") is True and server.release("a") is False
+    assert server.abort("b") is True and server.poll("b") is TransferStatus.ABORTED
+    assert server.num_staged == 0 and shm_names(prefix) == []
+    assert server.stats.transfers_aborted == 1
+    for h in (h1, h2):
+        assert puller.pull(h, 5).status is TransferStatus.FAILED
+
+
+def test_connection_refused_is_data(puller):
+    with socket.create_server(("127.0.0.1", 0)) as s:
+        port = s.getsockname()[1]
+    t = kv()
+    handle = KVHandle("r", "tcp", f"127.0.0.1:{port}", "cd" * 16, t.numel() * 4, SHAPE,
+                      "float32", None, host_id())
+    result = puller.pull(handle, 2)
+    assert result.status is TransferStatus.FAILED and "refused" in result.error
+
+
+# ------------------------------------------------------------------ integrity
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_checksum_mismatch_detected_and_entry_kept(server, puller, transport):
+    t = kv()
+    original = t.clone()
+    handle = server.stage("crc", t, transport=transport)
+    # tamper with the staged bytes after the checksum was taken
+    if transport == "tcp":
+        t.view(-1)[5] += 1.0  # tcp stages without a copy: the caller's tensor *is* the payload
+    else:
+        buf = server._entries["crc"].segment.buf
+        buf[7] ^= 0xFF
+    result = puller.pull(handle, 5)
+    assert result.status is TransferStatus.FAILED and "checksum" in result.error
+    assert wait_until(lambda: server.stats.transfers_failed == 1)
+    assert server.poll("crc") is TransferStatus.PENDING  # still staged: decode may retry
+    if transport == "tcp":
+        t.copy_(original)
+    else:
+        buf[7] ^= 0xFF
+        del buf
+    assert torch.equal(puller.pull(handle, 5).tensor, original)
+
+
+def test_payload_corrupted_in_flight():
+    t = kv()
+    good = fr.tensor_bytes(t).tobytes()
+    crc = zlib.crc32(good)
+    bad = bytearray(good)
+    bad[100] ^= 0x01
+    fake = FakeSender(lambda c: (c.sendall(data_header(t, crc)), c.sendall(bad), fr.read_frame(c)))
+    result = KVPuller().pull(fake.handle(t, crc), 5)
+    fake.close()
+    assert result.status is TransferStatus.FAILED and "checksum" in result.error
+
+
+def test_sender_drops_mid_payload_fails_fast():
+    t = kv()
+    payload = fr.tensor_bytes(t).tobytes()
+    fake = FakeSender(lambda c: (c.sendall(data_header(t, None)), c.sendall(payload[:1000])))
+    start = time.monotonic()
+    result = KVPuller().pull(fake.handle(t), 10)
+    fake.close()
+    assert result.status is TransferStatus.FAILED and "after 1000 of" in result.error
+    assert time.monotonic() - start < 2
+
+
+def test_silent_sender_times_out():
+    done = threading.Event()
+    fake = FakeSender(lambda c: done.wait(10))
+    start = time.monotonic()
+    result = KVPuller().pull(fake.handle(kv()), 0.3)
+    elapsed = time.monotonic() - start
+    done.set()
+    fake.close()
+    assert result.status is TransferStatus.FAILED and "timed out after 0.3 s" in result.error
+    assert 0.25 < elapsed < 2
+
+
+@pytest.mark.parametrize("shape,nbytes,message", [
+    ((1 << 20, 2, 1 << 10, 8, 128), 1 << 43, "exceeds limit"),  # 8 TiB of float32
+    ((3, 2, 18, 4, 24), 3 * 2 * 18 * 4 * 24 * 4, "does not match the handle"),
+])
+def test_bad_reply_header_fails_before_allocating(monkeypatch, shape, nbytes, message):
+    t = kv()
+    fake = FakeSender(lambda c: c.sendall(data_header(t, None, shape=shape, nbytes=nbytes)))
+
+    def no_alloc(*a, **k):
+        raise AssertionError("allocated before validating the header")
+
+    monkeypatch.setattr(torch, "empty", no_alloc)
+    result = KVPuller().pull(fake.handle(t), 5)
+    fake.close()
+    assert result.status is TransferStatus.FAILED and message in result.error
+
+
+# ------------------------------------------------------------------ frames
+def test_frame_round_trip():
+    f = fr.Frame(fr.FrameType.DATA_SHM, request_id="req-é", dtype=torch.bfloat16, shape=SHAPE,
+                 nbytes=fr.expected_nbytes(SHAPE, torch.bfloat16), checksum=123, text="seg_name")
+    assert fr.decode_frame(fr.encode_frame(f)) == f
+    err = fr.Frame(fr.FrameType.ERROR, request_id="r", error_code=fr.ErrorCode.AUTH, text="no")
+    assert fr.decode_frame(fr.encode_frame(err)) == err
+    pull = fr.Frame(fr.FrameType.PULL, request_id="r", secret="ab" * 32)
+    assert fr.decode_frame(fr.encode_frame(pull)) == pull
+    assert len(fr.encode_frame(pull)) == fr.HEADER_SIZE + 1 + 64
+
+
+def _header(**over) -> bytearray:
+    f = fr.Frame(fr.FrameType.DATA_INLINE, dtype=torch.float32, shape=(2, 3), nbytes=24)
+    return bytearray(fr.encode_frame(dataclasses.replace(f, **over)))
+
+
+def test_corrupted_headers_raise_frame_error():
+    good = _header()
+    fr.decode_header(good)
+    bad_magic = bytearray(good)
+    bad_magic[:4] = b"XXXX"
+    bad_version = bytearray(good)
+    bad_version[4:6] = struct.pack("!H", 99)
+    cases = {
+        "bad magic": bad_magic,
+        "unsupported protocol version": bad_version,
+        "!= prod(shape": _header(nbytes=25),
+        "exceeds limit": _header(shape=(1 << 40, 1 << 10), nbytes=1 << 52),
+        "short header": good[:10],
+    }
+    for message, raw in cases.items():
+        with pytest.raises(FrameError, match=message.replace("(", r"\(")):
+            fr.decode_header(raw)
+    with pytest.raises(FrameError, match="exceeds limit"):
+        fr.decode_header(_header(shape=(1024,), nbytes=4096), max_nbytes=4095)
+    raw = bytearray(good)
+    raw[9] = 99  # dtype code
+    with pytest.raises(FrameError, match="dtype code"):
+        fr.decode_header(raw)
+    raw = bytearray(good)
+    raw[10] = 9  # ndim
+    with pytest.raises(FrameError, match="ndim"):
+        fr.decode_header(raw)
+    raw = bytearray(fr.encode_frame(fr.Frame(fr.FrameType.PULL, request_id="x")))
+    struct.pack_into("!H", raw, 12, 5000)  # request id length
+    with pytest.raises(FrameError, match="too long"):
+        fr.decode_header(raw)
+    with pytest.raises(FrameError):
+        fr.encode_frame(fr.Frame(fr.FrameType.PULL, request_id="x" * 300))
+
+
+def test_bad_frame_to_server_gets_error_frame(server):
+    with socket.create_connection(("127.0.0.1", server.port), timeout=5) as s:
+        s.sendall(b"GET / HTTP/1.1\r\n" + b"\0" * fr.HEADER_SIZE)
+        reply = fr.read_frame(s)
+    assert reply.type is fr.FrameType.ERROR and reply.error_code is fr.ErrorCode.BAD_FRAME
+
+
+# ------------------------------------------------------------------ handle & policy
+def _handle_dict(**over):
+    d = {"request_id": "r1", "transport": "tcp", "address": "127.0.0.1:4000",
+         "secret": "0f" * 16, "nbytes": 2 * 3 * 2, "shape": [2, 3], "dtype": "bfloat16",
+         "checksum": 7, "host_id": "h/abc"}
+    d.update(over)
+    return d
+
+
+def test_handle_dict_round_trip():
+    h = KVHandle.from_dict(_handle_dict())
+    assert h.shape == (2, 3) and h.torch_dtype == torch.bfloat16
+    assert KVHandle.from_dict(json.loads(json.dumps(h.to_dict()))) == h
+    assert KVHandle.from_dict(_handle_dict(address="[::1]:80", checksum=None)).checksum is None
+
+
+@pytest.mark.parametrize("bad", [
+    _handle_dict(nbytes=13), _handle_dict(nbytes=True), _handle_dict(shape=[2, -3]),
+    _handle_dict(shape=[2, 3.0]), _handle_dict(shape="23"), _handle_dict(shape=[1] * 9),
+    _handle_dict(dtype="float64"), _handle_dict(dtype=["x"]), _handle_dict(transport="udp"),
+    _handle_dict(secret="zz" * 16), _handle_dict(secret="ab"), _handle_dict(secret="ab" * 40),
+    _handle_dict(address="nohost"), _handle_dict(address="h:70000"),
+    _handle_dict(checksum=1 << 32), _handle_dict(request_id=""), _handle_dict(request_id=5),
+    _handle_dict(request_id="x" * 300), _handle_dict(extra=1),
+    _handle_dict(shape=[1 << 40, 1 << 10], nbytes=1 << 51),
+    {k: v for k, v in _handle_dict().items() if k != "secret"}, [1, 2], None,
+])
+def test_handle_from_dict_rejects(bad):
+    with pytest.raises(ValueError):
+        KVHandle.from_dict(bad)
+
+
+def test_handle_cap_is_configurable():
+    d = _handle_dict(shape=[1024], nbytes=2048)
+    with pytest.raises(ValueError, match="nbytes"):
+        KVHandle.from_dict(d, max_nbytes=1024)
+    assert KVHandle.from_dict(d, max_nbytes=4096).nbytes == 2048
+
+
+def test_choose_transport():
+    mib = 1 << 20
+    assert choose_transport("auto", 8 * mib, True, 4) == "shm"
+    assert choose_transport("auto", 4 * mib, True, 4) == "shm"
+    assert choose_transport("auto", 4 * mib - 1, True, 4) == "tcp"
+    assert choose_transport("auto", 8 * mib, False, 4) == "tcp"
+    assert choose_transport("tcp", 8 * mib, True, 4) == "tcp"
+    assert choose_transport("shm", 1, True, 4) == "shm"
+    with pytest.raises(ValueError, match="same host"):
+        choose_transport("shm", 1, False, 4)
+    for name in ("cuda_ipc", "nixl"):
+        with pytest.raises(NotImplementedError, match="not implemented"):
+            choose_transport(name, 1, True, 4)
+    with pytest.raises(ValueError, match="expected one of"):
+        choose_transport("udp", 1, True, 4)
+    assert host_id() == host_id() and socket.gethostname() in host_id()
+
+
+def test_close_unlinks_all_segments(prefix, puller):
+    srv = KVStagingServer(shm_prefix=prefix)
+    handles = [srv.stage(f"r{i}", kv(seed=i), transport="shm") for i in range(3)]
+    assert len(shm_names(prefix)) == 3
+    srv.close()
+    srv.close()  # idempotent
+    assert shm_names(prefix) == [] and srv.num_staged == 0
+    assert puller.pull(handles[0], 2).status is TransferStatus.FAILED
+    with pytest.raises(RuntimeError, match="closed"):
+        srv.stage("late", kv())
+
+
+# ------------------------------------------------------------------ a real second process
+_CHILD = textwrap.dedent("""
+    import hashlib, json, sys
+    from server.kv_transfer import KVHandle, KVPuller
+    from server.kv_transfer.frame import tensor_bytes
+    out = []
+    for line in sys.stdin:
+        r = KVPuller().pull(KVHandle.from_dict(json.loads(line)), 10)
+        digest = hashlib.sha256(tensor_bytes(r.tensor)).hexdigest() if r.ok else None
+        out.append({"status": r.status.value, "error": r.error, "sha": digest})
+    print(json.dumps(out))
+""")
+
+
+def test_cross_process_receiver(server, prefix):
+    tensors = {"tcp": kv(torch.bfloat16, seed=1), "shm": kv(torch.float16, seed=2),
+               "bad": kv(torch.float32, seed=3)}
+    handles = {name: server.stage(name, t, transport="tcp" if name == "tcp" else "shm")
+               for name, t in tensors.items()}
+    buf = server._entries["bad"].segment.buf
+    buf[0] ^= 0xFF  # the child must see a checksum mismatch and leave the segment alone
+    stdin = "".join(json.dumps(h.to_dict()) + "\n" for h in handles.values())
+    proc = subprocess.run([sys.executable, "-c", _CHILD], input=stdin, capture_output=True,
+                          text=True, cwd=REPO, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert [o["status"] for o in out] == ["success", "success", "failed"], out
+    assert out[0]["sha"] == sha(tensors["tcp"]) and out[1]["sha"] == sha(tensors["shm"])
+    assert "checksum" in out[2]["error"]
+    assert "resource_tracker" not in proc.stderr and "leaked" not in proc.stderr, proc.stderr
+    # the child attached to "bad" and exited: the segment must still be there (the sender owns it)
+    assert len(shm_names(prefix)) == 1
+    buf[0] ^= 0xFF
+    del buf
+    result = KVPuller().pull(handles["bad"], 5)
+    assert result.ok and torch.equal(result.tensor, tensors["bad"])
+    assert shm_names(prefix) == [] and server.num_staged == 0
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_pull_into_preallocated_out(server, puller, transport):
+    t = kv(torch.bfloat16)
+    out = torch.zeros(SHAPE, dtype=torch.bfloat16)
+    result = puller.pull(server.stage("o", t, transport=transport), 5, out=out)
+    assert result.ok and result.tensor is out and torch.equal(out, t)
+    handle = server.stage("o2", t, transport=transport)
+    strided = torch.zeros((2, 3, 17, 4, 24), dtype=torch.bfloat16).transpose(0, 1)
+    for bad, message in ((torch.zeros(SHAPE), "handle is bfloat16"), (strided, "contiguous")):
+        result = puller.pull(handle, 5, out=bad)
+        assert result.status is TransferStatus.FAILED and message in result.error
+    assert server.poll("o2") is TransferStatus.PENDING  # refused locally, nothing was sent
