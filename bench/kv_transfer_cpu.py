@@ -9,7 +9,7 @@ request, pulls it, and repeats; the pull's wall time (connect, PULL, header, pay
 verify, ACK, sender frees the slot) is what is reported, as GB/s = 1e9 bytes/s, median of the
 repeats. Staging time (the shm copy into a fresh segment, the crc32) is reported separately: it is
 paid by the prefill worker, not on the decode path. Baselines in the receiver process:
-`dst.copy_(src)` into a preallocated tensor (the memory-bandwidth ceiling) and into a freshly
+`dst.copy_(src)` (one thread, like the transports' copies) into a preallocated tensor (the memory-bandwidth ceiling) and into a freshly
 allocated one (what a pull must do, page faults included).
 
 "out" columns pull into a preallocated tensor reused across repeats (`pull(..., out=buf)`, what a
@@ -92,7 +92,11 @@ def gbps(nbytes: int, seconds: list[float]) -> float:
     return nbytes / statistics.median(seconds) / 1e9
 
 
-def run(sizes_mib: list[float], repeats: int) -> dict:
+def default_repeats(nbytes: int) -> int:
+    return max(5, min(40, (512 * MiB) // max(nbytes, 1) // 8 * 5))
+
+
+def run(sizes_mib: list[float], repeats_arg: int | None) -> dict:
     child = subprocess.Popen([sys.executable, __file__, "--role", "sender"], cwd=REPO,
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
@@ -110,9 +114,10 @@ def run(sizes_mib: list[float], repeats: int) -> dict:
 
         for size in sizes_mib:
             nbytes = int(size * MiB)
-            row = {"size_mib": size, "nbytes": nbytes,
-                   "memcpy_warm_s": memcpy_s(nbytes, repeats, fresh=False),
-                   "memcpy_fresh_s": memcpy_s(nbytes, repeats, fresh=True)}
+            repeats = repeats_arg or default_repeats(nbytes)
+            row = {"size_mib": size, "nbytes": nbytes, "repeats": repeats,
+                   "memcpy_warm_s": memcpy_s(nbytes, repeats * 4, fresh=False),
+                   "memcpy_fresh_s": memcpy_s(nbytes, repeats * 4, fresh=True)}
             out = torch.empty(kv_shape(nbytes))
             for transport, checksum, reuse_out in VARIANTS:
                 pulls, stages = [], []
@@ -139,7 +144,7 @@ def run(sizes_mib: list[float], repeats: int) -> dict:
     return {"machine": {"platform": platform.platform(), "python": platform.python_version(),
                         "torch": torch.__version__, "cpus": os.cpu_count(),
                         "torch_threads": torch.get_num_threads()},
-            "repeats": repeats, "unit": "GB/s = 1e9 bytes/s, median", "rows": rows}
+            "unit": "GB/s = 1e9 bytes/s, median", "rows": rows}
 
 
 HEADER = " | ".join([f"{'size':>9}", *COLUMNS, "shm stage ms"])
@@ -151,7 +156,8 @@ def print_row(row: dict) -> None:
             *(variant_key(*v) + "_pull_s" for v in VARIANTS)]
     cells = [f"{gbps(n, row[k]):>{len(c)}.2f}" for k, c in zip(keys, COLUMNS)]
     stage_ms = f"{statistics.median(row['shm_stage_s']) * 1e3:>12.1f}"
-    print(" | ".join([f"{row['size_mib']:>5g} MiB", *cells, stage_ms]), flush=True)
+    print(" | ".join([f"{row['size_mib']:>5g} MiB", *cells, stage_ms]) + f"  (n={row['repeats']})",
+          flush=True)
 
 
 def main() -> None:
@@ -159,16 +165,22 @@ def main() -> None:
                                      epilog="example: python bench/kv_transfer_cpu.py --out "
                                             "bench/results/kv_transfer_cpu.json")
     parser.add_argument("--sizes-mib", type=float, nargs="+", default=[1, 16, 256])
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="pulls per variant and size (default: 40 at <= 1 MiB down to 5 at "
+                             "256 MiB; small payloads are noisier on a shared machine)")
     parser.add_argument("--out", help="write raw samples and medians as JSON to this file")
     parser.add_argument("--role", choices=["bench", "sender"], default="bench",
                         help=argparse.SUPPRESS)
     args = parser.parse_args()
+    # One intra-op thread in both processes: the transports copy on one thread (recv_into, a
+    # memoryview copy), so that is the fair baseline; and with two processes on a small shared
+    # machine, OpenMP workers waiting for a core turn a 1 MiB copy_ into milliseconds of noise.
+    torch.set_num_threads(1)
     if args.role == "sender":
         sender_main()
         return
-    print(f"KV transfer throughput, GB/s (1e9 B/s), median of {args.repeats}; sender and "
-          f"receiver in separate processes; crc32 on unless 'nocrc'")
+    print("KV transfer throughput, GB/s (1e9 B/s), median of the repeats; sender and receiver in "
+          "separate processes; crc32 on unless 'nocrc'; 'out' = pull into a preallocated tensor")
     print(HEADER)
     print("-" * len(HEADER))
     report = run(args.sizes_mib, args.repeats)

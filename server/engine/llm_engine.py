@@ -97,7 +97,7 @@ class LLMEngine:
             init_random_weights(model)
         else:
             model.load_hf_weights(load_state_dict(self.model_path, dtype=self.dtype, device=str(self.device)))
-        self.model = model.eval()
+        self.model = model.eval().requires_grad_(False)
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         num_blocks = config.num_blocks or max(
             1, config.kv_cache_memory_mb * 2**20 // kv_bytes_per_block(self.model_config, config.block_size, self.dtype)

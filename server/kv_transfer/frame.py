@@ -6,14 +6,21 @@ then — for DATA_INLINE only — the raw payload bytes. Nothing is ever pickled
 is only ever interpreted as integers and short UTF-8 strings, and every size field is checked against
 hard limits *before* anything is allocated for it (vLLM CVE-2025-47277 was a pickle on this path).
 
-Header layout (92 bytes)::
+Header layout (92 bytes, in this order)::
 
-    magic  b"DSKV"   4s     frame type     B      dtype code     B      secret length  B
-    version          H      flags          B      ndim (<= 8)    B      request id len H
-                            error code     B                            text length    H
-    shape            8 x Q  (unused dims must be 0)
-    payload nbytes   Q      (== prod(shape) * itemsize, <= max_nbytes)
-    checksum         I      (crc32 of the payload when FLAG_CHECKSUM is set, else 0)
+    magic            4s   b"DSKV"
+    version          H    VERSION
+    frame type       B    FrameType
+    flags            B    FLAG_CHECKSUM
+    error code       B    ErrorCode (ERROR frames)
+    dtype code       B    DTYPE_CODES (data frames; 0 otherwise)
+    ndim             B    <= 8
+    secret length    B    <= 64
+    request id len   H    <= 256
+    text length      H    <= 1024 (ERROR message, or the shm segment name of DATA_SHM)
+    shape            8Q   unused dims must be 0
+    payload nbytes   Q    == prod(shape) * itemsize, <= max_nbytes
+    checksum         I    crc32 of the payload when FLAG_CHECKSUM is set, else 0
 """
 
 from __future__ import annotations

@@ -126,14 +126,20 @@ class KVStagingServer(KVSender):
         with self._lock:
             self._check_capacity(request_id, nbytes)
         use_crc = self.checksum if checksum is None else checksum
-        src = tensor_bytes(tensor)
         segment, held = None, tensor
         if transport == "shm":
             segment, held = create_segment(nbytes, self.shm_prefix), None
-            segment.buf[:nbytes] = src
-            src = segment.buf[:nbytes]
-        crc = zlib.crc32(src) if use_crc else None
-        src.release()
+        try:
+            src = tensor_bytes(tensor)
+            if segment is not None:
+                segment.buf[:nbytes] = src
+                src = segment.buf[:nbytes]
+            crc = zlib.crc32(src) if use_crc else None
+            src.release()
+        except BaseException:
+            if segment is not None:
+                destroy_segment(segment)
+            raise
         lease_s = lease_ms / 1000.0
         entry = _Entry(request_id=request_id, transport=transport, secret=secrets.token_hex(16),
                        dtype=tensor.dtype, shape=tuple(tensor.shape), nbytes=nbytes, checksum=crc,
@@ -141,6 +147,8 @@ class KVStagingServer(KVSender):
                        segment=segment)
         with self._lock:
             try:
+                if self._closed:
+                    raise RuntimeError("KVStagingServer is closed")
                 self._check_capacity(request_id, nbytes)
             except Exception:
                 self._free_resources(entry)
@@ -239,10 +247,19 @@ class KVStagingServer(KVSender):
     def _finish(self, request_id: str, status: TransferStatus, count: bool = True,
                 only: _Entry | None = None) -> bool:
         """Remove an entry (if still staged, and still `only` when given) and free it."""
+        entry = self._unstage(request_id, status, count, only)
+        if entry is None:
+            return False
+        self._free_resources(entry)
+        return True
+
+    def _unstage(self, request_id: str, status: TransferStatus, count: bool = True,
+                 only: _Entry | None = None) -> _Entry | None:
+        """Bookkeeping half of _finish: the caller frees the returned entry's memory."""
         with self._lock:
             entry = self._entries.get(request_id)
             if entry is None or (only is not None and entry is not only):
-                return False
+                return None
             del self._entries[request_id]
             self._remember(request_id, status)
             if count and status is TransferStatus.SUCCESS:
@@ -252,8 +269,7 @@ class KVStagingServer(KVSender):
                 self.stats.transfers_expired += 1
             elif count and status is TransferStatus.ABORTED:
                 self.stats.transfers_aborted += 1
-        self._free_resources(entry)
-        return True
+        return entry
 
     def _sweep_loop(self) -> None:
         while not self._stop.is_set():
@@ -284,38 +300,45 @@ class KVStagingServer(KVSender):
                 self._pool.submit(self._serve, conn)
 
     def _serve(self, conn: socket.socket) -> None:
+        done = None
         try:
             conn.settimeout(self.io_timeout_s)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self._serve_pull(conn)
+            done = self._serve_pull(conn)
         except (OSError, FrameError) as exc:
             logger.debug("KV connection ended: %s", exc)
         finally:
             with self._lock:
                 self._conns.discard(conn)
             conn.close()
+        if done is not None:
+            # Freed after the close that ends the receiver's pull(): unlinking and unmapping a
+            # 256 MiB segment takes ~100 ms here, which is not decode's to wait for.
+            self._free_resources(done)
 
     def _reply_error(self, conn: socket.socket, code: ErrorCode, text: str,
                      request_id: str = "") -> None:
         conn.sendall(encode_frame(Frame(FrameType.ERROR, request_id=request_id,
                                         error_code=code, text=text)))
 
-    def _serve_pull(self, conn: socket.socket) -> None:
+    def _serve_pull(self, conn: socket.socket) -> _Entry | None:
+        """Serve one PULL; returns the entry to free when it was ACKed."""
         try:
             pull = read_frame(conn, max_nbytes=0)
         except FrameError as exc:
             self._reply_error(conn, ErrorCode.BAD_FRAME, str(exc))
-            return
+            return None
         if pull.type is not FrameType.PULL:
             self._reply_error(conn, ErrorCode.BAD_FRAME, f"expected PULL, got {pull.type.name}")
-            return
+            return None
         rid = pull.request_id
         with self._lock:
             entry = self._entries.get(rid)
             if entry is None:
-                expired = self._history.get(rid) is TransferStatus.EXPIRED
-                code, text = ((ErrorCode.EXPIRED, f"lease of request {rid!r} expired") if expired
-                              else (ErrorCode.UNKNOWN_ID, f"request {rid!r} is not staged here"))
+                past = self._history.get(rid)
+                code = ErrorCode.EXPIRED if past is TransferStatus.EXPIRED else ErrorCode.UNKNOWN_ID
+                text = (f"request {rid!r} is not staged here" if past is None else
+                        f"request {rid!r} is no longer staged ({past.value})")
             elif not hmac.compare_digest(pull.secret.encode(), entry.secret.encode()):
                 self.stats.auth_failures += 1
                 code, text, entry = ErrorCode.AUTH, "authentication failed", None
@@ -328,17 +351,16 @@ class KVStagingServer(KVSender):
             if code is ErrorCode.AUTH:
                 logger.warning("KV pull for request %s refused: wrong secret", rid)
             self._reply_error(conn, code, text, rid)
-            return
+            return None
         acked = False
         try:
             acked = self._send_payload(conn, entry, payload)
         finally:
-            if acked:
-                self._finish(rid, TransferStatus.SUCCESS, only=entry)
-            else:
+            if not acked:
                 with self._lock:
                     entry.in_flight = False
                     self.stats.transfers_failed += 1
+        return self._unstage(rid, TransferStatus.SUCCESS, only=entry) if acked else None
 
     def _send_payload(self, conn: socket.socket, entry: _Entry, payload) -> bool:
         inline = entry.transport == "tcp"

@@ -12,6 +12,7 @@ never goes through the tracker at all: it calls shm_open itself.
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import re
@@ -32,12 +33,31 @@ def create_segment(nbytes: int, prefix: str = DEFAULT_PREFIX) -> shared_memory.S
     """A new segment of at least nbytes (>= 1: POSIX refuses empty mappings), random name."""
     if not _PREFIX_RE.fullmatch(prefix):
         raise ValueError(f"shm prefix {prefix!r} must match {_PREFIX_RE.pattern}")
+    size = max(nbytes, 1)
+    try:
+        st = os.statvfs("/dev/shm")
+        free = st.f_bavail * st.f_frsize
+    except OSError:  # pragma: no cover - no /dev/shm (non-Linux): fallocate below still guards
+        free = size
+    if size > free:
+        raise OSError(errno.ENOSPC, f"/dev/shm has {free} bytes free, KV segment needs {size}")
     while True:
         name = prefix + secrets.token_hex(16)
         try:
-            return shared_memory.SharedMemory(name=name, create=True, size=max(nbytes, 1))
+            seg = shared_memory.SharedMemory(name=name, create=True, size=size)
+            break
         except FileExistsError:  # pragma: no cover - 128 random bits
             continue
+    # Reserve the pages now: tmpfs hands out pages lazily, and a write to a mapped page that
+    # /dev/shm cannot back is SIGBUS — a dead prefill worker — instead of an OSError here.
+    try:
+        fd = getattr(seg, "_fd", -1)  # private but present on CPython 3.8-3.13
+        if fd >= 0:
+            os.posix_fallocate(fd, 0, size)
+    except OSError:
+        destroy_segment(seg)
+        raise
+    return seg
 
 
 def destroy_segment(seg: shared_memory.SharedMemory) -> None:

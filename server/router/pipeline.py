@@ -75,7 +75,7 @@ class Pipeline:
     def check_available(self) -> str:
         mode = self.registry.mode()
         if mode is None:
-            raise NoWorkersError("no healthy workers are registered")
+            raise NoWorkersError(f"no healthy prefill+decode pair or colocated worker ({len(self.registry.workers)} registered)")
         return mode
 
     async def _wait_for_mode(self) -> str | None:
@@ -140,14 +140,25 @@ class Pipeline:
             raise NoWorkersError("no healthy prefill/decode pair")
         first = await self._prefill(prefill, req, outputs, decode.host_id)
         done = outputs + first["token_ids"]  # copy now: the caller extends `outputs` when we yield
-        yield TokenEvent(first["token_ids"], first["finished"], first.get("finish_reason"))
-        if first["finished"]:
-            return
-        if not decode.healthy:  # failed while we prefilled: pick again
-            decode = self.registry.pick("decode") or decode
-        async with aclosing(self._stream(decode, req, done, first["kv"])) as stream:
-            async for ev in stream:
-                yield ev
+        pulled = first["finished"]  # True once no staged KV can be left behind on the prefill worker
+        try:
+            yield TokenEvent(first["token_ids"], first["finished"], first.get("finish_reason"))
+            if first["finished"]:
+                return
+            if not decode.healthy:  # failed while we prefilled: pick again
+                decode = self.registry.pick("decode") or decode
+            async with aclosing(self._stream(decode, req, done, first["kv"])) as stream:
+                async for ev in stream:
+                    pulled = True  # the decode worker produced a token, so it holds the KV now
+                    yield ev
+        except WorkerFailed:
+            if not pulled:  # free the staged KV before a retry re-prefills this request id
+                await self._abort(prefill, req.request_id)
+            raise
+        except (GeneratorExit, asyncio.CancelledError):
+            if not pulled:  # client gone or stop string hit at token #1: release the staged KV now
+                asyncio.ensure_future(self._abort(prefill, req.request_id))
+            raise
 
     async def _prefill(self, worker: WorkerInfo, req: EngineRequest, outputs: list[int], peer_host: str) -> dict:
         body = {"request_id": req.request_id, "prompt_token_ids": req.prompt_token_ids,

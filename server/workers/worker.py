@@ -9,6 +9,7 @@ and take it out of rotation when the heartbeats stop (dead or frozen).
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import os
 import signal
@@ -17,6 +18,7 @@ import uuid
 from dataclasses import dataclass
 
 import aiohttp
+import torch
 import uvicorn
 
 from server.config import DistServeConfig
@@ -63,11 +65,20 @@ def engine_config_for(role: str, cfg: DistServeConfig, device: str) -> EngineCon
 
 
 def fingerprint(engine: LLMEngine) -> dict:
-    """What a prefill/decode pair must agree on for KV to be interchangeable."""
+    """What a prefill/decode pair must agree on for KV to be interchangeable.
+
+    Shape alone is not enough: two checkpoints of one architecture produce KV of
+    the same layout but different meaning, so a digest of some weights is included.
+    Block size is not: KV travels as contiguous tokens and each side pages it its own way.
+    """
     c = engine.model_config
-    return {"architecture": c.architecture, "model": c.fingerprint(), "dtype": str(engine.dtype).split(".")[-1],
-            "num_layers": c.num_hidden_layers, "num_kv_heads": c.num_key_value_heads, "head_dim": c.head_dim,
-            "vocab_size": c.vocab_size}
+    m = engine.model
+    sample = torch.cat([m.embed_tokens.weight[:8].flatten(), m.norm.weight.flatten(),
+                        m.layers[0].self_attn.qkv_proj.weight[:4].flatten()]).detach().float().cpu()
+    weights = hashlib.sha256(sample.numpy().tobytes()).hexdigest()[:16]
+    return {"architecture": c.architecture, "config": c.fingerprint(), "weights": weights,
+            "dtype": str(engine.dtype).split(".")[-1], "num_layers": c.num_hidden_layers,
+            "num_kv_heads": c.num_key_value_heads, "head_dim": c.head_dim, "vocab_size": c.vocab_size}
 
 
 async def _registration_loop(state: WorkerState, opts: WorkerOptions, reg: RegisterRequest,

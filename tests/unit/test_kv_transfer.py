@@ -23,6 +23,7 @@ import torch
 from server.kv_transfer import (FrameError, KVHandle, KVPuller, KVStagingServer, PullResult,
                                 StagingFullError, TransferStatus, choose_transport, host_id)
 from server.kv_transfer import frame as fr
+from server.kv_transfer import shm
 
 REPO = Path(__file__).resolve().parents[2]
 SHAPE = (3, 2, 17, 4, 24)  # [num_layers, 2, num_tokens, num_kv_heads, head_dim]
@@ -121,8 +122,10 @@ def test_round_trip(server, puller, prefix, transport, dtype):
     assert result.tensor.dtype == dtype and tuple(result.tensor.shape) == SHAPE
     assert torch.equal(result.tensor, t) and result.tensor.data_ptr() != t.data_ptr()
     assert result.nbytes == handle.nbytes and result.seconds > 0
-    # ACK frees the entry before pull() returns; release afterwards is a harmless no-op
-    assert server.num_staged == 0 and server.staged_bytes == 0 and shm_names(prefix) == []
+    # ACK unstages the entry before pull() returns (its memory is freed just after: the segment
+    # unlink is not on the decode path); release afterwards is a harmless no-op
+    assert server.num_staged == 0 and server.staged_bytes == 0
+    assert wait_until(lambda: shm_names(prefix) == [])
     assert server.poll("req-1") is TransferStatus.SUCCESS
     assert server.release("req-1") is False
     assert server.stats.transfers_ok == 1 and server.stats.bytes_sent == handle.nbytes
@@ -461,7 +464,7 @@ def test_cross_process_receiver(server, prefix):
     del buf
     result = KVPuller().pull(handles["bad"], 5)
     assert result.ok and torch.equal(result.tensor, tensors["bad"])
-    assert shm_names(prefix) == [] and server.num_staged == 0
+    assert server.num_staged == 0 and wait_until(lambda: shm_names(prefix) == [])
 
 
 @pytest.mark.parametrize("transport", ["tcp", "shm"])
@@ -476,3 +479,11 @@ def test_pull_into_preallocated_out(server, puller, transport):
         result = puller.pull(handle, 5, out=bad)
         assert result.status is TransferStatus.FAILED and message in result.error
     assert server.poll("o2") is TransferStatus.PENDING  # refused locally, nothing was sent
+
+
+def test_shm_without_room_is_an_error_not_sigbus(prefix):
+    # tmpfs pages are handed out lazily: without the up-front check/fallocate, the copy into a
+    # segment /dev/shm cannot back would kill the worker with SIGBUS
+    with pytest.raises(OSError, match="free"):
+        shm.create_segment(1 << 50, prefix)
+    assert shm_names(prefix) == []
