@@ -181,6 +181,11 @@ def create_router_app(state: RouterState) -> FastAPI:
     async def invalid(request: Request, exc: InvalidRequest):
         return _error(400, str(exc), exc.param)
 
+    @app.exception_handler(NoWorkersError)
+    async def no_workers(request: Request, exc: NoWorkersError):
+        state.metrics.requests.labels("unavailable").inc()
+        return _unavailable(f"{exc}; retry later")
+
     @app.post("/v1/completions")
     async def completions(request: Request):
         req = protocol.parse(protocol.CompletionRequest, await json_body(request))
@@ -217,12 +222,8 @@ def create_router_app(state: RouterState) -> FastAPI:
             max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=max(req.top_k, 0),
             seed=req.seed if req.seed is not None else secrets.randbits(62),
             stop_token_ids=req.stop_token_ids or [], ignore_eos=req.ignore_eos)
-        try:
-            state.pipeline.check_available()
-            tokenizer = state.get_tokenizer()
-        except NoWorkersError as e:
-            state.metrics.requests.labels("unavailable").inc()
-            return _unavailable(f"{e}; retry later")
+        state.pipeline.check_available()  # NoWorkersError -> 503 with Retry-After
+        tokenizer = state.get_tokenizer()
         ereq = EngineRequest(f"{kind[:4]}-{uuid.uuid4().hex}", prompt_ids, sampling)
         run = _Run(state, ereq, TextAssembler(tokenizer, req.stop_strings()))
         if req.stream:
@@ -243,11 +244,7 @@ def create_router_app(state: RouterState) -> FastAPI:
 
 # --- helpers ---------------------------------------------------------------
 def _tokenize(state: RouterState, text: str) -> list[int]:
-    try:
-        tok = state.get_tokenizer()
-    except NoWorkersError:
-        raise InvalidRequest("prompt: text prompts need a registered model; try again shortly") from None
-    return tok.encode(text)
+    return state.get_tokenizer().encode(text)  # NoWorkersError (no model known yet) -> 503
 
 
 def _check_ids(state: RouterState, ids: list[int]) -> list[int]:

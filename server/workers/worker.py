@@ -24,7 +24,7 @@ import uvicorn
 from server.config import DistServeConfig
 from server.engine.llm_engine import EngineConfig, LLMEngine
 from server.kv_transfer import KVPuller, KVStagingServer
-from server.kv_transfer.factory import host_id
+from server.kv_transfer.factory import choose_transport, host_id
 from server.metrics import WorkerMetrics
 from server.workers.app import WorkerState, create_worker_app
 from server.workers.engine_loop import EngineLoop
@@ -94,7 +94,10 @@ async def _registration_loop(state: WorkerState, opts: WorkerOptions, reg: Regis
                     reg.status = state.status()
                     async with http.post(f"{opts.router_url}/register", json=reg.model_dump()) as r:
                         if r.status in (401, 403, 409, 422):
-                            detail = (await r.json()).get("detail", r.reason)
+                            try:
+                                detail = (await r.json())["error"]["message"]
+                            except (ValueError, KeyError, TypeError, aiohttp.ContentTypeError):
+                                detail = r.reason
                             log.error("router refused registration (%s): %s", r.status, detail)
                             state.fatal_error = f"router refused registration: {detail}"
                             server.should_exit = True
@@ -125,6 +128,11 @@ async def _registration_loop(state: WorkerState, opts: WorkerOptions, reg: Regis
 async def serve_worker(opts: WorkerOptions) -> int:
     if opts.cpus:
         os.sched_setaffinity(0, opts.cpus)
+    try:  # refuse an unusable transport at start-up, not at the first request
+        choose_transport(opts.config.kv_transfer.transport, 0, True, 0.0)
+    except (NotImplementedError, ValueError) as e:
+        print(f"distserve worker: error: {e}", flush=True)
+        return 2
     engine = LLMEngine(engine_config_for(opts.role, opts.config, opts.device))
     loop = asyncio.get_running_loop()
     engine_loop = EngineLoop(engine, loop)

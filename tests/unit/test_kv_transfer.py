@@ -267,7 +267,7 @@ def test_sender_drops_mid_payload_fails_fast():
     result = KVPuller().pull(fake.handle(t), 10)
     fake.close()
     assert result.status is TransferStatus.FAILED and "after 1000 of" in result.error
-    assert time.monotonic() - start < 2
+    assert time.monotonic() - start < 8  # failed promptly, did not wait for the 10 s timeout
 
 
 def test_silent_sender_times_out():
@@ -279,7 +279,7 @@ def test_silent_sender_times_out():
     done.set()
     fake.close()
     assert result.status is TransferStatus.FAILED and "timed out after 0.3 s" in result.error
-    assert 0.25 < elapsed < 2
+    assert 0.25 < elapsed < 8  # honoured the 0.3 s timeout, did not hang
 
 
 @pytest.mark.parametrize("shape,nbytes,message", [

@@ -395,18 +395,6 @@ def test_fast_decode_equals_tokenizers_for_llama_and_bytelevel_styles():
     assert det.push_many(ids) + det.flush() == wp.decode(ids)
 
 
-def test_detokenizer_speed(tiny):
-    tok = Tokenizer.from_folder(tiny)
-    ids = tok.encode("The quick brown fox 🦊 跳过了懒狗. " * 20)
-    det = tok.incremental_detokenizer()
-    t0 = time.perf_counter()
-    for _ in range(20):
-        for i in ids:
-            det.push(i)
-    per_token = (time.perf_counter() - t0) / (20 * len(ids))
-    assert per_token < 20e-6, per_token
-
-
 # ---------------------------------------------------------------------------- default model
 
 

@@ -1,0 +1,192 @@
+"""Failures the server must survive: a decode worker killed mid-stream, start order, a foreign model."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import aiohttp
+import pytest
+import yaml
+
+from server.engine.llm_engine import EngineConfig, LLMEngine
+from server.engine.sampling_params import SamplingParams
+
+from .conftest import TOKEN, free_port, http
+from .test_serving import assert_no_leaks, make_prompts
+
+MAX_TOKENS = 96
+PROMPTS = make_prompts(16, seed=7)
+
+
+def test_sigkill_decode_worker_mid_stream_streams_complete_identically(serve_factory):
+    server = serve_factory(prefill=1, decode=2)
+    engine = LLMEngine(EngineConfig())
+    seeded = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.7, top_p=0.95, seed=500 + i, ignore_eos=True)
+              for i in range(len(PROMPTS))]
+    reference = [engine.generate([p], [sp])[0] for p, sp in zip(PROMPTS, seeded)]
+    killed: dict = {}
+    progress = [0] * len(PROMPTS)
+    decodes = [w for w in server.workers() if w["role"] == "decode"]
+    assert len(decodes) == 2
+
+    async def one(s: aiohttp.ClientSession, i: int) -> list[int]:
+        body = {"prompt_token_ids": PROMPTS[i], "max_tokens": MAX_TOKENS, "temperature": 0.7, "top_p": 0.95,
+                "seed": 500 + i, "ignore_eos": True, "stream": True}
+        ids: list[int] = []
+        async with s.post(f"{server.url}/generate", json=body) as r:
+            assert r.status == 200
+            async for raw in r.content:
+                line = json.loads(raw)
+                assert "error" not in line, line
+                ids.extend(line["token_ids"])
+                progress[i] = len(ids)
+        return ids
+
+    async def killer() -> None:
+        # once most streams are past token #1 (so in decode), SIGKILL the busier decode worker
+        while sum(1 for n in progress if n >= 3) < len(PROMPTS) // 2:
+            await asyncio.sleep(0.005)
+        status = await asyncio.to_thread(server.workers)
+        load = {w["worker_id"]: w["inflight"] + w["num_running"] for w in status}
+        victim = max(decodes, key=lambda w: load.get(w["worker_id"], 0))
+        os.kill(victim["pid"], signal.SIGKILL)
+        killed.update(victim, progress_at_kill=list(progress))
+
+    async def main():
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as s:
+            results = asyncio.gather(*(one(s, i) for i in range(len(PROMPTS))))
+            await killer()
+            return await results
+
+    got = asyncio.run(main())
+    assert killed
+    unfinished = [n for n in killed["progress_at_kill"] if n < MAX_TOKENS]
+    assert unfinished, "every stream had finished before the kill: the test proved nothing"
+    assert got == reference
+    _, metrics, _ = http("GET", f"{server.url}/metrics")
+    migrations = [ln for ln in metrics.splitlines() if ln.startswith("distserve_migrations_total")]
+    assert migrations and float(migrations[0].split()[-1]) >= 1, migrations
+    assert_no_leaks(server)
+
+
+def _spawn(argv: list[str], log, extra_env: dict | None = None) -> subprocess.Popen:
+    env = dict(os.environ, DISTSERVE_ADMIN_TOKEN=TOKEN, **(extra_env or {}))
+    return subprocess.Popen([sys.executable, "-m", "server.cli", *argv], env=env, stdout=log,
+                            stderr=subprocess.STDOUT)
+
+
+def _stop(*procs: subprocess.Popen) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(20)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def _wait(pred, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
+@pytest.fixture
+def config_file(tmp_path):
+    p = tmp_path / "cfg.yaml"
+    p.write_text(yaml.safe_dump({"router": {"heartbeat_interval_ms": 200, "heartbeat_timeout_ms": 1000}}))
+    return str(p)
+
+
+def test_workers_started_before_the_router_register(tmp_path, config_file):
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = open(tmp_path / "log.txt", "wb")
+    workers = [_spawn(["worker", "--role", r, "--router", url, "--config", config_file], log)
+               for r in ("prefill", "decode")]
+    router = None
+    try:
+        time.sleep(3)  # the workers are up and retrying; no router yet
+        assert all(w.poll() is None for w in workers)
+        router = _spawn(["router", "--port", str(port), "--config", config_file], log)
+
+        def ready():
+            try:
+                status, body, _ = http("GET", f"{url}/v1/workers", timeout=2)
+            except OSError:
+                return False
+            return status == 200 and sum(w["healthy"] for w in body["workers"]) == 2
+        _wait(ready, 60, "both workers to register")
+        status, body, _ = http("POST", f"{url}/v1/completions",
+                               {"prompt": "hello", "max_tokens": 5, "ignore_eos": True}, token=None)
+        assert status == 200 and body["usage"]["completion_tokens"] == 5, body
+    finally:
+        _stop(*workers, *([router] if router else []))
+        log.close()
+
+
+def test_fingerprint_mismatch_is_refused(tmp_path, config_file):
+    other = tmp_path / "other-model"
+    subprocess.run([sys.executable, "-m", "server.cli", "make-tiny-model", str(other), "--seed", "1"],
+                   check=True, capture_output=True, timeout=120)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = open(tmp_path / "log.txt", "wb")
+    router = _spawn(["router", "--port", str(port), "--config", config_file], log)
+    good = _spawn(["worker", "--role", "prefill", "--router", url, "--config", config_file], log)
+    bad = None
+    try:
+        def registered():
+            try:
+                status, body, _ = http("GET", f"{url}/v1/workers", timeout=2)
+            except OSError:
+                return False
+            return status == 200 and len(body["workers"]) == 1
+        _wait(registered, 60, "the first worker")
+        out = tmp_path / "bad.txt"
+        with open(out, "wb") as f:
+            bad = subprocess.run([sys.executable, "-m", "server.cli", "worker", "--role", "decode", "--router", url,
+                                  "--config", config_file, "--model", str(other)],
+                                 env=dict(os.environ, DISTSERVE_ADMIN_TOKEN=TOKEN), stdout=f,
+                                 stderr=subprocess.STDOUT, timeout=120)
+        text = out.read_text()
+        assert bad.returncode == 3, text
+        assert "fingerprint mismatch" in text and "weights" in text, text
+        _, body, _ = http("GET", f"{url}/v1/workers")
+        assert [w["role"] for w in body["workers"]] == ["prefill"]
+    finally:
+        _stop(good, router)
+        log.close()
+
+
+def test_no_workers_gives_503_and_bad_token_worker_is_refused(tmp_path, config_file):
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = open(tmp_path / "log.txt", "wb")
+    router = _spawn(["router", "--port", str(port), "--config", config_file], log)
+    try:
+        def up():
+            try:
+                return http("GET", f"{url}/health", timeout=2)[0] == 503
+            except OSError:
+                return False
+        _wait(up, 60, "the router")
+        status, body, headers = http("POST", f"{url}/v1/completions", {"prompt": "hi"}, token=None)
+        assert status == 503 and headers.get("retry-after") == "1", body
+        wrong = subprocess.run([sys.executable, "-m", "server.cli", "worker", "--role", "decode", "--router", url,
+                                "--config", config_file], env=dict(os.environ, DISTSERVE_ADMIN_TOKEN="wrong"),
+                               capture_output=True, text=True, timeout=120)
+        assert wrong.returncode == 3 and "token" in wrong.stdout + wrong.stderr
+    finally:
+        _stop(router)
+        log.close()
