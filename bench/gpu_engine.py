@@ -144,7 +144,8 @@ def decode_kernel():
     res["sdpa_gather_b64_ctx1024"] = {"ms": ms, "GBps": kv_bytes / ms / 1e6}
     default = dict(td.DECODE_CONFIG)
     best = None
-    variants = [(64, 4, 2), (32, 4, 2), (64, 8, 2), (128, 8, 2), (64, 4, 3), (128, 4, 3), (32, 2, 2)]
+    variants = [(32, 2, 2), (64, 4, 2), (16, 2, 2), (32, 1, 2), (16, 1, 2), (32, 2, 3), (32, 2, 4), (64, 2, 2),
+                (32, 4, 2), (64, 2, 3)]
     out = torch.empty_like(q)
     for bn, nw, ns in variants:
         td.DECODE_CONFIG.update(BLOCK_N=bn, num_warps=nw, num_stages=ns)
@@ -165,6 +166,11 @@ def decode_kernel():
     if best is not None:
         td.DECODE_CONFIG.update(BLOCK_N=best[1], num_warps=best[2], num_stages=best[3])
     res["chosen_config"] = dict(td.DECODE_CONFIG)
+    for splits in (2, 4):  # split-K at batch 64 as well?
+        ms = do_bench(lambda: td.paged_decode_attention(q, cache, tables, lens, bs, scale, 4096, out=out,
+                                                        num_splits=splits), warmup=25, rep=100, return_mode="median")
+        res[f"triton_b64_ctx1024_chosen_splits{splits}"] = {"ms": ms, "GBps": kv_bytes / ms / 1e6}
+        print(f"   chosen config, {splits} splits: {ms * 1e3:.0f} us, {kv_bytes / ms / 1e6:.0f} GB/s")
     del q, cache, tables, lens, ref
     # batch 1, long context: split-K vs one program per head
     q, cache, tables, lens = _kernel_inputs(1, 4096, h, h, seed=1)
@@ -180,58 +186,53 @@ def decode_kernel():
 
 
 
-# ------------------------------------------------------------------ GEMV (decode's weight reads)
-def _triton_gemv():
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        pid = tl.program_id(0)
-        rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        acc = tl.zeros([BLOCK_N], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            cols = k0 + tl.arange(0, BLOCK_K)
-            x = tl.load(x_ptr + cols).to(tl.float32)
-            w = tl.load(w_ptr + rows[:, None].to(tl.int64) * K + cols[None, :], mask=rows[:, None] < N, other=0.0)
-            acc += tl.sum(w.to(tl.float32) * x[None, :], 1)
-        tl.store(y_ptr + rows, acc.to(y_ptr.dtype.element_ty), mask=rows < N)
-
-    def gemv(x, w, bn, bk, nw):
-        n, k = w.shape
-        y = torch.empty(n, dtype=x.dtype, device=x.device)
-        gemv_kernel[(triton.cdiv(n, bn),)](x, w, y, n, k, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw)
-        return y
-
-    return gemv
-
-
-@section("gemv")
-def gemv_bench():
+# ------------------------------------------------------------------ prefill parts
+@section("prefill_parts")
+def prefill_parts():
+    """GEMMs at 2048 tokens, and causal attention [1, 32, 2048, 128] per SDPA kernel (engine-style views)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
     from triton.testing import do_bench
 
-    gemv = _triton_gemv()
+    from server.engine.attention import triton_decode as td
+
     res = {}
-    for n, k in ((12288, 4096), (4096, 4096), (22016, 4096), (4096, 11008), (32000, 4096)):
-        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
-        wb = n * k * 2
-        for m in (1, 64):
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            ms = do_bench(lambda: torch.nn.functional.linear(x, w), warmup=10, rep=50, return_mode="median")
-            res[f"cublas_M{m}_{n}x{k}"] = {"us": ms * 1e3, "GBps": wb / ms / 1e6}
-        x1 = torch.randn(k, device="cuda", dtype=torch.bfloat16)
-        ref = torch.nn.functional.linear(x1[None], w)[0].float()
-        for bn, bk, nw in ((8, 512, 4), (16, 256, 4), (16, 512, 8), (32, 256, 8)):
-            try:
-                err = ((gemv(x1, w, bn, bk, nw).float() - ref).norm() / ref.norm()).item()
-                ms = do_bench(lambda: gemv(x1, w, bn, bk, nw), warmup=10, rep=50, return_mode="median")
-                res[f"triton_M1_{n}x{k}_BN{bn}_BK{bk}_w{nw}"] = {"us": ms * 1e3, "GBps": wb / ms / 1e6, "err": err}
-            except Exception as e:
-                res[f"triton_M1_{n}x{k}_BN{bn}_BK{bk}_w{nw}"] = {"error": str(e)[:200]}
-        best = max((v["GBps"], kk) for kk, v in res.items() if f"_{n}x{k}" in kk and "M64" not in kk and "GBps" in v)
-        print(f"   {n}x{k}: cuBLAS M1 {res[f'cublas_M1_{n}x{k}']['GBps']:.0f} GB/s; best {best[1]} {best[0]:.0f} GB/s")
-        del w
-    RESULTS["gemv"] = res
+    t = 2048
+    for n, k in ((12288, 4096), (4096, 4096), (22016, 4096), (4096, 11008)):
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+        x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16)
+        ms = do_bench(lambda: torch.nn.functional.linear(x, w), warmup=10, rep=50, return_mode="median")
+        res[f"gemm_M{t}_{n}x{k}"] = {"us": ms * 1e3, "TFLOPs": 2 * t * n * k / ms / 1e9}
+        del w, x
+    h, d = 32, 128
+    qkv = torch.randn(t, 3 * h * d, device="cuda", dtype=torch.bfloat16)
+    q = qkv[:, : h * d].view(t, h, d).transpose(0, 1)[None]
+    k = qkv[:, h * d: 2 * h * d].view(t, h, d).transpose(0, 1)[None]
+    v = qkv[:, 2 * h * d:].view(t, h, d).transpose(0, 1)[None]
+    ref = None
+    attn_flops = 2 * t * t * h * d  # causal: half of 4*T^2*D per head
+    best = None
+    for name, be in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION),
+                     ("efficient", SDPBackend.EFFICIENT_ATTENTION)):
+        try:
+            def f():
+                with sdpa_kernel([be]):
+                    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+            o = f()
+            if ref is None:
+                ref = o.float()
+            err = ((o.float() - ref).norm() / ref.norm()).item()
+            ms = do_bench(f, warmup=10, rep=50, return_mode="median")
+            res[f"attn_{name}"] = {"us": ms * 1e3, "TFLOPs": attn_flops / ms / 1e9, "rel_vs_flash": err}
+            print(f"   attention {name}: {ms * 1e3:.0f} us ({attn_flops / ms / 1e9:.0f} TFLOP/s), err {err:.1e}")
+            if err < 1e-2 and (best is None or ms < best[0]):
+                best = (ms, name, be)
+        except Exception as e:
+            res[f"attn_{name}"] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+    if best is not None and best[1] != "flash" and best[0] < 0.95 * res["attn_flash"]["us"] / 1e3:
+        td.PREFILL_SDPA_BACKENDS = [best[2], SDPBackend.FLASH_ATTENTION]
+    res["prefill_sdpa_choice"] = best[1] if td.PREFILL_SDPA_BACKENDS else "default (flash)"
+    RESULTS["prefill_parts"] = res
+
 
 # ------------------------------------------------------------------ 7B engine
 def weight_bytes(model) -> int:
@@ -272,8 +273,21 @@ def _time_steps(eng, n) -> list[float]:
 
 
 def _replay_ms(gr, bs, n=50) -> float:
+    """GPU time per replay: n back-to-back replays between two events (launch gaps included)."""
     g = gr.graphs[bs]
-    return med(cuda_time_ms(g.replay, n, warmup=3))
+    for _ in range(3):
+        g.replay()
+    torch.cuda.synchronize()
+    vals = []
+    for _ in range(3):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(n):
+            g.replay()
+        b.record()
+        b.synchronize()
+        vals.append(a.elapsed_time(b) / n)
+    return med(vals)
 
 
 def _set_mode(eng, mode, graph_runner, backends):
@@ -314,6 +328,9 @@ def engine_7b():
     capture_s = time.time() - t0
     backends = {"triton": eng.model.backend, "sdpa": SdpaBackend()}
     res = {"weight_bytes": wb, "build_s": build_s, "graph_capture_s": capture_s, "num_blocks": eng.runner.num_blocks,
+           "gemv_tuning": getattr(eng, "gemv_report", None),
+           "prefill_sdpa_backends": str(__import__("server.engine.attention.triton_decode",
+                                                   fromlist=["x"]).PREFILL_SDPA_BACKENDS),
            "decode_kernel_config": dict(__import__("server.engine.attention.triton_decode",
                                                    fromlist=["x"]).DECODE_CONFIG)}
     RESULTS["engine_7b"] = res
@@ -389,6 +406,24 @@ def engine_7b():
                 ts.append((time.perf_counter() - t1) * 1e3)
         pf[mode] = {"step_ms_median": med(ts), "TFLOPs": pf["flops"] / (med(ts) / 1e3) / 1e12, "n": n}
         print(f"   prefill 2048 {mode}: {med(ts):.1f} ms")
+    _set_mode(eng, "eager_fused", gr, backends)
+    fw = []
+    for k in range(6):
+        eng.add_request(f"pfg-{k}", _rand_prompt(rng, PF_LEN, cfg.vocab_size), one)
+        sched = eng.scheduler.schedule()
+        torch.cuda.synchronize()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t1 = time.perf_counter()
+        a.record()
+        eng.runner.execute(sched.scheduled)
+        b.record()
+        b.synchronize()
+        if k:
+            fw.append((a.elapsed_time(b), (time.perf_counter() - t1) * 1e3))
+        eng.abort_request(f"pfg-{k}")
+    pf["runner_execute_events_ms"] = med([x[0] for x in fw])
+    pf["runner_execute_wall_ms"] = med([x[1] for x in fw])
+    print(f"   prefill runner.execute: {pf['runner_execute_events_ms']:.1f} ms (events)")
     pf["ratio_to_floor"] = pf["fused_flash"]["step_ms_median"] / pf["floor_ms"]
     pf["meets_target"] = pf["fused_flash"]["step_ms_median"] <= TARGETS["prefill_2048_ms"]
     _set_mode(eng, "eager_fused", gr, backends)
@@ -426,6 +461,13 @@ def hf_eager():
     finally:
         torch.set_default_dtype(old)
     model = model.to(torch.bfloat16).eval()
+    with torch.no_grad():  # random weights, explicitly (whatever the library's init did): N(0, 0.02), norms 1
+        g = torch.Generator(device="cuda").manual_seed(0)
+        for name, prm in model.named_parameters():
+            if prm.dim() == 1:
+                prm.fill_(1.0)
+            else:
+                prm.normal_(0.0, 0.02, generator=g)
     res["build_s"] = time.time() - t0
     rng = random.Random(1)
     for impl in ("sdpa", "eager"):
@@ -510,7 +552,7 @@ def main() -> None:
                       .multi_processor_count}
     skip = set(filter(None, args.skip.split(",")))
     t0 = time.time()
-    for name, fn in (("anchors", anchors), ("decode_kernel", decode_kernel), ("gemv", gemv_bench),
+    for name, fn in (("anchors", anchors), ("decode_kernel", decode_kernel), ("prefill_parts", prefill_parts),
                      ("engine_7b", engine_7b),
                      ("hf_eager", hf_eager)):
         if name not in skip:

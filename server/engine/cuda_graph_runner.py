@@ -23,6 +23,7 @@ returns ``None`` (eager fallback) for anything but an all-decode step that fits.
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
@@ -66,6 +67,7 @@ class CudaGraphRunner:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.num_replays = 0
+        self._rows: list = [None] * self.max_bs  # (sequence, table length) last written to each host row
         self.capture()
 
     # --- capture ---------------------------------------------------------------
@@ -147,13 +149,17 @@ class CudaGraphRunner:
             h[b + i] = pos
             h[2 * b + i] = bt[pos // bsz] * bsz + pos % bsz
             h[3 * b + i] = pos + 1
-            tables[i, : len(bt)] = bt
+            prev = self._rows[i]
+            if prev is None or prev[0] is not seq or prev[1] != len(bt):  # tables only grow: rewrite on change
+                tables[i, : len(bt)] = bt
+                self._rows[i] = (seq, len(bt))
         if bs > n:
             h[n:bs] = 0
             h[b + n:b + bs] = 0
             h[2 * b + n:2 * b + bs] = -1
             h[3 * b + n:3 * b + bs] = 1
             tables[n:bs, 0] = 0
+            self._rows[n:bs] = [None] * (bs - n)
         self._static[: 4 * b].copy_(self._host[: 4 * b], non_blocking=True)
         self._static[4 * b: 4 * b + bs * w].copy_(self._host[4 * b: 4 * b + bs * w], non_blocking=True)
         if self._copy_done is not None:
@@ -170,6 +176,10 @@ def setup_cuda_engine(engine) -> None:
     from server.engine.cuda_ops import enable_fused_ops
 
     fused = enable_fused_ops(engine.model)
+    if fused and os.environ.get("DISTSERVE_GEMV_TUNE", "1") != "0":
+        from server.engine.cuda_ops import tune_gemv
+
+        engine.gemv_report = tune_gemv(engine.model)  # one-token GEMV: Triton where it beats cuBLAS
     graphs = None
     if not getattr(engine.config, "enforce_eager", False) and getattr(engine.model.backend, "supports_cuda_graph",
                                                                         False):

@@ -49,7 +49,7 @@ class SequenceStatus(enum.IntEnum):
         }.get(self)
 
 
-@dataclass
+@dataclass(eq=False)  # identity, not field-by-field: `seq in running` was O(prompt length) per compare
 class Sequence:
     request_id: str
     prompt_token_ids: list[int]

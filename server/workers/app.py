@@ -125,7 +125,8 @@ async def _prefill(state: WorkerState, body: PrefillRequest) -> JSONResponse:
     state.inflight += 1
     t0 = time.perf_counter()
     try:
-        out = await asyncio.wait_for(q.get(), state.config.router.request_timeout_s)
+        async with asyncio.timeout(state.config.router.request_timeout_s):
+            out = await q.get()
         if out.finish_reason != "prefilled":  # stopped at token #1 (EOS, max_tokens=1) or aborted
             return JSONResponse(PrefillResponse(token_ids=out.new_token_ids, finished=True,
                                                 finish_reason=out.finish_reason,
@@ -169,7 +170,11 @@ async def _generate_stream(state: WorkerState, body: GenerateRequest):
         first = True
         timeout = state.config.router.request_timeout_s
         while True:
-            out = await asyncio.wait_for(q.get(), timeout)
+            # asyncio.timeout, not wait_for: on 3.11 wait_for swallows a cancellation that
+            # arrives when q.get() has just completed — with a token every step, that is
+            # almost always, and a disconnected client would never be noticed.
+            async with asyncio.timeout(timeout):
+                out = await q.get()
             # coalesce whatever else is already queued into one line
             tokens, finished, reason = list(out.new_token_ids), out.finished, out.finish_reason
             while not finished and not q.empty():

@@ -1,19 +1,21 @@
-"""Runs one ``LLMEngine`` in a dedicated thread and bridges it to asyncio.
+"""Drives one ``LLMEngine`` from the worker's asyncio event loop.
 
-The engine is synchronous and not thread-safe; the HTTP side is asyncio. All
-engine calls therefore go through this loop's command queue and run on the
-engine thread, between steps. Outputs travel back per request through an
-``asyncio.Queue`` fed with ``call_soon_threadsafe``. Requests whose KV must
-first find room (decode-side reservations) wait in a FIFO that the thread
-retries every iteration: that is the decode worker's back-pressure.
+The engine steps *on the event-loop thread*: one synchronous ``engine.step()``,
+then a yield so HTTP handlers can run, then the next step. A worker owns one
+core, so a separate engine thread would buy no parallelism; it would only add
+GIL hand-offs (up to the 5 ms switch interval per hand-off) between the thread
+that computes a token and the thread that streams it. Here a token computed in
+a step is in the request's queue when the step returns, and engine calls from
+handlers happen between steps by construction, so the engine needs no locks.
+
+Requests whose KV must first find room (decode-side reservations) wait in a
+FIFO that is retried after every step: the decode worker's back-pressure.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import queue
-import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -37,7 +39,6 @@ class _Reservation:
 
 @dataclass
 class LoopStats:
-    """Snapshot the event loop may read without locking (replaced whole each iteration)."""
     num_waiting: int = 0
     num_running: int = 0
     num_reserving: int = 0
@@ -48,74 +49,89 @@ class LoopStats:
     step_seconds_total: float = 0.0
 
 
+@dataclass(frozen=True)
+class GcPolicy:
+    """Decode-side garbage collection of *stale slots*: blocks reserved for a KV pull that
+    never completed (the pull hangs, or its handler died). ``decode.gc_interval_ms`` and
+    ``decode.max_stale_slots`` in the config; a slot is stale after ``stale_after_s``."""
+    interval_s: float = 0.5
+    stale_after_s: float = 10.0
+    max_stale_slots: int = 16
+
+
 class EngineLoop:
-    def __init__(self, engine: LLMEngine, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, engine: LLMEngine, gc: GcPolicy = GcPolicy()) -> None:
         self.engine = engine
-        self.loop = loop
-        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self.gc = gc
+        self.num_gc_collected = 0
+        self._granted: dict[str, float] = {}  # reserved, KV not yet committed: request id -> when
+        self._next_gc = 0.0
         self._streams: dict[str, asyncio.Queue] = {}
         self._reservations: deque[_Reservation] = deque()
-        self._stop = threading.Event()
+        self._wakeup = asyncio.Event()
+        self._task: asyncio.Task | None = None
         self._step_seconds = 0.0
-        self.stats = LoopStats(kv_blocks_free=engine.num_free_blocks)
-        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
 
     def start(self) -> None:
-        self._thread.start()
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="engine-loop")
 
-    def stop(self, timeout: float = 5.0) -> None:
-        self._stop.set()
-        self._commands.put(lambda: None)
-        self._thread.join(timeout)
+    def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
 
-    # --- thread side -------------------------------------------------------
-    def _run(self) -> None:
-        engine = self.engine
-        while not self._stop.is_set():
-            # Block only when idle; poll while reservations wait for blocks; never wait when busy.
-            if engine.has_unfinished_requests():
-                timeout: float | None = 0.0
-            else:
-                timeout = 0.005 if self._reservations else None
-            try:
-                cmd = self._commands.get(timeout=timeout) if timeout != 0.0 else self._commands.get_nowait()
-                cmd()
-                while True:
-                    self._commands.get_nowait()()
-            except queue.Empty:
-                pass
-            except Exception:  # a command must never kill the loop
-                log.exception("engine command failed")
-            self._admit_reservations()
-            if engine.has_unfinished_requests():
-                t0 = time.perf_counter()
-                try:
-                    outputs = engine.step()
-                except Exception:
-                    log.exception("engine step failed; aborting every request in it")
-                    outputs = self._abort_all("engine error")
-                self._step_seconds += time.perf_counter() - t0
-                for out in outputs:
-                    self._deliver(out.request_id, out)
-            self._publish_stats()
-
-    def _publish_stats(self) -> None:
+    @property
+    def stats(self) -> LoopStats:
         e = self.engine
-        self.stats = LoopStats(
-            num_waiting=e.scheduler.num_waiting,
-            num_running=e.scheduler.num_running,
-            num_reserving=len(self._reservations),
-            kv_blocks_used=e.num_used_blocks,
-            kv_blocks_free=e.num_free_blocks,
-            num_steps=e.stats.num_steps,
-            num_preemptions=e.stats.num_preemptions,
-            step_seconds_total=self._step_seconds,
+        return LoopStats(
+            num_waiting=e.scheduler.num_waiting, num_running=e.scheduler.num_running,
+            num_reserving=len(self._reservations), kv_blocks_used=e.num_used_blocks,
+            kv_blocks_free=e.num_free_blocks, num_steps=e.stats.num_steps,
+            num_preemptions=e.stats.num_preemptions, step_seconds_total=self._step_seconds,
         )
 
-    def _abort_all(self, reason: str) -> list[RequestOutput]:
+    # --- the loop ------------------------------------------------------------
+    async def _run(self) -> None:
+        engine = self.engine
+        while True:
+            self._admit_reservations()
+            if self._granted and time.monotonic() >= self._next_gc:
+                self.collect_stale_slots()
+            if not engine.has_unfinished_requests():
+                self._wakeup.clear()
+                if self._reservations:  # blocks may free up through aborts: poll gently
+                    timeout: float | None = 0.005
+                elif self._granted:  # wake for the next garbage collection
+                    timeout = max(0.0, self._next_gc - time.monotonic())
+                else:
+                    timeout = None
+                try:
+                    async with asyncio.timeout(timeout):
+                        await self._wakeup.wait()
+                except TimeoutError:
+                    pass
+                continue
+            t0 = time.perf_counter()
+            try:
+                outputs = engine.step()
+            except Exception:
+                log.exception("engine step failed; aborting every request in it")
+                outputs = self._abort_all()
+            self._step_seconds += time.perf_counter() - t0
+            for out in outputs:
+                q = self._streams.get(out.request_id)
+                if q is not None:
+                    q.put_nowait(out)
+            # Two yields, not one. The first lets handlers stream what this step produced and
+            # go back to waiting on their queues; the second runs callbacks scheduled meanwhile
+            # while those queue waits are still pending — anyio delivers a client-disconnect
+            # cancellation only to a task whose awaited future is not yet done, so with a single
+            # yield a stream fed every step would never be cancelled (and its KV never freed).
+            await asyncio.sleep(0)
+            await asyncio.sleep(0)
+
+    def _abort_all(self) -> list[RequestOutput]:
         outs = []
-        for rid in list(self.engine.requests):
-            seq = self.engine.requests[rid]
+        for rid, seq in list(self.engine.requests.items()):
             self.engine.abort_request(rid)
             outs.append(RequestOutput(rid, [], True, "error", len(seq.prompt_token_ids), seq.num_output_tokens))
         return outs
@@ -123,48 +139,43 @@ class EngineLoop:
     def _admit_reservations(self) -> None:
         while self._reservations:
             r = self._reservations[0]
-            if r.future.done():  # cancelled by its waiter
+            if r.future.done():  # its waiter gave up
                 self._reservations.popleft()
                 continue
             try:
                 ok = self.engine.reserve_prefilled(r.request_id, r.prompt_token_ids, r.output_token_ids, r.params)
             except Exception as e:  # invalid request: fail it, keep the queue moving
                 self._reservations.popleft()
-                self._resolve(r.future, e)
+                r.future.set_exception(e)
                 continue
             if not ok:
                 return  # FIFO: later requests wait behind the head
             self._reservations.popleft()
-            self._resolve(r.future, True)
+            self._granted[r.request_id] = time.monotonic()
+            r.future.set_result(True)
 
-    def _deliver(self, request_id: str, item: Any) -> None:
-        q = self._streams.get(request_id)
-        if q is not None:
-            self.loop.call_soon_threadsafe(q.put_nowait, item)
+    def collect_stale_slots(self) -> int:
+        """Free reservations older than the policy allows, and beyond max_stale_slots the oldest."""
+        now = time.monotonic()
+        self._next_gc = now + self.gc.interval_s
+        by_age = sorted(self._granted.items(), key=lambda kv: kv[1])
+        too_old = [rid for rid, t in by_age if now - t > self.gc.stale_after_s]
+        overflow = [rid for rid, t in by_age[: max(0, len(by_age) - self.gc.max_stale_slots)]
+                    if now - t > self.gc.interval_s]
+        victims = set(too_old) | set(overflow)
+        for rid in victims:
+            log.warning("freeing stale KV slot of %s (reserved %.1f s ago, KV never arrived)",
+                        rid, now - self._granted[rid])
+            self.abort_nowait(rid)
+        self.num_gc_collected += len(victims)
+        return len(victims)
 
-    def _resolve(self, fut: asyncio.Future, value: Any) -> None:
-        def set_it() -> None:
-            if fut.done():
-                return
-            if isinstance(value, BaseException):
-                fut.set_exception(value)
-            else:
-                fut.set_result(value)
-        self.loop.call_soon_threadsafe(set_it)
-
-    # --- asyncio side ------------------------------------------------------
+    # --- API for handlers (all on the loop thread, so between steps) ----------
     async def call(self, fn: Callable[[], Any]) -> Any:
-        """Run ``fn`` on the engine thread between steps and await its result."""
-        fut = self.loop.create_future()
-
-        def run() -> None:
-            try:
-                self._resolve(fut, _Ok(fn()))
-            except Exception as e:
-                self._resolve(fut, e)
-
-        self._commands.put(run)
-        return (await fut).value
+        """Run ``fn`` against the engine (between steps) and wake the loop."""
+        result = fn()
+        self._wakeup.set()
+        return result
 
     def open_stream(self, request_id: str) -> asyncio.Queue:
         q: asyncio.Queue = asyncio.Queue()
@@ -178,21 +189,24 @@ class EngineLoop:
                           prefill_only: bool = False, output_token_ids: list[int] | None = None) -> asyncio.Queue:
         q = self.open_stream(request_id)
         try:
-            await self.call(lambda: self.engine.add_request(
-                request_id, prompt, params, prefill_only=prefill_only, output_token_ids=output_token_ids))
+            self.engine.add_request(request_id, prompt, params, prefill_only=prefill_only,
+                                    output_token_ids=output_token_ids)
         except BaseException:
             self.close_stream(request_id)
             raise
+        self._wakeup.set()
         return q
 
     async def reserve(self, request_id: str, prompt: list[int], outputs: list[int], params: SamplingParams,
                       timeout_s: float) -> None:
         """Wait until the engine has blocks for this request's KV (raises TimeoutError)."""
-        fut = self.loop.create_future()
-        r = _Reservation(request_id, list(prompt), list(outputs), params, fut)
-        self._commands.put(lambda: self._reservations.append(r))
+        fut = asyncio.get_running_loop().create_future()
+        self._reservations.append(_Reservation(request_id, list(prompt), list(outputs), params, fut))
+        self._admit_reservations()
+        self._wakeup.set()
         try:
-            await asyncio.wait_for(asyncio.shield(fut), timeout_s)
+            async with asyncio.timeout(timeout_s):
+                await fut
         except BaseException:
             fut.cancel()
             self.abort_nowait(request_id)  # it may have been granted meanwhile
@@ -200,27 +214,24 @@ class EngineLoop:
 
     async def commit(self, request_id: str, kv) -> asyncio.Queue:
         q = self.open_stream(request_id)
+        self._granted.pop(request_id, None)
         try:
-            await self.call(lambda: self.engine.commit_prefilled(request_id, kv))
+            self.engine.commit_prefilled(request_id, kv)
         except BaseException:
             self.close_stream(request_id)
             raise
+        self._wakeup.set()
         return q
 
-    def abort_nowait(self, request_id: str) -> None:
-        """Abort without waiting: safe in ``finally`` blocks of cancelled tasks."""
+    def abort_nowait(self, request_id: str) -> bool:
+        """Abort now; safe in ``finally`` blocks of cancelled tasks (no await)."""
         self.close_stream(request_id)
-        self._commands.put(lambda: self.engine.abort_request(request_id))
+        self._granted.pop(request_id, None)
+        return self.engine.abort_request(request_id)
 
     async def abort(self, request_id: str) -> bool:
-        self.close_stream(request_id)
-        return await self.call(lambda: self.engine.abort_request(request_id))
+        return self.abort_nowait(request_id)
 
     def reservation_ages(self) -> list[tuple[str, float]]:
         now = time.monotonic()
-        return [(r.request_id, now - r.created) for r in list(self._reservations)]
-
-
-@dataclass
-class _Ok:
-    value: Any
+        return [(r.request_id, now - r.created) for r in self._reservations]

@@ -27,7 +27,7 @@ from server.kv_transfer import KVPuller, KVStagingServer
 from server.kv_transfer.factory import choose_transport, host_id
 from server.metrics import WorkerMetrics
 from server.workers.app import WorkerState, create_worker_app
-from server.workers.engine_loop import EngineLoop
+from server.workers.engine_loop import EngineLoop, GcPolicy
 from server.workers.protocol import RegisterRequest
 
 log = logging.getLogger(__name__)
@@ -135,8 +135,10 @@ async def serve_worker(opts: WorkerOptions) -> int:
         return 2
     engine = LLMEngine(engine_config_for(opts.role, opts.config, opts.device))
     loop = asyncio.get_running_loop()
-    engine_loop = EngineLoop(engine, loop)
-    kvc = opts.config.kv_transfer
+    kvc, dc = opts.config.kv_transfer, opts.config.decode
+    engine_loop = EngineLoop(engine, GcPolicy(interval_s=dc.gc_interval_ms / 1000.0,
+                                              stale_after_s=2 * kvc.pull_timeout_ms / 1000.0,
+                                              max_stale_slots=dc.max_stale_slots))
     state = WorkerState(role=opts.role, worker_id=opts.worker_id or f"{opts.role}-{uuid.uuid4().hex[:8]}",
                         config=opts.config, token=opts.token, loop=engine_loop, metrics=WorkerMetrics(opts.role))
     if opts.role == "prefill":

@@ -52,9 +52,13 @@ def _sdpa_reference(q, cache, tables, lens, block_size, scale):
 LENS = [1, 16, 1024, 2048, 7, 100, 1000, 1537, 3001]
 
 
-@pytest.mark.parametrize("heads,kv_heads", [(32, 32), (32, 8), (64, 8)])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("heads,kv_heads,dtype,block_size", [
+    (32, 32, torch.bfloat16, 16),  # Llama-2-7B
+    (32, 8, torch.bfloat16, 16),  # GQA 4:1 (broadcast path)
+    (64, 8, torch.bfloat16, 16),  # GQA 8:1 (tensor-core path)
+    (32, 32, torch.bfloat16, 32),
+    (32, 8, torch.float16, 16),
+])
 def test_triton_decode_matches_sdpa(heads, kv_heads, dtype, block_size):
     from server.engine.attention.triton_decode import paged_decode_attention
 
@@ -188,11 +192,53 @@ def test_cuda_graph_decode_tokens_equal_eager(preset, batch):
     assert eager.runner.graph_runner is None
     out_e = eager.generate(prompts, p)
     assert out_g == out_e
-    plain = _engine(preset, enforce_eager=True, attention_backend="sdpa")  # unfused PyTorch model
-    assert not getattr(plain.model, "fused_ops", False)
-    out_p = plain.generate(prompts, p)
-    agree = sum(a == b for x, y in zip(out_p, out_e) for a, b in zip(x, y)) / sum(len(x) for x in out_e)
-    assert agree > 0.9, agree  # different kernels, bf16: near-ties may flip late tokens
+
+
+@pytest.mark.parametrize("preset", ["tiny-gpu", "tiny-gpu-gqa"])
+def test_fused_forward_close_to_plain_model(preset):
+    """Fused kernels + Triton decode vs the plain PyTorch model (SDPA): prefill and first decode logits.
+
+    Tokens are not compared over long runs: with random weights and bf16 one near-tie flips a token and the
+    sequences part ways, which says nothing about the kernels.
+    """
+    from server.engine.sampling_params import SamplingParams
+
+    prompts = _prompts(3, [5, 64, 100], seed=3)
+    logits = {}
+    for name, kw in (("fused", {}), ("plain", {"attention_backend": "sdpa"})):
+        eng = _engine(preset, enforce_eager=True, **kw)
+        assert bool(getattr(eng.model, "fused_ops", False)) == (name == "fused")
+        for i, pr in enumerate(prompts):
+            eng.add_request(f"r{i}", pr, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+        sched = eng.scheduler.schedule()
+        pre = eng.runner.execute(sched.scheduled)
+        for s in sched.scheduled:
+            s.seq.num_computed_tokens += s.num_new_tokens
+        for i, s in enumerate(sched.scheduled):  # both engines continue from the same (fused) token
+            s.seq.output_token_ids.append(int(logits["fused"][0][i].argmax()) if name == "plain" else
+                                          int(pre[i].argmax()))
+        sched = eng.scheduler.schedule()
+        assert all(s.num_new_tokens == 1 for s in sched.scheduled)
+        dec = eng.runner.execute(sched.scheduled)
+        logits[name] = (pre, dec)
+    for a, b in zip(logits["fused"], logits["plain"]):
+        assert torch.isfinite(a).all()
+        assert _rel(a, b) < 2e-2, _rel(a, b)
+
+
+@pytest.mark.parametrize("n,k,bias", [(12288, 4096, False), (4096, 11008, False), (1000, 4096, True)])
+def test_triton_gemv_matches_linear(n, k, bias):
+    from server.engine.cuda_ops import GEMV_CANDIDATES, gemv
+
+    gen = torch.Generator().manual_seed(n + k)
+    w = (0.02 * torch.randn(n, k, generator=gen)).bfloat16().to(DEV)
+    b = torch.randn(n, generator=gen).bfloat16().to(DEV) if bias else None
+    x = torch.randn(1, k, generator=gen).bfloat16().to(DEV)
+    ref = torch.nn.functional.linear(x.float(), w.float(), b.float() if bias else None)
+    for cfg in GEMV_CANDIDATES:
+        y = gemv(x, w, b, cfg)
+        assert y.shape == (1, n) and torch.isfinite(y).all()
+        assert _rel(y, ref) < 1e-2, cfg
 
 
 def test_cuda_graph_padded_batch_and_long_context():

@@ -41,8 +41,13 @@ except Exception:  # ImportError, or a broken driver stack
     HAS_TRITON = False
 
 # Launch parameters; the GPU bench may override them (see bench/gpu_engine.py).
-DECODE_CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2, "target_programs_per_sm": 2,
+# Defaults from the H200 sweep (bench/results/gpu_engine_*.json: BLOCK_N 32 with 2 warps streamed the
+# batch-64 x 1024 cache at ~3.1 TB/s, against 1.9 TB/s for 64/4).
+DECODE_CONFIG = {"BLOCK_N": 32, "num_warps": 2, "num_stages": 2, "target_programs_per_sm": 2,
                  "min_partition": 256}
+# SDPA kernels for causal prefill (None: PyTorch's choice, flash first), e.g.
+# [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION]; set by tuning or the bench.
+PREFILL_SDPA_BACKENDS = None
 _LOG2E = 1.4426950408889634
 _SM_COUNT: dict[int, int] = {}
 
@@ -229,6 +234,15 @@ def paged_decode_attention(
     return out
 
 
+def _causal_sdpa(q, k, v, scale, gqa):
+    if PREFILL_SDPA_BACKENDS is None or q.device.type != "cuda":
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+    from torch.nn.attention import sdpa_kernel
+
+    with sdpa_kernel(PREFILL_SDPA_BACKENDS):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+
+
 def prefill_attention_sdpa(q, k, v, kv_cache, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> int:
     """Prefill part of a step through SDPA; returns the number of prefill tokens written to ``out``."""
     gqa = q.shape[1] != k.shape[1]
@@ -243,9 +257,9 @@ def prefill_attention_sdpa(q, k, v, kv_cache, meta: AttentionMetadata, scale: fl
                 rep = q.shape[1] // k.shape[1]
                 ki = ki.repeat_interleave(rep, dim=1)
                 vi = vi.repeat_interleave(rep, dim=1)
-                o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale)
+                o = _causal_sdpa(qi, ki, vi, scale, False)
             else:
-                o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=gqa)
+                o = _causal_sdpa(qi, ki, vi, scale, gqa)
             out[start:end] = o[0].transpose(0, 1)
         else:  # chunked prefill / recompute: earlier keys come from the cache
             ki, vi = gather_kv(kv_cache, meta.prefill_block_tables[i], slen, meta.block_size)
