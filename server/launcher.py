@@ -64,15 +64,24 @@ def _token(cfg: DistServeConfig, generate: bool) -> str | None:
 
 
 # --- placement ---------------------------------------------------------------
-def plan_cpus(mode: str, num_prefill: int, num_decode: int, pinning: str) -> dict[str, list[int]]:
-    """CPU list per role ('' = unpinned)."""
-    if pinning == "none" or mode != "disaggregated" or not hasattr(os, "sched_getaffinity"):
-        return {}
-    cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) < 2:
-        return {}
+def plan_cpus(mode: str, pinning: str) -> tuple[dict[str, list[int]], dict[str, int]]:
+    """(CPU list per pinned role, torch threads per role).
+
+    Torch threads are always set explicitly: left at its default, torch starts one
+    OpenMP thread per CPU in every worker, and busy-waiting threads of two
+    processes on the same cores slowed colocated decode steps by 10x here.
+    """
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    if mode != "disaggregated":  # one worker; leave a core to the router when there is more than one
+        return {}, {"colocated": max(1, len(cpus) - 1), "router": 1}
     half = max(1, len(cpus) // 2)
-    return {"prefill": cpus[:half], "decode": cpus[half:]}
+    prefill, decode = cpus[:half], cpus[half:] or cpus[:half]
+    threads = {"prefill": len(prefill), "decode": len(decode), "router": 1}
+    if pinning == "none" or len(cpus) < 2:
+        return {}, threads
+    # The router shares the prefill CPUs: prefill has slack between prompts, while every
+    # cycle taken from decode lengthens every running stream's TPOT.
+    return {"prefill": prefill, "decode": decode, "router": prefill}, threads
 
 
 @dataclass
@@ -118,7 +127,10 @@ class Launcher:
                 "--parent-pid", str(os.getpid())]
         if self.served_model_name:
             argv += ["--served-model-name", self.served_model_name]
-        router = self._spawn(argv, "router")
+        placement, threads = plan_cpus(self.mode, self.pinning)
+        if placement.get("router"):
+            argv += ["--cpus", ",".join(map(str, placement["router"]))]
+        router = self._spawn(argv, "router", threads=threads["router"])
         deadline = time.monotonic() + timeout_s
         while not ready.exists():
             if router.poll() is not None:
@@ -127,7 +139,6 @@ class Launcher:
                 raise RuntimeError("router did not start in time")
             time.sleep(0.05)
         self.url = json.loads(ready.read_text())["url"]
-        placement = plan_cpus(self.mode, self.num_prefill, self.num_decode, self.pinning)
         roles = (["prefill"] * self.num_prefill + ["decode"] * self.num_decode
                  if self.mode == "disaggregated" else ["colocated"] * self.num_decode)
         for i, role in enumerate(roles):
@@ -136,7 +147,7 @@ class Launcher:
                     "--device", self.device, "--parent-pid", str(os.getpid()), "--worker-id", f"{role}-{i}"]
             if cpus:
                 argv += ["--cpus", ",".join(map(str, cpus))]
-            self._spawn(argv, f"{role}-{i}", cpus, len(cpus) if cpus else None)
+            self._spawn(argv, f"{role}-{i}", cpus, threads[role])
         self.wait_healthy(len(roles), deadline)
         return self.url
 
@@ -246,6 +257,12 @@ def cmd_router(args) -> int:
     if not token:
         return _usage_error(f"the router needs an admin token: set {TOKEN_ENV} or router.admin_token")
 
+    if args.cpus:
+        try:
+            os.sched_setaffinity(0, {int(c) for c in args.cpus.split(",")})
+        except (ValueError, OSError) as e:
+            return _usage_error(f"--cpus {args.cpus!r}: {e}")
+
     async def main():
         _watch_parent(args.parent_pid)
         return await serve_router(cfg, token, model_path=cfg.model, served_model_name=args.served_model_name,
@@ -332,6 +349,7 @@ def add_serve_parsers(sub) -> None:
     p.add_argument("--host", default=None)
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--ready-file", default=None)
+    p.add_argument("--cpus", default=None, help="pin to these CPUs, e.g. 0")
     p.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
     p.set_defaults(handler=cmd_router)
 

@@ -255,7 +255,7 @@ def _fused_attention(attn, h, positions, cos, sin, kv_cache, meta, backend):
                           attn.num_heads, attn.num_kv_heads, attn.head_dim)
     v = qkv[:, attn.q_size + attn.kv_size:].view(t, attn.num_kv_heads, attn.head_dim)
     o = backend.attend(q, k, v, kv_cache, meta, attn.scale)
-    return linear(o.reshape(t, attn.q_size), attn.o_proj)
+    return linear(o.reshape(t, attn.q_size), attn.o_proj)  # (reshape copies only a non-contiguous view)
 
 
 def fused_forward(model, input_ids, positions, kv_caches, meta, max_position: int) -> torch.Tensor:

@@ -7,12 +7,12 @@ import json
 import logging
 import os
 import signal
-import socket
 from pathlib import Path
 
 import uvicorn
 
 from server.config import DistServeConfig
+from server.net import listen
 from server.router.app import RouterState, create_router_app
 from server.router.registry import WorkerRegistry
 
@@ -35,7 +35,7 @@ async def serve_router(config: DistServeConfig, token: str, *, model_path: str |
     state = RouterState(config=config, token=token, registry=registry, served_model_name=served_model_name,
                         model_path=model_path)
     app = create_router_app(state)
-    sock = socket.create_server((rc.host, rc.port), backlog=2048, reuse_port=False)
+    sock = listen(rc.host, rc.port, backlog=2048)
     host, port = sock.getsockname()[:2]
     url = f"http://{host}:{port}"
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False,

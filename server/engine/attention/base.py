@@ -67,6 +67,6 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
 def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, block_size: int):
     """K and V of one sequence as contiguous ``[seq_len, num_kv_heads, head_dim]`` tensors."""
     nb = kv_cache.shape[1] // block_size
-    paged = kv_cache.view(2, nb, block_size, *kv_cache.shape[2:])
-    kv = paged[:, block_table].flatten(1, 2)[:, :seq_len]
+    rows = kv_cache.view(2, nb, -1).index_select(1, block_table)
+    kv = rows.view(2, -1, *kv_cache.shape[2:])[:, :seq_len]
     return kv[0], kv[1]

@@ -51,8 +51,11 @@ class SdpaBackend(AttentionBackend):
         nb = kv_cache.shape[1] // bs
         max_blocks = -(-meta.decode_max_seq_len // bs)
         tables = meta.decode_block_tables[:, :max_blocks]
-        paged = kv_cache.view(2, nb, bs, *kv_cache.shape[2:])
-        kv = paged[:, tables].flatten(2, 3)  # [2, B, L, Hkv, D]
+        b = tables.shape[0]
+        # index_select over whole blocks (rows of bs*Hkv*D) copies at memcpy speed; advanced
+        # indexing (paged[:, tables]) took twice as long on CPU (bench: 1.6 vs 3.1 ms, B=32, L=160)
+        rows = kv_cache.view(2, nb, -1).index_select(1, tables.reshape(-1))
+        kv = rows.view(2, b, max_blocks * bs, *kv_cache.shape[2:])  # [2, B, L, Hkv, D]
         length = kv.shape[2]
         mask = torch.arange(length, device=q.device)[None, :] < meta.decode_seq_lens[:, None]
         o = F.scaled_dot_product_attention(

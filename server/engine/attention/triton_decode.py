@@ -41,9 +41,10 @@ except Exception:  # ImportError, or a broken driver stack
     HAS_TRITON = False
 
 # Launch parameters; the GPU bench may override them (see bench/gpu_engine.py).
-# Defaults from the H200 sweep (bench/results/gpu_engine_*.json: BLOCK_N 32 with 2 warps streamed the
-# batch-64 x 1024 cache at ~3.1 TB/s, against 1.9 TB/s for 64/4).
-DECODE_CONFIG = {"BLOCK_N": 32, "num_warps": 2, "num_stages": 2, "target_programs_per_sm": 2,
+# Defaults from the H200 sweep (bench/results/gpu_engine_*.json): at batch 64 x 1024 context, BLOCK_N 16
+# with one warp streamed the cache at ~4.1 TB/s, 32/2 at 3.1, 64/4 at 1.9. (GQA groups of 8+ take the
+# tensor-core path with at least 32 tokens and 2 warps.)
+DECODE_CONFIG = {"BLOCK_N": 16, "num_warps": 1, "num_stages": 2, "target_programs_per_sm": 2,
                  "min_partition": 256}
 # SDPA kernels for causal prefill (None: PyTorch's choice, flash first), e.g.
 # [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION]; set by tuning or the bench.
@@ -206,7 +207,11 @@ def paged_decode_attention(
         splits = -(-max(1, max_context) // partition)
     use_dot = group >= 8
     group_pad = max(16, _next_pow2(group)) if use_dot else _next_pow2(group)
-    block_n = cfg["BLOCK_N"] if (group_pad == 1 or use_dot) else max(16, cfg["BLOCK_N"] // group_pad)
+    if use_dot:
+        block_n, num_warps = max(32, cfg["BLOCK_N"]), max(2, cfg["num_warps"])
+    else:
+        # [group, BLOCK_N, D] float32 products live in registers: more warps for bigger groups
+        block_n, num_warps = max(16, cfg["BLOCK_N"] // group_pad), max(cfg["num_warps"], min(8, group_pad))
     if splits > 1:
         part_o = torch.empty(bsz * num_heads * splits * head_dim, dtype=torch.float32, device=q.device)
         part_ml = torch.empty(bsz * num_heads * splits * 2, dtype=torch.float32, device=q.device)
@@ -224,7 +229,7 @@ def paged_decode_attention(
         num_heads,
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=splits, USE_DOT=use_dot,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        num_warps=num_warps, num_stages=cfg["num_stages"],
     )
     if splits > 1:
         _combine_splits_kernel[(bsz, num_heads)](
@@ -239,8 +244,23 @@ def _causal_sdpa(q, k, v, scale, gqa):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
     from torch.nn.attention import sdpa_kernel
 
-    with sdpa_kernel(PREFILL_SDPA_BACKENDS):
+    try:  # the list's order is the priority (PyTorch >= 2.6)
+        ctx = sdpa_kernel(PREFILL_SDPA_BACKENDS, set_priority=True)
+    except TypeError:
+        ctx = sdpa_kernel(PREFILL_SDPA_BACKENDS)
+    with ctx:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+
+
+def full_prefill_attention(q, k, v, scale: float) -> torch.Tensor:
+    """Causal attention of one sequence whose whole context is new; ``[T, H, D]`` (a view when possible)."""
+    gqa = q.shape[1] != k.shape[1]
+    qi, ki, vi = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+    if gqa and q.device.type == "cuda":
+        rep = q.shape[1] // k.shape[1]
+        ki, vi = ki.repeat_interleave(rep, dim=1), vi.repeat_interleave(rep, dim=1)
+        gqa = False
+    return _causal_sdpa(qi, ki, vi, scale, gqa)[0].transpose(0, 1)
 
 
 def prefill_attention_sdpa(q, k, v, kv_cache, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> int:
@@ -316,6 +336,9 @@ class TritonBackend(AttentionBackend):
 
     def attend(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float):
         """Attention only: the new K/V are already in ``kv_cache``."""
+        if (meta.num_prefills == 1 and not meta.num_decodes
+                and meta.prefill_query_lens[0] == meta.prefill_seq_lens[0] == q.shape[0]):
+            return full_prefill_attention(q, k, v, scale)  # the prefill worker's common case: no copy
         out = torch.empty_like(q)
         start = prefill_attention_sdpa(q, k, v, kv_cache, meta, scale, out) if meta.num_prefills else 0
         if meta.num_decodes:
