@@ -224,6 +224,7 @@ class KVTransferConfig(_Section):
     failure_policy: str = _opt("recompute", "enum", choices=("recompute", "fail"))
     pull_timeout_ms: int = _opt(10_000, "int", lo=1, hi=_MS_MAX)
     checksum: bool = _opt(True, "bool")
+    cuda_ipc_pool_mb: int = _opt(2048, "int", lo=0, hi=10_000_000)  # per prefill GPU; 0 = no pool
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import secrets
 import signal
 import subprocess
@@ -84,6 +85,18 @@ def plan_cpus(mode: str, pinning: str) -> tuple[dict[str, list[int]], dict[str, 
     return {"prefill": prefill, "decode": decode, "router": prefill}, threads
 
 
+_DEVICE_RE = re.compile(r"cpu|cuda(:[0-9]{1,3})?")
+
+
+def parse_devices(text: str) -> tuple[str, ...]:
+    """'cuda:0,cuda:1' -> ('cuda:0', 'cuda:1'); ValueError naming the bad entry."""
+    devices = tuple(d.strip() for d in text.split(","))
+    for d in devices:
+        if not _DEVICE_RE.fullmatch(d):
+            raise ValueError(f"device {d!r} is not cpu, cuda or cuda:N (in {text!r})")
+    return devices
+
+
 @dataclass
 class Launcher:
     config: DistServeConfig
@@ -93,6 +106,7 @@ class Launcher:
     token: str
     pinning: str = "auto"
     device: str = "cpu"
+    devices: tuple[str, ...] = ()  # per worker, round-robin in start order; empty = `device` for all
     served_model_name: str | None = None
     log_dir: Path | None = None
     procs: list[subprocess.Popen] = field(default_factory=list)
@@ -143,8 +157,9 @@ class Launcher:
                  if self.mode == "disaggregated" else ["colocated"] * self.num_decode)
         for i, role in enumerate(roles):
             cpus = placement.get(role)
+            device = self.devices[i % len(self.devices)] if self.devices else self.device
             argv = ["worker", "--role", role, "--router", self.url, "--config", str(self.config_path),
-                    "--device", self.device, "--parent-pid", str(os.getpid()), "--worker-id", f"{role}-{i}"]
+                    "--device", device, "--parent-pid", str(os.getpid()), "--worker-id", f"{role}-{i}"]
             if cpus:
                 argv += ["--cpus", ",".join(map(str, cpus))]
             self._spawn(argv, f"{role}-{i}", cpus, threads[role])
@@ -199,8 +214,14 @@ def cmd_serve(args) -> int:
         return _usage_error(str(e))
     if args.prefill < 1 or args.decode < 1:
         return _usage_error("--prefill and --decode must be >= 1")
+    try:
+        devices = parse_devices(args.devices) if args.devices else ()
+        parse_devices(args.device)
+    except ValueError as e:
+        return _usage_error(str(e))
     launcher = Launcher(cfg, args.mode, args.prefill, args.decode, _token(cfg, generate=True),
-                        pinning=args.cpu_pinning, device=args.device, served_model_name=args.served_model_name,
+                        pinning=args.cpu_pinning, device=args.device, devices=devices,
+                        served_model_name=args.served_model_name,
                         log_dir=Path(args.log_dir) if args.log_dir else None)
     stop = {"flag": False}
 
@@ -334,7 +355,10 @@ def add_serve_parsers(sub) -> None:
     p.add_argument("--mode", choices=["disaggregated", "colocated"], default="disaggregated")
     p.add_argument("--port", type=int, default=None, help="router port (default: config router.port; 0 = any)")
     p.add_argument("--host", default=None, help="router bind address (default 127.0.0.1)")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", help="device of every worker: cpu, cuda, cuda:N")
+    p.add_argument("--devices", default=None,
+                   help="comma-separated devices assigned to workers round-robin in start order (prefill "
+                        "workers first, then decode or colocated), e.g. cuda:0,cuda:1; overrides --device")
     p.add_argument("--cpu-pinning", choices=["auto", "none"], default="auto")
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--ready-file", default=None, help="write {url, pid, token} here once healthy")

@@ -50,6 +50,9 @@ class WorkerMetrics:
         self.kv_blocks_free = Gauge("distserve_kv_blocks_free", "KV blocks free.", registry=r)
         self.staged_kv = Gauge("distserve_kv_staged_requests", "KV payloads staged for pull.", registry=r)
         self.steps = Gauge("distserve_engine_steps", "Engine steps so far.", registry=r)
+        self.step_seconds = Gauge("distserve_engine_step_seconds", "Seconds spent inside engine steps so far.",
+                                  registry=r)
+        self.generated = Gauge("distserve_engine_generated_tokens", "Tokens sampled so far.", registry=r)
         self.preemptions = Gauge("distserve_num_preemptions", "Preemptions by recompute so far.", registry=r)
         self.prefill_seconds = Histogram("distserve_prefill_seconds", "Prefill request time in this worker.",
                                          buckets=LATENCY_BUCKETS, registry=r)
@@ -67,4 +70,6 @@ class WorkerMetrics:
         self.kv_blocks_free.set(status.kv_blocks_free)
         self.staged_kv.set(status.num_staged_kv)
         self.steps.set(loop_stats.num_steps)
+        self.step_seconds.set(loop_stats.step_seconds_total)
+        self.generated.set(loop_stats.num_generated_tokens)
         self.preemptions.set(loop_stats.num_preemptions)

@@ -28,7 +28,7 @@ import torch
 from .frame import (DEFAULT_MAX_NBYTES, DTYPE_NAMES, MAX_NDIM, MAX_REQUEST_ID_BYTES,
                     MAX_SECRET_BYTES)
 
-TRANSPORTS = ("tcp", "shm")
+TRANSPORTS = ("tcp", "shm", "cuda_ipc")
 MAX_ADDRESS_CHARS = 300
 MAX_HOST_ID_CHARS = 512
 _HEX = re.compile(r"[0-9a-f]+")

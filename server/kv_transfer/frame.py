@@ -17,7 +17,8 @@ Header layout (92 bytes, in this order)::
     ndim             B    <= 8
     secret length    B    <= 64
     request id len   H    <= 256
-    text length      H    <= 1024 (ERROR message, or the shm segment name of DATA_SHM)
+    text length      H    <= 1024 (ERROR message, shm segment name of DATA_SHM, or the IPC
+                          description of DATA_CUDA_IPC)
     shape            8Q   unused dims must be 0
     payload nbytes   Q    == prod(shape) * itemsize, <= max_nbytes
     checksum         I    crc32 of the payload when FLAG_CHECKSUM is set, else 0
@@ -74,6 +75,7 @@ class FrameType(enum.IntEnum):
     DATA_SHM = 3  # sender -> receiver: metadata, text = shared-memory segment name
     ACK = 4  # receiver -> sender: payload received and verified, free it
     ERROR = 5  # either way: code + text, no data
+    DATA_CUDA_IPC = 6  # sender -> receiver: metadata, text = CUDA IPC description (JSON, cuda_ipc.py)
 
 
 class ErrorCode(enum.IntEnum):
@@ -87,7 +89,7 @@ class ErrorCode(enum.IntEnum):
     BAD_FRAME = 7
 
 
-_DATA_TYPES = (FrameType.DATA_INLINE, FrameType.DATA_SHM)
+_DATA_TYPES = (FrameType.DATA_INLINE, FrameType.DATA_SHM, FrameType.DATA_CUDA_IPC)
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""Decode-side puller: one TCP connection per pull, payload inline or through shared memory.
+"""Decode-side puller: one TCP connection per pull, payload inline, through shared memory, or
+GPU to GPU through a CUDA IPC handle (cuda_ipc.py; the tensor then lands on `cuda_device`).
 
 The reply header must match the handle exactly (dtype, shape, nbytes, checksum) before anything is
 allocated, so a confused or hostile sender can neither make us allocate more than the handle —
@@ -45,21 +46,24 @@ class _Deadline:
 
 
 def _check_out(handle: KVHandle, out: torch.Tensor) -> None:
-    if not isinstance(out, torch.Tensor) or out.device.type != "cpu" or not out.is_contiguous():
-        raise _PullFailed("out must be a contiguous CPU tensor")
+    want = "cuda" if handle.transport == "cuda_ipc" else "cpu"
+    if not isinstance(out, torch.Tensor) or out.device.type != want or not out.is_contiguous():
+        raise _PullFailed(f"out must be a contiguous {want.upper()} tensor")
     if tuple(out.shape) != handle.shape or out.dtype != handle.torch_dtype:
         raise _PullFailed(f"out is {out.dtype}{tuple(out.shape)}, handle is "
                           f"{handle.dtype}{handle.shape}")
 
 
 class KVPuller(KVReceiver):
-    """KVReceiver for handles staged by KVStagingServer (transports tcp and shm)."""
+    """KVReceiver for handles staged by KVStagingServer (transports tcp, shm and cuda_ipc)."""
 
     def __init__(self, *, max_nbytes: int = DEFAULT_MAX_NBYTES, chunk_bytes: int = 8 << 20,
-                 verify_checksum: bool = True):
+                 verify_checksum: bool = True, cuda_device: torch.device | str | None = None):
         self.max_nbytes = max_nbytes
         self.chunk_bytes = chunk_bytes
         self.verify_checksum = verify_checksum
+        self.cuda_device = cuda_device  # where cuda_ipc payloads land; None: cuda_ipc pulls fail
+        self._importer = None
 
     def pull(self, handle: KVHandle, timeout_s: float = 30.0, *,
              out: torch.Tensor | None = None) -> PullResult:
@@ -103,6 +107,11 @@ class KVPuller(KVReceiver):
             sock.settimeout(deadline.remaining())
             header = read_frame(sock, self.max_nbytes)
             checksum = self._check_header(handle, header)
+            if header.type is FrameType.DATA_CUDA_IPC:
+                tensor = self._copy_ipc(sock, handle, header, out)
+                sock.sendall(encode_frame(Frame(FrameType.ACK, request_id=handle.request_id)))
+                self._wait_for_close(sock, deadline)
+                return tensor
             tensor = torch.empty(handle.shape, dtype=handle.torch_dtype) if out is None else out
             dst = tensor_bytes(tensor)
             try:
@@ -127,7 +136,8 @@ class KVPuller(KVReceiver):
             status = (TransferStatus.EXPIRED if header.error_code is ErrorCode.EXPIRED
                       else TransferStatus.FAILED)
             raise _PullFailed(f"sender refused ({header.error_code.name}): {header.text}", status)
-        want = FrameType.DATA_INLINE if handle.transport == "tcp" else FrameType.DATA_SHM
+        want = {"tcp": FrameType.DATA_INLINE, "shm": FrameType.DATA_SHM,
+                "cuda_ipc": FrameType.DATA_CUDA_IPC}[handle.transport]
         if header.type is not want:
             raise _PullFailed(f"expected {want.name} for transport {handle.transport}, "
                               f"got {header.type.name}")
@@ -142,6 +152,29 @@ class KVPuller(KVReceiver):
         if mismatch:
             raise _PullFailed("reply does not match the handle: " + "; ".join(mismatch))
         return header.checksum if self.verify_checksum else None
+
+    def _copy_ipc(self, sock: socket.socket, handle: KVHandle, header: Frame,
+                  out: torch.Tensor | None) -> torch.Tensor:
+        """Open, copy GPU to GPU, close; on failure tell the sender (it keeps the entry)."""
+        from . import cuda_ipc
+
+        try:
+            desc = cuda_ipc.parse_description(header.text, handle.nbytes)
+            if self._importer is None:
+                self._importer = cuda_ipc.IpcImporter(self.cuda_device)
+            return self._importer.copy(desc, handle.torch_dtype, handle.shape, out)
+        except cuda_ipc.IpcError as exc:
+            try:
+                sock.sendall(encode_frame(Frame(FrameType.ERROR, request_id=handle.request_id,
+                                                error_code=ErrorCode.GENERIC,
+                                                text=str(exc)[:500])))
+            except OSError:
+                pass
+            raise _PullFailed(f"cuda_ipc: {exc}") from None
+
+    def close(self) -> None:
+        if self._importer is not None:
+            self._importer.close()
 
     def _recv_payload(self, sock: socket.socket, dst: memoryview, deadline: _Deadline) -> None:
         got, total = 0, len(dst)

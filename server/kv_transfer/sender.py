@@ -7,7 +7,10 @@ more than pulling a 1 MiB payload. Per transport:
 - tcp: DATA_INLINE header, then the tensor's bytes straight from its memory (no copy), chunked so a
   slow reader is bounded by `io_timeout_s` per chunk, not per payload;
 - shm: the bytes were copied into a fresh POSIX segment at stage time; the reply is DATA_SHM with
-  the segment's (random) name, and the receiver copies out of it.
+  the segment's (random) name, and the receiver copies out of it;
+- cuda_ipc: the KV stays on the GPU (in the staging pool, or the tensor itself); the reply is
+  DATA_CUDA_IPC with a JSON description of its CUDA IPC handle, and the receiver copies GPU to GPU
+  (cuda_ipc.py).
 
 Either way the entry is freed only when the receiver ACKs — a receiver error (checksum mismatch,
 crash) leaves it staged so decode can retry until the lease ends. A sweeper thread frees entries
@@ -68,6 +71,7 @@ class _Entry:
     expiry: float
     tensor: torch.Tensor | None = None  # tcp
     segment: object | None = None  # shm: multiprocessing.shared_memory.SharedMemory
+    ipc: object | None = None  # cuda_ipc: cuda_ipc.IpcExport
     in_flight: bool = False
 
 
@@ -78,7 +82,8 @@ class KVStagingServer(KVSender):
                  advertise_host: str | None = None, default_lease_ms: float = 30_000.0,
                  checksum: bool = True, io_timeout_s: float = 30.0,
                  max_staged_bytes: int | None = None, max_connections: int = 64,
-                 shm_prefix: str = DEFAULT_PREFIX, chunk_bytes: int = 8 << 20):
+                 shm_prefix: str = DEFAULT_PREFIX, chunk_bytes: int = 8 << 20,
+                 cuda_ipc_pool_bytes: int = 0):
         if default_lease_ms <= 0:
             raise ValueError(f"default_lease_ms must be > 0, got {default_lease_ms}")
         self.default_lease_ms = float(default_lease_ms)
@@ -88,6 +93,8 @@ class KVStagingServer(KVSender):
         self.max_connections = max_connections
         self.shm_prefix = shm_prefix
         self.chunk_bytes = chunk_bytes
+        self.cuda_ipc_pool_bytes = cuda_ipc_pool_bytes  # per GPU; 0 = export each tensor itself
+        self._ipc_pools: dict[int, object] = {}
         self.host_id = this_host_id()
         self.stats = SenderStats()
 
@@ -112,9 +119,13 @@ class KVStagingServer(KVSender):
 
     # ---------------------------------------------------------------- KVSender
     def stage(self, request_id: str, tensor: torch.Tensor, lease_ms: float | None = None,
-              *, transport: str = "tcp", checksum: bool | None = None) -> KVHandle:
+              *, transport: str = "tcp", checksum: bool | None = None,
+              ready_event=None) -> KVHandle:
         """Stage `tensor` for one pull. Takes ownership: do not modify it afterwards (tcp sends
-        straight from its memory). Raises ValueError for bad arguments, StagingFullError."""
+        straight from its memory). Raises ValueError for bad arguments, StagingFullError.
+        cuda_ipc: `tensor` is on a GPU; `ready_event` (a CUDA event recorded after the work that
+        wrote it) saves waiting for everything queued on its device; no checksum (the bytes never
+        reach the host)."""
         self._check_stage_args(request_id, tensor, transport)
         lease_ms = self.default_lease_ms if lease_ms is None else float(lease_ms)
         if lease_ms <= 0:
@@ -125,6 +136,8 @@ class KVStagingServer(KVSender):
         nbytes = tensor.numel() * tensor.element_size()
         with self._lock:
             self._check_capacity(request_id, nbytes)
+        if transport == "cuda_ipc":
+            return self._stage_ipc(request_id, tensor, nbytes, lease_ms, ready_event)
         use_crc = self.checksum if checksum is None else checksum
         segment, held = None, tensor
         if transport == "shm":
@@ -145,19 +158,52 @@ class KVStagingServer(KVSender):
                        dtype=tensor.dtype, shape=tuple(tensor.shape), nbytes=nbytes, checksum=crc,
                        lease_s=lease_s, expiry=time.monotonic() + lease_s, tensor=held,
                        segment=segment)
+        return self._register(entry)
+
+    def _stage_ipc(self, request_id: str, tensor: torch.Tensor, nbytes: int, lease_ms: float,
+                   ready_event) -> KVHandle:
+        from . import cuda_ipc
+
+        pool = None
+        if self.cuda_ipc_pool_bytes > 0 and nbytes <= self.cuda_ipc_pool_bytes:
+            index = tensor.device.index if tensor.device.index is not None else torch.cuda.current_device()
+            with self._lock:
+                pool = self._ipc_pools.get(index)
+            if pool is None:
+                try:
+                    pool = cuda_ipc.IpcPool(torch.device("cuda", index), self.cuda_ipc_pool_bytes)
+                except Exception as exc:  # out of memory, or memory that cannot be exported
+                    logger.warning("cuda_ipc staging pool of %d bytes unavailable (%s); exporting "
+                                   "each KV tensor itself", self.cuda_ipc_pool_bytes, exc)
+                    self.cuda_ipc_pool_bytes = 0
+                else:
+                    with self._lock:
+                        pool = self._ipc_pools.setdefault(index, pool)
+        dtype, shape = tensor.dtype, tuple(tensor.shape)
+        export = cuda_ipc.export(tensor, ready_event, pool)
+        del tensor  # a pooled export copied it; an own export holds it
+        lease_s = lease_ms / 1000.0
+        entry = _Entry(request_id=request_id, transport="cuda_ipc", secret=secrets.token_hex(16),
+                       dtype=dtype, shape=shape, nbytes=nbytes,
+                       checksum=None, lease_s=lease_s, expiry=time.monotonic() + lease_s,
+                       ipc=export)
+        return self._register(entry)
+
+    def _register(self, entry: _Entry) -> KVHandle:
         with self._lock:
             try:
                 if self._closed:
                     raise RuntimeError("KVStagingServer is closed")
-                self._check_capacity(request_id, nbytes)
+                self._check_capacity(entry.request_id, entry.nbytes)
             except Exception:
                 self._free_resources(entry)
                 raise
-            self._entries[request_id] = entry
-            self._history.pop(request_id, None)
-        return KVHandle(request_id=request_id, transport=transport, address=self.address,
-                        secret=entry.secret, nbytes=nbytes, shape=entry.shape,
-                        dtype=dtype_name(entry.dtype), checksum=crc, host_id=self.host_id)
+            self._entries[entry.request_id] = entry
+            self._history.pop(entry.request_id, None)
+        return KVHandle(request_id=entry.request_id, transport=entry.transport,
+                        address=self.address, secret=entry.secret, nbytes=entry.nbytes,
+                        shape=entry.shape, dtype=dtype_name(entry.dtype), checksum=entry.checksum,
+                        host_id=self.host_id)
 
     def release(self, request_id: str) -> bool:
         return self._finish(request_id, TransferStatus.SUCCESS, count=False)
@@ -205,6 +251,10 @@ class KVStagingServer(KVSender):
             entries, self._entries = list(self._entries.values()), {}
         for entry in entries:
             self._free_resources(entry)
+        with self._lock:
+            pools, self._ipc_pools = list(self._ipc_pools.values()), {}
+        for pool in pools:
+            pool.close()
 
     # ---------------------------------------------------------------- internals
     def _check_stage_args(self, request_id: str, tensor: torch.Tensor, transport: str) -> None:
@@ -213,10 +263,12 @@ class KVStagingServer(KVSender):
         if (not isinstance(request_id, str)
                 or not 0 < len(request_id.encode()) <= MAX_REQUEST_ID_BYTES):
             raise ValueError(f"request_id must be a str of 1..{MAX_REQUEST_ID_BYTES} UTF-8 bytes")
-        if transport not in ("tcp", "shm"):
-            raise ValueError(f"transport must be 'tcp' or 'shm', got {transport!r}")
-        if not isinstance(tensor, torch.Tensor) or tensor.device.type != "cpu":
-            raise ValueError("KV payload must be a CPU torch.Tensor")
+        if transport not in ("tcp", "shm", "cuda_ipc"):
+            raise ValueError(f"transport must be 'tcp', 'shm' or 'cuda_ipc', got {transport!r}")
+        want = "cuda" if transport == "cuda_ipc" else "cpu"
+        if not isinstance(tensor, torch.Tensor) or tensor.device.type != want:
+            raise ValueError(f"KV payload for transport {transport} must be a {want.upper()} "
+                             "torch.Tensor")
         if tensor.dtype not in DTYPE_CODES:
             raise ValueError(f"unsupported KV dtype {tensor.dtype}")
         if tensor.dim() > MAX_NDIM:
@@ -234,6 +286,9 @@ class KVStagingServer(KVSender):
     @staticmethod
     def _free_resources(entry: _Entry) -> None:
         entry.tensor = None
+        if entry.ipc is not None:
+            entry.ipc.release()
+            entry.ipc = None
         if entry.segment is not None:
             destroy_segment(entry.segment)
             entry.segment = None
@@ -346,7 +401,8 @@ class KVStagingServer(KVSender):
                 code, text, entry = ErrorCode.BUSY, f"request {rid!r} is being pulled", None
             else:
                 entry.in_flight, code, text = True, ErrorCode.NONE, ""
-                payload = entry.tensor if entry.transport == "tcp" else entry.segment.name
+                payload = (entry.tensor if entry.transport == "tcp" else entry.ipc.text
+                           if entry.transport == "cuda_ipc" else entry.segment.name)
         if entry is None:
             if code is ErrorCode.AUTH:
                 logger.warning("KV pull for request %s refused: wrong secret", rid)
@@ -364,7 +420,9 @@ class KVStagingServer(KVSender):
 
     def _send_payload(self, conn: socket.socket, entry: _Entry, payload) -> bool:
         inline = entry.transport == "tcp"
-        header = Frame(FrameType.DATA_INLINE if inline else FrameType.DATA_SHM,
+        ftype = {"tcp": FrameType.DATA_INLINE, "shm": FrameType.DATA_SHM,
+                 "cuda_ipc": FrameType.DATA_CUDA_IPC}[entry.transport]
+        header = Frame(ftype,
                        request_id=entry.request_id, dtype=entry.dtype, shape=entry.shape,
                        nbytes=entry.nbytes, checksum=entry.checksum,
                        text="" if inline else payload)

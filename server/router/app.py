@@ -50,10 +50,13 @@ class RouterState:
     def get_tokenizer(self) -> Tokenizer:
         if self.tokenizer is None:
             path = self.model_path or self.registry.model_path()
-            if path is None:
+            if path is None and not self.registry.workers:
                 raise NoWorkersError("no worker has registered a model yet")
-            self.tokenizer = Tokenizer.from_folder(path)
-            self.model_path = path
+            if path is None or str(path).startswith("preset:"):  # shape presets (no files): byte tokenizer
+                self.tokenizer = Tokenizer.byte_tokenizer()
+            else:
+                self.tokenizer = Tokenizer.from_folder(path)
+                self.model_path = path
         return self.tokenizer
 
     def model_name(self) -> str:

@@ -138,7 +138,7 @@ class Pipeline:
         prefill = self.registry.pick("prefill")
         if decode is None or prefill is None:
             raise NoWorkersError("no healthy prefill/decode pair")
-        first = await self._prefill(prefill, req, outputs, decode.host_id)
+        first = await self._prefill(prefill, req, outputs, decode.host_id, decode.cuda_uuids)
         done = outputs + first["token_ids"]  # copy now: the caller extends `outputs` when we yield
         pulled = first["finished"]  # True once no staged KV can be left behind on the prefill worker
         try:
@@ -160,9 +160,11 @@ class Pipeline:
                 asyncio.ensure_future(self._abort(prefill, req.request_id))
             raise
 
-    async def _prefill(self, worker: WorkerInfo, req: EngineRequest, outputs: list[int], peer_host: str) -> dict:
+    async def _prefill(self, worker: WorkerInfo, req: EngineRequest, outputs: list[int], peer_host: str,
+                       peer_cuda: list[str] | None = None) -> dict:
         body = {"request_id": req.request_id, "prompt_token_ids": req.prompt_token_ids,
-                "output_token_ids": outputs, "sampling": req.sampling.model_dump(), "peer_host_id": peer_host}
+                "output_token_ids": outputs, "sampling": req.sampling.model_dump(), "peer_host_id": peer_host,
+                "peer_cuda_uuids": peer_cuda}
         worker.inflight += 1
         try:
             async with self.http.post(f"{worker.url}/internal/prefill", json=body, headers=self.headers,

@@ -30,6 +30,7 @@ class WorkerInfo:
     max_model_len: int
     host_id: str
     status: WorkerStatus
+    cuda_uuids: list[str] = field(default_factory=list)  # GPUs it can open IPC handles of
     last_seen: float = field(default_factory=time.monotonic)
     registered_at: float = field(default_factory=time.time)
     healthy: bool = True
@@ -75,7 +76,7 @@ class WorkerRegistry:
         info = WorkerInfo(
             worker_id=req.worker_id, role=req.role, url=req.url.rstrip("/"), pid=req.pid,
             fingerprint=req.fingerprint, model_path=req.model_path, max_model_len=req.max_model_len,
-            host_id=req.host_id, status=req.status,
+            host_id=req.host_id, status=req.status, cuda_uuids=list(req.cuda_uuids),
         )
         old = self.workers.get(req.worker_id)
         if old is not None:

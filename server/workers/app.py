@@ -27,7 +27,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from server.config import DistServeConfig
 from server.engine.sampling_params import SamplingParams
-from server.kv_transfer import KVHandle, KVPuller, KVStagingServer, TransferStatus
+from server.kv_transfer import KVHandle, KVPuller, KVStagingServer, TransferStatus, cuda_ipc
 from server.kv_transfer.factory import choose_transport, host_id
 from server.metrics import WorkerMetrics
 from server.workers.engine_loop import EngineLoop
@@ -132,13 +132,15 @@ async def _prefill(state: WorkerState, body: PrefillRequest) -> JSONResponse:
             return JSONResponse(PrefillResponse(token_ids=out.new_token_ids, finished=True,
                                                 finish_reason=out.finish_reason,
                                                 prefill_seconds=time.perf_counter() - t0).model_dump())
-        _, kv = await state.loop.call(lambda: state.loop.engine.take_prefilled_kv(rid))
+        kv, ready = await state.loop.call(lambda: _take_kv(state, rid))
         kvc = state.config.kv_transfer
         nbytes = kv.numel() * kv.element_size()
         same_host = body.peer_host_id is None or body.peer_host_id == host_id()
-        transport = choose_transport(kvc.transport, nbytes, same_host, kvc.zero_copy_threshold_mb)
-        handle = await asyncio.to_thread(state.sender.stage, rid, kv, kvc.lease_ms, transport=transport,
-                                         checksum=kvc.checksum)
+        peer_gpu = None if not kv.is_cuda or body.peer_cuda_uuids is None else (
+            cuda_ipc.gpu_uuid(kv.device) in body.peer_cuda_uuids)
+        transport = choose_transport(kvc.transport, nbytes, same_host, kvc.zero_copy_threshold_mb,
+                                     kv_on_cuda=kv.is_cuda, peer_gpu=peer_gpu)
+        handle = await asyncio.to_thread(_stage, state, rid, kv, ready, transport)
         state.metrics.prefill_seconds.observe(time.perf_counter() - t0)
         return JSONResponse(PrefillResponse(token_ids=out.new_token_ids, finished=False, kv=handle.to_dict(),
                                             prefill_seconds=time.perf_counter() - t0).model_dump())
@@ -148,6 +150,27 @@ async def _prefill(state: WorkerState, body: PrefillRequest) -> JSONResponse:
     finally:
         state.loop.close_stream(rid)
         state.inflight -= 1
+
+
+def _take_kv(state: WorkerState, rid: str):
+    """(KV, CUDA event after its gather or None); on the engine's thread, between steps."""
+    _, kv = state.loop.engine.take_prefilled_kv(rid)
+    return kv, cuda_ipc.record_ready(kv)
+
+
+def _stage(state: WorkerState, rid: str, kv, ready, transport: str):
+    """In a thread: tcp/shm need the KV in (pinned) host memory; cuda_ipc keeps it on the GPU."""
+    kvc = state.config.kv_transfer
+    if transport == "cuda_ipc" and kvc.transport == "auto":
+        try:
+            return state.sender.stage(rid, kv, kvc.lease_ms, transport=transport, ready_event=ready)
+        except cuda_ipc.IpcError as e:  # e.g. an allocator whose memory cannot be exported
+            log.warning("cuda_ipc unusable here (%s); staging through host memory", e)
+            transport = "shm" if kv.numel() * kv.element_size() >= kvc.zero_copy_threshold_mb * 2**20 else "tcp"
+    if transport != "cuda_ipc" and kv.is_cuda:
+        kv, ready = cuda_ipc.to_pinned_host(kv, ready), None
+    return state.sender.stage(rid, kv, kvc.lease_ms, transport=transport, checksum=kvc.checksum,
+                              ready_event=ready)
 
 
 def _line(**kw) -> bytes:

@@ -46,6 +46,7 @@ class LoopStats:
     kv_blocks_free: int = 0
     num_steps: int = 0
     num_preemptions: int = 0
+    num_generated_tokens: int = 0
     step_seconds_total: float = 0.0
 
 
@@ -86,7 +87,8 @@ class EngineLoop:
             num_waiting=e.scheduler.num_waiting, num_running=e.scheduler.num_running,
             num_reserving=len(self._reservations), kv_blocks_used=e.num_used_blocks,
             kv_blocks_free=e.num_free_blocks, num_steps=e.stats.num_steps,
-            num_preemptions=e.stats.num_preemptions, step_seconds_total=self._step_seconds,
+            num_preemptions=e.stats.num_preemptions, num_generated_tokens=e.stats.num_generated_tokens,
+            step_seconds_total=self._step_seconds,
         )
 
     # --- the loop ------------------------------------------------------------

@@ -29,6 +29,8 @@ class PrefillRequest(BaseModel):
     output_token_ids: list[int] = Field(default_factory=list)  # tokens generated before a migration
     sampling: InternalSampling
     peer_host_id: str | None = None  # host of the decode worker that will pull
+    # GPUs the decode worker can open CUDA IPC handles of (None: unknown, e.g. an older router)
+    peer_cuda_uuids: list[str] | None = Field(default=None, max_length=64)
 
 
 class PrefillResponse(BaseModel):
@@ -82,6 +84,8 @@ class RegisterRequest(BaseModel):
     model_path: str | None = None
     max_model_len: int = Field(ge=1)
     host_id: str = ""
+    # GPUs this worker can open CUDA IPC handles of; empty unless it runs on CUDA (cuda_ipc)
+    cuda_uuids: list[str] = Field(default_factory=list, max_length=64)
     status: WorkerStatus = Field(default_factory=WorkerStatus)
 
 

@@ -24,7 +24,7 @@ import uvicorn
 from server.config import DistServeConfig
 from server.net import listen
 from server.engine.llm_engine import EngineConfig, LLMEngine
-from server.kv_transfer import KVPuller, KVStagingServer
+from server.kv_transfer import KVPuller, KVStagingServer, cuda_ipc
 from server.kv_transfer.factory import choose_transport, host_id
 from server.metrics import WorkerMetrics
 from server.workers.app import WorkerState, create_worker_app
@@ -133,8 +133,9 @@ async def serve_worker(opts: WorkerOptions) -> int:
     # 5 ms GIL switch interval each of their few GIL acquisitions waited out a slice of an
     # engine step: 1 MiB pulls took ~44 ms under load. A short interval lets them slip in.
     sys.setswitchinterval(0.0002)
+    on_cuda = opts.device.startswith("cuda")
     try:  # refuse an unusable transport at start-up, not at the first request
-        choose_transport(opts.config.kv_transfer.transport, 0, True, 0.0)
+        choose_transport(opts.config.kv_transfer.transport, 0, True, 0.0, kv_on_cuda=on_cuda)
     except (NotImplementedError, ValueError) as e:
         print(f"distserve worker: error: {e}", flush=True)
         return 2
@@ -147,9 +148,10 @@ async def serve_worker(opts: WorkerOptions) -> int:
     state = WorkerState(role=opts.role, worker_id=opts.worker_id or f"{opts.role}-{uuid.uuid4().hex[:8]}",
                         config=opts.config, token=opts.token, loop=engine_loop, metrics=WorkerMetrics(opts.role))
     if opts.role == "prefill":
-        state.sender = KVStagingServer(opts.host, 0, default_lease_ms=kvc.lease_ms, checksum=kvc.checksum)
+        state.sender = KVStagingServer(opts.host, 0, default_lease_ms=kvc.lease_ms, checksum=kvc.checksum,
+                                       cuda_ipc_pool_bytes=(kvc.cuda_ipc_pool_mb << 20) if on_cuda else 0)
     if opts.role == "decode":
-        state.puller = KVPuller()
+        state.puller = KVPuller(cuda_device=engine.device if on_cuda else None)
     sock = listen(opts.host, opts.port)
     port = sock.getsockname()[1]
     url = f"http://{opts.host}:{port}"
@@ -157,8 +159,10 @@ async def serve_worker(opts: WorkerOptions) -> int:
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
                                            timeout_graceful_shutdown=5))
     reg = RegisterRequest(worker_id=state.worker_id, role=opts.role, url=url, pid=os.getpid(),
-                          fingerprint=fingerprint(engine), model_path=str(engine.model_path),
-                          max_model_len=engine.max_model_len, host_id=host_id())
+                          fingerprint=fingerprint(engine),
+                          model_path=str(engine.model_path) if engine.model_path else None,
+                          max_model_len=engine.max_model_len, host_id=host_id(),
+                          cuda_uuids=cuda_ipc.visible_gpu_uuids() if on_cuda else [])
     engine_loop.start()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))

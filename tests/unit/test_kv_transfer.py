@@ -407,9 +407,21 @@ def test_choose_transport():
     assert choose_transport("shm", 1, True, 4) == "shm"
     with pytest.raises(ValueError, match="same host"):
         choose_transport("shm", 1, False, 4)
-    for name in ("cuda_ipc", "nixl"):
-        with pytest.raises(NotImplementedError, match="not implemented"):
-            choose_transport(name, 1, True, 4)
+    with pytest.raises(NotImplementedError, match="not implemented"):
+        choose_transport("nixl", 1, True, 4)
+    # cuda_ipc: KV on a GPU, receiver on the same host and able to open that GPU's handles
+    assert choose_transport("auto", 1, True, 4, kv_on_cuda=True, peer_gpu=True) == "cuda_ipc"
+    assert choose_transport("auto", 8 * mib, True, 4, kv_on_cuda=True, peer_gpu=False) == "shm"
+    assert choose_transport("auto", 8 * mib, True, 4, kv_on_cuda=True, peer_gpu=None) == "shm"
+    assert choose_transport("auto", 8 * mib, False, 4, kv_on_cuda=True, peer_gpu=True) == "tcp"
+    assert choose_transport("auto", 8 * mib, True, 4, kv_on_cuda=False, peer_gpu=True) == "shm"
+    assert choose_transport("cuda_ipc", 1, True, 4, kv_on_cuda=True) == "cuda_ipc"
+    assert choose_transport("cuda_ipc", 1, True, 4, kv_on_cuda=True, peer_gpu=True) == "cuda_ipc"
+    with pytest.raises(ValueError, match="prefill workers on CUDA"):
+        choose_transport("cuda_ipc", 1, True, 4)
+    for same_host, peer in ((False, True), (True, False)):
+        with pytest.raises(ValueError, match="same host"):
+            choose_transport("cuda_ipc", 1, same_host, 4, kv_on_cuda=True, peer_gpu=peer)
     with pytest.raises(ValueError, match="expected one of"):
         choose_transport("udp", 1, True, 4)
     assert host_id() == host_id() and socket.gethostname() in host_id()
