@@ -148,12 +148,15 @@ async def open_loop(url: str, model: str, vocab: int, rate: float, duration_s: f
     import aiohttp
 
     rng = random.Random(seed)
+    duration_s = min(2 * duration_s, max(duration_s, 20.0 / rate))  # >= ~20 arrivals where time allows
     offsets, t = [], 0.0
     while True:
         t += rng.expovariate(rate)
         if t > duration_s:
             break
         offsets.append(t)
+    if not offsets:
+        return [], 0.0
     prompts = [_prompt(rng, prompt_len, vocab) for _ in offsets]
     timeout = aiohttp.ClientTimeout(total=None, sock_read=120)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as s:
@@ -193,6 +196,11 @@ def _dist(xs: list[float]) -> dict:
 
 
 def summarize(recs: list[Rec], wall: float, slo: dict, open_loop_run: bool) -> dict:
+    if not recs:
+        return {"requests": 0, "slo_attainment": 0.0, "throughput_rps": 0.0, "ttft_ms": {}, "tpot_ms": {},
+                "p90_ttft_all_ms": math.nan, "p99_ttft_all_ms": math.nan, "p90_tpot_all_ms": math.nan,
+                "p99_tpot_all_ms": math.nan, "failed": 0,
+                "meets": {"attainment_90": False, "p90": False, "p99": False}}
     inf = math.inf
     ttft, tpot, e2e, lag = [], [], [], []
     met, ok = 0, 0
@@ -375,7 +383,7 @@ def run_mode(name: str, args, serve_args: list[str], gpus: int, workloads: list[
             wl_deadline = time.monotonic() + (mode_deadline - time.monotonic()) / (len(workloads) - wi)
 
             def run_rate(rate: float) -> dict | None:
-                need = wl["open_s"] + 8
+                need = min(2 * wl["open_s"], max(wl["open_s"], 20.0 / rate)) + 8
                 if time.monotonic() + need > min(wl_deadline, DEADLINE - 20):
                     return None
                 recs, wall = asyncio.run(open_loop(url, args.model, vocab, rate, wl["open_s"], wl["prompt_len"],

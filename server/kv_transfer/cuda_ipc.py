@@ -48,7 +48,7 @@ log = logging.getLogger(__name__)
 
 IPC_VERSION = 1
 CUDA_IPC_HANDLE_SIZE = 64
-_TORCH_HANDLE_VERSION = 2
+_MAX_HANDLE = 130
 _TORCH_HANDLE_CUDA_MALLOC = ord("c")
 _HEX = re.compile(r"(?:[0-9a-f]{2})+")
 _UUID = re.compile(r"[A-Za-z0-9-]{8,64}")
@@ -161,10 +161,10 @@ def _int(d: dict, key: str, lo: int, hi: int) -> int:
     return v
 
 
-def _hex(d: dict, key: str, lengths: tuple[int, ...]) -> bytes:
+def _hex(d: dict, key: str, lo: int, hi: int) -> bytes:
     v = d[key]
-    if not isinstance(v, str) or not _HEX.fullmatch(v) or len(v) // 2 not in lengths:
-        raise IpcError(f"cuda_ipc field {key!r} must be lowercase hex of {lengths} bytes")
+    if not isinstance(v, str) or not _HEX.fullmatch(v) or not lo <= len(v) // 2 <= hi:
+        raise IpcError(f"cuda_ipc field {key!r} must be lowercase hex of {lo}..{hi} bytes")
     return bytes.fromhex(v)
 
 
@@ -172,7 +172,9 @@ def check_handle(handle: bytes) -> None:
     """Plain cudaMalloc IPC handles only (see the module docstring)."""
     if len(handle) == CUDA_IPC_HANDLE_SIZE:
         return  # torch before versioned handles: the bare cudaIpcMemHandle_t
-    if (len(handle) == CUDA_IPC_HANDLE_SIZE + 2 and handle[0] == _TORCH_HANDLE_VERSION
+    # versioned: [version, type, cudaIpcMemHandle_t ...]; version 2 as of torch 2.x, later ones
+    # accepted as long as the type is 'c' (torch reads version, type, then the 64-byte handle)
+    if (CUDA_IPC_HANDLE_SIZE + 2 <= len(handle) <= _MAX_HANDLE and 1 <= handle[0] <= 15
             and handle[1] == _TORCH_HANDLE_CUDA_MALLOC):
         return
     raise IpcError("cuda_ipc handle is not a plain cudaMalloc IPC handle (expandable segments "
@@ -200,12 +202,13 @@ def parse_description(text: str, nbytes: int) -> IpcDescription:
         raise IpcError("cuda_ipc field 'dev' is not a GPU UUID")
     if not isinstance(d["sync"], bool):
         raise IpcError("cuda_ipc field 'sync' must be a bool")
-    handle = _hex(d, "handle", (CUDA_IPC_HANDLE_SIZE, CUDA_IPC_HANDLE_SIZE + 2))
+    handle = _hex(d, "handle", CUDA_IPC_HANDLE_SIZE, _MAX_HANDLE)
     check_handle(handle)
     desc = IpcDescription(
         pool=pool, device_uuid=dev, handle=handle,
         storage_bytes=_int(d, "size", 1, _MAX_SIZE), storage_offset=_int(d, "soff", 0, _MAX_SIZE),
-        offset=_int(d, "off", 0, _MAX_SIZE), event=_hex(d, "event", (CUDA_IPC_HANDLE_SIZE,)),
+        offset=_int(d, "off", 0, _MAX_SIZE),
+        event=_hex(d, "event", CUDA_IPC_HANDLE_SIZE, CUDA_IPC_HANDLE_SIZE),
         event_sync=d["sync"])
     if desc.offset + nbytes > desc.storage_bytes:
         raise IpcError(f"cuda_ipc payload [{desc.offset}, {desc.offset + nbytes}) lies outside the "

@@ -39,8 +39,10 @@ def test_description_round_trip():
 
 @pytest.mark.parametrize("text,match", [
     (_text(handle=(bytes([2, ord("e")]) + bytes(64)).hex()), "not a plain cudaMalloc"),
-    (_text(handle=(bytes([9, ord("c")]) + bytes(64)).hex()), "not a plain cudaMalloc"),
-    (_text(handle=bytes(65).hex()), "handle"),
+    (_text(handle=(bytes([0, ord("c")]) + bytes(64)).hex()), "not a plain cudaMalloc"),
+    (_text(handle=(bytes([2, ord("c")]) + bytes(63)).hex()), "not a plain cudaMalloc"),
+    (_text(handle=bytes(65).hex()), "not a plain cudaMalloc"),
+    (_text(handle=bytes(131).hex()), "handle"),
     (_text(handle="AB" * 66), "handle"),
     (_text(handle="zz" * 66), "handle"),
     (_text(event=bytes(63).hex()), "event"),
@@ -70,7 +72,8 @@ def test_description_rejects(text, match):
 def test_check_handle():
     check_handle(bytes(64))
     check_handle(HANDLE)
-    for bad in (b"", bytes(66), bytes([2, ord("e")]) + bytes(64), bytes(128)):
+    check_handle(bytes([3, ord("c")]) + bytes(64))
+    for bad in (b"", bytes(66), bytes([2, ord("e")]) + bytes(64), bytes(128), bytes([2, ord("c")]) + bytes(200)):
         with pytest.raises(IpcError):
             check_handle(bad)
 
