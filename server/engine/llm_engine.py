@@ -99,6 +99,11 @@ class LLMEngine:
             model.load_hf_weights(load_state_dict(self.model_path, dtype=self.dtype, device=str(self.device)))
         self.model = model.eval().requires_grad_(False)
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
+        window = self.model_config.sliding_window
+        if window is not None and window < self.max_model_len:
+            log.warning("model uses sliding-window attention (window %d); max_seq_len capped from %d to %d "
+                        "so full attention stays exact", window, self.max_model_len, window)
+            self.max_model_len = window
         num_blocks = config.num_blocks or max(
             1, config.kv_cache_memory_mb * 2**20 // kv_bytes_per_block(self.model_config, config.block_size, self.dtype)
         )

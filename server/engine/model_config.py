@@ -46,6 +46,9 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str = "float32"
+    # Mistral-style sliding-window attention. We attend to the full context, which is
+    # identical only while a sequence fits in the window: the engine caps max_model_len to it.
+    sliding_window: int | None = None
 
     @property
     def num_queries_per_kv(self) -> int:
@@ -102,6 +105,8 @@ class ModelConfig:
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=tuple(int(e) for e in eos_ids),
             torch_dtype=str(d.get("torch_dtype") or d.get("dtype") or "float32"),
+            sliding_window=(int(d["sliding_window"]) if d.get("sliding_window")
+                            and d.get("use_sliding_window", True) else None),
         )
 
     @classmethod

@@ -34,6 +34,9 @@ SHAPES = {
         hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=2,
         num_key_value_heads=1, vocab_size=280, attention_bias=True,
         rope_scaling={"rope_type": "linear", "factor": 2.0})),
+    "mistral": ("MistralConfig", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=1, vocab_size=300,
+                                      sliding_window=4096)),
     "qwen2_bias": ("Qwen2Config", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                        num_attention_heads=4, num_key_value_heads=2, vocab_size=300)),
 }
@@ -54,7 +57,8 @@ def _hf_model(name: str, folder):
         bos_token_id=1, eos_token_id=2, **kwargs,
     )
     torch.manual_seed(1234)
-    model_cls = transformers.Qwen2ForCausalLM if cfg_cls == "Qwen2Config" else transformers.LlamaForCausalLM
+    model_cls = {"Qwen2Config": transformers.Qwen2ForCausalLM,
+                 "MistralConfig": transformers.MistralForCausalLM}.get(cfg_cls, transformers.LlamaForCausalLM)
     model = model_cls(cfg).eval()
     with torch.no_grad():  # RMSNorm weights of 1.0 would hide a norm bug
         for n, p in model.named_parameters():
@@ -115,3 +119,15 @@ def test_greedy_mixed_batch_matches_single(pair):
         assert got == _hf_greedy(hf, prompt, MAX_TOKENS), f"{name}: batched prompt {prompt[:5]}..."
     engine.block_manager.check_invariants()
     assert engine.num_used_blocks == 0
+
+
+def test_sliding_window_caps_max_seq_len(tmp_path):
+    import json
+    _hf_model("mistral", tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["sliding_window"] = 64
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    engine = LLMEngine(EngineConfig(model=str(tmp_path), block_size=4, num_blocks=64))
+    assert engine.max_model_len == 64
+    with pytest.raises(ValueError, match="max_seq_len"):
+        engine.add_request("long", list(range(3, 70)), GREEDY)
