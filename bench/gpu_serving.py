@@ -247,11 +247,17 @@ def summarize(recs: list[Rec], wall: float, slo: dict, open_loop_run: bool) -> d
 
 
 def goodput(sweep: list[dict], gpus: int) -> dict:
+    """Per SLO form: `rps` = highest swept rate that meets it; `rps_below_first_miss` = highest rate
+    below the lowest rate that misses (differs from `rps` when the sweep is not monotone: noise)."""
     out = {}
     for form in ("attainment_90", "p90", "p99"):
-        passing = [p["rate"] for p in sweep if p["summary"]["meets"][form]]
+        pts = sorted(sweep, key=lambda p: p["rate"])
+        passing = [p["rate"] for p in pts if p["summary"]["meets"][form]]
         best = max(passing) if passing else 0.0
-        out[form] = {"rps": best, "rps_per_gpu": best / gpus,
+        first_miss = next((p["rate"] for p in pts if not p["summary"]["meets"][form]), math.inf)
+        safe = max([r for r in passing if r < first_miss], default=0.0)
+        out[form] = {"rps": best, "rps_per_gpu": best / gpus, "rps_below_first_miss": safe,
+                     "rps_below_first_miss_per_gpu": safe / gpus, "monotone": safe == best,
                      "bracketed": bool(passing) and any(p["rate"] > best for p in sweep)}
     return out
 
@@ -376,14 +382,14 @@ def run_mode(name: str, args, serve_args: list[str], gpus: int, workloads: list[
             save()
             if key not in grids:  # the first mode fixes the layout's grid for this workload
                 c = max(s["throughput_rps"], 0.5)
-                grids[key] = [round(g * c, 2) for g in GRID]
+                grids[key] = [round(g * c, 2) for g in args.grid]
                 RESULTS.setdefault("grids", {})[key] = {"from_mode": name, "closed_loop_rps": c,
                                                         "rates": grids[key]}
             sweep = res.setdefault("sweeps", {}).setdefault(key, [])
             wl_deadline = time.monotonic() + (mode_deadline - time.monotonic()) / (len(workloads) - wi)
 
             def run_rate(rate: float) -> dict | None:
-                need = min(2 * wl["open_s"], max(wl["open_s"], 20.0 / rate)) + 8
+                need = min(2 * wl["open_s"], max(wl["open_s"], 20.0 / rate)) + 4
                 if time.monotonic() + need > min(wl_deadline, DEADLINE - 20):
                     return None
                 recs, wall = asyncio.run(open_loop(url, args.model, vocab, rate, wl["open_s"], wl["prompt_len"],
@@ -403,7 +409,7 @@ def run_mode(name: str, args, serve_args: list[str], gpus: int, workloads: list[
                     RESULTS["errors"][f"{name}/{key}/sweep"] = f"stopped before rate {rate}: out of time"
                     break
             # bracket the knee: extend while the top passes / the bottom fails
-            for _ in range(3):
+            for _ in range(args.max_extend):
                 if not sweep:
                     break
                 top, bottom = sweep[-1], sweep[0]
@@ -419,7 +425,10 @@ def run_mode(name: str, args, serve_args: list[str], gpus: int, workloads: list[
                     nxt = round((passing[-1]["rate"] + failing[0]["rate"]) / 2, 2)  # refine the knee
                 if run_rate(nxt) is None:
                     break
-            res.setdefault("goodput", {})[key] = goodput(sweep, gpus)
+            if sweep:
+                res.setdefault("goodput", {})[key] = goodput(sweep, gpus)
+            else:
+                res["sweeps"].pop(key, None)
             save()
         res["kv_transfer_metrics"] = srv.metric_lines("distserve_kv_transfer")
         res["router_request_metrics"] = srv.metric_lines("distserve_requests_total")
@@ -445,10 +454,13 @@ def print_table(layout: str) -> None:
                         f"{s['tpot_ms'].get('mean', math.nan):5.1f}/{s['tpot_ms'].get('p50', math.nan):5.1f}/"
                         f"{s['tpot_ms'].get('p99', math.nan):5.1f} ms")
         for key, g in m.get("goodput", {}).items():
-            rows.append(f"{name:<28} {key:<6} goodput req/s (per GPU): attain>=90% "
-                        f"{g['attainment_90']['rps']:.2f} ({g['attainment_90']['rps_per_gpu']:.2f})  "
-                        f"P90 {g['p90']['rps']:.2f} ({g['p90']['rps_per_gpu']:.2f})  "
-                        f"P99 {g['p99']['rps']:.2f} ({g['p99']['rps_per_gpu']:.2f})")
+            def fmt(f):
+                x = g[f]
+                mark = "" if x["bracketed"] else " (top of sweep)"
+                safe = "" if x["monotone"] else f" [below 1st miss {x['rps_below_first_miss']:.1f}]"
+                return f"{x['rps']:.1f} ({x['rps_per_gpu']:.1f}/GPU){safe}{mark}"
+            rows.append(f"{name:<28} {key:<6} goodput req/s: attain>=90% {fmt('attainment_90')}  "
+                        f"P90 {fmt('p90')}  P99 {fmt('p99')}")
     print(f"\n== gpu_serving {layout} ({RESULTS.get('elapsed_s')} s; errors: {list(RESULTS['errors']) or 'none'})")
     for r in rows:
         print(r)
@@ -471,9 +483,15 @@ def main() -> int:
     ap.add_argument("--startup-timeout-s", type=float, default=240.0)
     ap.add_argument("--short", default="128,64", help="prompt,output tokens of the short workload")
     ap.add_argument("--long", default="2048,128", help="prompt,output tokens of the long workload (two-gpu)")
-    ap.add_argument("--modes", default=None, help="comma list to run a subset")
+    ap.add_argument("--modes", default=None, help="comma list to run a subset (in this order)")
+    ap.add_argument("--grid", default=",".join(map(str, GRID)),
+                    help="sweep rates as multiples of the first mode's closed-loop throughput")
+    ap.add_argument("--rates-short", default=None, help="explicit short-workload rates (skip the grid)")
+    ap.add_argument("--rates-long", default=None, help="explicit long-workload rates (skip the grid)")
+    ap.add_argument("--max-extend", type=int, default=3, help="extra rates to bracket the knee")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    args.grid = [float(x) for x in args.grid.split(",")]
     DEADLINE = T_START + args.budget_s
     OUT_PATH = Path(args.out or Path(os.environ.get("OUT", ".")) / f"gpu_serving_{args.layout}.json")
 
@@ -507,8 +525,8 @@ def main() -> int:
                  ("colocated_2replicas", ["--mode", "colocated", "--decode", "2", "--devices", d], 2)]
         workloads = [short, long_]
     if args.modes:
-        keep = set(args.modes.split(","))
-        modes = [m for m in modes if m[0] in keep]
+        by_name = {m[0]: m for m in modes}
+        modes = [by_name[n] for n in args.modes.split(",")]
     RESULTS.update({"layout": args.layout, "env": env, "args": vars(args), "modes": {},
                     "slo": {"short": SLO_SHORT, "long": SLO_LONG, "attainment_target": ATTAIN},
                     "workloads": [{k: v for k, v in w.items() if k != "slo"} for w in workloads],
@@ -518,6 +536,10 @@ def main() -> int:
                               "swept rate meeting the form"})
     save()
     grids: dict = {}
+    for key, rates in (("short", args.rates_short), ("long", args.rates_long)):
+        if rates:
+            grids[key] = [float(x) for x in rates.split(",")]
+            RESULTS.setdefault("grids", {})[key] = {"from_mode": "command line", "rates": grids[key]}
     with tempfile.TemporaryDirectory(prefix="gpu-serving-") as tmp:
         for i, (name, serve_args, gpus) in enumerate(modes):
             share = left() / (len(modes) - i)

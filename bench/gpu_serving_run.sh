@@ -19,6 +19,7 @@ if [ "$layout" = one-gpu ]; then
   timeout 60 python3 bench/kv_transfer_gpu.py --out "$OUT/kv_transfer_gpu.json" --src cuda:0 --dst cuda:0
 else
   timeout 75 python3 -m pytest tests/gpu/test_cuda_ipc.py -q -rs -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/gpu_tests.txt"
+  timeout 45 python3 bench/kv_transfer_gpu.py --out "$OUT/kv_transfer_gpu_same.json" --src cuda:0 --dst cuda:0 --repeats 8
   timeout 45 python3 bench/kv_transfer_gpu.py --out "$OUT/kv_transfer_gpu_x2.json" --src cuda:0 --dst cuda:1 --repeats 8
 fi
 python3 bench/gpu_serving.py --layout "$layout" --budget-s "$budget" --startup-timeout-s 150 "${@:3}" \

@@ -64,7 +64,7 @@ _CHILD = textwrap.dedent("""
         t0 = time.perf_counter()
         r = puller.pull(h, 30)
         dt = time.perf_counter() - t0
-        res = {"status": r.status.value, "error": r.error, "s": dt}
+        res = {"status": r.status.value, "error": r.error, "s": dt, "phases": puller.last_timings}
         if r.ok and req.get("check"):
             res["digest"] = digest(r.tensor)
         del r
@@ -126,7 +126,7 @@ def main() -> int:
         save()
         for name, pool_bytes in (("pool", 2 * nbytes), ("own_export", 0)):
             with KVStagingServer(cuda_ipc_pool_bytes=pool_bytes, default_lease_ms=60_000) as srv:
-                times, stage_s, ok = [], [], True
+                times, stage_s, phases, ok = [], [], [], True
                 for i in range(args.repeats):
                     payload = kv if pool_bytes else kv.clone()  # an own export hands its tensor over
                     torch.cuda.synchronize()
@@ -144,6 +144,7 @@ def main() -> int:
                         ok = False
                         res["errors"][f"{name}-{i}"] = f"digest {r['digest']} != {want}"
                     times.append(r["s"])
+                    phases.append(r.get("phases") or {})
                     time.sleep(0.05)  # let the sender free the entry (after its close)
                 rest = times[1:] or times
                 med = statistics.median(rest) if rest else float("nan")
@@ -152,10 +153,14 @@ def main() -> int:
                     "pull_s_median": med, "pull_s_min": min(rest) if rest else None,
                     "pull_s_all": times, "stage_s_median": statistics.median(stage_s) if stage_s else None,
                     "GBps": nbytes / med / 1e9, "fraction_of_d2d_wall": d2d_wall / med,
-                    "meets_target": bool(ok and d2d_wall / med >= TARGET_FRACTION)}
+                    "meets_target": bool(ok and d2d_wall / med >= TARGET_FRACTION),
+                    "phases_s_median": {k: statistics.median(p[k] for p in phases[1:] or phases if k in p)
+                                        for k in (phases[-1] if phases else {})}}
                 print(f"cuda_ipc {name}: pull {med * 1e3:.3f} ms median (first {times[0] * 1e3:.2f} ms), "
                       f"{nbytes / med / 1e9:.0f} GB/s = {d2d_wall / med:.0%} of the d2d copy; "
-                      f"correct={ok}", flush=True)
+                      f"correct={ok}; phases (ms) " + ", ".join(
+                          f"{k[:-2]} {v * 1e3:.3f}" for k, v in res[f"cuda_ipc_{name}"]["phases_s_median"].items()),
+                      flush=True)
                 save()
     except Exception as e:  # keep what was measured
         res["errors"]["run"] = f"{type(e).__name__}: {e}"

@@ -189,7 +189,7 @@ class PrefillConfig(_Section):
     _section: ClassVar[str] = "prefill"
     max_batch_size: int = _opt(32, "int", lo=1, hi=4096)
     max_seq_len: int = _opt(2048, "int", lo=16, hi=1_048_576)
-    attention_backend: str = _opt("auto", "enum", choices=("auto", "sdpa", "flash_attn_v2", "triton"))
+    attention_backend: str = _opt("auto", "enum", choices=("auto", "sdpa", "cpu_paged", "flash_attn_v2", "triton"))
     max_num_batched_tokens: int = _opt(4096, "int", lo=1, hi=16_777_216)
     torch_threads: int = _opt(0, "int", lo=0, hi=1024)  # 0 = leave torch's default
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import threading
 import time
 import zlib
 
@@ -64,6 +65,12 @@ class KVPuller(KVReceiver):
         self.verify_checksum = verify_checksum
         self.cuda_device = cuda_device  # where cuda_ipc payloads land; None: cuda_ipc pulls fail
         self._importer = None
+        self._local = threading.local()
+
+    @property
+    def last_timings(self) -> dict | None:
+        """Phases of this thread's last successful cuda_ipc pull, in seconds (diagnostics)."""
+        return getattr(self._local, "timings", None)
 
     def pull(self, handle: KVHandle, timeout_s: float = 30.0, *,
              out: torch.Tensor | None = None) -> PullResult:
@@ -100,17 +107,25 @@ class KVPuller(KVReceiver):
         if out is not None:
             _check_out(handle, out)
         host, port = parse_address(handle.address)
+        t0 = time.perf_counter()
         with socket.create_connection((host, port), timeout=deadline.remaining()) as sock:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            t1 = time.perf_counter()
             sock.sendall(encode_frame(Frame(FrameType.PULL, request_id=handle.request_id,
                                             secret=handle.secret)))
             sock.settimeout(deadline.remaining())
             header = read_frame(sock, self.max_nbytes)
             checksum = self._check_header(handle, header)
             if header.type is FrameType.DATA_CUDA_IPC:
+                t2 = time.perf_counter()
                 tensor = self._copy_ipc(sock, handle, header, out)
+                t3 = time.perf_counter()
                 sock.sendall(encode_frame(Frame(FrameType.ACK, request_id=handle.request_id)))
                 self._wait_for_close(sock, deadline)
+                # diagnostics (bench/kv_transfer_gpu.py): where the time of the last pull went
+                self._local.timings = {"connect_s": t1 - t0, "pull_to_header_s": t2 - t1,
+                                       "open_copy_sync_s": t3 - t2,
+                                       "ack_to_close_s": time.perf_counter() - t3}
                 return tensor
             tensor = torch.empty(handle.shape, dtype=handle.torch_dtype) if out is None else out
             dst = tensor_bytes(tensor)

@@ -139,6 +139,10 @@ async def serve_worker(opts: WorkerOptions) -> int:
     except (NotImplementedError, ValueError) as e:
         print(f"distserve worker: error: {e}", flush=True)
         return 2
+    if on_cuda and torch.device(opts.device).index is not None:
+        # The current device is per thread and defaults to 0: without this, eager Triton kernels of a
+        # worker on cuda:1 launch on GPU 0 (seen on 2 GPUs: pointer errors, then an illegal address).
+        torch.cuda.set_device(torch.device(opts.device))
     engine = LLMEngine(engine_config_for(opts.role, opts.config, opts.device))
     loop = asyncio.get_running_loop()
     kvc, dc = opts.config.kv_transfer, opts.config.decode
@@ -156,8 +160,11 @@ async def serve_worker(opts: WorkerOptions) -> int:
     port = sock.getsockname()[1]
     url = f"http://{opts.host}:{port}"
     app = create_worker_app(state)
+    # Keep-alive longer than the router's aiohttp pool keeps idle connections (15 s): with uvicorn's
+    # default 5 s the worker could close a pooled connection just as the router reused it, which the
+    # router reads as a worker failure (seen with long prompts on 2 GPUs: resets, then 503s).
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
-                                           timeout_graceful_shutdown=5))
+                                           timeout_graceful_shutdown=5, timeout_keep_alive=75))
     reg = RegisterRequest(worker_id=state.worker_id, role=opts.role, url=url, pid=os.getpid(),
                           fingerprint=fingerprint(engine),
                           model_path=str(engine.model_path) if engine.model_path else None,

@@ -159,7 +159,7 @@ def test_auto_backend_is_triton_on_cuda():
 
     assert get_attention_backend("auto", torch.device("cuda")).name == "triton"
     assert get_attention_backend("triton", torch.device("cuda")).name == "triton"
-    assert get_attention_backend("auto", torch.device("cpu")).name == "sdpa"
+    assert get_attention_backend("auto", torch.device("cpu")).name in ("cpu_paged", "sdpa")
 
 
 def _engine(preset="tiny-gpu", **kw):

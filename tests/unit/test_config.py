@@ -307,7 +307,7 @@ def test_boundaries_accepted(overrides):
     "overrides, message",
     [
         ({"prefill": {"attention_backend": "flash"}},
-         "'prefill.attention_backend' must be one of auto, sdpa, flash_attn_v2, triton; got 'flash'"),
+         "'prefill.attention_backend' must be one of auto, sdpa, cpu_paged, flash_attn_v2, triton; got 'flash'"),
         ({"decode": {"sampling_strategy": "beam"}},
          "'decode.sampling_strategy' must be one of greedy, top_p; got 'beam'"),
         ({"cache": {"dtype": "fp16"}},
@@ -326,7 +326,7 @@ def test_enum_errors(overrides, message):
 
 
 def test_every_enum_value_accepted():
-    for backend in ("auto", "sdpa", "flash_attn_v2", "triton"):
+    for backend in ("auto", "sdpa", "cpu_paged", "flash_attn_v2", "triton"):
         assert load_config(overrides={"prefill": {"attention_backend": backend}}).prefill.attention_backend == backend
     for t in ("auto", "shm", "cuda_ipc", "tcp", "nixl"):
         assert load_config(overrides={"kv_transfer": {"transport": t}}).kv_transfer.transport == t

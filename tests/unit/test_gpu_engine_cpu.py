@@ -10,8 +10,11 @@ from server.engine.cuda_graph_runner import capture_sizes
 from server.engine.presets import init_random_weights, is_preset, preset_config
 
 
-def test_auto_is_sdpa_on_cpu_and_gpu_names_refused():
-    assert get_attention_backend("auto", torch.device("cpu")).name == "sdpa"
+def test_auto_is_cpu_paged_or_sdpa_on_cpu_and_gpu_names_refused():
+    from server.engine.attention.cpu_paged import available
+
+    assert get_attention_backend("auto", torch.device("cpu")).name == ("cpu_paged" if available() else "sdpa")
+    assert get_attention_backend("sdpa", torch.device("cpu")).name == "sdpa"
     for name in ("triton", "flash_attn_v2"):
         with pytest.raises(ValueError, match="needs a CUDA device"):
             get_attention_backend(name, torch.device("cpu"))

@@ -7,7 +7,7 @@ import torch
 from server.engine.attention.base import AttentionBackend, AttentionMetadata
 from server.engine.attention.sdpa import SdpaBackend
 
-BACKEND_NAMES = ("auto", "sdpa", "flash_attn_v2", "triton")
+BACKEND_NAMES = ("auto", "sdpa", "cpu_paged", "flash_attn_v2", "triton")
 
 
 def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
@@ -18,8 +18,17 @@ def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
 
         if HAS_TRITON:
             return TritonBackend()
+    if name in ("auto", "cpu_paged") and device.type == "cpu":  # CPU: the paged C++ decode kernel when it builds
+        from server.engine.attention.cpu_paged import CpuPagedBackend, unavailable_reason
+
+        if CpuPagedBackend.available():
+            return CpuPagedBackend()
+        if name == "cpu_paged":
+            raise ValueError(f"attention_backend 'cpu_paged' is not available: {unavailable_reason()}")
     if name in ("auto", "sdpa"):
         return SdpaBackend()
+    if name == "cpu_paged":
+        raise ValueError(f"attention_backend 'cpu_paged' runs on the CPU only; use 'auto' on {device.type}")
     if device.type != "cuda":
         raise ValueError(f"attention_backend {name!r} needs a CUDA device; use 'sdpa' or 'auto' on {device.type}")
     if name == "triton":
