@@ -483,6 +483,7 @@ def main() -> int:
     ap.add_argument("--startup-timeout-s", type=float, default=240.0)
     ap.add_argument("--short", default="128,64", help="prompt,output tokens of the short workload")
     ap.add_argument("--long", default="2048,128", help="prompt,output tokens of the long workload (two-gpu)")
+    ap.add_argument("--workloads", default=None, help="comma list: short,long (default: all of the layout)")
     ap.add_argument("--modes", default=None, help="comma list to run a subset (in this order)")
     ap.add_argument("--grid", default=",".join(map(str, GRID)),
                     help="sweep rates as multiples of the first mode's closed-loop throughput")
@@ -524,6 +525,9 @@ def main() -> int:
         modes = [("disaggregated_1p1d", ["--mode", "disaggregated", "--prefill", "1", "--decode", "1", "--devices", d], 2),
                  ("colocated_2replicas", ["--mode", "colocated", "--decode", "2", "--devices", d], 2)]
         workloads = [short, long_]
+    if args.workloads:
+        wanted = set(args.workloads.split(","))
+        workloads = [w for w in workloads if w["name"] in wanted]
     if args.modes:
         by_name = {m[0]: m for m in modes}
         modes = [by_name[n] for n in args.modes.split(",")]
