@@ -52,6 +52,7 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from distbench.metrics import percentile  # noqa: E402
 
 SLO_SHORT = {"ttft_ms": 250.0, "tpot_ms": 50.0}
 SLO_LONG = {"ttft_ms": 200.0, "tpot_ms": 50.0}
@@ -179,13 +180,7 @@ async def open_loop(url: str, model: str, vocab: int, rate: float, duration_s: f
 
 
 # ------------------------------------------------------------------ statistics
-def _pct(xs: list[float], p: float) -> float:
-    if not xs:
-        return math.nan
-    xs = sorted(xs)
-    k = (len(xs) - 1) * p / 100.0
-    lo, hi = math.floor(k), math.ceil(k)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+_pct = percentile  # distbench's: linear interpolation between closest ranks
 
 
 def _dist(xs: list[float]) -> dict:

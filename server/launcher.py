@@ -268,21 +268,37 @@ def _watch_parent(parent_pid: int | None) -> None:
     asyncio.get_running_loop().create_task(watch())
 
 
-def cmd_router(args) -> int:
-    from server.router.main import serve_router
+def _config_and_token(args, who: str) -> tuple[DistServeConfig, str] | int:
+    """Config + admin token for a router or worker started by hand; exit status 2 on bad input."""
     try:
         cfg = _load(args)
     except ConfigError as e:
         return _usage_error(str(e))
     token = _token(cfg, generate=False)
     if not token:
-        return _usage_error(f"the router needs an admin token: set {TOKEN_ENV} or router.admin_token")
+        return _usage_error(f"{who} needs the admin token: set {TOKEN_ENV} or router.admin_token")
+    return cfg, token
 
-    if args.cpus:
-        try:
-            os.sched_setaffinity(0, {int(c) for c in args.cpus.split(",")})
-        except (ValueError, OSError) as e:
-            return _usage_error(f"--cpus {args.cpus!r}: {e}")
+
+def _parse_cpus(text: str | None) -> tuple[int, ...]:
+    try:
+        return tuple(int(c) for c in text.split(",")) if text else ()
+    except ValueError:
+        raise ValueError(f"--cpus must be a comma-separated list of CPU numbers, got {text!r}") from None
+
+
+def cmd_router(args) -> int:
+    from server.router.main import serve_router
+    loaded = _config_and_token(args, "the router")
+    if isinstance(loaded, int):
+        return loaded
+    cfg, token = loaded
+    try:
+        cpus = _parse_cpus(args.cpus)
+        if cpus:
+            os.sched_setaffinity(0, cpus)
+    except (ValueError, OSError) as e:
+        return _usage_error(f"--cpus: {e}")
 
     async def main():
         _watch_parent(args.parent_pid)
@@ -294,17 +310,14 @@ def cmd_router(args) -> int:
 
 def cmd_worker(args) -> int:
     from server.workers.worker import WorkerOptions, serve_worker
+    loaded = _config_and_token(args, "a worker")
+    if isinstance(loaded, int):
+        return loaded
+    cfg, token = loaded
     try:
-        cfg = _load(args)
-    except ConfigError as e:
+        cpus = _parse_cpus(args.cpus)
+    except ValueError as e:
         return _usage_error(str(e))
-    token = _token(cfg, generate=False)
-    if not token:
-        return _usage_error(f"a worker needs the router's admin token: set {TOKEN_ENV} or router.admin_token")
-    try:
-        cpus = tuple(int(c) for c in args.cpus.split(",")) if args.cpus else ()
-    except ValueError:
-        return _usage_error(f"--cpus must be a comma-separated list of CPU numbers, got {args.cpus!r}")
     opts = WorkerOptions(role=args.role, router_url=args.router.rstrip("/"), config=cfg, token=token,
                          host=args.host or "127.0.0.1", port=args.port or 0, device=args.device,
                          worker_id=args.worker_id or "", cpus=cpus)
