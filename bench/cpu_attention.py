@@ -85,27 +85,10 @@ def bench_kernel(batches, contexts, layers: int, repeats: int) -> list[dict]:
     return rows
 
 
-def _prompts(b: int, length: int, offset: int) -> list[list[int]]:
-    return [[1] + [(7 * i + 13 * j + offset) % 250 + 3 for j in range(length - 1)] for i in range(b)]
-
-
 def _decode_tok_s(engine, b: int, context: int, steps: int, tag: str) -> float:
-    """B sequences of ``context`` tokens prefilled, then ``steps`` decode steps timed (engine_cpu.py's method)."""
-    from server.engine.sampling_params import SamplingParams
+    from engine_cpu import decode_tok_s  # bench/engine_cpu.py: the same method, one measurement
 
-    params = SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True)
-    for i, p in enumerate(_prompts(b, context, zlib.crc32(tag.encode()) % 97)):
-        engine.add_request(f"{tag}-{i}", p, params)
-    engine.step()
-    while any(s.is_prefill for s in engine.requests.values()):
-        engine.step()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    dt = time.perf_counter() - t0
-    while engine.has_unfinished_requests():
-        engine.step()
-    return b * steps / dt
+    return decode_tok_s(engine, b, context, steps, tag, offset=zlib.crc32(tag.encode()) % 97)
 
 
 def bench_engine(batches, context: int, steps: int, repeats: int) -> list[dict]:

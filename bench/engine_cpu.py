@@ -41,24 +41,26 @@ def time_prefill(engine: LLMEngine, b: int, length: int, repeats: int) -> list[f
     return out
 
 
-def time_decode(engine: LLMEngine, b: int, context: int, steps: int, repeats: int) -> list[float]:
-    out = []
+def decode_tok_s(engine: LLMEngine, b: int, context: int, steps: int, tag: str, offset: int = 0) -> float:
+    """One measurement: B sequences of ``context`` tokens prefilled, then ``steps`` decode steps timed."""
     params = SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True)
-    for r in range(repeats + 1):
-        for i, p in enumerate(prompts(b, context, r)):
-            engine.add_request(f"d{r}-{i}", p, params)
-        engine.step()  # prefill all (token budget permitting), token #1
-        while any(s.is_prefill for s in engine.requests.values()):
-            engine.step()
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            engine.step()
-        dt = time.perf_counter() - t0
-        while engine.has_unfinished_requests():
-            engine.step()
-        if r:
-            out.append(b * steps / dt)
-    return out
+    for i, p in enumerate(prompts(b, context, offset)):
+        engine.add_request(f"{tag}-{i}", p, params)
+    engine.step()  # prefill all (token budget permitting), token #1
+    while any(s.is_prefill for s in engine.requests.values()):
+        engine.step()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    dt = time.perf_counter() - t0
+    while engine.has_unfinished_requests():
+        engine.step()
+    return b * steps / dt
+
+
+def time_decode(engine: LLMEngine, b: int, context: int, steps: int, repeats: int) -> list[float]:
+    runs = [decode_tok_s(engine, b, context, steps, f"d{r}", offset=r) for r in range(repeats + 1)]
+    return runs[1:]  # the first run is warm-up
 
 
 def summarize(values: list[float]) -> dict:
