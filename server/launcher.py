@@ -297,8 +297,10 @@ def cmd_router(args) -> int:
         cpus = _parse_cpus(args.cpus)
         if cpus:
             os.sched_setaffinity(0, cpus)
-    except (ValueError, OSError) as e:
-        return _usage_error(f"--cpus: {e}")
+    except ValueError as e:
+        return _usage_error(str(e))
+    except OSError as e:
+        return _usage_error(f"--cpus {args.cpus!r}: {e}")
 
     async def main():
         _watch_parent(args.parent_pid)

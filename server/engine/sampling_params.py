@@ -59,8 +59,3 @@ class SamplingParams:
         d = dict(d)
         d["stop_token_ids"] = tuple(d.get("stop_token_ids") or ())
         return cls(**d)
-
-    def with_max_tokens(self, max_tokens: int) -> "SamplingParams":
-        d = self.to_dict()
-        d["max_tokens"] = max_tokens
-        return SamplingParams.from_dict(d)

@@ -253,10 +253,9 @@ def _tokenize(state: RouterState, text: str) -> list[int]:
 def _check_ids(state: RouterState, ids: list[int]) -> list[int]:
     if not ids:
         raise InvalidRequest("prompt: must not be empty", "prompt")
-    vocab = None
-    for w in state.registry.workers.values():
-        vocab = w.fingerprint.get("vocab_size")
-        break
+    # every worker shares one fingerprint (registration enforces it), so any one tells the vocabulary
+    first = next(iter(state.registry.workers.values()), None)
+    vocab = first.fingerprint.get("vocab_size") if first else None
     if vocab is not None and any(not 0 <= t < vocab for t in ids):
         raise InvalidRequest(f"prompt: token ids must be in [0, {vocab})", "prompt")
     return ids

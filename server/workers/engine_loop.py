@@ -233,7 +233,3 @@ class EngineLoop:
 
     async def abort(self, request_id: str) -> bool:
         return self.abort_nowait(request_id)
-
-    def reservation_ages(self) -> list[tuple[str, float]]:
-        now = time.monotonic()
-        return [(r.request_id, now - r.created) for r in self._reservations]

@@ -13,7 +13,6 @@ import hashlib
 import logging
 import os
 import signal
-import sys
 import uuid
 from dataclasses import dataclass
 
@@ -129,10 +128,6 @@ async def _registration_loop(state: WorkerState, opts: WorkerOptions, reg: Regis
 async def serve_worker(opts: WorkerOptions) -> int:
     if opts.cpus:
         os.sched_setaffinity(0, opts.cpus)
-    # KV pulls and stagings run in threads beside the engine's event loop. With the default
-    # 5 ms GIL switch interval each of their few GIL acquisitions waited out a slice of an
-    # engine step: 1 MiB pulls took ~44 ms under load. A short interval lets them slip in.
-    sys.setswitchinterval(0.0002)
     on_cuda = opts.device.startswith("cuda")
     try:  # refuse an unusable transport at start-up, not at the first request
         choose_transport(opts.config.kv_transfer.transport, 0, True, 0.0, kv_on_cuda=on_cuda)
