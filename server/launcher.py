@@ -97,6 +97,16 @@ def parse_devices(text: str) -> tuple[str, ...]:
     return devices
 
 
+def plan_workers(mode: str, num_prefill: int, num_decode: int, device: str,
+                 devices: tuple[str, ...] = ()) -> list[tuple[str, str, str]]:
+    """(role, worker id, device) per worker, in start order: prefill workers first, then decode (or
+    colocated) ones; ``devices`` are assigned round-robin in that order, else ``device`` to all."""
+    roles = (["prefill"] * num_prefill + ["decode"] * num_decode
+             if mode == "disaggregated" else ["colocated"] * num_decode)
+    return [(role, f"{role}-{i}", devices[i % len(devices)] if devices else device)
+            for i, role in enumerate(roles)]
+
+
 @dataclass
 class Launcher:
     config: DistServeConfig
@@ -153,17 +163,15 @@ class Launcher:
                 raise RuntimeError("router did not start in time")
             time.sleep(0.05)
         self.url = json.loads(ready.read_text())["url"]
-        roles = (["prefill"] * self.num_prefill + ["decode"] * self.num_decode
-                 if self.mode == "disaggregated" else ["colocated"] * self.num_decode)
-        for i, role in enumerate(roles):
+        plan = plan_workers(self.mode, self.num_prefill, self.num_decode, self.device, self.devices)
+        for role, worker_id, device in plan:
             cpus = placement.get(role)
-            device = self.devices[i % len(self.devices)] if self.devices else self.device
             argv = ["worker", "--role", role, "--router", self.url, "--config", str(self.config_path),
-                    "--device", device, "--parent-pid", str(os.getpid()), "--worker-id", f"{role}-{i}"]
+                    "--device", device, "--parent-pid", str(os.getpid()), "--worker-id", worker_id]
             if cpus:
                 argv += ["--cpus", ",".join(map(str, cpus))]
-            self._spawn(argv, f"{role}-{i}", cpus, threads[role])
-        self.wait_healthy(len(roles), deadline)
+            self._spawn(argv, worker_id, cpus, threads[role])
+        self.wait_healthy(len(plan), deadline)
         return self.url
 
     def workers(self) -> dict:
