@@ -213,6 +213,7 @@ class CacheConfig(_Section):
     num_gpu_blocks: int = _opt(0, "int", lo=0, hi=10_000_000)  # 0 = size automatically
     kv_cache_memory_mb: int = _opt(512, "int", lo=1, hi=10_000_000)
     dtype: str = _opt("auto", "enum", choices=("auto", "float32", "float16", "bfloat16"))
+    enable_prefix_caching: bool = _opt(True, "bool")
 
 
 @dataclass(frozen=True)

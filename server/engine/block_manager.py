@@ -1,36 +1,77 @@
 """Paged KV-cache bookkeeping: which physical blocks each sequence owns.
 
-The block pool itself (the tensors) lives in ``kv_cache.py``; this module only
+The block pool itself (the tensors) lives in ``model_runner.py``; this module only
 hands out block ids. Blocks are reference counted so that a block can be shared
-(``fork``) and is returned to the free list exactly when its last owner lets go.
+(``fork``, prefix caching) and leaves use exactly when its last owner lets go.
+
+Prefix caching (vLLM's "automatic prefix caching", ``enable_prefix_caching``).
+A *full* block is named by a digest of its tokens and of the digest of the block
+before it, so one digest stands for the whole prefix up to the end of that block.
+Once every slot of a block holds computed KV, its owner ``register``s it: the block
+is then in the cache under its digest and is never written again (a sequence only
+ever appends to its last, partial block). When the last owner frees a cached block,
+its KV stays where it is: the block is *evictable* — counted as free, handed out
+again only after every never-cached free block is gone, least recently freed first,
+and only then does its digest leave the cache. A new sequence ``claim_prefix``es the
+longest run of cached blocks that starts at its first token, takes a reference on
+each (an evictable block becomes used again) and starts computing after them.
+
+Free-block accounting is unchanged for callers: ``num_free_blocks`` counts never-used
+and evictable blocks alike, so "KV blocks used" still drops to 0 when all work is done.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import hashlib
+from array import array
+from collections import OrderedDict, deque
 
 from server.engine.sequence import Sequence
 
+_ROOT = b"distserve-prefix-v1"
+
+
+def block_digest(parent: bytes, token_ids: list[int]) -> bytes:
+    """Digest of one full block given the digest of the prefix before it (16 bytes, blake2b).
+
+    Cryptographic so that two different prefixes never share a digest in practice: a
+    collision would hand one request another request's KV."""
+    h = hashlib.blake2b(parent, digest_size=16)
+    h.update(array("q", token_ids).tobytes())
+    return h.digest()
+
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts = [0] * num_blocks
         self._free: deque[int] = deque(range(num_blocks))
+        # prefix cache: digest -> block, block -> digest; evictable = cached blocks nobody holds,
+        # oldest first (they count as free)
+        self._cached: dict[bytes, int] = {}
+        self._digest_of: dict[int, bytes] = {}
+        self._evictable: OrderedDict[int, None] = OrderedDict()
+        self.num_cache_queries = 0  # tokens looked up by claim_prefix
+        self.num_cache_hits = 0  # of those, tokens found cached
 
     # --- queries -----------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        return len(self._free) + len(self._evictable)
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -40,22 +81,29 @@ class BlockManager:
         return max(0, self.blocks_needed(num_tokens) - len(seq.block_table))
 
     def can_allocate(self, num_tokens: int) -> bool:
-        return self.blocks_needed(num_tokens) <= len(self._free)
+        return self.blocks_needed(num_tokens) <= self.num_free_blocks
 
     def can_grow(self, seq: Sequence, num_tokens: int) -> bool:
-        return self.num_missing_blocks(seq, num_tokens) <= len(self._free)
+        return self.num_missing_blocks(seq, num_tokens) <= self.num_free_blocks
 
     # --- mutations ---------------------------------------------------------
+    def _take_free_block(self) -> int:
+        if self._free:
+            return self._free.popleft()
+        block, _ = self._evictable.popitem(last=False)  # least recently freed cached block
+        del self._cached[self._digest_of.pop(block)]
+        return block
+
     def grow(self, seq: Sequence, num_tokens: int) -> None:
         """Extend ``seq.block_table`` to cover ``num_tokens`` slots."""
         missing = self.num_missing_blocks(seq, num_tokens)
-        if missing > len(self._free):
+        if missing > self.num_free_blocks:
             raise RuntimeError(
                 f"out of KV blocks: request {seq.request_id} needs {missing}, "
-                f"{len(self._free)} free (callers must check can_grow first)"
+                f"{self.num_free_blocks} free (callers must check can_grow first)"
             )
         for _ in range(missing):
-            block = self._free.popleft()
+            block = self._take_free_block()
             self.ref_counts[block] = 1
             seq.block_table.append(block)
 
@@ -64,8 +112,14 @@ class BlockManager:
         if dst.block_table:
             raise RuntimeError(f"fork target {dst.request_id} already owns blocks")
         for block in src.block_table:
-            self.ref_counts[block] += 1
+            self._ref(block)
         dst.block_table = list(src.block_table)
+        dst.block_digests = list(src.block_digests)
+
+    def _ref(self, block: int) -> None:
+        if self.ref_counts[block] == 0:
+            del self._evictable[block]
+        self.ref_counts[block] += 1
 
     def free(self, seq: Sequence) -> None:
         for block in seq.block_table:
@@ -74,17 +128,96 @@ class BlockManager:
                 raise RuntimeError(f"double free of block {block} by {seq.request_id}")
             self.ref_counts[block] = count - 1
             if count == 1:
-                self._free.append(block)
+                if block in self._digest_of:
+                    self._evictable[block] = None  # newest at the end
+                else:
+                    self._free.append(block)
         seq.block_table = []
         seq.num_computed_tokens = 0
+        seq.num_registered_blocks = 0
+
+    # --- prefix caching ----------------------------------------------------
+    def _digests(self, seq: Sequence, num_full_blocks: int) -> list[bytes]:
+        """Digests of ``seq``'s first ``num_full_blocks`` blocks (memoised on the sequence)."""
+        digests = seq.block_digests
+        if len(digests) < num_full_blocks:
+            tokens = seq.all_token_ids
+            bs = self.block_size
+            parent = digests[-1] if digests else _ROOT
+            for i in range(len(digests), num_full_blocks):
+                parent = block_digest(parent, tokens[i * bs:(i + 1) * bs])
+                digests.append(parent)
+        return digests
+
+    def claim_prefix(self, seq: Sequence) -> int:
+        """Give a sequence that owns no blocks the longest cached prefix of its tokens.
+
+        At least one token is always left to compute (the step that computes it samples
+        the next token), so a fully cached context reuses all blocks but its last. Sets
+        ``seq.block_table`` and ``seq.num_computed_tokens``; returns the cached tokens."""
+        if not self.enable_prefix_caching or seq.block_table or seq.num_computed_tokens:
+            return 0
+        bs = self.block_size
+        max_blocks = (seq.num_tokens - 1) // bs
+        self.num_cache_queries += seq.num_tokens
+        if max_blocks == 0 or not self._cached:
+            return 0
+        blocks: list[int] = []
+        for digest in self._digests(seq, max_blocks):
+            block = self._cached.get(digest)
+            if block is None:
+                break
+            blocks.append(block)
+        for block in blocks:
+            self._ref(block)
+        seq.block_table = blocks
+        seq.num_computed_tokens = len(blocks) * bs
+        self.num_cache_hits += seq.num_computed_tokens
+        return seq.num_computed_tokens
+
+    def register(self, seq: Sequence) -> None:
+        """Put ``seq``'s blocks whose every slot now holds computed KV into the cache."""
+        if not self.enable_prefix_caching:
+            return
+        full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        if full <= seq.num_registered_blocks:
+            return
+        digests = self._digests(seq, full)
+        for i in range(seq.num_registered_blocks, full):
+            block, digest = seq.block_table[i], digests[i]
+            if block not in self._digest_of and digest not in self._cached:
+                self._cached[digest] = block
+                self._digest_of[block] = digest
+            # else: already cached (a claimed block), or the same prefix computed twice at
+            # once: the first copy stays the cached one, this one is freed normally
+        seq.num_registered_blocks = full
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached digest (evictable blocks become plain free blocks)."""
+        for block in self._evictable:
+            self._free.append(block)
+        self._evictable.clear()
+        self._cached.clear()
+        self._digest_of.clear()
 
     def check_invariants(self) -> None:
-        """Raise if the free list and the ref counts disagree (used by tests and /health)."""
+        """Raise if the free list, the evictable set and the ref counts disagree."""
         free = set(self._free)
         if len(free) != len(self._free):
             raise AssertionError("a block is on the free list twice")
+        if free & set(self._evictable):
+            raise AssertionError("a block is both free and evictable")
         for block, count in enumerate(self.ref_counts):
             if count < 0:
                 raise AssertionError(f"block {block} has ref count {count}")
-            if (count == 0) != (block in free):
-                raise AssertionError(f"block {block}: ref count {count}, on free list {block in free}")
+            idle = block in free or block in self._evictable
+            if (count == 0) != idle:
+                raise AssertionError(f"block {block}: ref count {count}, free or evictable {idle}")
+        for block in self._evictable:
+            if block not in self._digest_of:
+                raise AssertionError(f"evictable block {block} has no digest")
+        if len(self._cached) != len(self._digest_of) or any(
+                self._cached.get(d) != b for b, d in self._digest_of.items()):
+            raise AssertionError("prefix-cache maps disagree")
+        if free & set(self._digest_of):
+            raise AssertionError("a block on the free list still has a digest")

@@ -52,6 +52,7 @@ class EngineConfig:
     decode_policy: str = "fcfs"
     attention_backend: str = "auto"
     torch_threads: int = 0  # 0 = leave torch's default
+    enable_prefix_caching: bool = True  # reuse the KV of full blocks whose whole prefix matches
     enforce_eager: bool = False  # CUDA only: no CUDA graphs for decode steps
 
     def __post_init__(self) -> None:
@@ -107,7 +108,7 @@ class LLMEngine:
         num_blocks = config.num_blocks or max(
             1, config.kv_cache_memory_mb * 2**20 // kv_bytes_per_block(self.model_config, config.block_size, self.dtype)
         )
-        self.block_manager = BlockManager(num_blocks, config.block_size)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
@@ -263,8 +264,10 @@ class LLMEngine:
             [self._seeds[s.request_id] for s in sampling],
             [s.num_output_tokens for s in sampling],
         ) if sampling else []
+        bm = self.block_manager
         for s in sched.scheduled:
             s.seq.num_computed_tokens += s.num_new_tokens
+            bm.register(s.seq)
         self.stats.num_generated_tokens += len(tokens)
         for seq, token in zip(sampling, tokens):
             seq.output_token_ids.append(token)

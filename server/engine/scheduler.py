@@ -167,9 +167,11 @@ class Scheduler:
         if not out.preempted:
             while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
                 seq = self._next_waiting()
+                bm.claim_prefix(seq)  # cached KV of its first blocks, if prefix caching is on
                 num_new = min(seq.num_uncomputed_tokens, budget)
                 needed = seq.num_computed_tokens + num_new
                 if not bm.can_grow(seq, needed):
+                    bm.free(seq)  # give the claimed prefix back (it stays cached)
                     if not self.running and not out.scheduled and not bm.can_allocate(needed):
                         self.waiting.remove(seq)  # larger than the whole pool: never fits
                         out.rejected.append(seq)

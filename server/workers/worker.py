@@ -54,7 +54,8 @@ def engine_config_for(role: str, cfg: DistServeConfig, device: str) -> EngineCon
     common = dict(model=cfg.model, device=device, dtype=cache.dtype, block_size=cache.block_size,
                   num_blocks=cache.num_gpu_blocks, kv_cache_memory_mb=cache.kv_cache_memory_mb,
                   max_model_len=pf.max_seq_len, max_num_batched_tokens=pf.max_num_batched_tokens,
-                  attention_backend=pf.attention_backend)
+                  attention_backend=pf.attention_backend,
+                  enable_prefix_caching=cache.enable_prefix_caching)
     if role == "prefill":
         return EngineConfig(**common, max_num_seqs=pf.max_batch_size, prefill_policy="wfs",
                             torch_threads=pf.torch_threads)

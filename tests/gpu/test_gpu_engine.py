@@ -286,3 +286,27 @@ def test_preset_7b_shape_builds_lazily():
     cfg = preset_config("preset:llama-2-7b")
     assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.intermediate_size) == (
         4096, 32, 32, 11008)
+
+
+@pytest.mark.parametrize("length", [64, 100])
+def test_prefix_cache_hit_logits_match_cold_prefill(length):
+    """A prompt whose first blocks come from the prefix cache (prefill with context on the GPU
+    path: flash/SDPA over the paged prefix) gives the logits of a cold prefill."""
+    from server.engine.sampling_params import SamplingParams
+
+    eng = _engine("tiny-gpu-gqa", enforce_eager=True, block_size=16)
+    prompt = _prompts(1, [length], seed=11)[0]
+    got = []
+    for rid in ("cold", "warm"):
+        eng.add_request(rid, prompt, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+        sched = eng.scheduler.schedule()
+        (s,) = sched.scheduled
+        got.append((s.num_new_tokens, eng.runner.execute(sched.scheduled)))
+        s.seq.num_computed_tokens += s.num_new_tokens
+        eng.block_manager.register(s.seq)
+        assert eng.abort_request(rid)
+    (n_cold, cold), (n_warm, warm) = got
+    assert n_cold == length and n_warm == length - ((length - 1) // 16) * 16
+    assert torch.isfinite(warm).all()
+    assert _rel(warm, cold) < 2e-2, _rel(warm, cold)
+    assert eng.block_manager.num_used_blocks == 0
