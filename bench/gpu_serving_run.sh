@@ -5,14 +5,7 @@
 set -u
 layout=$1
 budget=${2:-250}
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-# multicast off (KINDS.md): nothing here uses NCCL, but children inherit this environment
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  || { echo "wheel install failed"; exit 1; }
-export PYTHONPATH=/tmp/site:$PWD
-nvidia-smi --query-gpu=index,name,memory.used,memory.total --format=csv,noheader
+source "$(dirname "$0")/gpu_env.sh"
 python3 -c "import fastapi, uvicorn, pydantic, aiohttp, torch; print('torch', torch.__version__, 'gpus', torch.cuda.device_count(), 'alloc_conf', __import__('os').environ.get('PYTORCH_CUDA_ALLOC_CONF'))"
 if [ "$layout" = one-gpu ]; then
   timeout 90 python3 -m pytest tests/gpu/test_cuda_ipc.py -q -rs -p no:cacheprovider 2>&1 | tail -25 | tee "$OUT/gpu_tests.txt"

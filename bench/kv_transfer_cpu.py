@@ -5,10 +5,14 @@ Usage: python bench/kv_transfer_cpu.py [--sizes-mib 1 16 256] [--repeats 5] [--o
 
 The sender (KVStagingServer) runs in a child process, the receiver (KVPuller) in this one, so
 every pull crosses a real process boundary. For each payload size and transport it stages one
-request, pulls it, and repeats; the pull's wall time (connect, PULL, header, payload, crc32
-verify, ACK, sender frees the slot) is what is reported, as GB/s = 1e9 bytes/s, median of the
-repeats. Staging time (the shm copy into a fresh segment, the crc32) is reported separately: it is
-paid by the prefill worker, not on the decode path. Baselines in the receiver process:
+request, pulls it, and repeats; the pull's wall time (PULL, header, payload, crc32 verify, ACK, the
+sender's DONE once the slot is unstaged) is what is reported, as GB/s = 1e9 bytes/s, median of the
+repeats. The puller keeps its control connection open between pulls, as a decode worker does: the
+first pull of each variant is a warm-up (not counted), the others reuse the connection. The JSON
+also has each variant's phase medians (`KVPuller.last_timings`: connect_s, pull_to_header_s,
+copy_s, ack_to_done_s) and how many pulls reused a connection. Staging time (the shm copy into a
+fresh segment, the crc32) is reported separately: it is paid by the prefill worker, not on the
+decode path. Baselines in the receiver process:
 `dst.copy_(src)` (one thread, like the transports' copies) into a preallocated tensor (the memory-bandwidth ceiling) and into a freshly
 allocated one (what a pull must do, page faults included).
 
@@ -120,7 +124,7 @@ def run(sizes_mib: list[float], repeats_arg: int | None) -> dict:
                    "memcpy_fresh_s": memcpy_s(nbytes, repeats * 4, fresh=True)}
             out = torch.empty(kv_shape(nbytes))
             for transport, checksum, reuse_out in VARIANTS:
-                pulls, stages = [], []
+                pulls, stages, phases = [], [], []
                 for i in range(repeats + 1):  # the first one warms up
                     handle, stage_s = stage(nbytes, transport, checksum)
                     result = puller.pull(handle, timeout_s=120, out=out if reuse_out else None)
@@ -129,15 +133,21 @@ def run(sizes_mib: list[float], repeats_arg: int | None) -> dict:
                     if i:
                         pulls.append(result.seconds)
                         stages.append(stage_s)
+                        phases.append(puller.last_timings)
                     del result
                 key = variant_key(transport, checksum, reuse_out)
                 row[f"{key}_pull_s"], row[f"{key}_stage_s"] = pulls, stages
+                row[f"{key}_phases_s_median"] = {
+                    k: statistics.median(p[k] for p in phases)
+                    for k in phases[0] if k.endswith("_s")}
+                row[f"{key}_reused_connection"] = sum(p["reused"] for p in phases)
             del out
             rows.append(row)
             print_row(row)
         child.stdin.write(json.dumps({"op": "quit"}) + "\n")
         child.stdin.flush()
         child.wait(timeout=30)
+        puller.close()
     finally:
         if child.poll() is None:
             child.kill()

@@ -3,14 +3,19 @@
 The payload is the KV of one 2048-token Llama-2-7B request: 32 layers x 2 x 2048 tokens x 32 heads
 x 128 x bf16 = 1 GiB. The sender (this process) stages it with `KVStagingServer`
 (transport cuda_ipc); a receiver process pulls it with `KVPuller(cuda_device=DST)`, timing each
-`pull()` end to end (control connection, IPC description, open, copy, sync, ACK, sender's close).
-Paths: the staging pool (the receiver keeps its mapping of the pool between pulls) and the
-per-transfer export (the receiver opens and closes the mapping every pull). The baseline is
-`dst.copy_(src)` of the same size inside the receiver (same source and destination GPUs), wall
-time with a synchronize and CUDA-event time. Target: pull throughput >= 50% of that copy's.
+`pull()` end to end (PULL -> IPC description, open, copy, sync, ACK -> the sender's DONE). The
+puller keeps its control connection open between pulls, as a decode worker does, so every pull but
+the first of a path reuses it. Paths: the staging pool (the receiver keeps its mapping of the pool
+between pulls) and the per-transfer export (the receiver opens and closes the mapping every pull).
+The baseline is `dst.copy_(src)` of the same size inside the receiver (same source and destination
+GPUs), wall time with a synchronize and CUDA-event time. Target: pull throughput >= 50% of that
+copy's.
 
-The first pull of each path is reported apart (it opens the pool mapping); medians are over the
-rest. Correctness: the receiver compares an int64 sum and a few sampled slices with the sender's.
+The first pull of each path is a warm-up reported apart (it connects to that path's sender and opens
+the pool mapping); medians are over the rest. Phases (`KVPuller.last_timings`, medians over the
+same pulls): connect_s (pool lookup on a reused connection), pull_to_header_s, copy_s (open, copy,
+sync) and ack_to_done_s. Correctness: the receiver compares an int64 sum and a few sampled slices
+with the sender's.
 
 Usage (device): python3 bench/kv_transfer_gpu.py --out $OUT/kv_transfer_gpu.json [--dst cuda:1]
 """
@@ -145,22 +150,27 @@ def main() -> int:
                         res["errors"][f"{name}-{i}"] = f"digest {r['digest']} != {want}"
                     times.append(r["s"])
                     phases.append(r.get("phases") or {})
-                    time.sleep(0.05)  # let the sender free the entry (after its close)
+                    time.sleep(0.05)  # let the sender's freeing thread release the entry (after DONE)
                 rest = times[1:] or times
                 med = statistics.median(rest) if rest else float("nan")
+                timed = phases[1:] or phases
+                phase_keys = [k for k in (timed[-1] if timed else {}) if k.endswith("_s")]
                 res[f"cuda_ipc_{name}"] = {
                     "correct": ok, "pulls": len(times), "first_pull_s": times[0] if times else None,
                     "pull_s_median": med, "pull_s_min": min(rest) if rest else None,
                     "pull_s_all": times, "stage_s_median": statistics.median(stage_s) if stage_s else None,
                     "GBps": nbytes / med / 1e9, "fraction_of_d2d_wall": d2d_wall / med,
                     "meets_target": bool(ok and d2d_wall / med >= TARGET_FRACTION),
-                    "phases_s_median": {k: statistics.median(p[k] for p in phases[1:] or phases if k in p)
-                                        for k in (phases[-1] if phases else {})}}
+                    "phases_s_median": {k: statistics.median(p[k] for p in timed if k in p)
+                                        for k in phase_keys},
+                    "first_pull_phases": phases[0] if phases else None,
+                    "pulls_on_reused_connection": sum(bool(p.get("reused")) for p in timed)}
                 print(f"cuda_ipc {name}: pull {med * 1e3:.3f} ms median (first {times[0] * 1e3:.2f} ms), "
                       f"{nbytes / med / 1e9:.0f} GB/s = {d2d_wall / med:.0%} of the d2d copy; "
                       f"correct={ok}; phases (ms) " + ", ".join(
-                          f"{k[:-2]} {v * 1e3:.3f}" for k, v in res[f"cuda_ipc_{name}"]["phases_s_median"].items()),
-                      flush=True)
+                          f"{k[:-2]} {v * 1e3:.3f}" for k, v in res[f"cuda_ipc_{name}"]["phases_s_median"].items())
+                      + f"; {res[f'cuda_ipc_{name}']['pulls_on_reused_connection']}/{len(timed)} on a reused "
+                        "connection", flush=True)
                 save()
     except Exception as e:  # keep what was measured
         res["errors"]["run"] = f"{type(e).__name__}: {e}"

@@ -2,8 +2,8 @@
 
 See docs/ARCHITECTURE.md and DESIGN section 5. Public surface:
 
-- `KVSender` / `KVReceiver`: the two-sided seam; `KVStagingServer` / `KVPuller` implement it over a
-  TCP control connection with the payload inline (`tcp`) or in POSIX shared memory (`shm`).
+- `KVSender` / `KVReceiver`: the two-sided seam; `KVStagingServer` / `KVPuller` implement it over
+  persistent TCP control connections with the payload inline (`tcp`) or in POSIX shared memory (`shm`).
 - `KVHandle`: what travels through the router (JSON via to_dict/from_dict; it is a capability).
 - `PullResult` / `TransferStatus`: failures are data.
 - `choose_transport`, `host_id`: the `auto` policy and locality.

@@ -31,6 +31,7 @@ from .frame import (DEFAULT_MAX_NBYTES, DTYPE_NAMES, MAX_NDIM, MAX_REQUEST_ID_BY
 TRANSPORTS = ("tcp", "shm", "cuda_ipc")
 MAX_ADDRESS_CHARS = 300
 MAX_HOST_ID_CHARS = 512
+MAX_IPC_CHARS = 1024  # cuda_ipc description text (cuda_ipc.parse_description caps it too)
 _HEX = re.compile(r"[0-9a-f]+")
 _HARD_MAX_NBYTES = 1 << 46  # any handle at all; from_dict applies the (smaller) configured cap
 
@@ -90,6 +91,9 @@ class KVHandle:
     dtype: str
     checksum: int | None
     host_id: str
+    # cuda_ipc from a staging pool: the sender's IPC description of the staged bytes, so the
+    # receiver can start its copy before the PULL's reply arrives (receiver.py); "" otherwise
+    ipc: str = ""
 
     def __post_init__(self) -> None:
         self.validate(_HARD_MAX_NBYTES)
@@ -118,6 +122,10 @@ class KVHandle:
         if self.checksum is not None:
             _check_int("checksum", self.checksum, 0, 0xFFFFFFFF)
         _check_str("host_id", self.host_id, MAX_HOST_ID_CHARS)
+        if not isinstance(self.ipc, str) or len(self.ipc) > MAX_IPC_CHARS:
+            raise ValueError(f"KVHandle.ipc must be a string of at most {MAX_IPC_CHARS} chars")
+        if self.ipc and self.transport != "cuda_ipc":
+            raise ValueError("KVHandle.ipc is only for transport cuda_ipc")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -127,7 +135,7 @@ class KVHandle:
         return {"request_id": self.request_id, "transport": self.transport,
                 "address": self.address, "secret": self.secret, "nbytes": self.nbytes,
                 "shape": list(self.shape), "dtype": self.dtype, "checksum": self.checksum,
-                "host_id": self.host_id}
+                "host_id": self.host_id, **({"ipc": self.ipc} if self.ipc else {})}
 
     @classmethod
     def from_dict(cls, data: Any, max_nbytes: int = DEFAULT_MAX_NBYTES) -> "KVHandle":
@@ -136,7 +144,7 @@ class KVHandle:
             raise ValueError(f"KV handle must be a JSON object, got {type(data).__name__}")
         expected = {"request_id", "transport", "address", "secret", "nbytes", "shape", "dtype",
                     "checksum", "host_id"}
-        if set(data) != expected:
+        if set(data) - {"ipc"} != expected:
             missing, extra = sorted(expected - set(data)), sorted(set(data) - expected)
             raise ValueError(f"KV handle keys: missing {missing}, unexpected {extra}")
         shape = data["shape"]

@@ -36,6 +36,7 @@ from __future__ import annotations
 import collections
 import json
 import logging
+import os
 import re
 import secrets
 import threading
@@ -365,6 +366,8 @@ class IpcImporter:
         self._cache: collections.OrderedDict[tuple, torch.UntypedStorage] = collections.OrderedDict()
         self._sink: torch.Tensor | None = None
         self._sink_ref: tuple[bytes, int] | None = None
+        # same-GPU copies with an SM kernel instead of cudaMemcpy (bench/kv_transfer_gpu.py)
+        self.copy_kernel = os.environ.get("DISTSERVE_IPC_COPY", "kernel") == "kernel"
 
     def _sink_counter(self, device_index: int) -> tuple[bytes, int]:
         """A counter slot of our own for torch's consumer-side decrement (module docstring)."""
@@ -408,6 +411,12 @@ class IpcImporter:
              out: torch.Tensor | None = None) -> torch.Tensor:
         """Device-to-device copy of the described bytes into `out` (or a new tensor on our
         device); returns once the copy has finished and what was opened for it is closed."""
+        return self.start_copy(desc, dtype, shape, out).wait()
+
+    def start_copy(self, desc: IpcDescription, dtype: torch.dtype, shape: tuple[int, ...],
+                   out: torch.Tensor | None = None) -> "PendingCopy":
+        """Queue the copy on a side stream and return at once; ``wait()`` finishes it. Lets the
+        receiver overlap the copy with the control round trip (receiver.py)."""
         if self.device is None:
             raise IpcError("this receiver has no CUDA device to copy a cuda_ipc payload into")
         src = local_index(desc.device_uuid)
@@ -419,29 +428,57 @@ class IpcImporter:
         nbytes *= dtype.itemsize
         dst_dev = self.device
         stream = side_stream(dst_dev)
-        flat = payload = None
         with torch.cuda.device(dst_dev), torch.cuda.stream(stream):
             storage = self._open(desc, src)
             try:
                 flat = torch.empty(0, dtype=torch.uint8, device=f"cuda:{src}")
                 flat.set_(storage, 0, (storage.nbytes(),), (1,))
-                payload = flat[desc.offset:desc.offset + nbytes].view(dtype).view(shape)
+                payload = flat[desc.offset:desc.offset + nbytes]
                 if out is None:
                     out = torch.empty(shape, dtype=dtype, device=dst_dev)
-                out.copy_(payload, non_blocking=True)
-                stream.synchronize()
-                if src != dst_dev.index:
-                    torch.cuda.current_stream(src).synchronize()
+                dst = out.view(-1).view(torch.uint8)
+                if self.copy_kernel and src == dst_dev.index and nbytes % 16 == 0 \
+                        and desc.offset % 16 == 0:
+                    # an SM copy kernel: a cudaMemcpy from another process's allocation may be
+                    # served by a copy engine at a fraction of the SMs' bandwidth
+                    torch.bitwise_or(payload.view(torch.int64), 0, out=dst.view(torch.int64))
+                else:
+                    dst.copy_(payload, non_blocking=True)
             except Exception as exc:
                 if desc.pool:
                     self.forget(desc)
                 raise IpcError(f"cuda_ipc copy failed: {exc}".splitlines()[0]) from None
-            finally:  # a per-transfer mapping closes when its last reference goes, here
-                del storage, flat, payload
-        # `out` was allocated on our side stream; the engine uses it on its default stream
-        out.record_stream(torch.cuda.default_stream(dst_dev))
-        return out
+            done = torch.cuda.Event()
+            done.record(stream)
+        return PendingCopy(self, desc, out, done, src, dst_dev, (storage, flat, payload))
 
     def close(self) -> None:
         with self._lock:
             self._cache.clear()
+
+
+class PendingCopy:
+    """A queued cuda_ipc copy; ``wait()`` returns the tensor once the copy has finished."""
+
+    def __init__(self, importer: IpcImporter, desc: IpcDescription, out: torch.Tensor,
+                 done: "torch.cuda.Event", src: int, dst_dev: torch.device, refs: tuple):
+        self._importer, self._desc, self.out, self._done = importer, desc, out, done
+        self._src, self._dst_dev, self._refs = src, dst_dev, refs
+
+    def wait(self) -> torch.Tensor:
+        if self._refs is None:
+            return self.out
+        try:
+            self._done.synchronize()
+            if self._src != self._dst_dev.index:
+                torch.cuda.current_stream(self._src).synchronize()
+        except Exception as exc:
+            if self._desc.pool:
+                self._importer.forget(self._desc)
+            raise IpcError(f"cuda_ipc copy failed: {exc}".splitlines()[0]) from None
+        finally:  # a per-transfer mapping closes when its last reference goes, here
+            self._refs = None
+        # `out` was written on our side stream; the engine uses it on its default stream
+        self.out.record_stream(torch.cuda.default_stream(self._dst_dev))
+        return self.out
+

@@ -22,6 +22,25 @@ Header layout (92 bytes, in this order)::
     shape            8Q   unused dims must be 0
     payload nbytes   Q    == prod(shape) * itemsize, <= max_nbytes
     checksum         I    crc32 of the payload when FLAG_CHECKSUM is set, else 0
+
+One connection carries many pulls, one at a time (the receiver opens it, keeps it in a pool and
+closes it; the sender closes it after `idle_timeout_s` without a frame, or when it is closed)::
+
+    receiver  PULL(id, secret)
+    sender    DATA_INLINE + payload | DATA_SHM | DATA_CUDA_IPC
+              | ERROR UNKNOWN_ID, EXPIRED, AUTH or BUSY   (the connection stays usable)
+              | ERROR BAD_FRAME                            (the sender then closes: out of sync)
+    receiver  ACK(id)   payload received and verified
+              | ERROR CHECKSUM or GENERIC                  (the entry stays staged; the receiver
+                                                            closes the connection)
+    sender    DONE(id)  after ACK: the entry is unstaged (its memory is freed after DONE is
+                        sent); the connection is ready for the next PULL
+
+A receiver returns a successful pull only once DONE arrived, so the staging slot is free when
+pull() returns. DONE is type 7, appended: an older receiver, which waits for the sender to close
+after its ACK, takes DONE's first byte for that and still works; a receiver facing an older sender
+(which closes instead of answering DONE) takes the close as the confirmation and does not reuse the
+connection. Hence no version bump: the header format is unchanged.
 """
 
 from __future__ import annotations
@@ -76,6 +95,7 @@ class FrameType(enum.IntEnum):
     ACK = 4  # receiver -> sender: payload received and verified, free it
     ERROR = 5  # either way: code + text, no data
     DATA_CUDA_IPC = 6  # sender -> receiver: metadata, text = CUDA IPC description (JSON, cuda_ipc.py)
+    DONE = 7  # sender -> receiver: ACK handled, entry unstaged, ready for the next PULL
 
 
 class ErrorCode(enum.IntEnum):

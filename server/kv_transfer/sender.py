@@ -1,8 +1,14 @@
 """Prefill-side staging server: holds KV under a lease and serves authenticated pulls over TCP.
 
-One listener thread accepts connections; each connection is served (exactly one PULL) by a thread
-from a pool — pooled because starting a thread costs ~1.5 ms on the Firecracker VMs we run on,
-more than pulling a 1 MiB payload. Per transport:
+One listener thread accepts connections; each connection is served by a thread from a pool —
+pooled because starting a thread costs ~1.5 ms on the Firecracker VMs we run on, more than pulling a
+1 MiB payload. A connection is persistent: its thread serves PULLs one after another (protocol in
+frame.py) until the receiver closes it, `idle_timeout_s` passes without a frame, the stream gets out
+of sync (bad frame, a failed send), or the server closes. So a receiver that keeps its connection
+open pays neither the connect nor the hand-off to a pool thread per pull: only PULL -> reply and
+ACK -> DONE. At most `max_connections` are open; when a new one arrives at the cap, the connection
+idle the longest is closed to make room (a receiver's pool must not lock out other receivers);
+when none is idle, the new one is refused. Per transport:
 
 - tcp: DATA_INLINE header, then the tensor's bytes straight from its memory (no copy), chunked so a
   slow reader is bounded by `io_timeout_s` per chunk, not per payload;
@@ -12,9 +18,12 @@ more than pulling a 1 MiB payload. Per transport:
   DATA_CUDA_IPC with a JSON description of its CUDA IPC handle, and the receiver copies GPU to GPU
   (cuda_ipc.py).
 
-Either way the entry is freed only when the receiver ACKs — a receiver error (checksum mismatch,
-crash) leaves it staged so decode can retry until the lease ends. A sweeper thread frees entries
-whose lease ended, so a decode worker that never comes cannot leak prefill memory.
+Either way the entry is unstaged only when the receiver ACKs — a receiver error (checksum mismatch,
+crash) leaves it staged so decode can retry until the lease ends. After an ACK the sender unstages
+the entry, answers DONE, and hands the memory to a freeing thread (unlinking and unmapping a
+256 MiB segment takes ~100 ms here, which neither this pull nor the next one on the connection
+should wait for). A sweeper thread frees entries whose lease ended, so a decode worker that never
+comes cannot leak prefill memory.
 """
 
 from __future__ import annotations
@@ -56,6 +65,9 @@ class SenderStats:
     transfers_expired: int = 0
     transfers_aborted: int = 0
     auth_failures: int = 0  # pulls with a wrong secret
+    connections_accepted: int = 0  # control connections taken on (each serves any number of pulls)
+    connections_refused: int = 0  # closed at once: max_connections open, none of them idle
+    connections_evicted: int = 0  # idle connections closed to make room for a new one
 
 
 @dataclass(eq=False)
@@ -75,6 +87,17 @@ class _Entry:
     in_flight: bool = False
 
 
+@dataclass(eq=False)
+class _Conn:
+    sock: socket.socket
+    idle_since: float | None  # monotonic; None while a PULL is being served
+    evicted: bool = False  # shut down to make room; its thread is on its way out
+
+
+# outcomes of sending one entry
+_ACKED, _RECEIVER_ERROR, _OUT_OF_SYNC = "acked", "receiver error", "out of sync"
+
+
 class KVStagingServer(KVSender):
     """KVSender over a TCP listener (bind 127.0.0.1 by default; port 0 = ephemeral)."""
 
@@ -83,12 +106,19 @@ class KVStagingServer(KVSender):
                  checksum: bool = True, io_timeout_s: float = 30.0,
                  max_staged_bytes: int | None = None, max_connections: int = 64,
                  shm_prefix: str = DEFAULT_PREFIX, chunk_bytes: int = 8 << 20,
-                 cuda_ipc_pool_bytes: int = 0):
+                 cuda_ipc_pool_bytes: int = 0, idle_timeout_s: float | None = 60.0):
+        """`idle_timeout_s`: close a connection that has waited this long for its next PULL
+        (None: never); `io_timeout_s` bounds each read/write once a PULL has started."""
         if default_lease_ms <= 0:
             raise ValueError(f"default_lease_ms must be > 0, got {default_lease_ms}")
+        if idle_timeout_s is not None and idle_timeout_s <= 0:
+            raise ValueError(f"idle_timeout_s must be > 0 or None, got {idle_timeout_s}")
+        if max_connections < 1:
+            raise ValueError(f"max_connections must be >= 1, got {max_connections}")
         self.default_lease_ms = float(default_lease_ms)
         self.checksum = checksum
         self.io_timeout_s = io_timeout_s
+        self.idle_timeout_s = idle_timeout_s
         self.max_staged_bytes = max_staged_bytes
         self.max_connections = max_connections
         self.shm_prefix = shm_prefix
@@ -101,8 +131,10 @@ class KVStagingServer(KVSender):
         self._lock = threading.Lock()
         self._entries: dict[str, _Entry] = {}
         self._history: collections.OrderedDict[str, TransferStatus] = collections.OrderedDict()
-        self._conns: set[socket.socket] = set()
+        self._conns: dict[socket.socket, _Conn] = {}
         self._pool = ThreadPoolExecutor(max_workers=max_connections, thread_name_prefix="kv-conn")
+        # frees the memory of ACKed entries off the connection threads (its thread starts lazily)
+        self._freer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-free")
         self._stop = threading.Event()
         self._closed = False
 
@@ -203,7 +235,8 @@ class KVStagingServer(KVSender):
         return KVHandle(request_id=entry.request_id, transport=entry.transport,
                         address=self.address, secret=entry.secret, nbytes=entry.nbytes,
                         shape=entry.shape, dtype=dtype_name(entry.dtype), checksum=entry.checksum,
-                        host_id=self.host_id)
+                        host_id=self.host_id,
+                        ipc=entry.ipc.text if entry.ipc is not None and entry.ipc.in_pool else "")
 
     def release(self, request_id: str) -> bool:
         return self._finish(request_id, TransferStatus.SUCCESS, count=False)
@@ -228,25 +261,30 @@ class KVStagingServer(KVSender):
         with self._lock:
             return sum(e.nbytes for e in self._entries.values())
 
+    @property
+    def num_connections(self) -> int:
+        """Control connections open now (serving a PULL or waiting for the next one)."""
+        with self._lock:
+            return sum(not c.evicted for c in self._conns.values())
+
     def close(self) -> None:
         """Stop threads, close sockets, unlink every shm segment this server created."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
+            self._stop.set()
             conns = list(self._conns)
-        self._stop.set()
-        for sock in [self._listener, *conns]:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+            # under the lock: a connection's thread closes its socket only after leaving _conns
+            for sock in [self._listener, *conns]:
+                _shutdown(sock)
         self._listener.close()
         for t in self._threads:
             t.join(timeout=5.0)
         self._pool.shutdown(wait=True, cancel_futures=True)
         for sock in conns:  # those whose task was cancelled before it ran
             sock.close()
+        self._freer.shutdown(wait=True)  # no connection thread is left to hand it more
         with self._lock:
             entries, self._entries = list(self._entries.values()), {}
         for entry in entries:
@@ -338,6 +376,12 @@ class KVStagingServer(KVSender):
                     logger.info("KV lease expired for request %s", entry.request_id)
             self._stop.wait(min(_MAX_SWEEP_S, max(_MIN_SWEEP_S, min_lease / 4)))
 
+    def _free_later(self, entry: _Entry) -> None:
+        try:
+            self._freer.submit(self._free_resources, entry)
+        except RuntimeError:  # close() has shut the freer down
+            self._free_resources(entry)
+
     def _accept_loop(self) -> None:
         while not self._stop.is_set():
             try:
@@ -348,44 +392,76 @@ class KVStagingServer(KVSender):
                 time.sleep(0.01)
                 continue
             with self._lock:
-                if self._closed or len(self._conns) >= self.max_connections:
+                if self._closed:
                     conn.close()
                     continue
-                self._conns.add(conn)
-                self._pool.submit(self._serve, conn)
+                live = [c for c in self._conns.values() if not c.evicted]
+                if len(live) >= self.max_connections:
+                    idle = [c for c in live if c.idle_since is not None]
+                    if not idle:
+                        self.stats.connections_refused += 1
+                        conn.close()
+                        continue
+                    # make room: the receiver of an idle connection finds it closed at its next
+                    # pull and opens a new one (or, if its PULL was already on the way, retries)
+                    victim = min(idle, key=lambda c: c.idle_since)
+                    victim.evicted = True
+                    self.stats.connections_evicted += 1
+                    _shutdown(victim.sock)
+                state = _Conn(conn, idle_since=time.monotonic())
+                self._conns[conn] = state
+                self.stats.connections_accepted += 1
+                self._pool.submit(self._serve, state)
 
-    def _serve(self, conn: socket.socket) -> None:
-        done = None
+    def _serve(self, state: _Conn) -> None:
+        conn = state.sock
         try:
-            conn.settimeout(self.io_timeout_s)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            done = self._serve_pull(conn)
+            while not self._stop.is_set() and self._await_pull(state):
+                conn.settimeout(self.io_timeout_s)
+                if not self._serve_pull(conn):
+                    break
+                with self._lock:
+                    state.idle_since = time.monotonic()
         except (OSError, FrameError) as exc:
             logger.debug("KV connection ended: %s", exc)
         finally:
             with self._lock:
-                self._conns.discard(conn)
+                self._conns.pop(conn, None)
             conn.close()
-        if done is not None:
-            # Freed after the close that ends the receiver's pull(): unlinking and unmapping a
-            # 256 MiB segment takes ~100 ms here, which is not decode's to wait for.
-            self._free_resources(done)
+
+    def _await_pull(self, state: _Conn) -> bool:
+        """Wait for the next frame's first byte; False when the connection should end instead
+        (receiver closed it, idle timeout, evicted or server closing: both shut it down)."""
+        state.sock.settimeout(self.idle_timeout_s)
+        try:
+            if not state.sock.recv(1, socket.MSG_PEEK):
+                return False
+        except TimeoutError:
+            logger.debug("KV connection idle for %s s: closing it", self.idle_timeout_s)
+            return False
+        with self._lock:
+            if state.evicted:
+                return False
+            state.idle_since = None
+        return True
 
     def _reply_error(self, conn: socket.socket, code: ErrorCode, text: str,
                      request_id: str = "") -> None:
         conn.sendall(encode_frame(Frame(FrameType.ERROR, request_id=request_id,
                                         error_code=code, text=text)))
 
-    def _serve_pull(self, conn: socket.socket) -> _Entry | None:
-        """Serve one PULL; returns the entry to free when it was ACKed."""
+    def _serve_pull(self, conn: socket.socket) -> bool:
+        """Serve one PULL; True when the stream is still in sync, so the connection can carry the
+        next one. An ACKed entry is unstaged before DONE is sent and freed after."""
         try:
             pull = read_frame(conn, max_nbytes=0)
         except FrameError as exc:
             self._reply_error(conn, ErrorCode.BAD_FRAME, str(exc))
-            return None
+            return False
         if pull.type is not FrameType.PULL:
             self._reply_error(conn, ErrorCode.BAD_FRAME, f"expected PULL, got {pull.type.name}")
-            return None
+            return False
         rid = pull.request_id
         with self._lock:
             entry = self._entries.get(rid)
@@ -407,18 +483,26 @@ class KVStagingServer(KVSender):
             if code is ErrorCode.AUTH:
                 logger.warning("KV pull for request %s refused: wrong secret", rid)
             self._reply_error(conn, code, text, rid)
-            return None
-        acked = False
+            return True
+        outcome = _OUT_OF_SYNC
         try:
-            acked = self._send_payload(conn, entry, payload)
+            outcome = self._send_payload(conn, entry, payload)
         finally:
-            if not acked:
+            if outcome is not _ACKED:
                 with self._lock:
                     entry.in_flight = False
                     self.stats.transfers_failed += 1
-        return self._unstage(rid, TransferStatus.SUCCESS, only=entry) if acked else None
+        if outcome is not _ACKED:
+            return outcome is _RECEIVER_ERROR
+        done = self._unstage(rid, TransferStatus.SUCCESS, only=entry)  # None if aborted meanwhile
+        try:
+            conn.sendall(encode_frame(Frame(FrameType.DONE, request_id=rid)))
+        finally:
+            if done is not None:
+                self._free_later(done)
+        return True
 
-    def _send_payload(self, conn: socket.socket, entry: _Entry, payload) -> bool:
+    def _send_payload(self, conn: socket.socket, entry: _Entry, payload) -> str:
         inline = entry.transport == "tcp"
         ftype = {"tcp": FrameType.DATA_INLINE, "shm": FrameType.DATA_SHM,
                  "cuda_ipc": FrameType.DATA_CUDA_IPC}[entry.transport]
@@ -432,13 +516,26 @@ class KVStagingServer(KVSender):
             try:
                 for off in range(0, entry.nbytes, self.chunk_bytes):
                     if self._stop.is_set():
-                        return False
+                        return _OUT_OF_SYNC
                     conn.sendall(view[off:off + self.chunk_bytes])
             finally:
                 view.release()
         reply = read_frame(conn, max_nbytes=0)
-        if reply.type is FrameType.ACK:
-            return True
-        logger.warning("KV pull of request %s failed at the receiver: %s %s",
-                       entry.request_id, reply.error_code.name, reply.text)
-        return False
+        if reply.request_id == entry.request_id:
+            if reply.type is FrameType.ACK:
+                return _ACKED
+            if reply.type is FrameType.ERROR:
+                logger.warning("KV pull of request %s failed at the receiver: %s %s",
+                               entry.request_id, reply.error_code.name, reply.text)
+                return _RECEIVER_ERROR
+        logger.warning("KV pull of request %s: unexpected reply %s for request %r",
+                       entry.request_id, reply.type.name, reply.request_id)
+        return _OUT_OF_SYNC
+
+
+def _shutdown(sock: socket.socket) -> None:
+    """Wake whatever thread is blocked on `sock`; that thread closes it."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass

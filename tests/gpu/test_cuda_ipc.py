@@ -156,7 +156,10 @@ def test_ack_before_free(child):
         assert srv.num_staged == 1 and pool.free_bytes <= (16 << 20) - nbytes
         sock.sendall(encode_frame(Frame(FrameType.ACK, request_id="a")))
         sock.settimeout(5)
-        assert sock.recv(1) == b""  # the sender unstages, closes, then frees
+        from server.kv_transfer.frame import read_frame
+
+        # the sender unstages, answers DONE (the connection stays open for the next PULL), frees
+        assert read_frame(sock, max_nbytes=0) == Frame(FrameType.DONE, request_id="a")
         sock.close()
         _until(lambda: pool.free_bytes == 16 << 20)
         assert srv.num_staged == 0 and pool.free_bytes == 16 << 20
@@ -167,6 +170,27 @@ def test_ack_before_free(child):
         sock.close()
         r = child.pull(h2)
         assert r["status"] == "success" and r["sha"] == _sha(_kv(seed=8))
+
+
+def test_pool_handle_carries_description_and_early_copy_is_discarded_when_expired(child):
+    """A pool handle names its bytes, so the receiver copies before the PULL's reply; when the
+    entry has expired meanwhile (its region reused by another request) the pull fails as expired
+    instead of returning the other request's bytes."""
+    import time
+
+    from server.kv_transfer import KVStagingServer
+
+    with KVStagingServer(cuda_ipc_pool_bytes=16 << 20) as srv:
+        h = srv.stage("x", _kv(seed=1), transport="cuda_ipc", lease_ms=50)
+        assert h.ipc and json.loads(h.ipc)["pool"]
+        _until(lambda: srv.num_staged == 0)
+        time.sleep(0.1)
+        h_other = srv.stage("y", _kv(seed=2), transport="cuda_ipc")  # first fit: the same region
+        assert json.loads(h_other.ipc)["off"] == json.loads(h.ipc)["off"]
+        r = child.pull(h)
+        assert r["status"] == "expired" and r["sha"] is None
+        r = child.pull(h_other)
+        assert r["status"] == "success" and r["sha"] == _sha(_kv(seed=2))
 
 
 class FakeSender:

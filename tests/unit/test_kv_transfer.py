@@ -23,7 +23,7 @@ import torch
 from server.kv_transfer import (FrameError, KVHandle, KVPuller, KVStagingServer, PullResult,
                                 StagingFullError, TransferStatus, choose_transport, host_id)
 from server.kv_transfer import frame as fr
-from server.kv_transfer import shm
+from server.kv_transfer import receiver, shm
 
 REPO = Path(__file__).resolve().parents[2]
 SHAPE = (3, 2, 17, 4, 24)  # [num_layers, 2, num_tokens, num_kv_heads, head_dim]
@@ -69,8 +69,10 @@ def server(prefix):
 
 
 @pytest.fixture
-def puller() -> KVPuller:
-    return KVPuller()
+def puller():
+    p = KVPuller()
+    yield p
+    p.close()
 
 
 class FakeSender:
@@ -372,6 +374,9 @@ def test_handle_dict_round_trip():
     assert h.shape == (2, 3) and h.torch_dtype == torch.bfloat16
     assert KVHandle.from_dict(json.loads(json.dumps(h.to_dict()))) == h
     assert KVHandle.from_dict(_handle_dict(address="[::1]:80", checksum=None)).checksum is None
+    assert "ipc" not in h.to_dict()  # older peers, which know no `ipc` key, still parse it
+    ipc = KVHandle.from_dict(_handle_dict(transport="cuda_ipc", checksum=None, ipc='{"v":1}'))
+    assert ipc.ipc == '{"v":1}' and KVHandle.from_dict(ipc.to_dict()) == ipc
 
 
 @pytest.mark.parametrize("bad", [
@@ -382,6 +387,8 @@ def test_handle_dict_round_trip():
     _handle_dict(address="nohost"), _handle_dict(address="h:70000"),
     _handle_dict(checksum=1 << 32), _handle_dict(request_id=""), _handle_dict(request_id=5),
     _handle_dict(request_id="x" * 300), _handle_dict(extra=1),
+    _handle_dict(ipc='{"v":1}'),  # a description only comes with cuda_ipc
+    _handle_dict(transport="cuda_ipc", ipc="x" * 2000), _handle_dict(transport="cuda_ipc", ipc=7),
     _handle_dict(shape=[1 << 40, 1 << 10], nbytes=1 << 51),
     {k: v for k, v in _handle_dict().items() if k != "secret"}, [1, 2], None,
 ])
@@ -499,3 +506,306 @@ def test_shm_without_room_is_an_error_not_sigbus(prefix):
     with pytest.raises(OSError, match="free"):
         shm.create_segment(1 << 50, prefix)
     assert shm_names(prefix) == []
+
+
+# ------------------------------------------------------------------ persistent connections
+def pull_frame(handle: KVHandle) -> bytes:
+    return fr.encode_frame(fr.Frame(fr.FrameType.PULL, request_id=handle.request_id,
+                                    secret=handle.secret))
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_sequential_pulls_reuse_one_connection(server, puller, prefix, transport):
+    for i in range(12):
+        t = kv(seed=i)
+        result = puller.pull(server.stage(f"s{i}", t, transport=transport), 5)
+        assert result.ok, result.error
+        assert torch.equal(result.tensor, t)
+        # DONE comes after the unstaging: the slot is free the moment pull() returns
+        assert server.num_staged == 0 and server.poll(f"s{i}") is TransferStatus.SUCCESS
+        timings = puller.last_timings
+        assert timings["reused"] is (i > 0) and timings["retried"] is False
+    assert server.stats.connections_accepted == 1 and server.stats.transfers_ok == 12
+    assert puller.num_idle_connections == 1 and server.num_connections == 1
+    assert wait_until(lambda: shm_names(prefix) == [])
+
+
+def test_concurrent_pulls_each_take_their_own_connection(server, puller):
+    n_threads, rounds = 6, 4
+    barrier = threading.Barrier(n_threads)
+    failures: list[str] = []
+
+    def work(k: int) -> None:
+        for r in range(rounds):
+            t = kv(seed=100 * k + r)
+            handle = server.stage(f"t{k}-{r}", t, transport=("tcp", "shm")[(k + r) % 2])
+            barrier.wait(timeout=30)
+            result = puller.pull(handle, 20)
+            if not result.ok or not torch.equal(result.tensor, t):
+                failures.append(f"{handle.request_id}: {result.error}")
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(n_threads)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert failures == [] and server.num_staged == 0
+    accepted = server.stats.connections_accepted
+    assert 1 <= accepted <= n_threads  # never more connections than pulls at once
+    assert puller.num_idle_connections == accepted  # every one came back in sync
+    for i in range(3):  # later pulls reuse them
+        assert puller.pull(server.stage(f"after{i}", kv(seed=i)), 5).ok
+    assert server.stats.connections_accepted == accepted
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+@pytest.mark.parametrize("dead_seen_at", ["checkout", "first_use"])
+def test_sender_restart_on_same_port(prefix, puller, monkeypatch, transport, dead_seen_at):
+    first = KVStagingServer(shm_prefix=prefix)
+    port = first.port
+    assert puller.pull(first.stage("a", kv(seed=1), transport=transport), 5).ok
+    assert puller.num_idle_connections == 1
+    first.close()
+    if dead_seen_at == "first_use":  # let the dead connection through: the pull must notice
+        monkeypatch.setattr(receiver, "_looks_open", lambda sock: True)
+    second = KVStagingServer(port=port, shm_prefix=prefix)
+    try:
+        t = kv(seed=2)
+        result = puller.pull(second.stage("b", t, transport=transport), 5)
+        assert result.ok, result.error
+        assert torch.equal(result.tensor, t) and second.num_staged == 0
+        assert puller.last_timings["reused"] is False
+        assert puller.last_timings["retried"] is (dead_seen_at == "first_use")
+        assert second.stats.connections_accepted == 1
+    finally:
+        second.close()
+    assert shm_names(prefix) == []
+
+
+class ScriptedSender:
+    """A persistent fake sender: connection i is served by scripts[i](conn), so a test can drop a
+    pooled connection at an exact point of the protocol."""
+
+    def __init__(self, scripts):
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self.sock.getsockname()[1]}"
+        self.accepted = 0
+        self.thread = threading.Thread(target=self._run, args=(scripts,), daemon=True)
+        self.thread.start()
+
+    def _run(self, scripts):
+        for script in scripts:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.accepted += 1
+            with conn:
+                script(conn)
+
+    def handle(self, t: torch.Tensor, rid: str) -> KVHandle:
+        return KVHandle(request_id=rid, transport="tcp", address=self.address, secret="ab" * 16,
+                        nbytes=t.numel() * t.element_size(), shape=tuple(t.shape),
+                        dtype=fr.dtype_name(t.dtype), checksum=None, host_id=host_id())
+
+    def close(self):
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)  # wakes a pending accept()
+        except OSError:
+            pass
+        self.sock.close()
+        self.thread.join(timeout=5)
+
+
+def serve_one(conn: socket.socket, t: torch.Tensor) -> None:
+    pull = fr.read_frame(conn)
+    conn.sendall(data_header(t, None, request_id=pull.request_id))
+    conn.sendall(fr.tensor_bytes(t))
+    assert fr.read_frame(conn).type is fr.FrameType.ACK
+    conn.sendall(fr.encode_frame(fr.Frame(fr.FrameType.DONE, request_id=pull.request_id)))
+
+
+def test_pooled_connection_dropped_before_reply_is_retried():
+    t1, t2 = kv(seed=1), kv(seed=2)
+
+    def serve_then_drop_next_pull(conn):
+        serve_one(conn, t1)
+        fr.read_frame(conn)  # the next PULL arrives; the sender goes away without a reply
+
+    fake = ScriptedSender([serve_then_drop_next_pull, lambda c: serve_one(c, t2)])
+    puller = KVPuller()
+    try:
+        assert torch.equal(puller.pull(fake.handle(t1, "p1"), 5).tensor, t1)
+        result = puller.pull(fake.handle(t2, "p2"), 5)
+        assert result.ok, result.error
+        assert torch.equal(result.tensor, t2) and puller.last_timings["retried"] is True
+    finally:
+        puller.close()
+        fake.close()
+    assert fake.accepted == 2
+
+
+def test_pooled_connection_dropped_mid_payload_is_not_retried():
+    t = kv()
+    payload = fr.tensor_bytes(t).tobytes()
+
+    def serve_then_break(conn):
+        serve_one(conn, t)
+        pull = fr.read_frame(conn)
+        conn.sendall(data_header(t, None, request_id=pull.request_id))
+        conn.sendall(payload[:1000])
+
+    # a second script is there to serve a retry, which must not come
+    fake = ScriptedSender([serve_then_break, lambda c: serve_one(c, t)])
+    puller = KVPuller()
+    try:
+        assert puller.pull(fake.handle(t, "p1"), 5).ok
+        out = torch.zeros_like(t)
+        result = puller.pull(fake.handle(t, "p2"), 5, out=out)
+        assert result.status is TransferStatus.FAILED and "after 1000 of" in result.error
+        assert puller.num_idle_connections == 0  # the broken connection was not kept
+    finally:
+        puller.close()
+        fake.close()
+    assert fake.accepted == 1
+
+
+def test_refusals_keep_the_connection_usable(server, puller):
+    t = kv()
+    handle = server.stage("g", t)
+    unknown = puller.pull(dataclasses.replace(handle, request_id="nope"), 5)
+    assert unknown.status is TransferStatus.FAILED and "not staged" in unknown.error
+    wrong = puller.pull(dataclasses.replace(handle, secret=secrets.token_hex(16)), 5)
+    assert wrong.status is TransferStatus.FAILED and "authentication failed" in wrong.error
+    good = puller.pull(handle, 5)
+    assert good.ok and torch.equal(good.tensor, t) and server.num_staged == 0
+    assert server.stats.connections_accepted == 1 and server.stats.auth_failures == 1
+
+
+def test_sender_protocol_on_one_socket(server):
+    """Errors that leave the stream in sync keep the connection; a bad frame closes it."""
+    t1, t2 = kv(seed=1), kv(seed=2)
+    h1, h2 = server.stage("x1", t1, transport="shm"), server.stage("x2", t2)
+    with socket.create_connection(("127.0.0.1", server.port), timeout=5) as s:
+        s.sendall(pull_frame(dataclasses.replace(h1, request_id="nope")))
+        reply = fr.read_frame(s)
+        assert reply.type is fr.FrameType.ERROR and reply.error_code is fr.ErrorCode.UNKNOWN_ID
+        s.sendall(pull_frame(h1))
+        assert fr.read_frame(s).type is fr.FrameType.DATA_SHM
+        s.sendall(fr.encode_frame(fr.Frame(fr.FrameType.ACK, request_id="x1")))
+        assert fr.read_frame(s) == fr.Frame(fr.FrameType.DONE, request_id="x1")
+        assert server.poll("x1") is TransferStatus.SUCCESS and server.num_staged == 1
+        # a receiver-side error (bad checksum) keeps the entry staged and the stream in sync
+        for answer in (fr.FrameType.ERROR, fr.FrameType.ACK):
+            s.sendall(pull_frame(h2))
+            assert fr.read_frame(s).type is fr.FrameType.DATA_INLINE
+            assert fr.recv_exact(s, h2.nbytes) == fr.tensor_bytes(t2).tobytes()
+            s.sendall(fr.encode_frame(fr.Frame(answer, request_id="x2",
+                                               error_code=fr.ErrorCode.CHECKSUM
+                                               if answer is fr.FrameType.ERROR else
+                                               fr.ErrorCode.NONE)))
+            if answer is fr.FrameType.ERROR:
+                assert wait_until(lambda: server.poll("x2") is TransferStatus.PENDING)
+        assert fr.read_frame(s) == fr.Frame(fr.FrameType.DONE, request_id="x2")
+        assert server.num_staged == 0 and server.stats.transfers_failed == 1
+        # a frame out of turn: BAD_FRAME, then the sender closes
+        s.sendall(fr.encode_frame(fr.Frame(fr.FrameType.ACK, request_id="x2")))
+        reply = fr.read_frame(s)
+        assert reply.type is fr.FrameType.ERROR and reply.error_code is fr.ErrorCode.BAD_FRAME
+        assert s.recv(1) == b""
+    assert server.stats.connections_accepted == 1
+
+
+def test_idle_timeout_closes_and_puller_recovers(prefix, puller):
+    srv = KVStagingServer(shm_prefix=prefix, idle_timeout_s=0.2)
+    try:
+        assert puller.pull(srv.stage("a", kv()), 5).ok
+        assert wait_until(lambda: srv.num_connections == 0)  # the sender closed it
+        assert puller.num_idle_connections == 1  # our end is still pooled
+        t = kv(seed=1)
+        result = puller.pull(srv.stage("b", t, transport="shm"), 5)
+        assert result.ok and torch.equal(result.tensor, t) and srv.num_staged == 0
+        assert srv.stats.connections_accepted == 2 and puller.last_timings["reused"] is False
+    finally:
+        srv.close()
+
+
+def test_connection_cap_evicts_idle_connections(prefix):
+    srv = KVStagingServer(shm_prefix=prefix, max_connections=2)
+    pullers = [KVPuller() for _ in range(3)]
+    try:
+        for i, p in enumerate(pullers):  # each keeps its connection: the third one hits the cap
+            assert p.pull(srv.stage(f"e{i}", kv(seed=i)), 5).ok
+        assert srv.stats.connections_evicted == 1 and srv.num_connections == 2
+        t = kv(seed=9)
+        result = pullers[0].pull(srv.stage("again", t), 5)  # its connection was the one evicted
+        assert result.ok and torch.equal(result.tensor, t)
+        assert srv.stats.connections_evicted == 2 and srv.stats.connections_refused == 0
+        assert srv.num_connections == 2
+    finally:
+        for p in pullers:
+            p.close()
+        srv.close()
+
+
+def test_connection_cap_refuses_when_every_connection_is_busy(prefix, puller):
+    srv = KVStagingServer(shm_prefix=prefix, max_connections=1)
+    try:
+        busy = srv.stage("busy", kv(), transport="shm")
+        other = srv.stage("other", kv(seed=1))
+        with socket.create_connection(("127.0.0.1", srv.port), timeout=5) as raw:
+            raw.sendall(pull_frame(busy))
+            assert fr.read_frame(raw).type is fr.FrameType.DATA_SHM  # the sender awaits our ACK
+            result = puller.pull(other, 5)
+            assert result.status is TransferStatus.FAILED
+            assert srv.stats.connections_refused == 1
+            raw.sendall(fr.encode_frame(fr.Frame(fr.FrameType.ACK, request_id="busy")))
+            assert fr.read_frame(raw).type is fr.FrameType.DONE
+        assert wait_until(lambda: srv.num_connections == 0)
+        assert puller.pull(other, 5).ok and srv.num_staged == 0
+    finally:
+        srv.close()
+
+
+def test_puller_close_and_unpooled_puller(server):
+    p = KVPuller()
+    assert p.pull(server.stage("a", kv()), 5).ok and p.num_idle_connections == 1
+    p.close()
+    assert p.num_idle_connections == 0
+    assert wait_until(lambda: server.num_connections == 0)
+    assert p.pull(server.stage("b", kv()), 5).ok and p.num_idle_connections == 0  # still works
+    unpooled = KVPuller(max_idle_per_address=0)  # one connection per pull, as before pooling
+    for i in range(3):
+        assert unpooled.pull(server.stage(f"u{i}", kv(seed=i)), 5).ok
+    assert unpooled.num_idle_connections == 0 and server.stats.connections_accepted == 5
+
+
+def test_done_frame():
+    done = fr.Frame(fr.FrameType.DONE, request_id="r")
+    raw = fr.encode_frame(done)
+    assert fr.decode_frame(raw) == done and len(raw) == fr.HEADER_SIZE + 1
+    bad = fr.encode_frame(fr.Frame(fr.FrameType.DONE, request_id="r", shape=(2,), nbytes=8))
+    with pytest.raises(FrameError, match="must not carry payload metadata"):
+        fr.decode_frame(bad)
+
+
+def test_sender_that_closes_instead_of_done_still_succeeds():
+    """The previous protocol: the sender closed after the ACK. The pull succeeds; the connection is
+    not kept."""
+    t = kv()
+
+    def serve_and_close(conn):
+        pull = fr.read_frame(conn)
+        conn.sendall(data_header(t, None, request_id=pull.request_id))
+        conn.sendall(fr.tensor_bytes(t))
+        assert fr.read_frame(conn).type is fr.FrameType.ACK
+
+    fake = ScriptedSender([serve_and_close])
+    puller = KVPuller()
+    try:
+        result = puller.pull(fake.handle(t, "old"), 5)
+        assert result.ok and torch.equal(result.tensor, t)
+        assert puller.num_idle_connections == 0
+    finally:
+        puller.close()
+        fake.close()
