@@ -17,6 +17,10 @@ same pulls): connect_s (pool lookup on a reused connection), pull_to_header_s, c
 sync) and ack_to_done_s. Correctness: the receiver compares an int64 sum and a few sampled slices
 with the sender's.
 
+Then sustained transfer: 8 pulls back to back on one connection (no idle gap), and 8 pulls from 4
+threads at once (each its own connection and stream), as a decode worker under load has several
+pulls in flight; bytes moved / wall time of the round, median of 3 rounds.
+
 Usage (device): python3 bench/kv_transfer_gpu.py --out $OUT/kv_transfer_gpu.json [--dst cuda:1]
 """
 
@@ -64,6 +68,19 @@ _CHILD = textwrap.dedent("""
                 if i >= 2:
                     walls.append(time.perf_counter() - t0); events.append(a.elapsed_time(b) / 1e3)
             print(json.dumps({"wall_s": walls, "event_s": events}), flush=True)
+            continue
+        if req["op"] == "pull_many":  # all at once: `threads` pullers, each on its own connection
+            from concurrent.futures import ThreadPoolExecutor
+            hs = [KVHandle.from_dict(d) for d in req["handles"]]
+            def one(h):
+                t = time.perf_counter(); r = puller.pull(h, 30); dt = time.perf_counter() - t
+                ok = r.ok; del r
+                return ok, dt
+            t0 = time.perf_counter()
+            with ThreadPoolExecutor(req["threads"]) as ex:
+                got = list(ex.map(one, hs))
+            print(json.dumps({"wall_s": time.perf_counter() - t0, "ok": all(g[0] for g in got),
+                              "pull_s": [g[1] for g in got]}), flush=True)
             continue
         h = KVHandle.from_dict(req["handle"])
         t0 = time.perf_counter()
@@ -171,6 +188,35 @@ def main() -> int:
                           f"{k[:-2]} {v * 1e3:.3f}" for k, v in res[f"cuda_ipc_{name}"]["phases_s_median"].items())
                       + f"; {res[f'cuda_ipc_{name}']['pulls_on_reused_connection']}/{len(timed)} on a reused "
                         "connection", flush=True)
+                save()
+        # Sustained transfer: N pulls back to back (no idle gap), and N pulls from `threads` threads
+        # at once (a decode worker under load has several KV pulls in flight).
+        for label, n, threads in (("back_to_back", 8, 1), ("concurrent_4", 8, 4)):
+            with KVStagingServer(cuda_ipc_pool_bytes=(n + 1) * nbytes, default_lease_ms=60_000) as srv:
+                warm = srv.stage(f"{label}-warm", kv, transport="cuda_ipc")
+                ask({"op": "pull_many", "handles": [warm.to_dict()], "threads": threads})
+                rounds = []
+                for rnd in range(3):
+                    hs = [srv.stage(f"{label}-{rnd}-{i}", kv, transport="cuda_ipc").to_dict()
+                          for i in range(n)]
+                    torch.cuda.synchronize()
+                    r = ask({"op": "pull_many", "handles": hs, "threads": threads})
+                    if not r["ok"]:
+                        res["errors"][label] = "a pull failed"
+                        break
+                    rounds.append(r)
+                    time.sleep(0.05)
+                if rounds:
+                    wall = statistics.median(r["wall_s"] for r in rounds)
+                    res[f"cuda_ipc_pool_{label}"] = {
+                        "pulls_per_round": n, "threads": threads, "rounds": len(rounds),
+                        "round_wall_s_median": wall, "GBps": n * nbytes / wall / 1e9,
+                        "fraction_of_d2d_wall": (n * nbytes / wall) / (nbytes / d2d_wall),
+                        "pull_s_median": statistics.median(x for r in rounds for x in r["pull_s"])}
+                    print(f"cuda_ipc pool {label}: {n} pulls x 1 GiB in {wall * 1e3:.2f} ms = "
+                          f"{n * nbytes / wall / 1e9:.0f} GB/s = "
+                          f"{res[f'cuda_ipc_pool_{label}']['fraction_of_d2d_wall']:.0%} of the d2d copy",
+                          flush=True)
                 save()
     except Exception as e:  # keep what was measured
         res["errors"]["run"] = f"{type(e).__name__}: {e}"

@@ -114,40 +114,70 @@ if HAS_TRITON:
 
     @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_w,
-                     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """y[N] = W[N, K] @ x[K] (+ b): products accumulate elementwise, one reduction at the end."""
+                     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     STAGES: tl.constexpr = 1, EVEN_N: tl.constexpr = False):
+        """y[N] = W[N, K] @ x[K] (+ b): products accumulate elementwise, one reduction at the end.
+
+        STAGES > 1 software-pipelines the weight stream through shared memory (cp.async, STAGES deep);
+        Triton does not pipeline this loop on its own (it has no dot), and on an H200 the pipelined
+        form is the fastest GEMV of bench/gemv_study.py for every 7B shape at one token.
+        """
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         rmask = rows < N
         w_rows = w_ptr + rows[:, None].to(tl.int64) * stride_w
         acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            cols = k0 + tl.arange(0, BLOCK_K)
-            if EVEN_K:
-                x = tl.load(x_ptr + cols)
-                w = tl.load(w_rows + cols[None, :], mask=rmask[:, None], other=0.0)
-            else:
-                x = tl.load(x_ptr + cols, mask=cols < K, other=0.0)
-                w = tl.load(w_rows + cols[None, :], mask=rmask[:, None] & (cols[None, :] < K), other=0.0)
-            acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        if STAGES > 1:
+            for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+                cols = k0 + tl.arange(0, BLOCK_K)
+                if EVEN_K:
+                    if EVEN_N:
+                        w = tl.load(w_rows + cols[None, :], eviction_policy="evict_first")
+                    else:
+                        w = tl.load(w_rows + cols[None, :], mask=rmask[:, None], other=0.0,
+                                    eviction_policy="evict_first")
+                    x = tl.load(x_ptr + cols)
+                else:
+                    w = tl.load(w_rows + cols[None, :], mask=rmask[:, None] & (cols[None, :] < K), other=0.0,
+                                eviction_policy="evict_first")
+                    x = tl.load(x_ptr + cols, mask=cols < K, other=0.0)
+                acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        else:
+            for k0 in range(0, K, BLOCK_K):
+                cols = k0 + tl.arange(0, BLOCK_K)
+                if EVEN_K:
+                    x = tl.load(x_ptr + cols)
+                    w = tl.load(w_rows + cols[None, :], mask=rmask[:, None], other=0.0)
+                else:
+                    x = tl.load(x_ptr + cols, mask=cols < K, other=0.0)
+                    w = tl.load(w_rows + cols[None, :], mask=rmask[:, None] & (cols[None, :] < K), other=0.0)
+                acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
         y = tl.sum(acc, 1)
         if HAS_BIAS:
             y += tl.load(b_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
         tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=rmask)
 
 
-# (N, K) of a weight -> (BLOCK_N, BLOCK_K, num_warps) when the Triton GEMV beat cuBLAS at one token, else None.
-GEMV_CHOICE: dict[tuple[int, int], tuple[int, int, int] | None] = {}
-GEMV_CANDIDATES = ((4, 1024, 4), (8, 512, 4), (2, 2048, 4), (8, 1024, 8), (16, 512, 8), (4, 512, 2), (16, 256, 4))
+# (N, K) of a weight -> GEMV config when the Triton GEMV beat cuBLAS at one token, else None.
+# A config is (BLOCK_N, BLOCK_K, num_warps) or (BLOCK_N, BLOCK_K, num_warps, STAGES) (pipelined loop).
+GemvCfg = tuple
+GEMV_CHOICE: dict[tuple[int, int], GemvCfg | None] = {}
+GEMV_CANDIDATES = ((4, 1024, 4), (8, 512, 4), (2, 2048, 4), (8, 1024, 8), (16, 512, 8), (4, 512, 2), (16, 256, 4),
+                   # pipelined: best of bench/gemv_study.py on an H200 (CUDA graph, weights out of L2), in us:
+                   # qkv 25.9 (16,256,4,3), o_proj 10.8 (4,512,4,3), gate_up 43.5 (16,256,4,3),
+                   # down 23.6 (8,512,4,3); cuBLAS 28.4 / 13.7 / 47.3 / 28.1
+                   (16, 256, 4, 3), (4, 512, 4, 3), (8, 512, 4, 3), (8, 256, 2, 4), (4, 512, 4, 4))
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg: tuple[int, int, int]) -> torch.Tensor:
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg: GemvCfg) -> torch.Tensor:
     """``F.linear`` for a single row ``x [1, K]`` through the Triton GEMV."""
     n, k = weight.shape
-    bn, bk, nw = cfg
+    bn, bk, nw = cfg[:3]
+    stages = cfg[3] if len(cfg) > 3 else 1
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    extra = {"STAGES": stages, "EVEN_N": n % bn == 0, "num_stages": stages} if stages > 1 else {}
     _gemv_kernel[(triton.cdiv(n, bn),)](
         x, weight, bias if bias is not None else y, y, n, k, weight.stride(0),
-        HAS_BIAS=bias is not None, EVEN_K=k % bk == 0, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw,
+        HAS_BIAS=bias is not None, EVEN_K=k % bk == 0, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, **extra,
     )
     return y
 
@@ -161,21 +191,67 @@ def linear(x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
     return layer(x)
 
 
+def _graph_ms(call, weights, reps: int = 5) -> float:
+    """Median ms of one ``call(w)``, timed as a CUDA graph of back-to-back calls over ``weights``.
+
+    Like the decode step: no launch overhead, and (with the model's layers as ``weights``) weights that
+    L2 does not already hold. do_bench times one launch with its CPU overhead, which at 10-60 us per GEMV
+    is a large share of what it measures.
+    """
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for w in weights:
+            call(w)
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for w in weights:
+            call(w)
+    g.replay()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b) / len(weights))
+    del g
+    ts.sort()
+    return ts[len(ts) // 2]
+
+
 def tune_gemv(model, margin: float = 0.03, verbose: bool = False) -> dict:
-    """Time cuBLAS against the Triton GEMV candidates at one token for each distinct weight shape."""
+    """Time cuBLAS against the Triton GEMV candidates at one token for each distinct weight shape.
+
+    Timed in a CUDA graph over the same projection of every layer (falls back to do_bench per launch).
+    """
     from triton.testing import do_bench
 
     report = {}
-    layer0 = model.layers[0]
-    mods = [layer0.self_attn.qkv_proj, layer0.self_attn.o_proj, layer0.mlp.gate_up_proj, layer0.mlp.down_proj]
-    for mod in mods:
+    layers = list(model.layers)
+    getters = [lambda l: l.self_attn.qkv_proj, lambda l: l.self_attn.o_proj, lambda l: l.mlp.gate_up_proj,
+               lambda l: l.mlp.down_proj]
+    for get in getters:
+        mod = get(layers[0])
         shape = tuple(mod.weight.shape)
         if shape in GEMV_CHOICE:
             continue
         w, b = mod.weight, mod.bias
+        ws = [get(l).weight for l in layers if tuple(get(l).weight.shape) == shape]
         x = torch.randn(1, shape[1], device=w.device, dtype=w.dtype)
         ref = F_linear(x, w, b).float()
-        base = do_bench(lambda: F_linear(x, w, b), warmup=10, rep=40, return_mode="median")
+
+        def bench(fn):
+            try:
+                return _graph_ms(lambda wi: fn(wi), ws), "graph"
+            except Exception:  # capture refused here: per-launch timing
+                return do_bench(lambda: fn(w), warmup=10, rep=40, return_mode="median"), "do_bench"
+
+        base, how = bench(lambda wi: F_linear(x, wi, b))
         best, best_ms = None, base * (1 - margin)  # a candidate must beat cuBLAS by the margin
         times = {"cublas": base}
         for cfg in GEMV_CANDIDATES:
@@ -183,7 +259,7 @@ def tune_gemv(model, margin: float = 0.03, verbose: bool = False) -> dict:
                 out = gemv(x, w, b, cfg).float()
                 if not torch.isfinite(out).all() or ((out - ref).norm() / ref.norm()).item() > 1e-2:
                     continue
-                ms = do_bench(lambda: gemv(x, w, b, cfg), warmup=10, rep=40, return_mode="median")
+                ms, _ = bench(lambda wi, cfg=cfg: gemv(x, wi, b, cfg))
             except Exception:  # a candidate that does not compile here is skipped
                 continue
             times[str(cfg)] = ms
@@ -191,7 +267,7 @@ def tune_gemv(model, margin: float = 0.03, verbose: bool = False) -> dict:
                 best, best_ms = cfg, ms
         GEMV_CHOICE[shape] = best
         report[str(shape)] = {"choice": best, "us": {k: round(v * 1e3, 1) for k, v in times.items()},
-                              "bytes": w.numel() * w.element_size()}
+                              "bytes": w.numel() * w.element_size(), "timing": how}
         if verbose:
             print("gemv", shape, report[str(shape)])
     return report

@@ -36,7 +36,6 @@ from __future__ import annotations
 import collections
 import json
 import logging
-import os
 import re
 import secrets
 import threading
@@ -366,8 +365,6 @@ class IpcImporter:
         self._cache: collections.OrderedDict[tuple, torch.UntypedStorage] = collections.OrderedDict()
         self._sink: torch.Tensor | None = None
         self._sink_ref: tuple[bytes, int] | None = None
-        # same-GPU copies with an SM kernel instead of cudaMemcpy (bench/kv_transfer_gpu.py)
-        self.copy_kernel = os.environ.get("DISTSERVE_IPC_COPY", "kernel") == "kernel"
 
     def _sink_counter(self, device_index: int) -> tuple[bytes, int]:
         """A counter slot of our own for torch's consumer-side decrement (module docstring)."""
@@ -436,14 +433,9 @@ class IpcImporter:
                 payload = flat[desc.offset:desc.offset + nbytes]
                 if out is None:
                     out = torch.empty(shape, dtype=dtype, device=dst_dev)
-                dst = out.view(-1).view(torch.uint8)
-                if self.copy_kernel and src == dst_dev.index and nbytes % 16 == 0 \
-                        and desc.offset % 16 == 0:
-                    # an SM copy kernel: a cudaMemcpy from another process's allocation may be
-                    # served by a copy engine at a fraction of the SMs' bandwidth
-                    torch.bitwise_or(payload.view(torch.int64), 0, out=dst.view(torch.int64))
-                else:
-                    dst.copy_(payload, non_blocking=True)
+                # cudaMemcpy; an SM copy kernel (bitwise_or into int64) measured no faster on the
+                # H200 (bench/results/kv_transfer_gpu*_run2.json)
+                out.view(-1).view(torch.uint8).copy_(payload, non_blocking=True)
             except Exception as exc:
                 if desc.pool:
                     self.forget(desc)
