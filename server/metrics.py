@@ -52,6 +52,8 @@ class WorkerMetrics:
         self.steps = Gauge("distserve_engine_steps", "Engine steps so far.", registry=r)
         self.step_seconds = Gauge("distserve_engine_step_seconds", "Seconds spent inside engine steps so far.",
                                   registry=r)
+        self.step_cpu_seconds = Gauge("distserve_engine_step_cpu_seconds", "CPU seconds of the engine thread "
+                                      "inside engine steps so far.", registry=r)
         self.generated = Gauge("distserve_engine_generated_tokens", "Tokens sampled so far.", registry=r)
         self.preemptions = Gauge("distserve_num_preemptions", "Preemptions by recompute so far.", registry=r)
         self.prefill_seconds = Histogram("distserve_prefill_seconds", "Prefill request time in this worker.",
@@ -71,5 +73,6 @@ class WorkerMetrics:
         self.staged_kv.set(status.num_staged_kv)
         self.steps.set(loop_stats.num_steps)
         self.step_seconds.set(loop_stats.step_seconds_total)
+        self.step_cpu_seconds.set(loop_stats.step_cpu_seconds_total)
         self.generated.set(loop_stats.num_generated_tokens)
         self.preemptions.set(loop_stats.num_preemptions)

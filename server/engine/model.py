@@ -28,6 +28,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
+        if dtype == torch.float32:  # same arithmetic, minus two no-op casts (a dispatch each, every layer)
+            return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True).add_(self.eps)))
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dtype)
@@ -68,6 +70,11 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(pos, self.inv_freq.to(device))
         emb = torch.cat((freqs, freqs), dim=-1)
         self._cos, self._sin = emb.cos(), emb.sin()
+        half = self._sin.shape[-1] // 2
+        # sin with its first half negated: rotate_half(x) * sin == roll(x, half) * signed_sin exactly
+        # ((-a) * b and a * (-b) round identically), one roll instead of two slices, a neg and a cat
+        self._sin_signed = torch.cat((-self._sin[:, :half], self._sin[:, half:]), dim=-1)
+        self._by_dtype: dict = {}
         self._cache_len = length
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype, max_position: int):
@@ -75,12 +82,27 @@ class RotaryEmbedding(nn.Module):
             self._build(max(2 * (max_position + 1), 4096), positions.device)
         return self._cos[positions].to(dtype), self._sin[positions].to(dtype)
 
+    def for_rope(self, positions: torch.Tensor, dtype: torch.dtype, max_position: int):
+        """``(cos, signed_sin)`` as ``[T, 1, D]`` for :func:`apply_rope_rolled` (tables kept in ``dtype``)."""
+        if max_position >= self._cache_len or self._cos.device != positions.device:
+            self._build(max(2 * (max_position + 1), 4096), positions.device)
+        tables = self._by_dtype.get(dtype)
+        if tables is None:  # rounding the float32 table once equals rounding the rows picked from it
+            tables = self._by_dtype[dtype] = (self._cos.to(dtype)[:, None, :], self._sin_signed.to(dtype)[:, None, :])
+        return tables[0][positions], tables[1][positions]
+
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     # x: [T, heads, D]; cos/sin: [T, D]
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+def apply_rope_rolled(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """:func:`apply_rope`, bit for bit, in four ops; ``cos``/``signed_sin`` from ``RotaryEmbedding.for_rope``."""
+    out = x * cos
+    return out.add_(torch.roll(x, x.shape[-1] // 2, -1).mul_(signed_sin))
 
 
 class LlamaAttention(nn.Module):
@@ -98,6 +120,7 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=o_bias)
 
     def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata, backend: AttentionBackend):
+        """``cos``/``sin``: ``[T, D]`` tables (as :func:`apply_rope` takes them)."""
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = apply_rope(q.view(t, self.num_heads, self.head_dim), cos, sin)
@@ -105,6 +128,19 @@ class LlamaAttention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         o = backend.forward(q, k, v, kv_cache, meta, self.scale)
         return self.o_proj(o.reshape(t, self.q_size))
+
+    def fast_forward(self, x, cos, signed_sin, kv_cache, meta: AttentionMetadata, backend: AttentionBackend):
+        """Same result as ``forward`` with fewer dispatches (this runs per layer per step, and on a CPU a
+        tiny model's step is mostly dispatch): q and k are rotated together (rotation is per head), and
+        the linears are called without the module machinery. ``cos``/``signed_sin`` from ``for_rope``."""
+        t = x.shape[0]
+        qkv = F.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
+        nq = self.num_heads
+        qk = apply_rope_rolled(qkv[:, : self.q_size + self.kv_size].view(t, nq + self.num_kv_heads, self.head_dim),
+                               cos, signed_sin)
+        v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
+        o = backend.forward(qk[:, :nq], qk[:, nq:], v, kv_cache, meta, self.scale)
+        return F.linear(o.reshape(t, self.q_size), self.o_proj.weight, self.o_proj.bias)
 
 
 class LlamaMLP(nn.Module):
@@ -131,6 +167,15 @@ class LlamaDecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta, backend)
         return x + self.mlp(self.post_attention_layernorm(x))
 
+    def fast_forward(self, x, cos, signed_sin, kv_cache, meta, backend):
+        """``forward`` without module calls; adds in place into ``x`` (the model's own activation)."""
+        x += self.self_attn.fast_forward(self.input_layernorm.forward(x), cos, signed_sin, kv_cache, meta, backend)
+        mlp = self.mlp
+        gate, up = F.linear(self.post_attention_layernorm.forward(x), mlp.gate_up_proj.weight,
+                            mlp.gate_up_proj.bias).split(mlp.intermediate, dim=-1)
+        x += F.linear(F.silu(gate).mul_(up), mlp.down_proj.weight, mlp.down_proj.bias)
+        return x
+
 
 class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
@@ -147,14 +192,16 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids, positions, kv_caches: list[torch.Tensor], meta: AttentionMetadata,
                 max_position: int) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        cos, sin = self.rotary(positions, x.dtype, max_position)
+        x = F.embedding(input_ids, self.embed_tokens.weight)
+        cos, signed_sin = self.rotary.for_rope(positions, x.dtype, max_position)
+        backend = self.backend
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, cos, sin, kv_cache, meta, self.backend)
-        return self.norm(x)
+            x = layer.fast_forward(x, cos, signed_sin, kv_cache, meta, backend)
+        return self.norm.forward(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        logits = F.linear(hidden, self.lm_head.weight, self.lm_head.bias)
+        return logits if logits.dtype == torch.float32 else logits.float()
 
     # --- weights -----------------------------------------------------------
     @torch.no_grad()

@@ -10,10 +10,20 @@ from __future__ import annotations
 
 import torch
 
-from server.engine.attention import AttentionBackend, AttentionMetadata
+from server.engine.attention import AttentionMetadata
 from server.engine.model import LlamaForCausalLM
 from server.engine.model_config import ModelConfig
 from server.engine.scheduler import ScheduledSeq
+
+
+def _token_span(seq, start: int, end: int) -> list[int]:
+    """``seq.all_token_ids[start:end]`` without building the whole list."""
+    prompt, n = seq.prompt_token_ids, len(seq.prompt_token_ids)
+    if end <= n:
+        return prompt[start:end]
+    if start >= n:
+        return seq.output_token_ids[start - n: end - n]
+    return prompt[start:] + seq.output_token_ids[: end - n]
 
 
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -49,6 +59,9 @@ class ModelRunner:
             logits = self.graph_runner.execute(scheduled)
             if logits is not None:
                 return logits
+        # Plain lists, then one tensor for all the step's integers (views are cut from it): this runs
+        # every step, and on a CPU a decode step of a small model is mostly Python and dispatch.
+        bs = self.block_size
         tokens: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -59,32 +72,43 @@ class ModelRunner:
             seq, n = s.seq, s.num_new_tokens
             start = seq.num_computed_tokens
             end = start + n
-            ids = seq.all_token_ids
-            tokens.extend(ids[start:end])
-            positions.extend(range(start, end))
-            slots.extend(self._slots(seq.block_table, start, end))
-            if n == 1:
+            table = seq.block_table
+            if n == 1:  # decode (or a one-token prefill chunk): the token at `start`, without copying the context
+                prompt = seq.prompt_token_ids
+                tokens.append(prompt[start] if start < len(prompt) else seq.output_token_ids[start - len(prompt)])
+                positions.append(start)
+                slots.append(table[start // bs] * bs + start % bs)
                 dec_slens.append(end)
-                dec_tables.append(seq.block_table)
+                dec_tables.append(table)
             else:
+                tokens.extend(_token_span(seq, start, end))
+                positions.extend(range(start, end))
+                slots.extend(self._slots(table, start, end))
                 pf_qlens.append(n)
                 pf_slens.append(end)
-                pf_tables.append(torch.tensor(seq.block_table, dtype=torch.long, device=self.device))
+                pf_tables.append(torch.tensor(table, dtype=torch.long, device=self.device))
             if s.samples:
                 sample_rows.append(len(tokens) - 1)
-        dev = self.device
-        if dec_tables:
-            width = max(len(t) for t in dec_tables)
-            table = torch.zeros(len(dec_tables), width, dtype=torch.long)
-            for i, t in enumerate(dec_tables):
-                table[i, : len(t)] = torch.tensor(t, dtype=torch.long)
-            dec_table_t = table.to(dev)
-            dec_slens_t = torch.tensor(dec_slens, dtype=torch.long, device=dev)
+        t, nd = len(tokens), len(dec_tables)
+        flat = tokens + positions + slots
+        width = 0
+        if nd:
+            width = max(len(tb) for tb in dec_tables)
+            flat += dec_slens
+            for tb in dec_tables:
+                flat += tb
+                if len(tb) < width:
+                    flat += [0] * (width - len(tb))
+        ints = torch.tensor(flat, dtype=torch.long, device=self.device)
+        off = 3 * t
+        if nd:
+            dec_slens_t = ints[off: off + nd]
+            dec_table_t = ints[off + nd: off + nd + nd * width].view(nd, width)
         else:
             dec_table_t = dec_slens_t = None
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            block_size=self.block_size,
+            slot_mapping=ints[2 * t: 3 * t],
+            block_size=bs,
             prefill_query_lens=pf_qlens,
             prefill_seq_lens=pf_slens,
             prefill_block_tables=pf_tables,
@@ -92,15 +116,12 @@ class ModelRunner:
             decode_block_tables=dec_table_t,
             decode_max_seq_len=max(dec_slens, default=0),
         )
-        hidden = self.model(
-            torch.tensor(tokens, dtype=torch.long, device=dev),
-            torch.tensor(positions, dtype=torch.long, device=dev),
-            self.kv_caches, meta, max(positions),
-        )
+        hidden = self.model(ints[:t], ints[t: 2 * t], self.kv_caches, meta, max(positions))
         if not sample_rows:
             return torch.empty(0, self.config.vocab_size)
-        rows = torch.tensor(sample_rows, dtype=torch.long, device=dev)
-        return self.model.compute_logits(hidden[rows])
+        if len(sample_rows) < t:  # prefill chunks: only each sequence's last row is sampled
+            hidden = hidden[torch.tensor(sample_rows, dtype=torch.long, device=self.device)]
+        return self.model.compute_logits(hidden)
 
     # --- KV movement for disaggregation -----------------------------------
     @torch.inference_mode()

@@ -5,7 +5,7 @@ Errors name the OpenAI field so the HTTP layer can pass them through verbatim.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)

@@ -385,23 +385,37 @@ def _final_body(kind: str, run: _Run, model: str) -> dict:
             "usage": run.usage()}
 
 
+_JSON = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)  # json.dumps(..., **kw) builds one per call
+_JSON_NDJSON = json.JSONEncoder(ensure_ascii=False)  # /generate lines: json.dumps' default separators
+_json_str = json.encoder.encode_basestring  # a str as JSON, as _JSON writes it (ensure_ascii=False); C
+
+
 def _sse(obj: dict) -> bytes:
-    return f"data: {json.dumps(obj, separators=(',', ':'), ensure_ascii=False)}\n\n".encode()
+    return f"data: {_JSON.encode(obj)}\n\n".encode()
 
 
 def _sse_error(message: str) -> bytes:
     return _sse({"error": {"message": message, "type": "server_error", "code": 500}})
 
 
+def _reason(finish_reason: str | None) -> str:
+    return "null" if finish_reason is None else _JSON.encode(finish_reason)
+
+
 async def _sse_completion(run: _Run, model: str, include_usage: bool):
     rid, created = f"cmpl-{run.req.request_id}", int(time.time())
+    # Each chunk is `_sse({"id": rid, "object": "text_completion", "created": created, "model": model,
+    # "choices": [{"index": 0, "text": delta, "logprobs": None, "finish_reason": reason}]})`, byte for
+    # byte; all but the text is formatted once per request, not once per token.
+    head = (f'data: {{"id":{_JSON.encode(rid)},"object":"text_completion","created":{created},'
+            f'"model":{_JSON.encode(model)},"choices":[{{"index":0,"text":')
+    tail = '}]}\n\n'
     async for ev, delta in run.events():
         if ev.error:
             yield _sse_error(ev.error)
             break
         reason = run.finish_reason if ev.finished else None
-        yield _sse({"id": rid, "object": "text_completion", "created": created, "model": model,
-                    "choices": [{"index": 0, "text": delta, "logprobs": None, "finish_reason": reason}]})
+        yield f'{head}{_json_str(delta)},"logprobs":null,"finish_reason":{_reason(reason)}{tail}'.encode()
     if include_usage and not run.error:
         yield _sse({"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [],
                     "usage": run.usage()})
@@ -410,16 +424,22 @@ async def _sse_completion(run: _Run, model: str, include_usage: bool):
 
 async def _sse_chat(run: _Run, model: str, include_usage: bool):
     rid, created = f"chatcmpl-{run.req.request_id}", int(time.time())
+    # `_sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices":
+    # [{"index": 0, "delta": d, "logprobs": None, "finish_reason": reason}]})` with d = {"role":
+    # "assistant", "content": delta} in the first chunk, else {"content": delta}: formatted as in
+    # _sse_completion, byte for byte.
+    head = (f'data: {{"id":{_JSON.encode(rid)},"object":"chat.completion.chunk","created":{created},'
+            f'"model":{_JSON.encode(model)},"choices":[{{"index":0,"delta":{{')
     first = True
     async for ev, delta in run.events():
         if ev.error:
             yield _sse_error(ev.error)
             break
-        d = {"role": "assistant", "content": delta} if first else {"content": delta}
+        role = '"role":"assistant",' if first else ""
         first = False
         reason = run.finish_reason if ev.finished else None
-        yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                    "choices": [{"index": 0, "delta": d, "logprobs": None, "finish_reason": reason}]})
+        yield (f'{head}{role}"content":{_json_str(delta)}}},"logprobs":null,'
+               f'"finish_reason":{_reason(reason)}}}]}}\n\n').encode()
     if include_usage and not run.error:
         yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
                     "choices": [], "usage": run.usage()})
@@ -434,4 +454,4 @@ async def _ndjson_generate(run: _Run, model: str, include_usage: bool):
             line["usage"] = run.usage()
         if ev.error:
             line["error"] = ev.error
-        yield (json.dumps(line, ensure_ascii=False) + "\n").encode()
+        yield (_JSON_NDJSON.encode(line) + "\n").encode()

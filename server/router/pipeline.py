@@ -24,9 +24,14 @@ import aiohttp
 
 from server.metrics import RouterMetrics
 from server.router.registry import WorkerInfo, WorkerRegistry
+from server.workers.idle import IdleTimeout
 from server.workers.protocol import InternalSampling
 
 log = logging.getLogger(__name__)
+
+
+_loads = json.JSONDecoder().decode
+_STREAM_TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=5)  # reads: IdleTimeout in _stream
 
 
 class NoWorkersError(Exception):
@@ -188,27 +193,46 @@ class Pipeline:
         body = {"request_id": req.request_id, "prompt_token_ids": req.prompt_token_ids,
                 "output_token_ids": outputs, "sampling": req.sampling.model_dump(), "kv": kv}
         worker.inflight += 1
+        # The read timeout is ours, not aiohttp's sock_read (which reschedules a timer per received
+        # chunk, i.e. per token): one lazily re-armed timer per stream, see server/workers/idle.py.
+        idle = IdleTimeout(self.options.request_timeout_s)
         try:
-            async with self.http.post(f"{worker.url}/internal/generate", json=body, headers=self.headers,
-                                      timeout=aiohttp.ClientTimeout(total=None, sock_connect=5,
-                                                                    sock_read=self.options.request_timeout_s)) as r:
+            r = await idle.wait(self.http.post(f"{worker.url}/internal/generate", json=body, headers=self.headers,
+                                               timeout=_STREAM_TIMEOUT))
+            async with r:
                 if r.status != 200:
                     raise WorkerFailed(worker, f"generate answered HTTP {r.status}")
-                async for raw in r.content:
-                    line = json.loads(raw)
-                    if "kv_transfer_seconds" in line:
-                        transport = line.get("kv_transport", "?")
-                        self.metrics.kv_transfer_seconds.labels(transport).observe(line["kv_transfer_seconds"])
-                        self.metrics.kv_transfer_bytes.labels(transport).inc(line.get("kv_transfer_bytes", 0))
-                    ev = TokenEvent(line.get("token_ids", []), line.get("finished", False),
-                                    line.get("finish_reason"), line.get("error"))
-                    yield ev
-                    if ev.finished:
-                        return
+                # Whatever arrived, split into lines here: aiohttp's readline is a Python loop per
+                # line, and a line arrives per token. A line cut across reads waits in `rest`.
+                content, rest = r.content, b""
+                while True:
+                    data = await idle.wait(content.readany())
+                    if not data:  # EOF: a last line without its newline still counts (as readline did)
+                        lines, rest = ([rest] if rest.strip() else []), b""
+                    else:
+                        lines = (rest + data if rest else data).split(b"\n")
+                        rest = lines.pop()
+                    for raw in lines:
+                        if not raw.strip():
+                            continue
+                        line = _loads(raw.decode())  # str: json.loads(bytes) sniffs the encoding per call
+                        if "kv_transfer_seconds" in line:
+                            transport = line.get("kv_transport", "?")
+                            self.metrics.kv_transfer_seconds.labels(transport).observe(line["kv_transfer_seconds"])
+                            self.metrics.kv_transfer_bytes.labels(transport).inc(line.get("kv_transfer_bytes", 0))
+                        ev = TokenEvent(line.get("token_ids", []), line.get("finished", False),
+                                        line.get("finish_reason"), line.get("error"))
+                        yield ev
+                        if ev.finished:
+                            return
+                    if not data:
+                        break
             raise WorkerFailed(worker, "stream ended before the request finished")
-        except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError, json.JSONDecodeError) as e:
+        except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError, json.JSONDecodeError,
+                UnicodeDecodeError) as e:
             raise WorkerFailed(worker, f"stream broke: {type(e).__name__}: {e}") from None
         finally:
+            idle.close()
             worker.inflight -= 1
 
     async def _abort(self, worker: WorkerInfo, request_id: str) -> None:

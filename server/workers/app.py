@@ -31,6 +31,7 @@ from server.kv_transfer import KVHandle, KVPuller, KVStagingServer, TransferStat
 from server.kv_transfer.factory import choose_transport, host_id
 from server.metrics import WorkerMetrics
 from server.workers.engine_loop import EngineLoop
+from server.workers.idle import IdleTimeout
 from server.workers.protocol import (
     AbortRequest, GenerateRequest, InternalSampling, PrefillRequest, PrefillResponse, WorkerStatus,
 )
@@ -70,7 +71,7 @@ def create_worker_app(state: WorkerState) -> FastAPI:
     app = FastAPI(title=f"distserve {state.role} worker", docs_url=None, redoc_url=None)
     app.state.worker = state
 
-    def require_token(request: Request) -> None:
+    async def require_token(request: Request) -> None:  # async: FastAPI runs a sync dependency in a thread
         got = request.headers.get("authorization", "")
         if not hmac.compare_digest(got.encode(), f"Bearer {state.token}".encode()):
             raise HTTPException(status_code=401, detail="missing or wrong bearer token")
@@ -173,9 +174,23 @@ def _stage(state: WorkerState, rid: str, kv, ready, transport: str):
                               ready_event=ready)
 
 
+_JSON = json.JSONEncoder(separators=(",", ":"))  # one encoder: json.dumps(..., separators=) builds one per call
+
+
 def _line(**kw) -> bytes:
-    """One NDJSON line (fields of ``StreamLine``); plain json.dumps: this runs per token."""
-    return (json.dumps({k: v for k, v in kw.items() if v is not None}, separators=(",", ":")) + "\n").encode()
+    """One NDJSON line (fields of ``StreamLine``); plain JSON, no pydantic."""
+    return (_JSON.encode({k: v for k, v in kw.items() if v is not None}) + "\n").encode()
+
+
+def _token_line(tokens: list[int], finished: bool, reason: str | None) -> bytes:
+    """``_line(token_ids=tokens, finished=finished, finish_reason=reason)``, byte for byte, formatted
+    directly: this is the line of every request in every step."""
+    head = '{"token_ids":[' + ",".join(map(str, tokens))
+    if not finished:
+        return (head + '],"finished":false}\n').encode()
+    if reason is None:
+        return (head + '],"finished":true}\n').encode()
+    return (head + '],"finished":true,"finish_reason":' + _JSON.encode(reason) + "}\n").encode()
 
 
 async def _generate_stream(state: WorkerState, body: GenerateRequest):
@@ -192,25 +207,29 @@ async def _generate_stream(state: WorkerState, body: GenerateRequest):
                 return
         else:
             q = await loop.add_request(rid, body.prompt_token_ids, params, output_token_ids=body.output_token_ids)
-        first = True
-        timeout = state.config.router.request_timeout_s
-        while True:
-            # asyncio.timeout, not wait_for: on 3.11 wait_for swallows a cancellation that
-            # arrives when q.get() has just completed — with a token every step, that is
-            # almost always, and a disconnected client would never be noticed.
-            async with asyncio.timeout(timeout):
-                out = await q.get()
-            # coalesce whatever else is already queued into one line
+        # Not wait_for: on 3.11 wait_for swallows a cancellation that arrives when q.get() has just
+        # completed — with a token every step, that is almost always, and a disconnected client
+        # would never be noticed. IdleTimeout cancels only a waiting q.get() and re-raises the rest;
+        # unlike asyncio.timeout per q.get() it does not create and cancel a timer per token.
+        with IdleTimeout(state.config.router.request_timeout_s) as idle:
+            out = await idle.wait(q.get())
             tokens, finished, reason = list(out.new_token_ids), out.finished, out.finish_reason
             while not finished and not q.empty():
                 more = q.get_nowait()
                 tokens.extend(more.new_token_ids)
                 finished, reason = more.finished, more.finish_reason
-            extra = transfer if first else {}
-            first = False
-            yield _line(token_ids=tokens, finished=finished, finish_reason=reason, **extra)
-            if finished:
-                return
+            yield _line(token_ids=tokens, finished=finished, finish_reason=reason, **transfer)
+            while not finished:
+                out = await idle.wait(q.get()) if q.empty() else q.get_nowait()
+                # coalesce whatever else is already queued into one line
+                tokens, finished, reason = out.new_token_ids, out.finished, out.finish_reason
+                if not finished and not q.empty():
+                    tokens = list(tokens)
+                    while not finished and not q.empty():
+                        more = q.get_nowait()
+                        tokens.extend(more.new_token_ids)
+                        finished, reason = more.finished, more.finish_reason
+                yield _token_line(tokens, finished, reason)
     except ValueError as e:  # invalid request (engine validation)
         yield _line(finished=True, finish_reason="error", error=str(e))
     except asyncio.TimeoutError:

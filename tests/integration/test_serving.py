@@ -21,7 +21,7 @@ import pytest
 from server.engine.llm_engine import EngineConfig, LLMEngine
 from server.engine.sampling_params import SamplingParams
 
-from .conftest import TOKEN, http
+from .conftest import http
 
 N_REQUESTS = 16
 MAX_TOKENS = 24

@@ -1,0 +1,193 @@
+"""The per-token and per-step fast paths produce exactly what the plain versions did.
+
+Each fast path (preformatted SSE chunks and NDJSON lines, the lazily re-armed idle timeout,
+the model's fused-dispatch forward, the runner's token spans) replaced something slower on a
+hot path; these tests pin them to the original formulation, byte for byte and bit for bit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from server.engine import model as model_mod
+from server.engine.model_runner import _token_span
+from server.router import app as router_app
+from server.router.pipeline import TokenEvent
+from server.workers.app import _line, _token_line
+from server.workers.idle import IdleTimeout
+
+TEXTS = ["", "hello", " world", 'quote " and \\ backslash', "tab\tnew\nline\r", "\x00\x1f\x7f",
+         "é日本語🙂", "\u2028\u2029", "</script>"]
+
+
+# --- SSE chunks -------------------------------------------------------------------------------
+def _old_sse(obj: dict) -> bytes:  # the formatting before the templates
+    return f"data: {json.dumps(obj, separators=(',', ':'), ensure_ascii=False)}\n\n".encode()
+
+
+@dataclass
+class _FakeReq:
+    request_id: str = "cmpl-abc123"
+    prompt_token_ids: list = field(default_factory=lambda: [1, 2, 3])
+
+
+class _FakeRun:
+    def __init__(self, deltas: list[str], reason: str = "length") -> None:
+        self.req = _FakeReq()
+        self.deltas = deltas
+        self.finish_reason: str | None = None
+        self.reason = reason
+        self.error = None
+
+    async def events(self):
+        for i, d in enumerate(self.deltas):
+            last = i == len(self.deltas) - 1
+            if last:
+                self.finish_reason = self.reason
+            yield TokenEvent([i], last, self.reason if last else None), d
+
+    def usage(self) -> dict:
+        return {"prompt_tokens": 3, "completion_tokens": len(self.deltas), "total_tokens": 3 + len(self.deltas)}
+
+
+async def _collect(gen) -> list[bytes]:
+    return [c async for c in gen]
+
+
+@pytest.mark.parametrize("model", ["/tmp/some model", 'odd"name\\é'])
+@pytest.mark.parametrize("reason", ["length", "stop"])
+def test_sse_completion_chunks_are_byte_identical(model, reason, monkeypatch):
+    monkeypatch.setattr(router_app.time, "time", lambda: 1234567890.5)
+    run = _FakeRun(TEXTS, reason)
+    got = asyncio.run(_collect(router_app._sse_completion(run, model, True)))
+    rid, created = f"cmpl-{run.req.request_id}", 1234567890
+    want = [_old_sse({"id": rid, "object": "text_completion", "created": created, "model": model,
+                      "choices": [{"index": 0, "text": d, "logprobs": None,
+                                   "finish_reason": reason if i == len(TEXTS) - 1 else None}]})
+            for i, d in enumerate(TEXTS)]
+    want.append(_old_sse({"id": rid, "object": "text_completion", "created": created, "model": model,
+                          "choices": [], "usage": run.usage()}))
+    want.append(b"data: [DONE]\n\n")
+    assert got == want
+
+
+@pytest.mark.parametrize("reason", ["length", "stop"])
+def test_sse_chat_chunks_are_byte_identical(reason, monkeypatch):
+    monkeypatch.setattr(router_app.time, "time", lambda: 42.0)
+    model = "m/é"
+    run = _FakeRun(TEXTS, reason)
+    got = asyncio.run(_collect(router_app._sse_chat(run, model, False)))
+    rid = f"chatcmpl-{run.req.request_id}"
+    want = []
+    for i, d in enumerate(TEXTS):
+        delta = {"role": "assistant", "content": d} if i == 0 else {"content": d}
+        want.append(_old_sse({"id": rid, "object": "chat.completion.chunk", "created": 42, "model": model,
+                              "choices": [{"index": 0, "delta": delta, "logprobs": None,
+                                           "finish_reason": reason if i == len(TEXTS) - 1 else None}]}))
+    want.append(b"data: [DONE]\n\n")
+    assert got == want
+
+
+# --- NDJSON token lines ------------------------------------------------------------------------
+@pytest.mark.parametrize("tokens", [[], [0], [7, 12345, 3], list(range(40))])
+@pytest.mark.parametrize("finished,reason", [(False, None), (True, None), (True, "length"), (True, "stop"),
+                                             (True, "abort"), (True, 'we"ird')])
+def test_token_line_matches_generic_line(tokens, finished, reason):
+    assert _token_line(tokens, finished, reason) == _line(token_ids=tokens, finished=finished, finish_reason=reason)
+    old = (json.dumps({k: v for k, v in dict(token_ids=tokens, finished=finished, finish_reason=reason).items()
+                       if v is not None}, separators=(",", ":")) + "\n").encode()
+    assert _token_line(tokens, finished, reason) == old
+
+
+# --- IdleTimeout -------------------------------------------------------------------------------
+def test_idle_timeout_fires_only_after_a_silent_wait():
+    async def main():
+        q: asyncio.Queue = asyncio.Queue()
+
+        async def feed():
+            for i in range(8):  # 8 x 30 ms = 240 ms of steady arrivals, timeout 100 ms
+                await asyncio.sleep(0.03)
+                q.put_nowait(i)
+
+        feeder = asyncio.ensure_future(feed())
+        got = []
+        with IdleTimeout(0.1) as idle:
+            for _ in range(8):
+                got.append(await idle.wait(q.get()))
+            t0 = asyncio.get_running_loop().time()
+            with pytest.raises(TimeoutError):
+                await idle.wait(q.get())
+            waited = asyncio.get_running_loop().time() - t0
+        await feeder
+        return got, waited
+
+    got, waited = asyncio.run(main())
+    assert got == list(range(8))
+    assert 0.05 <= waited < 0.5
+
+
+def test_idle_timeout_lets_other_cancellations_through():
+    async def main():
+        q: asyncio.Queue = asyncio.Queue()
+
+        async def waiter():
+            with IdleTimeout(10.0) as idle:
+                await idle.wait(q.get())
+
+        t = asyncio.ensure_future(waiter())
+        await asyncio.sleep(0.01)
+        t.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await t
+
+    asyncio.run(main())
+
+
+def test_idle_timeout_does_not_cancel_while_busy_elsewhere():
+    async def main():
+        with IdleTimeout(0.05) as idle:
+            await asyncio.sleep(0.15)  # not inside wait(): e.g. sending to a slow reader
+            return await idle.wait(asyncio.sleep(0, result="ok"))
+
+    assert asyncio.run(main()) == "ok"
+
+
+# --- model fast path ---------------------------------------------------------------------------
+def test_rolled_rope_is_bitwise_apply_rope():
+    torch.manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(37, 6, 64).to(dtype)
+        pos = torch.randint(0, 500, (37,))
+        rot = model_mod.RotaryEmbedding.__new__(model_mod.RotaryEmbedding)
+        torch.nn.Module.__init__(rot)
+        rot.inv_freq = 1.0 / (10000 ** (torch.arange(0, 64, 2).float() / 64))
+        rot._cache_len, rot._cos, rot._sin = 0, None, None
+        cos, sin = rot(pos, dtype, int(pos.max()))
+        c, s = rot.for_rope(pos, dtype, int(pos.max()))
+        assert torch.equal(model_mod.apply_rope(x, cos, sin), model_mod.apply_rope_rolled(x, c, s))
+
+
+def test_token_span_matches_all_token_ids():
+    @dataclass
+    class Seq:
+        prompt_token_ids: list
+        output_token_ids: list
+
+        @property
+        def all_token_ids(self):
+            return self.prompt_token_ids + self.output_token_ids
+
+    rng = random.Random(1)
+    for _ in range(200):
+        s = Seq([rng.randrange(100) for _ in range(rng.randint(1, 20))],
+                [rng.randrange(100) for _ in range(rng.randint(0, 10))])
+        n = len(s.all_token_ids)
+        a = rng.randint(0, n - 1)
+        b = rng.randint(a + 1, n)
+        assert _token_span(s, a, b) == s.all_token_ids[a:b]
