@@ -55,6 +55,10 @@ class WorkerMetrics:
         self.step_cpu_seconds = Gauge("distserve_engine_step_cpu_seconds", "CPU seconds of the engine thread "
                                       "inside engine steps so far.", registry=r)
         self.generated = Gauge("distserve_engine_generated_tokens", "Tokens sampled so far.", registry=r)
+        self.prefix_queried = Gauge("distserve_prefix_cache_queried_tokens", "Tokens of admitted requests "
+                                    "looked up in the prefix cache so far.", registry=r)
+        self.prefix_hits = Gauge("distserve_prefix_cache_hit_tokens", "Tokens whose KV came from the prefix "
+                                 "cache so far.", registry=r)
         self.preemptions = Gauge("distserve_num_preemptions", "Preemptions by recompute so far.", registry=r)
         self.prefill_seconds = Histogram("distserve_prefill_seconds", "Prefill request time in this worker.",
                                          buckets=LATENCY_BUCKETS, registry=r)
@@ -75,4 +79,6 @@ class WorkerMetrics:
         self.step_seconds.set(loop_stats.step_seconds_total)
         self.step_cpu_seconds.set(loop_stats.step_cpu_seconds_total)
         self.generated.set(loop_stats.num_generated_tokens)
+        self.prefix_queried.set(loop_stats.prefix_cache_queried_tokens)
+        self.prefix_hits.set(loop_stats.prefix_cache_hit_tokens)
         self.preemptions.set(loop_stats.num_preemptions)

@@ -49,6 +49,8 @@ class LoopStats:
     num_generated_tokens: int = 0
     step_seconds_total: float = 0.0
     step_cpu_seconds_total: float = 0.0  # CPU time of this thread inside steps (wall minus descheduled time)
+    prefix_cache_queried_tokens: int = 0  # tokens of admitted sequences looked up in the prefix cache
+    prefix_cache_hit_tokens: int = 0  # of those, tokens whose KV came from the cache
 
 
 @dataclass(frozen=True)
@@ -91,6 +93,8 @@ class EngineLoop:
             kv_blocks_free=e.num_free_blocks, num_steps=e.stats.num_steps,
             num_preemptions=e.stats.num_preemptions, num_generated_tokens=e.stats.num_generated_tokens,
             step_seconds_total=self._step_seconds, step_cpu_seconds_total=self._step_cpu_seconds,
+            prefix_cache_queried_tokens=e.block_manager.num_cache_queries,
+            prefix_cache_hit_tokens=e.block_manager.num_cache_hits,
         )
 
     # --- the loop ------------------------------------------------------------

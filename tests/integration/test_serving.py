@@ -137,6 +137,22 @@ def test_seeded_sampling_survives_disaggregation(disagg, colocated):
     assert run_concurrently(disagg.url, True, prompts[:1], **{**extra, "seed": 99}) != a[:1]
 
 
+def test_repeated_prompt_hits_the_prefill_workers_prefix_cache(disagg):
+    prompt = "The quick brown fox jumps over the lazy dog; " * 3  # ~135 byte tokens: 8 full blocks
+    body = {"prompt": prompt, "max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
+    outs = []
+    for _ in range(2):
+        status, out, _ = http("POST", f"{disagg.url}/v1/completions", body)
+        assert status == 200, out
+        outs.append(out["choices"][0]["text"])
+    assert outs[0] == outs[1]
+    (prefill,) = [w for w in disagg.workers() if w["role"] == "prefill"]
+    _, metrics, _ = http("GET", f"{prefill['url']}/metrics")
+    hits = [ln for ln in metrics.splitlines() if ln.startswith("distserve_prefix_cache_hit_tokens ")]
+    assert hits and float(hits[0].split()[-1]) >= 7 * 16, metrics
+    assert_no_leaks(disagg)
+
+
 def test_openai_client_streaming_and_not(disagg):
     openai = pytest.importorskip("openai")
     client = openai.OpenAI(base_url=f"{disagg.url}/v1", api_key="unused")
