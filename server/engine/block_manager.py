@@ -57,7 +57,7 @@ class BlockManager:
         self._cached: dict[bytes, int] = {}
         self._digest_of: dict[int, bytes] = {}
         self._evictable: OrderedDict[int, None] = OrderedDict()
-        self.num_cache_queries = 0  # tokens looked up by claim_prefix
+        self.num_cache_queries = 0  # tokens of admitted sequences looked up (record_lookup)
         self.num_cache_hits = 0  # of those, tokens found cached
 
     # --- queries -----------------------------------------------------------
@@ -122,7 +122,9 @@ class BlockManager:
         self.ref_counts[block] += 1
 
     def free(self, seq: Sequence) -> None:
-        for block in seq.block_table:
+        # last block first: a cached prefix is evicted from its tail, so what stays cached is
+        # still reachable from the prefix's first block (lookups stop at the first miss)
+        for block in reversed(seq.block_table):
             count = self.ref_counts[block]
             if count <= 0:
                 raise RuntimeError(f"double free of block {block} by {seq.request_id}")
@@ -159,7 +161,6 @@ class BlockManager:
             return 0
         bs = self.block_size
         max_blocks = (seq.num_tokens - 1) // bs
-        self.num_cache_queries += seq.num_tokens
         if max_blocks == 0 or not self._cached:
             return 0
         blocks: list[int] = []
@@ -172,8 +173,14 @@ class BlockManager:
             self._ref(block)
         seq.block_table = blocks
         seq.num_computed_tokens = len(blocks) * bs
-        self.num_cache_hits += seq.num_computed_tokens
         return seq.num_computed_tokens
+
+    def record_lookup(self, num_tokens: int, num_cached: int) -> None:
+        """Count one admitted sequence's lookup (a claim given back because the sequence did not
+        fit yet is not counted: it is looked up again when it is admitted)."""
+        if self.enable_prefix_caching:
+            self.num_cache_queries += num_tokens
+            self.num_cache_hits += num_cached
 
     def register(self, seq: Sequence) -> None:
         """Put ``seq``'s blocks whose every slot now holds computed KV into the cache."""

@@ -67,7 +67,7 @@ class CudaGraphRunner:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.num_replays = 0
-        self._rows: list = [None] * self.max_bs  # (sequence, table length) last written to each host row
+        self._rows: list = [None] * self.max_bs  # (block-table list, its length) last written to each host row
         self.capture()
 
     # --- capture ---------------------------------------------------------------
@@ -150,9 +150,13 @@ class CudaGraphRunner:
             h[2 * b + i] = bt[pos // bsz] * bsz + pos % bsz
             h[3 * b + i] = pos + 1
             prev = self._rows[i]
-            if prev is None or prev[0] is not seq or prev[1] != len(bt):  # tables only grow: rewrite on change
+            # A table list only ever grows in place; freeing (preemption) or claiming a cached prefix
+            # gives the sequence a *new* list, possibly of the same length with other block ids. So the
+            # row is rewritten when the list object or its length changed (holding the list keeps its
+            # identity unique).
+            if prev is None or prev[0] is not bt or prev[1] != len(bt):
                 tables[i, : len(bt)] = bt
-                self._rows[i] = (seq, len(bt))
+                self._rows[i] = (bt, len(bt))
         if bs > n:
             h[n:bs] = 0
             h[b + n:b + bs] = 0

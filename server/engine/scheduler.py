@@ -167,7 +167,7 @@ class Scheduler:
         if not out.preempted:
             while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
                 seq = self._next_waiting()
-                bm.claim_prefix(seq)  # cached KV of its first blocks, if prefix caching is on
+                cached = bm.claim_prefix(seq)  # cached KV of its first blocks, if prefix caching is on
                 num_new = min(seq.num_uncomputed_tokens, budget)
                 needed = seq.num_computed_tokens + num_new
                 if not bm.can_grow(seq, needed):
@@ -179,6 +179,7 @@ class Scheduler:
                     break
                 self.waiting.remove(seq)
                 bm.grow(seq, needed)
+                bm.record_lookup(seq.num_tokens, cached)
                 seq.status = SequenceStatus.RUNNING
                 self.running.append(seq)
                 out.scheduled.append(ScheduledSeq(seq, num_new))

@@ -153,6 +153,7 @@ def test_block_manager_random_workload_keeps_invariants():
                 bm.free(seq)
                 continue
             bm.grow(seq, seq.num_tokens)
+            bm.record_lookup(seq.num_tokens, cached)
             seq.num_computed_tokens = seq.num_tokens
             bm.register(seq)
             # every cached block of this sequence is named by its own prefix
@@ -167,3 +168,60 @@ def test_block_manager_random_workload_keeps_invariants():
     bm.check_invariants()
     assert bm.num_used_blocks == 0
     assert bm.num_cache_hits > 0
+
+
+def test_eviction_takes_a_cached_prefix_from_its_tail():
+    bm = BlockManager(num_blocks=3, block_size=4, enable_prefix_caching=True)
+    owner = _seq("a", list(range(1, 14)))  # 13 tokens: 3 full blocks cover 12
+    bm.grow(owner, 12)
+    owner.num_computed_tokens = 12
+    bm.register(owner)
+    bm.free(owner)
+    other = _seq("b", [400, 401, 402])
+    bm.grow(other, 3)  # the pool has only cached blocks left: one is evicted
+    again = _seq("c", list(range(1, 14)))
+    assert bm.claim_prefix(again) == 8  # the first two blocks still match
+    bm.check_invariants()
+
+
+def test_lookup_counted_once_per_admission_not_per_retry():
+    engine = LLMEngine(EngineConfig(block_size=4, num_blocks=16, max_num_seqs=4))
+    engine.generate([BASE[:21]], GREEDY)  # 33 tokens: its full blocks stay cached (evictable)
+    engine.add_request("big", [7] * 52, GREEDY)  # 13 blocks at admission, all 16 by its end
+    engine.add_request("hit", BASE[:21], GREEDY)  # never fits beside it: claimed, given back, retried
+    waited = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        waited += engine.scheduler.num_waiting
+    bm = engine.block_manager
+    assert waited >= 3  # "hit" sat in the queue for several steps
+    assert engine.stats.num_preemptions == 0
+    assert bm.num_cache_queries == 21 + 52 + 21  # one lookup per admission
+    assert bm.num_cache_hits <= 20
+    assert_engine_empty(engine)
+
+
+def test_graph_runner_rows_follow_a_table_rebuilt_after_preemption():
+    """The CUDA-graph decode path caches each host row of its block table; after preemption
+    and re-admission through the prefix cache a sequence can have a table of the same length
+    with other block ids. Run the graph runner's static-buffer code eagerly on the CPU
+    (use_graphs=False) and compare with the plain runner, with caching on and off."""
+    from server.engine.cuda_graph_runner import CudaGraphRunner
+
+    prompts = [[1, 46, 336, 238, 14, 72, 156, 368, 277, 155, 392], [1, 46, 336, 238, 301, 176, 345, 93, 272]]
+    params = SamplingParams(max_tokens=11, temperature=0.0, ignore_eos=True)
+
+    def run(graph: bool, caching: bool):
+        eng = LLMEngine(EngineConfig(block_size=4, num_blocks=8, enable_prefix_caching=caching,
+                                     max_num_batched_tokens=64))
+        if graph:
+            eng.runner.graph_runner = CudaGraphRunner(eng.runner, eng.max_model_len, batch_sizes=[1, 2],
+                                                      use_graphs=False)
+        out = eng.generate(prompts, params)
+        assert_engine_empty(eng)
+        return out, eng.stats.num_preemptions
+
+    for caching in (False, True):
+        (eager, p_eager), (graphed, p_graph) = run(False, caching), run(True, caching)
+        assert p_eager > 0 and p_graph > 0
+        assert graphed == eager, caching
