@@ -5,7 +5,8 @@ x 128 x bf16 = 1 GiB. The sender (this process) stages it with `KVStagingServer`
 (transport cuda_ipc); a receiver process pulls it with `KVPuller(cuda_device=DST)`, timing each
 `pull()` end to end (PULL -> IPC description, open, copy, sync, ACK -> the sender's DONE). The
 puller keeps its control connection open between pulls, as a decode worker does, so every pull but
-the first of a path reuses it. Paths: the staging pool (the receiver keeps its mapping of the pool
+the first of a path reuses it. Paths: the staging pool (the receiver keeps its mapping of the pool; also
+with the destination preallocated by the receiver, as a decode worker can pass `out=`
 between pulls) and the per-transfer export (the receiver opens and closes the mapping every pull).
 The baseline is `dst.copy_(src)` of the same size inside the receiver (same source and destination
 GPUs), wall time with a synchronize and CUDA-event time. Target: pull throughput >= 50% of that
@@ -49,6 +50,7 @@ _CHILD = textwrap.dedent("""
     from server.kv_transfer import KVHandle, KVPuller
     dst = sys.argv[1]
     puller = KVPuller(cuda_device=dst)
+    prealloc = {}
     def digest(t):
         f = t.view(torch.int16)
         return [int(f.sum(dtype=torch.int64)), int(f[1, 1, 77].sum(dtype=torch.int64)),
@@ -83,8 +85,13 @@ _CHILD = textwrap.dedent("""
                               "pull_s": [g[1] for g in got]}), flush=True)
             continue
         h = KVHandle.from_dict(req["handle"])
+        dst_t = None
+        if req.get("prealloc"):  # a decode worker can pass memory it already has (`out=`)
+            dst_t = prealloc.get(h.shape)
+            if dst_t is None:
+                dst_t = prealloc[h.shape] = torch.empty(h.shape, dtype=h.torch_dtype, device=dst)
         t0 = time.perf_counter()
-        r = puller.pull(h, 30)
+        r = puller.pull(h, 30, out=dst_t)
         dt = time.perf_counter() - t0
         res = {"status": r.status.value, "error": r.error, "s": dt, "phases": puller.last_timings}
         if r.ok and req.get("check"):
@@ -146,7 +153,8 @@ def main() -> int:
         print(f"d2d copy {args.src}->{args.dst}: {d2d_wall * 1e3:.3f} ms wall, "
               f"{nbytes / d2d_wall / 1e9:.0f} GB/s", flush=True)
         save()
-        for name, pool_bytes in (("pool", 2 * nbytes), ("own_export", 0)):
+        for name, pool_bytes, prealloc in (("pool", 2 * nbytes, False), ("pool_into_prealloc", 2 * nbytes, True),
+                                           ("own_export", 0, False)):
             with KVStagingServer(cuda_ipc_pool_bytes=pool_bytes, default_lease_ms=60_000) as srv:
                 times, stage_s, phases, ok = [], [], [], True
                 for i in range(args.repeats):
@@ -157,7 +165,7 @@ def main() -> int:
                     del payload
                     stage_s.append(time.perf_counter() - t0)
                     check = i in (0, args.repeats - 1)
-                    r = ask({"op": "pull", "handle": h.to_dict(), "check": check})
+                    r = ask({"op": "pull", "handle": h.to_dict(), "check": check, "prealloc": prealloc})
                     if r["status"] != "success":
                         ok = False
                         res["errors"][f"{name}-{i}"] = r["error"]
