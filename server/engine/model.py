@@ -4,8 +4,8 @@ Tokens arrive flattened across sequences (``[num_tokens]``), as in vLLM, so one
 forward serves a mixed batch of prefills and decodes. Q/K/V and gate/up
 projections are fused at load time: fewer, larger GEMMs matter on CPU and in
 launch-bound GPU decode alike. The arithmetic follows Hugging Face's
-``LlamaForCausalLM`` operation for operation (RMSNorm in float32, RoPE by
-``rotate_half``) so greedy tokens match it exactly.
+``LlamaForCausalLM`` bit for bit (RMSNorm in float32, RoPE equal to ``rotate_half``'s) so
+greedy tokens match it exactly.
 """
 
 from __future__ import annotations
@@ -77,13 +77,8 @@ class RotaryEmbedding(nn.Module):
         self._by_dtype: dict = {}
         self._cache_len = length
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype, max_position: int):
-        if max_position >= self._cache_len or self._cos.device != positions.device:
-            self._build(max(2 * (max_position + 1), 4096), positions.device)
-        return self._cos[positions].to(dtype), self._sin[positions].to(dtype)
-
-    def for_rope(self, positions: torch.Tensor, dtype: torch.dtype, max_position: int):
-        """``(cos, signed_sin)`` as ``[T, 1, D]`` for :func:`apply_rope_rolled` (tables kept in ``dtype``)."""
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype, max_position: int):
+        """``(cos, signed_sin)`` rows for ``positions`` as ``[T, 1, D]`` in ``dtype``, for :func:`apply_rope`."""
         if max_position >= self._cache_len or self._cos.device != positions.device:
             self._build(max(2 * (max_position + 1), 4096), positions.device)
         tables = self._by_dtype.get(dtype)
@@ -92,15 +87,10 @@ class RotaryEmbedding(nn.Module):
         return tables[0][positions], tables[1][positions]
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [T, heads, D]; cos/sin: [T, D]
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
-
-
-def apply_rope_rolled(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """:func:`apply_rope`, bit for bit, in four ops; ``cos``/``signed_sin`` from ``RotaryEmbedding.for_rope``."""
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on ``x [T, heads, D]`` with tables from ``RotaryEmbedding.tables``: Hugging Face's
+    ``x * cos + rotate_half(x) * sin``, bit for bit, in four ops (``roll`` by half a head times a sin
+    whose first half is negated; ``(-a) * b`` and ``a * (-b)`` round identically)."""
     out = x * cos
     return out.add_(torch.roll(x, x.shape[-1] // 2, -1).mul_(signed_sin))
 
@@ -119,25 +109,14 @@ class LlamaAttention(nn.Module):
         o_bias = cfg.attention_bias and cfg.architecture != "Qwen2ForCausalLM"
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=o_bias)
 
-    def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata, backend: AttentionBackend):
-        """``cos``/``sin``: ``[T, D]`` tables (as :func:`apply_rope` takes them)."""
-        t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rope(q.view(t, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        o = backend.forward(q, k, v, kv_cache, meta, self.scale)
-        return self.o_proj(o.reshape(t, self.q_size))
-
-    def fast_forward(self, x, cos, signed_sin, kv_cache, meta: AttentionMetadata, backend: AttentionBackend):
-        """Same result as ``forward`` with fewer dispatches (this runs per layer per step, and on a CPU a
-        tiny model's step is mostly dispatch): q and k are rotated together (rotation is per head), and
-        the linears are called without the module machinery. ``cos``/``signed_sin`` from ``for_rope``."""
+    def forward(self, x, cos, signed_sin, kv_cache, meta: AttentionMetadata, backend: AttentionBackend):
+        """q and k are rotated together (rotation is per head) and the linears called without the module
+        machinery: this runs per layer per step, and on a CPU a tiny model's step is mostly dispatch."""
         t = x.shape[0]
         qkv = F.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
         nq = self.num_heads
-        qk = apply_rope_rolled(qkv[:, : self.q_size + self.kv_size].view(t, nq + self.num_kv_heads, self.head_dim),
-                               cos, signed_sin)
+        qk = apply_rope(qkv[:, : self.q_size + self.kv_size].view(t, nq + self.num_kv_heads, self.head_dim),
+                        cos, signed_sin)
         v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
         o = backend.forward(qk[:, :nq], qk[:, nq:], v, kv_cache, meta, self.scale)
         return F.linear(o.reshape(t, self.q_size), self.o_proj.weight, self.o_proj.bias)
@@ -151,8 +130,8 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x):
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate, up = F.linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias).split(self.intermediate, dim=-1)
+        return F.linear(F.silu(gate).mul_(up), self.down_proj.weight, self.down_proj.bias)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -163,17 +142,11 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = LlamaMLP(cfg)
 
-    def forward(self, x, cos, sin, kv_cache, meta, backend):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-    def fast_forward(self, x, cos, signed_sin, kv_cache, meta, backend):
-        """``forward`` without module calls; adds in place into ``x`` (the model's own activation)."""
-        x += self.self_attn.fast_forward(self.input_layernorm.forward(x), cos, signed_sin, kv_cache, meta, backend)
-        mlp = self.mlp
-        gate, up = F.linear(self.post_attention_layernorm.forward(x), mlp.gate_up_proj.weight,
-                            mlp.gate_up_proj.bias).split(mlp.intermediate, dim=-1)
-        x += F.linear(F.silu(gate).mul_(up), mlp.down_proj.weight, mlp.down_proj.bias)
+    def forward(self, x, cos, signed_sin, kv_cache, meta, backend):
+        """Adds in place into ``x`` (the model's own activation); submodules are called through
+        ``.forward`` to skip ``nn.Module.__call__``."""
+        x += self.self_attn.forward(self.input_layernorm.forward(x), cos, signed_sin, kv_cache, meta, backend)
+        x += self.mlp.forward(self.post_attention_layernorm.forward(x))
         return x
 
 
@@ -193,10 +166,10 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids, positions, kv_caches: list[torch.Tensor], meta: AttentionMetadata,
                 max_position: int) -> torch.Tensor:
         x = F.embedding(input_ids, self.embed_tokens.weight)
-        cos, signed_sin = self.rotary.for_rope(positions, x.dtype, max_position)
+        cos, signed_sin = self.rotary.tables(positions, x.dtype, max_position)
         backend = self.backend
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer.fast_forward(x, cos, signed_sin, kv_cache, meta, backend)
+            x = layer.forward(x, cos, signed_sin, kv_cache, meta, backend)
         return self.norm.forward(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

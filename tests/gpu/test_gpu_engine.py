@@ -116,7 +116,9 @@ def test_fused_kernels_match_torch():
     import torch.nn.functional as F
 
     from server.engine import cuda_ops
-    from server.engine.model import RMSNorm, RotaryEmbedding, apply_rope
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    from server.engine.model import RMSNorm, RotaryEmbedding
     from server.engine.presets import preset_config
 
     gen = torch.Generator().manual_seed(3)
@@ -138,10 +140,11 @@ def test_fused_kernels_match_torch():
     h, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     rot = RotaryEmbedding(cfg)
     pos = torch.randint(0, 5000, (t,), generator=gen).to(DEV)
-    cos, sin = rot(pos, torch.bfloat16, 6000)
+    rot.tables(pos, torch.bfloat16, 6000)  # builds the float32 tables on the device
+    cos, sin = rot._cos[pos].bfloat16(), rot._sin[pos].bfloat16()
     qkv = torch.randn(t, (h + 2 * hkv) * d, generator=gen).bfloat16().to(DEV)
     q, k, v = qkv.split([h * d, hkv * d, hkv * d], -1)
-    qr, kr = apply_rope(q.reshape(t, h, d), cos, sin), apply_rope(k.reshape(t, hkv, d), cos, sin)
+    qr, kr = apply_rotary_pos_emb(q.reshape(t, h, d), k.reshape(t, hkv, d), cos, sin)  # Hugging Face's RoPE
     cache = torch.zeros(2, 64, hkv, d, dtype=torch.bfloat16, device=DEV)
     slots = torch.randperm(64, generator=gen)[:t].to(DEV)
     slots[3] = -1

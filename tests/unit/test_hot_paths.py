@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from server.engine import model as model_mod
+from server.engine.model_config import ModelConfig
 from server.engine.model_runner import _token_span
 from server.router import app as router_app
 from server.router.pipeline import TokenEvent
@@ -159,18 +160,23 @@ def test_idle_timeout_does_not_cancel_while_busy_elsewhere():
 
 
 # --- model fast path ---------------------------------------------------------------------------
-def test_rolled_rope_is_bitwise_apply_rope():
+def test_rope_is_bitwise_hugging_faces_rotate_half():
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
     torch.manual_seed(0)
+    cfg = ModelConfig(architecture="LlamaForCausalLM", vocab_size=512, hidden_size=384,
+                      intermediate_size=1024, num_hidden_layers=1, num_attention_heads=6,
+                      num_key_value_heads=2, head_dim=64, max_position_embeddings=4096, rms_norm_eps=1e-5,
+                      rope_theta=10000.0)
+    rot = model_mod.RotaryEmbedding(cfg)
     for dtype in (torch.float32, torch.bfloat16):
-        x = torch.randn(37, 6, 64).to(dtype)
+        q, k = torch.randn(37, 6, 64).to(dtype), torch.randn(37, 2, 64).to(dtype)
         pos = torch.randint(0, 500, (37,))
-        rot = model_mod.RotaryEmbedding.__new__(model_mod.RotaryEmbedding)
-        torch.nn.Module.__init__(rot)
-        rot.inv_freq = 1.0 / (10000 ** (torch.arange(0, 64, 2).float() / 64))
-        rot._cache_len, rot._cos, rot._sin = 0, None, None
-        cos, sin = rot(pos, dtype, int(pos.max()))
-        c, s = rot.for_rope(pos, dtype, int(pos.max()))
-        assert torch.equal(model_mod.apply_rope(x, cos, sin), model_mod.apply_rope_rolled(x, c, s))
+        cos, signed_sin = rot.tables(pos, dtype, int(pos.max()))
+        # Hugging Face's form, on rows of the same float32 tables rounded to the dtype
+        want_q, want_k = apply_rotary_pos_emb(q, k, rot._cos[pos].to(dtype), rot._sin[pos].to(dtype))
+        assert torch.equal(model_mod.apply_rope(q, cos, signed_sin), want_q)
+        assert torch.equal(model_mod.apply_rope(k, cos, signed_sin), want_k)
 
 
 def test_token_span_matches_all_token_ids():
