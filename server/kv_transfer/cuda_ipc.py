@@ -474,3 +474,10 @@ class PendingCopy:
         self.out.record_stream(torch.cuda.default_stream(self._dst_dev))
         return self.out
 
+    def discard(self) -> None:
+        """Let the copy finish and drop it (its bytes are not used)."""
+        try:
+            self.wait()
+        except IpcError:
+            log.debug("a discarded cuda_ipc copy failed", exc_info=True)
+

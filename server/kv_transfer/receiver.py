@@ -55,19 +55,6 @@ class _StaleConnection(Exception):
     """A reused connection failed before any byte of the reply: safe to retry on a fresh one."""
 
 
-class _EarlyCopy:
-    """A cuda_ipc copy started before the sender confirmed the entry (KVPuller._exchange)."""
-
-    def __init__(self, pending):
-        self.pending = pending
-
-    def wait_quietly(self) -> None:
-        try:
-            self.pending.wait()
-        except Exception:  # the copy is discarded anyway
-            logger.debug("discarded early cuda_ipc copy failed", exc_info=True)
-
-
 class _Deadline:
     def __init__(self, timeout_s: float):
         self.timeout_s = timeout_s
@@ -304,23 +291,14 @@ class KVPuller(KVReceiver):
                 raise _PullFailed("sender closed the connection before replying (at its connection "
                                   "limit?)")
             header = read_frame(sock, self.max_nbytes)
+            checksum = self._check_header(handle, header)
         except BaseException:
             if early is not None:
-                early.wait_quietly()  # never leave a queued copy into `out` behind
-            raise
-        try:
-            checksum = self._check_header(handle, header)
-        except _PullFailed:
-            if early is not None:
-                early.wait_quietly()  # our own tensor: let the queued copy finish, then drop it
+                early.discard()  # never leave a queued copy into `out` behind
             raise
         t2 = time.perf_counter()
-        if header.type is FrameType.DATA_CUDA_IPC and early is not None and header.text == handle.ipc:
-            tensor = self._finish_ipc(sock, handle, early)
-        elif header.type is FrameType.DATA_CUDA_IPC:
-            if early is not None:
-                early.wait_quietly()
-            tensor = self._copy_ipc(sock, handle, header, out)
+        if header.type is FrameType.DATA_CUDA_IPC:
+            tensor = self._copy_ipc(sock, handle, header, out, early)
         else:
             tensor = torch.empty(handle.shape, dtype=handle.torch_dtype) if out is None else out
             dst = tensor_bytes(tensor)
@@ -370,11 +348,16 @@ class KVPuller(KVReceiver):
         return header.checksum if self.verify_checksum else None
 
     def _copy_ipc(self, sock: socket.socket, handle: KVHandle, header: Frame,
-                  out: torch.Tensor | None) -> torch.Tensor:
-        """Open, copy GPU to GPU, close; on failure tell the sender (it keeps the entry)."""
+                  out: torch.Tensor | None, early) -> torch.Tensor:
+        """Finish the early copy when the reply names the same bytes as the handle; else open,
+        copy GPU to GPU, close. On failure tell the sender (it keeps the entry)."""
         from . import cuda_ipc
 
         try:
+            if early is not None and header.text == handle.ipc:
+                return early.wait()
+            if early is not None:
+                early.discard()
             desc = cuda_ipc.parse_description(header.text, handle.nbytes)
             return self._importer_for_ipc().copy(desc, handle.torch_dtype, handle.shape, out)
         except cuda_ipc.IpcError as exc:
@@ -403,24 +386,10 @@ class KVPuller(KVReceiver):
             desc = cuda_ipc.parse_description(handle.ipc, handle.nbytes)
             if not desc.pool:
                 return None  # an own export may be freed under us: open it only after the reply
-            return _EarlyCopy(self._importer_for_ipc().start_copy(desc, handle.torch_dtype,
-                                                                  handle.shape, out))
+            return self._importer_for_ipc().start_copy(desc, handle.torch_dtype, handle.shape, out)
         except cuda_ipc.IpcError as exc:
             logger.debug("early cuda_ipc copy for %s not started: %s", handle.request_id, exc)
             return None
-
-    def _finish_ipc(self, sock: socket.socket, handle: KVHandle, early: "_EarlyCopy") -> torch.Tensor:
-        from . import cuda_ipc
-
-        try:
-            return early.pending.wait()
-        except cuda_ipc.IpcError as exc:
-            try:
-                sock.sendall(encode_frame(Frame(FrameType.ERROR, request_id=handle.request_id,
-                                                error_code=ErrorCode.GENERIC, text=str(exc)[:500])))
-            except OSError:
-                pass
-            raise _PullFailed(f"cuda_ipc: {exc}") from None
 
     def close(self) -> None:
         """Close pooled connections (and IPC mappings). Later pulls still work, on a connection
