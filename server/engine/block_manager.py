@@ -2,7 +2,7 @@
 
 The block pool itself (the tensors) lives in ``model_runner.py``; this module only
 hands out block ids. Blocks are reference counted so that a block can be shared
-(``fork``, prefix caching) and leaves use exactly when its last owner lets go.
+(prefix caching) and leaves use exactly when its last owner lets go.
 
 Prefix caching (vLLM's "automatic prefix caching", ``enable_prefix_caching``).
 A *full* block is named by a digest of its tokens and of the digest of the block
@@ -107,15 +107,6 @@ class BlockManager:
             self.ref_counts[block] = 1
             seq.block_table.append(block)
 
-    def fork(self, src: Sequence, dst: Sequence) -> None:
-        """Let ``dst`` share every block of ``src`` (prefix sharing)."""
-        if dst.block_table:
-            raise RuntimeError(f"fork target {dst.request_id} already owns blocks")
-        for block in src.block_table:
-            self._ref(block)
-        dst.block_table = list(src.block_table)
-        dst.block_digests = list(src.block_digests)
-
     def _ref(self, block: int) -> None:
         if self.ref_counts[block] == 0:
             del self._evictable[block]
@@ -198,14 +189,6 @@ class BlockManager:
             # else: already cached (a claimed block), or the same prefix computed twice at
             # once: the first copy stays the cached one, this one is freed normally
         seq.num_registered_blocks = full
-
-    def reset_prefix_cache(self) -> None:
-        """Forget every cached digest (evictable blocks become plain free blocks)."""
-        for block in self._evictable:
-            self._free.append(block)
-        self._evictable.clear()
-        self._cached.clear()
-        self._digest_of.clear()
 
     def check_invariants(self) -> None:
         """Raise if the free list, the evictable set and the ref counts disagree."""

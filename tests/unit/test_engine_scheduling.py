@@ -152,15 +152,18 @@ def test_bad_prompts_rejected_with_the_reason():
 
 
 class TestBlockManager:
-    def test_fork_and_free_ref_counts(self):
-        bm = BlockManager(8, 4)
-        a, b = Sequence("a", [1], GREEDY), Sequence("b", [1], GREEDY)
-        bm.grow(a, 10)
-        assert len(a.block_table) == 3 and bm.num_free_blocks == 5
-        bm.fork(a, b)
-        assert all(bm.ref_counts[x] == 2 for x in a.block_table)
+    def test_shared_blocks_are_freed_by_their_last_owner(self):
+        bm = BlockManager(8, 4, enable_prefix_caching=True)
+        tokens = list(range(1, 14))  # 13 tokens: 3 full blocks
+        a, b = Sequence("a", tokens, GREEDY), Sequence("b", tokens, GREEDY)
+        bm.grow(a, 13)
+        a.num_computed_tokens = 13
+        bm.register(a)
+        assert len(a.block_table) == 4 and bm.num_free_blocks == 4
+        assert bm.claim_prefix(b) == 12  # shares a's 3 full blocks
+        assert all(bm.ref_counts[x] == 2 for x in a.block_table[:3])
         bm.free(a)
-        assert bm.num_free_blocks == 5  # still held by b
+        assert bm.num_free_blocks == 5  # a's last block only: the shared ones are still held by b
         bm.free(b)
         assert bm.num_free_blocks == 8
         bm.check_invariants()
