@@ -112,11 +112,13 @@ def test_workers_started_before_the_router_register(tmp_path, config_file):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = open(tmp_path / "log.txt", "wb")
-    workers = [_spawn(["worker", "--role", r, "--router", url, "--config", config_file], log)
-               for r in ("prefill", "decode")]
+    workers = [_spawn(["--log-level", "INFO", "worker", "--role", r, "--router", url, "--config", config_file],
+                      log) for r in ("prefill", "decode")]
     router = None
     try:
-        time.sleep(3)  # the workers are up and retrying; no router yet
+        # both workers up and serving (so retrying registration: there is no router yet)
+        _wait(lambda: (tmp_path / "log.txt").read_text(errors="replace").count("listening on") >= 2, 120,
+              "both workers to listen")
         assert all(w.poll() is None for w in workers)
         router = _spawn(["router", "--port", str(port), "--config", config_file], log)
 
