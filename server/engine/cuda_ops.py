@@ -157,10 +157,9 @@ if HAS_TRITON:
         tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=rmask)
 
 
-# (N, K) of a weight -> GEMV config when the Triton GEMV beat cuBLAS at one token, else None.
-# A config is (BLOCK_N, BLOCK_K, num_warps) or (BLOCK_N, BLOCK_K, num_warps, STAGES) (pipelined loop).
+# A GEMV config is (BLOCK_N, BLOCK_K, num_warps) or (BLOCK_N, BLOCK_K, num_warps, STAGES) (pipelined
+# loop). tune_gemv stores the winner on each nn.Linear as `gemv_cfg` (absent/None: cuBLAS).
 GemvCfg = tuple
-GEMV_CHOICE: dict[tuple[int, int], GemvCfg | None] = {}
 GEMV_CANDIDATES = ((4, 1024, 4), (8, 512, 4), (2, 2048, 4), (8, 1024, 8), (16, 512, 8), (4, 512, 2), (16, 256, 4),
                    # pipelined: best of bench/gemv_study.py on an H200 (CUDA graph, weights out of L2), in us:
                    # qkv 25.9 (16,256,4,3), o_proj 10.8 (4,512,4,3), gate_up 43.5 (16,256,4,3),
@@ -185,7 +184,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg: 
 def linear(x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
     """``layer(x)``; one-token inputs take the Triton GEMV where tuning found it faster than cuBLAS."""
     if x.shape[0] == 1 and x.is_cuda and x.is_contiguous():
-        cfg = GEMV_CHOICE.get(tuple(layer.weight.shape))
+        cfg = getattr(layer, "gemv_cfg", None)
         if cfg is not None:
             return gemv(x, layer.weight, layer.bias, cfg)
     return layer(x)
@@ -236,18 +235,16 @@ def tune_gemv(model, margin: float = 0.03, verbose: bool = False) -> dict:
     getters = [lambda l: l.self_attn.qkv_proj, lambda l: l.self_attn.o_proj, lambda l: l.mlp.gate_up_proj,
                lambda l: l.mlp.down_proj]
     for get in getters:
-        mod = get(layers[0])
-        shape = tuple(mod.weight.shape)
-        if shape in GEMV_CHOICE:
-            continue
-        w, b = mod.weight, mod.bias
-        ws = [get(l).weight for l in layers if tuple(get(l).weight.shape) == shape]
+        mods = [get(l) for l in layers]
+        w, b = mods[0].weight, mods[0].bias
+        shape = tuple(w.shape)
+        ws = [m.weight for m in mods]
         x = torch.randn(1, shape[1], device=w.device, dtype=w.dtype)
         ref = F_linear(x, w, b).float()
 
         def bench(fn):
             try:
-                return _graph_ms(lambda wi: fn(wi), ws), "graph"
+                return _graph_ms(fn, ws), "graph"
             except Exception:  # capture refused here: per-launch timing
                 return do_bench(lambda: fn(w), warmup=10, rep=40, return_mode="median"), "do_bench"
 
@@ -265,7 +262,8 @@ def tune_gemv(model, margin: float = 0.03, verbose: bool = False) -> dict:
             times[str(cfg)] = ms
             if ms < best_ms:
                 best, best_ms = cfg, ms
-        GEMV_CHOICE[shape] = best
+        for m in mods:
+            m.gemv_cfg = best
         report[str(shape)] = {"choice": best, "us": {k: round(v * 1e3, 1) for k, v in times.items()},
                               "bytes": w.numel() * w.element_size(), "timing": how}
         if verbose:
