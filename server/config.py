@@ -226,6 +226,9 @@ class KVTransferConfig(_Section):
     pull_timeout_ms: int = _opt(10_000, "int", lo=1, hi=_MS_MAX)
     checksum: bool = _opt(True, "bool")
     cuda_ipc_pool_mb: int = _opt(2048, "int", lo=0, hi=10_000_000)  # per prefill GPU; 0 = no pool
+    handshake_timeout_ms: int = _opt(2000, "int", lo=1, hi=_MS_MAX)
+    max_connections: int = _opt(64, "int", lo=1, hi=65536)
+    max_connections_per_peer: int = _opt(0, "int", lo=0, hi=65536)  # 0 = max_connections
 
 
 @dataclass(frozen=True)
@@ -250,6 +253,12 @@ class RouterConfig(_Section):
     heartbeat_interval_ms: int = _opt(1000, "int", lo=1, hi=_MS_MAX)
     heartbeat_timeout_ms: int = _opt(3000, "int", lo=1, hi=_MS_MAX)
     request_timeout_s: float = _opt(600.0, "float", lo=0, lo_open=True)
+    stream_progress_timeout_s: float = _opt(10.0, "float", lo=0, lo_open=True)
+    max_request_body_bytes: int = _opt(8 << 20, "int", lo=1024, hi=1 << 31)
+    max_prompt_chars: int = _opt(0, "int", lo=0, hi=1 << 31)  # 0 = 32 x prefill.max_seq_len
+    header_timeout_s: float = _opt(10.0, "float", lo=0, lo_open=True)
+    body_timeout_s: float = _opt(30.0, "float", lo=0, lo_open=True)
+    keepalive_timeout_s: float = _opt(30.0, "float", lo=0, lo_open=True)
     # None = read env DISTSERVE_ADMIN_TOKEN, else generate one at startup.
     admin_token: str | None = _opt(None, "str", nullable=True)
     breaker: BreakerConfig = _sub(BreakerConfig)

@@ -6,6 +6,12 @@ SIGTERM stops every child it started (by PID: SIGTERM, then SIGKILL after a
 grace period). Children watch their parent's PID and exit if it disappears, so
 a killed launcher leaves nothing behind.
 
+While it serves, the launcher *supervises* its workers (:class:`RestartPolicy`): a worker that
+exits is reported to the router at once (listed as dead, out of rotation), then started again
+under the same id after a backoff that doubles per recent restart. A worker that keeps dying
+(``max_restarts`` within ``window_s``), or that exits with a status restarting cannot fix (2: bad
+usage, 3: registration refused), is a crash loop: it is reported, left dead, and not restarted.
+
 CPU placement (``--cpu-pinning auto``, the default): in disaggregated mode
 prefill workers get the first half of the CPUs this process may use and
 decode workers the second half, each with one torch thread per CPU it owns, so
@@ -107,6 +113,34 @@ def plan_workers(mode: str, num_prefill: int, num_decode: int, device: str,
             for i, role in enumerate(roles)]
 
 
+@dataclass(frozen=True)
+class RestartPolicy:
+    enabled: bool = True
+    max_restarts: int = 5  # within window_s; one more exit is a crash loop
+    window_s: float = 60.0
+    backoff_s: float = 1.0  # first restart; doubles per restart inside the window
+    max_backoff_s: float = 30.0
+
+    def delay(self, recent: int) -> float:
+        return min(self.max_backoff_s, self.backoff_s * 2 ** recent)
+
+
+PERMANENT_EXITS = {2: "bad usage or configuration", 3: "the router refused its registration"}
+
+
+@dataclass
+class _Worker:
+    """One supervised worker: how to start it, its current process, its restart history."""
+    worker_id: str
+    argv: list[str]
+    cpus: list[int] | None
+    threads: int | None
+    proc: subprocess.Popen
+    restarts: list[float] = field(default_factory=list)  # monotonic times of restarts
+    restart_at: float | None = None  # a restart is scheduled for then
+    given_up: bool = False
+
+
 @dataclass
 class Launcher:
     config: DistServeConfig
@@ -119,8 +153,10 @@ class Launcher:
     devices: tuple[str, ...] = ()  # per worker, round-robin in start order; empty = `device` for all
     served_model_name: str | None = None
     log_dir: Path | None = None
+    restart: RestartPolicy = field(default_factory=RestartPolicy)
     procs: list[subprocess.Popen] = field(default_factory=list)
     url: str | None = None
+    supervised: dict[str, _Worker] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self._tmp = tempfile.TemporaryDirectory(prefix="distserve-")
@@ -170,9 +206,57 @@ class Launcher:
                     "--device", device, "--parent-pid", str(os.getpid()), "--worker-id", worker_id]
             if cpus:
                 argv += ["--cpus", ",".join(map(str, cpus))]
-            self._spawn(argv, worker_id, cpus, threads[role])
+            proc = self._spawn(argv, worker_id, cpus, threads[role])
+            self.supervised[worker_id] = _Worker(worker_id, argv, cpus, threads[role], proc)
         self.wait_healthy(len(plan), deadline)
         return self.url
+
+    # --- supervision -----------------------------------------------------------
+    def supervise(self, now: float | None = None) -> list[str]:
+        """One supervision pass (the serve loop calls it a few times a second): report workers that
+        exited, restart those whose backoff is over. Returns the events, one sentence each."""
+        now = time.monotonic() if now is None else now
+        events = []
+        for w in self.supervised.values():
+            if w.given_up:
+                continue
+            if w.restart_at is None and w.proc.poll() is not None:
+                events.append(self._on_exit(w, now))
+            elif w.restart_at is not None and now >= w.restart_at:
+                w.restarts.append(now)
+                w.restart_at = None
+                self.procs.remove(w.proc)
+                w.proc = self._spawn([*w.argv, "--restart-count", str(len(w.restarts))], w.worker_id, w.cpus,
+                                     w.threads)
+                events.append(f"worker {w.worker_id} restarted (pid {w.proc.pid}, restart {len(w.restarts)})")
+        return events
+
+    def _on_exit(self, w: _Worker, now: float) -> str:
+        rc = w.proc.returncode
+        status = f"killed by signal {-rc}" if rc < 0 else f"exited with status {rc}"
+        recent = [t for t in w.restarts if now - t <= self.restart.window_s]
+        if rc in PERMANENT_EXITS or not self.restart.enabled or len(recent) >= self.restart.max_restarts:
+            w.given_up = True
+            why = (PERMANENT_EXITS[rc] if rc in PERMANENT_EXITS else "restarts are off" if not self.restart.enabled
+                   else f"crash loop: {len(recent) + 1} exits within {self.restart.window_s:g} s")
+            self._report_dead(w.worker_id, f"{status}; not restarted: {why}")
+            return f"worker {w.worker_id} {status}; not restarting it ({why})"
+        w.restart_at = now + self.restart.delay(len(recent))
+        self._report_dead(w.worker_id, f"{status}; restarting")
+        return f"worker {w.worker_id} {status}; restarting in {w.restart_at - now:.1f} s"
+
+    def _report_dead(self, worker_id: str, reason: str) -> None:
+        """Tell the router now, so it routes around the worker and stops listing its load as live."""
+        if self.url is None:
+            return
+        body = json.dumps({"worker_id": worker_id, "reason": reason}).encode()
+        req = urllib.request.Request(f"{self.url}/deregister", data=body, method="POST", headers={
+            "Authorization": f"Bearer {self.token}", "Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=2):
+                pass
+        except (urllib.error.URLError, OSError):
+            pass  # the router's own checks (refused connections, missed heartbeats) catch it later
 
     def workers(self) -> dict:
         req = urllib.request.Request(f"{self.url}/v1/workers", headers={"Authorization": f"Bearer {self.token}"})
@@ -227,10 +311,14 @@ def cmd_serve(args) -> int:
         parse_devices(args.device)
     except ValueError as e:
         return _usage_error(str(e))
+    if args.max_restarts < 0 or args.restart_window_s <= 0:
+        return _usage_error("--max-restarts must be >= 0 and --restart-window-s > 0")
     launcher = Launcher(cfg, args.mode, args.prefill, args.decode, _token(cfg, generate=True),
                         pinning=args.cpu_pinning, device=args.device, devices=devices,
                         served_model_name=args.served_model_name,
-                        log_dir=Path(args.log_dir) if args.log_dir else None)
+                        log_dir=Path(args.log_dir) if args.log_dir else None,
+                        restart=RestartPolicy(enabled=args.restart == "always", max_restarts=args.max_restarts,
+                                              window_s=args.restart_window_s))
     stop = {"flag": False}
 
     def on_signal(signum, frame):
@@ -250,6 +338,8 @@ def cmd_serve(args) -> int:
             if launcher.procs[0].poll() is not None:
                 print("distserve: router exited; shutting down", file=sys.stderr)
                 return 1
+            for event in launcher.supervise():
+                print(f"distserve: {event}", file=sys.stderr, flush=True)
             time.sleep(0.2)
         return 0
     except RuntimeError as e:
@@ -330,7 +420,7 @@ def cmd_worker(args) -> int:
         return _usage_error(str(e))
     opts = WorkerOptions(role=args.role, router_url=args.router.rstrip("/"), config=cfg, token=token,
                          host=args.host or "127.0.0.1", port=args.port or 0, device=args.device,
-                         worker_id=args.worker_id or "", cpus=cpus)
+                         worker_id=args.worker_id or "", cpus=cpus, restart_count=args.restart_count)
 
     async def main():
         _watch_parent(args.parent_pid)
@@ -386,6 +476,12 @@ def add_serve_parsers(sub) -> None:
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--ready-file", default=None, help="write {url, pid, token} here once healthy")
     p.add_argument("--log-dir", default=None, help="write each child's log to DIR/<name>.log")
+    p.add_argument("--restart", choices=["always", "never"], default="always",
+                   help="restart a worker that exits (after a backoff of 1, 2, 4 ... s, at most 30 s)")
+    p.add_argument("--max-restarts", type=int, default=5,
+                   help="a worker that needs more restarts than this within --restart-window-s is a crash "
+                        "loop: reported and left stopped")
+    p.add_argument("--restart-window-s", type=float, default=60.0)
     p.set_defaults(handler=cmd_serve)
 
     p = sub.add_parser("router", help="run the HTTP router alone",
@@ -413,6 +509,7 @@ def add_serve_parsers(sub) -> None:
     p.add_argument("--cpus", default=None, help="pin to these CPUs, e.g. 0,1")
     p.add_argument("--worker-id", default=None)
     p.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--restart-count", type=int, default=0, help=argparse.SUPPRESS)  # set by the launcher
     p.set_defaults(handler=cmd_worker)
 
     p = sub.add_parser("demo", help="serve the built-in model, push a short load through it, print a summary",

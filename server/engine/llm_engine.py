@@ -78,6 +78,7 @@ class RequestOutput:
     finish_reason: str | None
     num_prompt_tokens: int
     num_output_tokens: int
+    error: str | None = None  # set with finish_reason "abort" when the engine failed this request
 
 
 class LLMEngine:
@@ -247,17 +248,20 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         outputs: list[RequestOutput] = []
         for seq in sched.rejected:
-            seq.status = SequenceStatus.FINISHED_ABORTED
-            log.warning("request %s does not fit in the KV pool; aborted", seq.request_id)
-            self._release(seq)
-            outputs.append(self._output(seq, []))
+            blocks = -(-seq.num_tokens // self.block_manager.block_size)
+            outputs.append(self._fail(seq, f"request needs {blocks} KV blocks; this worker's KV pool has "
+                                           f"{self.block_manager.num_blocks}"))
         if sched.is_empty:
             return outputs
         self.stats.num_steps += 1
         self.stats.num_preemptions += len(sched.preempted)
         self.stats.num_prompt_tokens += sum(s.num_new_tokens for s in sched.scheduled if s.num_new_tokens > 1)
-        logits = self.runner.execute(sched.scheduled)
-        sampling = [s.seq for s in sched.scheduled if s.samples]
+        scheduled = sched.scheduled
+        try:
+            logits = self.runner.execute(scheduled)
+        except Exception as e:  # find whose input breaks the forward; the others go on
+            scheduled, logits = self._execute_isolating(scheduled, e, outputs)
+        sampling = [s.seq for s in scheduled if s.samples]
         tokens = self.sampler.sample(
             logits,
             [s.sampling_params for s in sampling],
@@ -265,11 +269,15 @@ class LLMEngine:
             [s.num_output_tokens for s in sampling],
         ) if sampling else []
         bm = self.block_manager
-        for s in sched.scheduled:
+        for s in scheduled:
             s.seq.num_computed_tokens += s.num_new_tokens
             bm.register(s.seq)
-        self.stats.num_generated_tokens += len(tokens)
         for seq, token in zip(sampling, tokens):
+            if isinstance(token, str):  # this row could not be sampled: fail its request alone
+                self.scheduler.remove(seq)
+                outputs.append(self._fail(seq, token))
+                continue
+            self.stats.num_generated_tokens += 1
             seq.output_token_ids.append(token)
             self._check_stop(seq, token)
             if seq.is_finished:
@@ -278,6 +286,39 @@ class LLMEngine:
                     self._release(seq)
             outputs.append(self._output(seq, [token]))
         return outputs
+
+    def _execute_isolating(self, scheduled: list, error: Exception, outputs: list[RequestOutput]):
+        """The batch forward raised: run each entry alone, fail the ones that still raise (with the
+        error they raise), and return (the entries that ran, their logits rows) so the step goes on
+        for them. Re-running writes the same KV slots again, so it is safe to repeat."""
+        log.warning("engine step of %d sequences failed (%s: %s); retrying them one by one",
+                    len(scheduled), type(error).__name__, error)
+        kept, rows = [], []
+        for s in scheduled:
+            try:
+                logits = self.runner.execute([s]) if len(scheduled) > 1 else None
+                if logits is None:
+                    raise error
+            except Exception as e:
+                log.warning("request %s fails the model forward: %s: %s", s.seq.request_id, type(e).__name__, e)
+                self.scheduler.remove(s.seq)
+                outputs.append(self._fail(s.seq, f"the model forward failed on this request: "
+                                                 f"{type(e).__name__}: {e}"))
+                continue
+            kept.append(s)
+            if s.samples:
+                rows.append(logits)
+        if not rows:
+            return kept, None
+        return kept, torch.cat(rows)
+
+    def _fail(self, seq: Sequence, reason: str) -> RequestOutput:
+        """Abort ``seq`` because of itself, naming the cause; the caller has unscheduled it."""
+        log.warning("request %s failed: %s", seq.request_id, reason)
+        seq.status = SequenceStatus.FINISHED_ABORTED
+        seq.error = reason
+        self._release(seq)
+        return self._output(seq, [])
 
     def _check_stop(self, seq: Sequence, token: int) -> None:
         p = seq.sampling_params
@@ -298,6 +339,7 @@ class LLMEngine:
             finish_reason=seq.status.finish_reason,
             num_prompt_tokens=len(seq.prompt_token_ids),
             num_output_tokens=seq.num_output_tokens,
+            error=seq.error,
         )
 
     # --- convenience -------------------------------------------------------

@@ -14,6 +14,8 @@ from server.engine.sampling_params import SamplingParams
 
 _MASK64 = (1 << 63) - 1
 
+NON_FINITE = "the model produced NaN/Inf logits for this request"
+
 
 def token_generator(seed: int, index: int, device: torch.device) -> torch.Generator:
     g = torch.Generator(device=device)
@@ -25,7 +27,9 @@ def sample_row(logits: torch.Tensor, params: SamplingParams, seed: int, index: i
     """Sample one token from a ``[vocab]`` float32 logits row."""
     if params.is_greedy:
         return int(torch.argmax(logits))
-    logits = logits / params.temperature
+    # Shift so the largest logit is 0 before dividing: with a tiny temperature, logits / t alone
+    # overflows float32 to inf and softmax turns inf - inf into NaN.
+    logits = (logits - logits.max()) / params.temperature
     if params.top_k > 0 and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -41,9 +45,30 @@ def sample_row(logits: torch.Tensor, params: SamplingParams, seed: int, index: i
 
 
 class Sampler:
+    """Samples each row on its own terms: a row that cannot be sampled fails that row only.
+
+    ``sample`` returns one entry per row: the token id, or a ``str`` saying why that request's row
+    could not be sampled (non-finite logits, or the sampling op itself failing). The engine fails
+    exactly those requests; the rest of the batch goes on (DESIGN: one request never fails another).
+    """
+
     def sample(self, logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
-               indices: list[int]) -> list[int]:
-        """One token per row of ``logits`` ([B, vocab], float32)."""
+               indices: list[int]) -> list[int | str]:
+        """One token (or a failure reason) per row of ``logits`` ([B, vocab], float32)."""
+        # A row sum is non-finite iff the row holds a NaN or an Inf: one reduction, no extra sync
+        # (it travels with the tokens in the same .tolist()).
+        finite = torch.isfinite(logits.sum(dim=-1))
         if all(p.is_greedy for p in params):
-            return torch.argmax(logits, dim=-1).tolist()
-        return [sample_row(logits[i], p, s, n) for i, (p, s, n) in enumerate(zip(params, seeds, indices))]
+            out: list[int | str] = torch.where(finite, torch.argmax(logits, dim=-1), -1).tolist()
+            return [NON_FINITE if t < 0 else t for t in out]
+        ok = finite.tolist()
+        out = []
+        for i, (p, s, n) in enumerate(zip(params, seeds, indices)):
+            if not ok[i]:
+                out.append(NON_FINITE)
+                continue
+            try:
+                out.append(sample_row(logits[i], p, s, n))
+            except RuntimeError as e:  # e.g. multinomial on a degenerate distribution
+                out.append(f"sampling failed for this request: {e}")
+        return out

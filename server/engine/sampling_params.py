@@ -7,6 +7,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# Below this temperature sampling is greedy (vLLM's rule): any logit gap the model can produce is
+# scaled past float32's range, so the distribution is one-hot up to exact ties.
+SAMPLING_EPS = 1e-5
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -41,7 +45,7 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < SAMPLING_EPS or self.top_k == 1
 
     def to_dict(self) -> dict:
         return {

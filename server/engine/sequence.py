@@ -66,6 +66,7 @@ class Sequence:
     num_computed_tokens: int = 0
     num_preemptions: int = 0
     stop_reason: int | None = None
+    error: str | None = None  # why it was aborted by the engine (its own fault, named), else None
     # prefix caching (block_manager.py): digests of the first full blocks of all_token_ids
     # (valid for ever: tokens are only appended), and how many blocks were offered to the cache
     block_digests: list[bytes] = field(default_factory=list)

@@ -6,9 +6,13 @@ pooled because starting a thread costs ~1.5 ms on the Firecracker VMs we run on,
 frame.py) until the receiver closes it, `idle_timeout_s` passes without a frame, the stream gets out
 of sync (bad frame, a failed send), or the server closes. So a receiver that keeps its connection
 open pays neither the connect nor the hand-off to a pool thread per pull: only PULL -> reply and
-ACK -> DONE. At most `max_connections` are open; when a new one arrives at the cap, the connection
-idle the longest is closed to make room (a receiver's pool must not lock out other receivers);
-when none is idle, the new one is refused. Per transport:
+ACK -> DONE. At most `max_connections` are open, at most `max_connections_per_peer` from one
+address. A connection is *authenticated* once it has presented a valid secret for a staged entry;
+until then it holds nothing but its socket and thread, must deliver each request frame within
+`handshake_timeout_s` of the frame's first byte, and is the first to be closed when a new
+connection needs room (then the one idle the longest; a receiver's pool must not lock out other
+receivers). When none can be closed, the new one is refused. So a local process that opens many
+connections and stalls cannot starve real pulls. Per transport:
 
 - tcp: DATA_INLINE header, then the tensor's bytes straight from its memory (no copy), chunked so a
   slow reader is bounded by `io_timeout_s` per chunk, not per payload;
@@ -43,8 +47,19 @@ import torch
 
 from .base import KVHandle, KVSender, TransferStatus
 from .factory import host_id as this_host_id
-from .frame import (DTYPE_CODES, MAX_NDIM, MAX_REQUEST_ID_BYTES, ErrorCode, Frame, FrameError,
-                    FrameType, dtype_name, encode_frame, read_frame, tensor_bytes)
+from .frame import (
+    DTYPE_CODES,
+    MAX_NDIM,
+    MAX_REQUEST_ID_BYTES,
+    ErrorCode,
+    Frame,
+    FrameError,
+    FrameType,
+    dtype_name,
+    encode_frame,
+    read_frame,
+    tensor_bytes,
+)
 from .shm import DEFAULT_PREFIX, create_segment, destroy_segment
 
 logger = logging.getLogger(__name__)
@@ -67,7 +82,8 @@ class SenderStats:
     auth_failures: int = 0  # pulls with a wrong secret
     connections_accepted: int = 0  # control connections taken on (each serves any number of pulls)
     connections_refused: int = 0  # closed at once: max_connections open, none of them idle
-    connections_evicted: int = 0  # idle connections closed to make room for a new one
+    connections_evicted: int = 0  # unauthenticated or idle connections closed to make room for a new one
+    handshake_timeouts: int = 0  # connections closed for sending a request frame too slowly
 
 
 @dataclass(eq=False)
@@ -91,6 +107,9 @@ class _Entry:
 class _Conn:
     sock: socket.socket
     idle_since: float | None  # monotonic; None while a PULL is being served
+    peer: str = ""
+    opened: float = 0.0
+    authenticated: bool = False  # presented a valid secret at least once
     evicted: bool = False  # shut down to make room; its thread is on its way out
 
 
@@ -106,15 +125,21 @@ class KVStagingServer(KVSender):
                  checksum: bool = True, io_timeout_s: float = 30.0,
                  max_staged_bytes: int | None = None, max_connections: int = 64,
                  shm_prefix: str = DEFAULT_PREFIX, chunk_bytes: int = 8 << 20,
-                 cuda_ipc_pool_bytes: int = 0, idle_timeout_s: float | None = 60.0):
+                 cuda_ipc_pool_bytes: int = 0, idle_timeout_s: float | None = 60.0,
+                 handshake_timeout_s: float = 2.0, max_connections_per_peer: int | None = None):
         """`idle_timeout_s`: close a connection that has waited this long for its next PULL
-        (None: never); `io_timeout_s` bounds each read/write once a PULL has started."""
+        (None: never); `handshake_timeout_s` bounds reading a request frame once its first byte
+        came; `io_timeout_s` bounds each read/write of the payload exchange after it."""
         if default_lease_ms <= 0:
             raise ValueError(f"default_lease_ms must be > 0, got {default_lease_ms}")
         if idle_timeout_s is not None and idle_timeout_s <= 0:
             raise ValueError(f"idle_timeout_s must be > 0 or None, got {idle_timeout_s}")
         if max_connections < 1:
             raise ValueError(f"max_connections must be >= 1, got {max_connections}")
+        if handshake_timeout_s <= 0:
+            raise ValueError(f"handshake_timeout_s must be > 0, got {handshake_timeout_s}")
+        self.handshake_timeout_s = handshake_timeout_s
+        self.max_connections_per_peer = min(max_connections, max_connections_per_peer or max_connections)
         self.default_lease_ms = float(default_lease_ms)
         self.checksum = checksum
         self.io_timeout_s = io_timeout_s
@@ -385,41 +410,54 @@ class KVStagingServer(KVSender):
     def _accept_loop(self) -> None:
         while not self._stop.is_set():
             try:
-                conn, _ = self._listener.accept()
+                conn, addr = self._listener.accept()
             except OSError:
                 if self._stop.is_set():
                     return
                 time.sleep(0.01)
                 continue
+            peer = addr[0] if isinstance(addr, tuple) else str(addr)
             with self._lock:
                 if self._closed:
                     conn.close()
                     continue
                 live = [c for c in self._conns.values() if not c.evicted]
-                if len(live) >= self.max_connections:
-                    idle = [c for c in live if c.idle_since is not None]
-                    if not idle:
+                same_peer = [c for c in live if c.peer == peer]
+                full = (live if len(live) >= self.max_connections else
+                        same_peer if len(same_peer) >= self.max_connections_per_peer else None)
+                if full is not None:
+                    victim = self._victim(full)
+                    if victim is None:
                         self.stats.connections_refused += 1
                         conn.close()
                         continue
                     # make room: the receiver of an idle connection finds it closed at its next
                     # pull and opens a new one (or, if its PULL was already on the way, retries)
-                    victim = min(idle, key=lambda c: c.idle_since)
                     victim.evicted = True
                     self.stats.connections_evicted += 1
                     _shutdown(victim.sock)
-                state = _Conn(conn, idle_since=time.monotonic())
+                now = time.monotonic()
+                state = _Conn(conn, idle_since=now, peer=peer, opened=now)
                 self._conns[conn] = state
                 self.stats.connections_accepted += 1
                 self._pool.submit(self._serve, state)
+
+    @staticmethod
+    def _victim(conns: list[_Conn]) -> _Conn | None:  # under lock
+        """Who makes room: the oldest connection that never authenticated, else the one idle longest."""
+        unauth = [c for c in conns if not c.authenticated]
+        if unauth:
+            return min(unauth, key=lambda c: c.opened)
+        idle = [c for c in conns if c.idle_since is not None]
+        return min(idle, key=lambda c: c.idle_since) if idle else None
 
     def _serve(self, state: _Conn) -> None:
         conn = state.sock
         try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             while not self._stop.is_set() and self._await_pull(state):
-                conn.settimeout(self.io_timeout_s)
-                if not self._serve_pull(conn):
+                conn.settimeout(self.handshake_timeout_s)  # the rest of the PULL frame: now or never
+                if not self._serve_pull(conn, state):
                     break
                 with self._lock:
                     state.idle_since = time.monotonic()
@@ -451,14 +489,21 @@ class KVStagingServer(KVSender):
         conn.sendall(encode_frame(Frame(FrameType.ERROR, request_id=request_id,
                                         error_code=code, text=text)))
 
-    def _serve_pull(self, conn: socket.socket) -> bool:
+    def _serve_pull(self, conn: socket.socket, state: _Conn) -> bool:
         """Serve one PULL; True when the stream is still in sync, so the connection can carry the
         next one. An ACKed entry is unstaged before DONE is sent and freed after."""
         try:
             pull = read_frame(conn, max_nbytes=0)
+        except TimeoutError:
+            with self._lock:
+                self.stats.handshake_timeouts += 1
+            logger.debug("KV connection from %s sent a partial frame for %s s: closing it", state.peer,
+                         self.handshake_timeout_s)
+            return False
         except FrameError as exc:
             self._reply_error(conn, ErrorCode.BAD_FRAME, str(exc))
             return False
+        conn.settimeout(self.io_timeout_s)
         if pull.type is not FrameType.PULL:
             self._reply_error(conn, ErrorCode.BAD_FRAME, f"expected PULL, got {pull.type.name}")
             return False
@@ -477,6 +522,7 @@ class KVStagingServer(KVSender):
                 code, text, entry = ErrorCode.BUSY, f"request {rid!r} is being pulled", None
             else:
                 entry.in_flight, code, text = True, ErrorCode.NONE, ""
+                state.authenticated = True
                 payload = (entry.tensor if entry.transport == "tcp" else entry.ipc.text
                            if entry.transport == "cuda_ipc" else entry.segment.name)
         if entry is None:

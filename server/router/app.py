@@ -27,6 +27,7 @@ from server.config import DistServeConfig
 from server.engine.tokenizer import Tokenizer
 from server.metrics import RouterMetrics
 from server.router import protocol
+from server.router.limits import BodyLimit
 from server.router.pipeline import EngineRequest, NoWorkersError, Pipeline, PipelineOptions, TokenEvent
 from server.router.protocol import InvalidRequest
 from server.router.registry import RegistrationRefused, WorkerRegistry
@@ -65,6 +66,9 @@ class RouterState:
         path = self.model_path or self.registry.model_path()
         return path or "distserve"
 
+    def max_prompt_chars(self) -> int:
+        return self.config.router.max_prompt_chars or 32 * self.max_seq_len()
+
     def max_seq_len(self) -> int:
         lens = [self.config.prefill.max_seq_len]
         worker_len = self.registry.max_model_len()
@@ -86,15 +90,31 @@ def _unavailable(message: str) -> JSONResponse:
 
 
 def create_router_app(state: RouterState) -> FastAPI:
+    rc = state.config.router
+
+    async def sweep_registry() -> None:
+        """Age worker states on a clock of their own, so the waits on a worker that froze fail
+        within a heartbeat timeout even when no request or heartbeat arrives to notice it."""
+        period = max(0.05, min(rc.heartbeat_interval_ms, rc.heartbeat_timeout_ms) / 2000.0)
+        while True:
+            state.registry.sweep()
+            await asyncio.sleep(period)
+
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
         async with aiohttp.ClientSession(connector=connector) as http:
             state.pipeline = Pipeline(state.registry, http, state.metrics, PipelineOptions(
-                token=state.token, request_timeout_s=state.config.router.request_timeout_s))
-            yield
+                token=state.token, request_timeout_s=rc.request_timeout_s,
+                progress_timeout_s=rc.stream_progress_timeout_s))
+            sweeper = asyncio.create_task(sweep_registry(), name="registry-sweep")
+            try:
+                yield
+            finally:
+                sweeper.cancel()
 
     app = FastAPI(title="distserve router", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.add_middleware(BodyLimit, max_bytes=rc.max_request_body_bytes, body_timeout_s=rc.body_timeout_s)
     app.state.router = state
 
     def authorized(request: Request) -> bool:
@@ -102,10 +122,15 @@ def create_router_app(state: RouterState) -> FastAPI:
         return hmac.compare_digest(got.encode(), f"Bearer {state.token}".encode())
 
     async def json_body(request: Request):
+        raw = await request.body()  # at most router.max_request_body_bytes (BodyLimit)
         try:
-            return await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise InvalidRequest("request body is not valid JSON") from None
+            body = json.loads(raw) if len(raw) < _PARSE_INLINE_BYTES else await asyncio.to_thread(json.loads, raw)
+        except RecursionError:
+            raise InvalidRequest("request body nests JSON too deeply") from None
+        except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError, or an integer of > 4300 digits
+            raise InvalidRequest(f"request body is not valid JSON: {e}") from None
+        protocol.check_unicode(body)
+        return body
 
     # --- control plane -----------------------------------------------------
     @app.post("/register")
@@ -141,10 +166,21 @@ def create_router_app(state: RouterState) -> FastAPI:
     async def deregister(request: Request):
         if not authorized(request):
             return _error(401, "missing or wrong bearer token")
-        body = await json_body(request)
+        try:
+            body = await json_body(request)
+        except InvalidRequest as e:
+            return _error(400, str(e))
         wid = body.get("worker_id") if isinstance(body, dict) else None
         if not isinstance(wid, str):
-            return _error(400, "worker_id: required string")
+            return _error(400, "worker_id: required string", "worker_id")
+        reason = body.get("reason")
+        if reason is not None:  # the launcher saw the process exit: keep it listed, as dead
+            if not isinstance(reason, str) or len(reason) > 256:
+                return _error(400, "reason: a string of at most 256 characters", "reason")
+            marked = state.registry.mark_dead(wid, reason)
+            if marked:
+                log.warning("worker %s marked dead: %s", wid, reason)
+            return {"deregistered": marked}
         return {"deregistered": state.registry.deregister(wid)}
 
     @app.get("/v1/workers")
@@ -158,19 +194,31 @@ def create_router_app(state: RouterState) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        mode = state.registry.mode()
+        """200 ``ok`` (every registered worker healthy), 200 ``degraded`` (serving, with capacity
+        lost: some worker stale, suspect or dead), 503 ``down`` (no healthy prefill+decode pair and
+        no healthy colocated worker)."""
+        reg = state.registry
+        reg.sweep()
+        mode, counts = reg.mode(), reg.counts()
+        workers = {role: dict(c) for role, c in counts.items()}
         if mode is None:
-            return _unavailable("no healthy workers")
-        return {"status": "ok", "mode": mode}
+            return JSONResponse({"status": "down", "mode": None, "workers": workers,
+                                 "error": {"message": "no healthy prefill+decode pair or colocated worker",
+                                           "type": "service_unavailable", "code": 503}},
+                                status_code=503, headers={"Retry-After": "1"})
+        lost = sum(n for c in counts.values() for st, n in c.items() if st != "healthy")
+        return {"status": "degraded" if lost else "ok", "mode": mode, "workers": workers}
 
     @app.get("/metrics")
     async def metrics():
         reg = state.registry
         reg.sweep()
         for role in ("prefill", "decode", "colocated"):
-            ws = [w for w in reg.workers.values() if w.role == role]
-            state.metrics.workers.labels(role, "healthy").set(sum(w.healthy for w in ws))
-            state.metrics.workers.labels(role, "unhealthy").set(sum(not w.healthy for w in ws))
+            c = reg.counts().get(role, {})
+            for st in ("healthy", "stale", "suspect", "dead"):
+                state.metrics.workers.labels(role, st).set(c.get(st, 0))
+        for w in reg.workers.values():
+            state.metrics.worker_restarts.labels(w.worker_id, w.role).set(w.restart_count)
         return PlainTextResponse(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
@@ -192,7 +240,7 @@ def create_router_app(state: RouterState) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request):
         req = protocol.parse(protocol.CompletionRequest, await json_body(request))
-        return await _serve(request, req, _prompt_ids(state, req.prompt), "completion")
+        return await _serve(request, req, await _prompt_ids(state, req.prompt), "completion")
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
@@ -200,14 +248,17 @@ def create_router_app(state: RouterState) -> FastAPI:
         if req.max_completion_tokens is not None and req.max_tokens is None:
             req.max_tokens = req.max_completion_tokens
         text = protocol.render_chat(req.messages)
-        return await _serve(request, req, _tokenize(state, text), "chat")
+        return await _serve(request, req, await _tokenize(state, text, "messages"), "chat")
 
     @app.post("/generate")
     async def generate(request: Request):
         req = protocol.parse(protocol.GenerateRequest, await json_body(request))
         if (req.prompt is None) == (req.prompt_token_ids is None):
             raise InvalidRequest("prompt: give exactly one of prompt or prompt_token_ids", "prompt")
-        ids = _tokenize(state, req.prompt) if req.prompt is not None else _check_ids(state, req.prompt_token_ids)
+        if req.prompt == "":
+            raise InvalidRequest("prompt: must not be empty", "prompt")
+        ids = (await _tokenize(state, req.prompt) if req.prompt is not None
+               else _check_ids(state, req.prompt_token_ids))
         return await _serve(request, req, ids, "generate")
 
     async def _serve(request: Request, req, prompt_ids: list[int], kind: str):
@@ -221,6 +272,9 @@ def create_router_app(state: RouterState) -> FastAPI:
         if len(prompt_ids) + max_tokens > max_len:
             raise InvalidRequest(f"max_tokens: prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) "
                                  f"exceeds max_seq_len ({max_len})", "max_tokens")
+        vocab = _vocab_size(state)
+        if vocab is not None and any(t >= vocab for t in req.stop_token_ids or ()):
+            raise InvalidRequest(f"stop_token_ids: token ids must be in [0, {vocab})", "stop_token_ids")
         sampling = InternalSampling(
             max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=max(req.top_k, 0),
             seed=req.seed if req.seed is not None else secrets.randbits(62),
@@ -239,29 +293,44 @@ def create_router_app(state: RouterState) -> FastAPI:
         except _ClientGone:
             return JSONResponse({}, status_code=499)
         if run.error:
-            return _error(500, run.error)
+            return _error(run.error_status, run.error)
         return JSONResponse(_final_body(kind, run, state.model_name()))
 
     return app
 
 
 # --- helpers ---------------------------------------------------------------
-def _tokenize(state: RouterState, text: str) -> list[int]:
-    return state.get_tokenizer().encode(text)  # NoWorkersError (no model known yet) -> 503
+_PARSE_INLINE_BYTES = 256 << 10  # larger bodies are parsed, and larger texts tokenized, off the event loop
+_TOKENIZE_INLINE_CHARS = 16 << 10
+
+
+async def _tokenize(state: RouterState, text: str, field: str = "prompt") -> list[int]:
+    limit = state.max_prompt_chars()
+    if len(text) > limit:  # checked before tokenizing: a huge text must not cost tokenizer time
+        raise InvalidRequest(f"{field}: {len(text)} characters is more than this server accepts ({limit}; "
+                             f"router.max_prompt_chars)", field)
+    tokenizer = state.get_tokenizer()  # NoWorkersError (no model known yet) -> 503
+    if len(text) <= _TOKENIZE_INLINE_CHARS:
+        return tokenizer.encode(text)
+    return await asyncio.to_thread(tokenizer.encode, text)
+
+
+def _vocab_size(state: RouterState) -> int | None:
+    # every worker shares one fingerprint (registration enforces it), so any one tells the vocabulary
+    first = next(iter(state.registry.workers.values()), None)
+    return first.fingerprint.get("vocab_size") if first else None
 
 
 def _check_ids(state: RouterState, ids: list[int]) -> list[int]:
     if not ids:
         raise InvalidRequest("prompt: must not be empty", "prompt")
-    # every worker shares one fingerprint (registration enforces it), so any one tells the vocabulary
-    first = next(iter(state.registry.workers.values()), None)
-    vocab = first.fingerprint.get("vocab_size") if first else None
+    vocab = _vocab_size(state)
     if vocab is not None and any(not 0 <= t < vocab for t in ids):
         raise InvalidRequest(f"prompt: token ids must be in [0, {vocab})", "prompt")
     return ids
 
 
-def _prompt_ids(state: RouterState, prompt) -> list[int]:
+async def _prompt_ids(state: RouterState, prompt) -> list[int]:
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (list, str)):
         if len(prompt) != 1:
             raise InvalidRequest("prompt: batched prompts are not supported; send one request per prompt", "prompt")
@@ -269,7 +338,7 @@ def _prompt_ids(state: RouterState, prompt) -> list[int]:
     if isinstance(prompt, str):
         if not prompt:
             raise InvalidRequest("prompt: must not be empty", "prompt")
-        return _tokenize(state, prompt)
+        return await _tokenize(state, prompt)
     return _check_ids(state, list(prompt))
 
 
@@ -304,6 +373,7 @@ class _Run:
         self.token_ids: list[int] = []
         self.finish_reason: str | None = None
         self.error: str | None = None
+        self.error_status = 500  # HTTP status of `error` when the response has not started
         self.first_token_at: float | None = None
         self.last_event_at: float | None = None
 
@@ -335,8 +405,8 @@ class _Run:
                         yield TokenEvent(ev.token_ids, True, "stop"), delta
                         return  # closing the pipeline closes the worker stream: it aborts and frees KV
                     if ev.finished:
-                        if ev.finish_reason not in ("stop", "length"):  # engine abort: did not fit the KV pool
-                            self.error = f"request ended early ({ev.finish_reason}): it does not fit this server's KV cache"
+                        if ev.finish_reason not in ("stop", "length"):  # a worker aborted it without saying why
+                            self.error = f"request ended early ({ev.finish_reason}) on the worker"
                             self.finish_reason, status = "error", "error"
                             yield TokenEvent(ev.token_ids, True, "error", self.error), ""
                             return
@@ -347,6 +417,15 @@ class _Run:
                         return
         except NoWorkersError as e:
             self.error, status, self.finish_reason = f"{e}", "unavailable", "error"
+            self.error_status = 503
+            yield TokenEvent([], True, "error", self.error), ""
+        except (InvalidRequest, ValueError) as e:  # a worker's 400 (validation it does and we did not)
+            self.error, status, self.finish_reason = f"{e}", "error", "error"
+            self.error_status = 400
+            yield TokenEvent([], True, "error", self.error), ""
+        except Exception as e:  # a bug: still end the stream with an error the client can read
+            log.exception("request %s failed", self.req.request_id)
+            self.error, status, self.finish_reason = f"internal error: {type(e).__name__}: {e}", "error", "error"
             yield TokenEvent([], True, "error", self.error), ""
         finally:
             m.running.dec()

@@ -16,7 +16,7 @@ import asyncio
 import json
 import logging
 import time
-from contextlib import aclosing
+from contextlib import aclosing, contextmanager
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
@@ -30,6 +30,16 @@ from server.workers.protocol import InternalSampling
 log = logging.getLogger(__name__)
 
 
+@contextmanager
+def _routed(worker: WorkerInfo):
+    """Count a request against ``worker``'s load for as long as it is routed there."""
+    worker.inflight += 1
+    try:
+        yield
+    finally:
+        worker.inflight -= 1
+
+
 _loads = json.JSONDecoder().decode
 _STREAM_TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=5)  # reads: IdleTimeout in _stream
 
@@ -39,9 +49,17 @@ class NoWorkersError(Exception):
 
 
 class WorkerFailed(Exception):
-    def __init__(self, worker: WorkerInfo, reason: str) -> None:
+    def __init__(self, worker: WorkerInfo, reason: str, dead: bool = False) -> None:
         super().__init__(f"{worker.role} worker {worker.worker_id}: {reason}")
         self.worker = worker
+        self.dead = dead  # nothing listens at its address any more: the process is gone
+
+
+def _call_failed(worker: WorkerInfo, what: str, e: BaseException, idle: IdleTimeout) -> WorkerFailed:
+    if isinstance(e, asyncio.TimeoutError) and idle.reason:
+        return WorkerFailed(worker, f"{what}: {idle.reason}")
+    refused = isinstance(e, aiohttp.ClientConnectorError) and isinstance(e.os_error, ConnectionRefusedError)
+    return WorkerFailed(worker, f"{what}: {type(e).__name__}: {e}", dead=refused)
 
 
 @dataclass
@@ -64,6 +82,10 @@ class TokenEvent:
 class PipelineOptions:
     token: str
     request_timeout_s: float
+    # A token stream that delivers nothing (no token, no keep-alive line) for this long has failed
+    # on that worker: the request migrates. Workers send keep-alives at a quarter of it while a
+    # request waits for room or for its KV.
+    progress_timeout_s: float = 10.0
     worker_wait_s: float = 10.0  # how long a started stream waits for a live worker after a failure
     max_migrations: int = 3
 
@@ -80,7 +102,8 @@ class Pipeline:
     def check_available(self) -> str:
         mode = self.registry.mode()
         if mode is None:
-            raise NoWorkersError(f"no healthy prefill+decode pair or colocated worker ({len(self.registry.workers)} registered)")
+            raise NoWorkersError(f"no healthy prefill+decode pair or colocated worker "
+                                 f"({len(self.registry.workers)} registered)")
         return mode
 
     async def _wait_for_mode(self) -> str | None:
@@ -120,7 +143,10 @@ class Pipeline:
                     return
             except WorkerFailed as e:
                 failures += 1
-                self.registry.mark_suspect(e.worker.worker_id)
+                if e.dead:
+                    self.registry.mark_dead(e.worker.worker_id, "connection refused")
+                else:
+                    self.registry.mark_suspect(e.worker.worker_id)
                 if outputs:
                     self.metrics.migrations.inc()
                 log.warning("request %s: %s; %s (attempt %d)", req.request_id, e,
@@ -134,106 +160,122 @@ class Pipeline:
         worker = self.registry.pick("colocated")
         if worker is None:
             raise NoWorkersError("no healthy colocated worker")
-        async with aclosing(self._stream(worker, req, outputs, None)) as stream:
-            async for ev in stream:
-                yield ev
+        with _routed(worker):
+            async with aclosing(self._stream(worker, req, outputs, None)) as stream:
+                async for ev in stream:
+                    yield ev
 
     async def _disaggregated(self, req: EngineRequest, outputs: list[int]) -> AsyncIterator[TokenEvent]:
         decode = self.registry.pick("decode")
         prefill = self.registry.pick("prefill")
         if decode is None or prefill is None:
             raise NoWorkersError("no healthy prefill/decode pair")
-        first = await self._prefill(prefill, req, outputs, decode.host_id, decode.cuda_uuids)
-        done = outputs + first["token_ids"]  # copy now: the caller extends `outputs` when we yield
-        pulled = first["finished"]  # True once no staged KV can be left behind on the prefill worker
+        decode.inflight += 1  # counted from the pick, so a burst of picks spreads over the workers
         try:
-            yield TokenEvent(first["token_ids"], first["finished"], first.get("finish_reason"))
-            if first["finished"]:
-                return
-            if not decode.healthy:  # failed while we prefilled: pick again
-                decode = self.registry.pick("decode") or decode
-            async with aclosing(self._stream(decode, req, done, first["kv"])) as stream:
-                async for ev in stream:
-                    pulled = True  # the decode worker produced a token, so it holds the KV now
-                    yield ev
-        except WorkerFailed:
-            if not pulled:  # free the staged KV before a retry re-prefills this request id
-                await self._abort(prefill, req.request_id)
-            raise
-        except (GeneratorExit, asyncio.CancelledError):
-            if not pulled:  # client gone or stop string hit at token #1: release the staged KV now
-                asyncio.ensure_future(self._abort(prefill, req.request_id))
-            raise
+            with _routed(prefill):
+                first = await self._prefill(prefill, req, outputs, decode.host_id, decode.cuda_uuids)
+            done = outputs + first["token_ids"]  # copy now: the caller extends `outputs` when we yield
+            pulled = first["finished"]  # True once no staged KV can be left behind on the prefill worker
+            try:
+                yield TokenEvent(first["token_ids"], first["finished"], first.get("finish_reason"),
+                                 first.get("error"))
+                if first["finished"]:
+                    return
+                if not decode.healthy:  # failed while we prefilled: pick again
+                    other = self.registry.pick("decode")
+                    if other is not None:
+                        decode.inflight -= 1
+                        decode = other
+                        decode.inflight += 1
+                async with aclosing(self._stream(decode, req, done, first["kv"])) as stream:
+                    async for ev in stream:
+                        pulled = True  # the decode worker produced a token, so it holds the KV now
+                        yield ev
+            except WorkerFailed:
+                if not pulled:  # free the staged KV before a retry re-prefills this request id
+                    await self._abort(prefill, req.request_id)
+                raise
+            except (GeneratorExit, asyncio.CancelledError):
+                if not pulled:  # client gone or stop string hit at token #1: release the staged KV now
+                    asyncio.ensure_future(self._abort(prefill, req.request_id))
+                raise
+        finally:
+            decode.inflight -= 1
 
     async def _prefill(self, worker: WorkerInfo, req: EngineRequest, outputs: list[int], peer_host: str,
                        peer_cuda: list[str] | None = None) -> dict:
         body = {"request_id": req.request_id, "prompt_token_ids": req.prompt_token_ids,
                 "output_token_ids": outputs, "sampling": req.sampling.model_dump(), "peer_host_id": peer_host,
                 "peer_cuda_uuids": peer_cuda}
-        worker.inflight += 1
+        idle = IdleTimeout(self.options.request_timeout_s)
         try:
-            async with self.http.post(f"{worker.url}/internal/prefill", json=body, headers=self.headers,
-                                      timeout=aiohttp.ClientTimeout(total=self.options.request_timeout_s)) as r:
-                if r.status == 400:
-                    detail = (await r.json()).get("detail", "bad request")
-                    raise ValueError(detail)
-                if r.status != 200:
-                    raise WorkerFailed(worker, f"prefill answered HTTP {r.status}")
-                return await r.json()
+            with worker.watch(idle):  # a prefill worker that freezes fails this wait when it goes stale
+                r = await idle.wait(self.http.post(f"{worker.url}/internal/prefill", json=body,
+                                                   headers=self.headers, timeout=_STREAM_TIMEOUT))
+                async with r:
+                    if r.status == 400:
+                        detail = (await idle.wait(r.json())).get("detail", "bad request")
+                        raise ValueError(detail)
+                    if r.status != 200:
+                        raise WorkerFailed(worker, f"prefill answered HTTP {r.status}")
+                    return await idle.wait(r.json())
         except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as e:
-            raise WorkerFailed(worker, f"prefill failed: {type(e).__name__}: {e}") from None
+            asyncio.ensure_future(self._abort(worker, req.request_id))  # if it comes back, drop the work
+            raise _call_failed(worker, "prefill failed", e, idle) from None
         except asyncio.CancelledError:
             asyncio.ensure_future(self._abort(worker, req.request_id))
             raise
         finally:
-            worker.inflight -= 1
+            idle.close()
 
     async def _stream(self, worker: WorkerInfo, req: EngineRequest, outputs: list[int],
                       kv: dict | None) -> AsyncIterator[TokenEvent]:
         body = {"request_id": req.request_id, "prompt_token_ids": req.prompt_token_ids,
                 "output_token_ids": outputs, "sampling": req.sampling.model_dump(), "kv": kv}
-        worker.inflight += 1
         # The read timeout is ours, not aiohttp's sock_read (which reschedules a timer per received
         # chunk, i.e. per token): one lazily re-armed timer per stream, see server/workers/idle.py.
-        idle = IdleTimeout(self.options.request_timeout_s)
+        # It is the progress deadline: the worker sends a token or a keep-alive line well within it.
+        idle = IdleTimeout(self.options.progress_timeout_s)
         try:
-            r = await idle.wait(self.http.post(f"{worker.url}/internal/generate", json=body, headers=self.headers,
-                                               timeout=_STREAM_TIMEOUT))
-            async with r:
-                if r.status != 200:
-                    raise WorkerFailed(worker, f"generate answered HTTP {r.status}")
-                # Whatever arrived, split into lines here: aiohttp's readline is a Python loop per
-                # line, and a line arrives per token. A line cut across reads waits in `rest`.
-                content, rest = r.content, b""
-                while True:
-                    data = await idle.wait(content.readany())
-                    if not data:  # EOF: a last line without its newline still counts (as readline did)
-                        lines, rest = ([rest] if rest.strip() else []), b""
-                    else:
-                        lines = (rest + data if rest else data).split(b"\n")
-                        rest = lines.pop()
-                    for raw in lines:
-                        if not raw.strip():
-                            continue
-                        line = _loads(raw.decode())  # str: json.loads(bytes) sniffs the encoding per call
-                        if "kv_transfer_seconds" in line:
-                            transport = line.get("kv_transport", "?")
-                            self.metrics.kv_transfer_seconds.labels(transport).observe(line["kv_transfer_seconds"])
-                            self.metrics.kv_transfer_bytes.labels(transport).inc(line.get("kv_transfer_bytes", 0))
-                        ev = TokenEvent(line.get("token_ids", []), line.get("finished", False),
-                                        line.get("finish_reason"), line.get("error"))
-                        yield ev
-                        if ev.finished:
-                            return
-                    if not data:
-                        break
-            raise WorkerFailed(worker, "stream ended before the request finished")
+            with worker.watch(idle):
+                r = await idle.wait(self.http.post(f"{worker.url}/internal/generate", json=body,
+                                                   headers=self.headers, timeout=_STREAM_TIMEOUT))
+                async with r:
+                    if r.status != 200:
+                        raise WorkerFailed(worker, f"generate answered HTTP {r.status}")
+                    # Whatever arrived, split into lines here: aiohttp's readline is a Python loop per
+                    # line, and a line arrives per token. A line cut across reads waits in `rest`.
+                    content, rest = r.content, b""
+                    while True:
+                        data = await idle.wait(content.readany())
+                        if not data:  # EOF: a last line without its newline still counts (as readline did)
+                            lines, rest = ([rest] if rest.strip() else []), b""
+                        else:
+                            lines = (rest + data if rest else data).split(b"\n")
+                            rest = lines.pop()
+                        for raw in lines:
+                            if not raw.strip():  # keep-alive
+                                continue
+                            line = _loads(raw.decode())  # str: json.loads(bytes) sniffs the encoding per call
+                            if "kv_transfer_seconds" in line:
+                                transport = line.get("kv_transport", "?")
+                                self.metrics.kv_transfer_seconds.labels(transport).observe(
+                                    line["kv_transfer_seconds"])
+                                self.metrics.kv_transfer_bytes.labels(transport).inc(
+                                    line.get("kv_transfer_bytes", 0))
+                            ev = TokenEvent(line.get("token_ids", []), line.get("finished", False),
+                                            line.get("finish_reason"), line.get("error"))
+                            yield ev
+                            if ev.finished:
+                                return
+                        if not data:
+                            break
+                raise WorkerFailed(worker, "stream ended before the request finished")
         except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError, json.JSONDecodeError,
                 UnicodeDecodeError) as e:
-            raise WorkerFailed(worker, f"stream broke: {type(e).__name__}: {e}") from None
+            raise _call_failed(worker, "stream broke", e, idle) from None
         finally:
             idle.close()
-            worker.inflight -= 1
 
     async def _abort(self, worker: WorkerInfo, request_id: str) -> None:
         try:

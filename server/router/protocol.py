@@ -11,7 +11,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError
+
+MAX_STOP_CHARS = 1024  # per stop string; the assembler scans each one at every token
 
 
 class InvalidRequest(ValueError):
@@ -20,25 +22,47 @@ class InvalidRequest(ValueError):
         self.param = param
 
 
+def check_unicode(obj: Any, path: str = "") -> None:
+    """Reject text that is not valid Unicode (a lone surrogate such as "\\ud800", which JSON can
+    spell but UTF-8 cannot), naming the field, before any of it reaches a tokenizer."""
+    if isinstance(obj, str):
+        if not obj.isascii():
+            try:
+                obj.encode("utf-8")
+            except UnicodeEncodeError:
+                field = path or "body"
+                raise InvalidRequest(f"{field}: contains an unpaired surrogate (not valid Unicode text)",
+                                     field.split(".")[0]) from None
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            check_unicode(k, path)
+            check_unicode(v, f"{path}.{k}" if path else str(k))
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            check_unicode(v, f"{path}.{i}" if path else str(i))
+
+
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
+# Strict where a lenient parse would change meaning: `max_tokens: true` is not 1 and `stream: "yes"`
+# is not a boolean. Numbers that are floats in OpenAI's API accept integers (1 means 1.0).
 class _SamplingFields(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: StrictInt | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=-1, ge=-1)
-    seed: int | None = Field(default=None, ge=-(2**63), lt=2**63)
+    top_k: StrictInt = Field(default=-1, ge=-1)
+    seed: StrictInt | None = Field(default=None, ge=-(2**63), lt=2**63)
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    stream: bool = False
+    stop_token_ids: list[StrictInt] | None = Field(default=None, max_length=256)
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    ignore_eos: bool = False
-    n: int = Field(default=1, ge=1)
+    ignore_eos: StrictBool = False
+    n: StrictInt = Field(default=1, ge=1)
     logprobs: Any = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -60,6 +84,10 @@ class _SamplingFields(BaseModel):
             raise InvalidRequest("stop: stop strings must be non-empty", "stop")
         if len(stops) > 16:
             raise InvalidRequest("stop: at most 16 stop strings", "stop")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise InvalidRequest(f"stop: each stop string must be at most {MAX_STOP_CHARS} characters", "stop")
+        if any(t < 0 for t in self.stop_token_ids or ()):
+            raise InvalidRequest("stop_token_ids: token ids must be >= 0", "stop_token_ids")
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:
@@ -68,7 +96,7 @@ class _SamplingFields(BaseModel):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
 
 
 class ChatMessage(BaseModel):
@@ -91,13 +119,13 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
 
 
 class GenerateRequest(_SamplingFields):
     """The seed article's ``POST /generate``: prompt text or ids, NDJSON when streaming."""
     prompt: str | None = None
-    prompt_token_ids: list[int] | None = None
+    prompt_token_ids: list[StrictInt] | None = None
 
 
 def parse(model: type[BaseModel], body: Any) -> Any:

@@ -1,18 +1,39 @@
 """The router's view of its workers: who exists, who is healthy, who is least loaded.
 
-Workers push heartbeats carrying their load; a worker whose heartbeats stop
-for ``heartbeat_timeout`` is out of rotation until the next one arrives (a
-frozen process comes back by itself). A worker the router saw fail mid-request
-is marked suspect the same way. Every worker must share one model fingerprint:
-KV from one prefill worker has to be readable by any decode worker.
+Workers push heartbeats carrying their load. Each worker is in one state:
+
+- ``healthy``: in rotation;
+- ``stale``: no heartbeat for ``heartbeat_timeout`` (frozen, or gone silently); out of rotation
+  until the next heartbeat, forgotten after ``forget_after``;
+- ``suspect``: a call to it just failed (HTTP error, broken stream); out of rotation until its next
+  heartbeat;
+- ``dead``: its process is gone (connection refused, or the launcher saw it exit); out of rotation
+  until it registers again. Its load numbers are no longer reported (``kv_blocks_used: null``), so a
+  leak check never reads a dead worker's last heartbeat as live.
+
+Every wait on a worker (a prefill answer, the next line of a token stream) is registered with it
+(:meth:`WorkerInfo.watch`). When the worker is dead, those waits fail at once; when it has been
+silent for ``fail_waits_after`` (the router's stream progress deadline), they fail too — a frozen
+process, not a slow step: a long engine step also delays heartbeats, which should only take the
+worker out of rotation, not cut its streams. Their requests then migrate instead of waiting out
+the request timeout. Every worker must share one
+model fingerprint: KV from one prefill worker has to be readable by any decode worker.
 """
 
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Iterator, Protocol
 
 from server.workers.protocol import RegisterRequest, WorkerStatus
+
+HEALTHY, STALE, SUSPECT, DEAD = "healthy", "stale", "suspect", "dead"
+
+
+class Waiter(Protocol):
+    def expire(self, reason: str) -> None: ...
 
 
 class RegistrationRefused(Exception):
@@ -31,10 +52,37 @@ class WorkerInfo:
     host_id: str
     status: WorkerStatus
     cuda_uuids: list[str] = field(default_factory=list)  # GPUs it can open IPC handles of
+    restart_count: int = 0  # times the launcher restarted this worker id
     last_seen: float = field(default_factory=time.monotonic)
     registered_at: float = field(default_factory=time.time)
-    healthy: bool = True
-    inflight: int = 0  # requests the router has sent here and not finished
+    state: str = HEALTHY
+    dead_reason: str | None = None
+    inflight: int = 0  # requests routed here and not finished, counted from the moment of the pick
+    waiters: set = field(default_factory=set)  # Waiter objects of calls in flight to this worker
+
+    @property
+    def healthy(self) -> bool:
+        return self.state == HEALTHY
+
+    @contextmanager
+    def watch(self, waiter: Waiter) -> Iterator[None]:
+        """Register a wait on this worker for the duration of the block (see the module docstring)."""
+        if self.state == DEAD:
+            waiter.expire(f"{self.role} worker {self.worker_id} is dead")
+        self.waiters.add(waiter)
+        try:
+            yield
+        finally:
+            self.waiters.discard(waiter)
+
+    def expire_waiters(self) -> None:
+        if not self.waiters:
+            return
+        reason = (f"{self.role} worker {self.worker_id} is dead ({self.dead_reason})" if self.state == DEAD else
+                  f"{self.role} worker {self.worker_id} sent no heartbeat for "
+                  f"{time.monotonic() - self.last_seen:.1f} s")
+        for w in list(self.waiters):
+            w.expire(reason)
 
     def load(self) -> float:
         """Lower is better: router-side in-flight work, the worker's queues, and KV pressure."""
@@ -44,26 +92,34 @@ class WorkerInfo:
         return self.inflight + s.num_waiting + s.num_reserving + 4.0 * kv_pressure
 
     def to_dict(self, now: float) -> dict:
+        live = self.state != DEAD  # a dead worker's last heartbeat says nothing about now
+        s = self.status
         return {
             "worker_id": self.worker_id, "role": self.role, "pid": self.pid, "url": self.url,
-            "healthy": self.healthy, "last_heartbeat_s_ago": round(now - self.last_seen, 3),
-            "queue_depth": self.status.num_waiting + self.status.num_reserving,
-            "num_running": self.status.num_running, "inflight": self.inflight,
-            "kv_blocks_used": self.status.kv_blocks_used, "kv_blocks_free": self.status.kv_blocks_free,
-            "num_staged_kv": self.status.num_staged_kv, "fingerprint": self.fingerprint,
+            "healthy": self.healthy, "state": self.state, "dead_reason": self.dead_reason,
+            "last_heartbeat_s_ago": round(now - self.last_seen, 3), "restart_count": self.restart_count,
+            "queue_depth": s.num_waiting + s.num_reserving if live else None,
+            "num_running": s.num_running if live else None, "inflight": self.inflight,
+            "kv_blocks_used": s.kv_blocks_used if live else None,
+            "kv_blocks_free": s.kv_blocks_free if live else None,
+            "num_staged_kv": s.num_staged_kv if live else None, "fingerprint": self.fingerprint,
             "model_path": self.model_path, "max_model_len": self.max_model_len,
         }
 
 
 class WorkerRegistry:
-    def __init__(self, heartbeat_timeout_s: float, forget_after_s: float | None = None) -> None:
+    def __init__(self, heartbeat_timeout_s: float, forget_after_s: float | None = None,
+                 fail_waits_after_s: float = 10.0) -> None:
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.forget_after_s = forget_after_s if forget_after_s is not None else 20 * heartbeat_timeout_s
+        self.fail_waits_after_s = max(heartbeat_timeout_s, fail_waits_after_s)
         self.workers: dict[str, WorkerInfo] = {}
 
     def register(self, req: RegisterRequest) -> WorkerInfo:
         self.sweep()
         for other in self.workers.values():
+            if other.state == DEAD:
+                continue
             if other.worker_id != req.worker_id and other.fingerprint != req.fingerprint:
                 diff = sorted(k for k in set(other.fingerprint) | set(req.fingerprint)
                               if other.fingerprint.get(k) != req.fingerprint.get(k))
@@ -77,40 +133,67 @@ class WorkerRegistry:
             worker_id=req.worker_id, role=req.role, url=req.url.rstrip("/"), pid=req.pid,
             fingerprint=req.fingerprint, model_path=req.model_path, max_model_len=req.max_model_len,
             host_id=req.host_id, status=req.status, cuda_uuids=list(req.cuda_uuids),
+            restart_count=req.restart_count,
         )
         old = self.workers.get(req.worker_id)
         if old is not None:
-            info.inflight = old.inflight
+            if old.state == DEAD or old.pid != req.pid:  # a new process under the old id: the old one's
+                old.state, old.dead_reason = DEAD, old.dead_reason or "replaced"  # calls cannot succeed
+                old.expire_waiters()
+            else:
+                info.inflight, info.waiters = old.inflight, old.waiters
         self.workers[req.worker_id] = info
         return info
 
     def heartbeat(self, worker_id: str, status: WorkerStatus) -> bool:
         info = self.workers.get(worker_id)
-        if info is None:
-            return False
+        if info is None or info.state == DEAD:
+            return False  # a dead worker that still heartbeats must register again
         info.status = status
         info.last_seen = time.monotonic()
-        info.healthy = True
+        info.state = HEALTHY
         return True
 
     def deregister(self, worker_id: str) -> bool:
+        """A worker leaving on purpose (drain, shutdown): forget it. Its calls in flight finish."""
         return self.workers.pop(worker_id, None) is not None
+
+    def mark_dead(self, worker_id: str, reason: str) -> bool:
+        """Its process is gone: out of rotation, every wait on it fails now, load no longer reported."""
+        info = self.workers.get(worker_id)
+        if info is None:
+            return False
+        info.state, info.dead_reason = DEAD, reason
+        info.expire_waiters()
+        return True
 
     def mark_suspect(self, worker_id: str) -> None:
         """Take a worker out of rotation after a failed call; its next heartbeat restores it."""
         info = self.workers.get(worker_id)
-        if info is not None:
-            info.healthy = False
-            info.last_seen = min(info.last_seen, time.monotonic() - self.heartbeat_timeout_s)
+        if info is not None and info.state == HEALTHY:
+            info.state = SUSPECT
 
     def sweep(self) -> None:
+        """Age the states; fail the waits on workers silent for ``fail_waits_after_s`` (frozen)."""
         now = time.monotonic()
         for wid, info in list(self.workers.items()):
             age = now - info.last_seen
-            if age > self.forget_after_s:
+            if age > self.forget_after_s and info.state != DEAD:
                 del self.workers[wid]
-            elif age > self.heartbeat_timeout_s:
-                info.healthy = False
+                info.expire_waiters()
+                continue
+            if age > self.heartbeat_timeout_s and info.state in (HEALTHY, SUSPECT):
+                info.state = STALE
+            if info.state == STALE and age > self.fail_waits_after_s:
+                info.expire_waiters()
+
+    def counts(self) -> dict[str, dict[str, int]]:
+        """Workers per role and state (``/health``, ``/metrics``)."""
+        out: dict[str, dict[str, int]] = {}
+        for w in self.workers.values():
+            by_state = out.setdefault(w.role, {HEALTHY: 0, STALE: 0, SUSPECT: 0, DEAD: 0})
+            by_state[w.state] += 1
+        return out
 
     def healthy(self, role: str) -> list[WorkerInfo]:
         self.sweep()
@@ -132,7 +215,7 @@ class WorkerRegistry:
         return None
 
     def max_model_len(self) -> int | None:
-        lens = [w.max_model_len for w in self.workers.values()]
+        lens = [w.max_model_len for w in self.workers.values() if w.state != DEAD]
         return min(lens) if lens else None
 
     def model_path(self) -> str | None:

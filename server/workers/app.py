@@ -33,7 +33,12 @@ from server.metrics import WorkerMetrics
 from server.workers.engine_loop import EngineLoop
 from server.workers.idle import IdleTimeout
 from server.workers.protocol import (
-    AbortRequest, GenerateRequest, InternalSampling, PrefillRequest, PrefillResponse, WorkerStatus,
+    AbortRequest,
+    GenerateRequest,
+    InternalSampling,
+    PrefillRequest,
+    PrefillResponse,
+    WorkerStatus,
 )
 
 log = logging.getLogger(__name__)
@@ -131,9 +136,13 @@ async def _prefill(state: WorkerState, body: PrefillRequest) -> JSONResponse:
             out = await q.get()
         if out.finish_reason != "prefilled":  # stopped at token #1 (EOS, max_tokens=1) or aborted
             return JSONResponse(PrefillResponse(token_ids=out.new_token_ids, finished=True,
-                                                finish_reason=out.finish_reason,
+                                                finish_reason=out.finish_reason, error=out.error,
                                                 prefill_seconds=time.perf_counter() - t0).model_dump())
-        kv, ready = await state.loop.call(lambda: _take_kv(state, rid))
+        try:
+            kv, ready = await state.loop.call(lambda: _take_kv(state, rid))
+        except KeyError:  # aborted (POST /internal/abort) between its last step and now: nothing to stage
+            return JSONResponse(PrefillResponse(token_ids=[], finished=True, finish_reason="abort",
+                                                error="request was aborted during prefill").model_dump())
         kvc = state.config.kv_transfer
         nbytes = kv.numel() * kv.element_size()
         same_host = body.peer_host_id is None or body.peer_host_id == host_id()
@@ -193,42 +202,65 @@ def _token_line(tokens: list[int], finished: bool, reason: str | None) -> bytes:
     return (head + '],"finished":true,"finish_reason":' + _JSON.encode(reason) + "}\n").encode()
 
 
+KEEPALIVE = b"\n"  # a blank NDJSON line: "still working on it" (the router's progress deadline)
+
+
 async def _generate_stream(state: WorkerState, body: GenerateRequest):
     rid = body.request_id
     loop = state.loop
+    keepalive_s = state.config.router.stream_progress_timeout_s / 4
     state.inflight += 1
     try:
         params = to_sampling_params(body.sampling)
         transfer: dict = {}
         if body.kv is not None:
-            q, transfer = await _admit_with_kv(state, body, params)
+            # Waiting for room (back-pressure) and pulling the KV send nothing: keep-alives say we are alive.
+            admit = asyncio.ensure_future(_admit_with_kv(state, body, params))
+            try:
+                while not (await asyncio.wait({admit}, timeout=keepalive_s))[0]:
+                    yield KEEPALIVE
+            finally:
+                admit.cancel()  # no-op once done; on a disconnect it runs reserve's clean-up
+            q, transfer = admit.result()
             if q is None:
                 yield _line(finished=True, finish_reason="error", error=transfer["error"])
                 return
         else:
             q = await loop.add_request(rid, body.prompt_token_ids, params, output_token_ids=body.output_token_ids)
+        # The first token may wait behind a queue (colocated, or after preemption): keep-alives until it comes.
+        first = asyncio.ensure_future(q.get())
+        try:
+            async with asyncio.timeout(state.config.router.request_timeout_s):
+                while not (await asyncio.wait({first}, timeout=keepalive_s))[0]:
+                    yield KEEPALIVE
+        finally:
+            first.cancel()
+        out = first.result()
         # Not wait_for: on 3.11 wait_for swallows a cancellation that arrives when q.get() has just
         # completed — with a token every step, that is almost always, and a disconnected client
         # would never be noticed. IdleTimeout cancels only a waiting q.get() and re-raises the rest;
         # unlike asyncio.timeout per q.get() it does not create and cancel a timer per token.
         with IdleTimeout(state.config.router.request_timeout_s) as idle:
-            out = await idle.wait(q.get())
-            tokens, finished, reason = list(out.new_token_ids), out.finished, out.finish_reason
+            tokens, finished, reason, error = list(out.new_token_ids), out.finished, out.finish_reason, out.error
             while not finished and not q.empty():
                 more = q.get_nowait()
                 tokens.extend(more.new_token_ids)
-                finished, reason = more.finished, more.finish_reason
-            yield _line(token_ids=tokens, finished=finished, finish_reason=reason, **transfer)
+                finished, reason, error = more.finished, more.finish_reason, more.error
+            yield _line(token_ids=tokens, finished=finished, finish_reason=reason, error=error, **transfer)
             while not finished:
                 out = await idle.wait(q.get()) if q.empty() else q.get_nowait()
                 # coalesce whatever else is already queued into one line
                 tokens, finished, reason = out.new_token_ids, out.finished, out.finish_reason
+                error = out.error
                 if not finished and not q.empty():
                     tokens = list(tokens)
                     while not finished and not q.empty():
                         more = q.get_nowait()
                         tokens.extend(more.new_token_ids)
-                        finished, reason = more.finished, more.finish_reason
+                        finished, reason, error = more.finished, more.finish_reason, more.error
+                if error is not None:  # the engine failed this request: say why
+                    yield _line(token_ids=tokens, finished=True, finish_reason=reason, error=error)
+                    break
                 yield _token_line(tokens, finished, reason)
     except ValueError as e:  # invalid request (engine validation)
         yield _line(finished=True, finish_reason="error", error=str(e))

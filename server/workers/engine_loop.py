@@ -55,11 +55,16 @@ class LoopStats:
 
 @dataclass(frozen=True)
 class GcPolicy:
-    """Decode-side garbage collection of *stale slots*: blocks reserved for a KV pull that
-    never completed (the pull hangs, or its handler died). ``decode.gc_interval_ms`` and
-    ``decode.max_stale_slots`` in the config; a slot is stale after ``stale_after_s``."""
+    """Decode-side garbage collection of *stale slots*: blocks reserved for a KV pull that never
+    completed (the pull hung, or its handler died without releasing them).
+
+    A reservation is stale once it is older than ``stale_after_s``, which the worker sets past its
+    pull timeout: a pull still in progress is never stale, however many there are (a burst under
+    load can hold dozens). Every ``interval_s`` (``decode.gc_interval_ms``) the oldest stale slots
+    beyond ``max_stale_slots`` (``decode.max_stale_slots``) are freed, and any slot stale for twice
+    ``stale_after_s`` is freed regardless."""
     interval_s: float = 0.5
-    stale_after_s: float = 10.0
+    stale_after_s: float = 11.0
     max_stale_slots: int = 16
 
 
@@ -121,9 +126,9 @@ class EngineLoop:
             t0, c0 = time.perf_counter(), time.thread_time()
             try:
                 outputs = engine.step()
-            except Exception:
+            except Exception as e:  # a bug, not a request's fault (those are failed inside the step)
                 log.exception("engine step failed; aborting every request in it")
-                outputs = self._abort_all()
+                outputs = self._abort_all(f"internal engine error: {type(e).__name__}: {e}")
             self._step_seconds += time.perf_counter() - t0
             self._step_cpu_seconds += time.thread_time() - c0
             for out in outputs:
@@ -138,11 +143,12 @@ class EngineLoop:
             await asyncio.sleep(0)
             await asyncio.sleep(0)
 
-    def _abort_all(self) -> list[RequestOutput]:
+    def _abort_all(self, reason: str) -> list[RequestOutput]:
         outs = []
         for rid, seq in list(self.engine.requests.items()):
             self.engine.abort_request(rid)
-            outs.append(RequestOutput(rid, [], True, "error", len(seq.prompt_token_ids), seq.num_output_tokens))
+            outs.append(RequestOutput(rid, [], True, "abort", len(seq.prompt_token_ids), seq.num_output_tokens,
+                                      error=reason))
         return outs
 
     def _admit_reservations(self) -> None:
@@ -164,13 +170,13 @@ class EngineLoop:
             r.future.set_result(True)
 
     def collect_stale_slots(self) -> int:
-        """Free reservations older than the policy allows, and beyond max_stale_slots the oldest."""
+        """Free the oldest stale slots beyond max_stale_slots, and those stale for too long (GcPolicy)."""
         now = time.monotonic()
         self._next_gc = now + self.gc.interval_s
         by_age = sorted(self._granted.items(), key=lambda kv: kv[1])
-        too_old = [rid for rid, t in by_age if now - t > self.gc.stale_after_s]
-        overflow = [rid for rid, t in by_age[: max(0, len(by_age) - self.gc.max_stale_slots)]
-                    if now - t > self.gc.interval_s]
+        stale = [(rid, t) for rid, t in by_age if now - t > self.gc.stale_after_s]
+        overflow = [rid for rid, _ in stale[: max(0, len(stale) - self.gc.max_stale_slots)]]
+        too_old = [rid for rid, t in stale if now - t > 2 * self.gc.stale_after_s]
         victims = set(too_old) | set(overflow)
         for rid in victims:
             log.warning("freeing stale KV slot of %s (reserved %.1f s ago, KV never arrived)",

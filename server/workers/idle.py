@@ -7,6 +7,9 @@ it started; when the timer fires it re-arms for the current wait's deadline, and
 task only when the task has been inside one wait for longer than the timeout. The waiter then gets
 ``TimeoutError``; any other cancellation of the task propagates untouched (so a client disconnect
 is never swallowed).
+
+:meth:`IdleTimeout.expire` ends the waits early from outside (the router's registry calls it when
+the worker being waited on is declared stale or dead); ``reason`` then says why.
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ T = TypeVar("T")
 
 
 class IdleTimeout:
-    __slots__ = ("_loop", "_task", "_timeout", "_last", "_waiting", "_expired", "_handle", "_cancelling")
+    __slots__ = ("_loop", "_task", "_timeout", "_last", "_waiting", "_expired", "_handle", "_cancelling",
+                 "reason")
 
     def __init__(self, timeout_s: float) -> None:
         self._loop = asyncio.get_running_loop()
@@ -26,6 +30,7 @@ class IdleTimeout:
         self._timeout = timeout_s
         self._last = self._loop.time()
         self._waiting = self._expired = False
+        self.reason: str | None = None  # set when the timeout fired or expire() was called
         self._cancelling = self._task.cancelling()
         self._handle: asyncio.TimerHandle | None = self._loop.call_at(self._last + timeout_s, self._check)
 
@@ -37,7 +42,17 @@ class IdleTimeout:
             self._handle = self._loop.call_at(now + self._timeout / 8, self._check)
         else:
             self._handle = None
-            self._expired = True
+            self.expire(f"nothing arrived for {self._timeout:g} s")
+
+    def expire(self, reason: str) -> None:
+        """Fail the current wait (or the next one) with TimeoutError; idempotent."""
+        if self._expired:
+            return
+        self._expired, self.reason = True, reason
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+        if self._waiting:
             self._task.cancel()
 
     async def wait(self, awaitable: Awaitable[T]) -> T:

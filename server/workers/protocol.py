@@ -37,6 +37,7 @@ class PrefillResponse(BaseModel):
     token_ids: list[int]
     finished: bool
     finish_reason: str | None = None
+    error: str | None = None  # why the engine aborted it (finish_reason "abort")
     kv: dict[str, Any] | None = None  # KVHandle.to_dict() when not finished
     prefill_seconds: float = 0.0
 
@@ -86,6 +87,7 @@ class RegisterRequest(BaseModel):
     host_id: str = ""
     # GPUs this worker can open CUDA IPC handles of; empty unless it runs on CUDA (cuda_ipc)
     cuda_uuids: list[str] = Field(default_factory=list, max_length=64)
+    restart_count: int = Field(default=0, ge=0)  # times the launcher restarted this worker id
     status: WorkerStatus = Field(default_factory=WorkerStatus)
 
 

@@ -21,11 +21,11 @@ import torch
 import uvicorn
 
 from server.config import DistServeConfig
-from server.net import listen
 from server.engine.llm_engine import EngineConfig, LLMEngine
 from server.kv_transfer import KVPuller, KVStagingServer, cuda_ipc
 from server.kv_transfer.factory import choose_transport, host_id
 from server.metrics import WorkerMetrics
+from server.net import listen
 from server.workers.app import WorkerState, create_worker_app
 from server.workers.engine_loop import EngineLoop, GcPolicy
 from server.workers.protocol import RegisterRequest
@@ -46,6 +46,7 @@ class WorkerOptions:
     device: str = "cpu"
     worker_id: str = ""
     cpus: tuple[int, ...] = ()
+    restart_count: int = 0  # times the launcher restarted this worker id (reported at registration)
 
 
 def engine_config_for(role: str, cfg: DistServeConfig, device: str) -> EngineConfig:
@@ -143,12 +144,15 @@ async def serve_worker(opts: WorkerOptions) -> int:
     loop = asyncio.get_running_loop()
     kvc, dc = opts.config.kv_transfer, opts.config.decode
     engine_loop = EngineLoop(engine, GcPolicy(interval_s=dc.gc_interval_ms / 1000.0,
-                                              stale_after_s=2 * kvc.pull_timeout_ms / 1000.0,
+                                              stale_after_s=kvc.pull_timeout_ms / 1000.0 + 1.0,
                                               max_stale_slots=dc.max_stale_slots))
     state = WorkerState(role=opts.role, worker_id=opts.worker_id or f"{opts.role}-{uuid.uuid4().hex[:8]}",
                         config=opts.config, token=opts.token, loop=engine_loop, metrics=WorkerMetrics(opts.role))
     if opts.role == "prefill":
         state.sender = KVStagingServer(opts.host, 0, default_lease_ms=kvc.lease_ms, checksum=kvc.checksum,
+                                       handshake_timeout_s=kvc.handshake_timeout_ms / 1000.0,
+                                       max_connections=kvc.max_connections,
+                                       max_connections_per_peer=kvc.max_connections_per_peer or None,
                                        cuda_ipc_pool_bytes=(kvc.cuda_ipc_pool_mb << 20) if on_cuda else 0)
     if opts.role == "decode":
         state.puller = KVPuller(cuda_device=engine.device if on_cuda else None)
@@ -165,7 +169,8 @@ async def serve_worker(opts: WorkerOptions) -> int:
                           fingerprint=fingerprint(engine),
                           model_path=str(engine.model_path) if engine.model_path else None,
                           max_model_len=engine.max_model_len, host_id=host_id(),
-                          cuda_uuids=cuda_ipc.visible_gpu_uuids() if on_cuda else [])
+                          cuda_uuids=cuda_ipc.visible_gpu_uuids() if on_cuda else [],
+                          restart_count=opts.restart_count)
     engine_loop.start()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))

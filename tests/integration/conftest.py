@@ -57,7 +57,7 @@ class ServeProcess:
     """``distserve serve`` in a subprocess, stopped by PID."""
 
     def __init__(self, tmp: Path, mode: str = "disaggregated", prefill: int = 1, decode: int = 1,
-                 config: dict | None = None) -> None:
+                 config: dict | None = None, extra_args: tuple[str, ...] = ()) -> None:
         self.tmp = tmp
         cfg = deep_merge(FAST_HEARTBEATS, config or {})
         cfg_path = tmp / "config.yaml"
@@ -68,7 +68,7 @@ class ServeProcess:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "server.cli", "serve", "--mode", mode, "--prefill", str(prefill),
              "--decode", str(decode), "--config", str(cfg_path), "--ready-file", str(self.ready),
-             "--log-dir", str(tmp / "logs")],
+             "--log-dir", str(tmp / "logs"), *extra_args],
             env=env, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 180
         while not self.ready.exists():

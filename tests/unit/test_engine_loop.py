@@ -72,3 +72,20 @@ def test_stream_gets_tokens_and_abort_frees(engine):
     tokens = asyncio.run(main())
     assert tokens == engine.generate([[1, 9, 8, 7]], PARAMS)[0]
     assert engine.num_used_blocks == 0
+
+
+def test_reservations_whose_pull_may_still_run_are_never_stale(engine):
+    """A burst holds more reservations than max_stale_slots while their pulls run (seen under load:
+    "kv commit failed: has no reservation"): none is collected before it is older than stale_after_s."""
+    async def main():
+        loop = EngineLoop(engine, GcPolicy(interval_s=0.01, stale_after_s=60, max_stale_slots=0))
+        loop.start()
+        for i in range(3):
+            await loop.reserve(f"p{i}", [1, 2, 3], [6], PARAMS, timeout_s=5)
+        await asyncio.sleep(0.2)  # many GC ticks
+        assert loop.collect_stale_slots() == 0 and loop.num_gc_collected == 0
+        for i in range(3):
+            assert loop.abort_nowait(f"p{i}")
+        loop.stop()
+    asyncio.run(main())
+    assert engine.num_used_blocks == 0 and not engine.requests

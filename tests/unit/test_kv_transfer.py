@@ -805,3 +805,46 @@ def test_sender_that_closes_instead_of_done_still_succeeds():
     finally:
         puller.close()
         fake.close()
+
+
+def test_stalled_unauthenticated_connections_cannot_starve_real_pulls(prefix, puller):
+    """70 local connections that each send one byte and stall (the hardening report's attack) on a
+    64-connection port: each stalled one is closed at its handshake deadline or evicted to make
+    room, and real pulls keep succeeding without recompute."""
+    srv = KVStagingServer(shm_prefix=prefix, max_connections=64, handshake_timeout_s=0.5)
+    stalled = []
+    try:
+        for _ in range(70):
+            c = socket.create_connection(("127.0.0.1", srv.port), timeout=10)
+            c.sendall(b"\x00")  # one byte of a frame header, then nothing
+            stalled.append(c)
+        for i in range(5):
+            t = kv(seed=i)
+            result = puller.pull(srv.stage(f"real{i}", t), 5)
+            assert result.ok and torch.equal(result.tensor, t), result
+        for c in stalled:  # every stalled connection is closed by the server, none is served
+            c.settimeout(10)
+            assert c.recv(1) == b""
+        assert srv.stats.handshake_timeouts + srv.stats.connections_evicted >= 70
+        assert srv.stats.connections_refused == 0 and srv.num_staged == 0
+    finally:
+        for c in stalled:
+            c.close()
+        srv.close()
+
+
+def test_per_peer_cap_evicts_that_peers_unauthenticated_connections_first(prefix, puller):
+    srv = KVStagingServer(shm_prefix=prefix, max_connections=64, max_connections_per_peer=4,
+                          handshake_timeout_s=30)
+    stalled = [socket.create_connection(("127.0.0.1", srv.port), timeout=10) for _ in range(4)]
+    try:
+        assert wait_until(lambda: srv.num_connections == 4)
+        t = kv()
+        assert puller.pull(srv.stage("real", t), 5).ok  # the oldest stalled one made room
+        assert srv.stats.connections_evicted == 1 and srv.num_connections == 4
+        stalled[0].settimeout(10)
+        assert stalled[0].recv(1) == b""
+    finally:
+        for c in stalled:
+            c.close()
+        srv.close()
