@@ -185,10 +185,9 @@ def setup_cuda_engine(engine) -> None:
 
         engine.gemv_report = tune_gemv(engine.model)  # one-token GEMV: Triton where it beats cuBLAS
     graphs = None
-    if not getattr(engine.config, "enforce_eager", False) and getattr(engine.model.backend, "supports_cuda_graph",
+    if not engine.config.enforce_eager and getattr(engine.model.backend, "supports_cuda_graph",
                                                                         False):
-        graphs = CudaGraphRunner(engine.runner, engine.max_model_len, max_batch_size=engine.config.max_num_seqs,
-                                 batch_sizes=getattr(engine.config, "cuda_graph_batch_sizes", None) or None)
+        graphs = CudaGraphRunner(engine.runner, engine.max_model_len, max_batch_size=engine.config.max_num_seqs)
         engine.runner.graph_runner = graphs
     log.info("GPU engine: backend=%s fused_ops=%s cuda_graphs=%s", engine.model.backend.name, fused,
              graphs.batch_sizes if graphs else None)

@@ -8,8 +8,8 @@ directly. It serves the three roles of disaggregated serving:
 - prefill: ``add_request(..., prefill_only=True)``; the sequence stops after
   token #1 with its blocks kept (``FINISHED_PREFILLED``) until the worker has
   copied them out with ``take_prefilled_kv``;
-- decode: ``add_prefilled_request`` writes transferred KV into fresh blocks and
-  continues from token #1.
+- decode: ``reserve_prefilled`` allocates blocks (``WAITING_FOR_REMOTE_KVS``) while the
+  KV is pulled, ``commit_prefilled`` writes it and continues from token #1.
 """
 
 from __future__ import annotations
@@ -123,6 +123,7 @@ class LLMEngine:
         self.sampler = Sampler()
         self.stats = EngineStats()
         self.requests: dict[str, Sequence] = {}
+        self.awaiting_kv: dict[str, Sequence] = {}  # WAITING_FOR_REMOTE_KVS, oldest reservation first
         self._seeds: dict[str, int] = {}
         self._rng = random.Random()
         self.eos_token_ids = set(self.model_config.eos_token_ids)
@@ -185,30 +186,22 @@ class LLMEngine:
         ):
             return False
         self.block_manager.grow(seq, seq.num_tokens)
+        seq.status = SequenceStatus.WAITING_FOR_REMOTE_KVS
         self._register(seq)
+        self.awaiting_kv[request_id] = seq
         return True
 
     def commit_prefilled(self, request_id: str, kv: torch.Tensor) -> None:
-        seq = self.requests.get(request_id)
-        if seq is None or seq.status != SequenceStatus.WAITING or seq in self.scheduler.waiting:
+        seq = self.awaiting_kv.get(request_id)
+        if seq is None:
             raise KeyError(f"request {request_id!r} has no reservation")
         expected = self.runner.kv_shape(seq.num_tokens - 1)
         if tuple(kv.shape) != expected:
             raise ValueError(f"KV for {request_id!r} has shape {tuple(kv.shape)}, expected {expected}")
         self.runner.scatter_kv(seq.block_table, kv)
         seq.num_computed_tokens = seq.num_tokens - 1
+        del self.awaiting_kv[request_id]
         self.scheduler.add_running(seq)
-
-    def add_prefilled_request(self, request_id: str, prompt_token_ids: list[int], output_token_ids: list[int],
-                              kv: torch.Tensor, params: SamplingParams) -> bool:
-        """``reserve_prefilled`` + ``commit_prefilled`` in one call."""
-        expected = self.runner.kv_shape(len(prompt_token_ids) + len(output_token_ids) - 1)
-        if tuple(kv.shape) != expected:
-            raise ValueError(f"KV for {request_id!r} has shape {tuple(kv.shape)}, expected {expected}")
-        if not self.reserve_prefilled(request_id, prompt_token_ids, output_token_ids, params):
-            return False
-        self.commit_prefilled(request_id, kv)
-        return True
 
     def _register(self, seq: Sequence) -> None:
         self.requests[seq.request_id] = seq
@@ -228,6 +221,7 @@ class LLMEngine:
         if seq.block_table:
             self.block_manager.free(seq)
         self.requests.pop(seq.request_id, None)
+        self.awaiting_kv.pop(seq.request_id, None)
         self._seeds.pop(seq.request_id, None)
 
     def take_prefilled_kv(self, request_id: str) -> tuple[Sequence, torch.Tensor]:

@@ -78,15 +78,3 @@ def init_random_weights(model: torch.nn.Module, seed: int = 0, std: float = INIT
     if getattr(model.config, "tie_word_embeddings", False):
         model.lm_head.weight = model.embed_tokens.weight
 
-
-def build_random_model(name: str, backend, device: str | torch.device = "cpu",
-                       dtype: torch.dtype = torch.bfloat16, seed: int = 0):
-    """A ``LlamaForCausalLM`` of a preset's shape with random weights, built on ``device``."""
-    from server.engine.model import LlamaForCausalLM
-
-    cfg = preset_config(name)
-    with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, backend)
-    model = model.to_empty(device=torch.device(device)).to(dtype)
-    init_random_weights(model, seed)
-    return model.eval()

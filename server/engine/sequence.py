@@ -4,11 +4,15 @@
 
       add_request            schedule (blocks allocated)
     ───────────▶ WAITING ─────────────────────────────▶ RUNNING ──┐
-                   ▲                                      │        │ stop condition
+                   ▲                                   ▲  │        │ stop condition
                    │     preempt (blocks freed, recompute)│        ▼
-                   └──────────────────────────────────────┘   FINISHED_STOPPED
-                                                              FINISHED_LENGTH
+                   └───────────────────────────────────┼──┘   FINISHED_STOPPED
+                                                       │      FINISHED_LENGTH
+      reserve_prefilled (blocks allocated)             │
+    ───────────▶ WAITING_FOR_REMOTE_KVS ───────────────┘ commit_prefilled (KV written)
+                                                   (decode side of a KV transfer)
           abort (any non-finished state) ──────────────────▶  FINISHED_ABORTED
+                                                              (engine failures too, with ``error``)
           prefill-only request after token #1 ─────────────▶  FINISHED_PREFILLED
 
 Terminal states are ordered after every live state, so ``status > RUNNING``
@@ -29,11 +33,12 @@ from server.engine.sampling_params import SamplingParams
 
 class SequenceStatus(enum.IntEnum):
     WAITING = 0
-    RUNNING = 1
-    FINISHED_STOPPED = 2
-    FINISHED_LENGTH = 3
-    FINISHED_ABORTED = 4
-    FINISHED_PREFILLED = 5
+    WAITING_FOR_REMOTE_KVS = 1  # blocks reserved, KV being pulled from a prefill worker (vLLM's name)
+    RUNNING = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+    FINISHED_PREFILLED = 6
 
     @property
     def is_finished(self) -> bool:

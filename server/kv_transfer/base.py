@@ -176,10 +176,6 @@ class KVSender(abc.ABC):
               *, transport: str = "tcp", checksum: bool | None = None) -> KVHandle: ...
 
     @abc.abstractmethod
-    def release(self, request_id: str) -> bool:
-        """Free a staged entry; True if it was still staged. Idempotent."""
-
-    @abc.abstractmethod
     def abort(self, request_id: str) -> bool:
         """Cancel a staged entry (status ABORTED); True if it was still staged."""
 

@@ -263,9 +263,6 @@ class KVStagingServer(KVSender):
                         host_id=self.host_id,
                         ipc=entry.ipc.text if entry.ipc is not None and entry.ipc.in_pool else "")
 
-    def release(self, request_id: str) -> bool:
-        return self._finish(request_id, TransferStatus.SUCCESS, count=False)
-
     def abort(self, request_id: str) -> bool:
         return self._finish(request_id, TransferStatus.ABORTED)
 

@@ -54,7 +54,6 @@ class WorkerState:
     metrics: WorkerMetrics
     sender: KVStagingServer | None = None
     puller: KVPuller | None = None
-    inflight: int = 0
     fatal_error: str | None = None  # set when the router refuses us; the process exits with it
     started: float = field(default_factory=time.monotonic)
 
@@ -63,7 +62,7 @@ class WorkerState:
         return WorkerStatus(
             num_waiting=s.num_waiting, num_running=s.num_running, num_reserving=s.num_reserving,
             kv_blocks_used=s.kv_blocks_used, kv_blocks_free=s.kv_blocks_free,
-            num_staged_kv=self.sender.num_staged if self.sender else 0, inflight=self.inflight,
+            num_staged_kv=self.sender.num_staged if self.sender else 0,
         )
 
 
@@ -129,7 +128,6 @@ async def _prefill(state: WorkerState, body: PrefillRequest) -> JSONResponse:
                                          output_token_ids=body.output_token_ids)
     except ValueError as e:
         raise HTTPException(status_code=400, detail=str(e)) from None
-    state.inflight += 1
     t0 = time.perf_counter()
     try:
         async with asyncio.timeout(state.config.router.request_timeout_s):
@@ -159,7 +157,6 @@ async def _prefill(state: WorkerState, body: PrefillRequest) -> JSONResponse:
         raise
     finally:
         state.loop.close_stream(rid)
-        state.inflight -= 1
 
 
 def _take_kv(state: WorkerState, rid: str):
@@ -209,7 +206,6 @@ async def _generate_stream(state: WorkerState, body: GenerateRequest):
     rid = body.request_id
     loop = state.loop
     keepalive_s = state.config.router.stream_progress_timeout_s / 4
-    state.inflight += 1
     try:
         params = to_sampling_params(body.sampling)
         transfer: dict = {}
@@ -267,7 +263,6 @@ async def _generate_stream(state: WorkerState, body: GenerateRequest):
     except asyncio.TimeoutError:
         yield _line(finished=True, finish_reason="error", error="worker timed out")
     finally:
-        state.inflight -= 1
         loop.close_stream(rid)
         loop.abort_nowait(rid)  # no-op when finished; frees the blocks when the router went away
 

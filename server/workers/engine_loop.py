@@ -73,7 +73,6 @@ class EngineLoop:
         self.engine = engine
         self.gc = gc
         self.num_gc_collected = 0
-        self._granted: dict[str, float] = {}  # reserved, KV not yet committed: request id -> when
         self._next_gc = 0.0
         self._streams: dict[str, asyncio.Queue] = {}
         self._reservations: deque[_Reservation] = deque()
@@ -107,13 +106,13 @@ class EngineLoop:
         engine = self.engine
         while True:
             self._admit_reservations()
-            if self._granted and time.monotonic() >= self._next_gc:
+            if engine.awaiting_kv and time.monotonic() >= self._next_gc:
                 self.collect_stale_slots()
             if not engine.has_unfinished_requests():
                 self._wakeup.clear()
                 if self._reservations:  # blocks may free up through aborts: poll gently
                     timeout: float | None = 0.005
-                elif self._granted:  # wake for the next garbage collection
+                elif engine.awaiting_kv:  # wake for the next garbage collection
                     timeout = max(0.0, self._next_gc - time.monotonic())
                 else:
                     timeout = None
@@ -166,21 +165,21 @@ class EngineLoop:
             if not ok:
                 return  # FIFO: later requests wait behind the head
             self._reservations.popleft()
-            self._granted[r.request_id] = time.monotonic()
             r.future.set_result(True)
 
     def collect_stale_slots(self) -> int:
         """Free the oldest stale slots beyond max_stale_slots, and those stale for too long (GcPolicy)."""
         now = time.monotonic()
         self._next_gc = now + self.gc.interval_s
-        by_age = sorted(self._granted.items(), key=lambda kv: kv[1])
+        # reservations in the order they were made: Sequence.arrival_time is when reserve_prefilled made it
+        by_age = [(rid, seq.arrival_time) for rid, seq in self.engine.awaiting_kv.items()]
         stale = [(rid, t) for rid, t in by_age if now - t > self.gc.stale_after_s]
         overflow = [rid for rid, _ in stale[: max(0, len(stale) - self.gc.max_stale_slots)]]
         too_old = [rid for rid, t in stale if now - t > 2 * self.gc.stale_after_s]
         victims = set(too_old) | set(overflow)
         for rid in victims:
             log.warning("freeing stale KV slot of %s (reserved %.1f s ago, KV never arrived)",
-                        rid, now - self._granted[rid])
+                        rid, now - self.engine.awaiting_kv[rid].arrival_time)
             self.abort_nowait(rid)
         self.num_gc_collected += len(victims)
         return len(victims)
@@ -229,7 +228,6 @@ class EngineLoop:
 
     async def commit(self, request_id: str, kv) -> asyncio.Queue:
         q = self.open_stream(request_id)
-        self._granted.pop(request_id, None)
         try:
             self.engine.commit_prefilled(request_id, kv)
         except BaseException:
@@ -241,7 +239,6 @@ class EngineLoop:
     def abort_nowait(self, request_id: str) -> bool:
         """Abort now; safe in ``finally`` blocks of cancelled tasks (no await)."""
         self.close_stream(request_id)
-        self._granted.pop(request_id, None)
         return self.engine.abort_request(request_id)
 
     async def abort(self, request_id: str) -> bool:

@@ -73,7 +73,6 @@ class WorkerStatus(BaseModel):
     kv_blocks_used: int = 0
     kv_blocks_free: int = 0
     num_staged_kv: int = 0
-    inflight: int = 0
 
 
 class RegisterRequest(BaseModel):

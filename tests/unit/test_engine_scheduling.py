@@ -12,6 +12,7 @@ import torch
 from server.engine.block_manager import BlockManager
 from server.engine.llm_engine import EngineConfig, LLMEngine
 from server.engine.sampling_params import SamplingParams
+from server.engine.sequence import SequenceStatus
 from server.engine.sequence import Sequence
 
 PROMPTS = [[1] + [(7 * i + 13 * j) % 500 + 3 for j in range(n)] for i, n in enumerate([7, 12, 3, 9, 15, 5])]
@@ -122,7 +123,10 @@ def test_prefill_then_transfer_then_decode_equals_colocated(reference):
         assert outs[0].finish_reason == "prefilled"
         seq, kv = prefill.take_prefilled_kv(rid)
         assert kv.shape[2] == len(prompt)
-        assert decode.add_prefilled_request(rid, prompt, seq.output_token_ids, kv, GREEDY)
+        assert decode.reserve_prefilled(rid, prompt, seq.output_token_ids, GREEDY)
+        assert decode.requests[rid].status is SequenceStatus.WAITING_FOR_REMOTE_KVS and rid in decode.awaiting_kv
+        decode.commit_prefilled(rid, kv)
+        assert decode.requests[rid].status is SequenceStatus.RUNNING and not decode.awaiting_kv
         tokens = list(seq.output_token_ids)
         while decode.has_unfinished_requests():
             for o in decode.step():
@@ -135,10 +139,16 @@ def test_prefill_then_transfer_then_decode_equals_colocated(reference):
 def test_prefilled_admission_applies_back_pressure():
     decode = LLMEngine(EngineConfig(block_size=4, num_blocks=2))
     kv = torch.zeros(decode.runner.kv_shape(10))
-    assert not decode.add_prefilled_request("x", list(range(3, 13)), [5], kv, GREEDY)
+    assert not decode.reserve_prefilled("x", list(range(3, 13)), [5], GREEDY)  # does not fit now
     assert_engine_empty(decode)
+    assert decode.reserve_prefilled("y", [3, 4], [5], GREEDY)
     with pytest.raises(ValueError, match="shape"):
-        decode.add_prefilled_request("y", [3, 4], [5], kv, GREEDY)
+        decode.commit_prefilled("y", kv)
+    assert decode.requests["y"].status is SequenceStatus.WAITING_FOR_REMOTE_KVS
+    assert decode.abort_request("y")
+    assert_engine_empty(decode)
+    with pytest.raises(KeyError, match="no reservation"):
+        decode.commit_prefilled("y", kv)
 
 
 def test_bad_prompts_rejected_with_the_reason():

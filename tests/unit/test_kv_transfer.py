@@ -125,11 +125,11 @@ def test_round_trip(server, puller, prefix, transport, dtype):
     assert torch.equal(result.tensor, t) and result.tensor.data_ptr() != t.data_ptr()
     assert result.nbytes == handle.nbytes and result.seconds > 0
     # ACK unstages the entry before pull() returns (its memory is freed just after: the segment
-    # unlink is not on the decode path); release afterwards is a harmless no-op
+    # unlink is not on the decode path); an abort afterwards is a harmless no-op
     assert server.num_staged == 0 and server.staged_bytes == 0
     assert wait_until(lambda: shm_names(prefix) == [])
     assert server.poll("req-1") is TransferStatus.SUCCESS
-    assert server.release("req-1") is False
+    assert server.abort("req-1") is False and server.poll("req-1") is TransferStatus.SUCCESS
     assert server.stats.transfers_ok == 1 and server.stats.bytes_sent == handle.nbytes
 
 
@@ -203,14 +203,14 @@ def test_lease_expiry_frees_entry(server, puller, prefix, transport):
     assert result.status is TransferStatus.EXPIRED and "expired" in result.error
 
 
-def test_release_and_abort_before_pull(server, puller, prefix):
+def test_abort_before_pull(server, puller, prefix):
     h1 = server.stage("a", kv(), transport="shm")
     h2 = server.stage("b", kv(), transport="shm")
     assert len(shm_names(prefix)) == 2
-    assert server.release("a") is True and server.release("a") is False
+    assert server.abort("a") is True and server.abort("a") is False
     assert server.abort("b") is True and server.poll("b") is TransferStatus.ABORTED
     assert server.num_staged == 0 and shm_names(prefix) == []
-    assert server.stats.transfers_aborted == 1
+    assert server.stats.transfers_aborted == 2
     for h in (h1, h2):
         assert puller.pull(h, 5).status is TransferStatus.FAILED
 
