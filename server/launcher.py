@@ -40,6 +40,7 @@ from pathlib import Path
 import yaml
 
 from server.config import ConfigError, DistServeConfig, load_config
+from server.wire import DeregisterRequest
 
 TOKEN_ENV = "DISTSERVE_ADMIN_TOKEN"
 
@@ -249,7 +250,7 @@ class Launcher:
         """Tell the router now, so it routes around the worker and stops listing its load as live."""
         if self.url is None:
             return
-        body = json.dumps({"worker_id": worker_id, "reason": reason}).encode()
+        body = DeregisterRequest(worker_id=worker_id, reason=reason[:256]).model_dump_json().encode()
         req = urllib.request.Request(f"{self.url}/deregister", data=body, method="POST", headers={
             "Authorization": f"Bearer {self.token}", "Content-Type": "application/json"})
         try:

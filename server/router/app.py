@@ -32,7 +32,7 @@ from server.router.pipeline import EngineRequest, NoWorkersError, Pipeline, Pipe
 from server.router.protocol import InvalidRequest
 from server.router.registry import RegistrationRefused, WorkerRegistry
 from server.router.text import TextAssembler
-from server.workers.protocol import HeartbeatRequest, InternalSampling, RegisterRequest
+from server.wire import DeregisterRequest, HeartbeatRequest, InternalSampling, RegisterRequest
 
 log = logging.getLogger(__name__)
 
@@ -167,21 +167,15 @@ def create_router_app(state: RouterState) -> FastAPI:
         if not authorized(request):
             return _error(401, "missing or wrong bearer token")
         try:
-            body = await json_body(request)
-        except InvalidRequest as e:
-            return _error(400, str(e))
-        wid = body.get("worker_id") if isinstance(body, dict) else None
-        if not isinstance(wid, str):
-            return _error(400, "worker_id: required string", "worker_id")
-        reason = body.get("reason")
-        if reason is not None:  # the launcher saw the process exit: keep it listed, as dead
-            if not isinstance(reason, str) or len(reason) > 256:
-                return _error(400, "reason: a string of at most 256 characters", "reason")
-            marked = state.registry.mark_dead(wid, reason)
+            req = DeregisterRequest.model_validate(await json_body(request))
+        except (InvalidRequest, ValueError) as e:
+            return _error(400, f"invalid deregistration: {e}")
+        if req.reason is not None:  # the launcher saw the process exit: keep it listed, as dead
+            marked = state.registry.mark_dead(req.worker_id, req.reason)
             if marked:
-                log.warning("worker %s marked dead: %s", wid, reason)
+                log.warning("worker %s marked dead: %s", req.worker_id, req.reason)
             return {"deregistered": marked}
-        return {"deregistered": state.registry.deregister(wid)}
+        return {"deregistered": state.registry.deregister(req.worker_id)}
 
     @app.get("/v1/workers")
     async def workers(request: Request):

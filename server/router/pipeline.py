@@ -13,7 +13,6 @@ duplicate.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from contextlib import aclosing, contextmanager
@@ -21,11 +20,12 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 import aiohttp
+from pydantic import ValidationError
 
+from server.idle import IdleTimeout
 from server.metrics import RouterMetrics
 from server.router.registry import WorkerInfo, WorkerRegistry
-from server.workers.idle import IdleTimeout
-from server.workers.protocol import InternalSampling
+from server.wire import InternalSampling, PrefillResponse, StreamLine
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +40,6 @@ def _routed(worker: WorkerInfo):
         worker.inflight -= 1
 
 
-_loads = json.JSONDecoder().decode
 _STREAM_TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=5)  # reads: IdleTimeout in _stream
 
 
@@ -174,12 +173,11 @@ class Pipeline:
         try:
             with _routed(prefill):
                 first = await self._prefill(prefill, req, outputs, decode.host_id, decode.cuda_uuids)
-            done = outputs + first["token_ids"]  # copy now: the caller extends `outputs` when we yield
-            pulled = first["finished"]  # True once no staged KV can be left behind on the prefill worker
+            done = outputs + first.token_ids  # copy now: the caller extends `outputs` when we yield
+            pulled = first.finished  # True once no staged KV can be left behind on the prefill worker
             try:
-                yield TokenEvent(first["token_ids"], first["finished"], first.get("finish_reason"),
-                                 first.get("error"))
-                if first["finished"]:
+                yield TokenEvent(first.token_ids, first.finished, first.finish_reason, first.error)
+                if first.finished:
                     return
                 if not decode.healthy:  # failed while we prefilled: pick again
                     other = self.registry.pick("decode")
@@ -187,7 +185,7 @@ class Pipeline:
                         decode.inflight -= 1
                         decode = other
                         decode.inflight += 1
-                async with aclosing(self._stream(decode, req, done, first["kv"])) as stream:
+                async with aclosing(self._stream(decode, req, done, first.kv)) as stream:
                     async for ev in stream:
                         pulled = True  # the decode worker produced a token, so it holds the KV now
                         yield ev
@@ -203,7 +201,7 @@ class Pipeline:
             decode.inflight -= 1
 
     async def _prefill(self, worker: WorkerInfo, req: EngineRequest, outputs: list[int], peer_host: str,
-                       peer_cuda: list[str] | None = None) -> dict:
+                       peer_cuda: list[str] | None = None) -> PrefillResponse:
         body = {"request_id": req.request_id, "prompt_token_ids": req.prompt_token_ids,
                 "output_token_ids": outputs, "sampling": req.sampling.model_dump(), "peer_host_id": peer_host,
                 "peer_cuda_uuids": peer_cuda}
@@ -218,7 +216,12 @@ class Pipeline:
                         raise ValueError(detail)
                     if r.status != 200:
                         raise WorkerFailed(worker, f"prefill answered HTTP {r.status}")
-                    return await idle.wait(r.json())
+                    first = PrefillResponse.model_validate_json(await idle.wait(r.read()))
+                    if not first.finished and first.kv is None:
+                        raise WorkerFailed(worker, "prefill answer has neither a finish nor a KV handle")
+                    return first
+        except ValidationError as e:
+            raise WorkerFailed(worker, f"prefill answer does not parse: {e.errors()[0]['msg']}") from None
         except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as e:
             asyncio.ensure_future(self._abort(worker, req.request_id))  # if it comes back, drop the work
             raise _call_failed(worker, "prefill failed", e, idle) from None
@@ -233,7 +236,7 @@ class Pipeline:
         body = {"request_id": req.request_id, "prompt_token_ids": req.prompt_token_ids,
                 "output_token_ids": outputs, "sampling": req.sampling.model_dump(), "kv": kv}
         # The read timeout is ours, not aiohttp's sock_read (which reschedules a timer per received
-        # chunk, i.e. per token): one lazily re-armed timer per stream, see server/workers/idle.py.
+        # chunk, i.e. per token): one lazily re-armed timer per stream, see server/idle.py.
         # It is the progress deadline: the worker sends a token or a keep-alive line well within it.
         idle = IdleTimeout(self.options.progress_timeout_s)
         try:
@@ -256,23 +259,22 @@ class Pipeline:
                         for raw in lines:
                             if not raw.strip():  # keep-alive
                                 continue
-                            line = _loads(raw.decode())  # str: json.loads(bytes) sniffs the encoding per call
-                            if "kv_transfer_seconds" in line:
-                                transport = line.get("kv_transport", "?")
+                            line = StreamLine.model_validate_json(raw)
+                            if line.kv_transfer_seconds is not None:
+                                transport = line.kv_transport or "?"
                                 self.metrics.kv_transfer_seconds.labels(transport).observe(
-                                    line["kv_transfer_seconds"])
-                                self.metrics.kv_transfer_bytes.labels(transport).inc(
-                                    line.get("kv_transfer_bytes", 0))
-                            ev = TokenEvent(line.get("token_ids", []), line.get("finished", False),
-                                            line.get("finish_reason"), line.get("error"))
+                                    line.kv_transfer_seconds)
+                                self.metrics.kv_transfer_bytes.labels(transport).inc(line.kv_transfer_bytes or 0)
+                            ev = TokenEvent(line.token_ids, line.finished, line.finish_reason, line.error)
                             yield ev
                             if ev.finished:
                                 return
                         if not data:
                             break
                 raise WorkerFailed(worker, "stream ended before the request finished")
-        except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError, json.JSONDecodeError,
-                UnicodeDecodeError) as e:
+        except ValidationError as e:
+            raise WorkerFailed(worker, f"stream line does not parse: {e.errors()[0]['msg']}") from None
+        except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as e:
             raise _call_failed(worker, "stream broke", e, idle) from None
         finally:
             idle.close()

@@ -27,7 +27,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Iterator, Protocol
 
-from server.workers.protocol import RegisterRequest, WorkerStatus
+from server.wire import RegisterRequest, WorkerStatus
 
 HEALTHY, STALE, SUSPECT, DEAD = "healthy", "stale", "suspect", "dead"
 

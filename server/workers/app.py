@@ -27,19 +27,20 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from server.config import DistServeConfig
 from server.engine.sampling_params import SamplingParams
+from server.idle import IdleTimeout
 from server.kv_transfer import KVHandle, KVPuller, KVStagingServer, TransferStatus, cuda_ipc
 from server.kv_transfer.factory import choose_transport, host_id
 from server.metrics import WorkerMetrics
-from server.workers.engine_loop import EngineLoop
-from server.workers.idle import IdleTimeout
-from server.workers.protocol import (
+from server.wire import (
     AbortRequest,
     GenerateRequest,
     InternalSampling,
     PrefillRequest,
     PrefillResponse,
+    StreamLine,
     WorkerStatus,
 )
+from server.workers.engine_loop import EngineLoop
 
 log = logging.getLogger(__name__)
 
@@ -184,8 +185,8 @@ _JSON = json.JSONEncoder(separators=(",", ":"))  # one encoder: json.dumps(..., 
 
 
 def _line(**kw) -> bytes:
-    """One NDJSON line (fields of ``StreamLine``); plain JSON, no pydantic."""
-    return (_JSON.encode({k: v for k, v in kw.items() if v is not None}) + "\n").encode()
+    """One NDJSON line: a ``StreamLine`` without its unset fields (the first and the last of a stream)."""
+    return StreamLine(**kw).model_dump_json(exclude_none=True).encode() + b"\n"
 
 
 def _token_line(tokens: list[int], finished: bool, reason: str | None) -> bytes:

@@ -26,9 +26,9 @@ from server.kv_transfer import KVPuller, KVStagingServer, cuda_ipc
 from server.kv_transfer.factory import choose_transport, host_id
 from server.metrics import WorkerMetrics
 from server.net import listen
+from server.wire import DeregisterRequest, HeartbeatRequest, RegisterRequest
 from server.workers.app import WorkerState, create_worker_app
 from server.workers.engine_loop import EngineLoop, GcPolicy
-from server.workers.protocol import RegisterRequest
 
 log = logging.getLogger(__name__)
 
@@ -109,8 +109,8 @@ async def _registration_loop(state: WorkerState, opts: WorkerOptions, reg: Regis
                             log.info("registered with router %s as %s %s", opts.router_url, opts.role,
                                         reg.worker_id)
                 else:
-                    body = {"worker_id": reg.worker_id, "status": state.status().model_dump()}
-                    async with http.post(f"{opts.router_url}/heartbeat", json=body) as r:
+                    hb = HeartbeatRequest(worker_id=reg.worker_id, status=state.status())
+                    async with http.post(f"{opts.router_url}/heartbeat", json=hb.model_dump()) as r:
                         if r.status == 404:  # the router restarted and forgot us
                             registered = False
                             continue
@@ -121,7 +121,8 @@ async def _registration_loop(state: WorkerState, opts: WorkerOptions, reg: Regis
             await asyncio.sleep(interval)
         if registered:
             try:
-                async with http.post(f"{opts.router_url}/deregister", json={"worker_id": reg.worker_id}):
+                bye = DeregisterRequest(worker_id=reg.worker_id)
+                async with http.post(f"{opts.router_url}/deregister", json=bye.model_dump(exclude_none=True)):
                     pass
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
                 pass

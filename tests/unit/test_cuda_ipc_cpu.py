@@ -138,7 +138,7 @@ def test_router_tokenizer_for_presets():
     from server.router.app import RouterState
     from server.router.pipeline import NoWorkersError
     from server.router.registry import WorkerRegistry
-    from server.workers.protocol import RegisterRequest
+    from server.wire import RegisterRequest
 
     reg = WorkerRegistry(3.0)
     state = RouterState(config=load_config(), token="t", registry=reg, model_path="preset:llama-2-7b")

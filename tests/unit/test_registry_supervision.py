@@ -13,8 +13,8 @@ import pytest
 from server.config import DistServeConfig
 from server.launcher import Launcher, RestartPolicy, _Worker
 from server.router.registry import WorkerRegistry
-from server.workers.idle import IdleTimeout
-from server.workers.protocol import RegisterRequest, WorkerStatus
+from server.idle import IdleTimeout
+from server.wire import RegisterRequest, WorkerStatus
 
 
 def _reg(wid: str, role: str = "decode", pid: int = 1) -> RegisterRequest:

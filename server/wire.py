@@ -1,7 +1,10 @@
 """Router ↔ worker messages (JSON over HTTP; token streams as NDJSON lines).
 
-Both sides import these models, so a field renamed on one side breaks the
-other's tests rather than production.
+A neutral module: the router and the workers both build *and* parse these models (the router
+validates every prefill answer and every stream line it reads with them), so a field renamed on
+one side breaks the other's tests rather than production. The worker writes the per-token
+``StreamLine`` with a preformatted fast path that ``tests/unit/test_hot_paths.py`` pins to
+``StreamLine``'s JSON byte for byte.
 """
 
 from __future__ import annotations
@@ -64,6 +67,12 @@ class StreamLine(BaseModel):
 
 class AbortRequest(BaseModel):
     request_id: str
+
+
+class DeregisterRequest(BaseModel):
+    """A worker leaving (no reason: forget it), or the launcher reporting its exit (reason: list it dead)."""
+    worker_id: str = Field(min_length=1, max_length=128)
+    reason: str | None = Field(default=None, max_length=256)
 
 
 class WorkerStatus(BaseModel):
