@@ -46,6 +46,9 @@ def add_load_args(r: argparse.ArgumentParser, sweep: bool = False) -> None:
                             "trace with --time-scale, else poisson)")
         r.add_argument("--concurrency", type=int, default=None, help="closed loop: this many users")
         r.add_argument("--request-rate", type=float, default=None, help="open loop: requests per second")
+        r.add_argument("--max-concurrency", type=int, default=None,
+                       help="open loop: at most this many requests in flight; the others are sent late "
+                            "(and counted as late sends)")
         r.add_argument("--num-prompts", type=int, default=None,
                        help="requests to send (default 100; with --duration the duration ends the run "
                             "and this is an upper bound, default unlimited)")
@@ -98,7 +101,8 @@ def options_from(args, **spec_overrides):
     if args.turns < 1 or args.prefix_len < 0:
         raise UsageError("--turns must be >= 1 and --prefix-len >= 0")
     kw = {"url": _base(args.url), "endpoint": args.endpoint, "strategy": strategy, "request_rate": rate,
-              "burstiness": args.burstiness, "concurrency": conc, "num_prompts": num, "duration_s": duration,
+              "burstiness": args.burstiness, "concurrency": conc,
+          "max_concurrency": getattr(args, "max_concurrency", None), "num_prompts": num, "duration_s": duration,
               "warmup": args.warmup, "seed": args.seed, "model": args.model, "timeout_s": args.timeout,
               "time_scale": getattr(args, "time_scale", 1.0)}
     kw.update(spec_overrides)

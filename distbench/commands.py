@@ -4,4 +4,6 @@ from __future__ import annotations
 
 
 def add_parsers(sub, formatter, add_load_args) -> None:
-    pass
+    from distbench import demo
+
+    demo.add_parser(sub, formatter)

@@ -11,6 +11,7 @@ requests in flight get ``grace_s`` to finish, then are cancelled and recorded as
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ class RunSpec:
     request_rate: float | None = None
     burstiness: float = 1.0
     concurrency: int | None = None
+    max_concurrency: int | None = None  # open loop: at most this many in flight; the rest are sent late
     num_prompts: int = 100
     duration_s: float | None = None
     warmup: int = 0
@@ -52,6 +54,8 @@ class RunSpec:
             raise ValueError(f"--burstiness must be > 0, got {self.burstiness}")
         if self.time_scale <= 0:
             raise ValueError(f"--time-scale must be > 0, got {self.time_scale}")
+        if self.max_concurrency is not None and self.max_concurrency < 1:
+            raise ValueError(f"--max-concurrency must be >= 1, got {self.max_concurrency}")
         if self.warmup < 0:
             raise ValueError(f"--warmup must be >= 0, got {self.warmup}")
 
@@ -79,6 +83,7 @@ async def run_load(spec: RunSpec, items: list[Item], vocab: Vocab | None = None,
     timeout = aiohttp.ClientTimeout(total=spec.timeout_s)
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as http:
         records: list[RequestRecord] = []
+        gate = asyncio.Semaphore(spec.max_concurrency) if spec.max_concurrency else contextlib.nullcontext()
 
         async def one(i: int, rec: RequestRecord, t0: float) -> None:
             it = items[i % len(items)]
@@ -86,7 +91,8 @@ async def run_load(spec: RunSpec, items: list[Item], vocab: Vocab | None = None,
             records.append(rec)
             if on_sent:
                 on_sent(rec)
-            await send(http, spec.url, spec.endpoint, body_for(spec.endpoint, it, spec.model, vocab), rec, t0)
+            async with gate:  # waiting here makes the send late: recorded, never hidden
+                await send(http, spec.url, spec.endpoint, body_for(spec.endpoint, it, spec.model, vocab), rec, t0)
             if on_done:
                 on_done(rec)
 

@@ -35,7 +35,7 @@ def build(records: list[RequestRecord], duration_s: float, start_unix: float, co
         "start_unix": start_unix, "end_unix": start_unix + duration_s,
         "model_id": config.get("model"), "endpoint": config.get("endpoint"),
         "request_rate": config.get("request_rate") if config.get("strategy") != "closed" else "inf",
-        "burstiness": config.get("burstiness"), "max_concurrency": config.get("concurrency"),
+        "burstiness": config.get("burstiness"), "max_concurrency": config.get("max_concurrency") or config.get("concurrency"),
         "strategy": config.get("strategy"), "percentiles": list(percentiles),
         "interrupted": interrupted, **s,
         # vLLM's per-request arrays (seconds), in send order, measured requests only
