@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -131,6 +132,8 @@ async def run_load(spec: RunSpec, items: list[Item], vocab: Vocab | None = None,
 
             tasks = {asyncio.create_task(user()) for _ in range(spec.concurrency)}
         else:
+            if spec.duration_s and spec.request_rate and spec.strategy != "trace":  # the clock ends the run
+                jobs = itertools.islice(jobs, int(spec.request_rate * spec.duration_s * 3) + 100)
             job_list = list(jobs)
             if spec.strategy == "trace":
                 offsets = [(items[job[0] % len(items)].at or 0.0) / spec.time_scale for job in job_list]

@@ -81,7 +81,10 @@ def pkey(q: float) -> str:
 def hist_stats(h: HdrHistogram, name: str, percentiles) -> dict:
     """mean/median/std/pNN of one histogram in milliseconds under vLLM's keys (NaN when empty)."""
     n = h.get_total_count()
-    ms = lambda us: us / 1000.0 if n else math.nan
+
+    def ms(us: float) -> float:
+        return us / 1000.0 if n else math.nan
+
     mean, std = h.moments()
     out = {f"mean_{name}_ms": ms(mean), f"median_{name}_ms": ms(h.get_value_at_percentile(50)),
            f"std_{name}_ms": ms(std), f"max_{name}_ms": ms(h.get_max_value())}
@@ -207,3 +210,33 @@ def merge_histograms(encoded: list[dict[str, str]]) -> dict[str, HdrHistogram]:
         for name, text in hs.items():
             out.setdefault(name, new_hist()).add(decode(text))
     return out
+
+
+def stats_of(values_s: list[float], name: str = "x", percentiles=DEFAULT_PERCENTILES) -> dict:
+    """The same figures for any list of durations in seconds (bench scripts that time something else)."""
+    h = new_hist()
+    for v in values_s:
+        record_s(h, v)
+    return hist_stats(h, name, percentiles)
+
+
+def attainment(records: list[RequestRecord], slo: dict[str, float]) -> float:
+    """Fraction of the measured requests meeting ``slo``; failed requests count as misses."""
+    measured = [r for r in records if not r.warmup]
+    return sum(meets(r, slo) for r in measured) / len(measured) if measured else 0.0
+
+
+def percentile_with_failures(records: list[RequestRecord], metric: str, q: float) -> float:
+    """pNN of ``metric`` in ms over *all* measured requests, a failed one counting as infinitely slow:
+    ``inf`` when more than (100 - q) % failed. The percentile form of the failed-request rule."""
+    measured = [r for r in records if not r.warmup]
+    ok = [v for r in measured if r.ok and (v := getattr(r, METRICS.get(metric, metric))) is not None]
+    if not measured:
+        return math.nan
+    rank = max(1, math.ceil(round(q / 100 * len(measured), 9)))
+    if rank > len(ok):
+        return math.inf
+    h = new_hist()
+    for v in ok:
+        record_s(h, v)
+    return h.get_value_at_percentile(100.0 * rank / len(ok)) / 1000.0

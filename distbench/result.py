@@ -26,7 +26,8 @@ def environment() -> dict:
 
 
 def build(records: list[RequestRecord], duration_s: float, start_unix: float, config: dict, percentiles,
-          slo: dict, goodput: dict, server_metrics: dict | None = None, interrupted: str | None = None) -> dict:
+          slo: dict, goodput: dict, server_metrics: dict | None = None,
+          interrupted: str | None = None) -> dict:
     s = summarize(records, duration_s, percentiles, slo, goodput)
     measured = [r for r in records if not r.warmup]
     return {
@@ -35,7 +36,8 @@ def build(records: list[RequestRecord], duration_s: float, start_unix: float, co
         "start_unix": start_unix, "end_unix": start_unix + duration_s,
         "model_id": config.get("model"), "endpoint": config.get("endpoint"),
         "request_rate": config.get("request_rate") if config.get("strategy") != "closed" else "inf",
-        "burstiness": config.get("burstiness"), "max_concurrency": config.get("max_concurrency") or config.get("concurrency"),
+        "burstiness": config.get("burstiness"),
+        "max_concurrency": config.get("max_concurrency") or config.get("concurrency"),
         "strategy": config.get("strategy"), "percentiles": list(percentiles),
         "interrupted": interrupted, **s,
         # vLLM's per-request arrays (seconds), in send order, measured requests only

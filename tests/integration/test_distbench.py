@@ -93,7 +93,11 @@ def test_exit_codes(vocab_dir, tmp_path):
         assert bad.returncode == 2
         assert bad.stderr.strip().count("\n") == 0 and bad.stderr.startswith("distbench: error:"), bad.stderr
     with StubServer() as srv:
+        timed = distbench("run", "--url", srv.url, "--request-rate", "20", "--duration", "1.5", "--tokenizer",
+                          vocab_dir, "--output-len", "2", "--save-result", str(tmp_path / "d.json"))
         port = srv.url.rsplit(":", 1)[1]
+    assert timed.returncode == 0, timed.stderr
+    assert 10 <= result.load(tmp_path / "d.json")["num_prompts"] <= 60  # the clock, not a count, ended it
     gone = distbench("run", "--url", f"http://127.0.0.1:{port}", "--concurrency", "1")
     assert gone.returncode == 2 and "cannot reach" in gone.stderr
 

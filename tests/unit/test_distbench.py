@@ -166,3 +166,15 @@ def test_result_file_round_trips_records(tmp_path):
     (tmp_path / "x.json").write_text("{}")
     with pytest.raises(ValueError, match="not a distbench result"):
         result.load(tmp_path / "x.json")
+
+
+def test_sharegpt_from_a_path_uses_the_first_exchange(tmp_path):
+    from distbench.datasets import sharegpt_items
+
+    convs = [{"conversations": [{"from": "human", "value": "q" * 40 * (i + 1)}, {"from": "gpt", "value": "a" * 80}]}
+             for i in range(5)] + [{"conversations": [{"from": "human", "value": "lonely"}]}]
+    p = tmp_path / "sg.json"
+    p.write_text(json.dumps(convs))
+    items = sharegpt_items(10, str(p), None, None, seed=1)
+    assert len(items) == 5 and all(i.output_len == 20 and i.text.startswith("q") for i in items)
+    assert sorted(i.prompt_len for i in items) == [10, 20, 30, 40, 50]
