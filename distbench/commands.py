@@ -134,3 +134,6 @@ def add_parsers(sub, formatter, add_load_args) -> None:
     m.set_defaults(handler=cmd_merge)
 
     demo.add_parser(sub, formatter)
+    from distbench import locust_cmd
+
+    locust_cmd.add_parser(sub, formatter)

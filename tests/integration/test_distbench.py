@@ -166,3 +166,31 @@ def test_against_distserve_serve_run_sweep_compare_plot_merge(serve_factory, tmp
     assert pl.returncode == 0, pl.stderr
     for name in ("cdf.png", "timeline.png", "vs_rate.png"):
         assert (tmp_path / "png" / name).read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.slow
+def test_demo_serves_loads_and_finds_no_leak():
+    p = subprocess.run([sys.executable, "-m", "distbench.demo", "--requests", "6", "--concurrency", "3",
+                        "--max-tokens", "4"], capture_output=True, text=True, timeout=400, check=False)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "KV blocks used after the load (must be 0): {'prefill-0': 0, 'decode-1': 0}" in p.stdout
+    assert "demo: PASS" in p.stdout and "completed 6" in p.stdout
+
+
+def test_locust_master_and_two_workers_merge_into_one_result(vocab_dir, tmp_path):
+    out = tmp_path / "locust.json"
+    with StubServer(token_delay_s=0.005) as srv:
+        p = distbench("locust", "--url", srv.url, "--users", "4", "--spawn-rate", "4", "--run-time", "4",
+                      "--workers", "2", "--prompt-len", "8", "--output-len", "5", "--tokenizer", vocab_dir,
+                      "--slo", "ttft:5s", "--save-result", str(out), timeout=240)
+        served = srv.count
+    assert p.returncode == 0, p.stdout + p.stderr
+    res = result.load(out)
+    assert res["num_locust_processes"] == 2  # both workers ran users and wrote their records
+    assert res["completed"] == len(res["requests"]) > 10 and res["failed"] == 0
+    assert abs(served - res["num_prompts"]) <= 4  # every request the server saw is in the result
+    assert all(r["output_tokens"] == 5 and len(r["itl"]) == 4 for r in res["requests"])
+    recs = result.records_of(res)
+    for q in res["percentiles"]:  # the merged histograms say what the merged records say
+        want = nearest_rank([r.ttft for r in recs], q) * 1000
+        assert res[f"{pkey(q)}_ttft_ms"] == pytest.approx(want, rel=1e-3, abs=2e-3)
