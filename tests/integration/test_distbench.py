@@ -194,3 +194,23 @@ def test_locust_master_and_two_workers_merge_into_one_result(vocab_dir, tmp_path
     for q in res["percentiles"]:  # the merged histograms say what the merged records say
         want = nearest_rank([r.ttft for r in recs], q) * 1000
         assert res[f"{pkey(q)}_ttft_ms"] == pytest.approx(want, rel=1e-3, abs=2e-3)
+
+
+def test_stop_on_saturation_and_trace_replay(vocab_dir, tmp_path):
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("\n".join(json.dumps({"timestamp": 100 + t, "prompt_len": 6, "output_len": 2})
+                               for t in (0.0, 0.4, 0.8, 2.0)))
+    with StubServer() as srv:
+        sat = distbench("run", "--url", srv.url, "--request-rate", "40", "--num-prompts", "400", "--tokenizer",
+                        vocab_dir, "--output-len", "2", "--slo", "ttft:0.001ms", "--stop-on-saturation",
+                        "--save-result", str(tmp_path / "sat.json"))
+        rep = distbench("run", "--url", srv.url, "--dataset", f"jsonl:{trace}", "--strategy", "trace",
+                        "--time-scale", "2", "--tokenizer", vocab_dir, "--save-result", str(tmp_path / "rep.json"))
+    assert sat.returncode == 1, sat.stdout + sat.stderr
+    res = result.load(tmp_path / "sat.json")
+    assert res["interrupted"].startswith("saturated") and res["num_prompts"] < 400
+    assert "FAIL" in sat.stdout
+    assert rep.returncode == 0, rep.stdout + rep.stderr
+    rr = result.load(tmp_path / "rep.json")
+    assert [r["scheduled"] for r in rr["requests"]] == pytest.approx([0.0, 0.2, 0.4, 1.0])
+    assert [r["prompt_tokens"] for r in rr["requests"]] == [6, 6, 6, 6]
