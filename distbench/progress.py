@@ -58,12 +58,12 @@ class Monitor:
 
     def line(self) -> str:
         el = time.monotonic() - self.t0
-        parts = [f"{el:5.0f} s", f"sent {self.sent}", f"done {self.done}", f"failed {self.failed}",
-                 f"in flight {self.sent - self.done}"]
+        parts = [f"{el:.0f} s", f"sent {self.sent} done {self.done} failed {self.failed} "
+                               f"in flight {self.sent - self.done}"]
         for name, xs in (("TTFT", self.ttft), ("TPOT", self.tpot)):
             p = _p99(xs) * 1000
             lim = self.slo.get(name.lower())
-            parts.append(f"P99 {name} {p:.0f} ms" + (f" (SLO {lim * 1000:g})" if lim else ""))
+            parts.append(f"P99 {name} {p:.0f}" + (f"/{lim * 1000:g}" if lim else "") + " ms")
         if self.slo and self.done:
             parts.append(f"attainment {100 * (1 - self.misses / self.done):.1f}%")
         return " | ".join(parts)

@@ -91,3 +91,23 @@ class StubServer:
         await resp.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\ndata: [DONE]\n\n".encode())
         await resp.write_eof()
         return resp
+
+
+def main() -> None:
+    """``python -m tests.stub_server --ready-file F``: serve until killed (bench/distbench_capacity.py)."""
+    import argparse
+    import time
+    from pathlib import Path
+
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("--ready-file", required=True)
+    ap.add_argument("--token-delay-s", type=float, default=0.0)
+    a = ap.parse_args()
+    with StubServer(token_delay_s=a.token_delay_s) as srv:
+        Path(a.ready_file).write_text(json.dumps({"url": srv.url}))
+        while True:
+            time.sleep(3600)
+
+
+if __name__ == "__main__":
+    main()
