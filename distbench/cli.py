@@ -23,7 +23,12 @@ EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 
 class Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    pass
+    """Shows every default, except None/False (those options say what happens without them)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default is None or action.default is False or action.default == []:
+            return action.help or ""
+        return super()._get_help_string(action)
 
 
 def _percentiles(text: str) -> tuple[float, ...]:
@@ -66,7 +71,7 @@ def add_load_args(r: argparse.ArgumentParser, sweep: bool = False) -> None:
     r.add_argument("--tokenizer", default=None, help="model folder whose vocabulary random prompts use "
                                                      "(default: ask the server)")
     r.add_argument("--warmup", type=int, default=0, help="requests sent first and left out of every figure")
-    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--seed", type=int, default=0, help="seed of prompts, lengths and arrival times")
     r.add_argument("--model", default=None, help="model name to send (default: the server's first model)")
     r.add_argument("--slo", default=None, help="per-request SLO, e.g. ttft:250ms,tpot:50ms (ttft, tpot, itl, e2el)")
     r.add_argument("--slo-target", type=float, default=0.9, help="SLO attainment needed to pass (fraction)")
@@ -74,7 +79,7 @@ def add_load_args(r: argparse.ArgumentParser, sweep: bool = False) -> None:
                    help="vLLM's --goodput: request_goodput counts requests meeting these, e.g. ttft:250 tpot:50 "
                         "(default: the --slo)")
     r.add_argument("--percentiles", type=_percentiles, default=(50.0, 90.0, 95.0, 99.0, 99.9),
-                   help="comma-separated")
+                   help="comma-separated, e.g. 50,99,99.9")
     r.add_argument("--timeout", type=float, default=600.0, help="per-request timeout in seconds")
     r.add_argument("--token", default=None,
                    help="admin token (default $DISTSERVE_ADMIN_TOKEN): scrape the workers' /metrics too")

@@ -104,7 +104,7 @@ def add_parsers(sub, formatter, add_load_args) -> None:
     s.add_argument("--rate-start", type=float, default=1.0, help="first rate tried (req/s)")
     s.add_argument("--max-rate", type=float, default=None, help="never try above this rate")
     s.add_argument("--precision", type=float, default=0.1, help="stop bisecting when hi/lo - 1 is below this")
-    s.add_argument("--max-runs", type=int, default=10)
+    s.add_argument("--max-runs", type=int, default=10, help="runs at most, bracketing and bisecting together")
     s.add_argument("--out-dir", default="distbench-sweep", help="one result per rate, sweep.json, vs_rate.png")
     s.add_argument("--plot", action="store_true", help="also write vs_rate.png (needs matplotlib)")
     s.set_defaults(handler=cmd_sweep)
@@ -112,10 +112,10 @@ def add_parsers(sub, formatter, add_load_args) -> None:
     c = sub.add_parser("compare", help="A vs B: mean/P95/P99/std with change %% and bootstrap significance",
                        formatter_class=formatter,
                        description="Example: distbench compare before.json after.json")
-    c.add_argument("a")
-    c.add_argument("b")
+    c.add_argument("a", help="baseline result JSON")
+    c.add_argument("b", help="candidate result JSON")
     c.add_argument("--resamples", type=int, default=1000, help="bootstrap resamples")
-    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--seed", type=int, default=0, help="bootstrap seed")
     c.add_argument("--json", default=None, help="also write the table here")
     c.set_defaults(handler=cmd_compare)
 
@@ -129,7 +129,7 @@ def add_parsers(sub, formatter, add_load_args) -> None:
 
     m = sub.add_parser("merge", help="merge results losslessly (HDR histograms added)", formatter_class=formatter,
                        description="Example: distbench merge w1.json w2.json -o all.json")
-    m.add_argument("results", nargs="+")
+    m.add_argument("results", nargs="+", help="distbench result JSONs")
     m.add_argument("-o", "--output", required=True)
     m.set_defaults(handler=cmd_merge)
 

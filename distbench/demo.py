@@ -69,10 +69,11 @@ def add_parser(sub, formatter) -> None:
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--mode", choices=["disaggregated", "colocated"], default="disaggregated")
-    p.add_argument("--requests", type=int, default=32)
-    p.add_argument("--concurrency", type=int, default=8)
-    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--mode", choices=["disaggregated", "colocated"], default="disaggregated",
+                   help="router + 1 prefill + 1 decode worker, or 1 colocated worker")
+    p.add_argument("--requests", type=int, default=32, help="streaming completions to send")
+    p.add_argument("--concurrency", type=int, default=8, help="closed-loop users")
+    p.add_argument("--max-tokens", type=int, default=32, help="output tokens per request")
     p.add_argument("--model", default=None, help="Hugging Face model folder (default: the built-in tiny model)")
     p.add_argument("--config", default=None, help="distserve YAML config")
 

@@ -105,20 +105,20 @@ def add_parser(sub, formatter) -> None:
                        formatter_class=formatter,
                        description=__doc__ + "\nExample: distbench locust --url http://127.0.0.1:8080 --users 8 "
                                              "--run-time 30 --workers 2 --save-result l.json")
-    p.add_argument("--url", required=True)
+    p.add_argument("--url", required=True, help="server base URL, with or without a trailing /v1")
     p.add_argument("--users", type=int, default=8, help="concurrent Locust users (closed loop)")
     p.add_argument("--spawn-rate", type=float, default=8.0, help="users started per second")
     p.add_argument("--run-time", type=float, default=30.0, help="seconds")
     p.add_argument("--workers", type=int, default=0, help="0: one headless process; N: a master and N local workers")
-    p.add_argument("--prompt-len", type=int, default=128)
-    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--prompt-len", type=int, default=128, help="random prompt tokens")
+    p.add_argument("--output-len", type=int, default=64, help="output tokens (ignore_eos)")
     p.add_argument("--slo", default=None, help="e.g. ttft:250ms,tpot:50ms")
-    p.add_argument("--slo-target", type=float, default=0.9)
+    p.add_argument("--slo-target", type=float, default=0.9, help="SLO attainment needed to pass (fraction)")
     p.add_argument("--token", default=None, help="admin token (default $DISTSERVE_ADMIN_TOKEN)")
     p.add_argument("--tokenizer", default=None,
                    help="model folder whose vocabulary prompts use (default: ask the server)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--save-result", default=None)
+    p.add_argument("--seed", type=int, default=0, help="seed of the prompts")
+    p.add_argument("--save-result", default=None, help="write the merged result JSON here")
     p.set_defaults(handler=cmd_locust)
 
 
