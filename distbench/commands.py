@@ -124,7 +124,7 @@ def add_parsers(sub, formatter, add_load_args) -> None:
                        description="Example: distbench plot a.json b.json --out-dir plots (needs matplotlib: "
                                    "pip install 'distserve[bench]')")
     p.add_argument("results", nargs="+", help="run results and/or sweep.json files")
-    p.add_argument("--out-dir", default="distbench-plots")
+    p.add_argument("--out-dir", default="distbench-plots", help="where the PNGs go")
     p.set_defaults(handler=cmd_plot)
 
     m = sub.add_parser("merge", help="merge results losslessly (HDR histograms added)", formatter_class=formatter,

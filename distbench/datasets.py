@@ -190,7 +190,8 @@ def jsonl_items(path: str, n: int | None, vocab: Vocab | None, output: Lengths |
                 if vocab is None:
                     raise ValueError("prompt_len without prompt needs the target's vocabulary")
                 ids, text = vocab.draw(rng, plen), None
-            olen = int(d["output_len"]) if "output_len" in d else (output.draw(rng) if output else 0)
+            olen_raw = d.get("output_len", d.get("output_tokens"))  # output_tokens: vLLM custom dataset
+            olen = int(olen_raw) if olen_raw is not None else (output.draw(rng) if output else 0)
             if olen < 1 or plen < 1:
                 raise ValueError("output_len and prompt length must be >= 1")
             at = float(d["timestamp"]) if "timestamp" in d else None

@@ -73,6 +73,10 @@ def test_jsonl_dataset_and_trace(tmp_path):
     items = jsonl_items(str(p), None, Vocab(100), None)
     assert [i.at for i in items] == [0.0, 0.5, 1.0]
     assert items[0].prompt_ids == [5, 6] and len(items[1].prompt_ids) == 8 and items[2].text == "hello there"
+    vllm_custom = tmp_path / "custom.jsonl"  # vLLM's custom dataset format drives distbench too
+    vllm_custom.write_text('{"prompt": "What is the capital of India?", "output_tokens": 10}\n')
+    [item] = jsonl_items(str(vllm_custom), None, None, None)
+    assert item.text.startswith("What") and item.output_len == 10 and item.at is None
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": [1], "output_len": 0}\n')
     with pytest.raises(ValueError, match="bad.jsonl:1"):
