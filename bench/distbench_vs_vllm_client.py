@@ -3,9 +3,10 @@
     .venv/bin/python bench/distbench_vs_vllm_client.py --vllm-python /tmp/vllmcpu/bin/python [--rate 4]
         [--num-prompts 100] [--repeats 2] [--out FILE]
 
-Both clients send the same prompts: one JSONL file that is vLLM's ``custom`` dataset (``prompt``,
-``output_tokens``) and distbench's ``jsonl:PATH`` (random letters, so no prefix-cache hits; the tiny
-model's byte tokenizer makes one token per letter). Poisson arrivals at ``--rate``, each client with its
+Both clients send the same prompts: one ShareGPT-format file (vLLM ``--dataset-name sharegpt``,
+distbench ``--dataset sharegpt:PATH``; vLLM's ``custom`` dataset would need pandas) of random letters,
+so no prefix-cache hits; the tiny model's byte tokenizer makes one token per letter; the output length
+is fixed with ``--sharegpt-output-len`` / ``--output-len``. Poisson arrivals at ``--rate``, each client with its
 own seed; runs alternate (vLLM, distbench, vLLM, ...) so drift hits both. Reported per run: mean and P99
 TTFT; distbench's from the scheduled send (headline) and from the actual send (vLLM's definition).
 """
@@ -40,9 +41,10 @@ def main() -> None:
     rng = random.Random(0)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        data = Path(tmp) / "prompts.jsonl"
-        data.write_text("\n".join(json.dumps({"prompt": "".join(rng.choices(string.ascii_letters, k=args.prompt_chars)),
-                                              "output_tokens": args.output_len}) for _ in range(args.num_prompts)))
+        data = Path(tmp) / "sharegpt.json"
+        data.write_text(json.dumps([{"conversations": [
+            {"from": "human", "value": "".join(rng.choices(string.ascii_letters, k=args.prompt_chars))},
+            {"from": "gpt", "value": "x" * 64}]} for _ in range(args.num_prompts)]))
         with ServeProcess(Path(tmp) / "serve", mode=args.mode, token="agreement") as srv:
             model = srv.get("/v1/models")["data"][0]["id"]
             host, port = srv.url.removeprefix("http://").split(":")
@@ -50,8 +52,8 @@ def main() -> None:
                 vres = Path(tmp) / f"vllm_{i}.json"
                 v = subprocess.run([args.vllm_python, str(REPO / "bench" / "vllm_client.py"), "--host", host,
                                     "--port", port, "--model", model, "--tokenizer", model,
-                                    "--dataset-name", "custom", "--dataset-path", str(data), "--disable-shuffle",
-                                    "--skip-chat-template", "--custom-output-len", str(args.output_len),
+                                    "--dataset-name", "sharegpt", "--dataset-path", str(data),
+                                    "--sharegpt-output-len", str(args.output_len),
                                     "--ignore-eos", "--request-rate", str(args.rate), "--num-prompts",
                                     str(args.num_prompts), "--seed", str(i), "--save-result", "--save-detailed",
                                     "--result-dir", tmp, "--result-filename", vres.name],
@@ -64,7 +66,8 @@ def main() -> None:
                              "mean_tpot_ms": vd["mean_tpot_ms"], "input_tokens": vd["total_input_tokens"]})
                 dres = Path(tmp) / f"distbench_{i}.json"
                 d = subprocess.run([sys.executable, "-m", "distbench", "run", "--url", srv.url, "--dataset",
-                                    f"jsonl:{data}", "--request-rate", str(args.rate), "--num-prompts",
+                                    f"sharegpt:{data}", "--output-len", str(args.output_len),
+                                    "--request-rate", str(args.rate), "--num-prompts",
                                     str(args.num_prompts), "--seed", str(i), "--no-progress", "--save-result",
                                     str(dres)], cwd=REPO, capture_output=True, text=True, check=False)
                 if d.returncode not in (0, 1):

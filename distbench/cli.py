@@ -65,7 +65,9 @@ def add_load_args(r: argparse.ArgumentParser, sweep: bool = False) -> None:
     r.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of inter-arrival times; 1 = Poisson")
     r.add_argument("--dataset", default="random", help="random | sharegpt | sharegpt:PATH | jsonl:PATH")
     r.add_argument("--prompt-len", default="128", help="N, uniform:LO:HI or lognormal:MEDIAN:SIGMA (tokens)")
-    r.add_argument("--output-len", default="64", help="N, uniform:LO:HI or lognormal:MEDIAN:SIGMA (tokens)")
+    r.add_argument("--output-len", default=None,
+                   help="N, uniform:LO:HI or lognormal:MEDIAN:SIGMA (tokens; default 64 for random prompts, "
+                        "the dataset's own lengths for sharegpt and jsonl)")
     r.add_argument("--prefix-len", type=int, default=0, help="shared system prompt of N tokens on every prompt")
     r.add_argument("--turns", type=int, default=1, help="multi-turn sessions of this many turns")
     r.add_argument("--tokenizer", default=None, help="model folder whose vocabulary random prompts use "

@@ -32,7 +32,7 @@ class UsageError(ValueError):
 class Workload:
     dataset: str = "random"  # random | sharegpt | sharegpt:PATH | jsonl:PATH
     prompt_len: str = "128"
-    output_len: str = "64"
+    output_len: str | None = None  # None: 64 for random prompts; ShareGPT/jsonl: the dataset's own lengths
     prefix_len: int = 0
     turns: int = 1
     tokenizer: str | None = None
@@ -80,7 +80,9 @@ async def probe(base: str, token: str | None) -> dict:
 
 def build_items(w: Workload, n: int, info: dict) -> tuple[list[Item], Vocab | None]:
     try:
-        prompt, output = Lengths.parse(w.prompt_len, "--prompt-len"), Lengths.parse(w.output_len, "--output-len")
+        prompt = Lengths.parse(w.prompt_len, "--prompt-len")
+        given = Lengths.parse(w.output_len, "--output-len") if w.output_len is not None else None
+        output = given or Lengths.parse("64", "--output-len")
         vocab = Vocab.from_tokenizer(w.tokenizer) if w.tokenizer else (
             Vocab(int(info["vocab_size"])) if info.get("vocab_size") else None)
         pool = min(n, 2000)  # cycled: long closed-loop runs need no huge list
@@ -90,12 +92,11 @@ def build_items(w: Workload, n: int, info: dict) -> tuple[list[Item], Vocab | No
                 raise UsageError("--dataset random needs the target's vocabulary: the server did not say it; "
                                  "give --tokenizer MODEL_DIR (or --token for distserve's /v1/workers)")
             return random_items(pool, prompt, output, vocab, w.seed, w.prefix_len, w.turns), vocab
-        out_override = output if w.output_len != "64" else None
         if kind == "sharegpt":
-            return sharegpt_items(pool, path or None, vocab, out_override, w.seed,
+            return sharegpt_items(pool, path or None, vocab, given, w.seed,
                                   int(info.get("max_model_len") or 2048)), vocab
         if kind == "jsonl" and path:
-            return jsonl_items(path, None, vocab, output, w.seed), vocab
+            return jsonl_items(path, None, vocab, given, w.seed), vocab
         raise UsageError(f"--dataset {w.dataset!r}: use random, sharegpt, sharegpt:PATH or jsonl:PATH")
     except UsageError:
         raise
