@@ -143,6 +143,31 @@ def _sharegpt_path(path: str | None) -> Path:
         return Path(p)
 
 
+def _conversations(p: Path) -> list[dict]:
+    """The JSON array of conversations; a file cut short (the PyPI package's copy ends mid-string) gives
+    the complete conversations before the cut."""
+    text = p.read_text(encoding="utf-8")
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        pass
+    dec, out = json.JSONDecoder(), []
+    i = text.find("[") + 1
+    while True:
+        while i < len(text) and text[i] in " \t\r\n,":
+            i += 1
+        if i >= len(text) or text[i] == "]":
+            break
+        try:
+            obj, i = dec.raw_decode(text, i)
+        except json.JSONDecodeError:
+            break  # the truncated tail
+        out.append(obj)
+    if not out:
+        raise ValueError(f"--dataset sharegpt: {p} is not a JSON array of conversations")
+    return out
+
+
 def sharegpt_items(n: int, path: str | None, vocab: Vocab | None, output: Lengths | None, seed: int = 0,
                    max_len: int = 2048) -> list[Item]:
     """vLLM's sampling: conversations with >= 2 turns, first human turn -> prompt, the reply's token
@@ -150,7 +175,7 @@ def sharegpt_items(n: int, path: str | None, vocab: Vocab | None, output: Length
     p = _sharegpt_path(path)
     if not p.exists():
         raise ValueError(f"--dataset sharegpt: {p} does not exist")
-    data = [d for d in json.loads(p.read_text()) if len(d.get("conversations", [])) >= 2]
+    data = [d for d in _conversations(p) if len(d.get("conversations", [])) >= 2]
     random.Random(seed).shuffle(data)
     tok = _load_tokenizer(vocab.tokenizer_path) if vocab else None
     count = (lambda s: len(tok.encode(s, add_special_tokens=False).ids)) if tok else (lambda s: max(1, len(s) // 4))

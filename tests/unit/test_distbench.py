@@ -182,3 +182,7 @@ def test_sharegpt_from_a_path_uses_the_first_exchange(tmp_path):
     items = sharegpt_items(10, str(p), None, None, seed=1)
     assert len(items) == 5 and all(i.output_len == 20 and i.text.startswith("q") for i in items)
     assert sorted(i.prompt_len for i in items) == [10, 20, 30, 40, 50]
+    cut = tmp_path / "cut.json"  # the PyPI package's copy ends mid-string: the complete ones are used
+    text = json.dumps(convs[:3], indent=1)
+    cut.write_text(text[: text.rindex('"value"') + 12])
+    assert len(sharegpt_items(10, str(cut), None, None)) == 2
