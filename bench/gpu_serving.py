@@ -35,24 +35,22 @@ CPU dry run: ``python bench/gpu_serving.py --layout one-gpu --device cpu --model
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import math
 import os
-import random
-import signal
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import yaml
-
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from distbench.metrics import percentile  # noqa: E402
+from distbench.loadgen import RunSpec  # noqa: E402
+from distbench.metrics import attainment, percentile_with_failures  # noqa: E402
+from distbench.result import records_of  # noqa: E402
+from distbench.runner import Options, Workload  # noqa: E402
+from distbench.runner import run as run_distbench  # noqa: E402
+from distbench.target import ServeProcess  # noqa: E402
 
 SLO_SHORT = {"ttft_ms": 250.0, "tpot_ms": 50.0}
 SLO_LONG = {"ttft_ms": 200.0, "tpot_ms": 50.0}
@@ -79,160 +77,42 @@ def log(msg: str) -> None:
     print(f"[{time.monotonic() - T_START:6.1f}s] {msg}", flush=True)
 
 
-# ------------------------------------------------------------------ load generator
-class Rec:
-    __slots__ = ("sched", "sent", "first", "last", "tokens", "ok", "error")
-
-    def __init__(self, sched: float):
-        self.sched, self.sent, self.first, self.last = sched, None, None, None
-        self.tokens, self.ok, self.error = 0, False, None
-
-
-async def one_request(session, url: str, model: str, prompt: list[int], max_tokens: int, rec: Rec) -> None:
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
-            "ignore_eos": True, "temperature": 0.0, "stream_options": {"include_usage": True}}
-    rec.sent = time.perf_counter()
-    try:
-        async with session.post(url, json=body) as r:
-            if r.status != 200:
-                rec.error = f"HTTP {r.status}: {(await r.text())[:200]}"
-                return
-            async for raw in r.content:
-                if not raw.startswith(b"data: "):
-                    continue
-                now = time.perf_counter()
-                if b'"choices":[{' in raw:
-                    if rec.first is None:
-                        rec.first = now
-                    rec.last = now
-                elif b'"usage"' in raw:
-                    rec.tokens = json.loads(raw[6:])["usage"]["completion_tokens"]
-                elif raw.startswith(b"data: [DONE]"):
-                    break
-            rec.ok = rec.first is not None and rec.tokens > 0
-            if not rec.ok and rec.error is None:
-                rec.error = "stream ended without tokens/usage"
-    except asyncio.CancelledError:
-        rec.error = "cancelled (drain timeout)"
-        raise
-    except Exception as e:  # noqa: BLE001 - a failed request is data
-        rec.error = f"{type(e).__name__}: {e}"[:200]
+# ------------------------------------------------------------------ load (distbench)
+def drive(url: str, token: str | None, prompt_len: int, out_len: int, *, seed: int, duration_s: float,
+          concurrency: int | None = None, rate: float | None = None, timeout_s: float = 120.0,
+          num_prompts: int = 10**9) -> dict:
+    """One distbench run: closed loop (``concurrency``) or Poisson open loop (``rate``) for ``duration_s``."""
+    spec = RunSpec(url=url, strategy="closed" if concurrency else "poisson", concurrency=concurrency,
+                   request_rate=rate, num_prompts=num_prompts, duration_s=duration_s, seed=seed,
+                   timeout_s=timeout_s)
+    wl = Workload(prompt_len=str(prompt_len), output_len=str(out_len), seed=seed)
+    return run_distbench(Options(spec, wl, percentiles=(50.0, 90.0, 95.0, 99.0), progress=False, token=token))
 
 
-def _prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
-    return [rng.randrange(100, vocab - 1) for _ in range(n)]
-
-
-async def closed_loop(url: str, model: str, vocab: int, concurrency: int, duration_s: float,
-                      prompt_len: int, out_len: int, seed: int) -> tuple[list[Rec], float]:
-    import aiohttp
-
-    rng = random.Random(seed)
-    recs: list[Rec] = []
-    stop_at = time.perf_counter() + duration_s
-    timeout = aiohttp.ClientTimeout(total=None, sock_read=120)
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as s:
-        async def user():
-            while time.perf_counter() < stop_at:
-                rec = Rec(time.perf_counter())
-                recs.append(rec)
-                await one_request(s, url, model, _prompt(rng, prompt_len, vocab), out_len, rec)
-        t0 = time.perf_counter()
-        await asyncio.gather(*(user() for _ in range(concurrency)))
-        wall = time.perf_counter() - t0
-    return recs, wall
-
-
-async def open_loop(url: str, model: str, vocab: int, rate: float, duration_s: float, prompt_len: int,
-                    out_len: int, seed: int, drain_s: float) -> tuple[list[Rec], float]:
-    """Poisson arrivals at `rate` for `duration_s`; send times fixed in advance."""
-    import aiohttp
-
-    rng = random.Random(seed)
-    duration_s = min(2 * duration_s, max(duration_s, 20.0 / rate))  # >= ~20 arrivals where time allows
-    offsets, t = [], 0.0
-    while True:
-        t += rng.expovariate(rate)
-        if t > duration_s:
-            break
-        offsets.append(t)
-    if not offsets:
-        return [], 0.0
-    prompts = [_prompt(rng, prompt_len, vocab) for _ in offsets]
-    timeout = aiohttp.ClientTimeout(total=None, sock_read=120)
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as s:
-        t0 = time.perf_counter() + 0.05
-        recs = [Rec(t0 + o) for o in offsets]
-
-        async def fire(rec: Rec, prompt):
-            delay = rec.sched - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            await one_request(s, url, model, prompt, out_len, rec)
-        tasks = [asyncio.ensure_future(fire(r, p)) for r, p in zip(recs, prompts)]
-        done, pending = await asyncio.wait(tasks, timeout=duration_s + drain_s)
-        for p in pending:
-            p.cancel()
-        if pending:
-            await asyncio.wait(pending, timeout=5)
-        wall = time.perf_counter() - t0
-    return recs, wall
-
-
-# ------------------------------------------------------------------ statistics
-_pct = percentile  # distbench's: linear interpolation between closest ranks
-
-
-def _dist(xs: list[float]) -> dict:
-    if not xs:
+def _dist(res: dict, key: str) -> dict:
+    if not res["completed"]:
         return {"n": 0}
-    return {"n": len(xs), "mean": statistics.fmean(xs), "p50": _pct(xs, 50), "p90": _pct(xs, 90),
-            "p95": _pct(xs, 95), "p99": _pct(xs, 99), "std": statistics.pstdev(xs), "max": max(xs)}
+    return {"n": res["completed"], "mean": res[f"mean_{key}_ms"], "p50": res[f"median_{key}_ms"],
+            "p90": res[f"p90_{key}_ms"], "p95": res[f"p95_{key}_ms"], "p99": res[f"p99_{key}_ms"],
+            "std": res[f"std_{key}_ms"], "max": res[f"max_{key}_ms"]}
 
 
-def summarize(recs: list[Rec], wall: float, slo: dict, open_loop_run: bool) -> dict:
-    if not recs:
-        return {"requests": 0, "slo_attainment": 0.0, "throughput_rps": 0.0, "ttft_ms": {}, "tpot_ms": {},
-                "p90_ttft_all_ms": math.nan, "p99_ttft_all_ms": math.nan, "p90_tpot_all_ms": math.nan,
-                "p99_tpot_all_ms": math.nan, "failed": 0,
-                "meets": {"attainment_90": False, "p90": False, "p99": False}}
-    inf = math.inf
-    ttft, tpot, e2e, lag = [], [], [], []
-    met, ok = 0, 0
-    # failed / unfinished requests count as infinitely slow: they pull percentiles up, never down
-    ttft_all, tpot_all = [], []
-    for r in recs:
-        if r.sent is not None:
-            lag.append((r.sent - r.sched) * 1e3)
-        if not r.ok:
-            ttft_all.append(inf)
-            tpot_all.append(inf)
-            continue
-        ok += 1
-        a = (r.first - r.sched) * 1e3
-        b = (r.last - r.first) * 1e3 / (r.tokens - 1) if r.tokens > 1 else 0.0
-        ttft.append(a)
-        tpot.append(b)
-        ttft_all.append(a)
-        tpot_all.append(b)
-        e2e.append((r.last - r.sched) * 1e3)
-        met += a <= slo["ttft_ms"] and b <= slo["tpot_ms"]
-    n = len(recs)
-    out_tokens = sum(r.tokens for r in recs if r.ok)
-    errors: dict[str, int] = {}
-    for r in recs:
-        if not r.ok:
-            key = (r.error or "?")[:80]
-            errors[key] = errors.get(key, 0) + 1
-    s = {"requests": n, "completed": ok, "failed": n - ok, "wall_s": wall,
-         "throughput_rps": ok / wall if wall > 0 else 0.0, "output_tok_per_s": out_tokens / wall if wall else 0,
-         "ttft_ms": _dist(ttft), "tpot_ms": _dist(tpot), "e2e_ms": _dist(e2e),
-         "slo": slo, "slo_attainment": met / n if n else 0.0,
-         "p90_ttft_all_ms": _pct(ttft_all, 90), "p99_ttft_all_ms": _pct(ttft_all, 99),
-         "p90_tpot_all_ms": _pct(tpot_all, 90), "p99_tpot_all_ms": _pct(tpot_all, 99),
-         "errors": errors}
+def summarize(res: dict, slo: dict, open_loop_run: bool) -> dict:
+    """This script's summary of a distbench result (figures from distbench's one statistics module)."""
+    recs = records_of(res)
+    limits = {"ttft": slo["ttft_ms"] / 1000, "tpot": slo["tpot_ms"] / 1000}
+    s = {"requests": res["num_prompts"], "completed": res["completed"], "failed": res["failed"],
+         "wall_s": res["duration"], "throughput_rps": res["request_throughput"],
+         "output_tok_per_s": res["output_throughput"], "ttft_ms": _dist(res, "ttft"),
+         "tpot_ms": _dist(res, "tpot"), "e2e_ms": _dist(res, "e2el"), "slo": slo,
+         "slo_attainment": attainment(recs, limits), "errors": res["failures"]}
+    for m in ("ttft", "tpot"):
+        for q in (90, 99):
+            s[f"p{q}_{m}_all_ms"] = percentile_with_failures(recs, m, q)
     if open_loop_run:
-        s["client_lag_ms"] = _dist(lag)
+        s["client_lag_ms"] = _dist(res, "send_lag")
+        s["late_sends"] = res["late_sends"]
+        s["ttft_service_ms"] = _dist(res, "ttft_service")
     s["meets"] = {
         "attainment_90": s["slo_attainment"] >= ATTAIN,
         "p90": s["p90_ttft_all_ms"] <= slo["ttft_ms"] and s["p90_tpot_all_ms"] <= slo["tpot_ms"],
@@ -259,15 +139,16 @@ def goodput(sweep: list[dict], gpus: int) -> dict:
 
 # ------------------------------------------------------------------ server
 class Server:
+    """distbench's shared ``distserve serve`` helper plus this script's log and metric views."""
+
     def __init__(self, name: str, args, config: dict, serve_args: list[str], workdir: Path):
-        self.name, self.args, self.workdir = name, args, workdir
-        self.cfg_path = workdir / f"{name}.yaml"
-        self.cfg_path.write_text(yaml.safe_dump(config))
-        self.ready = workdir / f"{name}.ready.json"
-        self.log_dir = workdir / f"logs-{name}"
+        self.name, self.args, self.config = name, args, config
+        self.workdir = workdir / name
+        self.log_dir = self.workdir / "logs"
         self.serve_args = serve_args
-        self.proc: subprocess.Popen | None = None
+        self.srv: ServeProcess | None = None
         self.url = ""
+        self.token: str | None = None
 
     def start(self, timeout_s: float) -> float:
         env = dict(os.environ)
@@ -275,28 +156,18 @@ class Server:
         if "expandable_segments:True" in conf:  # cuda_ipc exports plain cudaMalloc blocks only
             env.pop("PYTORCH_CUDA_ALLOC_CONF")
             RESULTS["notes"].append(f"removed PYTORCH_CUDA_ALLOC_CONF={conf} for the server")
-        cmd = [sys.executable, "-m", "server.cli", "serve", "--config", str(self.cfg_path), "--port", "0",
-               "--ready-file", str(self.ready), "--log-dir", str(self.log_dir), *self.serve_args]
-        log(f"start {self.name}: {' '.join(cmd[3:])}")
+        log(f"start {self.name}: {' '.join(self.serve_args)}")
         t0 = time.monotonic()
-        out = open(self.workdir / f"{self.name}.launcher.log", "wb")
-        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
-        out.close()
-        while not self.ready.exists():
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name}: launcher exited with {self.proc.returncode}")
-            if time.monotonic() - t0 > timeout_s:
-                raise RuntimeError(f"{self.name}: not healthy after {timeout_s:.0f} s")
-            time.sleep(0.25)
-        self.url = json.loads(self.ready.read_text())["url"]
+        try:
+            self.srv = ServeProcess(self.workdir, config=self.config, extra_args=self.serve_args, env=env,
+                                    timeout_s=timeout_s, cwd=REPO)
+        except RuntimeError as e:
+            raise RuntimeError(f"{self.name}: {str(e)[:300]}") from None
+        self.url, self.token = self.srv.url, self.srv.token
         return time.monotonic() - t0
 
     def workers(self) -> dict:
-        import urllib.request
-        token = json.loads(self.ready.read_text())["token"]
-        req = urllib.request.Request(f"{self.url}/v1/workers", headers={"Authorization": f"Bearer {token}"})
-        with urllib.request.urlopen(req, timeout=5) as r:
-            return json.loads(r.read())
+        return {"workers": self.srv.workers()}
 
     def metric_lines(self, prefix: str) -> list[str]:
         import urllib.request
@@ -308,7 +179,7 @@ class Server:
 
     def log_tails(self, n: int = 25) -> dict:
         tails = {}
-        for p in sorted(self.log_dir.glob("*.log")) + [self.workdir / f"{self.name}.launcher.log"]:
+        for p in sorted(self.log_dir.glob("*.log")) + [self.workdir / "serve.log"]:
             try:
                 lines = p.read_text(errors="replace").splitlines()
             except OSError:
@@ -318,15 +189,9 @@ class Server:
         return tails
 
     def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        time.sleep(1.0)  # children watch the launcher and exit within a second
+        if self.srv is not None:
+            self.srv.stop()
+            time.sleep(1.0)  # children watch the launcher and exit within a second
 
 
 # ------------------------------------------------------------------ phases
@@ -353,11 +218,11 @@ def run_mode(name: str, args, serve_args: list[str], gpus: int, workloads: list[
         res["workers"] = [{k: w.get(k) for k in ("worker_id", "role", "kv_blocks_free")}
                           for w in srv.workers()["workers"]]
         save()
-        url = f"{srv.url}/v1/completions"
+        url = srv.url
         # warm-up: a few requests of each workload (first-use kernels, allocator, connections)
         for wl in workloads:
-            asyncio.run(closed_loop(url, args.model, vocab, min(4, args.concurrency), 2.0,
-                                    wl["prompt_len"], wl["out_len"], seed=1))
+            drive(url, srv.token, wl["prompt_len"], wl["out_len"], seed=1, duration_s=2.0,
+                  concurrency=min(4, args.concurrency))
         for wi, wl in enumerate(workloads):
             key = wl["name"]
             # closed loop: concurrency 100 on the short workload; a shorter one on the long one
@@ -366,9 +231,8 @@ def run_mode(name: str, args, serve_args: list[str], gpus: int, workloads: list[
             if left() < dur + 10:
                 RESULTS["errors"][f"{name}/{key}/closed"] = "skipped: out of time"
                 continue
-            recs, wall = asyncio.run(closed_loop(url, args.model, vocab, conc, dur, wl["prompt_len"],
-                                                 wl["out_len"], seed=2))
-            s = summarize(recs, wall, wl["slo"], False)
+            s = summarize(drive(url, srv.token, wl["prompt_len"], wl["out_len"], seed=2, duration_s=dur,
+                                concurrency=conc), wl["slo"], False)
             s["concurrency"] = conc
             res.setdefault("closed_loop", {})[key] = s
             log(f"{name}/{key} closed c={conc}: {s['throughput_rps']:.1f} req/s, TTFT p50 "
@@ -387,9 +251,10 @@ def run_mode(name: str, args, serve_args: list[str], gpus: int, workloads: list[
                 need = min(2 * wl["open_s"], max(wl["open_s"], 20.0 / rate)) + 4
                 if time.monotonic() + need > min(wl_deadline, DEADLINE - 20):
                     return None
-                recs, wall = asyncio.run(open_loop(url, args.model, vocab, rate, wl["open_s"], wl["prompt_len"],
-                                                   wl["out_len"], seed=int(rate * 100) + 7, drain_s=wl["drain_s"]))
-                s = summarize(recs, wall, wl["slo"], True)
+                open_s = min(2 * wl["open_s"], max(wl["open_s"], 20.0 / rate))  # >= ~20 arrivals where time allows
+                res = drive(url, srv.token, wl["prompt_len"], wl["out_len"], seed=int(rate * 100) + 7,
+                            duration_s=open_s, rate=rate, timeout_s=open_s + wl["drain_s"])
+                s = summarize(res, wl["slo"], True)
                 point = {"rate": rate, "summary": s}
                 sweep.append(point)
                 sweep.sort(key=lambda p: p["rate"])

@@ -8,7 +8,9 @@ the same prompts one at a time (no queueing) two ways and times the first token:
 - disaggregated: router `/v1/completions` (stream) vs the prefill worker's
   `/internal/prefill` (which returns token #1; the router adds its hop, the
   decode worker pick and the SSE framing on top).
-Reports P50/P99 of each and of the difference (P50 of router minus P50 of direct).
+Reports P50/P99 of each and of the difference (P50 of router minus P50 of direct). The server is
+started by distbench's shared helper, the router request is distbench's client, the percentiles are
+distbench's (HDR, nearest rank).
 KV transfer throughput per transport is measured by bench/kv_transfer_cpu.py.
 """
 
@@ -17,9 +19,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -27,25 +26,24 @@ from pathlib import Path
 
 import aiohttp
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from distbench.client import body_for, send  # noqa: E402
+from distbench.datasets import Item  # noqa: E402
+from distbench.metrics import stats_of  # noqa: E402
+from distbench.records import RequestRecord  # noqa: E402
+from distbench.target import ServeProcess  # noqa: E402
+
 TOKEN = "bench-serving-cpu"
 
 
-def pct(values: list[float], q: float) -> float:
-    s = sorted(values)
-    return s[min(len(s) - 1, int(round(q / 100 * (len(s) - 1))))]
-
-
 async def ttft_router(s: aiohttp.ClientSession, url: str, prompt: list[int]) -> float:
-    body = {"prompt": prompt, "max_tokens": 4, "temperature": 0.0, "ignore_eos": True, "stream": True}
-    t0 = time.perf_counter()
-    async with s.post(f"{url}/v1/completions", json=body) as r:
-        async for raw in r.content:
-            if raw.startswith(b"data: {"):
-                dt = time.perf_counter() - t0
-                break
-        async for _ in r.content:
-            pass
-    return dt
+    """distbench's own client: one streamed /v1/completions, TTFT from the send."""
+    rec = RequestRecord(0, 0.0)
+    item = Item(prompt, None, 4, len(prompt))
+    await send(s, url, "/v1/completions", body_for("/v1/completions", item, None, None), rec, time.perf_counter())
+    if not rec.ok:
+        raise RuntimeError(f"router request failed: {rec.error}")
+    return rec.ttft_service
 
 
 async def ttft_direct(s: aiohttp.ClientSession, worker: dict, prompt: list[int], i: int) -> float:
@@ -82,32 +80,18 @@ async def measure(url: str, n: int) -> dict:
             via.append(await ttft_router(s, url, p))
             direct.append(await ttft_direct(s, target, p, i))
         via, direct = via[5:], direct[5:]  # warm-up
-    ms = lambda xs: [x * 1000 for x in xs]  # noqa: E731
-    v, d = ms(via), ms(direct)
-    return {"direct_at": target["role"], "n": len(v),
-            "router_ttft_ms": {"p50": pct(v, 50), "p99": pct(v, 99), "mean": statistics.fmean(v)},
-            "direct_ttft_ms": {"p50": pct(d, 50), "p99": pct(d, 99), "mean": statistics.fmean(d)},
-            "added_ms": {"p50": pct(v, 50) - pct(d, 50), "p99": pct(v, 99) - pct(d, 99)}}
+    v, d = stats_of(via, "router", (50, 99)), stats_of(direct, "direct", (50, 99))
+    out = {"direct_at": target["role"], "n": len(via)}
+    for name, st in (("router", v), ("direct", d)):
+        out[f"{name}_ttft_ms"] = {"p50": st[f"p50_{name}_ms"], "p99": st[f"p99_{name}_ms"],
+                                  "mean": st[f"mean_{name}_ms"]}
+    out["added_ms"] = {q: out["router_ttft_ms"][q] - out["direct_ttft_ms"][q] for q in ("p50", "p99")}
+    return out
 
 
 def run_mode(mode: str, n: int) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        ready = Path(tmp) / "ready.json"
-        env = dict(os.environ, DISTSERVE_ADMIN_TOKEN=TOKEN)
-        proc = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--mode", mode, "--port", "0",
-                                 "--ready-file", str(ready)], env=env, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL)
-        try:
-            deadline = time.monotonic() + 180
-            while not ready.exists():
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"{mode} server did not start")
-                time.sleep(0.1)
-            url = json.loads(ready.read_text())["url"]
-            return {"mode": mode, **asyncio.run(measure(url, n))}
-        finally:
-            proc.terminate()
-            proc.wait(30)
+    with tempfile.TemporaryDirectory() as tmp, ServeProcess(tmp, mode=mode, token=TOKEN) as srv:
+        return {"mode": mode, **asyncio.run(measure(srv.url, n))}
 
 
 def main() -> None:

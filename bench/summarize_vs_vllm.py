@@ -16,7 +16,8 @@ Without the per-request arrays it falls back to the client's own `request_goodpu
 meeting the --goodput SLOs per second of benchmark duration) * duration / num_prompts, which is
 the same quantity when the client ran with the same SLOs.
 
-Needs only the Python standard library.
+Percentiles and SLO checks come from distbench's one statistics module (HDR, nearest rank; the
+client's own pNN keys are preferred where the file has them).
 """
 from __future__ import annotations
 
@@ -26,32 +27,19 @@ import json
 import math
 import os
 import sys
+from pathlib import Path
 
-
-def percentile(values: list[float], p: float) -> float:
-    """numpy's default (linear interpolation) percentile, without numpy."""
-    if not values:
-        return float("nan")
-    xs = sorted(values)
-    k = (len(xs) - 1) * p / 100.0
-    lo, hi = math.floor(k), math.ceil(k)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from distbench.metrics import meets, stats_of  # noqa: E402
+from distbench.vllm_compat import records_from_vllm  # noqa: E402
 
 
 def per_request(d: dict):
     """Yield (ok, ttft_s, tpot_s) per request from a --save-detailed result, else None."""
-    ttfts, lats, outs = d.get("ttfts"), d.get("latencies"), d.get("output_lens")
-    if not (isinstance(ttfts, list) and isinstance(lats, list) and isinstance(outs, list)):
+    recs = records_from_vllm(d)
+    if recs is None:
         return None
-    if not (len(ttfts) == len(lats) == len(outs)):
-        return None
-    errors = d.get("errors") or [""] * len(ttfts)
-    rows = []
-    for ttft, lat, out, err in zip(ttfts, lats, outs, errors):
-        ok = bool(out) and out > 0 and ttft is not None and ttft > 0 and not err
-        tpot = (lat - ttft) / (out - 1) if ok and out > 1 else 0.0
-        rows.append((ok, ttft, tpot))
-    return rows
+    return [(r.ok, r.ttft, r.tpot if r.tpot is not None else 0.0) for r in recs], recs
 
 
 def summarize_one(path: str, ttft_ms: float, tpot_ms: float) -> dict:
@@ -69,14 +57,15 @@ def summarize_one(path: str, ttft_ms: float, tpot_ms: float) -> dict:
         "completed": d.get("completed"),
         "out_tps": d.get("output_throughput"),
     }
-    reqs = per_request(d)
+    got = per_request(d)
+    reqs, recs = got if got is not None else (None, None)
     if reqs is not None:
         good_ttfts = [t * 1000 for ok, t, _ in reqs if ok]
         good_tpots = [tp * 1000 for ok, _, tp in reqs if ok]
         # The client's own percentiles only count outputs longer than one token for TPOT.
         client_tpots = [tp * 1000 for (ok, _, tp), out in zip(reqs, d["output_lens"])
                         if ok and out > 1]
-        met = sum(1 for ok, t, tp in reqs if ok and t * 1000 <= ttft_ms and tp * 1000 <= tpot_ms)
+        met = sum(meets(r, {"ttft": ttft_ms / 1000, "tpot": tpot_ms / 1000}) for r in recs)
         row["attain"] = 100.0 * met / max(num, len(reqs), 1)
         row["attain_src"] = "per-request"
         row["completed"] = sum(1 for ok, _, _ in reqs if ok)
@@ -96,7 +85,7 @@ def summarize_one(path: str, ttft_ms: float, tpot_ms: float) -> dict:
             if v is None and p == 50:
                 v = d.get(f"median_{metric}_ms")
             if v is None and fallback:
-                v = percentile(fallback, p)
+                v = stats_of([x / 1000 for x in fallback], metric, (p,))[f"p{p}_{metric}_ms"]
             row[f"{metric}_p{p}"] = v
     return row
 

@@ -1,25 +1,39 @@
-"""``distbench``: load generator for OpenAI-compatible LLM servers.
+"""``distbench``: load generator for OpenAI-compatible LLM servers, built for P99/P99.9.
 
+    distbench run --url http://127.0.0.1:8080 --request-rate 12 --num-prompts 200 --slo ttft:250ms,tpot:50ms \\
+        --save-result r.json
     distbench run --url http://127.0.0.1:8080 --concurrency 100 --prompt-len 128 --output-len 64 --duration 300
-    distbench run --url URL --request-rate 12 --num-prompts 200 --slo ttft:250ms,tpot:50ms --save-result r.json
+    distbench sweep --url URL --slo ttft:250ms,tpot:50ms --out-dir sweep/
+    distbench compare A.json B.json
+    distbench plot A.json B.json --out-dir plots/
+    distbench merge part1.json part2.json -o all.json
+
+Exit status: 0 pass, 1 SLO missed or requests failed, 2 bad arguments or unreachable URL,
+130 interrupted (the partial result is still written).
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import json
-import os
 import sys
-from pathlib import Path
 
-from distbench.loadgen import LoadSpec, run_load
-from distbench.metrics import parse_slo, summarize
+from distbench.runner import UsageError
+
+EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 
-def _percentiles(text: str) -> list[float]:
+class Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Shows every default, except None/False (those options say what happens without them)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default is None or action.default is False or action.default == []:
+            return action.help or ""
+        return super()._get_help_string(action)
+
+
+def _percentiles(text: str) -> tuple[float, ...]:
     try:
-        qs = [float(x) for x in text.split(",")]
+        qs = tuple(float(x) for x in text.split(","))
     except ValueError:
         raise argparse.ArgumentTypeError(f"--percentiles must be numbers like 50,99,99.9, got {text!r}") from None
     if any(not 0 < q < 100 for q in qs):
@@ -27,72 +41,132 @@ def _percentiles(text: str) -> list[float]:
     return qs
 
 
-def print_summary(s: dict, percentiles: list[float]) -> None:
-    print(f"completed {s['completed']}, failed {s['failed']}, {s['duration']:.1f} s, "
-          f"{s['request_throughput']:.2f} req/s, {s['output_throughput']:.0f} output tok/s")
-    keys = [f"p{q:g}".replace(".", "_") if q != int(q) else f"p{int(q)}" for q in percentiles]
-    print(f"{'ms':<6}{'mean':>9}{'std':>9}" + "".join(f"{k.upper():>9}" for k in keys))
-    for m in ("ttft", "tpot", "itl", "e2e"):
-        print(f"{m.upper():<6}{s[f'mean_{m}_ms']:>9.2f}{s[f'std_{m}_ms']:>9.2f}"
-              + "".join(f"{s[f'{k}_{m}_ms']:>9.2f}" for k in keys))
-    if "slo_attainment" in s:
-        print(f"SLO {s['slo']} attainment: {100 * s['slo_attainment']:.1f}%")
+def add_load_args(r: argparse.ArgumentParser, sweep: bool = False) -> None:
+    r.add_argument("--url", required=True, help="server base URL, with or without a trailing /v1")
+    r.add_argument("--endpoint", default="/v1/completions",
+                   choices=["/v1/completions", "/v1/chat/completions", "/generate"])
+    if not sweep:
+        r.add_argument("--strategy", default=None, choices=["closed", "poisson", "gamma", "constant", "trace"],
+                       help="arrivals (default: closed with --concurrency, gamma with --burstiness != 1, "
+                            "trace with --time-scale, else poisson)")
+        r.add_argument("--concurrency", type=int, default=None, help="closed loop: this many users")
+        r.add_argument("--request-rate", type=float, default=None, help="open loop: requests per second")
+        r.add_argument("--max-concurrency", type=int, default=None,
+                       help="open loop: at most this many requests in flight; the others are sent late "
+                            "(and counted as late sends)")
+        r.add_argument("--num-prompts", type=int, default=None,
+                       help="requests to send (default 100; with --duration the duration ends the run "
+                            "and this is an upper bound, default unlimited)")
+        r.add_argument("--duration", type=float, default=None, help="stop sending after this many seconds")
+        r.add_argument("--time-scale", type=float, default=1.0, help="trace replay speed-up (2 = twice as fast)")
+        r.add_argument("--stop-on-saturation", action="store_true",
+                       help="end the run once the SLO attainment target can no longer be met")
+        r.add_argument("--save-result", default=None, help="write the result JSON here (atomically)")
+    r.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of inter-arrival times; 1 = Poisson")
+    r.add_argument("--dataset", default="random", help="random | sharegpt | sharegpt:PATH | jsonl:PATH")
+    r.add_argument("--prompt-len", default="128", help="N, uniform:LO:HI or lognormal:MEDIAN:SIGMA (tokens)")
+    r.add_argument("--output-len", default=None,
+                   help="N, uniform:LO:HI or lognormal:MEDIAN:SIGMA (tokens; default 64 for random prompts, "
+                        "the dataset's own lengths for sharegpt and jsonl)")
+    r.add_argument("--prefix-len", type=int, default=0, help="shared system prompt of N tokens on every prompt")
+    r.add_argument("--turns", type=int, default=1, help="multi-turn sessions of this many turns")
+    r.add_argument("--tokenizer", default=None, help="model folder whose vocabulary random prompts use "
+                                                     "(default: ask the server)")
+    r.add_argument("--warmup", type=int, default=0, help="requests sent first and left out of every figure")
+    r.add_argument("--seed", type=int, default=0, help="seed of prompts, lengths and arrival times")
+    r.add_argument("--model", default=None, help="model name to send (default: the server's first model)")
+    r.add_argument("--slo", default=None, help="per-request SLO, e.g. ttft:250ms,tpot:50ms (ttft, tpot, itl, e2el)")
+    r.add_argument("--slo-target", type=float, default=0.9, help="SLO attainment needed to pass (fraction)")
+    r.add_argument("--goodput", nargs="+", default=[], metavar="KEY:MS",
+                   help="vLLM's --goodput: request_goodput counts requests meeting these, e.g. ttft:250 tpot:50 "
+                        "(default: the --slo)")
+    r.add_argument("--percentiles", type=_percentiles, default=(50.0, 90.0, 95.0, 99.0, 99.9),
+                   help="comma-separated, e.g. 50,99,99.9")
+    r.add_argument("--timeout", type=float, default=600.0, help="per-request timeout in seconds")
+    r.add_argument("--token", default=None,
+                   help="admin token (default $DISTSERVE_ADMIN_TOKEN): scrape the workers' /metrics too")
+    r.add_argument("--no-progress", action="store_true", help="no live progress line")
+
+
+def options_from(args, **spec_overrides):
+    from distbench.loadgen import RunSpec
+    from distbench.runner import Options, Workload, admin_token
+
+    strategy = getattr(args, "strategy", None)
+    conc, rate = getattr(args, "concurrency", None), getattr(args, "request_rate", None)
+    if strategy is None:
+        strategy = ("closed" if conc is not None else "trace" if getattr(args, "time_scale", 1.0) != 1.0
+                    else "gamma" if args.burstiness != 1.0 else "poisson")
+    if strategy == "closed" and rate is not None:
+        raise UsageError("give --concurrency (closed loop) or --request-rate (open loop), not both")
+    if strategy not in ("closed", "trace") and rate is None and "request_rate" not in spec_overrides:
+        raise UsageError("give --concurrency N (closed loop) or --request-rate R (open loop)")
+    duration = getattr(args, "duration", None)
+    num = getattr(args, "num_prompts", None)
+    if num is None:
+        num = 10**9 if duration else 100
+    if args.turns < 1 or args.prefix_len < 0:
+        raise UsageError("--turns must be >= 1 and --prefix-len >= 0")
+    kw = {"url": _base(args.url), "endpoint": args.endpoint, "strategy": strategy, "request_rate": rate,
+              "burstiness": args.burstiness, "concurrency": conc,
+          "max_concurrency": getattr(args, "max_concurrency", None), "num_prompts": num, "duration_s": duration,
+              "warmup": args.warmup, "seed": args.seed, "model": args.model, "timeout_s": args.timeout,
+              "time_scale": getattr(args, "time_scale", 1.0)}
+    kw.update(spec_overrides)
+    try:
+        spec = RunSpec(**kw)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    w = Workload(args.dataset, args.prompt_len, args.output_len, args.prefix_len, args.turns, args.tokenizer,
+                 args.seed)
+    return Options(spec, w, args.slo, tuple(args.goodput), args.slo_target, args.percentiles,
+                   getattr(args, "stop_on_saturation", False), not args.no_progress, admin_token(args.token))
+
+
+def _base(url: str) -> str:
+    from distbench.client import base_url
+
+    if not url.startswith(("http://", "https://")):
+        raise UsageError(f"--url must start with http:// or https://, got {url!r}")
+    return base_url(url)
 
 
 def cmd_run(args) -> int:
-    try:
-        spec = LoadSpec(url=args.url.rstrip("/"), num_prompts=args.num_prompts, prompt_len=args.prompt_len,
-                        output_len=args.output_len, concurrency=args.concurrency, request_rate=args.request_rate,
-                        burstiness=args.burstiness, duration_s=args.duration, seed=args.seed, model=args.model)
-        slo = parse_slo(args.slo)
-    except ValueError as e:
-        print(f"distbench: error: {e}", file=sys.stderr)
-        return 2
-    records, wall = asyncio.run(run_load(spec))
-    summary = summarize(records, wall, args.percentiles, slo)
-    print_summary(summary, args.percentiles)
+    from distbench import result
+    from distbench.runner import run
+    from distbench.summary import format_summary
+
+    res = run(options_from(args))
     if args.save_result:
-        result = {"spec": spec.__dict__, "percentiles": args.percentiles, **summary,
-                  "requests": [r.to_dict() for r in records]}
-        path = Path(args.save_result)
-        tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
-        tmp.write_text(json.dumps(result, indent=1))
-        os.replace(tmp, path)  # never a half-written report
-        print(f"saved {path}")
-    return 0 if summary["failed"] == 0 else 1
+        print(f"saved {result.save(res, args.save_result)}")
+    print(format_summary(res))
+    if res["interrupted"] == "stopped by signal":
+        return EXIT_INTERRUPTED
+    return EXIT_OK if res["verdict"]["pass"] else EXIT_FAIL
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="distbench", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="distbench", description=__doc__, formatter_class=Formatter)
     sub = p.add_subparsers(dest="command", required=True)
-    r = sub.add_parser("run", help="one load run against a server",
-                       description="Closed loop (--concurrency) or open loop (--request-rate). "
-                                   "Example: distbench run --url http://127.0.0.1:8080 --concurrency 8 "
-                                   "--num-prompts 64")
-    r.add_argument("--url", required=True)
-    mode = r.add_mutually_exclusive_group(required=True)
-    mode.add_argument("--concurrency", type=int)
-    mode.add_argument("--request-rate", type=float)
-    r.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrivals; 1 = Poisson")
-    r.add_argument("--num-prompts", type=int, default=None, help="default: 1000 with --duration, else 100")
-    r.add_argument("--duration", type=float, default=None, help="stop sending after this many seconds")
-    r.add_argument("--prompt-len", type=int, default=128)
-    r.add_argument("--output-len", type=int, default=64)
-    r.add_argument("--seed", type=int, default=0)
-    r.add_argument("--model", default=None)
-    r.add_argument("--slo", default=None, help="e.g. ttft:250ms,tpot:50ms")
-    r.add_argument("--percentiles", type=_percentiles, default=[50.0, 90.0, 95.0, 99.0, 99.9])
-    r.add_argument("--save-result", default=None)
+    r = sub.add_parser("run", help="one load run against a server", formatter_class=Formatter,
+                       description="Closed loop (--concurrency) or open loop (--request-rate; TTFT from the "
+                                   "scheduled send time). Example: distbench run --url http://127.0.0.1:8080 "
+                                   "--request-rate 8 --num-prompts 200 --slo ttft:250ms,tpot:50ms")
+    add_load_args(r)
     r.set_defaults(handler=cmd_run)
+    from distbench import commands
+
+    commands.add_parsers(sub, Formatter, add_load_args)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if getattr(args, "num_prompts", 0) is None:
-        args.num_prompts = 100000 if args.duration else 100
-    return args.handler(args)
+    try:
+        return args.handler(args)
+    except UsageError as e:
+        print(f"distbench: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
 
 
 if __name__ == "__main__":

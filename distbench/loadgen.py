@@ -1,169 +1,166 @@
-"""Streams completions at a server over the OpenAI API and records per-request timings.
+"""The run loop: sends the workload at the strategy's times (open loop) or from N users (closed loop).
 
-Open loop (``request_rate``): send times are drawn in advance (Poisson, or gamma
-with ``burstiness``) and TTFT is measured from the *scheduled* send time, so a
-client that falls behind does not hide queueing (coordinated omission); the lag
-is recorded. Closed loop (``concurrency``): each of N users sends its next
-request when the previous one finishes.
+Open loop: send times are fixed in advance and TTFT/E2E are measured from the *scheduled* time (wrk2's
+rule), so a client or server that falls behind cannot hide queueing; how late each send went out is
+recorded (``sent - scheduled``). Closed loop: each user sends its next request when the previous one
+finished (scheduled == sent). Multi-turn sessions run their turns in order; a later turn is due when
+the previous one finished. ``stop`` (an asyncio.Event: Ctrl-C, --stop-on-saturation) ends sending; the
+requests in flight get ``grace_s`` to finish, then are cancelled and recorded as failed.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
-import random
+import contextlib
+import itertools
 import time
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import aiohttp
 
-
-@dataclass
-class RequestRecord:
-    index: int
-    scheduled: float  # seconds from the run's start
-    sent: float
-    ttft: float | None = None  # from the scheduled time
-    e2e: float | None = None
-    itl: list[float] = field(default_factory=list)
-    prompt_tokens: int = 0
-    output_tokens: int = 0
-    error: str | None = None
-
-    @property
-    def ok(self) -> bool:
-        return self.error is None and self.ttft is not None
-
-    @property
-    def tpot(self) -> float | None:
-        if not self.ok or self.output_tokens < 2:
-            return None
-        return (self.e2e - self.ttft) / (self.output_tokens - 1)
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d["tpot"] = self.tpot
-        return d
+from distbench.client import body_for, send
+from distbench.datasets import Item, Vocab
+from distbench.records import RequestRecord
+from distbench.strategies import schedule
 
 
 @dataclass(frozen=True)
-class LoadSpec:
-    url: str
-    num_prompts: int
-    prompt_len: int = 128
-    output_len: int = 64
-    concurrency: int | None = None  # closed loop
-    request_rate: float | None = None  # open loop, req/s
-    burstiness: float = 1.0  # gamma shape; 1 = Poisson
-    duration_s: float | None = None  # stop sending after this long
+class RunSpec:
+    url: str  # base URL, no /v1
+    endpoint: str = "/v1/completions"
+    strategy: str = "poisson"  # closed | poisson | gamma | constant | trace
+    request_rate: float | None = None
+    burstiness: float = 1.0
+    concurrency: int | None = None
+    max_concurrency: int | None = None  # open loop: at most this many in flight; the rest are sent late
+    num_prompts: int = 100
+    duration_s: float | None = None
+    warmup: int = 0
     seed: int = 0
     model: str | None = None
     timeout_s: float = 600.0
+    time_scale: float = 1.0  # trace replay: 2.0 = twice as fast
+    grace_s: float = 5.0
 
     def __post_init__(self) -> None:
-        if (self.concurrency is None) == (self.request_rate is None):
-            raise ValueError("give exactly one of concurrency (closed loop) or request_rate (open loop)")
-        if self.concurrency is not None and self.concurrency < 1:
-            raise ValueError(f"concurrency must be >= 1, got {self.concurrency}")
-        if self.request_rate is not None and self.request_rate <= 0:
-            raise ValueError(f"request_rate must be > 0, got {self.request_rate}")
-        if self.num_prompts < 1 or self.prompt_len < 1 or self.output_len < 1:
-            raise ValueError("num_prompts, prompt_len and output_len must be >= 1")
+        if self.strategy == "closed":
+            if not self.concurrency or self.concurrency < 1:
+                raise ValueError("--concurrency must be >= 1 for the closed loop")
+        elif self.strategy != "trace" and not (self.request_rate and self.request_rate > 0):
+            raise ValueError(f"--request-rate must be > 0 for --strategy {self.strategy}")
+        if self.num_prompts < 1:
+            raise ValueError(f"--num-prompts must be >= 1, got {self.num_prompts}")
         if self.burstiness <= 0:
-            raise ValueError(f"burstiness must be > 0, got {self.burstiness}")
+            raise ValueError(f"--burstiness must be > 0, got {self.burstiness}")
+        if self.time_scale <= 0:
+            raise ValueError(f"--time-scale must be > 0, got {self.time_scale}")
+        if self.max_concurrency is not None and self.max_concurrency < 1:
+            raise ValueError(f"--max-concurrency must be >= 1, got {self.max_concurrency}")
+        if self.warmup < 0:
+            raise ValueError(f"--warmup must be >= 0, got {self.warmup}")
 
 
-def make_prompts(spec: LoadSpec) -> list[list[int]]:
-    """Token-id prompts of exactly prompt_len tokens (ids 3..258: byte tokens of the tiny model)."""
-    rng = random.Random(spec.seed)
-    return [[rng.randrange(3, 259) for _ in range(spec.prompt_len)] for _ in range(spec.num_prompts)]
+def _jobs(items: list[Item], n: int) -> Iterator[list[int]]:
+    """Item indices grouped into jobs: a session's consecutive turns together, else one item each;
+    items are cycled to reach n."""
+    job: list[int] = []
+    for i in range(n):
+        it = items[i % len(items)]
+        if job and (it.session is None or it.session != items[job[0] % len(items)].session or it.turn == 0):
+            yield job
+            job = []
+        job.append(i)
+    if job:
+        yield job
 
 
-def schedule(spec: LoadSpec) -> list[float]:
-    if spec.request_rate is None:
-        return [0.0] * spec.num_prompts
-    rng = random.Random(spec.seed + 1)
-    t, out = 0.0, []
-    for _ in range(spec.num_prompts):
-        out.append(t)
-        theta = 1.0 / (spec.request_rate * spec.burstiness)
-        t += rng.gammavariate(spec.burstiness, theta)
-    return out
-
-
-async def _one(http: aiohttp.ClientSession, spec: LoadSpec, rec: RequestRecord, prompt: list[int],
-               t_start: float) -> None:
-    body = {"prompt": prompt, "max_tokens": spec.output_len, "temperature": 0.0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
-    if spec.model:
-        body["model"] = spec.model
-    rec.prompt_tokens = len(prompt)
-    sched_abs = t_start + rec.scheduled
-    last = None
-    try:
-        async with http.post(f"{spec.url}/v1/completions", json=body) as r:
-            if r.status != 200:
-                rec.error = f"HTTP {r.status}: {(await r.text())[:200]}"
-                return
-            async for raw in r.content:
-                if not raw.startswith(b"data: ") or raw.startswith(b"data: [DONE]"):
-                    continue
-                data = json.loads(raw[6:])
-                now = time.perf_counter()
-                if "error" in data:
-                    rec.error = data["error"].get("message", "error")
-                    return
-                if data.get("choices"):
-                    if rec.ttft is None:
-                        rec.ttft = now - sched_abs
-                    elif last is not None:
-                        rec.itl.append(now - last)
-                    last = now
-                elif data.get("usage"):
-                    rec.output_tokens = data["usage"]["completion_tokens"]
-        rec.e2e = time.perf_counter() - sched_abs
-    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-        rec.error = f"{type(e).__name__}: {e}"
-
-
-async def run_load(spec: LoadSpec, progress=None) -> tuple[list[RequestRecord], float]:
-    prompts = make_prompts(spec)
-    times = schedule(spec)
-    records = [RequestRecord(i, times[i], 0.0) for i in range(spec.num_prompts)]
+async def run_load(spec: RunSpec, items: list[Item], vocab: Vocab | None = None,
+                   on_done: Callable[[RequestRecord], None] | None = None,
+                   on_sent: Callable[[RequestRecord], None] | None = None,
+                   stop: asyncio.Event | None = None) -> tuple[list[RequestRecord], float, float]:
+    """Returns (records in send order incl. warm-up, measured duration s, unix time of the start)."""
+    stop = stop or asyncio.Event()
     timeout = aiohttp.ClientTimeout(total=spec.timeout_s)
-    connector = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as http:
-        t_start = time.perf_counter()
-        deadline = t_start + spec.duration_s if spec.duration_s else None
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as http:
+        records: list[RequestRecord] = []
+        gate = asyncio.Semaphore(spec.max_concurrency) if spec.max_concurrency else contextlib.nullcontext()
 
-        async def fire(rec: RequestRecord) -> None:
-            rec.sent = time.perf_counter() - t_start
-            await _one(http, spec, rec, prompts[rec.index], t_start)
-            if progress:
-                progress()
+        async def one(i: int, rec: RequestRecord, t0: float) -> None:
+            it = items[i % len(items)]
+            rec.prompt_tokens, rec.session, rec.turn = it.prompt_len, it.session, it.turn
+            records.append(rec)
+            if on_sent:
+                on_sent(rec)
+            async with gate:  # waiting here makes the send late: recorded, never hidden
+                await send(http, spec.url, spec.endpoint, body_for(spec.endpoint, it, spec.model, vocab), rec, t0)
+            if on_done:
+                on_done(rec)
 
-        if spec.request_rate is not None:
-            tasks = []
-            for rec in records:
-                delay = t_start + rec.scheduled - time.perf_counter()
-                if deadline and t_start + rec.scheduled > deadline:
-                    break
-                if delay > 0:
-                    await asyncio.sleep(delay)
-                tasks.append(asyncio.create_task(fire(rec)))
-            await asyncio.gather(*tasks)
-            records = records[: len(tasks)]
-        else:
-            queue = list(reversed(records))
-            done: list[RequestRecord] = []
+        if spec.warmup:  # excluded from every figure; its own clock
+            tw, uw = time.perf_counter(), time.time()
+            await asyncio.gather(*(one(i, RequestRecord(-1 - i, 0.0, start_unix=uw, warmup=True), tw)
+                                   for i in range(spec.warmup)))
+            for r in records:
+                r.scheduled = r.sent
+        t0, unix0 = time.perf_counter(), time.time()
+        deadline = t0 + spec.duration_s if spec.duration_s else None
+        tasks: set[asyncio.Task] = set()
+        jobs = _jobs(items, spec.num_prompts)  # lazily: a long closed-loop run needs no huge list
 
+        def new_rec(i: int, offset: float) -> RequestRecord:
+            return RequestRecord(i, offset, start_unix=unix0 + offset)
+
+        def sending_over() -> bool:
+            return stop.is_set() or (deadline is not None and time.perf_counter() >= deadline)
+
+        async def run_job(job: list[int], first_offset: float) -> None:
+            offset = first_offset
+            for k, i in enumerate(job):
+                if k and sending_over():
+                    return
+                await one(i, new_rec(i, offset), t0)
+                offset = time.perf_counter() - t0  # the next turn is due now
+
+        if spec.strategy == "closed":
             async def user() -> None:
-                while queue and not (deadline and time.perf_counter() > deadline):
-                    rec = queue.pop()
-                    rec.scheduled = time.perf_counter() - t_start  # closed loop: sent when due
-                    await fire(rec)
-                    done.append(rec)
+                while not sending_over():
+                    job = next(jobs, None)
+                    if job is None:
+                        return
+                    await run_job(job, time.perf_counter() - t0)
 
-            await asyncio.gather(*(user() for _ in range(spec.concurrency)))
-            records = sorted(done, key=lambda r: r.index)
-        return records, time.perf_counter() - t_start
+            tasks = {asyncio.create_task(user()) for _ in range(spec.concurrency)}
+        else:
+            if spec.duration_s and spec.request_rate and spec.strategy != "trace":  # the clock ends the run
+                jobs = itertools.islice(jobs, int(spec.request_rate * spec.duration_s * 3) + 100)
+            job_list = list(jobs)
+            if spec.strategy == "trace":
+                offsets = [(items[job[0] % len(items)].at or 0.0) / spec.time_scale for job in job_list]
+            else:
+                offsets = schedule(spec.strategy, len(job_list), spec.request_rate, spec.burstiness, spec.seed)
+            for job, off in zip(job_list, offsets):
+                due = t0 + off
+                if deadline is not None and due >= deadline:
+                    break
+                # plain sleeps (wait_for costs a task per send), at most 0.2 s each so a stop is seen soon
+                while (delay := due - time.perf_counter()) > 0 and not stop.is_set():
+                    await asyncio.sleep(min(delay, 0.2))
+                if stop.is_set():
+                    break
+                task = asyncio.create_task(run_job(job, off))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+        pending = set(tasks)
+        if pending:
+            all_done = asyncio.ensure_future(asyncio.wait(pending))  # cancelling it cancels no request
+            stop_wait = asyncio.ensure_future(stop.wait())
+            await asyncio.wait({all_done, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
+            stop_wait.cancel()
+            if not all_done.done():  # stopped: in-flight requests get grace_s, then are cancelled
+                all_done.cancel()
+                _, late = await asyncio.wait(pending, timeout=spec.grace_s)
+                for t in late:
+                    t.cancel()
+                await asyncio.gather(*late, return_exceptions=True)
+        return records, time.perf_counter() - t0, unix0

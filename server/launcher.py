@@ -1,4 +1,4 @@
-"""``distserve serve | router | worker | demo``: process orchestration.
+"""``distserve serve | router | worker``: process orchestration.
 
 ``serve`` starts a router and its workers as child processes, waits until every
 worker is registered and healthy, prints where it listens, and on Ctrl-C /
@@ -430,30 +430,6 @@ def cmd_worker(args) -> int:
     return asyncio.run(main())
 
 
-def cmd_demo(args) -> int:
-    from server.demo import run_demo
-    if args.port is None:
-        args.port = 0  # the demo never needs a fixed port
-    try:
-        cfg = _load(args)
-    except ConfigError as e:
-        return _usage_error(str(e))
-    if args.requests < 1 or args.concurrency < 1 or args.max_tokens < 1:
-        return _usage_error("--requests, --concurrency and --max-tokens must be >= 1")
-    launcher = Launcher(cfg, args.mode, 1, 1, _token(cfg, generate=True))
-    try:
-        url = launcher.start()
-        print(f"distserve demo: server up at {url} ({args.mode}: router + "
-              f"{'1 prefill + 1 decode' if args.mode == 'disaggregated' else '1 colocated'} worker)", flush=True)
-        return run_demo(url, launcher, num_requests=args.requests, concurrency=args.concurrency,
-                        max_tokens=args.max_tokens)
-    except RuntimeError as e:
-        print(f"distserve: error: {e}", file=sys.stderr)
-        return 1
-    finally:
-        launcher.stop()
-
-
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default=None, help="YAML config (default: built-in defaults)")
     p.add_argument("--model", default=None, help="Hugging Face model folder (default: the built-in tiny model)")
@@ -512,16 +488,3 @@ def add_serve_parsers(sub) -> None:
     p.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--restart-count", type=int, default=0, help=argparse.SUPPRESS)  # set by the launcher
     p.set_defaults(handler=cmd_worker)
-
-    p = sub.add_parser("demo", help="serve the built-in model, push a short load through it, print a summary",
-                       description="The README's main job: start router + 1 prefill + 1 decode worker, send a "
-                                   "short streaming load through the OpenAI API, print latencies, stop. "
-                                   "Example: distserve demo --requests 32")
-    _common(p)
-    p.add_argument("--mode", choices=["disaggregated", "colocated"], default="disaggregated")
-    p.add_argument("--requests", type=int, default=32)
-    p.add_argument("--concurrency", type=int, default=8)
-    p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--port", type=int, default=None)
-    p.add_argument("--host", default=None)
-    p.set_defaults(handler=cmd_demo)

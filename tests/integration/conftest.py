@@ -1,20 +1,20 @@
-"""Real processes over loopback: the launcher, the router and workers as the user starts them."""
+"""Real processes over loopback: the launcher, the router and workers as the user starts them.
+
+``ServeProcess`` is distbench's shared start/stop helper (``distbench/target.py``) with the tests' settings.
+"""
 
 from __future__ import annotations
 
 import json
-import os
-import signal
 import socket
-import subprocess
-import sys
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
 import pytest
-import yaml
+
+from distbench import target
+from distbench.target import deep_merge
 
 TOKEN = "test-token-not-secret"
 
@@ -46,67 +46,13 @@ def http(method: str, url: str, body=None, token: str | None = TOKEN, timeout: f
         return status, text, headers
 
 
-def deep_merge(a: dict, b: dict) -> dict:
-    out = dict(a)
-    for k, v in b.items():
-        out[k] = deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
-
-
-class ServeProcess:
-    """``distserve serve`` in a subprocess, stopped by PID."""
+class ServeProcess(target.ServeProcess):
+    """``distserve serve`` (distbench's shared helper) with fast heartbeats and the test token."""
 
     def __init__(self, tmp: Path, mode: str = "disaggregated", prefill: int = 1, decode: int = 1,
                  config: dict | None = None, extra_args: tuple[str, ...] = ()) -> None:
-        self.tmp = tmp
-        cfg = deep_merge(FAST_HEARTBEATS, config or {})
-        cfg_path = tmp / "config.yaml"
-        cfg_path.write_text(yaml.safe_dump(cfg))
-        self.ready = tmp / "ready.json"
-        env = dict(os.environ, DISTSERVE_ADMIN_TOKEN=TOKEN)
-        self.log = open(tmp / "serve.log", "wb")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "server.cli", "serve", "--mode", mode, "--prefill", str(prefill),
-             "--decode", str(decode), "--config", str(cfg_path), "--ready-file", str(self.ready),
-             "--log-dir", str(tmp / "logs"), *extra_args],
-            env=env, stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 180
-        while not self.ready.exists():
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"serve exited with {self.proc.returncode}: {self.read_log()}")
-            if time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"serve did not become ready: {self.read_log()}")
-            time.sleep(0.1)
-        self.url = json.loads(self.ready.read_text())["url"]
-
-    def read_log(self) -> str:
-        return (self.tmp / "serve.log").read_text(errors="replace")[-4000:]
-
-    def workers(self) -> list[dict]:
-        status, body, _ = http("GET", f"{self.url}/v1/workers")
-        assert status == 200, body
-        return body["workers"]
-
-    def wait_kv_free(self, timeout: float = 10.0) -> dict:
-        """Blocks used per worker once in-flight aborts settled (heartbeats carry the counts)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            used = {w["worker_id"]: w["kv_blocks_used"] for w in self.workers() if w["healthy"]}
-            staged = {w["worker_id"]: w["num_staged_kv"] for w in self.workers() if w["healthy"]}
-            if (not any(used.values()) and not any(staged.values())) or time.monotonic() > deadline:
-                return {"used": used, "staged": staged}
-            time.sleep(0.2)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
+        super().__init__(tmp, mode=mode, prefill=prefill, decode=decode,
+                         config=deep_merge(FAST_HEARTBEATS, config or {}), token=TOKEN, extra_args=extra_args)
 
 
 @pytest.fixture(scope="module")

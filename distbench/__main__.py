@@ -1,0 +1,5 @@
+import sys
+
+from distbench.cli import main
+
+sys.exit(main())

@@ -1,0 +1,69 @@
+"""The per-request record: one definition for the generator, the statistics, the SLA audit and bench/.
+
+A result file keeps every record under the key ``requests`` (``RequestRecord.to_dict``); every figure in
+the result can be recomputed from them. Times are seconds. ``scheduled`` and ``sent`` are offsets from
+the run's start (``perf_counter``); ``start_unix`` is the wall-clock time of the scheduled send, so an SLA
+audit can window records by time. The schema is documented in docs/DISTBENCH.md; keep the keys stable.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+
+SCHEMA_VERSION = 1
+
+
+@dataclass
+class RequestRecord:
+    index: int
+    scheduled: float  # when the strategy wanted it sent (s from run start); closed loop: == sent
+    sent: float = 0.0  # when it was actually sent
+    start_unix: float = 0.0  # wall clock of `scheduled`
+    ttft: float | None = None  # first token - scheduled (open loop: includes the client's lateness)
+    ttft_service: float | None = None  # first token - sent
+    e2e: float | None = None  # last byte - scheduled
+    itl: list[float] = field(default_factory=list)  # gaps between successive token chunks
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    error: str | None = None  # None, or "HTTP 404: first words of the body", "ClientConnectorError: ..."
+    warmup: bool = False  # excluded from every figure
+    session: int | None = None  # multi-turn: conversation id
+    turn: int | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.ttft is not None and self.e2e is not None
+
+    @property
+    def late(self) -> float:
+        """How far behind its schedule the request went out (coordinated omission's size)."""
+        return max(0.0, self.sent - self.scheduled)
+
+    @property
+    def e2e_service(self) -> float | None:
+        return None if self.e2e is None else self.e2e - (self.sent - self.scheduled)
+
+    @property
+    def tpot(self) -> float | None:
+        """(last token - first token) / (output tokens - 1), vLLM's definition; None below 2 tokens."""
+        if not self.ok or self.output_tokens < 2:
+            return None
+        return (self.e2e - self.ttft) / (self.output_tokens - 1)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["tpot"] = self.tpot
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> RequestRecord:
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+def short_error(status: int | None, body: str = "", exc: BaseException | None = None, words: int = 12) -> str:
+    """'HTTP 404: {"detail":"Not Found"}' — status and the first words of the body, one line."""
+    if exc is not None:
+        text = str(exc) or ""
+        return f"{type(exc).__name__}: {' '.join(text.split()[:words])}".rstrip(": ")
+    return f"HTTP {status}: {' '.join(body.split()[:words])}".rstrip(": ")
