@@ -19,7 +19,6 @@ import os
 import platform
 import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -28,6 +27,8 @@ import urllib.request
 from pathlib import Path
 
 import aiohttp
+
+from distbench.target import ServeProcess
 
 TOKEN = "bench-failure-semantics"
 
@@ -40,19 +41,6 @@ def http(method: str, url: str, body: bytes | None = None, timeout: float = 300)
             return r.status, json.loads(r.read() or b"{}")
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read() or b"{}")
-
-
-def start(tmp: Path) -> tuple[subprocess.Popen, str]:
-    ready = tmp / "ready.json"
-    env = dict(os.environ, DISTSERVE_ADMIN_TOKEN=TOKEN)
-    proc = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--prefill", "1", "--decode", "2",
-                             "--port", "0", "--ready-file", str(ready), "--log-dir", str(tmp / "logs")],
-                            env=env, stdout=open(tmp / "serve.log", "wb"), stderr=subprocess.STDOUT)
-    while not ready.exists():
-        if proc.poll() is not None:
-            raise SystemExit(f"serve exited: {(tmp / 'serve.log').read_text()[-2000:]}")
-        time.sleep(0.1)
-    return proc, json.loads(ready.read_text())["url"]
 
 
 def workers(url: str) -> list[dict]:
@@ -182,19 +170,16 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=None, help="write the figures here (JSON)")
     args = ap.parse_args()
-    with tempfile.TemporaryDirectory(prefix="distserve-failures-") as tmp:
-        proc, url = start(Path(tmp))
-        try:
-            results = {"machine": f"{platform.node()} {os.cpu_count()} CPUs", "date": time.strftime("%F %T"),
-                       "bad_neighbour": asyncio.run(bad_neighbour(url)),
-                       "oversize": asyncio.run(oversize(url)),
-                       "frozen_decode": asyncio.run(fault_under_streams(url, "decode", signal.SIGSTOP)),
-                       "killed_decode": asyncio.run(fault_under_streams(url, "decode", signal.SIGKILL)),
-                       "killed_prefill": prefill_restart(url),
-                       "slowloris": slowloris(url)}
-        finally:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(60)
+    with tempfile.TemporaryDirectory(prefix="distserve-failures-") as tmp, \
+            ServeProcess(Path(tmp), prefill=1, decode=2, token=TOKEN) as srv:
+        url = srv.url
+        results = {"machine": f"{platform.node()} {os.cpu_count()} CPUs", "date": time.strftime("%F %T"),
+                   "bad_neighbour": asyncio.run(bad_neighbour(url)),
+                   "oversize": asyncio.run(oversize(url)),
+                   "frozen_decode": asyncio.run(fault_under_streams(url, "decode", signal.SIGSTOP)),
+                   "killed_decode": asyncio.run(fault_under_streams(url, "decode", signal.SIGKILL)),
+                   "killed_prefill": prefill_restart(url),
+                   "slowloris": slowloris(url)}
     for k, v in results.items():
         print(f"{k}: {v}")
     if args.out:
