@@ -31,6 +31,7 @@ from server.kv_transfer import KVHandle, KVPuller, KVStagingServer, TransferStat
 from server.kv_transfer.factory import choose_transport, host_id
 from server.metrics import WorkerMetrics
 from server.workers.engine_loop import EngineLoop
+from server.workers.fault import FaultRequest, StepDelays
 from server.workers.idle import IdleTimeout
 from server.workers.protocol import (
     AbortRequest, GenerateRequest, InternalSampling, PrefillRequest, PrefillResponse, WorkerStatus,
@@ -89,6 +90,12 @@ def create_worker_app(state: WorkerState) -> FastAPI:
     async def metrics():
         state.metrics.refresh(state.status(), state.loop.stats)
         return PlainTextResponse(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/admin/fault", dependencies=[Depends(require_token)])
+    async def fault(body: FaultRequest):
+        state.loop.fault = StepDelays.from_request(body)
+        log.warning("fault hook: engine step delays now %s", state.loop.fault.to_dict())
+        return state.loop.fault.to_dict()
 
     @app.get("/internal/status", dependencies=[Depends(require_token)])
     async def status():
