@@ -15,6 +15,7 @@ Every data-plane response carries ``x-distserve-pool: primary|backup``
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Callable
 
@@ -25,6 +26,7 @@ from server.router.sla_live import Finished, SlaLive
 
 POOL_HEADER = "x-distserve-pool"
 DATA_PATHS = ("/v1/completions", "/v1/chat/completions", "/generate")
+_CHOICE = re.compile(rb'"choices"\s*:\s*\[\s*\{')  # an SSE event carrying a choice (not usage-only)
 
 
 async def maybe_backup(live: SlaLive, backup: BackupPool, primary_available: Callable[[], bool], path: str,
@@ -67,7 +69,7 @@ async def maybe_backup(live: SlaLive, backup: BackupPool, primary_available: Cal
         try:
             async for chunk in upstream.content.iter_any():
                 now = time.perf_counter()
-                n = chunk.count(b'"choices":[{')  # events carrying a choice (not the usage-only chunk)
+                n = len(_CHOICE.findall(chunk))
                 if n:
                     if first is None:
                         first = now
