@@ -5,7 +5,8 @@ Two sources, one shape (``Record``):
 - distbench result files (JSON): per-request records under ``requests`` with
   ``scheduled`` (seconds from the run's start), ``ttft``/``e2e``/``tpot`` (seconds),
   ``itl`` (list of seconds), ``error``, and, in newer files, ``start_unix`` (wall-clock
-  send time);
+  time of the scheduled send) and ``warmup`` (warm-up requests are left out, as distbench
+  leaves them out of its own figures);
 - the router's request journal (JSON lines, ``router.journal_path``): one object per
   finished request with ``start_unix``, the same latency fields and ``pool``.
   Lines of another ``kind`` (e.g. breaker events) are skipped.
@@ -87,7 +88,8 @@ def _distbench(path: Path, doc: dict) -> tuple[list[Record], str]:
     reqs = doc["requests"]
     if not isinstance(reqs, list):
         raise RecordsError(f"{path}: 'requests' must be a list of per-request records")
-    unix = bool(reqs) and all(isinstance(r, dict) and r.get("start_unix") is not None for r in reqs)
+    reqs = [r for r in reqs if not (isinstance(r, dict) and r.get("warmup"))]
+    unix = bool(reqs) and all(isinstance(r, dict) and r.get("start_unix") for r in reqs)  # 0 = not recorded
     key = "start_unix" if unix else "scheduled"
     return [_record(path, i, r, key) for i, r in enumerate(reqs)], "unix" if unix else "relative"
 

@@ -99,6 +99,21 @@ def test_records_adapter_reads_router_journal(tmp_path):
         load_records([j, synthetic_result(tmp_path / "r.json")])
 
 
+def test_records_adapter_skips_warmup_and_unset_wall_clock(tmp_path):
+    p = tmp_path / "r.json"
+    reqs = [{"index": -1, "scheduled": 0.0, "start_unix": 50.0, "ttft": 9.0, "e2e": 9.5, "error": None,
+             "warmup": True},
+            {"index": 0, "scheduled": 0.5, "start_unix": 100.5, "ttft": 0.1, "e2e": 0.3, "error": None,
+             "warmup": False, "ttft_service": 0.09}]
+    p.write_text(json.dumps({"requests": reqs}))
+    data = load_records([p])
+    assert [r.start for r in data.records] == [100.5] and data.clock == "unix"
+    reqs[1]["start_unix"] = 0.0  # a writer that did not record wall-clock times
+    p.write_text(json.dumps({"requests": reqs}))
+    data = load_records([p])
+    assert [r.start for r in data.records] == [0.5] and data.clock == "relative"
+
+
 @pytest.mark.parametrize("content, message", [
     ("{\"completed\": 3}", "without 'requests'"),
     ("[1, 2]", "got a JSON list"),
