@@ -45,6 +45,11 @@ def _html(report: dict, path: Path) -> None:
     write_html(report, path)
 
 
+def _prom(report: dict, path: Path) -> None:
+    from reports.prom import write_prom
+    write_prom(report, path)
+
+
 # name -> (file name in the output folder, writer)
 RENDERERS: dict[str, tuple[str, Callable[[dict, Path], None]]] = {
     "json": ("compliance.json", _json),
@@ -52,6 +57,7 @@ RENDERERS: dict[str, tuple[str, Callable[[dict, Path], None]]] = {
     "parquet": ("compliance.parquet", _parquet),
     "html": ("report.html", _html),
     "markdown": ("summary.md", _markdown),
+    "prom": ("compliance.prom", _prom),
 }
 
 

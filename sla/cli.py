@@ -21,7 +21,7 @@ from sla.records import RecordsError, load_records
 from sla.spec import SpecError, load_spec
 
 EXIT_PASS, EXIT_FAIL, EXIT_BAD_INPUT = 0, 1, 2
-DEFAULT_FORMATS = ("json", "csv", "parquet", "html", "markdown")
+DEFAULT_FORMATS = ("json", "csv", "parquet", "html", "markdown", "prom")
 
 
 def _formats(text: str) -> list[str]:
@@ -49,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--spec", required=True, help="SLA spec YAML (configs/sla/*.yaml)")
     a.add_argument("--results", required=True, nargs="+",
                    help="distbench result files (JSON) and/or router request journals (JSON lines)")
-    a.add_argument("--out", required=True, help="folder for compliance.{json,csv,parquet}, report.html, summary.md")
+    a.add_argument("--out", required=True, help="folder for compliance.{json,csv,parquet,prom}, report.html, summary.md")
     a.add_argument("--formats", type=_formats, default=None,
                    help=f"renderers to run (default: {','.join(DEFAULT_FORMATS)}; parquet skipped "
                         f"without pyarrow unless asked for)")

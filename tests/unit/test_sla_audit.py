@@ -13,6 +13,7 @@ from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from sla.audit import COLUMNS, audit
 from sla.cli import main as sla_main
@@ -176,6 +177,11 @@ def test_cli_exports_agree(tmp_path):
     p.feed(html)
     assert "svg" in p.tags and "table" in p.tags and not p.refs  # no external resource: readable offline
     assert "FAIL" in html and "ttft_p99" in html
+    prom = {(s.name, s.labels.get("objective")): s.value
+            for f in text_string_to_metric_families((out / "compliance.prom").read_text()) for s in f.samples}
+    assert prom[("distserve_sla_pass", None)] == 0 and prom[("distserve_sla_objective_pass", "ttft_p99")] == 0
+    assert prom[("distserve_sla_windows_failed", "ttft_p99")] == 1
+    assert prom[("distserve_sla_objective_pass", "tpot_p90")] == 1
     md = (out / "summary.md").read_text()
     assert "**FAIL**" in md and "| 20 | ttft_p99 |" in md
 
