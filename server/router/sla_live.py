@@ -179,18 +179,19 @@ class SlaLive:
                    BreakerState.HALF_OPEN: "primary+backup"}[self.state]
         if not self.backup_configured:
             serving = "primary"
-        out = {"window_s": self.cfg.sla_window_s, "serving_pool": serving,
-               "breaker": {"enabled": b is not None, "state": self.state.value,
-                           "backup_configured": self.backup_configured},
-               "percentiles_ms": {}}
+        breaker: dict = {"enabled": b is not None, "state": self.state.value,
+                         "backup_configured": self.backup_configured}
+        percentiles: dict = {}
+        out = {"window_s": self.cfg.sla_window_s, "serving_pool": serving, "breaker": breaker,
+               "percentiles_ms": percentiles}
         for pool, w in self.windows.items():
-            out["percentiles_ms"][pool] = {
+            percentiles[pool] = {
                 m: {"samples": w.count(m), **{f"p{q:g}": v for q, v in w.percentiles(m, QUANTILES).items()}}
                 for m in METRICS}
         if b is not None:
             s = b.settings
             stats = self._judge.stats(s.metric, s.percentile, since=b.observe_since)
-            out["breaker"].update({
+            breaker.update({
                 "metric": s.metric, "percentile": s.percentile, "threshold_ms": s.threshold_ms,
                 "in_state_s": round(self.clock() - b.entered_at, 3),
                 "judged": {"value_ms": stats.value_ms, "samples": stats.samples},
@@ -227,8 +228,8 @@ class _Collector:
             for m in METRICS:
                 count = w.count(m)
                 n.add_metric([pool, m], count)
-                if count:
-                    for q, v in w.percentiles(m, qs).items():
+                for q, v in (w.percentiles(m, qs) if count else {}).items():
+                    if v is not None:
                         lat.add_metric([pool, m, f"{q / 100:g}"], v / 1000.0)
         yield lat
         yield n
