@@ -44,6 +44,25 @@ def test_no_primary_and_backup_unreachable_is_503_at_once(tmp_path):
         assert st["breaker"]["state"] == "closed" and st["window_s"] == 60
 
 
+def test_open_breaker_with_unreachable_backup_falls_back_to_primary(tmp_path):
+    from sla.breaker import BreakerState
+    from sla.window import WindowStats
+
+    with make_client(tmp_path, [f"http://127.0.0.1:{free_port()}"],
+                     breaker={"enabled": True, "consecutive_s": 0.001, "cooldown_s": 3600}) as c:
+        breaker = c.app.state.router.sla.breaker
+        breaker.evaluate(WindowStats(5000.0, 100))
+        while breaker.state is BreakerState.CLOSED:
+            breaker.evaluate(WindowStats(5000.0, 100))
+        assert c.get("/sla/status").json()["serving_pool"] == "backup"
+        r = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        # the backup is down, so the primary is asked; it has no workers either: 503 at once
+        assert r.status_code == 503 and r.headers["x-distserve-pool"] == "primary"
+        m = c.get("/metrics").text
+        assert 'distserve_pool_fallbacks_total{reason="backup_unreachable"} 1.0' in m
+        assert "distserve_breaker_state 1.0" in m
+
+
 class StubOpenAI:
     """A minimal OpenAI-compatible server standing in for a vLLM backup: echoes what it received."""
 
