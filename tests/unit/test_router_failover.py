@@ -138,3 +138,16 @@ def test_backup_endpoint_urls():
 def test_sampling_defaults_from_config(strategy, given, expect):
     req = parse(CompletionRequest, {"prompt": "x", **given})
     assert default_sampling(req, DecodeConfig(sampling_strategy=strategy, top_p=0.95)) == expect
+
+
+def test_fault_request_validation_and_step_choice():
+    from pydantic import ValidationError
+
+    from server.workers.fault import FaultRequest, StepDelays
+
+    d = StepDelays.from_request(FaultRequest(prefill_delay_ms=250, decode_delay_ms=10))
+    assert d.for_step(has_waiting=True) == 0.25 and d.for_step(has_waiting=False) == 0.01
+    assert StepDelays.from_request(FaultRequest()).to_dict() == {"prefill_delay_ms": 0.0, "decode_delay_ms": 0.0}
+    for bad in ({"prefill_delay_ms": -1}, {"decode_delay_ms": 60_001}, {"prefill_delay": 5}):
+        with pytest.raises(ValidationError):
+            FaultRequest(**bad)
