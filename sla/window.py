@@ -114,13 +114,20 @@ class RollingWindow:
                 buckets.popitem(last=False)
 
     def record(self, metric: str, seconds: float) -> None:
+        self.record_all(metric, (seconds,))
+
+    def record_all(self, metric: str, values: Iterable[float]) -> None:
+        """Record samples at the clock's current second (one expiry pass for all of them)."""
+        values = list(values)
+        if not values:
+            return
         now_s = int(self.clock())
         self._expire(now_s)
         buckets = self._seconds[metric]
         h = buckets.get(now_s)
         if h is None:
             h = buckets[now_s] = LatencyHistogram(word_size=4)
-        h.record(seconds)
+        h.record_all(values)
 
     def clear(self) -> None:
         for buckets in self._seconds.values():

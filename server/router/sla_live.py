@@ -133,16 +133,14 @@ class SlaLive:
                 v = getattr(f, m)
                 if v is not None:
                     w.record(m, v)
-            for x in f.itl:
-                w.record("itl", x)
+            if f.itl:
+                w.record_all("itl", f.itl)
             if f.pool == "primary" and self.breaker is not None:
                 since = self.breaker.observe_since
                 if since is None or f.start_mono >= since:
                     metric = self.cfg.breaker.metric
                     values = f.itl if metric == "itl" else (getattr(f, metric),)
-                    for v in values:
-                        if v is not None:
-                            self._judge.record(metric, v)
+                    self._judge.record_all(metric, [v for v in values if v is not None])
         self.pool_requests.labels(f.pool).inc()
         self.requests_journal.append(f.journal_line())
 
