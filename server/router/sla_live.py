@@ -139,8 +139,10 @@ class SlaLive:
                 since = self.breaker.observe_since
                 if since is None or f.start_mono >= since:
                     metric = self.cfg.breaker.metric
-                    values = f.itl if metric == "itl" else (getattr(f, metric),)
-                    self._judge.record_all(metric, [v for v in values if v is not None])
+                    if metric == "itl":
+                        self._judge.record_all(metric, f.itl)
+                    elif getattr(f, metric) is not None:
+                        self._judge.record(metric, getattr(f, metric))
         self.pool_requests.labels(f.pool).inc()
         self.requests_journal.append(f.journal_line())
 

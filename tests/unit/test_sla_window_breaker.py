@@ -25,9 +25,30 @@ def test_fast_percentile_matches_hdrhistogram():
     rng = random.Random(0)
     h = LatencyHistogram()
     h.record_all(rng.lognormvariate(-3, 1) for _ in range(5000))
+    slow = h.hdr.__class__(1, 3_600_000_000, 3)  # the package's own recording and percentile loop
+    for v in h.counts().nonzero()[0]:
+        slow.record_value(h.hdr.get_value_from_index(int(v)), int(h.counts()[v]))
     for p in (1, 50, 90, 99, 99.9, 100):
-        assert h.percentile_ms(p) == h.hdr.get_value_at_percentile(p) / 1000.0
+        assert h.percentile_ms(p) == h.hdr.get_value_at_percentile(p) / 1000.0 == slow.get_value_at_percentile(p) / 1000.0
     assert LatencyHistogram().percentile_ms(99) is None
+
+
+def test_vectorised_indices_match_hdrhistogram():
+    from sla.window import HIGHEST_US, LAYOUT
+    rng = random.Random(2)
+    values = [1, 2, 1023, 1024, 2047, 2048, 2049, 4095, 4096, 999_999, 1_000_000, HIGHEST_US - 1, HIGHEST_US]
+    values += [int(rng.lognormvariate(8, 3)) % HIGHEST_US + 1 for _ in range(20000)]
+    import numpy as np
+    got = LAYOUT.indices(np.array(values, dtype=np.int64))
+    assert got.tolist() == [LAYOUT.hdr.get_counts_array_index(v) for v in values]
+    assert [LAYOUT.index(v / 1e6) for v in values] == got.tolist()
+
+
+def test_record_all_keeps_hdr_bookkeeping():
+    h = LatencyHistogram()
+    h.record_all([0.001, 0.5, 7200.0])  # the last is clamped to one hour
+    assert h.count == 3 and h.hdr.min_value == 1000 and h.hdr.max_value == 3_600_000_000
+    assert LatencyHistogram().count == 0
 
 
 def test_percentile_within_three_significant_figures():
