@@ -90,7 +90,7 @@ async def drive(args, router: str, prefill_url: str, token: str, model: str, eve
                 model=model, prompt=f"request {i}: tell me a story about the number {i}", max_tokens=args.max_tokens,
                 temperature=0.0, stream=True)
             rec["pool"] = raw.headers.get("x-distserve-pool")
-            async for chunk in await raw.parse():
+            async for chunk in raw.parse():  # the raw response parses to the AsyncStream
                 if chunk.choices:
                     if rec["ttft"] is None:
                         rec["ttft"] = time.monotonic() - rec["start"]
