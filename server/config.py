@@ -242,6 +242,7 @@ class BreakerConfig(_Section):
     cooldown_s: float = _opt(30.0, "float", lo=0, lo_open=True)
     probe_fraction: float = _opt(0.1, "float", lo=0, hi=1, lo_open=True)
     min_samples: int = _opt(20, "int", lo=1, hi=10_000_000)
+    probe_samples: int = _opt(5, "int", lo=1, hi=10_000_000)  # probes judged before half-open decides
 
 
 @dataclass(frozen=True)
@@ -250,6 +251,11 @@ class RouterConfig(_Section):
     host: str = _opt("127.0.0.1", "str")
     port: int = _opt(8080, "int", lo=0, hi=65535)  # 0 = pick a free port
     backup_pool: tuple[str, ...] = _opt((), "url_list")
+    backup_model: str | None = _opt(None, "str", nullable=True)  # `model` sent to the backup; None = as given
+    backup_api_key: str | None = _opt(None, "str", nullable=True)  # Bearer token for the backup pool
+    sla_window_s: int = _opt(60, "int", lo=1, hi=3600)  # rolling-percentile window, seconds
+    journal_path: str | None = _opt(None, "str", nullable=True)  # JSON lines of finished requests
+    event_journal_path: str | None = _opt(None, "str", nullable=True)  # JSON lines of breaker transitions
     heartbeat_interval_ms: int = _opt(1000, "int", lo=1, hi=_MS_MAX)
     heartbeat_timeout_ms: int = _opt(3000, "int", lo=1, hi=_MS_MAX)
     request_timeout_s: float = _opt(600.0, "float", lo=0, lo_open=True)

@@ -20,17 +20,21 @@ from typing import AsyncIterator
 
 import aiohttp
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from server.config import DistServeConfig
 from server.engine.tokenizer import Tokenizer
 from server.metrics import RouterMetrics
 from server.router import protocol
+from server.router.backup_pool import BackupOptions, BackupPool
+from server.router.failover import PoolHeaderMiddleware, maybe_backup
 from server.router.limits import BodyLimit
 from server.router.pipeline import EngineRequest, NoWorkersError, Pipeline, PipelineOptions, TokenEvent
 from server.router.protocol import InvalidRequest
 from server.router.registry import RegistrationRefused, WorkerRegistry
+from server.router.sampling_defaults import default_sampling
+from server.router.sla_live import Finished, SlaLive
 from server.router.text import TextAssembler
 from server.wire import DeregisterRequest, HeartbeatRequest, InternalSampling, RegisterRequest
 
@@ -47,6 +51,8 @@ class RouterState:
     model_path: str | None = None
     tokenizer: Tokenizer | None = None
     pipeline: Pipeline | None = None
+    sla: SlaLive | None = None  # rolling percentiles, breaker, journals (server/router/sla_live.py)
+    backup: BackupPool | None = None
 
     def get_tokenizer(self) -> Tokenizer:
         if self.tokenizer is None:
@@ -107,15 +113,21 @@ def create_router_app(state: RouterState) -> FastAPI:
             state.pipeline = Pipeline(state.registry, http, state.metrics, PipelineOptions(
                 token=state.token, request_timeout_s=rc.request_timeout_s,
                 progress_timeout_s=rc.stream_progress_timeout_s))
+            state.backup = BackupPool(BackupOptions(rc.backup_pool, rc.backup_model, rc.backup_api_key), http)
+            state.sla = SlaLive(rc, state.metrics.registry, backup_configured=state.backup.configured)
+            ticker = asyncio.ensure_future(state.sla.run())
             sweeper = asyncio.create_task(sweep_registry(), name="registry-sweep")
             try:
                 yield
             finally:
                 sweeper.cancel()
+                ticker.cancel()
+                state.sla.close()
 
     app = FastAPI(title="distserve router", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.add_middleware(BodyLimit, max_bytes=rc.max_request_body_bytes, body_timeout_s=rc.body_timeout_s)
     app.state.router = state
+    app.add_middleware(PoolHeaderMiddleware)
 
     def authorized(request: Request) -> bool:
         got = request.headers.get("authorization", "")
@@ -215,6 +227,10 @@ def create_router_app(state: RouterState) -> FastAPI:
             state.metrics.worker_restarts.labels(w.worker_id, w.role).set(w.restart_count)
         return PlainTextResponse(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    @app.get("/sla/status")
+    async def sla_status():
+        return state.sla.status() if state.sla else _unavailable("starting up")
+
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{
@@ -231,14 +247,26 @@ def create_router_app(state: RouterState) -> FastAPI:
         state.metrics.requests.labels("unavailable").inc()
         return _unavailable(f"{exc}; retry later")
 
+    async def via_backup(path: str, body: dict, req) -> Response | None:
+        if state.sla is None or state.backup is None:
+            return None
+        return await maybe_backup(state.sla, state.backup, lambda: state.registry.mode() is not None, path, body,
+                                  req.stream, time.perf_counter())
+
     @app.post("/v1/completions")
     async def completions(request: Request):
-        req = protocol.parse(protocol.CompletionRequest, await json_body(request))
+        body = await json_body(request)
+        req = protocol.parse(protocol.CompletionRequest, body)
+        if (resp := await via_backup("/v1/completions", body, req)) is not None:
+            return resp
         return await _serve(request, req, await _prompt_ids(state, req.prompt), "completion")
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
-        req = protocol.parse(protocol.ChatCompletionRequest, await json_body(request))
+        body = await json_body(request)
+        req = protocol.parse(protocol.ChatCompletionRequest, body)
+        if (resp := await via_backup("/v1/chat/completions", body, req)) is not None:
+            return resp
         if req.max_completion_tokens is not None and req.max_tokens is None:
             req.max_tokens = req.max_completion_tokens
         text = protocol.render_chat(req.messages)
@@ -269,8 +297,9 @@ def create_router_app(state: RouterState) -> FastAPI:
         vocab = _vocab_size(state)
         if vocab is not None and any(t >= vocab for t in req.stop_token_ids or ()):
             raise InvalidRequest(f"stop_token_ids: token ids must be in [0, {vocab})", "stop_token_ids")
+        temperature, top_p = default_sampling(req, state.config.decode)
         sampling = InternalSampling(
-            max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=max(req.top_k, 0),
+            max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=max(req.top_k, 0),
             seed=req.seed if req.seed is not None else secrets.randbits(62),
             stop_token_ids=req.stop_token_ids or [], ignore_eos=req.ignore_eos)
         state.pipeline.check_available()  # NoWorkersError -> 503 with Retry-After
@@ -370,6 +399,7 @@ class _Run:
         self.error_status = 500  # HTTP status of `error` when the response has not started
         self.first_token_at: float | None = None
         self.last_event_at: float | None = None
+        self.itl: list[float] = []
 
     async def events(self) -> AsyncIterator[tuple[TokenEvent, str]]:
         m = self.state.metrics
@@ -385,6 +415,7 @@ class _Run:
                             m.ttft.observe(now - self.req.arrival)
                         elif self.last_event_at is not None:
                             m.itl.observe(now - self.last_event_at)
+                            self.itl.append(now - self.last_event_at)
                         self.last_event_at = now
                     self.token_ids.extend(ev.token_ids)
                     if ev.error:
@@ -431,6 +462,20 @@ class _Run:
                 m.generation_tokens.inc(len(self.token_ids))
                 if self.first_token_at is not None and len(self.token_ids) > 1:
                     m.tpot.observe((time.perf_counter() - self.first_token_at) / (len(self.token_ids) - 1))
+            if self.state.sla is not None and status != "aborted":  # a client that left is not a server failure
+                self._record_sla(status)
+
+    def _record_sla(self, status: str) -> None:
+        now = time.perf_counter()
+        ok, n = status == "ok", len(self.token_ids)
+        first = self.first_token_at
+        ttft = first - self.req.arrival if ok and first is not None else None
+        tpot = (now - first) / (n - 1) if ok and first is not None and n > 1 else None
+        self.state.sla.record(Finished(
+            "primary", time.monotonic() - (now - self.req.arrival), time.time() - (now - self.req.arrival), ok,
+            ttft=ttft, tpot=tpot, e2e=now - self.req.arrival if ok else None, itl=tuple(self.itl) if ok else (),
+            prompt_tokens=len(self.req.prompt_token_ids), output_tokens=n,
+            error=None if ok else (self.error or status)))
 
     async def collect(self) -> None:
         async for _ in self.events():

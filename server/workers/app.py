@@ -41,6 +41,7 @@ from server.wire import (
     WorkerStatus,
 )
 from server.workers.engine_loop import EngineLoop
+from server.workers.fault import FaultRequest, StepDelays
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +95,12 @@ def create_worker_app(state: WorkerState) -> FastAPI:
     async def metrics():
         state.metrics.refresh(state.status(), state.loop.stats)
         return PlainTextResponse(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/admin/fault", dependencies=[Depends(require_token)])
+    async def fault(body: FaultRequest):
+        state.loop.fault = StepDelays.from_request(body)
+        log.warning("fault hook: engine step delays now %s", state.loop.fault.to_dict())
+        return state.loop.fault.to_dict()
 
     @app.get("/internal/status", dependencies=[Depends(require_token)])
     async def status():

@@ -23,6 +23,7 @@ from typing import Any, Callable
 
 from server.engine.llm_engine import LLMEngine, RequestOutput
 from server.engine.sampling_params import SamplingParams
+from server.workers.fault import StepDelays
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +81,7 @@ class EngineLoop:
         self._task: asyncio.Task | None = None
         self._step_seconds = 0.0
         self._step_cpu_seconds = 0.0
+        self.fault = StepDelays()  # set by POST /admin/fault (server/workers/fault.py)
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="engine-loop")
@@ -122,6 +124,11 @@ class EngineLoop:
                 except TimeoutError:
                     pass
                 continue
+            delay = self.fault.for_step(engine.scheduler.num_waiting > 0)
+            if delay:
+                await asyncio.sleep(delay)  # handlers keep running; only the engine waits
+                if not engine.has_unfinished_requests():  # all aborted meanwhile
+                    continue
             t0, c0 = time.perf_counter(), time.thread_time()
             try:
                 outputs = engine.step()

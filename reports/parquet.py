@@ -1,0 +1,24 @@
+"""Parquet renderer (pyarrow, the optional ``reports`` extra): the rows with typed columns."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+from reports.atomic import atomic_write
+
+_TYPES = {"int": "int64", "float": "float64", "str": "string"}
+
+
+def write_parquet(report: dict, path: Path) -> None:
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError:
+        from reports import RendererUnavailable
+        raise RendererUnavailable("parquet needs pyarrow: pip install 'distserve[reports]'") from None
+    schema = pa.schema([(name, getattr(pa, _TYPES[kind])()) for name, kind in report["columns"]])
+    table = pa.Table.from_pylist(report["rows"], schema=schema)
+    buf = io.BytesIO()
+    pq.write_table(table, buf)
+    atomic_write(path, buf.getvalue())

@@ -1,0 +1,114 @@
+"""Which pool serves a request, and proxying it to the backup pool.
+
+``maybe_backup`` is called by the OpenAI routes after the request was validated.
+It returns a response when the backup pool serves the request, or None when the
+primary should (the route then goes on as before):
+
+- breaker says primary and the primary can serve → None;
+- breaker says backup (open, or half-open and not a probe), or the primary has no
+  healthy workers → try the backup pool; if no backup answers → None (the primary
+  serves, or its 503 with Retry-After goes out at once when it cannot either).
+
+Every data-plane response carries ``x-distserve-pool: primary|backup``
+(``PoolHeaderMiddleware`` adds ``primary`` where the backup path did not set it).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from typing import Callable
+
+from starlette.responses import Response, StreamingResponse
+
+from server.router.backup_pool import BackupPool
+from server.router.sla_live import Finished, SlaLive
+
+POOL_HEADER = "x-distserve-pool"
+DATA_PATHS = ("/v1/completions", "/v1/chat/completions", "/generate")
+_CHOICE = re.compile(rb'"choices"\s*:\s*\[\s*\{')  # an SSE event carrying a choice (not usage-only)
+
+
+async def maybe_backup(live: SlaLive, backup: BackupPool, primary_available: Callable[[], bool], path: str,
+                       body: dict, stream: bool, arrival: float) -> Response | None:
+    pool = live.choose_pool()
+    if pool == "primary":
+        if primary_available() or not backup.configured:
+            return None
+        reason = "primary_unavailable"
+    else:
+        reason = None
+    upstream = await backup.open(path, body)
+    if upstream is None:
+        if pool == "backup":
+            live.fallbacks.labels("backup_unreachable").inc()
+        return None
+    if reason:
+        live.fallbacks.labels(reason).inc()
+    headers = {POOL_HEADER: "backup"}
+    media = upstream.headers.get("Content-Type", "application/json")
+    start_mono = time.monotonic() - (time.perf_counter() - arrival)
+    start_unix = time.time() - (time.perf_counter() - arrival)
+    if not stream:
+        try:
+            data = await upstream.read()
+        finally:
+            upstream.release()
+        e2e = time.perf_counter() - arrival
+        ok = upstream.status < 400
+        live.record(Finished("backup", start_mono, start_unix, ok, ttft=e2e if ok else None, e2e=e2e if ok else None,
+                             error=None if ok else f"backup HTTP {upstream.status}"))
+        return Response(data, status_code=upstream.status, media_type=media, headers=headers)
+
+    async def relay():
+        first: float | None = None
+        last: float | None = None
+        itl: list[float] = []
+        events = 0
+        ok = upstream.status < 400
+        try:
+            async for chunk in upstream.content.iter_any():
+                now = time.perf_counter()
+                n = len(_CHOICE.findall(chunk))
+                if n:
+                    if first is None:
+                        first = now
+                    elif last is not None:
+                        itl.append(now - last)
+                    last = now
+                    events += n
+                yield chunk
+        except Exception as e:  # the backup broke mid-stream: the client sees the cut, the journal the cause
+            ok = False
+            live.record(Finished("backup", start_mono, start_unix, False, error=f"backup stream broke: {e}"))
+            raise
+        finally:
+            upstream.release()
+        end = time.perf_counter()
+        ttft = None if first is None else first - arrival
+        tpot = (end - first) / (events - 1) if first is not None and events > 1 else None
+        live.record(Finished("backup", start_mono, start_unix, ok and ttft is not None, ttft=ttft, tpot=tpot,
+                             e2e=end - arrival, itl=tuple(itl), output_tokens=events,
+                             error=None if ok else f"backup HTTP {upstream.status}"))
+
+    return StreamingResponse(relay(), status_code=upstream.status, media_type=media, headers=headers)
+
+
+class PoolHeaderMiddleware:
+    """Pure ASGI (no buffering of streams): adds ``x-distserve-pool: primary`` to data-plane responses."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] not in DATA_PATHS:
+            return await self.app(scope, receive, send)
+
+        async def send_with_pool(message):
+            if message["type"] == "http.response.start":
+                headers = message.get("headers") or []
+                if not any(k == b"x-distserve-pool" for k, _ in headers):
+                    message["headers"] = [*headers, (b"x-distserve-pool", b"primary")]
+            await send(message)
+
+        return await self.app(scope, receive, send_with_pool)

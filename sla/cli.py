@@ -1,0 +1,110 @@
+"""``distserve sla``: audit request records against an SLA spec and write compliance reports.
+
+    distserve sla audit --spec configs/sla/default.yaml --results run.json --out sla-report/
+    distserve sla audit --spec configs/sla/interactive.yaml --results router-journal.jsonl \\
+        --out sla-report/ --export-db sqlite:///compliance.db
+
+Exit status: 0 every objective passed in every window, 1 some failed, 2 bad input
+(unreadable spec or results, unknown format, missing optional dependency).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from reports import RENDERERS, RendererUnavailable, render
+from reports.sql import DEFAULT_TABLE, export_db
+from sla.audit import audit
+from sla.records import RecordsError, load_records
+from sla.spec import SpecError, load_spec
+
+EXIT_PASS, EXIT_FAIL, EXIT_BAD_INPUT = 0, 1, 2
+DEFAULT_FORMATS = ("json", "csv", "parquet", "html", "markdown", "prom")
+
+
+def _formats(text: str) -> list[str]:
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    bad = [n for n in names if n not in RENDERERS]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"--formats must be a comma list of {', '.join(RENDERERS)}; got {text!r}")
+    return names
+
+
+def _db_url(text: str) -> str:
+    return text if "://" in text else f"sqlite:///{Path(text).resolve()}"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="distserve sla", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    a = sub.add_parser("audit", help="judge distbench results / router journals against a spec",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                       description="Per objective and per window: observed percentile (HDR), samples, "
+                                   "violations, error budget used, pass/fail; worst windows; overall verdict. "
+                                   "Example: distserve sla audit --spec configs/sla/default.yaml "
+                                   "--results run.json --out sla-report/")
+    a.add_argument("--spec", required=True, help="SLA spec YAML (configs/sla/*.yaml)")
+    a.add_argument("--results", required=True, nargs="+",
+                   help="distbench result files (JSON) and/or router request journals (JSON lines)")
+    a.add_argument("--out", required=True, help="folder for compliance.{json,csv,parquet,prom}, report.html, summary.md")
+    a.add_argument("--formats", type=_formats, default=None,
+                   help=f"renderers to run (default: {','.join(DEFAULT_FORMATS)}; parquet skipped "
+                        f"without pyarrow unless asked for)")
+    a.add_argument("--export-db", type=_db_url, default=None, metavar="URL",
+                   help="also append the rows to a SQL table (SQLAlchemy URL, e.g. postgresql://u@host/db; "
+                        "a plain path means SQLite)")
+    a.add_argument("--table", default=DEFAULT_TABLE, help="table name for --export-db")
+    return p
+
+
+def cmd_audit(args) -> int:
+    try:
+        spec = load_spec(args.spec)
+        data = load_records(args.results)
+    except (SpecError, RecordsError) as e:
+        return _bad(str(e))
+    out = Path(args.out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        return _bad(f"cannot create --out folder {out}: {e.strerror or e}")
+    report = audit(spec, data).to_dict()
+    formats = args.formats or list(DEFAULT_FORMATS)
+    written = []
+    for name in formats:
+        try:
+            written.append(render(name, report, out))
+        except RendererUnavailable as e:
+            if args.formats:  # asked for explicitly
+                return _bad(str(e))
+            print(f"distserve sla: note: skipped {name}: {e}", file=sys.stderr)
+    if args.export_db:
+        try:
+            n = export_db(report, args.export_db, args.table)
+        except RendererUnavailable as e:
+            return _bad(str(e))
+        except Exception as e:  # SQLAlchemy's errors (bad URL, driver missing, refused): one sentence
+            return _bad(f"--export-db {args.export_db}: {type(e).__name__}: {str(e).splitlines()[0]}")
+        print(f"appended {n} rows to table {args.table} at {args.export_db}")
+    for o in report["overall"]:
+        print(f"{o['objective']:<16} {o['status']:<5} windows failed {o['windows_failed']}/{o['windows']}")
+    print(f"verdict: {report['verdict']} ({report['num_requests']} requests, {report['num_windows']} windows); "
+          f"wrote {', '.join(str(p) for p in written)}")
+    return EXIT_PASS if report["verdict"] == "pass" else EXIT_FAIL
+
+
+def _bad(sentence: str) -> int:
+    print(f"distserve sla: error: {sentence}", file=sys.stderr)
+    return EXIT_BAD_INPUT
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return {"audit": cmd_audit}[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
