@@ -60,12 +60,7 @@ class WorkerState:
     started: float = field(default_factory=time.monotonic)
 
     def status(self) -> WorkerStatus:
-        s = self.loop.stats
-        return WorkerStatus(
-            num_waiting=s.num_waiting, num_running=s.num_running, num_reserving=s.num_reserving,
-            kv_blocks_used=s.kv_blocks_used, kv_blocks_free=s.kv_blocks_free,
-            num_staged_kv=self.sender.num_staged if self.sender else 0,
-        )
+        return self.loop.status(self.sender.num_staged if self.sender else 0)
 
 
 def to_sampling_params(s: InternalSampling) -> SamplingParams:

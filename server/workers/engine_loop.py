@@ -23,6 +23,7 @@ from typing import Any, Callable
 
 from server.engine.llm_engine import LLMEngine, RequestOutput
 from server.engine.sampling_params import SamplingParams
+from server.wire import WorkerStatus
 from server.workers.fault import StepDelays
 
 log = logging.getLogger(__name__)
@@ -40,11 +41,7 @@ class _Reservation:
 
 @dataclass
 class LoopStats:
-    num_waiting: int = 0
-    num_running: int = 0
-    num_reserving: int = 0
-    kv_blocks_used: int = 0
-    kv_blocks_free: int = 0
+    """Cumulative counters (``/metrics``). The load snapshot the router routes by is ``status()``."""
     num_steps: int = 0
     num_preemptions: int = 0
     num_generated_tokens: int = 0
@@ -94,14 +91,19 @@ class EngineLoop:
     def stats(self) -> LoopStats:
         e = self.engine
         return LoopStats(
-            num_waiting=e.scheduler.num_waiting, num_running=e.scheduler.num_running,
-            num_reserving=len(self._reservations), kv_blocks_used=e.num_used_blocks,
-            kv_blocks_free=e.num_free_blocks, num_steps=e.stats.num_steps,
+            num_steps=e.stats.num_steps,
             num_preemptions=e.stats.num_preemptions, num_generated_tokens=e.stats.num_generated_tokens,
             step_seconds_total=self._step_seconds, step_cpu_seconds_total=self._step_cpu_seconds,
             prefix_cache_queried_tokens=e.block_manager.num_cache_queries,
             prefix_cache_hit_tokens=e.block_manager.num_cache_hits,
         )
+
+    def status(self, num_staged_kv: int = 0) -> WorkerStatus:
+        """The load snapshot: what heartbeats carry, ``/internal/status`` answers and ``/metrics`` shows."""
+        e = self.engine
+        return WorkerStatus(num_waiting=e.scheduler.num_waiting, num_running=e.scheduler.num_running,
+                            num_reserving=len(self._reservations), kv_blocks_used=e.num_used_blocks,
+                            kv_blocks_free=e.num_free_blocks, num_staged_kv=num_staged_kv)
 
     # --- the loop ------------------------------------------------------------
     async def _run(self) -> None:
