@@ -57,8 +57,8 @@ def load_drill(path: str) -> dict:
     for i, step in enumerate(d.get("method") or []):
         if step.get("type") == "action" and "injector" in step:
             injectors.get(step["injector"])  # ValueError naming the unknown one
-        elif step.get("type") not in ("action", "probe", "sleep", "join", "leave"):
-            raise ValueError(f"{path}: method[{i}].type must be action, probe, sleep, join or leave")
+        elif step.get("type") not in ("action", "probe", "sleep", "join", "leave", "restart"):
+            raise ValueError(f"{path}: method[{i}].type must be action, probe, sleep, join, leave or restart")
     return d
 
 
@@ -127,6 +127,11 @@ def _do_action(step: dict, ctx: dict, target: Target, undo: list) -> dict:
         target.wait_workers(n, time.monotonic() + float(args.get("timeout_s", 120)))
         ctx["joined"] = wid
         return {"mechanism": "hot join: a new worker registers mid-load", "worker_id": wid}
+    if kind == "restart":  # a supervisor's job: the killed worker comes back under the same id
+        wid = args["worker_id"]
+        target.restart_worker(wid)
+        target.wait_workers(int(args.get("expect_healthy", 1)), time.monotonic() + float(args.get("timeout_s", 120)))
+        return {"mechanism": "restart by the drill's target (supervision)", "worker_id": wid}
     if kind == "leave":
         wid = args.get("worker_id") or ctx.get("joined")
         code = target.stop_worker(wid)
@@ -204,6 +209,12 @@ def run_drill(path: str, out_dir: Path | None = None, quick: bool = False) -> tu
         journal.invariants.append(kv_blocks_invariant(ctx["router"], ctx["token"],
                                                       float(inv.get("kv_blocks_within_s", 30))))
         journal.invariants.append(breaker_invariant(ctx["router"], float(inv.get("breaker_within_s", 60))))
+        for r in journal.run:  # a probe inside the method with a tolerance is a claim about the fault
+            if r["type"] == "probe" and isinstance(r.get("output"), dict) and r["output"].get("tolerance") is not None:
+                journal.invariants.append({"name": f"during the fault: {r['name']}",
+                                           "status": "passed" if r["output"]["ok"] else "failed",
+                                           "detail": f"value {r['output']['value']!r}, "
+                                                     f"tolerance {r['output']['tolerance']!r}"})
         journal.invariants += objective_invariants(inv.get("objective") or {}, journal.load, journal.run,
                                                    ctx["router"], ctx["token"], alive)
         for p in hyp.get("probes", []):

@@ -70,6 +70,12 @@ def _value(probe: dict, router: str, token: str):
         return bool(ws) and all(pid_alive(int(w["pid"])) for w in ws)
     if kind == "workers":  # healthy workers of a role, as the router sees them
         return sum(w["healthy"] for w in list_workers(router, token) if w["role"] == probe["role"])
+    if kind == "command":  # exit status of a command (e.g. `distserve doctor` finds the drift)
+        import subprocess
+        import sys
+        argv = [sys.executable if a == "{python}" else a for a in probe["argv"]]
+        return subprocess.run(argv, capture_output=True, timeout=float(probe.get("timeout_s", 120)),
+                              check=False).returncode
     if kind == "prometheus":
         scope = probe.get("scope", "router")
         if scope == "router":
@@ -90,7 +96,7 @@ def _value(probe: dict, router: str, token: str):
             if v is not None:
                 total = (total or 0.0) + v
         return total
-    raise ValueError(f"probe type {kind!r} is unknown; known: http, process, workers, prometheus")
+    raise ValueError(f"probe type {kind!r} is unknown; known: http, process, workers, prometheus, command")
 
 
 def run_probe(probe: dict, router: str, token: str) -> dict:

@@ -25,6 +25,7 @@ from pathlib import Path
 import yaml
 
 from chaos.injectors import netns as netns_injector
+from chaos.sysutil import sysctl_set
 from chaos.workers import TOKEN_ENV, list_workers
 
 
@@ -93,6 +94,8 @@ class Target:
         if self.spec.get("decode_netns"):
             self.netns = netns_injector.inject()
             host = self.netns["host_ip"]
+            for key, value in (self.spec.get("netns_sysctls") or {}).items():  # a tuned second host
+                sysctl_set(key, str(value), self.netns["netns"])
         ready = Path(tempfile.mkdtemp(prefix="dschaos-")) / "router.json"
         router = self._spawn("router", ["router", "--config", self._config_file("router"), "--host", host,
                                         "--port", "0", "--ready-file", str(ready)])
@@ -118,6 +121,16 @@ class Target:
                           "--host", host, "--worker-id", wid],
                     netns=self.netns["netns"] if in_netns else None, module=module)
         return wid
+
+    def restart_worker(self, worker_id: str) -> None:
+        """Start a worker again under its id, with its original command (a supervisor's restart)."""
+        old = self.procs[worker_id]
+        if old.poll() is None:
+            raise RuntimeError(f"{worker_id} is still running")
+        with open(self.log_dir / f"{worker_id}.log", "ab") as out:
+            self.procs[worker_id] = subprocess.Popen(old.args, env=dict(os.environ, **{
+                TOKEN_ENV: self.token, "OMP_NUM_THREADS": "1"}), stdout=out, stderr=subprocess.STDOUT,
+                start_new_session=True)
 
     def wait_workers(self, expected: int, deadline: float) -> None:
         while True:

@@ -30,21 +30,30 @@ async def _one(http: aiohttp.ClientSession, url: str, prompt: list[int], max_tok
         return {"status": None, "prompt_len": len(prompt), "error": f"{type(e).__name__}: {e}"}
 
 
-async def _run(url: str, over_len: int, batch: int, prompt_len: int, max_seq_len: int, max_tokens: int,
+async def _run(url: str, over_len: int, lens: list[int], max_seq_len: int, max_tokens: int,
                timeout_s: float) -> list[dict]:
     rng = random.Random(0)
-    prompts = ([[rng.randrange(3, 259) for _ in range(max_seq_len + 16)] for _ in range(over_len)]
-               + [[rng.randrange(3, 259) for _ in range(prompt_len)] for _ in range(batch)])
+    prompts = [[rng.randrange(3, 259) for _ in range(n)] for n in [max_seq_len + 16] * over_len + lens]
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as http:
         return list(await asyncio.gather(*[_one(http, url, p, max_tokens) for p in prompts]))
 
 
+def clear(r: dict) -> bool:
+    """Tokens, or an error status with a message that names something (not a bare 'error')."""
+    if r["status"] == 200:
+        return r.get("tokens", 0) > 0
+    msg = (r.get("error") or "").strip()
+    return r["status"] is not None and r["status"] >= 400 and len(msg) > 12
+
+
 def inject(router_url: str, max_seq_len: int, over_len: int = 2, batch: int = 8, prompt_len: int = 1024,
-           max_tokens: int = 4, timeout_s: float = 120.0, **_: object) -> dict:
-    results = asyncio.run(_run(router_url.rstrip("/"), over_len, batch, prompt_len, max_seq_len, max_tokens,
-                               timeout_s))
-    return {"mechanism": f"{over_len} prompts over max_seq_len + {batch} concurrent prompts of {prompt_len} tokens",
-            "results": results}
+           prompt_lens: list[int] | None = None, max_tokens: int = 4, timeout_s: float = 120.0,
+           **_: object) -> dict:
+    lens = list(prompt_lens) if prompt_lens else [prompt_len] * batch
+    results = asyncio.run(_run(router_url.rstrip("/"), over_len, lens, max_seq_len, max_tokens, timeout_s))
+    return {"mechanism": f"{over_len} prompts over max_seq_len + concurrent prompts of {lens} tokens",
+            "results": results, "clear": sum(clear(r) for r in results),
+            "unclear": sum(not clear(r) for r in results)}
 
 
 def rollback(**_: object) -> dict:
