@@ -215,7 +215,7 @@ def run_drill(path: str, out_dir: Path | None = None, quick: bool = False) -> tu
                                            "status": "passed" if r["output"]["ok"] else "failed",
                                            "detail": f"value {r['output']['value']!r}, "
                                                      f"tolerance {r['output']['tolerance']!r}"})
-        journal.invariants += objective_invariants(inv.get("objective") or {}, journal.load, journal.run,
+        journal.invariants += objective_invariants(_fill(inv.get("objective") or {}, ctx), journal.load, journal.run,
                                                    ctx["router"], ctx["token"], alive)
         for p in hyp.get("probes", []):
             journal.steady_state_after.append(run_probe(_fill({**p, "within_s": p.get("within_s", 30)}, ctx),

@@ -184,6 +184,8 @@ def _add_harness_parsers(sub) -> None:
     p.add_argument("--config", default=None, help="YAML config (default: built-in defaults)")
     p.add_argument("--router", default=None, help="router URL: also check the workers' registration")
     p.add_argument("--netns", default=None, help="check the sysctls inside this network namespace")
+    p.add_argument("--only", default=None, help="comma-separated subset of sysctl,memory,model,router (default: all)")
+    p.add_argument("--sysctl-keys", default=None, help="check only these sysctl keys (comma-separated)")
     p.add_argument("--json", action="store_true", help="print the findings as JSON")
     p.set_defaults(handler=lazy("chaos.doctor"))
     p = sub.add_parser("gate", help="run the release-gate checklist and say go / no-go",

@@ -2,10 +2,13 @@
 went from 210 to 890 ms).
 
 Sets the four keys to drifted values — by default the distribution defaults the
-incident found — inside a network namespace (``netns=``: the drill's second
-host; the host keeps its values) or, only with ``allow_host=True``, on the host.
-The exact previous strings are saved first and restored on rollback. Only the
-listed keys are touched.
+incident found. ``net.ipv4.tcp_rmem``/``tcp_wmem`` are per network namespace: with
+``netns=`` they drift inside the drill's namespace and the host keeps its values.
+``net.core.rmem_max``/``wmem_max`` are global on Linux (read-only inside a
+namespace), so they drift on the host only when ``allow_host=True``; otherwise they
+are left alone and the result says so. The exact previous strings are saved
+before anything changes and restored on rollback, which checks them. Only the
+listed keys are ever touched.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from chaos.sysutil import HostError, netns_exists, require_root, sysctl_get, sys
 
 KIND = "sysctl"
 KEYS = ("net.core.rmem_max", "net.core.wmem_max", "net.ipv4.tcp_rmem", "net.ipv4.tcp_wmem")
+GLOBAL_KEYS = ("net.core.rmem_max", "net.core.wmem_max")
 DRIFTED = {  # what the incident's ops script left behind (kernel defaults)
     "net.core.rmem_max": "212992",
     "net.core.wmem_max": "212992",
@@ -29,33 +33,42 @@ def _key(netns: str | None) -> str:
 
 def inject(netns: str | None = None, values: dict | None = None, allow_host: bool = False, **_: object) -> dict:
     require_root("changing sysctls")
-    if netns is None and not allow_host:
-        raise HostError("sysctl drift on the host needs allow_host=True; drills drift inside their namespace")
     values = {**DRIFTED, **(values or {})}
     unknown = set(values) - set(KEYS)
     if unknown:
         raise ValueError(f"values: only {', '.join(KEYS)} may drift, got {', '.join(sorted(unknown))}")
+    plan: dict[str, str | None] = {}  # key -> namespace (None = host)
+    skipped = []
+    for k in values:
+        where = None if (k in GLOBAL_KEYS or netns is None) else netns
+        if where is None and not allow_host:
+            skipped.append(k)
+            continue
+        plan[k] = where
     saved = state.load(KIND, _key(netns)) or {"netns": netns, "previous": {}}
-    for k in values:  # keep the oldest saved value when injected twice
-        saved["previous"].setdefault(k, sysctl_get(k, netns))
+    for k, where in plan.items():  # keep the oldest saved value when injected twice
+        saved["previous"].setdefault(k, [where, sysctl_get(k, where)])
     state.save(KIND, _key(netns), saved)
-    for k, v in values.items():
-        sysctl_set(k, " ".join(str(v).split()), netns)
-    return {"mechanism": "sysctl -w" + (f" in netns {netns}" if netns else " on the host"),
-            "previous": saved["previous"], "drifted": {k: sysctl_get(k, netns) for k in values}}
+    for k, where in plan.items():
+        sysctl_set(k, " ".join(str(values[k]).split()), where)
+    return {"mechanism": "sysctl -w " + ", ".join(f"{k} ({'netns ' + w if w else 'host'})" for k, w in plan.items()),
+            "previous": {k: v for k, (_, v) in saved["previous"].items()},
+            "drifted": {k: sysctl_get(k, w) for k, w in plan.items()},
+            "skipped": {k: "global key: needs allow_host=True" for k in skipped}}
 
 
 def rollback(netns: str | None = None, **_: object) -> dict:
     saved = state.load(KIND, _key(netns))
     if not saved:
         return {"rolled_back": False}
-    if netns and not netns_exists(netns):  # the namespace, and its settings, are gone already
-        state.clear(KIND, _key(netns))
-        return {"rolled_back": True, "note": f"namespace {netns} no longer exists"}
-    for k, v in saved["previous"].items():
-        sysctl_set(k, v, netns)
-    restored = {k: sysctl_get(k, netns) for k in saved["previous"]}
-    bad = {k: v for k, v in restored.items() if v != saved["previous"][k]}
+    restored, bad = {}, {}
+    for k, (where, value) in saved["previous"].items():
+        if where and not netns_exists(where):  # the namespace, and its settings, are gone already
+            continue
+        sysctl_set(k, value, where)
+        restored[k] = sysctl_get(k, where)
+        if restored[k] != value:
+            bad[k] = restored[k]
     if bad:
         raise HostError(f"sysctl rollback left {bad}, expected {saved['previous']}")
     state.clear(KIND, _key(netns))
