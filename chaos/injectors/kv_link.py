@@ -67,8 +67,14 @@ def _link(netns: str) -> dict:
     return info
 
 
-def _nft(netns: str, script: str) -> None:
-    run(["nft", "-f", "-"], netns=netns, input=script)
+def _nft_table(netns: str, family: str, table: str, chains: dict[str, tuple[str, list[str]]]) -> None:
+    """One table of chains {name: (hook declaration, rules)}, one rule per line (nft's parser wants
+    a newline, not a semicolon, after some statements such as dnat)."""
+    lines = [f"table {family} {table} {{"]
+    for name, (decl, rules) in chains.items():
+        lines += [f"  chain {name} {{", f"    {decl};", *[f"    {r}" for r in rules], "  }"]
+    lines.append("}")
+    run(["nft", "-f", "-"], netns=netns, input="\n".join(lines) + "\n")
 
 
 def _reset_kv_connections(netns: str, host_ip: str, ports: list[int]) -> None:
@@ -128,32 +134,32 @@ def inject(netns: str, fault: str, router_url: str | None = None, token: str | N
         if not 0 < pct <= 100:
             raise ValueError(f"percent must be in 1..100, got {pct}")
         sports = ", ".join(map(str, ports))
-        _nft(netns, f"table inet {FILTER_TABLE} {{ chain in {{ type filter hook input priority 0; "
-                    f"ip saddr {host_ip} tcp sport {{ {sports} }} numgen random mod 100 < {pct} drop; }} }}")
+        _nft_table(netns, "inet", FILTER_TABLE, {"in": ("type filter hook input priority 0", [
+            f"ip saddr {host_ip} tcp sport {{ {sports} }} numgen random mod 100 < {pct} drop"])})
         saved["tables"].append(["inet", FILTER_TABLE])
         out.update(mechanism=f"nftables numgen random drop {pct}% (no netem)", percent=pct)
     elif fault == "partition":
         scope = kw.get("scope", "kv")
         if scope == "all":
-            rules_in, rules_out = f"ip saddr {host_ip} drop;", f"ip daddr {host_ip} drop;"
+            rules_in, rules_out = f"ip saddr {host_ip} drop", f"ip daddr {host_ip} drop"
         else:
             ps = ", ".join(map(str, ports))
-            rules_in = f"ip saddr {host_ip} tcp sport {{ {ps} }} drop;"
-            rules_out = f"ip daddr {host_ip} tcp dport {{ {ps} }} drop;"
-        _nft(netns, f"table inet {FILTER_TABLE} {{ chain in {{ type filter hook input priority 0; {rules_in} }} "
-                    f"chain out {{ type filter hook output priority 0; {rules_out} }} }}")
+            rules_in = f"ip saddr {host_ip} tcp sport {{ {ps} }} drop"
+            rules_out = f"ip daddr {host_ip} tcp dport {{ {ps} }} drop"
+        _nft_table(netns, "inet", FILTER_TABLE, {"in": ("type filter hook input priority 0", [rules_in]),
+                                                 "out": ("type filter hook output priority 0", [rules_out])})
         saved["tables"].append(["inet", FILTER_TABLE])
         out.update(mechanism="nftables drop", scope=scope)
     else:  # the userspace proxy
         toxic_type = "latency" if fault in ("latency", "jitter") else fault
-        toxic = validate_toxic({"type": toxic_type, **{k: v for k, v in kw.items()
+        names = {"latency_ms": "latency", "jitter_ms": "jitter"}  # this module's names -> toxiproxy's
+        toxic = validate_toxic({"type": toxic_type, **{names.get(k, k): v for k, v in kw.items()
                                                        if k not in ("scope", "rate", "percent")}})
         procs = _start_proxy(host_ip, ports, toxic)
         saved["proxies"] = procs
         state.save(KIND, netns, saved)
-        rules = " ".join(f"ip daddr {host_ip} tcp dport {p['upstream_port']} dnat to {host_ip}:{p['port']};"
-                         for p in procs)
-        _nft(netns, f"table ip {NAT_TABLE} {{ chain out {{ type nat hook output priority -100; {rules} }} }}")
+        rules = [f"ip daddr {host_ip} tcp dport {p['upstream_port']} dnat to {host_ip}:{p['port']}" for p in procs]
+        _nft_table(netns, "ip", NAT_TABLE, {"out": ("type nat hook output priority -100", rules)})
         saved["tables"].append(["ip", NAT_TABLE])
         out.update(mechanism=f"userspace proxy (chaos.proxy) toxic {toxic}" + ("" if mechanism == "proxy" else
                                                                               " (no netem)"),
