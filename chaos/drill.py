@@ -13,6 +13,7 @@ Exit status: 0 completed, 1 failed (an invariant or the hypothesis), 3 aborted,
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import subprocess
@@ -25,11 +26,13 @@ from pathlib import Path
 import yaml
 
 from chaos import injectors
+from chaos import state as chaos_state
 from chaos.invariants import (
     breaker_invariant,
     kv_blocks_invariant,
     objective_invariants,
     requests_invariant,
+    state_invariant,
     summarize,
 )
 from chaos.journal import Journal, write
@@ -86,6 +89,8 @@ class LoadRun:
                 str(spec.get("concurrency", 4)), "--num-prompts", str(spec.get("num_prompts", 32)),
                 "--prompt-len", str(spec.get("prompt_len", 64)), "--output-len", str(spec.get("output_len", 32)),
                 "--seed", str(spec.get("seed", 0)), "--save-result", str(self.result)]
+        if spec.get("duration_s"):
+            argv += ["--duration", str(spec["duration_s"])]
         self.log = open(out_dir / "distbench.log", "wb")  # noqa: SIM115 - open while the subprocess runs
         self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
         self.started = time.monotonic()
@@ -173,6 +178,9 @@ def run_drill(path: str, out_dir: Path | None = None, quick: bool = False) -> tu
         for s in previous:
             signal.signal(s, on_signal)
     status = "aborted"
+    state_dir = out_dir / "state"  # this drill's injector state, so "all rolled back" is checkable
+    old_state_env = os.environ.get(chaos_state.ENV)
+    os.environ[chaos_state.ENV] = str(state_dir)
     try:
         target.start()
         ctx = target.context()
@@ -209,6 +217,7 @@ def run_drill(path: str, out_dir: Path | None = None, quick: bool = False) -> tu
         journal.invariants.append(kv_blocks_invariant(ctx["router"], ctx["token"],
                                                       float(inv.get("kv_blocks_within_s", 30))))
         journal.invariants.append(breaker_invariant(ctx["router"], float(inv.get("breaker_within_s", 60))))
+        journal.invariants.append(state_invariant(state_dir))
         for r in journal.run:  # a probe inside the method with a tolerance is a claim about the fault
             if r["type"] == "probe" and isinstance(r.get("output"), dict) and r["output"].get("tolerance") is not None:
                 journal.invariants.append({"name": f"during the fault: {r['name']}",
@@ -233,6 +242,10 @@ def run_drill(path: str, out_dir: Path | None = None, quick: bool = False) -> tu
             _rollback_all(undo, journal)
             target.stop()
         finally:
+            if old_state_env is None:
+                os.environ.pop(chaos_state.ENV, None)
+            else:
+                os.environ[chaos_state.ENV] = old_state_env
             for s, h in previous.items():
                 if threading.current_thread() is threading.main_thread():
                     signal.signal(s, h)

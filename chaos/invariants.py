@@ -74,18 +74,23 @@ def kv_blocks_invariant(router: str, token: str, within_s: float) -> dict:
 
 
 def breaker_invariant(router: str, within_s: float) -> dict:
+    """``distserve_breaker_state`` (0 closed, 1 open, 2 half-open) back to 0, when the router has a breaker."""
     deadline = time.monotonic() + within_s
     while True:
         status, text = _get(f"{router}/metrics")
-        names = {line.split("{")[0].split(" ")[0] for line in text.splitlines() if "breaker" in line
-                 and not line.startswith("#")} if status == 200 else set()
-        if not names:
-            return _check("breaker back to CLOSED", None, "the router exposes no breaker metric")
-        name = min(names)
-        value = metric_value(text, name)
-        if value == 0 or time.monotonic() >= deadline:  # 0 = CLOSED
-            return _check("breaker back to CLOSED", value == 0, f"{name} = {value}")
+        value = metric_value(text, "distserve_breaker_state") if status == 200 else None
+        enabled = metric_value(text, "distserve_breaker_enabled") if status == 200 else None
+        if value is None or not enabled:
+            return _check("breaker back to CLOSED", None, "the router exposes no enabled breaker")
+        if value == 0 or time.monotonic() >= deadline:
+            return _check("breaker back to CLOSED", value == 0, f"distserve_breaker_state = {value} (0 = closed)")
         time.sleep(0.5)
+
+
+def state_invariant(state_dir) -> dict:
+    """Every injection was rolled back: no injector state file is left."""
+    left = sorted(p.name for p in state_dir.glob("*.json")) if state_dir.exists() else []
+    return _check("rollback complete: no injector state left", not left, f"left: {left}" if left else "none left")
 
 
 def objective_invariants(obj: dict, load: dict, run: list[dict], router: str, token: str, alive: dict) -> list[dict]:

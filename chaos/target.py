@@ -45,6 +45,7 @@ class Target:
     netns: dict | None = None
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     counter: int = 0
+    backup: Target | None = None
 
     @property
     def local(self) -> bool:
@@ -90,6 +91,12 @@ class Target:
             return
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.token = secrets.token_hex(16)
+        if self.spec.get("backup"):  # a second deployment as the breaker's backup pool, started first
+            self.backup = Target(self.spec["backup"], self.log_dir / "backup")
+            self.backup.start(timeout_s)
+            router_cfg = dict((self.spec.get("config") or {}).get("router") or {})
+            router_cfg["backup_pool"] = [self.backup.url]
+            self.spec = {**self.spec, "config": {**(self.spec.get("config") or {}), "router": router_cfg}}
         host = "127.0.0.1"
         if self.spec.get("decode_netns"):
             self.netns = netns_injector.inject()
@@ -109,7 +116,10 @@ class Target:
             self.add_worker("prefill")
         for i in range(int(self.spec.get("decode", 1))):
             self.add_worker("decode", in_netns=(i == 0 and self.netns is not None))
-        self.wait_workers(int(self.spec.get("prefill", 1)) + int(self.spec.get("decode", 1)), deadline)
+        for _ in range(int(self.spec.get("colocated", 0))):
+            self.add_worker("colocated")
+        self.wait_workers(sum(int(self.spec.get(r, d)) for r, d in (("prefill", 1), ("decode", 1), ("colocated", 0))),
+                          deadline)
 
     def add_worker(self, role: str, in_netns: bool = False) -> str:
         """Start one more worker (also mid-drill: a hot join); its worker id."""
@@ -180,3 +190,5 @@ class Target:
         if self.netns:
             netns_injector.rollback(netns=self.netns["netns"])
             self.netns = None
+        if self.backup is not None:
+            self.backup.stop()

@@ -70,6 +70,10 @@ def counters(cg: str, flavour: str) -> dict:
     return out
 
 
+def _key(role: str | None, worker_id: str | None, pid: int | None, key: str | None) -> str:
+    return key or worker_id or (str(pid) if pid else None) or role or "worker"
+
+
 def inject(router_url: str | None = None, role: str | None = "decode", worker_id: str | None = None,
            pid: int | None = None, limit_mb: int = 1024, token: str | None = None, key: str | None = None,
            **_: object) -> dict:
@@ -78,12 +82,12 @@ def inject(router_url: str | None = None, role: str | None = "decode", worker_id
     if fl is None:
         raise HostError("no cgroup hierarchy with the memory controller (v2 or v1) is mounted")
     flavour, root = fl
+    k = _key(role, worker_id, pid, key)  # from the arguments alone: rollback gets the same ones
     if pid is None:
         if router_url is None:
             raise ValueError("router_url or pid: name the worker to limit")
         [w] = select_workers(router_url, token, role, worker_id, 1)
-        pid, worker_id = int(w["pid"]), w["worker_id"]
-    k = key or worker_id or str(pid)
+        pid = int(w["pid"])
     cg = f"{root}/distserve-chaos-{k}"
     previous = _current_cgroup(pid, flavour)
     state.save(KIND, k, {"pid": pid, "cgroup": cg, "flavour": flavour, "previous": f"{root}{previous}"})
@@ -97,9 +101,7 @@ def inject(router_url: str | None = None, role: str | None = "decode", worker_id
 
 def rollback(router_url: str | None = None, role: str | None = "decode", worker_id: str | None = None,
              pid: int | None = None, key: str | None = None, **_: object) -> dict:
-    k = key or worker_id or (str(pid) if pid else None)
-    if k is None:
-        return {"rolled_back": False}
+    k = _key(role, worker_id, pid, key)
     saved = state.load(KIND, k)
     if not saved:
         return {"rolled_back": False}
