@@ -36,6 +36,9 @@ def add_parser(sub) -> None:
                                   "--out .out/drills/pause")
     d.add_argument("file")
     d.add_argument("--out", default=None, help="directory for journal.json, report.md, logs (default: a temp dir)")
+    d.add_argument("--url", default=None, help="run against this router instead of starting the file's target "
+                                                "(token from DISTSERVE_ADMIN_TOKEN; PID and namespace faults "
+                                                "need the drill on the workers' host)")
     i = cs.add_parser("inject", help="run one injector's inject(key=value ...)",
                       description="Example: distserve chaos inject pause router_url=http://127.0.0.1:8080 "
                                   "role=decode (token from DISTSERVE_ADMIN_TOKEN)")
@@ -66,7 +69,7 @@ def main(args) -> int:
             print(f"distserve: error: drill file {args.file} does not exist", file=sys.stderr)
             return 2
         try:
-            journal, out = run_drill(args.file, Path(args.out) if args.out else None)
+            journal, out = run_drill(args.file, Path(args.out) if args.out else None, args.url)
         except (ValueError, TypeError) as e:
             print(f"distserve: error: {e}", file=sys.stderr)
             return 2

@@ -160,8 +160,12 @@ def _rollback_all(undo: list, journal: Journal) -> None:
             journal.record("rollbacks", {"name": name, "status": "failed", "error": f"{type(e).__name__}: {e}"})
 
 
-def run_drill(path: str, out_dir: Path | None = None, quick: bool = False) -> tuple[Journal, Path]:
+def run_drill(path: str, out_dir: Path | None = None, url: str | None = None) -> tuple[Journal, Path]:
+    """Run one drill; ``url`` points it at a running deployment instead of the file's local target
+    (admin token from $DISTSERVE_ADMIN_TOKEN)."""
     spec = load_drill(path)
+    if url:
+        spec["target"] = {"url": url}
     name = Path(path).stem
     out_dir = out_dir or Path(tempfile.mkdtemp(prefix=f"drill-{name}-"))
     out_dir.mkdir(parents=True, exist_ok=True)
