@@ -86,8 +86,13 @@ def main(args) -> int:
         except ValueError as e:
             print(f"distserve: error: {e}", file=sys.stderr)
             return 2
+        from chaos.sysutil import HostError
         fn = mod.inject if args.chaos_command == "inject" else mod.rollback
-        print(json.dumps(fn(**kw), indent=1, default=str))
+        try:
+            print(json.dumps(fn(**kw), indent=1, default=str))
+        except (HostError, ValueError, TypeError, RuntimeError, OSError) as e:
+            print(f"distserve: error: {args.injector} {args.chaos_command}: {e}", file=sys.stderr)
+            return 1
         return 0
     if args.chaos_command == "nan-check":
         from chaos.nan_check import cli_main

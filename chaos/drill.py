@@ -176,6 +176,9 @@ def run_drill(path: str, out_dir: Path | None = None, url: str | None = None) ->
     previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
 
     def on_signal(signum, frame):
+        # once: a second Ctrl-C must not cut the rollback short
+        for sig in previous:
+            signal.signal(sig, lambda *_: None)
         raise Interrupted(signal.Signals(signum).name)
 
     if threading.current_thread() is threading.main_thread():
