@@ -224,7 +224,8 @@ def run_drill(path: str, out_dir: Path | None = None, url: str | None = None) ->
         journal.invariants.append(kv_blocks_invariant(ctx["router"], ctx["token"],
                                                       float(inv.get("kv_blocks_within_s", 30))))
         journal.invariants.append(breaker_invariant(ctx["router"], float(inv.get("breaker_within_s", 60))))
-        journal.invariants.append(state_invariant(state_dir))
+        keep = (f"netns--{target.netns['netns']}.json",) if target.netns else ()
+        journal.invariants.append(state_invariant(state_dir, keep))
         for r in journal.run:  # a probe inside the method with a tolerance is a claim about the fault
             if r["type"] == "probe" and isinstance(r.get("output"), dict) and r["output"].get("tolerance") is not None:
                 journal.invariants.append({"name": f"during the fault: {r['name']}",
@@ -233,8 +234,9 @@ def run_drill(path: str, out_dir: Path | None = None, url: str | None = None) ->
                                                      f"tolerance {r['output']['tolerance']!r}"})
         journal.invariants += objective_invariants(_fill(inv.get("objective") or {}, ctx), journal.load, journal.run,
                                                    ctx["router"], ctx["token"], alive)
+        settle = 0 if journal.failed_invariants() else 30  # already failed: one look, no waiting
         for p in hyp.get("probes", []):
-            journal.steady_state_after.append(run_probe(_fill({**p, "within_s": p.get("within_s", 30)}, ctx),
+            journal.steady_state_after.append(run_probe(_fill({**p, "within_s": p.get("within_s", settle)}, ctx),
                                                         ctx["router"], ctx["token"]))
         bad = journal.failed_invariants() or not all(p["ok"] for p in journal.steady_state_after)
         status = "failed" if bad else "completed"

@@ -157,6 +157,15 @@ def test_kv_link_refuses_a_namespace_it_did_not_make(chaos_state):
         kv_link.inject(netns="dschaos-nonexistent", fault="partition", kv_ports=[1])
 
 
+def _wait_state(pid: int, want: tuple[str, ...]) -> str | None:
+    for _ in range(100):
+        st = pid_state(pid)
+        if st in want:
+            return st
+        time.sleep(0.05)
+    return pid_state(pid)
+
+
 def test_pause_stops_and_resumes_exact_pids(chaos_state):
     from chaos.injectors import pause
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
@@ -164,10 +173,9 @@ def test_pause_stops_and_resumes_exact_pids(chaos_state):
         state.save("pause", "manual", {"pids": []})
         os.kill(child.pid, signal.SIGSTOP)
         state.save("pause", "manual", {"pids": [child.pid]})
-        assert pid_state(child.pid) == "T"
+        assert _wait_state(child.pid, ("T",)) == "T"  # signal delivery is asynchronous
         assert pause.rollback(key="manual")["resumed"] == [child.pid]
-        time.sleep(0.2)
-        assert pid_state(child.pid) in ("S", "R")
+        assert _wait_state(child.pid, ("S", "R")) in ("S", "R")
     finally:
         child.kill()
         child.wait()
