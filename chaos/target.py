@@ -75,7 +75,8 @@ class Target:
     def _spawn(self, name: str, argv: list[str], netns: str | None = None, module: str = "server.cli"
                ) -> subprocess.Popen:
         env = dict(os.environ, **{TOKEN_ENV: self.token, "OMP_NUM_THREADS": "1"})
-        cmd = [sys.executable, "-m", module, *argv]
+        # --parent-pid: the child exits if the drill dies without stopping it (even by SIGKILL)
+        cmd = [sys.executable, "-m", module, *argv, "--parent-pid", str(os.getpid())]
         if netns:
             cmd = ["ip", "netns", "exec", netns, *cmd]  # exec's the command: the PID is the worker's
         with open(self.log_dir / f"{name}.log", "ab") as out:
