@@ -1,0 +1,121 @@
+"""`distserve chaos nan-check`: finite logits at prompt lengths around powers of two, on every backend.
+
+Seed §4.3: logits were NaN only at prompt lengths 2048/4096 (a FlashAttention
+block-boundary bug with causal masks); their release checklist's first item became
+"prompts of 2048/4096/8192 tokens, confirm no NaN". Here every length 2^k−1, 2^k,
+2^k+1 up to ``prefill.max_seq_len`` goes through the real engine (scheduler, model
+runner, the attention backend's prefill, then one decode step on the paged
+cache) of every attention backend that this machine can run; the logits each
+step returns are checked with ``torch.isfinite``. The engine is sized to admit a
+prompt of exactly ``max_seq_len`` tokens, and prefix caching is off so every
+prompt is computed in full.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+from pathlib import Path
+
+CANDIDATES = ("sdpa", "cpu_paged", "flash_attn_v2", "triton")
+
+
+def lengths(max_len: int, min_k: int = 4) -> list[int]:
+    out: set[int] = set()
+    k = min_k
+    while (1 << k) - 1 <= max_len:
+        out |= {n for n in ((1 << k) - 1, 1 << k, (1 << k) + 1) if 1 <= n <= max_len}
+        k += 1
+    return sorted(out)
+
+
+def check_backend(backend: str, lens: list[int], model: str | None, device: str, seed: int = 0) -> dict:
+    """{length: 'ok' | 'NaN in prefill' | ...} for one backend, or {'unavailable': reason}."""
+    import torch
+
+    from server.engine.llm_engine import EngineConfig, LLMEngine
+    from server.engine.sampling_params import SamplingParams
+
+    top = max(lens)
+    try:
+        engine = LLMEngine(EngineConfig(model=model, device=device, attention_backend=backend,
+                                        max_model_len=top + 3, max_num_batched_tokens=max(top, 16) + 16,
+                                        max_num_seqs=4, enable_prefix_caching=False,
+                                        kv_cache_memory_mb=max(64, top // 8)))
+    except (ValueError, RuntimeError, ImportError) as e:
+        return {"unavailable": str(e)}
+    seen: list[str] = []
+    execute = engine.runner.execute
+
+    def observed(scheduled):  # the real step; only its result is inspected
+        logits = execute(scheduled)
+        nan, inf = bool(torch.isnan(logits).any()), bool(torch.isinf(logits).any())
+        seen.append("NaN" if nan else "Inf" if inf else "ok")
+        return logits
+
+    engine.runner.execute = observed
+    rng = random.Random(seed)
+    vocab = engine.model_config.vocab_size
+    out: dict[str, str] = {}
+    for n in lens:
+        seen.clear()
+        prompt = [rng.randrange(3, min(vocab, 259)) for _ in range(n)]
+        try:
+            engine.generate([prompt], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+        except (ValueError, RuntimeError) as e:
+            out[str(n)] = f"error: {e}"
+            continue
+        bad = [f"{s} in {'prefill' if i == 0 else 'decode'}" for i, s in enumerate(seen) if s != "ok"]
+        out[str(n)] = "ok" if seen and not bad else (", ".join(bad) or "no step ran")
+    return {"lengths": out}
+
+
+def run(max_len: int, model: str | None = None, device: str = "cpu", min_k: int = 4) -> dict:
+    lens = lengths(max_len, min_k)
+    return {"max_seq_len": max_len, "lengths": lens, "device": device,
+            "backends": {b: check_backend(b, lens, model, device) for b in CANDIDATES}}
+
+
+def table(result: dict) -> str:
+    avail = [b for b, r in result["backends"].items() if "unavailable" not in r]
+    lines = ["| prompt length | " + " | ".join(avail) + " |", "|---:|" + "---|" * len(avail)]
+    for n in result["lengths"]:
+        lines.append(f"| {n} | " + " | ".join(result["backends"][b]["lengths"].get(str(n), "?") for b in avail) + " |")
+    for b, r in result["backends"].items():
+        if "unavailable" in r:
+            lines.append(f"\n{b}: not run here ({r['unavailable'][:160]})")
+    return "\n".join(lines)
+
+
+def failures(result: dict) -> list[str]:
+    return [f"{b} @ {n}: {v}" for b, r in result["backends"].items() if "lengths" in r
+            for n, v in r["lengths"].items() if v != "ok"]
+
+
+def cli_main(args) -> int:
+    from server.config import ConfigError, load_config
+    try:
+        cfg = load_config(args.config, {"model": args.model} if args.model else None)
+    except ConfigError as e:
+        print(f"distserve: error: {e}", file=sys.stderr)
+        return 2
+    max_len = args.max_len or cfg.prefill.max_seq_len
+    if max_len < 2 or args.min_k < 1:
+        print("distserve: error: --max-len must be >= 2 and --min-k >= 1", file=sys.stderr)
+        return 2
+    result = run(max_len, cfg.model, args.device, args.min_k)
+    print(table(result))
+    bad = failures(result)
+    result["failures"] = bad
+    if args.json:
+        tmp = Path(args.json).with_suffix(".tmp")
+        tmp.write_text(json.dumps(result, indent=1))
+        os.replace(tmp, args.json)
+    if not any("lengths" in r for r in result["backends"].values()):
+        print("nan-check: no attention backend could run", file=sys.stderr)
+        return 1
+    print(f"nan-check: {len(bad)} non-finite results" + (": " + "; ".join(bad) if bad else
+                                                         f" ({len(result['lengths'])} lengths, all finite)"))
+    return 1 if bad else 0
