@@ -120,8 +120,8 @@ def _usage_error(sentence: str) -> int:
 
 def cmd_generate(args) -> int:
     from server.engine.llm_engine import EngineConfig, LLMEngine
+    from server.engine.loader import load_tokenizer
     from server.engine.sampling_params import SamplingParams
-    from server.engine.tokenizer import Tokenizer
 
     if args.top_k < 0:
         return _usage_error(f"--top-k must be >= 0, got {args.top_k}")
@@ -131,7 +131,7 @@ def cmd_generate(args) -> int:
         engine = LLMEngine(EngineConfig(model=args.model, device=args.device, dtype=args.dtype))
     except (ValueError, FileNotFoundError) as e:
         return _usage_error(str(e))
-    tokenizer = Tokenizer.from_folder(engine.model_path)
+    tokenizer = load_tokenizer(engine.model_path)
     prompt_ids = args.prompt_ids if args.prompt_ids is not None else tokenizer.encode(args.prompt)
     try:
         [token_ids] = engine.generate([prompt_ids], params)

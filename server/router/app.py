@@ -24,6 +24,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from server.config import DistServeConfig
+from server.engine.chat_template import ChatTemplate, ChatTemplateError, end_of_turn_ids
+from server.engine.loader import load_tokenizer, model_display_name, resolve_model_path
 from server.engine.tokenizer import Tokenizer
 from server.metrics import RouterMetrics
 from server.router import protocol
@@ -45,6 +47,7 @@ class RouterState:
     served_model_name: str | None = None
     model_path: str | None = None
     tokenizer: Tokenizer | None = None
+    chat_template: ChatTemplate | None = None
     pipeline: Pipeline | None = None
 
     def get_tokenizer(self) -> Tokenizer:
@@ -55,15 +58,19 @@ class RouterState:
             if path is None or str(path).startswith("preset:"):  # shape presets (no files): byte tokenizer
                 self.tokenizer = Tokenizer.byte_tokenizer()
             else:
-                self.tokenizer = Tokenizer.from_folder(path)
+                self.tokenizer = load_tokenizer(resolve_model_path(path))  # a name, a folder or a .gguf
                 self.model_path = path
         return self.tokenizer
+
+    def get_chat_template(self) -> ChatTemplate:
+        if self.chat_template is None:
+            self.chat_template = ChatTemplate.for_tokenizer(self.get_tokenizer())
+        return self.chat_template
 
     def model_name(self) -> str:
         if self.served_model_name:
             return self.served_model_name
-        path = self.model_path or self.registry.model_path()
-        return path or "distserve"
+        return model_display_name(self.model_path or self.registry.model_path())
 
     def max_seq_len(self) -> int:
         lens = [self.config.prefill.max_seq_len]
@@ -199,8 +206,16 @@ def create_router_app(state: RouterState) -> FastAPI:
         req = protocol.parse(protocol.ChatCompletionRequest, await json_body(request))
         if req.max_completion_tokens is not None and req.max_tokens is None:
             req.max_tokens = req.max_completion_tokens
-        text = protocol.render_chat(req.messages)
-        return await _serve(request, req, _tokenize(state, text), "chat")
+        state.pipeline.check_available()  # 503 before touching the tokenizer when no model is known yet
+        tokenizer, template = state.get_tokenizer(), state.get_chat_template()
+        try:
+            text = template.render([m.template_dict() for m in req.messages])
+        except ChatTemplateError as e:
+            raise InvalidRequest(f"messages: {e}", "messages") from None
+        # the model's template writes its own bos; only the plain fallback needs one added
+        ids = tokenizer.encode(text, add_bos=tokenizer.chat_template is None)
+        stop_ids = [] if req.ignore_eos else end_of_turn_ids(tokenizer, template)
+        return await _serve(request, req, ids, "chat", stop_ids)
 
     @app.post("/generate")
     async def generate(request: Request):
@@ -210,7 +225,7 @@ def create_router_app(state: RouterState) -> FastAPI:
         ids = _tokenize(state, req.prompt) if req.prompt is not None else _check_ids(state, req.prompt_token_ids)
         return await _serve(request, req, ids, "generate")
 
-    async def _serve(request: Request, req, prompt_ids: list[int], kind: str):
+    async def _serve(request: Request, req, prompt_ids: list[int], kind: str, stop_ids: list[int] | None = None):
         max_len = state.max_seq_len()
         if len(prompt_ids) >= max_len:
             raise InvalidRequest(f"prompt: {len(prompt_ids)} tokens is longer than max_seq_len allows "
@@ -224,7 +239,7 @@ def create_router_app(state: RouterState) -> FastAPI:
         sampling = InternalSampling(
             max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=max(req.top_k, 0),
             seed=req.seed if req.seed is not None else secrets.randbits(62),
-            stop_token_ids=req.stop_token_ids or [], ignore_eos=req.ignore_eos)
+            stop_token_ids=(req.stop_token_ids or []) + (stop_ids or []), ignore_eos=req.ignore_eos)
         state.pipeline.check_available()  # NoWorkersError -> 503 with Retry-After
         tokenizer = state.get_tokenizer()
         ereq = EngineRequest(f"{kind[:4]}-{uuid.uuid4().hex}", prompt_ids, sampling)
