@@ -242,10 +242,10 @@ def cmd_serve(args) -> int:
         url = launcher.start()
         n = f"{args.prefill} prefill + {args.decode} decode" if args.mode == "disaggregated" else \
             f"{args.decode} colocated"
-        print(f"distserve ready: {url} ({args.mode}, {n} workers)", flush=True)
-        if args.ready_file:
+        if args.ready_file:  # before the ready line: a script that saw the line can read the file
             from server.router.main import write_ready_file
             write_ready_file(args.ready_file, {"url": url, "pid": os.getpid(), "token": launcher.token})
+        print(f"distserve ready: {url} ({args.mode}, {n} workers)", flush=True)
         while not stop["flag"]:
             if launcher.procs[0].poll() is not None:
                 print("distserve: router exited; shutting down", file=sys.stderr)

@@ -161,8 +161,8 @@ def model_display_name(path: str | Path | None) -> str:
     if path is None:
         return "distserve"
     text = str(path)
-    if text.startswith("preset:"):
-        return text.split(":", 1)[1]
+    if text.startswith("preset:"):  # a shape name, not a path: keep it whole
+        return text
     p = Path(text)
     return p.stem if p.suffix.lower() == ".gguf" else (p.name or "distserve")
 

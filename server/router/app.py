@@ -72,12 +72,24 @@ class RouterState:
             return self.served_model_name
         return model_display_name(self.model_path or self.registry.model_path())
 
+    def check_model(self, requested: str | None) -> None:
+        """A request may name the served model (or the ``--model`` it was started with), or no model."""
+        if requested is None or requested == self.model_name():
+            return
+        if self.model_path is not None and requested == str(self.model_path):
+            return
+        raise ModelNotFound(requested)
+
     def max_seq_len(self) -> int:
         lens = [self.config.prefill.max_seq_len]
         worker_len = self.registry.max_model_len()
         if worker_len:
             lens.append(worker_len)
         return min(lens)
+
+
+class ModelNotFound(Exception):
+    """OpenAI's answer to a request that names a model this server does not serve: 404 model_not_found."""
 
 
 def _error(status: int, message: str, param: str | None = None, headers: dict | None = None) -> JSONResponse:
@@ -191,6 +203,13 @@ def create_router_app(state: RouterState) -> FastAPI:
     async def invalid(request: Request, exc: InvalidRequest):
         return _error(400, str(exc), exc.param)
 
+    @app.exception_handler(ModelNotFound)
+    async def model_not_found(request: Request, exc: ModelNotFound):
+        return JSONResponse({"error": {"message": f"The model `{exc}` does not exist; this server serves "
+                                                  f"`{state.model_name()}` (see /v1/models).",
+                                       "type": "invalid_request_error", "param": "model", "code": "model_not_found"}},
+                            status_code=404)
+
     @app.exception_handler(NoWorkersError)
     async def no_workers(request: Request, exc: NoWorkersError):
         state.metrics.requests.labels("unavailable").inc()
@@ -199,11 +218,13 @@ def create_router_app(state: RouterState) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request):
         req = protocol.parse(protocol.CompletionRequest, await json_body(request))
+        state.check_model(req.model)
         return await _serve(request, req, _prompt_ids(state, req.prompt), "completion")
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         req = protocol.parse(protocol.ChatCompletionRequest, await json_body(request))
+        state.check_model(req.model)
         if req.max_completion_tokens is not None and req.max_tokens is None:
             req.max_tokens = req.max_completion_tokens
         state.pipeline.check_available()  # 503 before touching the tokenizer when no model is known yet
@@ -220,6 +241,7 @@ def create_router_app(state: RouterState) -> FastAPI:
     @app.post("/generate")
     async def generate(request: Request):
         req = protocol.parse(protocol.GenerateRequest, await json_body(request))
+        state.check_model(req.model)
         if (req.prompt is None) == (req.prompt_token_ids is None):
             raise InvalidRequest("prompt: give exactly one of prompt or prompt_token_ids", "prompt")
         ids = _tokenize(state, req.prompt) if req.prompt is not None else _check_ids(state, req.prompt_token_ids)

@@ -223,7 +223,7 @@ def test_paths_and_names(gguf_path, tmp_path):
     assert find_weight_files(gguf_path) == [gguf_path]
     assert model_display_name(gguf_path) == "test-llama.Q4_1"
     assert model_display_name("/abs/path/to/my-model") == "my-model"
-    assert model_display_name("preset:llama-2-7b") == "llama-2-7b"
+    assert model_display_name("preset:llama-2-7b") == "preset:llama-2-7b"
     not_gguf = tmp_path / "weights.bin"
     not_gguf.write_bytes(b"x")
     with pytest.raises(FileNotFoundError, match="not a .gguf file"):
