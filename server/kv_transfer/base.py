@@ -25,7 +25,8 @@ from typing import Any
 
 import torch
 
-from .frame import DEFAULT_MAX_NBYTES, DTYPE_NAMES, MAX_NDIM, MAX_REQUEST_ID_BYTES, MAX_SECRET_BYTES
+from .frame import (DEFAULT_MAX_NBYTES, DTYPE_NAMES, MAX_NDIM, MAX_REQUEST_ID_BYTES,
+                    MAX_SECRET_BYTES)
 
 TRANSPORTS = ("tcp", "shm", "cuda_ipc")
 MAX_ADDRESS_CHARS = 300

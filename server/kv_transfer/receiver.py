@@ -29,7 +29,8 @@ import zlib
 import torch
 
 from .base import KVHandle, KVReceiver, PullResult, TransferStatus, parse_address
-from .frame import DEFAULT_MAX_NBYTES, ErrorCode, Frame, FrameType, encode_frame, read_frame, tensor_bytes
+from .frame import (DEFAULT_MAX_NBYTES, ErrorCode, Frame, FrameType, encode_frame,
+                    read_frame, tensor_bytes)
 from .shm import AttachedSegment
 
 logger = logging.getLogger(__name__)

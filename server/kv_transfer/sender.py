@@ -43,19 +43,8 @@ import torch
 
 from .base import KVHandle, KVSender, TransferStatus
 from .factory import host_id as this_host_id
-from .frame import (
-    DTYPE_CODES,
-    MAX_NDIM,
-    MAX_REQUEST_ID_BYTES,
-    ErrorCode,
-    Frame,
-    FrameError,
-    FrameType,
-    dtype_name,
-    encode_frame,
-    read_frame,
-    tensor_bytes,
-)
+from .frame import (DTYPE_CODES, MAX_NDIM, MAX_REQUEST_ID_BYTES, ErrorCode, Frame, FrameError,
+                    FrameType, dtype_name, encode_frame, read_frame, tensor_bytes)
 from .shm import DEFAULT_PREFIX, create_segment, destroy_segment
 
 logger = logging.getLogger(__name__)

@@ -33,12 +33,7 @@ from server.metrics import WorkerMetrics
 from server.workers.engine_loop import EngineLoop
 from server.workers.idle import IdleTimeout
 from server.workers.protocol import (
-    AbortRequest,
-    GenerateRequest,
-    InternalSampling,
-    PrefillRequest,
-    PrefillResponse,
-    WorkerStatus,
+    AbortRequest, GenerateRequest, InternalSampling, PrefillRequest, PrefillResponse, WorkerStatus,
 )
 
 log = logging.getLogger(__name__)

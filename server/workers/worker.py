@@ -21,11 +21,11 @@ import torch
 import uvicorn
 
 from server.config import DistServeConfig
+from server.net import listen
 from server.engine.llm_engine import EngineConfig, LLMEngine
 from server.kv_transfer import KVPuller, KVStagingServer, cuda_ipc
 from server.kv_transfer.factory import choose_transport, host_id
 from server.metrics import WorkerMetrics
-from server.net import listen
 from server.workers.app import WorkerState, create_worker_app
 from server.workers.engine_loop import EngineLoop, GcPolicy
 from server.workers.protocol import RegisterRequest
