@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import time
+import urllib.error
 import urllib.request
 
 QUESTIONS = (
@@ -16,13 +17,20 @@ QUESTIONS = (
 
 
 def chat(url: str, question: str, max_tokens: int = 48, timeout_s: float = 300.0) -> tuple[str, dict]:
-    """(answer, usage) for one greedy chat completion."""
+    """(answer, usage) for one greedy chat completion; a 503 (no healthy pair for a moment) is retried."""
     body = {"messages": [{"role": "user", "content": question}], "max_tokens": max_tokens, "temperature": 0}
-    req = urllib.request.Request(f"{url}/v1/chat/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"}, method="POST")
-    with urllib.request.urlopen(req, timeout=timeout_s) as r:
-        resp = json.loads(r.read())
-    return resp["choices"][0]["message"]["content"].strip(), resp.get("usage", {})
+    deadline = time.monotonic() + timeout_s
+    while True:
+        req = urllib.request.Request(f"{url}/v1/chat/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"}, method="POST")
+        try:
+            with urllib.request.urlopen(req, timeout=timeout_s) as r:
+                resp = json.loads(r.read())
+            return resp["choices"][0]["message"]["content"].strip(), resp.get("usage", {})
+        except urllib.error.HTTPError as e:
+            if e.code != 503 or time.monotonic() > deadline:
+                raise RuntimeError(f"chat request failed: HTTP {e.code}: {e.read()[:300]!r}") from None
+            time.sleep(1.0)
 
 
 def ask_questions(url: str, model_name: str, questions: tuple[str, ...] = QUESTIONS) -> None:

@@ -12,6 +12,7 @@ import hmac
 import json
 import logging
 import secrets
+import threading
 import time
 import uuid
 from contextlib import aclosing, asynccontextmanager
@@ -50,7 +51,21 @@ class RouterState:
     chat_template: ChatTemplate | None = None
     pipeline: Pipeline | None = None
 
+    _tokenizer_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def warm_tokenizer(self) -> None:
+        try:
+            self.get_tokenizer()
+        except Exception as e:  # the first request reports it properly
+            log.warning("cannot load the tokenizer yet: %s", e)
+
     def get_tokenizer(self) -> Tokenizer:
+        if self.tokenizer is not None:
+            return self.tokenizer
+        with self._tokenizer_lock:  # a GGUF vocabulary takes a second or more to build: build it once
+            return self._load_tokenizer()
+
+    def _load_tokenizer(self) -> Tokenizer:
         if self.tokenizer is None:
             path = self.model_path or self.registry.model_path()
             if path is None and not self.registry.workers:
@@ -142,6 +157,8 @@ def create_router_app(state: RouterState) -> FastAPI:
         except ValueError as e:
             return _error(422, f"invalid registration: {e}")
         log.info("worker %s (%s, pid %d) registered at %s", info.worker_id, info.role, info.pid, info.url)
+        if state.tokenizer is None:  # build it off the event loop now, not inside the first request
+            asyncio.get_running_loop().run_in_executor(None, state.warm_tokenizer)
         return {"registered": info.worker_id}
 
     @app.post("/heartbeat")
@@ -219,6 +236,7 @@ def create_router_app(state: RouterState) -> FastAPI:
     async def completions(request: Request):
         req = protocol.parse(protocol.CompletionRequest, await json_body(request))
         state.check_model(req.model)
+        await _tokenizer_ready(state)
         return await _serve(request, req, _prompt_ids(state, req.prompt), "completion")
 
     @app.post("/v1/chat/completions")
@@ -228,6 +246,7 @@ def create_router_app(state: RouterState) -> FastAPI:
         if req.max_completion_tokens is not None and req.max_tokens is None:
             req.max_tokens = req.max_completion_tokens
         state.pipeline.check_available()  # 503 before touching the tokenizer when no model is known yet
+        await _tokenizer_ready(state)
         tokenizer, template = state.get_tokenizer(), state.get_chat_template()
         try:
             text = template.render([m.template_dict() for m in req.messages])
@@ -242,6 +261,7 @@ def create_router_app(state: RouterState) -> FastAPI:
     async def generate(request: Request):
         req = protocol.parse(protocol.GenerateRequest, await json_body(request))
         state.check_model(req.model)
+        await _tokenizer_ready(state)
         if (req.prompt is None) == (req.prompt_token_ids is None):
             raise InvalidRequest("prompt: give exactly one of prompt or prompt_token_ids", "prompt")
         ids = _tokenize(state, req.prompt) if req.prompt is not None else _check_ids(state, req.prompt_token_ids)
@@ -283,6 +303,13 @@ def create_router_app(state: RouterState) -> FastAPI:
 
 
 # --- helpers ---------------------------------------------------------------
+async def _tokenizer_ready(state: RouterState) -> None:
+    """Load the tokenizer off the event loop (a GGUF vocabulary takes seconds on a busy CPU: heartbeats
+    and other requests must not wait for it)."""
+    if state.tokenizer is None:
+        await asyncio.to_thread(state.get_tokenizer)
+
+
 def _tokenize(state: RouterState, text: str) -> list[int]:
     return state.get_tokenizer().encode(text)  # NoWorkersError (no model known yet) -> 503
 
