@@ -24,6 +24,7 @@ class Serve:
         cfg = tmp / "config.yaml"
         cfg.write_text(yaml.safe_dump(deep_merge(FAST_HEARTBEATS, config or {})))
         self.ready_file = tmp / "ready.json"
+        self.log_dir = tmp / "logs"
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "server.cli", "serve", "--config", str(cfg), "--ready-file",
              str(self.ready_file), "--log-dir", str(tmp / "logs"), *args],
@@ -65,6 +66,20 @@ def named(tmp_path_factory):
 
 def test_ready_file_exists_when_the_ready_line_is_printed(named):
     assert named.ready_file_seen_with_line is True
+
+
+def test_log_dir_files_say_listening_and_registered(named):
+    """Children log at INFO by default: --log-dir files are not empty, and say where each part listens."""
+    deadline = time.monotonic() + 30  # the worker logs its registration just after the router counts it
+    while True:
+        router = (named.log_dir / "router.log").read_text()
+        worker = next(p for p in named.log_dir.iterdir() if p.name.startswith("colocated")).read_text()
+        if "registered with router" in worker or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert "router listening on http://127.0.0.1:" in router
+    assert "registered at" in router
+    assert "listening on" in worker and "registered with router" in worker
 
 
 def test_models_lists_the_served_name(named):
