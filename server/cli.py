@@ -9,7 +9,36 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
+
+LOG_LEVEL_ENV = "DISTSERVE_LOG_LEVEL"
+
+
+class _HelpWithDefaults(argparse.HelpFormatter):
+    """Every option's help ends with its default, unless it says it already or has none worth showing."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if (action.option_strings and "default" not in text and action.default not in (None, False)
+                and action.default is not argparse.SUPPRESS):
+            text += " (default: %(default)s)"
+        return text
+
+
+class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("formatter_class", _HelpWithDefaults)
+        super().__init__(*args, **kwargs)
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("distserve")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
 
 
 def _positive_int(name: str):
@@ -58,17 +87,19 @@ def _add_make_tiny_model(sub) -> None:
         description="Write a deterministic random-weight Llama (config.json, model.safetensors, "
                     "byte-level tokenizer) to OUT_DIR. Example: distserve make-tiny-model /tmp/tiny --layers 2",
     )
-    p.add_argument("out_dir")
-    p.add_argument("--layers", type=_positive_int("--layers"), default=4)
-    p.add_argument("--hidden", type=_positive_int("--hidden"), default=256)
-    p.add_argument("--heads", type=_positive_int("--heads"), default=4)
+    p.add_argument("out_dir", help="folder to write (created if missing)")
+    p.add_argument("--layers", type=_positive_int("--layers"), default=4, help="decoder layers")
+    p.add_argument("--hidden", type=_positive_int("--hidden"), default=256, help="hidden size")
+    p.add_argument("--heads", type=_positive_int("--heads"), default=4, help="attention heads")
     p.add_argument("--kv-heads", type=_positive_int("--kv-heads"), default=None,
                    help="key/value heads (default: --heads)")
-    p.add_argument("--intermediate", type=_positive_int("--intermediate"), default=None)
-    p.add_argument("--vocab", type=_positive_int("--vocab"), default=512)
-    p.add_argument("--max-positions", type=_positive_int("--max-positions"), default=2048)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--tie-word-embeddings", action="store_true")
+    p.add_argument("--intermediate", type=_positive_int("--intermediate"), default=None,
+                   help="MLP size (default: Llama's 8/3 x hidden, rounded up to a multiple of 8)")
+    p.add_argument("--vocab", type=_positive_int("--vocab"), default=512, help="vocabulary size (>= 259)")
+    p.add_argument("--max-positions", type=_positive_int("--max-positions"), default=2048,
+                   help="max_position_embeddings")
+    p.add_argument("--seed", type=int, default=0, help="weight seed (same seed = byte-identical folder)")
+    p.add_argument("--tie-word-embeddings", action="store_true", help="share embedding and lm_head weights")
 
 
 def _add_generate(sub) -> None:
@@ -78,19 +109,23 @@ def _add_generate(sub) -> None:
         description="Generate from one prompt with the engine in this process. "
                     "Example: distserve generate --prompt 'Hello' --max-tokens 8 --json",
     )
-    p.add_argument("--model", default=None, help="Hugging Face model folder (default: the built-in tiny model)")
+    p.add_argument("--model", default=None,
+                   help="a Hugging Face Llama-family folder, a .gguf file, or a known name "
+                        "(smollm2-135m-instruct); default: the built-in random-weight tiny model")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text (tokenized with the model's tokenizer)")
     src.add_argument("--prompt-ids", type=_token_ids, help="prompt as token ids, e.g. 1,2,3")
-    p.add_argument("--max-tokens", type=_positive_int("--max-tokens"), default=16)
+    p.add_argument("--max-tokens", type=_positive_int("--max-tokens"), default=16, help="tokens to generate")
     p.add_argument("--temperature", type=_float_in("--temperature", 0.0, 100.0), default=0.0,
-                   help="0 = greedy (default)")
-    p.add_argument("--top-p", type=_float_in("--top-p", 0.0, 1.0, lo_open=True), default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
+                   help="0 = greedy")
+    p.add_argument("--top-p", type=_float_in("--top-p", 0.0, 1.0, lo_open=True), default=1.0,
+                   help="nucleus sampling mass (1 = off)")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0 = off)")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
+                   help="weights and activations (auto: float32 on CPU, the checkpoint's dtype on GPU)")
     p.add_argument("--json", action="store_true", help="print one JSON object: token_ids, text, ...")
 
 
@@ -120,8 +155,8 @@ def _usage_error(sentence: str) -> int:
 
 def cmd_generate(args) -> int:
     from server.engine.llm_engine import EngineConfig, LLMEngine
+    from server.engine.loader import load_tokenizer
     from server.engine.sampling_params import SamplingParams
-    from server.engine.tokenizer import Tokenizer
 
     if args.top_k < 0:
         return _usage_error(f"--top-k must be >= 0, got {args.top_k}")
@@ -131,7 +166,7 @@ def cmd_generate(args) -> int:
         engine = LLMEngine(EngineConfig(model=args.model, device=args.device, dtype=args.dtype))
     except (ValueError, FileNotFoundError) as e:
         return _usage_error(str(e))
-    tokenizer = Tokenizer.from_folder(engine.model_path)
+    tokenizer = load_tokenizer(engine.model_path)
     prompt_ids = args.prompt_ids if args.prompt_ids is not None else tokenizer.encode(args.prompt)
     try:
         [token_ids] = engine.generate([prompt_ids], params)
@@ -163,12 +198,18 @@ def cmd_sla(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="distserve",
-        description="LLM serving with prefill/decode disaggregation.",
+        description="LLM serving with prefill/decode disaggregation. Exit status: 0 ok, 1 failure, 2 bad "
+                    "input (one sentence on stderr); a worker also exits 3 when the router refuses to register "
+                    "it (wrong token or a different model). Example: distserve serve --model smollm2-135m-instruct",
     )
-    parser.add_argument("--log-level", default="WARNING")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    parser.add_argument("--log-level", type=str.upper, default=None,
+                        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                        help="log level of this process and the processes it starts (default: INFO for serve, "
+                             "router and worker, WARNING otherwise; env DISTSERVE_LOG_LEVEL)")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     _add_make_tiny_model(sub)
     _add_generate(sub)
     _add_sla(sub)
@@ -227,7 +268,10 @@ def main(argv: list[str] | None = None) -> int:
         args.sla_args = extra + args.sla_args
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    level = args.log_level or os.environ.get(LOG_LEVEL_ENV) or (
+        "INFO" if args.command in ("serve", "router", "worker") else "WARNING")
+    os.environ[LOG_LEVEL_ENV] = level  # the children `serve` starts inherit it
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     handler = COMMANDS.get(args.command) or args.handler
     return handler(args)
 

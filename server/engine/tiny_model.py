@@ -164,6 +164,7 @@ def make_tiny_model(
     from safetensors.torch import save_file
 
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    os.chmod(out / "model.safetensors", 0o666 & ~_umask())  # safetensors creates it 0600; match its siblings
 
     write_byte_fallback_tokenizer(out, vocab=vocab, model_max_length=max_positions)
     return out
@@ -278,6 +279,12 @@ def write_byte_fallback_tokenizer(out_dir: str | Path, *, vocab: int = 512, mode
         out / "special_tokens_map.json",
         {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"},
     )
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def _write_json(path: Path, obj: Any) -> None:

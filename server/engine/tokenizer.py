@@ -170,6 +170,9 @@ class Tokenizer:
         eos_all = ([eos] if eos is not None else []) + cfg_ids(cfg, "eos_token_id") + cfg_ids(gen, "eos_token_id")
         add_bos = tcfg.get("add_bos_token")
         template = tcfg.get("chat_template")
+        jinja_file = folder / "chat_template.jinja"  # newer transformers save the template beside the config
+        if template is None and jinja_file.is_file():
+            template = jinja_file.read_text(encoding="utf-8")
         if isinstance(template, list):  # list of {"name", "template"} dicts
             named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
             template = named.get("default") or next(iter(named.values()), None)

@@ -12,6 +12,7 @@ import hmac
 import json
 import logging
 import secrets
+import threading
 import time
 import uuid
 from contextlib import aclosing, asynccontextmanager
@@ -24,6 +25,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from server.config import DistServeConfig
+from server.engine.chat_template import ChatTemplate, ChatTemplateError, end_of_turn_ids
+from server.engine.loader import load_tokenizer, model_display_name, resolve_model_path
 from server.engine.tokenizer import Tokenizer
 from server.metrics import RouterMetrics
 from server.router import protocol
@@ -50,11 +53,26 @@ class RouterState:
     served_model_name: str | None = None
     model_path: str | None = None
     tokenizer: Tokenizer | None = None
+    chat_template: ChatTemplate | None = None
     pipeline: Pipeline | None = None
     sla: SlaLive | None = None  # rolling percentiles, breaker, journals (server/router/sla_live.py)
     backup: BackupPool | None = None
 
+    _tokenizer_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def warm_tokenizer(self) -> None:
+        try:
+            self.get_tokenizer()
+        except Exception as e:  # the first request reports it properly
+            log.warning("cannot load the tokenizer yet: %s", e)
+
     def get_tokenizer(self) -> Tokenizer:
+        if self.tokenizer is not None:
+            return self.tokenizer
+        with self._tokenizer_lock:  # a GGUF vocabulary takes a second or more to build: build it once
+            return self._load_tokenizer()
+
+    def _load_tokenizer(self) -> Tokenizer:
         if self.tokenizer is None:
             path = self.model_path or self.registry.model_path()
             if path is None and not self.registry.workers:
@@ -62,15 +80,27 @@ class RouterState:
             if path is None or str(path).startswith("preset:"):  # shape presets (no files): byte tokenizer
                 self.tokenizer = Tokenizer.byte_tokenizer()
             else:
-                self.tokenizer = Tokenizer.from_folder(path)
+                self.tokenizer = load_tokenizer(resolve_model_path(path))  # a name, a folder or a .gguf
                 self.model_path = path
         return self.tokenizer
+
+    def get_chat_template(self) -> ChatTemplate:
+        if self.chat_template is None:
+            self.chat_template = ChatTemplate.for_tokenizer(self.get_tokenizer())
+        return self.chat_template
 
     def model_name(self) -> str:
         if self.served_model_name:
             return self.served_model_name
-        path = self.model_path or self.registry.model_path()
-        return path or "distserve"
+        return model_display_name(self.model_path or self.registry.model_path())
+
+    def check_model(self, requested: str | None) -> None:
+        """A request may name the served model (or the ``--model`` it was started with), or no model."""
+        if requested is None or requested == self.model_name():
+            return
+        if self.model_path is not None and requested == str(self.model_path):
+            return
+        raise ModelNotFound(requested)
 
     def max_prompt_chars(self) -> int:
         return self.config.router.max_prompt_chars or 32 * self.max_seq_len()
@@ -81,6 +111,10 @@ class RouterState:
         if worker_len:
             lens.append(worker_len)
         return min(lens)
+
+
+class ModelNotFound(Exception):
+    """OpenAI's answer to a request that names a model this server does not serve: 404 model_not_found."""
 
 
 def _error(status: int, message: str, param: str | None = None, headers: dict | None = None) -> JSONResponse:
@@ -160,6 +194,8 @@ def create_router_app(state: RouterState) -> FastAPI:
         except ValueError as e:
             return _error(422, f"invalid registration: {e}")
         log.info("worker %s (%s, pid %d) registered at %s", info.worker_id, info.role, info.pid, info.url)
+        if state.tokenizer is None:  # build it off the event loop now, not inside the first request
+            asyncio.get_running_loop().run_in_executor(None, state.warm_tokenizer)
         return {"registered": info.worker_id}
 
     @app.post("/heartbeat")
@@ -242,6 +278,13 @@ def create_router_app(state: RouterState) -> FastAPI:
     async def invalid(request: Request, exc: InvalidRequest):
         return _error(400, str(exc), exc.param)
 
+    @app.exception_handler(ModelNotFound)
+    async def model_not_found(request: Request, exc: ModelNotFound):
+        return JSONResponse({"error": {"message": f"The model `{exc}` does not exist; this server serves "
+                                                  f"`{state.model_name()}` (see /v1/models).",
+                                       "type": "invalid_request_error", "param": "model", "code": "model_not_found"}},
+                            status_code=404)
+
     @app.exception_handler(NoWorkersError)
     async def no_workers(request: Request, exc: NoWorkersError):
         state.metrics.requests.labels("unavailable").inc()
@@ -257,24 +300,38 @@ def create_router_app(state: RouterState) -> FastAPI:
     async def completions(request: Request):
         body = await json_body(request)
         req = protocol.parse(protocol.CompletionRequest, body)
+        state.check_model(req.model)
         if (resp := await via_backup("/v1/completions", body, req)) is not None:
             return resp
+        await _tokenizer_ready(state)
         return await _serve(request, req, await _prompt_ids(state, req.prompt), "completion")
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         body = await json_body(request)
         req = protocol.parse(protocol.ChatCompletionRequest, body)
+        state.check_model(req.model)
         if (resp := await via_backup("/v1/chat/completions", body, req)) is not None:
             return resp
         if req.max_completion_tokens is not None and req.max_tokens is None:
             req.max_tokens = req.max_completion_tokens
-        text = protocol.render_chat(req.messages)
-        return await _serve(request, req, await _tokenize(state, text, "messages"), "chat")
+        state.pipeline.check_available()  # 503 before touching the tokenizer when no model is known yet
+        await _tokenizer_ready(state)
+        tokenizer, template = state.get_tokenizer(), state.get_chat_template()
+        try:
+            text = template.render([m.template_dict() for m in req.messages])
+        except ChatTemplateError as e:
+            raise InvalidRequest(f"messages: {e}", "messages") from None
+        # the model's template writes its own bos; only the plain fallback needs one added
+        ids = await _tokenize(state, text, "messages", add_bos=tokenizer.chat_template is None)
+        stop_ids = [] if req.ignore_eos else end_of_turn_ids(tokenizer, template)
+        return await _serve(request, req, ids, "chat", stop_ids)
 
     @app.post("/generate")
     async def generate(request: Request):
         req = protocol.parse(protocol.GenerateRequest, await json_body(request))
+        state.check_model(req.model)
+        await _tokenizer_ready(state)
         if (req.prompt is None) == (req.prompt_token_ids is None):
             raise InvalidRequest("prompt: give exactly one of prompt or prompt_token_ids", "prompt")
         if req.prompt == "":
@@ -283,7 +340,7 @@ def create_router_app(state: RouterState) -> FastAPI:
                else _check_ids(state, req.prompt_token_ids))
         return await _serve(request, req, ids, "generate")
 
-    async def _serve(request: Request, req, prompt_ids: list[int], kind: str):
+    async def _serve(request: Request, req, prompt_ids: list[int], kind: str, stop_ids: list[int] | None = None):
         max_len = state.max_seq_len()
         if len(prompt_ids) >= max_len:
             raise InvalidRequest(f"prompt: {len(prompt_ids)} tokens is longer than max_seq_len allows "
@@ -301,7 +358,7 @@ def create_router_app(state: RouterState) -> FastAPI:
         sampling = InternalSampling(
             max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=max(req.top_k, 0),
             seed=req.seed if req.seed is not None else secrets.randbits(62),
-            stop_token_ids=req.stop_token_ids or [], ignore_eos=req.ignore_eos)
+            stop_token_ids=(req.stop_token_ids or []) + (stop_ids or []), ignore_eos=req.ignore_eos)
         state.pipeline.check_available()  # NoWorkersError -> 503 with Retry-After
         tokenizer = state.get_tokenizer()
         ereq = EngineRequest(f"{kind[:4]}-{uuid.uuid4().hex}", prompt_ids, sampling)
@@ -327,15 +384,23 @@ _PARSE_INLINE_BYTES = 256 << 10  # larger bodies are parsed, and larger texts to
 _TOKENIZE_INLINE_CHARS = 16 << 10
 
 
-async def _tokenize(state: RouterState, text: str, field: str = "prompt") -> list[int]:
+async def _tokenizer_ready(state: RouterState) -> None:
+    """Load the tokenizer off the event loop (a GGUF vocabulary takes seconds on a busy CPU: heartbeats
+    and other requests must not wait for it)."""
+    if state.tokenizer is None:
+        await asyncio.to_thread(state.get_tokenizer)
+
+
+async def _tokenize(state: RouterState, text: str, field: str = "prompt", **kw) -> list[int]:
     limit = state.max_prompt_chars()
     if len(text) > limit:  # checked before tokenizing: a huge text must not cost tokenizer time
         raise InvalidRequest(f"{field}: {len(text)} characters is more than this server accepts ({limit}; "
                              f"router.max_prompt_chars)", field)
+    await _tokenizer_ready(state)
     tokenizer = state.get_tokenizer()  # NoWorkersError (no model known yet) -> 503
     if len(text) <= _TOKENIZE_INLINE_CHARS:
-        return tokenizer.encode(text)
-    return await asyncio.to_thread(tokenizer.encode, text)
+        return tokenizer.encode(text, **kw)
+    return await asyncio.to_thread(lambda: tokenizer.encode(text, **kw))
 
 
 def _vocab_size(state: RouterState) -> int | None:

@@ -116,6 +116,10 @@ class ChatMessage(BaseModel):
             parts.append(p["text"])
         return "".join(parts)
 
+    def template_dict(self) -> dict[str, Any]:
+        """The message as chat templates see it: ``{"role", "content"}`` with the content as text."""
+        return {"role": self.role, "content": self.text()}
+
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
@@ -143,7 +147,7 @@ def parse(model: type[BaseModel], body: Any) -> Any:
 
 
 def render_chat(messages: list[ChatMessage]) -> str:
-    """A plain, model-agnostic chat format (the built-in tiny model has no template of its own)."""
+    """The plain chat format used when a model has no chat template of its own."""
     out = [f"<|{m.role}|>\n{m.text()}\n" for m in messages]
     out.append("<|assistant|>\n")
     return "".join(out)

@@ -1,0 +1,77 @@
+"""Checks ``distserve serve``/``router`` run before starting anything, so a predictable failure is one clear
+sentence (exit status 2) instead of a child's traceback: a port already in use, CUDA asked for where there is
+none. Also the clean-up of temporary folders that a ``kill -9``'d launcher could not remove."""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import socket
+import tempfile
+from pathlib import Path
+
+TMP_PREFIX = "distserve-"
+
+
+def port_problem(host: str, port: int) -> str | None:
+    """A sentence when ``host:port`` cannot be bound now (None when free, or when port is 0 = any)."""
+    if not port:
+        return None
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((host, port))
+    except OSError as e:
+        if e.errno == errno.EADDRINUSE:
+            return (f"port {port} on {host} is already in use (another distserve?); stop it or pick another "
+                    "port with --port (0 = any free port)")
+        return f"cannot listen on {host}:{port}: {e.strerror or e}"
+    return None
+
+
+def device_problem(devices: list[str]) -> str | None:
+    """A sentence when a CUDA device is asked for and this torch/machine has none (or fewer)."""
+    cuda = [d for d in devices if d.startswith("cuda")]
+    if not cuda:
+        return None
+    import torch
+
+    if not torch.cuda.is_available():
+        build = "this torch build has no CUDA" if torch.version.cuda is None else "no CUDA GPU is visible"
+        return f"--device {cuda[0]}: CUDA is not available ({build}); use --device cpu"
+    count = torch.cuda.device_count()
+    for d in cuda:
+        index = int(d.split(":", 1)[1]) if ":" in d else 0
+        if index >= count:
+            return f"--device {d}: only {count} CUDA device(s) are visible (cuda:0..cuda:{count - 1})"
+    return None
+
+
+def launcher_tmp_prefix() -> str:
+    """Temporary folders carry the launcher's PID, so a later launcher can tell which ones are orphans."""
+    return f"{TMP_PREFIX}{os.getpid()}-"
+
+
+def sweep_orphan_tmp(root: str | None = None) -> list[Path]:
+    """Remove ``distserve-<pid>-*`` folders whose launcher is gone (killed with SIGKILL); return them."""
+    removed = []
+    for p in Path(root or tempfile.gettempdir()).glob(f"{TMP_PREFIX}*-*"):
+        pid_text = p.name[len(TMP_PREFIX):].split("-", 1)[0]
+        if not pid_text.isdigit() or not p.is_dir() or p.owner() != _me():
+            continue
+        try:
+            os.kill(int(pid_text), 0)
+        except ProcessLookupError:
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(p)
+        except PermissionError:
+            pass  # alive, someone else's
+    return removed
+
+
+def _me() -> str:
+    import pwd
+
+    return pwd.getpwuid(os.getuid()).pw_name
