@@ -37,7 +37,8 @@ TINY_TEMPERATURES = (1e-300, 1e-30, 1e-6)
 
 
 def _good_body(i: int) -> dict:
-    return {"prompt_token_ids": GOOD[i], "max_tokens": 12, "temperature": 0.8, "seed": i, "ignore_eos": True}
+    return {"prompt_token_ids": GOOD[i], "max_tokens": 12, "temperature": 0.8, "top_p": 1.0, "seed": i,
+            "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
