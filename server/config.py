@@ -199,6 +199,7 @@ class DecodeConfig(_Section):
     _section: ClassVar[str] = "decode"
     max_batch_size: int = _opt(128, "int", lo=1, hi=4096)
     max_concurrent_requests: int = _opt(64, "int", lo=1, hi=1_000_000)
+    attention_backend: str = _opt("auto", "enum", choices=("auto", "sdpa", "cpu_paged", "flash_attn_v2", "triton"))
     sampling_strategy: str = _opt("top_p", "enum", choices=("greedy", "top_p"))
     top_p: float = _opt(0.95, "float", lo=0, hi=1, lo_open=True)
     gc_interval_ms: int = _opt(500, "int", lo=1, hi=_MS_MAX)

@@ -50,20 +50,27 @@ class WorkerOptions:
 
 
 def engine_config_for(role: str, cfg: DistServeConfig, device: str) -> EngineConfig:
-    """Map the role's config section onto the engine (DESIGN section 6)."""
+    """Map the config onto one role's engine (the one place that does).
+
+    Shared by every role: ``model``, ``cache``, and ``prefill.max_seq_len`` — the serving limit (the
+    seed's key), which a decode worker must accept too because it holds prompt + output. Each role reads
+    its own section for the rest: batch limits, threads and attention backend (``prefill.*`` for prefill
+    workers, ``decode.*`` for decode and colocated ones).
+    """
     pf, dc, cache = cfg.prefill, cfg.decode, cfg.cache
     common = dict(model=cfg.model, device=device, dtype=cache.dtype, block_size=cache.block_size,
                   num_blocks=cache.num_gpu_blocks, kv_cache_memory_mb=cache.kv_cache_memory_mb,
                   max_model_len=pf.max_seq_len, max_num_batched_tokens=pf.max_num_batched_tokens,
-                  attention_backend=pf.attention_backend,
                   enable_prefix_caching=cache.enable_prefix_caching)
     if role == "prefill":
         return EngineConfig(**common, max_num_seqs=pf.max_batch_size, prefill_policy="wfs",
-                            torch_threads=pf.torch_threads)
+                            torch_threads=pf.torch_threads, attention_backend=pf.attention_backend)
     if role == "decode":
         return EngineConfig(**common, max_num_seqs=min(dc.max_batch_size, dc.max_concurrent_requests),
-                            decode_policy="fewest_remaining", torch_threads=dc.torch_threads)
-    return EngineConfig(**common, max_num_seqs=dc.max_batch_size, torch_threads=dc.torch_threads)
+                            decode_policy="fewest_remaining", torch_threads=dc.torch_threads,
+                            attention_backend=dc.attention_backend)
+    return EngineConfig(**common, max_num_seqs=dc.max_batch_size, torch_threads=dc.torch_threads,
+                        attention_backend=dc.attention_backend)
 
 
 def fingerprint(engine: LLMEngine) -> dict:

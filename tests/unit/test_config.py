@@ -431,3 +431,16 @@ def test_replace_revalidates():
     assert dataclasses.replace(c.decode, top_p=0.5).top_p == 0.5
     with pytest.raises(ConfigError):
         dataclasses.replace(c.decode, top_p=2.0)
+
+
+def test_each_role_reads_its_own_section():
+    from server.workers.worker import engine_config_for
+
+    cfg = load_config(overrides={"prefill": {"attention_backend": "sdpa", "max_batch_size": 3, "max_seq_len": 512},
+                                 "decode": {"attention_backend": "cpu_paged", "max_batch_size": 7,
+                                            "max_concurrent_requests": 5}})
+    pf, dc, co = (engine_config_for(r, cfg, "cpu") for r in ("prefill", "decode", "colocated"))
+    assert (pf.attention_backend, pf.max_num_seqs, pf.prefill_policy) == ("sdpa", 3, "wfs")
+    assert (dc.attention_backend, dc.max_num_seqs, dc.decode_policy) == ("cpu_paged", 5, "fewest_remaining")
+    assert (co.attention_backend, co.max_num_seqs) == ("cpu_paged", 7)
+    assert pf.max_model_len == dc.max_model_len == co.max_model_len == 512  # the serving limit is shared
