@@ -35,7 +35,8 @@ MAX_TOKENS = 6
 
 
 async def one_request(s: aiohttp.ClientSession, url: str, i: int, log: list[dict]) -> None:
-    body = {"model": "whatever-the-client-says", "prompt": [1] + [3 + (i * 7 + k) % 250 for k in range(12)],
+    # no "model": a client naming another model gets 404 model_not_found before any pool is chosen
+    body = {"prompt": [1] + [3 + (i * 7 + k) % 250 for k in range(12)],
             "max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True, "stream": True}
     rec = {"i": i, "start": time.monotonic(), "status": None, "pool": None, "chunks": 0, "error": None}
     log.append(rec)

@@ -104,7 +104,7 @@ def test_backup_serves_when_primary_has_no_workers(tmp_path):
     stub = StubOpenAI()
     with make_client(tmp_path, [f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{stub.port}/v1"],
                      backup_model="vllm-model", backup_api_key="k3y") as c:
-        r = c.post("/v1/completions", json={"model": "mine", "prompt": "hi", "max_tokens": 3})
+        r = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3})
         assert r.status_code == 200 and r.headers["x-distserve-pool"] == "backup"
         assert r.json()["model"] == "vllm-model"
         with c.stream("POST", "/v1/completions", json={"prompt": "hi", "max_tokens": 3, "stream": True}) as r:
