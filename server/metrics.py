@@ -51,6 +51,11 @@ class WorkerMetrics:
         self.running = Gauge("distserve_num_requests_running", "Requests running in this worker.", registry=r)
         self.kv_blocks_used = Gauge("distserve_kv_blocks_used", "KV blocks in use.", registry=r)
         self.kv_blocks_free = Gauge("distserve_kv_blocks_free", "KV blocks free.", registry=r)
+        self.kv_cache_bytes = Gauge("distserve_kv_cache_bytes", "Bytes of the KV cache allocated at startup.",
+                                    registry=r)
+        self.gpu_memory_utilization = Gauge("distserve_gpu_memory_utilization", "Share of the device the KV "
+                                            "sizing allowed this worker (0: sized by kv_cache_memory_mb or "
+                                            "num_gpu_blocks).", registry=r)
         self.staged_kv = Gauge("distserve_kv_staged_requests", "KV payloads staged for pull.", registry=r)
         self.steps = Gauge("distserve_engine_steps", "Engine steps so far.", registry=r)
         self.step_seconds = Gauge("distserve_engine_step_seconds", "Seconds spent inside engine steps so far.",
@@ -71,6 +76,11 @@ class WorkerMetrics:
                                          registry=r)
         self.kv_transfer_failures = Counter("distserve_kv_transfer_failures", "Failed KV pulls.", ["transport"],
                                             registry=r)
+
+    def set_kv_cache(self, kv_bytes: int, gpu_memory_utilization: float) -> None:
+        """Set once at startup: what the KV sizing decided (kv_sizing.KVBudget)."""
+        self.kv_cache_bytes.set(kv_bytes)
+        self.gpu_memory_utilization.set(gpu_memory_utilization)
 
     def refresh(self, status, loop_stats) -> None:
         self.queue_depth.set(status.num_waiting + status.num_reserving)
