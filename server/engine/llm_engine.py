@@ -22,12 +22,12 @@ import torch
 
 from server.engine.attention import get_attention_backend
 from server.engine.block_manager import BlockManager
+from server.engine.kv_sizing import KVBudget, kv_blocks_from_memory
 from server.engine.loader import load_state_dict, resolve_model_path
 from server.engine.model import LlamaForCausalLM
 from server.engine.model_config import ModelConfig
 from server.engine.model_runner import ModelRunner, kv_bytes_per_block
 from server.engine.presets import init_random_weights, is_preset, preset_config
-from server.engine.kv_sizing import KVBudget, kv_blocks_from_memory
 from server.engine.sampler import Sampler
 from server.engine.sampling_params import SamplingParams
 from server.engine.scheduler import Scheduler, SchedulerConfig
