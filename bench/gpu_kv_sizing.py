@@ -49,6 +49,17 @@ def main() -> None:
     res.update({"prefill_whole_ms_median": 1e3 * statistics.median(w), "step_ms_median": 1e3 * statistics.median(s),
                 "engine_only_req_per_s": 1 / statistics.median(w), "n": len(w)})
     print({k: v for k, v in res.items() if "ms" in k or "req" in k}, flush=True)
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for i in range(3):
+            eng.add_request(f"p{i}", [(i * 104729 + j) % 30000 + 1 for j in range(a.prompt)], params)
+            while eng.has_unfinished_requests():
+                eng.step()
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
+    with open(os.path.join(os.path.dirname(a.out), "prefill_engine_profile.txt"), "w") as f:
+        f.write(table + "\n\n" + prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=15))
+    print(table[:6000], flush=True)
     tmp = a.out + ".tmp"
     with open(tmp, "w") as f:
         json.dump(res, f, indent=1)

@@ -18,7 +18,8 @@ class KVBudget:
     total_bytes: int  # the device's memory
     utilization: float  # share of total_bytes this worker may use
     peak_bytes: int  # weights + activations at the profiling forward (torch's peak allocated)
-    non_torch_bytes: int  # used on the device but not by torch's allocator (CUDA context, other processes)
+    non_torch_bytes: int  # this process's device memory outside torch's allocator (cuBLAS workspaces, ...)
+    free_bytes: int  # free on the device when sizing (other processes' memory is not this worker's budget)
     block_bytes: int  # one KV block, all layers, K and V
     num_blocks: int
 
@@ -35,20 +36,27 @@ class KVBudget:
 
 
 def kv_blocks_from_memory(total_bytes: int, utilization: float, peak_bytes: int, non_torch_bytes: int,
-                          block_bytes: int) -> KVBudget:
-    """Blocks that fit in ``utilization * total - peak - non_torch``; ValueError (saying what to
-    change) when not even one block fits."""
+                          block_bytes: int, free_bytes: int | None = None, reserve_bytes: int = 256 * 2**20
+                          ) -> KVBudget:
+    """Blocks that fit in ``utilization * total - peak - non_torch`` (this worker's share, as in vLLM:
+    two workers on one GPU take e.g. 0.45 each), and in what is actually free minus
+    ``reserve_bytes`` (CUDA graphs and the allocator's slack come after sizing); ValueError (saying
+    what to change) when not even one block fits."""
     if not 0 < utilization <= 1:
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization}")
     if total_bytes <= 0 or block_bytes <= 0 or peak_bytes < 0 or non_torch_bytes < 0:
         raise ValueError("memory figures must be positive")
     free = int(total_bytes * utilization) - peak_bytes - non_torch_bytes
+    if free_bytes is not None:
+        free = min(free, free_bytes - reserve_bytes)
+    else:
+        free_bytes = total_bytes - peak_bytes - non_torch_bytes
     num_blocks = free // block_bytes
     if num_blocks < 1:
         gib = 2**30
         raise ValueError(
             f"no room for the KV cache: gpu_memory_utilization {utilization} of {total_bytes / gib:.1f} GiB "
-            f"leaves {free / gib:.2f} GiB after weights+activations ({peak_bytes / gib:.2f} GiB) and memory "
+            f"(device free {free_bytes / gib:.2f} GiB) leaves {free / gib:.2f} GiB after weights+activations ({peak_bytes / gib:.2f} GiB) and memory "
             f"outside torch ({non_torch_bytes / gib:.2f} GiB); raise cache.gpu_memory_utilization, lower "
             f"prefill.max_num_batched_tokens, or set cache.num_gpu_blocks")
-    return KVBudget(total_bytes, utilization, peak_bytes, non_torch_bytes, block_bytes, num_blocks)
+    return KVBudget(total_bytes, utilization, peak_bytes, non_torch_bytes, free_bytes, block_bytes, num_blocks)

@@ -94,6 +94,9 @@ class LLMEngine:
         self.device = torch.device(config.device)
         self.dtype = self._resolve_dtype()
         backend = get_attention_backend(config.attention_backend, self.device)
+        # device memory free before this engine allocates anything (for kv_sizing: what this
+        # process adds outside torch's allocator, as opposed to other processes' memory)
+        self._free_at_start = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else 0
         with torch.device("meta"):
             model = LlamaForCausalLM(self.model_config, backend)
         model = model.to_empty(device=self.device).to(self.dtype)
@@ -170,9 +173,10 @@ class LLMEngine:
         del self.runner, self.block_manager, self.scheduler
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
-        non_torch = max(0, total - free - torch.cuda.memory_reserved(self.device))
+        non_torch = max(0, self._free_at_start - free - torch.cuda.memory_reserved(self.device))
         return kv_blocks_from_memory(total, config.gpu_memory_utilization, peak, non_torch,
-                                     kv_bytes_per_block(self.model_config, bs, self.dtype))
+                                     kv_bytes_per_block(self.model_config, bs, self.dtype),
+                                     free_bytes=free - (peak - torch.cuda.memory_allocated(self.device)))
 
     def _resolve_dtype(self) -> torch.dtype:
         if self.config.dtype != "auto":

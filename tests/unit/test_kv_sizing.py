@@ -37,6 +37,14 @@ def test_utilization_out_of_range(u):
 def test_config_key_validated():
     assert DistServeConfig.from_dict({}).cache.gpu_memory_utilization == 0.9
     assert DistServeConfig.from_dict({"cache": {"gpu_memory_utilization": 0.5}}).cache.gpu_memory_utilization == 0.5
-    for bad in (0, 1.2, "x"):
+    assert DistServeConfig.from_dict({"cache": {"gpu_memory_utilization": 0}}).cache.gpu_memory_utilization == 0
+    for bad in (-0.1, 1.2, "x"):
         with pytest.raises(Exception, match="gpu_memory_utilization"):
             DistServeConfig.from_dict({"cache": {"gpu_memory_utilization": bad}})
+
+
+def test_capped_by_what_is_free():
+    # another process holds most of the device: this worker's share is not all free
+    share = kv_blocks_from_memory(140 * GiB, 0.45, 14 * GiB, 0, 2**20).num_blocks
+    capped = kv_blocks_from_memory(140 * GiB, 0.45, 14 * GiB, 0, 2**20, free_bytes=20 * GiB)
+    assert capped.num_blocks == (20 * GiB - 256 * 2**20) // 2**20 < share
