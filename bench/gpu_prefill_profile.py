@@ -24,9 +24,9 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import gpu_serving as gs  # noqa: E402
+import gpu_serving as gs
 
-from server.engine.presets import preset_config  # noqa: E402
+from server.engine.presets import preset_config
 
 
 def scrape(url: str) -> dict[str, float]:
