@@ -46,7 +46,9 @@ class EngineConfig:
     block_size: int = 16
     num_blocks: int = 0  # 0 = from kv_cache_memory_mb
     kv_cache_memory_mb: int = 512  # CPU (and CUDA with gpu_memory_utilization 0): KV size when num_blocks is 0
-    gpu_memory_utilization: float = 0.9  # CUDA, num_blocks 0: share of the device; KV gets what is left
+    # CUDA, num_blocks 0: share of the device; KV gets what is left. 0 here (direct engine users, tests that
+    # build several engines in one process); the worker passes cache.gpu_memory_utilization (0.9 default)
+    gpu_memory_utilization: float = 0.0
     max_model_len: int = 0  # 0 = the model's max_position_embeddings
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
