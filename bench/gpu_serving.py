@@ -200,7 +200,7 @@ def base_config(args, max_seq_len: int) -> dict:
         "model": args.model,
         "prefill": {"max_seq_len": max_seq_len},
         "decode": {"max_batch_size": args.max_batch, "max_concurrent_requests": args.max_batch},
-        "cache": {"kv_cache_memory_mb": args.kv_cache_mb},
+        "cache": {"kv_cache_memory_mb": args.kv_cache_mb, "gpu_memory_utilization": args.gpu_memory_utilization},
         "kv_transfer": {"transport": "auto", "cuda_ipc_pool_mb": args.pool_mb},
         "router": {"request_timeout_s": 120.0},
     }
@@ -339,6 +339,8 @@ def main() -> int:
     ap.add_argument("--max-batch", type=int, default=128)
     ap.add_argument("--max-seq-len", type=int, default=2304)
     ap.add_argument("--kv-cache-mb", type=int, default=36_000)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.0,
+                    help="cache.gpu_memory_utilization per worker; 0 = size KV from --kv-cache-mb")
     ap.add_argument("--pool-mb", type=int, default=4096)
     ap.add_argument("--startup-timeout-s", type=float, default=240.0)
     ap.add_argument("--short", default="128,64", help="prompt,output tokens of the short workload")

@@ -213,6 +213,9 @@ class CacheConfig(_Section):
     block_size: int = _opt(16, "int", lo=1, hi=256, pow2=True)
     num_gpu_blocks: int = _opt(0, "int", lo=0, hi=10_000_000)  # 0 = size automatically
     kv_cache_memory_mb: int = _opt(512, "int", lo=1, hi=10_000_000)
+    # CUDA: share of the device this worker may use; KV gets what weights + a profiling forward leave;
+    # 0 = size from kv_cache_memory_mb as on CPU. Workers sharing one GPU split it (e.g. 0.45 each).
+    gpu_memory_utilization: float = _opt(0.9, "float", lo=0, hi=1)
     dtype: str = _opt("auto", "enum", choices=("auto", "float32", "float16", "bfloat16"))
     enable_prefix_caching: bool = _opt(True, "bool")
 

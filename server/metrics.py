@@ -51,6 +51,17 @@ class WorkerMetrics:
         self.running = Gauge("distserve_num_requests_running", "Requests running in this worker.", registry=r)
         self.kv_blocks_used = Gauge("distserve_kv_blocks_used", "KV blocks in use.", registry=r)
         self.kv_blocks_free = Gauge("distserve_kv_blocks_free", "KV blocks free.", registry=r)
+        self.idle_seconds = Gauge("distserve_engine_idle_seconds", "Seconds the engine loop waited with no "
+                                  "unfinished request (wall - step - idle = host work between steps).", registry=r)
+        self.prefill_phase_seconds = Histogram(
+            "distserve_prefill_phase_seconds", "Prefill worker per-request phases: queued+step (add_request to "
+            "the prefilled output), take_kv (gather on the engine thread), stage (export for the pull).",
+            ["phase"], registry=r, buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5))
+        self.kv_cache_bytes = Gauge("distserve_kv_cache_bytes", "Bytes of the KV cache allocated at startup.",
+                                    registry=r)
+        self.gpu_memory_utilization = Gauge("distserve_gpu_memory_utilization", "Share of the device the KV "
+                                            "sizing allowed this worker (0: sized by kv_cache_memory_mb or "
+                                            "num_gpu_blocks).", registry=r)
         self.staged_kv = Gauge("distserve_kv_staged_requests", "KV payloads staged for pull.", registry=r)
         self.steps = Gauge("distserve_engine_steps", "Engine steps so far.", registry=r)
         self.step_seconds = Gauge("distserve_engine_step_seconds", "Seconds spent inside engine steps so far.",
@@ -72,6 +83,11 @@ class WorkerMetrics:
         self.kv_transfer_failures = Counter("distserve_kv_transfer_failures", "Failed KV pulls.", ["transport"],
                                             registry=r)
 
+    def set_kv_cache(self, kv_bytes: int, gpu_memory_utilization: float) -> None:
+        """Set once at startup: what the KV sizing decided (kv_sizing.KVBudget)."""
+        self.kv_cache_bytes.set(kv_bytes)
+        self.gpu_memory_utilization.set(gpu_memory_utilization)
+
     def refresh(self, status, loop_stats) -> None:
         self.queue_depth.set(status.num_waiting + status.num_reserving)
         self.running.set(status.num_running)
@@ -81,6 +97,7 @@ class WorkerMetrics:
         self.steps.set(loop_stats.num_steps)
         self.step_seconds.set(loop_stats.step_seconds_total)
         self.step_cpu_seconds.set(loop_stats.step_cpu_seconds_total)
+        self.idle_seconds.set(loop_stats.idle_seconds_total)
         self.generated.set(loop_stats.num_generated_tokens)
         self.prefix_queried.set(loop_stats.prefix_cache_queried_tokens)
         self.prefix_hits.set(loop_stats.prefix_cache_hit_tokens)

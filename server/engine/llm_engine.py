@@ -22,6 +22,7 @@ import torch
 
 from server.engine.attention import get_attention_backend
 from server.engine.block_manager import BlockManager
+from server.engine.kv_sizing import KVBudget, kv_blocks_from_memory
 from server.engine.loader import load_model_config, load_state_dict, resolve_model_path
 from server.engine.model import LlamaForCausalLM
 from server.engine.model_runner import ModelRunner, kv_bytes_per_block
@@ -43,7 +44,10 @@ class EngineConfig:
     dtype: str = "auto"  # auto: float32 on CPU, the checkpoint's dtype on GPU
     block_size: int = 16
     num_blocks: int = 0  # 0 = from kv_cache_memory_mb
-    kv_cache_memory_mb: int = 512
+    kv_cache_memory_mb: int = 512  # CPU (and CUDA with gpu_memory_utilization 0): KV size when num_blocks is 0
+    # CUDA, num_blocks 0: share of the device; KV gets what is left. 0 here (direct engine users, tests that
+    # build several engines in one process); the worker passes cache.gpu_memory_utilization (0.9 default)
+    gpu_memory_utilization: float = 0.0
     max_model_len: int = 0  # 0 = the model's max_position_embeddings
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
@@ -91,6 +95,9 @@ class LLMEngine:
         self.device = torch.device(config.device)
         self.dtype = self._resolve_dtype()
         backend = get_attention_backend(config.attention_backend, self.device)
+        # device memory free before this engine allocates anything (for kv_sizing: what this
+        # process adds outside torch's allocator, as opposed to other processes' memory)
+        self._free_at_start = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else 0
         with torch.device("meta"):
             model = LlamaForCausalLM(self.model_config, backend)
         model = model.to_empty(device=self.device).to(self.dtype)
@@ -105,20 +112,17 @@ class LLMEngine:
             log.warning("model uses sliding-window attention (window %d); max_seq_len capped from %d to %d "
                         "so full attention stays exact", window, self.max_model_len, window)
             self.max_model_len = window
-        num_blocks = config.num_blocks or max(
-            1, config.kv_cache_memory_mb * 2**20 // kv_bytes_per_block(self.model_config, config.block_size, self.dtype)
-        )
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=config.max_num_batched_tokens,
-                prefill_policy=config.prefill_policy,
-                decode_policy=config.decode_policy,
-            ),
-            self.block_manager,
-        )
-        self.runner = ModelRunner(self.model, num_blocks, config.block_size, self.dtype, self.device)
+        self.kv_budget: KVBudget | None = None
+        if not config.num_blocks and self.device.type == "cuda" and config.gpu_memory_utilization > 0:
+            self.kv_budget = self._profile_kv_blocks()
+            log.info("%s", self.kv_budget.describe())
+            num_blocks = self.kv_budget.num_blocks
+        else:
+            num_blocks = config.num_blocks or max(
+                1, config.kv_cache_memory_mb * 2**20 // kv_bytes_per_block(self.model_config, config.block_size,
+                                                                           self.dtype)
+            )
+        self._build_cache(num_blocks)
         self.sampler = Sampler()
         self.stats = EngineStats()
         self.requests: dict[str, Sequence] = {}
@@ -130,6 +134,52 @@ class LLMEngine:
             from server.engine.cuda_graph_runner import setup_cuda_engine
 
             setup_cuda_engine(self)
+
+    def _build_cache(self, num_blocks: int) -> None:
+        config = self.config
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                prefill_policy=config.prefill_policy,
+                decode_policy=config.decode_policy,
+            ),
+            self.block_manager,
+        )
+        self.runner = ModelRunner(self.model, num_blocks, config.block_size, self.dtype, self.device)
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.runner.kv_caches)
+
+    def _profile_kv_blocks(self) -> KVBudget:
+        """Run one prefill of the largest batch the scheduler forms (max_num_batched_tokens, capped
+        by max_model_len) on a cache just big enough for it, read torch's peak, then size the real
+        cache from what ``gpu_memory_utilization`` leaves (kv_sizing.kv_blocks_from_memory)."""
+        config = self.config
+        bs = config.block_size
+        n_tokens = max(1, min(config.max_num_batched_tokens, self.max_model_len - 1))
+        self._build_cache(-(-(n_tokens + 1) // bs) + 1)
+        self.sampler = Sampler()
+        self.stats = EngineStats()
+        self.requests, self._seeds, self._rng = {}, {}, random.Random()
+        self.awaiting_kv = {}
+        self.eos_token_ids = set()
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.add_request("kv-profile", [1] * n_tokens, SamplingParams(max_tokens=1, ignore_eos=True))
+        while self.has_unfinished_requests():
+            self.step()
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - self.kv_cache_bytes
+        del self.runner, self.block_manager, self.scheduler
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        non_torch = max(0, self._free_at_start - free - torch.cuda.memory_reserved(self.device))
+        return kv_blocks_from_memory(total, config.gpu_memory_utilization, peak, non_torch,
+                                     kv_bytes_per_block(self.model_config, bs, self.dtype),
+                                     free_bytes=free - (peak - torch.cuda.memory_allocated(self.device)))
 
     def _resolve_dtype(self) -> torch.dtype:
         if self.config.dtype != "auto":

@@ -127,8 +127,20 @@ class ModelRunner:
     @torch.inference_mode()
     def gather_kv(self, block_table: list[int], num_tokens: int) -> torch.Tensor:
         """``[num_layers, 2, num_tokens, kv_heads, head_dim]`` contiguous copy on the cache's device."""
-        slots = torch.tensor(self._slots(block_table, 0, num_tokens), dtype=torch.long, device=self.device)
-        return torch.stack([c.index_select(1, slots) for c in self.kv_caches])
+        # Slot ids built with torch on the host and sent without a stream sync (a pageable copy is
+        # staged at once): a blocking copy would wait for every GPU op already queued, e.g. the
+        # previous request's gather. Each layer is gathered straight into its slice of the result
+        # (no torch.stack: half the memory traffic). Profiled on an H200 (docs/PERFORMANCE.md).
+        bs = self.block_size
+        table = torch.tensor(block_table[: -(-num_tokens // bs)], dtype=torch.long)
+        slots = (table[:, None] * bs + torch.arange(bs)).reshape(-1)[:num_tokens]
+        slots = slots.to(self.device, non_blocking=True)
+        first = self.kv_caches[0]
+        out = torch.empty((len(self.kv_caches), 2, num_tokens, *first.shape[2:]), dtype=first.dtype,
+                          device=first.device)
+        for layer, c in enumerate(self.kv_caches):
+            torch.index_select(c, 1, slots, out=out[layer])
+        return out
 
     @torch.inference_mode()
     def scatter_kv(self, block_table: list[int], kv: torch.Tensor) -> None:

@@ -139,6 +139,9 @@ async def _prefill(state: WorkerState, body: PrefillRequest) -> JSONResponse:
             return JSONResponse(PrefillResponse(token_ids=out.new_token_ids, finished=True,
                                                 finish_reason=out.finish_reason, error=out.error,
                                                 prefill_seconds=time.perf_counter() - t0).model_dump())
+        t1 = time.perf_counter()
+        phases = state.metrics.prefill_phase_seconds
+        phases.labels("queued_and_step").observe(t1 - t0)
         try:
             kv, ready = await state.loop.call(lambda: _take_kv(state, rid))
         except KeyError:  # aborted (POST /internal/abort) between its last step and now: nothing to stage
@@ -151,7 +154,10 @@ async def _prefill(state: WorkerState, body: PrefillRequest) -> JSONResponse:
             cuda_ipc.gpu_uuid(kv.device) in body.peer_cuda_uuids)
         transport = choose_transport(kvc.transport, nbytes, same_host, kvc.zero_copy_threshold_mb,
                                      kv_on_cuda=kv.is_cuda, peer_gpu=peer_gpu)
+        t2 = time.perf_counter()
+        phases.labels("take_kv").observe(t2 - t1)
         handle = await asyncio.to_thread(_stage, state, rid, kv, ready, transport)
+        phases.labels("stage").observe(time.perf_counter() - t2)
         state.metrics.prefill_seconds.observe(time.perf_counter() - t0)
         return JSONResponse(PrefillResponse(token_ids=out.new_token_ids, finished=False, kv=handle.to_dict(),
                                             prefill_seconds=time.perf_counter() - t0).model_dump())

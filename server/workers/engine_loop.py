@@ -49,6 +49,7 @@ class LoopStats:
     step_cpu_seconds_total: float = 0.0  # CPU time of this thread inside steps (wall minus descheduled time)
     prefix_cache_queried_tokens: int = 0  # tokens of admitted sequences looked up in the prefix cache
     prefix_cache_hit_tokens: int = 0  # of those, tokens whose KV came from the cache
+    idle_seconds_total: float = 0.0  # loop waiting with no unfinished request (the rest is host work)
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,7 @@ class EngineLoop:
         self._step_seconds = 0.0
         self._step_cpu_seconds = 0.0
         self.fault = StepDelays()  # set by POST /admin/fault (server/workers/fault.py)
+        self._idle_seconds = 0.0
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="engine-loop")
@@ -95,7 +97,7 @@ class EngineLoop:
             num_preemptions=e.stats.num_preemptions, num_generated_tokens=e.stats.num_generated_tokens,
             step_seconds_total=self._step_seconds, step_cpu_seconds_total=self._step_cpu_seconds,
             prefix_cache_queried_tokens=e.block_manager.num_cache_queries,
-            prefix_cache_hit_tokens=e.block_manager.num_cache_hits,
+            prefix_cache_hit_tokens=e.block_manager.num_cache_hits, idle_seconds_total=self._idle_seconds,
         )
 
     def status(self, num_staged_kv: int = 0) -> WorkerStatus:
@@ -120,11 +122,13 @@ class EngineLoop:
                     timeout = max(0.0, self._next_gc - time.monotonic())
                 else:
                     timeout = None
+                t_idle = time.perf_counter()
                 try:
                     async with asyncio.timeout(timeout):
                         await self._wakeup.wait()
                 except TimeoutError:
                     pass
+                self._idle_seconds += time.perf_counter() - t_idle
                 continue
             delay = self.fault.for_step(engine.scheduler.num_waiting > 0)
             if delay:

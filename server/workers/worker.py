@@ -60,6 +60,7 @@ def engine_config_for(role: str, cfg: DistServeConfig, device: str) -> EngineCon
     pf, dc, cache = cfg.prefill, cfg.decode, cfg.cache
     common = dict(model=cfg.model, device=device, dtype=cache.dtype, block_size=cache.block_size,
                   num_blocks=cache.num_gpu_blocks, kv_cache_memory_mb=cache.kv_cache_memory_mb,
+                  gpu_memory_utilization=cache.gpu_memory_utilization,
                   max_model_len=pf.max_seq_len, max_num_batched_tokens=pf.max_num_batched_tokens,
                   enable_prefix_caching=cache.enable_prefix_caching)
     if role == "prefill":
@@ -156,6 +157,8 @@ async def serve_worker(opts: WorkerOptions) -> int:
                                               max_stale_slots=dc.max_stale_slots))
     state = WorkerState(role=opts.role, worker_id=opts.worker_id or f"{opts.role}-{uuid.uuid4().hex[:8]}",
                         config=opts.config, token=opts.token, loop=engine_loop, metrics=WorkerMetrics(opts.role))
+    budget = engine.kv_budget
+    state.metrics.set_kv_cache(engine.kv_cache_bytes, budget.utilization if budget else 0.0)
     if opts.role == "prefill":
         state.sender = KVStagingServer(opts.host, 0, default_lease_ms=kvc.lease_ms, checksum=kvc.checksum,
                                        handshake_timeout_s=kvc.handshake_timeout_ms / 1000.0,

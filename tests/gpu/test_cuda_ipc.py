@@ -264,6 +264,9 @@ def test_bad_handle_rejected(child, case, err):
     }[case]
     r = child.pull(fake.handle(f"bad-{case}"))
     assert r["status"] == "failed" and err in r["error"], r
+    # the receiver sends ERROR then returns; the fake's thread reads that frame concurrently, so the
+    # pull result can reach us before the fake has recorded the reply (seen on the two-GPU machine)
+    _until(lambda: fake.replies)
     assert fake.replies and getattr(fake.replies[-1], "type", None) is FrameType.ERROR  # never ACK
     fake.listener.close()
     # the receiving process is still healthy: a real pull after the forged one works

@@ -150,6 +150,11 @@ def test_repeated_prompt_hits_the_prefill_workers_prefix_cache(disagg):
     _, metrics, _ = http("GET", f"{prefill['url']}/metrics")
     hits = [ln for ln in metrics.splitlines() if ln.startswith("distserve_prefix_cache_hit_tokens ")]
     assert hits and float(hits[0].split()[-1]) >= 7 * 16, metrics
+    # the KV size decided at startup (CPU: cache.kv_cache_memory_mb) and the prefill phase timers
+    kv = [ln for ln in metrics.splitlines() if ln.startswith("distserve_kv_cache_bytes ")]
+    assert kv and float(kv[0].split()[-1]) > 0, metrics
+    taken = [ln for ln in metrics.splitlines() if ln.startswith('distserve_prefill_phase_seconds_count{phase="stage"}')]
+    assert taken and float(taken[0].split()[-1]) >= 2, metrics  # one per KV handed over (earlier tests add more)
     assert_no_leaks(disagg)
 
 
