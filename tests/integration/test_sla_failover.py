@@ -82,7 +82,8 @@ async def fault(s, worker_url: str, body: dict) -> dict:
 
 
 def test_breaker_fails_over_to_backup_and_back(serve_factory, tmp_path):
-    backup = serve_factory(mode="colocated")
+    # the backup names its model differently, as a vLLM deployment would: the router rewrites `model` for it
+    backup = serve_factory(mode="colocated", extra_args=("--served-model-name", "tiny-backup"))
     journal, events = tmp_path / "requests.jsonl", tmp_path / "events.jsonl"
     primary = serve_factory(config={"router": {
         "backup_pool": [backup.url], "backup_model": "tiny-backup", "sla_window_s": 3,
