@@ -27,7 +27,8 @@ def main() -> int:
     except ImportError:  # older/newer layouts: plain argparse is enough for these flags
         from argparse import ArgumentParser as Parser
 
-    from vllm.benchmarks.serve import add_cli_args, main as bench_main
+    from vllm.benchmarks.serve import add_cli_args
+    from vllm.benchmarks.serve import main as bench_main
 
     parser = Parser(description="vLLM serving benchmark client (vllm.benchmarks.serve)")
     add_cli_args(parser)

@@ -8,8 +8,8 @@ half a report). They know nothing about SLAs beyond that shape.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from reports.atomic import atomic_write
 

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import difflib
 import numbers
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, ClassVar, Mapping
+from typing import Any, ClassVar
 from urllib.parse import urlparse
 
 import yaml

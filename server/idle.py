@@ -15,7 +15,8 @@ the worker being waited on is declared stale or dead); ``reason`` then says why.
 from __future__ import annotations
 
 import asyncio
-from typing import Awaitable, TypeVar
+from collections.abc import Awaitable
+from typing import TypeVar
 
 T = TypeVar("T")
 
@@ -78,7 +79,7 @@ class IdleTimeout:
             self._handle.cancel()
             self._handle = None
 
-    def __enter__(self) -> "IdleTimeout":
+    def __enter__(self) -> IdleTimeout:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -95,7 +95,7 @@ def _availability_row(base: dict, target: float, recs: list[Record]) -> WindowRo
 
 def _window_label(start: float, clock: str) -> str:
     if clock == "unix":
-        return dt.datetime.fromtimestamp(start, dt.timezone.utc).isoformat().replace("+00:00", "Z")
+        return dt.datetime.fromtimestamp(start, dt.UTC).isoformat().replace("+00:00", "Z")
     return f"{start:g}"
 
 
@@ -169,5 +169,5 @@ def audit(spec: SlaSpec, data: RecordSet, audit_id: str | None = None, now: dt.d
                         "threshold": spec.availability, "observed": ok / n, "samples": n, "windows": len(mine),
                         "windows_failed": sum(r.status == "fail" for r in mine),
                         "status": "fail" if any(r.status == "fail" for r in mine) else "pass"})
-    audited_at = (now or dt.datetime.now(dt.timezone.utc)).isoformat().replace("+00:00", "Z")
+    audited_at = (now or dt.datetime.now(dt.UTC)).isoformat().replace("+00:00", "Z")
     return AuditReport(audit_id, audited_at, spec, data.clock, data.sources, len(data.records), rows, overall)

@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import enum
 from collections import deque
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Callable
 
 from sla.window import WindowStats
 

@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import difflib
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import yaml
 
@@ -73,7 +74,7 @@ class Objective:
         return 1.0 - self.percentile / 100.0
 
     @classmethod
-    def from_dict(cls, where: str, d: Any) -> "Objective":
+    def from_dict(cls, where: str, d: Any) -> Objective:
         if not isinstance(d, Mapping):
             raise SpecError(f"{where!r} must be a mapping with metric, percentile, threshold_ms; got {d!r}")
         valid = ("metric", "percentile", "threshold_ms")
@@ -99,7 +100,7 @@ class SlaSpec:
     _KEYS = ("name", "window_s", "availability", "objectives")
 
     @classmethod
-    def from_dict(cls, d: Any, default_name: str = "sla") -> "SlaSpec":
+    def from_dict(cls, d: Any, default_name: str = "sla") -> SlaSpec:
         if not isinstance(d, Mapping):
             raise SpecError(f"the spec must be a mapping of keys to values, got {type(d).__name__}")
         _check_keys("", d, cls._KEYS)

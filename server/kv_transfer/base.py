@@ -137,7 +137,7 @@ class KVHandle:
                 "host_id": self.host_id, **({"ipc": self.ipc} if self.ipc else {})}
 
     @classmethod
-    def from_dict(cls, data: Any, max_nbytes: int = DEFAULT_MAX_NBYTES) -> "KVHandle":
+    def from_dict(cls, data: Any, max_nbytes: int = DEFAULT_MAX_NBYTES) -> KVHandle:
         """Build from untrusted JSON: exact key set, strict types, size caps. Raises ValueError."""
         if not isinstance(data, dict):
             raise ValueError(f"KV handle must be a JSON object, got {type(data).__name__}")

@@ -95,7 +95,7 @@ def local_index(uuid: str) -> int | None:
     return None
 
 
-def record_ready(tensor: torch.Tensor) -> "torch.cuda.Event | None":
+def record_ready(tensor: torch.Tensor) -> torch.cuda.Event | None:
     """Event after the work that produced `tensor` (call on the thread that queued it)."""
     if not tensor.is_cuda:
         return None
@@ -108,7 +108,7 @@ _streams: dict[tuple[int, int], torch.cuda.Stream] = {}
 _streams_lock = threading.Lock()
 
 
-def side_stream(device: torch.device) -> "torch.cuda.Stream":
+def side_stream(device: torch.device) -> torch.cuda.Stream:
     """A non-blocking stream per (thread, device): copies here never queue behind engine steps."""
     key = (threading.get_ident(), device.index if device.index is not None else torch.cuda.current_device())
     with _streams_lock:
@@ -118,7 +118,7 @@ def side_stream(device: torch.device) -> "torch.cuda.Stream":
         return s
 
 
-def to_pinned_host(tensor: torch.Tensor, ready: "torch.cuda.Event | None" = None) -> torch.Tensor:
+def to_pinned_host(tensor: torch.Tensor, ready: torch.cuda.Event | None = None) -> torch.Tensor:
     """Copy a CUDA tensor into pinned host memory (for tcp/shm from a GPU worker); waits for it."""
     if not tensor.is_cuda:
         return tensor
@@ -318,7 +318,7 @@ class IpcExport:
         self._tensor = None
 
 
-def export(tensor: torch.Tensor, ready: "torch.cuda.Event | None" = None,
+def export(tensor: torch.Tensor, ready: torch.cuda.Event | None = None,
            pool: IpcPool | None = None) -> IpcExport:
     """Stage a contiguous CUDA tensor for a cuda_ipc pull; returns when its bytes are in place."""
     if not tensor.is_cuda or not tensor.is_contiguous():
@@ -411,7 +411,7 @@ class IpcImporter:
         return self.start_copy(desc, dtype, shape, out).wait()
 
     def start_copy(self, desc: IpcDescription, dtype: torch.dtype, shape: tuple[int, ...],
-                   out: torch.Tensor | None = None) -> "PendingCopy":
+                   out: torch.Tensor | None = None) -> PendingCopy:
         """Queue the copy on a side stream and return at once; ``wait()`` finishes it. Lets the
         receiver overlap the copy with the control round trip (receiver.py)."""
         if self.device is None:
@@ -453,7 +453,7 @@ class PendingCopy:
     """A queued cuda_ipc copy; ``wait()`` returns the tensor once the copy has finished."""
 
     def __init__(self, importer: IpcImporter, desc: IpcDescription, out: torch.Tensor,
-                 done: "torch.cuda.Event", src: int, dst_dev: torch.device, refs: tuple):
+                 done: torch.cuda.Event, src: int, dst_dev: torch.device, refs: tuple):
         self._importer, self._desc, self.out, self._done = importer, desc, out, done
         self._src, self._dst_dev, self._refs = src, dst_dev, refs
 

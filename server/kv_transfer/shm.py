@@ -96,7 +96,7 @@ class AttachedSegment:
             self.buf = None
             self._mmap.close()
 
-    def __enter__(self) -> "AttachedSegment":
+    def __enter__(self) -> AttachedSegment:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -15,9 +15,9 @@ import secrets
 import threading
 import time
 import uuid
+from collections.abc import AsyncIterator
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, field
-from typing import AsyncIterator
 
 import aiohttp
 from fastapi import FastAPI, Request

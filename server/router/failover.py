@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import re
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from starlette.responses import Response, StreamingResponse
 

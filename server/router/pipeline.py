@@ -15,9 +15,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import AsyncIterator
 from contextlib import aclosing, contextmanager
 from dataclasses import dataclass, field
-from typing import AsyncIterator
 
 import aiohttp
 from pydantic import ValidationError
@@ -222,7 +222,7 @@ class Pipeline:
                     return first
         except ValidationError as e:
             raise WorkerFailed(worker, f"prefill answer does not parse: {e.errors()[0]['msg']}") from None
-        except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as e:
+        except (TimeoutError, aiohttp.ClientError, ConnectionError) as e:
             asyncio.ensure_future(self._abort(worker, req.request_id))  # if it comes back, drop the work
             raise _call_failed(worker, "prefill failed", e, idle) from None
         except asyncio.CancelledError:
@@ -274,7 +274,7 @@ class Pipeline:
                 raise WorkerFailed(worker, "stream ended before the request finished")
         except ValidationError as e:
             raise WorkerFailed(worker, f"stream line does not parse: {e.errors()[0]['msg']}") from None
-        except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as e:
+        except (TimeoutError, aiohttp.ClientError, ConnectionError) as e:
             raise _call_failed(worker, "stream broke", e, idle) from None
         finally:
             idle.close()
@@ -284,5 +284,5 @@ class Pipeline:
             async with self.http.post(f"{worker.url}/internal/abort", json={"request_id": request_id},
                                       headers=self.headers, timeout=aiohttp.ClientTimeout(total=2)):
                 pass
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+        except (TimeoutError, aiohttp.ClientError, OSError):
             pass

@@ -23,9 +23,10 @@ model fingerprint: KV from one prefill worker has to be readable by any decode w
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Iterator, Protocol
+from typing import Protocol
 
 from server.wire import RegisterRequest, WorkerStatus
 

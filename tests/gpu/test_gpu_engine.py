@@ -114,10 +114,9 @@ def test_triton_decode_in_cuda_graph():
 
 def test_fused_kernels_match_torch():
     import torch.nn.functional as F
-
-    from server.engine import cuda_ops
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+    from server.engine import cuda_ops
     from server.engine.model import RMSNorm, RotaryEmbedding
     from server.engine.presets import preset_config
 

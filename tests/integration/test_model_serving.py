@@ -107,7 +107,7 @@ def test_chat_uses_the_models_template(named):
     status, body, _ = http("POST", f"{named.url}/v1/chat/completions",
                            {"messages": msgs, "max_tokens": 3, "temperature": 0, "ignore_eos": True}, token=None)
     assert status == 200, body
-    want = len("user: Hi\nassistant: ".encode())  # byte-level tokenizer: one token per byte
+    want = len(b"user: Hi\nassistant: ")  # byte-level tokenizer: one token per byte
     assert body["usage"]["prompt_tokens"] == want
 
 

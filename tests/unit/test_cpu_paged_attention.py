@@ -12,12 +12,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from server.engine.attention import get_attention_backend
-from server.engine.attention import cpu_paged
+from server.engine.attention import cpu_paged, get_attention_backend
 from server.engine.attention.base import AttentionMetadata
 from server.engine.attention.cpu_paged import CpuPagedBackend, paged_decode_attention
 from server.engine.attention.sdpa import SdpaBackend
-
 
 
 @pytest.fixture

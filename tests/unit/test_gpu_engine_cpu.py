@@ -51,8 +51,8 @@ def test_capture_sizes():
 
 
 def test_init_random_weights_seeded():
-    from server.engine.model import LlamaForCausalLM
     from server.engine.attention import SdpaBackend
+    from server.engine.model import LlamaForCausalLM
 
     a = LlamaForCausalLM(preset_config("tiny-gpu"), SdpaBackend())
     b = LlamaForCausalLM(preset_config("tiny-gpu"), SdpaBackend())

@@ -18,10 +18,10 @@ import torch
 from server.engine import model as model_mod
 from server.engine.model_config import ModelConfig
 from server.engine.model_runner import _token_span
+from server.idle import IdleTimeout
 from server.router import app as router_app
 from server.router.pipeline import TokenEvent
 from server.workers.app import _line, _token_line
-from server.idle import IdleTimeout
 
 TEXTS = ["", "hello", " world", 'quote " and \\ backslash', "tab\tnew\nline\r", "\x00\x1f\x7f",
          "é日本語🙂", "\u2028\u2029", "</script>"]

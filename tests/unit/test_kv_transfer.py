@@ -20,10 +20,20 @@ from pathlib import Path
 import pytest
 import torch
 
-from server.kv_transfer import (FrameError, KVHandle, KVPuller, KVStagingServer, PullResult,
-                                StagingFullError, TransferStatus, choose_transport, host_id)
+from server.kv_transfer import (
+    FrameError,
+    KVHandle,
+    KVPuller,
+    KVStagingServer,
+    PullResult,
+    StagingFullError,
+    TransferStatus,
+    choose_transport,
+    host_id,
+    receiver,
+    shm,
+)
 from server.kv_transfer import frame as fr
-from server.kv_transfer import receiver, shm
 
 REPO = Path(__file__).resolve().parents[2]
 SHAPE = (3, 2, 17, 4, 24)  # [num_layers, 2, num_tokens, num_kv_heads, head_dim]

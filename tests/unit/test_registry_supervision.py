@@ -11,9 +11,9 @@ import time
 import pytest
 
 from server.config import DistServeConfig
+from server.idle import IdleTimeout
 from server.launcher import Launcher, RestartPolicy, _Worker
 from server.router.registry import WorkerRegistry
-from server.idle import IdleTimeout
 from server.wire import RegisterRequest, WorkerStatus
 
 
