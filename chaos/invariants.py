@@ -53,7 +53,8 @@ def requests_invariant(load: dict) -> dict:
     ok = s["lost"] == 0 and s["late"] == 0 and not unclear and s["total"] > 0
     return _check("requests: none lost or hung", ok,
                   f"{s['total']} requests: {s['ok']} completed, {s['failed']} failed with an error, "
-                  f"{s['lost']} lost, {s['late']} past the timeout" + (f", unclear errors {unclear}" if unclear else ""))
+                  f"{s['lost']} lost, {s['late']} past the timeout"
+                  + (f", unclear errors {unclear}" if unclear else ""))
 
 
 def kv_blocks_invariant(router: str, token: str, within_s: float) -> dict:

@@ -67,7 +67,8 @@ def _atomic(path: Path, text: str) -> None:
 def markdown(j: Journal) -> str:
     d = j.to_dict()
     lines = [f"# Drill `{j.drill}`: {j.title}", "",
-             f"**Status: {j.status}** — {d['duration_s']} s, {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime(j.start))}",
+             f"**Status: {j.status}** — {d['duration_s']} s, "
+             f"{time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime(j.start))}",
              ""]
     if j.incident:
         lines += [f"Incident: {j.incident}", ""]

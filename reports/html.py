@@ -59,7 +59,8 @@ def svg_plot(rows: list[dict], title: str) -> str:
             continue
         color = "#cf222e" if r["status"] == "fail" else "#1a7f37"
         out.append(f'<circle cx="{x(i):.1f}" cy="{y(r["observed"] * scale):.1f}" r="3.5" fill="{color}">'
-                   f'<title>{_e(r["window_start"])}: {r["observed"] * scale:.4g} {unit} ({r["status"]})</title></circle>')
+                   f'<title>{_e(r["window_start"])}: {r["observed"] * scale:.4g} {unit} '
+                   f'({r["status"]})</title></circle>')
     out.append("</svg>")
     return "".join(out)
 

@@ -33,7 +33,7 @@ from sla.window import WindowStats
 __all__ = ["BreakerSettings", "BreakerState", "CircuitBreaker", "Transition"]
 
 
-class BreakerState(str, enum.Enum):
+class BreakerState(str, enum.Enum):  # noqa: UP042 (str mixin: JSON and f-strings show the value)
     CLOSED = "closed"
     OPEN = "open"
     HALF_OPEN = "half_open"
@@ -115,7 +115,8 @@ class CircuitBreaker:
         if self.state is BreakerState.OPEN:
             return self._cooldown_over()
         breached = stats.value_ms is not None and stats.value_ms > s.threshold_ms
-        what = f"{s.metric} p{s.percentile:g} {stats.value_ms if stats.value_ms is None else round(stats.value_ms, 1)}" \
+        value = stats.value_ms if stats.value_ms is None else round(stats.value_ms, 1)
+        what = f"{s.metric} p{s.percentile:g} {value}" \
                f" ms vs {s.threshold_ms:g} ms over {stats.samples} samples"
         if self.state is BreakerState.HALF_OPEN:
             if stats.samples < s.probe_samples:

@@ -49,7 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--spec", required=True, help="SLA spec YAML (configs/sla/*.yaml)")
     a.add_argument("--results", required=True, nargs="+",
                    help="distbench result files (JSON) and/or router request journals (JSON lines)")
-    a.add_argument("--out", required=True, help="folder for compliance.{json,csv,parquet,prom}, report.html, summary.md")
+    a.add_argument("--out", required=True,
+                   help="folder for compliance.{json,csv,parquet,prom}, report.html, summary.md")
     a.add_argument("--formats", type=_formats, default=None,
                    help=f"renderers to run (default: {','.join(DEFAULT_FORMATS)}; parquet skipped "
                         f"without pyarrow unless asked for)")

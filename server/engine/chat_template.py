@@ -69,7 +69,7 @@ class ChatTemplate:
         self.special_tokens = {k: v for k, v in (special_tokens or {}).items() if v is not None}
 
     @classmethod
-    def for_tokenizer(cls, tokenizer: Tokenizer) -> "ChatTemplate":
+    def for_tokenizer(cls, tokenizer: Tokenizer) -> ChatTemplate:
         def content(token_id: int | None) -> str | None:
             return tokenizer.id_to_token(token_id) if token_id is not None else None
 

@@ -56,7 +56,8 @@ def kv_blocks_from_memory(total_bytes: int, utilization: float, peak_bytes: int,
         gib = 2**30
         raise ValueError(
             f"no room for the KV cache: gpu_memory_utilization {utilization} of {total_bytes / gib:.1f} GiB "
-            f"(device free {free_bytes / gib:.2f} GiB) leaves {free / gib:.2f} GiB after weights+activations ({peak_bytes / gib:.2f} GiB) and memory "
+            f"(device free {free_bytes / gib:.2f} GiB) leaves {free / gib:.2f} GiB after weights+activations "
+            f"({peak_bytes / gib:.2f} GiB) and memory "
             f"outside torch ({non_torch_bytes / gib:.2f} GiB); raise cache.gpu_memory_utilization, lower "
             f"prefill.max_num_batched_tokens, or set cache.num_gpu_blocks")
     return KVBudget(total_bytes, utilization, peak_bytes, non_torch_bytes, free_bytes, block_bytes, num_blocks)

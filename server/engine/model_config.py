@@ -60,7 +60,7 @@ class ModelConfig:
         return hashlib.sha256(blob).hexdigest()[:16]
 
     @classmethod
-    def from_hf_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+    def from_hf_dict(cls, d: dict[str, Any]) -> ModelConfig:
         def need(key: str) -> Any:
             if key not in d:
                 raise ValueError(f"config.json: missing required key '{key}'")
@@ -110,7 +110,7 @@ class ModelConfig:
         )
 
     @classmethod
-    def from_folder(cls, path: str | Path) -> "ModelConfig":
+    def from_folder(cls, path: str | Path) -> ModelConfig:
         p = Path(path) / "config.json"
         if not p.is_file():
             raise FileNotFoundError(f"{path}: no config.json (is this a Hugging Face model folder?)")

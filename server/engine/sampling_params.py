@@ -59,7 +59,7 @@ class SamplingParams:
         }
 
     @classmethod
-    def from_dict(cls, d: dict) -> "SamplingParams":
+    def from_dict(cls, d: dict) -> SamplingParams:
         d = dict(d)
         d["stop_token_ids"] = tuple(d.get("stop_token_ids") or ())
         return cls(**d)

@@ -29,8 +29,9 @@ import codecs
 import json
 import logging
 import re
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -110,11 +111,11 @@ class Tokenizer:
     # ------------------------------------------------------------------ construction
 
     @classmethod
-    def byte_tokenizer(cls) -> "Tokenizer":
+    def byte_tokenizer(cls) -> Tokenizer:
         return cls(None)
 
     @classmethod
-    def from_folder(cls, path: str | Path) -> "Tokenizer":
+    def from_folder(cls, path: str | Path) -> Tokenizer:
         folder = Path(path)
         if not folder.is_dir():
             raise FileNotFoundError(f"{folder}: tokenizer folder does not exist")
@@ -220,7 +221,7 @@ class Tokenizer:
             data = data[1:]
         return data.decode("utf-8", "replace")
 
-    def incremental_detokenizer(self, skip_special_tokens: bool = True) -> "IncrementalDetokenizer":
+    def incremental_detokenizer(self, skip_special_tokens: bool = True) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self, skip_special_tokens=skip_special_tokens)
 
     def token_to_id(self, token: str) -> int | None:

@@ -207,7 +207,7 @@ class KVReceiver(abc.ABC):
     def pull(self, handle: KVHandle, timeout_s: float = 30.0, *,
              out: torch.Tensor | None = None) -> PullResult: ...
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 (optional hook: most receivers hold nothing to close)
         pass
 
     def __enter__(self):

@@ -220,7 +220,8 @@ class _Collector:
     def collect(self):
         live = self.live
         lat = GaugeMetricFamily("distserve_sla_rolling_latency_seconds",
-                                f"Latency percentile over the last {live.cfg.sla_window_s} s (HDR, per-second windows).",
+                                f"Latency percentile over the last {live.cfg.sla_window_s} s "
+                                "(HDR, per-second windows).",
                                 labels=["pool", "metric", "quantile"])
         n = GaugeMetricFamily("distserve_sla_rolling_samples", "Samples in the rolling window.",
                               labels=["pool", "metric"])

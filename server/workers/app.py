@@ -269,7 +269,7 @@ async def _generate_stream(state: WorkerState, body: GenerateRequest):
                 yield _token_line(tokens, finished, reason)
     except ValueError as e:  # invalid request (engine validation)
         yield _line(finished=True, finish_reason="error", error=str(e))
-    except asyncio.TimeoutError:
+    except TimeoutError:
         yield _line(finished=True, finish_reason="error", error="worker timed out")
     finally:
         loop.close_stream(rid)

@@ -18,8 +18,9 @@ import asyncio
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from server.engine.llm_engine import LLMEngine, RequestOutput
 from server.engine.sampling_params import SamplingParams

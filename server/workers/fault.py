@@ -29,7 +29,7 @@ class StepDelays:
     decode_s: float = 0.0
 
     @classmethod
-    def from_request(cls, r: FaultRequest) -> "StepDelays":
+    def from_request(cls, r: FaultRequest) -> StepDelays:
         return cls(r.prefill_delay_ms / 1000.0, r.decode_delay_ms / 1000.0)
 
     def for_step(self, has_waiting: bool) -> float:

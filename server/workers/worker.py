@@ -122,7 +122,7 @@ async def _registration_loop(state: WorkerState, opts: WorkerOptions, reg: Regis
                         if r.status == 404:  # the router restarted and forgot us
                             registered = False
                             continue
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            except (TimeoutError, aiohttp.ClientError, OSError) as e:
                 if registered:
                     log.warning("router unreachable (%s); will re-register", e)
                 registered = False
@@ -132,7 +132,7 @@ async def _registration_loop(state: WorkerState, opts: WorkerOptions, reg: Regis
                 bye = DeregisterRequest(worker_id=reg.worker_id)
                 async with http.post(f"{opts.router_url}/deregister", json=bye.model_dump(exclude_none=True)):
                     pass
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            except (TimeoutError, aiohttp.ClientError, OSError):
                 pass
 
 
@@ -194,7 +194,7 @@ async def serve_worker(opts: WorkerOptions) -> int:
         server.should_exit = True
         try:
             await asyncio.wait_for(reg_task, 3)
-        except (asyncio.TimeoutError, Exception):
+        except (TimeoutError, Exception):
             reg_task.cancel()
         engine_loop.stop()
         if state.sender is not None:

@@ -75,7 +75,7 @@ def plan_splits(batch: int, num_kv_heads: int, max_context: int, device: torch.d
     programs = batch * num_kv_heads
     want = -(-DECODE_CONFIG["target_programs_per_sm"] * _sm_count(device) // programs)
     splits = max(1, min(want, -(-max_context // DECODE_CONFIG["min_partition"]), 64))
-    partition = -(-(-(-max_context // splits)) // block_n) * block_n
+    partition = -(-(-(-max_context // splits)) // block_n) * block_n  # noqa: B002 (ceil division, not a decrement)
     splits = -(-max_context // partition)
     return splits, partition
 
@@ -203,7 +203,7 @@ def paged_decode_attention(
         splits, partition = plan_splits(bsz, num_kv_heads, max_context, q.device)
     else:
         splits = max(1, num_splits)
-        partition = -(-(-(-max(1, max_context) // splits)) // cfg["BLOCK_N"]) * cfg["BLOCK_N"]
+        partition = -(-(-(-max(1, max_context) // splits)) // cfg["BLOCK_N"]) * cfg["BLOCK_N"]  # noqa: B002 (ceil division, not a decrement)
         splits = -(-max(1, max_context) // partition)
     use_dot = group >= 8
     group_pad = max(16, _next_pow2(group)) if use_dot else _next_pow2(group)
