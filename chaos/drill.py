@@ -92,11 +92,12 @@ class LoadRun:
         if spec.get("duration_s"):
             argv += ["--duration", str(spec["duration_s"])]
         self.log = open(out_dir / "distbench.log", "wb")  # noqa: SIM115 - open while the subprocess runs
+        self.argv = [str(a) for a in argv]
         self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
         self.started = time.monotonic()
 
     def finish(self) -> dict:
-        out: dict = {"timeout_s": self.timeout_s, "argv": " ".join(self.proc.args[3:])}
+        out: dict = {"timeout_s": self.timeout_s, "argv": " ".join(self.argv[3:])}
         try:
             self.proc.wait(max(1.0, self.timeout_s - (time.monotonic() - self.started)))
         except subprocess.TimeoutExpired:
@@ -138,9 +139,11 @@ def _do_action(step: dict, ctx: dict, target: Target, undo: list) -> dict:
         target.wait_workers(int(args.get("expect_healthy", 1)), time.monotonic() + float(args.get("timeout_s", 120)))
         return {"mechanism": "restart by the drill's target (supervision)", "worker_id": wid}
     if kind == "leave":
-        wid = args.get("worker_id") or ctx.get("joined")
-        code = target.stop_worker(wid)
-        return {"mechanism": "graceful leave: SIGTERM, the worker deregisters", "worker_id": wid, "exit_code": code}
+        leaving = args.get("worker_id") or ctx.get("joined")
+        if not leaving:
+            raise ValueError("a 'leave' step needs worker_id, or a worker joined earlier in the drill")
+        code = target.stop_worker(str(leaving))
+        return {"mechanism": "graceful leave: SIGTERM, the worker deregisters", "worker_id": leaving, "exit_code": code}
     mod = injectors.get(step["injector"])
     args.setdefault("router_url", ctx["router"])
     args.setdefault("token", ctx["token"])
@@ -192,7 +195,7 @@ def run_drill(path: str, out_dir: Path | None = None, url: str | None = None) ->
         target.start()
         ctx = target.context()
         journal.target = {k: v for k, v in ctx.items() if k != "token"}
-        alive = {}
+        alive: dict[str, list[int]] = {}
         for w in list_workers(ctx["router"], ctx["token"]):
             alive.setdefault(w["role"], []).append(int(w["pid"]))
         hyp = spec.get("steady-state-hypothesis") or {}

@@ -62,7 +62,7 @@ def kv_blocks_invariant(router: str, token: str, within_s: float) -> dict:
     while True:
         try:
             ws = [w for w in list_workers(router, token) if w["healthy"]]  # a dead process holds no blocks
-            busy = {w["worker_id"]: (w["kv_blocks_used"], w["num_staged_kv"]) for w in ws
+            busy: dict[str, object] = {w["worker_id"]: (w["kv_blocks_used"], w["num_staged_kv"]) for w in ws
                     if w["kv_blocks_used"] or w["num_staged_kv"]}
         except (OSError, ValueError) as e:
             busy, ws = {"router": str(e)}, []

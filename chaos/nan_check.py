@@ -55,7 +55,7 @@ def check_backend(backend: str, lens: list[int], model: str | None, device: str,
         seen.append("NaN" if nan else "Inf" if inf else "ok")
         return logits
 
-    engine.runner.execute = observed
+    engine.runner.execute = observed  # type: ignore[method-assign]  # observe the real step, instance-local
     rng = random.Random(seed)
     vocab = engine.model_config.vocab_size
     out: dict[str, str] = {}

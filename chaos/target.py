@@ -126,11 +126,12 @@ class Target:
         """Start one more worker (also mid-drill: a hot join); its worker id."""
         wid = f"{role}-{self.counter}"
         self.counter += 1
-        host = self.netns["ns_ip"] if in_netns else (self.netns["host_ip"] if self.netns else "127.0.0.1")
+        ns = self.netns or {}
+        host = ns["ns_ip"] if in_netns else ns.get("host_ip", "127.0.0.1")
         module = self.spec.get(f"{role}_module", "server.cli")
         self._spawn(wid, ["worker", "--role", role, "--router", self.url, "--config", self._config_file(role),
                           "--host", host, "--worker-id", wid],
-                    netns=self.netns["netns"] if in_netns else None, module=module)
+                    netns=ns["netns"] if in_netns else None, module=module)
         return wid
 
     def restart_worker(self, worker_id: str) -> None:

@@ -72,7 +72,7 @@ def _run_command(item: dict, quick: bool, ctx: dict, log: Path) -> tuple[str, st
 def _run_load(item: dict, quick: bool, ctx: dict, log_dir: Path) -> tuple[str, str]:
     from chaos.invariants import summarize
     from chaos.target import Target
-    spec = item.get("quick_load") if quick and item.get("quick_load") else item["load"]
+    spec: dict = item["quick_load"] if quick and item.get("quick_load") else item["load"]
     result = Path(_fill(item["result"], ctx))
     target = Target(item.get("target") or {}, log_dir / item["id"])
     try:

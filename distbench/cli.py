@@ -28,7 +28,7 @@ class Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionH
     def _get_help_string(self, action: argparse.Action) -> str:
         if action.default is None or action.default is False or action.default == []:
             return action.help or ""
-        return super()._get_help_string(action)
+        return super()._get_help_string(action) or ""
 
 
 def _percentiles(text: str) -> tuple[float, ...]:

@@ -28,9 +28,10 @@ def base_url(url: str) -> str:
 def _text(item: Item, vocab: Vocab | None) -> str:
     if item.text is not None:
         return item.text
-    text = vocab.decode(item.prompt_ids) if vocab else None
+    ids = item.prompt_ids or []
+    text = vocab.decode(ids) if vocab else None
     # without a tokenizer: one short word per token id (the length is then approximate)
-    return text if text is not None else " ".join(f"w{t}" for t in item.prompt_ids)
+    return text if text is not None else " ".join(f"w{t}" for t in ids)
 
 
 def body_for(endpoint: str, item: Item, model: str | None, vocab: Vocab | None) -> dict:

@@ -40,7 +40,7 @@ class Vocab:
     tokenizer_path: str | None = None
 
     def draw(self, rng: random.Random, n: int) -> list[int]:
-        out = []
+        out: list[int] = []
         while len(out) < n:
             t = rng.randrange(0, self.size)
             if t not in self.special:
@@ -209,7 +209,7 @@ def jsonl_items(path: str, n: int | None, vocab: Vocab | None, output: Lengths |
             if "prompt" in d:
                 pr = d["prompt"]
                 ids, text = (pr, None) if isinstance(pr, list) else (None, str(pr))
-                plen = len(ids) if ids is not None else int(d.get("prompt_len", max(1, len(text) // 4)))
+                plen = len(pr) if isinstance(pr, list) else int(d.get("prompt_len", max(1, len(str(pr)) // 4)))
             else:
                 plen = int(d["prompt_len"])
                 if vocab is None:
@@ -230,8 +230,9 @@ def jsonl_items(path: str, n: int | None, vocab: Vocab | None, output: Lengths |
     if any(i.at is not None for i in items):
         if any(i.at is None for i in items):
             raise ValueError(f"--dataset jsonl: {path}: a trace needs a timestamp on every line")
-        t0 = min(i.at for i in items)
+        ats = [i.at for i in items if i.at is not None]
+        t0 = min(ats)
         for i in items:
-            i.at -= t0
-        items.sort(key=lambda i: i.at)
+            i.at = (i.at or 0.0) - t0
+        items.sort(key=lambda i: i.at or 0.0)
     return items

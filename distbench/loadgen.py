@@ -130,6 +130,7 @@ async def run_load(spec: RunSpec, items: list[Item], vocab: Vocab | None = None,
                         return
                     await run_job(job, time.perf_counter() - t0)
 
+            assert spec.concurrency is not None  # RunSpec.__post_init__: the closed loop has a concurrency
             tasks = {asyncio.create_task(user()) for _ in range(spec.concurrency)}
         else:
             if spec.duration_s and spec.request_rate and spec.strategy != "trace":  # the clock ends the run
@@ -138,6 +139,7 @@ async def run_load(spec: RunSpec, items: list[Item], vocab: Vocab | None = None,
             if spec.strategy == "trace":
                 offsets = [(items[job[0] % len(items)].at or 0.0) / spec.time_scale for job in job_list]
             else:
+                assert spec.request_rate is not None  # RunSpec.__post_init__: open-loop strategies have a rate
                 offsets = schedule(spec.strategy, len(job_list), spec.request_rate, spec.burstiness, spec.seed)
             for job, off in zip(job_list, offsets):
                 due = t0 + off

@@ -62,7 +62,7 @@ class CompletionUser(HttpUser):
         rec = RequestRecord(next(REC.counter), sent - t0, sent - t0, REC.unix0 + (sent - t0),
                             prompt_tokens=len(prompt))
         REC.records.append(rec)
-        last = None
+        last: float | None = None
         try:
             with self.client.post("/v1/completions", json=body, stream=True, catch_response=True,
                                   name="/v1/completions") as r:
@@ -90,7 +90,7 @@ class CompletionUser(HttpUser):
                         elif last is not None:
                             rec.itl.append(now - last)
                         last = now
-                if rec.ttft is None:
+                if rec.ttft is None or last is None:
                     rec.error = "no tokens received"
                     r.failure(rec.error)
                     return

@@ -51,7 +51,7 @@ def plot(results: list[tuple[str, dict]], out_dir: Path) -> list[Path]:
         for name, r in runs:
             recs = records_of(r)
             ok = [x for x in recs if x.ok]
-            ax.scatter([x.scheduled for x in ok], [x.ttft * 1000 for x in ok], s=6, label=f"{name} TTFT")
+            ax.scatter([x.scheduled for x in ok], [(x.ttft or 0.0) * 1000 for x in ok], s=6, label=f"{name} TTFT")
             bad = [x for x in recs if not x.ok]
             if bad:
                 ax.scatter([x.scheduled for x in bad], [0] * len(bad), marker="x", color="red", s=18,

@@ -43,7 +43,7 @@ class Monitor:
         if r.warmup:
             return
         self.done += 1
-        if not r.ok:
+        if not r.ok or r.ttft is None:
             self.failed += 1
         else:
             self.ttft.append(r.ttft)

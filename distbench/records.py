@@ -46,7 +46,7 @@ class RequestRecord:
     @property
     def tpot(self) -> float | None:
         """(last token - first token) / (output tokens - 1), vLLM's definition; None below 2 tokens."""
-        if not self.ok or self.output_tokens < 2:
+        if self.e2e is None or self.ttft is None or self.error is not None or self.output_tokens < 2:
             return None
         return (self.e2e - self.ttft) / (self.output_tokens - 1)
 

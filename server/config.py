@@ -75,7 +75,9 @@ _KIND_NAMES = {
 _MS_MAX = 3_600_000  # one hour, in milliseconds
 
 
-def _num(x: float) -> str:
+def _num(x: float | None) -> str:
+    if x is None:
+        return "unbounded"
     return str(int(x)) if float(x).is_integer() else repr(x)
 
 
@@ -134,8 +136,9 @@ def _validate(key: str, s: _Spec, v: Any) -> Any:
 # ------------------------------------------------------------------------ sections
 
 
+@dataclass(frozen=True)
 class _Section:
-    """Shared behaviour: validate on construction, from_dict / to_dict."""
+    """Shared behaviour: validate on construction, from_dict / to_dict (a dataclass without fields)."""
 
     _section: ClassVar[str] = ""
 

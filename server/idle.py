@@ -27,7 +27,10 @@ class IdleTimeout:
 
     def __init__(self, timeout_s: float) -> None:
         self._loop = asyncio.get_running_loop()
-        self._task = asyncio.current_task()
+        task = asyncio.current_task()
+        if task is None:
+            raise RuntimeError("IdleTimeout needs to be created inside a task")
+        self._task = task
         self._timeout = timeout_s
         self._last = self._loop.time()
         self._waiting = self._expired = False

@@ -33,6 +33,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 import yaml
 
@@ -241,8 +242,8 @@ class Launcher:
         while True:
             for p in self.procs:
                 if p.poll() is not None:
-                    raise RuntimeError(f"process {p.pid} ({' '.join(p.args[3:5])}) exited with status "
-                                       f"{p.returncode} during start-up")
+                    what = " ".join(map(str, cast(list, p.args)[3:5]))  # e.g. "worker --role"
+                    raise RuntimeError(f"process {p.pid} ({what}) exited with status {p.returncode} during start-up")
             try:
                 ws = self.workers()["workers"]
                 if sum(w["healthy"] for w in ws) >= expected:

@@ -13,7 +13,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-ROLES = ("prefill", "decode", "colocated")
+Role = Literal["prefill", "decode", "colocated"]  # a worker's job; the router routes by it
+ROLES: tuple[Role, ...] = ("prefill", "decode", "colocated")
 
 
 class InternalSampling(BaseModel):
@@ -86,7 +87,7 @@ class WorkerStatus(BaseModel):
 
 class RegisterRequest(BaseModel):
     worker_id: str = Field(min_length=1, max_length=128)
-    role: Literal["prefill", "decode", "colocated"]
+    role: Role
     url: str = Field(min_length=1, max_length=512)
     pid: int
     fingerprint: dict[str, Any]

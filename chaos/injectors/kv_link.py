@@ -27,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Any
 from urllib.parse import urlparse
 
 from chaos import state
@@ -102,7 +103,7 @@ def _start_proxy(host_ip: str, ports: list[int], toxic: dict) -> list[dict]:
 
 
 def inject(netns: str, fault: str, router_url: str | None = None, token: str | None = None,
-           kv_ports: list[int] | None = None, mechanism: str = "auto", **kw: object) -> dict:
+           kv_ports: list[int] | None = None, mechanism: str = "auto", **kw: Any) -> dict:
     """``mechanism``: auto (netem where the kernel has it), or force ``netem``/``tbf``/``nft``/``proxy``."""
     require_root("degrading the KV link")
     if fault not in FAULTS:
@@ -184,7 +185,7 @@ def rollback(netns: str, **_: object) -> dict:
             os.kill(p["pid"], signal.SIGTERM)
         except ProcessLookupError:
             continue
-        for _ in range(50):
+        for _attempt in range(50):
             try:
                 if os.waitpid(p["pid"], os.WNOHANG)[0]:
                     break

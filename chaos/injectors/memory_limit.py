@@ -113,7 +113,7 @@ def rollback(router_url: str | None = None, role: str | None = "decode", worker_
             _write(f"{saved['previous']}/cgroup.procs", str(saved["pid"]))
         except OSError as e:
             raise HostError(f"could not move pid {saved['pid']} back to {saved['previous']}: {e}") from None
-    for _ in range(50):  # rmdir fails while the cgroup still has (exiting) tasks
+    for _attempt in range(50):  # rmdir fails while the cgroup still has (exiting) tasks
         try:
             os.rmdir(cg)
             break

@@ -23,7 +23,7 @@ KIND = "netns"
 def _free_subnet() -> ipaddress.IPv4Network:
     used = run(["ip", "-4", "-o", "addr"])
     for _ in range(64):
-        net = ipaddress.ip_network(f"10.213.{secrets.randbelow(250) + 1}.{4 * secrets.randbelow(63)}/30")
+        net = ipaddress.IPv4Network(f"10.213.{secrets.randbelow(250) + 1}.{4 * secrets.randbelow(63)}/30")
         if f" {net[1]}/" not in used and f" {net[2]}/" not in used:
             return net
     raise HostError("no free 10.213.x.y/30 subnet for the drill's veth pair")

@@ -7,6 +7,7 @@ import argparse
 import os
 import secrets
 import sys
+from typing import Literal, overload
 
 from server.config import DistServeConfig, load_config
 from server.launcher import TOKEN_ENV
@@ -51,6 +52,10 @@ def load_args_config(args) -> DistServeConfig:
     return load_config(args.config, overrides)
 
 
+@overload
+def admin_token(cfg: DistServeConfig, generate: Literal[True]) -> str: ...
+@overload
+def admin_token(cfg: DistServeConfig, generate: bool) -> str | None: ...
 def admin_token(cfg: DistServeConfig, generate: bool) -> str | None:
     tok = os.environ.get(TOKEN_ENV) or cfg.router.admin_token
     if not tok and generate:

@@ -121,6 +121,7 @@ def cmd_generate(args) -> int:
     from server.engine.llm_engine import EngineConfig, LLMEngine
     from server.engine.loader import load_tokenizer
     from server.engine.sampling_params import SamplingParams
+    from server.engine.tokenizer import Tokenizer
 
     if args.top_k < 0:
         return usage_error(f"--top-k must be >= 0, got {args.top_k}")
@@ -130,7 +131,8 @@ def cmd_generate(args) -> int:
         engine = LLMEngine(EngineConfig(model=args.model, device=args.device, dtype=args.dtype))
     except (ValueError, FileNotFoundError) as e:
         return usage_error(str(e))
-    tokenizer = load_tokenizer(engine.model_path)
+    # shape presets have no files: the byte tokenizer, as the router uses for them
+    tokenizer = Tokenizer.byte_tokenizer() if engine.model_path is None else load_tokenizer(engine.model_path)
     prompt_ids = args.prompt_ids if args.prompt_ids is not None else tokenizer.encode(args.prompt)
     try:
         [token_ids] = engine.generate([prompt_ids], params)

@@ -45,7 +45,7 @@ class GGUFFile:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self._mm = np.memmap(self.path, dtype=np.uint8, mode="r")
-        self._buf = memoryview(self._mm)
+        self._buf = memoryview(self._mm)  # type: ignore[arg-type]  # np.memmap is a buffer; numpy's stubs lack __buffer__
         self._pos = 0
         if bytes(self._buf[:4]) != b"GGUF":
             raise ValueError("not a GGUF file (bad magic)")
@@ -93,7 +93,7 @@ class GGUFFile:
         if t == _ARRAY:
             sub, n = self._scalar(4), self._scalar(10)
             if sub in _NP:
-                arr = np.frombuffer(self._buf, dtype=_NP[sub], count=n, offset=self._pos)
+                arr: np.ndarray = np.frombuffer(self._buf, dtype=_NP[sub], count=n, offset=self._pos)
                 self._pos += arr.nbytes
                 return arr.tolist()
             return [self._value(sub) for _ in range(n)]

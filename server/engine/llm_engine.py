@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import random
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -89,9 +90,12 @@ class LLMEngine:
         self.config = config
         if config.torch_threads > 0:
             torch.set_num_threads(config.torch_threads)
-        preset = is_preset(config.model)  # "preset:NAME": random weights made on the device, no files
-        self.model_path = None if preset else resolve_model_path(config.model)
-        self.model_config = preset_config(config.model) if preset else load_model_config(self.model_path)
+        self.model_path: Path | None = None  # None: "preset:NAME", random weights made on the device, no files
+        if is_preset(config.model):
+            self.model_config = preset_config(config.model)
+        else:
+            self.model_path = resolve_model_path(config.model)
+            self.model_config = load_model_config(self.model_path)
         self.device = torch.device(config.device)
         self.dtype = self._resolve_dtype()
         backend = get_attention_backend(config.attention_backend, self.device)
@@ -101,7 +105,7 @@ class LLMEngine:
         with torch.device("meta"):
             model = LlamaForCausalLM(self.model_config, backend)
         model = model.to_empty(device=self.device).to(self.dtype)
-        if preset:
+        if self.model_path is None:
             init_random_weights(model)
         else:
             model.load_hf_weights(load_state_dict(self.model_path, dtype=self.dtype, device=str(self.device)))

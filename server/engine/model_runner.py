@@ -101,11 +101,11 @@ class ModelRunner:
                     flat += [0] * (width - len(tb))
         ints = torch.tensor(flat, dtype=torch.long, device=self.device)
         off = 3 * t
+        dec_slens_t: torch.Tensor | None = None
+        dec_table_t: torch.Tensor | None = None
         if nd:
             dec_slens_t = ints[off: off + nd]
             dec_table_t = ints[off + nd: off + nd + nd * width].view(nd, width)
-        else:
-            dec_table_t = dec_slens_t = None
         meta = AttentionMetadata(
             slot_mapping=ints[2 * t: 3 * t],
             block_size=bs,

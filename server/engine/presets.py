@@ -13,6 +13,8 @@ activation finite in bf16.
 
 from __future__ import annotations
 
+from typing import TypeGuard
+
 import torch
 
 from server.engine.model_config import ModelConfig
@@ -43,7 +45,7 @@ PRESETS: dict[str, ModelConfig] = {
 }
 
 
-def is_preset(model: str | None) -> bool:
+def is_preset(model: str | None) -> TypeGuard[str]:
     return isinstance(model, str) and model.startswith(PRESET_PREFIX)
 
 
@@ -76,5 +78,5 @@ def init_random_weights(model: torch.nn.Module, seed: int = 0, std: float = INIT
         else:
             p.normal_(0.0, std, generator=gen)
     if getattr(model.config, "tie_word_embeddings", False):
-        model.lm_head.weight = model.embed_tokens.weight
+        model.lm_head.weight = model.embed_tokens.weight  # type: ignore[union-attr]  # modules typed loosely by torch
 

@@ -59,10 +59,10 @@ class Sampler:
         # (it travels with the tokens in the same .tolist()).
         finite = torch.isfinite(logits.sum(dim=-1))
         if all(p.is_greedy for p in params):
-            out: list[int | str] = torch.where(finite, torch.argmax(logits, dim=-1), -1).tolist()
-            return [NON_FINITE if t < 0 else t for t in out]
+            greedy: list[int] = torch.where(finite, torch.argmax(logits, dim=-1), -1).tolist()
+            return [NON_FINITE if t < 0 else t for t in greedy]
         ok = finite.tolist()
-        out = []
+        out: list[int | str] = []
         for i, (p, s, n) in enumerate(zip(params, seeds, indices)):
             if not ok[i]:
                 out.append(NON_FINITE)

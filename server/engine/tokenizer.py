@@ -166,7 +166,7 @@ class Tokenizer:
 
         bos = special("bos_token")
         if bos is None:
-            bos = (cfg_ids(cfg, "bos_token_id") or cfg_ids(gen, "bos_token_id") or [None])[0]
+            bos = next(iter(cfg_ids(cfg, "bos_token_id") or cfg_ids(gen, "bos_token_id")), None)
         eos = special("eos_token")
         eos_all = ([eos] if eos is not None else []) + cfg_ids(cfg, "eos_token_id") + cfg_ids(gen, "eos_token_id")
         add_bos = tcfg.get("add_bos_token")
@@ -198,7 +198,7 @@ class Tokenizer:
             ids = [b + BYTE_OFFSET for b in text.encode("utf-8")]
         else:
             ids = self._tok.encode(text, add_special_tokens=False).ids
-        if add_bos and self.add_bos_token:
+        if add_bos and self.add_bos_token and self.bos_token_id is not None:
             ids.insert(0, self.bos_token_id)
         return ids
 

@@ -239,10 +239,10 @@ class IpcPool:
         self.device = device
         self.nbytes = nbytes
         self.id = secrets.token_hex(16)
-        self.buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        self.buffer: torch.Tensor | None = torch.empty(nbytes, dtype=torch.uint8, device=device)
         (_, self._handle, self._size, self._soff, self._ref, self._ref_off, self._event,
          self._sync) = _share(self.buffer.untyped_storage())
-        self._base = self.buffer.storage_offset()
+        self._base = int(self.buffer.storage_offset())
         self._free: list[tuple[int, int]] = [(0, nbytes)]  # sorted (offset, size)
         self._lock = threading.Lock()
         self.uuid = gpu_uuid(device)
@@ -331,7 +331,7 @@ def export(tensor: torch.Tensor, ready: torch.cuda.Event | None = None,
             stream.wait_event(ready)
         else:
             stream.wait_stream(torch.cuda.default_stream(tensor.device))
-        if offset is not None:
+        if offset is not None and pool is not None and pool.buffer is not None:
             try:
                 pool.buffer[offset:offset + nbytes].copy_(tensor.reshape(-1).view(torch.uint8),
                                                           non_blocking=True)
@@ -346,7 +346,7 @@ def export(tensor: torch.Tensor, ready: torch.cuda.Event | None = None,
     stream.synchronize()
     desc = IpcDescription(pool="", device_uuid=gpu_uuid(tensor.device), handle=handle,
                           storage_bytes=size, storage_offset=soff,
-                          offset=tensor.storage_offset() * tensor.element_size(),
+                          offset=int(tensor.storage_offset()) * tensor.element_size(),
                           event=event, event_sync=bool(sync))
     return IpcExport(desc, tensor=tensor, counter=(ref, ref_off))
 
@@ -455,7 +455,8 @@ class PendingCopy:
     def __init__(self, importer: IpcImporter, desc: IpcDescription, out: torch.Tensor,
                  done: torch.cuda.Event, src: int, dst_dev: torch.device, refs: tuple):
         self._importer, self._desc, self.out, self._done = importer, desc, out, done
-        self._src, self._dst_dev, self._refs = src, dst_dev, refs
+        self._src, self._dst_dev = src, dst_dev
+        self._refs: tuple | None = refs
 
     def wait(self) -> torch.Tensor:
         if self._refs is None:

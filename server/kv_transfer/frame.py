@@ -221,14 +221,14 @@ def decode_header(buf: bytes | bytearray | memoryview,
     return _Fixed(frame, rid_len, secret_len, text_len)
 
 
-def _decode_str(raw: bytes | memoryview, what: str) -> str:
+def _decode_str(raw: bytes | bytearray | memoryview, what: str) -> str:
     try:
         return bytes(raw).decode("utf-8")
     except UnicodeDecodeError:
         raise FrameError(f"{what} is not valid UTF-8") from None
 
 
-def _complete(fixed: _Fixed, var: bytes | memoryview) -> Frame:
+def _complete(fixed: _Fixed, var: bytes | bytearray | memoryview) -> Frame:
     a, b = fixed.rid_len, fixed.rid_len + fixed.secret_len
     f = fixed.frame
     return Frame(type=f.type, dtype=f.dtype, shape=f.shape, nbytes=f.nbytes, checksum=f.checksum,
@@ -271,4 +271,4 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     if not tensor.is_contiguous():
         raise ValueError("tensor must be contiguous")
     flat = tensor.detach().reshape(-1).view(torch.uint8)
-    return memoryview(flat.numpy()).cast("B")
+    return memoryview(flat.numpy()).cast("B")  # type: ignore[arg-type]  # ndarray is a buffer; stubs lack __buffer__

@@ -410,6 +410,8 @@ class KVPuller(KVReceiver):
     @staticmethod
     def _copy_from_segment(name: str, dst: memoryview) -> None:
         with AttachedSegment(name, len(dst)) as seg:
+            if seg.buf is None:
+                raise ConnectionError(f"shm segment {name} has no buffer")
             src = seg.buf[:len(dst)]
             try:
                 dst[:] = src

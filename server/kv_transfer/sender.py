@@ -42,6 +42,8 @@ import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from multiprocessing.shared_memory import SharedMemory
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -61,6 +63,9 @@ from .frame import (
     tensor_bytes,
 )
 from .shm import DEFAULT_PREFIX, create_segment, destroy_segment
+
+if TYPE_CHECKING:
+    from .cuda_ipc import IpcExport, IpcPool
 
 logger = logging.getLogger(__name__)
 
@@ -98,10 +103,19 @@ class _Entry:
     lease_s: float
     expiry: float
     tensor: torch.Tensor | None = None  # tcp
-    segment: object | None = None  # shm: multiprocessing.shared_memory.SharedMemory
-    ipc: object | None = None  # cuda_ipc: cuda_ipc.IpcExport
+    segment: SharedMemory | None = None  # shm
+    ipc: IpcExport | None = None  # cuda_ipc
     in_flight: bool = False
 
+
+
+def _payload(entry: _Entry) -> torch.Tensor | str | None:
+    """What a PULL of this entry sends: the tensor (tcp), or the name that lets the receiver map it."""
+    if entry.transport == "tcp":
+        return entry.tensor
+    if entry.transport == "cuda_ipc":
+        return entry.ipc.text if entry.ipc is not None else None
+    return entry.segment.name if entry.segment is not None else None
 
 @dataclass(eq=False)
 class _Conn:
@@ -149,7 +163,7 @@ class KVStagingServer(KVSender):
         self.shm_prefix = shm_prefix
         self.chunk_bytes = chunk_bytes
         self.cuda_ipc_pool_bytes = cuda_ipc_pool_bytes  # per GPU; 0 = export each tensor itself
-        self._ipc_pools: dict[int, object] = {}
+        self._ipc_pools: dict[int, IpcPool] = {}
         self.host_id = this_host_id()
         self.stats = SenderStats()
 
@@ -196,14 +210,18 @@ class KVStagingServer(KVSender):
         if transport == "cuda_ipc":
             return self._stage_ipc(request_id, tensor, nbytes, lease_ms, ready_event)
         use_crc = self.checksum if checksum is None else checksum
-        segment, held = None, tensor
+        segment: SharedMemory | None = None
+        held: torch.Tensor | None = tensor
         if transport == "shm":
             segment, held = create_segment(nbytes, self.shm_prefix), None
         try:
             src = tensor_bytes(tensor)
             if segment is not None:
-                segment.buf[:nbytes] = src
-                src = segment.buf[:nbytes]
+                buf = segment.buf
+                if buf is None:
+                    raise RuntimeError(f"shm segment {segment.name} has no buffer")
+                buf[:nbytes] = src
+                src = buf[:nbytes]
             crc = zlib.crc32(src) if use_crc else None
             src.release()
         except BaseException:
@@ -446,7 +464,7 @@ class KVStagingServer(KVSender):
         if unauth:
             return min(unauth, key=lambda c: c.opened)
         idle = [c for c in conns if c.idle_since is not None]
-        return min(idle, key=lambda c: c.idle_since) if idle else None
+        return min(idle, key=lambda c: c.idle_since or 0.0) if idle else None
 
     def _serve(self, state: _Conn) -> None:
         conn = state.sock
@@ -520,8 +538,7 @@ class KVStagingServer(KVSender):
             else:
                 entry.in_flight, code, text = True, ErrorCode.NONE, ""
                 state.authenticated = True
-                payload = (entry.tensor if entry.transport == "tcp" else entry.ipc.text
-                           if entry.transport == "cuda_ipc" else entry.segment.name)
+                payload = _payload(entry)
         if entry is None:
             if code is ErrorCode.AUTH:
                 logger.warning("KV pull for request %s refused: wrong secret", rid)

@@ -60,6 +60,12 @@ class RouterState:
 
     _tokenizer_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
+    def running_pipeline(self) -> Pipeline:
+        """The pipeline, which exists while the app runs (made in its lifespan, with the HTTP session)."""
+        if self.pipeline is None:
+            raise RuntimeError("the router's pipeline is not running (app not started)")
+        return self.pipeline
+
     def warm_tokenizer(self) -> None:
         try:
             self.get_tokenizer()
@@ -315,7 +321,7 @@ def create_router_app(state: RouterState) -> FastAPI:
             return resp
         if req.max_completion_tokens is not None and req.max_tokens is None:
             req.max_tokens = req.max_completion_tokens
-        state.pipeline.check_available()  # 503 before touching the tokenizer when no model is known yet
+        state.running_pipeline().check_available()  # 503 before touching the tokenizer when no model is known yet
         await _tokenizer_ready(state)
         tokenizer, template = state.get_tokenizer(), state.get_chat_template()
         try:
@@ -359,7 +365,7 @@ def create_router_app(state: RouterState) -> FastAPI:
             max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=max(req.top_k, 0),
             seed=req.seed if req.seed is not None else secrets.randbits(62),
             stop_token_ids=(req.stop_token_ids or []) + (stop_ids or []), ignore_eos=req.ignore_eos)
-        state.pipeline.check_available()  # NoWorkersError -> 503 with Retry-After
+        state.running_pipeline().check_available()  # NoWorkersError -> 503 with Retry-After
         tokenizer = state.get_tokenizer()
         ereq = EngineRequest(f"{kind[:4]}-{uuid.uuid4().hex}", prompt_ids, sampling)
         run = _Run(state, ereq, TextAssembler(tokenizer, req.stop_strings()))
@@ -409,7 +415,7 @@ def _vocab_size(state: RouterState) -> int | None:
     return first.fingerprint.get("vocab_size") if first else None
 
 
-def _check_ids(state: RouterState, ids: list[int]) -> list[int]:
+def _check_ids(state: RouterState, ids: list[int] | None) -> list[int]:
     if not ids:
         raise InvalidRequest("prompt: must not be empty", "prompt")
     vocab = _vocab_size(state)
@@ -471,7 +477,7 @@ class _Run:
         m.running.inc()
         status = "aborted"
         try:
-            async with aclosing(self.state.pipeline.generate(self.req)) as stream:
+            async with aclosing(self.state.running_pipeline().generate(self.req)) as stream:
                 async for ev in stream:
                     now = time.perf_counter()
                     if ev.token_ids:
@@ -531,12 +537,15 @@ class _Run:
                 self._record_sla(status)
 
     def _record_sla(self, status: str) -> None:
+        sla = self.state.sla
+        if sla is None:
+            return
         now = time.perf_counter()
         ok, n = status == "ok", len(self.token_ids)
         first = self.first_token_at
         ttft = first - self.req.arrival if ok and first is not None else None
         tpot = (now - first) / (n - 1) if ok and first is not None and n > 1 else None
-        self.state.sla.record(Finished(
+        sla.record(Finished(
             "primary", time.monotonic() - (now - self.req.arrival), time.time() - (now - self.req.arrival), ok,
             ttft=ttft, tpot=tpot, e2e=now - self.req.arrival if ok else None, itl=tuple(self.itl) if ok else (),
             prompt_tokens=len(self.req.prompt_token_ids), output_tokens=n,

@@ -42,7 +42,7 @@ def guarded_http_protocol(header_timeout_s: float) -> type[HttpToolsProtocol]:
                                      b"connection: close\r\n\r\n")
                 self.transport.close()
 
-        def connection_made(self, transport) -> None:  # type: ignore[override]
+        def connection_made(self, transport) -> None:
             super().connection_made(transport)
             self._arm()
 

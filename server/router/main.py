@@ -47,7 +47,6 @@ async def serve_router(config: DistServeConfig, token: str, *, model_path: str |
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))
-    server.install_signal_handlers = lambda: None
 
     async def announce() -> None:
         while not server.started:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from contextlib import aclosing, contextmanager
 from dataclasses import dataclass, field
 
@@ -113,7 +113,7 @@ class Pipeline:
                 return mode
             await asyncio.sleep(0.05)
 
-    async def generate(self, req: EngineRequest) -> AsyncIterator[TokenEvent]:
+    async def generate(self, req: EngineRequest) -> AsyncGenerator[TokenEvent, None]:
         outputs: list[int] = []
         failures = 0
         while True:
@@ -155,7 +155,7 @@ class Pipeline:
                     return
 
     # --- the two paths ------------------------------------------------------
-    async def _colocated(self, req: EngineRequest, outputs: list[int]) -> AsyncIterator[TokenEvent]:
+    async def _colocated(self, req: EngineRequest, outputs: list[int]) -> AsyncGenerator[TokenEvent, None]:
         worker = self.registry.pick("colocated")
         if worker is None:
             raise NoWorkersError("no healthy colocated worker")
@@ -164,7 +164,7 @@ class Pipeline:
                 async for ev in stream:
                     yield ev
 
-    async def _disaggregated(self, req: EngineRequest, outputs: list[int]) -> AsyncIterator[TokenEvent]:
+    async def _disaggregated(self, req: EngineRequest, outputs: list[int]) -> AsyncGenerator[TokenEvent, None]:
         decode = self.registry.pick("decode")
         prefill = self.registry.pick("prefill")
         if decode is None or prefill is None:
@@ -232,7 +232,7 @@ class Pipeline:
             idle.close()
 
     async def _stream(self, worker: WorkerInfo, req: EngineRequest, outputs: list[int],
-                      kv: dict | None) -> AsyncIterator[TokenEvent]:
+                      kv: dict | None) -> AsyncGenerator[TokenEvent, None]:
         body = {"request_id": req.request_id, "prompt_token_ids": req.prompt_token_ids,
                 "output_token_ids": outputs, "sampling": req.sampling.model_dump(), "kv": kv}
         # The read timeout is ours, not aiohttp's sock_read (which reschedules a timer per received

@@ -9,7 +9,7 @@ what it asked for; unknown fields are ignored, as OpenAI does.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError
 
@@ -132,7 +132,10 @@ class GenerateRequest(_SamplingFields):
     prompt_token_ids: list[StrictInt] | None = None
 
 
-def parse(model: type[BaseModel], body: Any) -> Any:
+RequestT = TypeVar("RequestT", bound=_SamplingFields)
+
+
+def parse(model: type[RequestT], body: Any) -> RequestT:
     if not isinstance(body, dict):
         raise InvalidRequest("request body must be a JSON object")
     try:

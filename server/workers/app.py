@@ -176,16 +176,18 @@ def _take_kv(state: WorkerState, rid: str):
 
 def _stage(state: WorkerState, rid: str, kv, ready, transport: str):
     """In a thread: tcp/shm need the KV in (pinned) host memory; cuda_ipc keeps it on the GPU."""
-    kvc = state.config.kv_transfer
+    kvc, sender = state.config.kv_transfer, state.sender
+    if sender is None:
+        raise RuntimeError("this worker stages no KV (it has no KV sender)")
     if transport == "cuda_ipc" and kvc.transport == "auto":
         try:
-            return state.sender.stage(rid, kv, kvc.lease_ms, transport=transport, ready_event=ready)
+            return sender.stage(rid, kv, kvc.lease_ms, transport=transport, ready_event=ready)
         except cuda_ipc.IpcError as e:  # e.g. an allocator whose memory cannot be exported
             log.warning("cuda_ipc unusable here (%s); staging through host memory", e)
             transport = "shm" if kv.numel() * kv.element_size() >= kvc.zero_copy_threshold_mb * 2**20 else "tcp"
     if transport != "cuda_ipc" and kv.is_cuda:
         kv, ready = cuda_ipc.to_pinned_host(kv, ready), None
-    return state.sender.stage(rid, kv, kvc.lease_ms, transport=transport, checksum=kvc.checksum,
+    return sender.stage(rid, kv, kvc.lease_ms, transport=transport, checksum=kvc.checksum,
                               ready_event=ready)
 
 
@@ -288,6 +290,8 @@ async def _admit_with_kv(state: WorkerState, body: GenerateRequest, params: Samp
     outputs = body.output_token_ids
     await loop.reserve(rid, body.prompt_token_ids, outputs, params, state.config.router.request_timeout_s)
     t0 = time.perf_counter()
+    if state.puller is None:
+        return None, {"error": "this worker pulls no KV (it has no KV puller)"}
     result = await asyncio.to_thread(state.puller.pull, handle, kvc.pull_timeout_ms / 1000.0)
     elapsed = time.perf_counter() - t0
     if result.status == TransferStatus.SUCCESS:

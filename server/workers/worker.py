@@ -15,6 +15,7 @@ import os
 import signal
 import uuid
 from dataclasses import dataclass
+from typing import Any
 
 import aiohttp
 import torch
@@ -26,7 +27,7 @@ from server.kv_transfer import KVPuller, KVStagingServer, cuda_ipc
 from server.kv_transfer.factory import choose_transport, host_id
 from server.metrics import WorkerMetrics
 from server.net import listen
-from server.wire import DeregisterRequest, HeartbeatRequest, RegisterRequest
+from server.wire import DeregisterRequest, HeartbeatRequest, RegisterRequest, Role
 from server.workers.app import WorkerState, create_worker_app
 from server.workers.engine_loop import EngineLoop, GcPolicy
 
@@ -37,7 +38,7 @@ EXIT_REFUSED = 3  # the router refused registration (token or model fingerprint)
 
 @dataclass(frozen=True)
 class WorkerOptions:
-    role: str
+    role: Role
     router_url: str
     config: DistServeConfig
     token: str
@@ -58,7 +59,7 @@ def engine_config_for(role: str, cfg: DistServeConfig, device: str) -> EngineCon
     workers, ``decode.*`` for decode and colocated ones).
     """
     pf, dc, cache = cfg.prefill, cfg.decode, cfg.cache
-    common = dict(model=cfg.model, device=device, dtype=cache.dtype, block_size=cache.block_size,
+    common: dict[str, Any] = dict(model=cfg.model, device=device, dtype=cache.dtype, block_size=cache.block_size,
                   num_blocks=cache.num_gpu_blocks, kv_cache_memory_mb=cache.kv_cache_memory_mb,
                   gpu_memory_utilization=cache.gpu_memory_utilization,
                   max_model_len=pf.max_seq_len, max_num_batched_tokens=pf.max_num_batched_tokens,
@@ -82,7 +83,7 @@ def fingerprint(engine: LLMEngine) -> dict:
     Block size is not: KV travels as contiguous tokens and each side pages it its own way.
     """
     c = engine.model_config
-    m = engine.model
+    m: Any = engine.model  # torch types submodules loosely
     sample = torch.cat([m.embed_tokens.weight[:8].flatten(), m.norm.weight.flatten(),
                         m.layers[0].self_attn.qkv_proj.weight[:4].flatten()]).detach().float().cpu()
     weights = hashlib.sha256(sample.numpy().tobytes()).hexdigest()[:16]
@@ -185,7 +186,6 @@ async def serve_worker(opts: WorkerOptions) -> int:
     engine_loop.start()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))
-    server.install_signal_handlers = lambda: None
     reg_task = asyncio.create_task(_registration_loop(state, opts, reg, server))
     log.info("%s worker %s listening on %s (pid %d)", opts.role, state.worker_id, url, os.getpid())
     try:

@@ -43,6 +43,12 @@ class AttentionMetadata:
     def num_decodes(self) -> int:
         return 0 if self.decode_seq_lens is None else int(self.decode_seq_lens.shape[0])
 
+    def decode_inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block_tables, seq_lens) of the decode rows; call only when num_decodes > 0."""
+        if self.decode_block_tables is None or self.decode_seq_lens is None:
+            raise ValueError("attention metadata has no decode rows")
+        return self.decode_block_tables, self.decode_seq_lens
+
 
 class AttentionBackend:
     name = "base"

@@ -532,9 +532,10 @@ class CpuPagedBackend(SdpaBackend):
     def available() -> bool:
         return available()
 
-    def _decode(self, q, kv_cache, meta: AttentionMetadata, scale: float, gqa: bool):
-        return paged_decode_attention(q, kv_cache, meta.decode_block_tables, meta.decode_seq_lens,
-                                      scale, meta.block_size)
+    @staticmethod
+    def _decode(q, kv_cache, meta: AttentionMetadata, scale: float, gqa: bool):
+        block_tables, seq_lens = meta.decode_inputs()
+        return paged_decode_attention(q, kv_cache, block_tables, seq_lens, scale, meta.block_size)
 
 
 __all__ = ["CpuPagedBackend", "paged_decode_attention", "available", "unavailable_reason", "build_info"]

@@ -63,8 +63,9 @@ class FlashAttnBackend(AttentionBackend):
             out[:start] = o
         if meta.num_decodes:
             if HAS_TRITON:
+                block_tables, seq_lens = meta.decode_inputs()
                 paged_decode_attention(
-                    q[start:], kv_cache, meta.decode_block_tables, meta.decode_seq_lens, meta.block_size,
+                    q[start:], kv_cache, block_tables, seq_lens, meta.block_size,
                     scale, meta.decode_max_seq_len, out=out[start:],
                 )
             else:

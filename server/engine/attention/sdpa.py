@@ -47,17 +47,18 @@ class SdpaBackend(AttentionBackend):
 
     @staticmethod
     def _decode(q, kv_cache, meta: AttentionMetadata, scale: float, gqa: bool):
+        block_tables, seq_lens = meta.decode_inputs()
         bs = meta.block_size
         nb = kv_cache.shape[1] // bs
         max_blocks = -(-meta.decode_max_seq_len // bs)
-        tables = meta.decode_block_tables[:, :max_blocks]
+        tables = block_tables[:, :max_blocks]
         b = tables.shape[0]
         # index_select over whole blocks (rows of bs*Hkv*D) copies at memcpy speed; advanced
         # indexing (paged[:, tables]) took twice as long on CPU (bench: 1.6 vs 3.1 ms, B=32, L=160)
         rows = kv_cache.view(2, nb, -1).index_select(1, tables.reshape(-1))
         kv = rows.view(2, b, max_blocks * bs, *kv_cache.shape[2:])  # [2, B, L, Hkv, D]
         length = kv.shape[2]
-        mask = torch.arange(length, device=q.device)[None, :] < meta.decode_seq_lens[:, None]
+        mask = torch.arange(length, device=q.device)[None, :] < seq_lens[:, None]
         o = F.scaled_dot_product_attention(
             q[:, :, None, :],  # [B, H, 1, D]
             kv[0].transpose(1, 2), kv[1].transpose(1, 2),  # [B, Hkv, L, D]

@@ -342,8 +342,9 @@ class TritonBackend(AttentionBackend):
         out = torch.empty_like(q)
         start = prefill_attention_sdpa(q, k, v, kv_cache, meta, scale, out) if meta.num_prefills else 0
         if meta.num_decodes:
+            block_tables, seq_lens = meta.decode_inputs()
             paged_decode_attention(
-                q[start:], kv_cache, meta.decode_block_tables, meta.decode_seq_lens, meta.block_size,
+                q[start:], kv_cache, block_tables, seq_lens, meta.block_size,
                 scale, meta.decode_max_seq_len, out=out[start:],
             )
         return out
