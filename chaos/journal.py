@@ -9,10 +9,11 @@ Both files are written atomically, so a killed drill never leaves half a journal
 from __future__ import annotations
 
 import json
-import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from distbench.atomic import atomic_write
 
 STATUSES = ("completed", "failed", "aborted", "interrupted")
 
@@ -57,11 +58,6 @@ class Journal:
         return d
 
 
-def _atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def markdown(j: Journal) -> str:
@@ -104,6 +100,6 @@ def markdown(j: Journal) -> str:
 
 def write(j: Journal, out_dir: Path) -> tuple[Path, Path]:
     jp, mp = out_dir / "journal.json", out_dir / "report.md"
-    _atomic(jp, json.dumps(j.to_dict(), indent=1, default=str))
-    _atomic(mp, markdown(j))
+    atomic_write(jp, json.dumps(j.to_dict(), indent=1, default=str))
+    atomic_write(mp, markdown(j))
     return jp, mp

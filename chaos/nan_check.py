@@ -14,10 +14,10 @@ prompt is computed in full.
 from __future__ import annotations
 
 import json
-import os
 import random
 import sys
-from pathlib import Path
+
+from distbench.atomic import atomic_write
 
 CANDIDATES = ("sdpa", "cpu_paged", "flash_attn_v2", "triton")
 
@@ -110,9 +110,7 @@ def cli_main(args) -> int:
     bad = failures(result)
     result["failures"] = bad
     if args.json:
-        tmp = Path(args.json).with_suffix(".tmp")
-        tmp.write_text(json.dumps(result, indent=1))
-        os.replace(tmp, args.json)
+        atomic_write(args.json, json.dumps(result, indent=1))
     if not any("lengths" in r for r in result["backends"].values()):
         print("nan-check: no attention backend could run", file=sys.stderr)
         return 1

@@ -30,6 +30,8 @@ import socket
 import struct
 import sys
 
+from distbench.atomic import atomic_write
+
 TOXICS = ("latency", "bandwidth", "slicer", "slow_close", "timeout", "reset_peer", "limit_data")
 
 
@@ -145,10 +147,7 @@ def _addr(text: str) -> tuple[str, int]:
 
 
 def _write_ready(path: str, info: dict) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(info, f)
-    os.replace(tmp, path)
+    atomic_write(path, json.dumps(info))
 
 
 async def serve(listen: tuple[str, int], upstream: tuple[str, int], toxics: list[dict],

@@ -15,6 +15,8 @@ import os
 import re
 from pathlib import Path
 
+from distbench.atomic import atomic_write
+
 ENV = "DISTSERVE_CHAOS_STATE_DIR"
 
 
@@ -30,11 +32,7 @@ def _path(kind: str, key: str) -> Path:
 
 
 def save(kind: str, key: str, data: dict) -> Path:
-    p = _path(kind, key)
-    tmp = p.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=1))
-    os.replace(tmp, p)
-    return p
+    return atomic_write(_path(kind, key), json.dumps(data, indent=1))
 
 
 def load(kind: str, key: str) -> dict | None:

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import yaml
 
+from distbench.atomic import atomic_write
+
 KINDS = ("command", "load", "drill")
 MARK = {"passed": "PASS", "failed": "FAIL", "skipped": "SKIP"}
 
@@ -35,10 +37,6 @@ def _fill(v, ctx: dict):
     return v
 
 
-def _atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def _skip_reason(item: dict) -> str | None:
@@ -145,12 +143,12 @@ def run_gate(checklist: str, out: Path, quick: bool, only: set[str] | None = Non
               flush=True)
     verdict = "no-go" if any(r["status"] == "failed" for r in results) else "go"
     report = {"verdict": verdict, "quick": quick, "checklist": checklist, "finished": time.time(), "items": results}
-    _atomic(out / "gate.json", json.dumps(report, indent=1))
+    atomic_write(out / "gate.json", json.dumps(report, indent=1))
     md = [f"# Release gate: **{verdict.upper()}**{' (quick)' if quick else ''}", "",
           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, checklist `{checklist}`", "",
           "| item | status | time | detail |", "|---|---|---:|---|"]
     md += [f"| {r['title']} | {r['status']} | {r['seconds']} s | {r['detail'].replace('|', '/')} |" for r in results]
-    _atomic(out / "gate.md", "\n".join(md) + "\n")
+    atomic_write(out / "gate.md", "\n".join(md) + "\n")
     print(f"gate: {verdict.upper()} — {sum(r['status'] == 'passed' for r in results)} passed, "
           f"{sum(r['status'] == 'failed' for r in results)} failed, {sum(r['status'] == 'skipped' for r in results)} "
           f"skipped; report {out / 'gate.md'}", file=stream)

@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+from distbench.atomic import atomic_write
 from distbench.metrics import summarize
 from distbench.records import SCHEMA_VERSION, RequestRecord
 
@@ -53,12 +54,7 @@ def build(records: list[RequestRecord], duration_s: float, start_unix: float, co
 
 
 def save(result: dict, path: str | Path) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
-    tmp.write_text(json.dumps(result, indent=1, default=float))
-    os.replace(tmp, path)
-    return path
+    return atomic_write(path, json.dumps(result, indent=1, default=float))
 
 
 def load(path: str | Path) -> dict:

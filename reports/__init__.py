@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from reports.atomic import atomic_write
+from distbench.atomic import atomic_write
 
 __all__ = ["RENDERERS", "RendererUnavailable", "atomic_write", "render"]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import html
 from pathlib import Path
 
-from reports.atomic import atomic_write
+from distbench.atomic import atomic_write
 from reports.tabular import _budget, _fmt, _observed, _target
 
 _CSS = """body{font-family:system-ui,sans-serif;margin:2em;color:#222}table{border-collapse:collapse;margin:1em 0}

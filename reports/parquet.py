@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 from pathlib import Path
 
-from reports.atomic import atomic_write
+from distbench.atomic import atomic_write
 
 _TYPES = {"int": "int64", "float": "float64", "str": "string"}
 

@@ -7,7 +7,7 @@ import io
 import json
 from pathlib import Path
 
-from reports.atomic import atomic_write
+from distbench.atomic import atomic_write
 
 
 def write_json(report: dict, path: Path) -> None:
