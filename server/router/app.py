@@ -516,7 +516,8 @@ class _Run:
             self.error_status = 503
             yield TokenEvent([], True, "error", self.error), ""
         except (InvalidRequest, ValueError) as e:  # a worker's 400 (validation it does and we did not)
-            self.error, status, self.finish_reason = f"{e}", "error", "error"
+            # the client's fault: "rejected", like the router's own 400s, and not an SLA failure
+            self.error, status, self.finish_reason = f"{e}", "rejected", "error"
             self.error_status = 400
             yield TokenEvent([], True, "error", self.error), ""
         except Exception as e:  # a bug: still end the stream with an error the client can read
@@ -533,7 +534,8 @@ class _Run:
                 m.generation_tokens.inc(len(self.token_ids))
                 if self.first_token_at is not None and len(self.token_ids) > 1:
                     m.tpot.observe((time.perf_counter() - self.first_token_at) / (len(self.token_ids) - 1))
-            if self.state.sla is not None and status != "aborted":  # a client that left is not a server failure
+            # a client that left, or a request the worker refused as invalid, is not a server failure
+            if self.state.sla is not None and status not in ("aborted", "rejected"):
                 self._record_sla(status)
 
     def _record_sla(self, status: str) -> None:

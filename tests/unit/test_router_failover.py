@@ -151,3 +151,60 @@ def test_fault_request_validation_and_step_choice():
     for bad in ({"prefill_delay_ms": -1}, {"decode_delay_ms": 60_001}, {"prefill_delay": 5}):
         with pytest.raises(ValidationError):
             FaultRequest(**bad)
+
+
+class _StatusPrefill:
+    """A prefill worker (stdlib HTTP server, own thread) whose /internal/prefill answers one status."""
+
+    def __init__(self, status: int) -> None:
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):  # noqa: N802 - the stdlib's name
+                self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                code = status if self.path == "/internal/prefill" else 200
+                body = json.dumps({"detail": "prompt token 7 is out of range"} if code == 400 else {}).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.mark.parametrize("worker_status, journaled", [(400, False), (500, True)])
+def test_a_request_the_worker_refuses_is_not_an_sla_failure(tmp_path, worker_status, journaled):
+    """A worker's 400 is the client's fault: answered 400, counted "rejected", kept out of the SLA journal
+    and windows. A worker's 500 is the server's: journaled as a failed request."""
+    from server.wire import RegisterRequest
+
+    fake = _StatusPrefill(worker_status)
+    try:
+        with make_client(tmp_path, []) as c:
+            reg = c.app.state.router.registry
+            for wid, role in (("p0", "prefill"), ("d0", "decode")):
+                reg.register(RegisterRequest(worker_id=wid, role=role, url=fake.url, pid=1, fingerprint={},
+                                             max_model_len=64))
+            r = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+            metrics = c.get("/metrics").text
+        journal = (tmp_path / "j.jsonl").read_text().splitlines() if (tmp_path / "j.jsonl").exists() else []
+    finally:
+        fake.close()
+    if worker_status == 400:
+        assert r.status_code == 400 and "out of range" in r.text, r.text
+        assert 'distserve_requests_total{status="rejected"} 1.0' in metrics
+    else:
+        assert r.status_code >= 500, r.text
+    assert bool(journal) is journaled, journal
+    if journaled:
+        assert json.loads(journal[0])["error"], journal[0]
