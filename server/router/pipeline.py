@@ -75,6 +75,7 @@ class TokenEvent:
     finished: bool = False
     finish_reason: str | None = None
     error: str | None = None
+    kv_recomputed: bool = False  # the decode worker could not pull the KV and recomputed the prompt
 
 
 @dataclass
@@ -187,7 +188,11 @@ class Pipeline:
                         decode.inflight += 1
                 async with aclosing(self._stream(decode, req, done, first.kv)) as stream:
                     async for ev in stream:
-                        pulled = True  # the decode worker produced a token, so it holds the KV now
+                        if not pulled and (ev.error or ev.kv_recomputed):
+                            # the decode worker did not take the KV (pull failed): free it on the prefill
+                            # worker now rather than when its lease ends
+                            asyncio.ensure_future(self._abort(prefill, req.request_id))
+                        pulled = True  # from here no staged KV of this request is left to free
                         yield ev
             except WorkerFailed:
                 if not pulled:  # free the staged KV before a retry re-prefills this request id
@@ -265,7 +270,8 @@ class Pipeline:
                                 self.metrics.kv_transfer_seconds.labels(transport).observe(
                                     line.kv_transfer_seconds)
                                 self.metrics.kv_transfer_bytes.labels(transport).inc(line.kv_transfer_bytes or 0)
-                            ev = TokenEvent(line.token_ids, line.finished, line.finish_reason, line.error)
+                            ev = TokenEvent(line.token_ids, line.finished, line.finish_reason, line.error,
+                                            kv_recomputed=line.kv_transport == "recompute")
                             yield ev
                             if ev.finished:
                                 return

@@ -14,7 +14,7 @@ import aiohttp
 from aiohttp import web
 
 from server.metrics import RouterMetrics
-from server.router.pipeline import EngineRequest, Pipeline, PipelineOptions
+from server.router.pipeline import EngineRequest, Pipeline, PipelineOptions, TokenEvent
 from server.router.registry import WorkerRegistry
 from server.wire import InternalSampling, RegisterRequest
 
@@ -127,3 +127,67 @@ def test_a_line_that_does_not_parse_is_a_worker_failure():
     events, reg, _, good_seen = asyncio.run(_run(garbled))
     assert _tokens(events) == [100, 101, 102, 103, 104, 105] and good_seen[0]["output_token_ids"] == [100]
     assert reg.workers["a-bad"].state == "suspect"
+
+
+async def _pd_run(decode_lines: list[bytes]) -> tuple[list[TokenEvent], list[str]]:
+    """A prefill stub that stages KV (answers a handle) and a decode stub that streams ``decode_lines``;
+    the request ids the prefill stub was asked to abort."""
+    aborted: list[str] = []
+
+    async def prefill(request: web.Request):
+        body = await request.json()
+        return web.json_response({"token_ids": [100], "finished": False,
+                                  "kv": {"request_id": body["request_id"], "transport": "tcp"}})
+
+    async def abort(request: web.Request):
+        aborted.append((await request.json())["request_id"])
+        return web.json_response({"aborted": True})
+
+    async def generate(request: web.Request):
+        await request.json()
+        resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+        await resp.prepare(request)
+        for line in decode_lines:
+            await resp.write(line)
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/internal/prefill", prefill)
+    app.router.add_post("/internal/abort", abort)
+    app.router.add_post("/internal/generate", generate)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    try:
+        reg = WorkerRegistry(heartbeat_timeout_s=30)
+        for wid, role in (("p", "prefill"), ("d", "decode")):
+            reg.register(RegisterRequest(worker_id=wid, role=role, url=url, pid=1, fingerprint={}, max_model_len=64))
+        async with aiohttp.ClientSession() as http:
+            pipe = Pipeline(reg, http, RouterMetrics(), PipelineOptions(token="t", request_timeout_s=30))
+            req = EngineRequest("r1", [1, 2, 3], InternalSampling(max_tokens=3, temperature=0, top_p=1, seed=1))
+            events = [ev async for ev in pipe.generate(req)]
+            await asyncio.sleep(0.2)  # the abort is sent without holding up the stream
+        return events, aborted
+    finally:
+        await runner.cleanup()
+
+
+def test_a_failed_kv_pull_frees_the_staged_kv_on_the_prefill_worker_at_once():
+    fail = json.dumps({"token_ids": [], "finished": True, "finish_reason": "abort",
+                       "error": "KV transfer failed: timed out"}).encode() + b"\n"
+    events, aborted = asyncio.run(_pd_run([fail]))
+    assert events[-1].error and "KV transfer failed" in events[-1].error
+    assert aborted == ["r1"]
+
+
+def test_a_recomputed_prompt_frees_the_staged_kv_and_a_pulled_one_does_not():
+    recompute = json.dumps({"token_ids": [101], "kv_transport": "recompute"}).encode() + b"\n"
+    pulled = json.dumps({"token_ids": [101], "kv_transport": "tcp", "kv_transfer_seconds": 0.01,
+                         "kv_transfer_bytes": 10}).encode() + b"\n"
+    last = _line([102], finished=True, reason="length")
+    events, aborted = asyncio.run(_pd_run([recompute, last]))
+    assert _tokens(events) == [100, 101, 102] and aborted == ["r1"]
+    events, aborted = asyncio.run(_pd_run([pulled, last]))
+    assert _tokens(events) == [100, 101, 102] and aborted == []
