@@ -89,10 +89,19 @@ def main() -> int:
     ap.add_argument("--layout", choices=["1p1d", "colocated2"], required=True)
     ap.add_argument("--model", default="preset:llama-2-7b")
     ap.add_argument("--device", default="cuda", help="cuda (GPU runs) or cpu (dry run)")
-    ap.add_argument("--points", default="long:8,12,16;summ:10,15,20;sharegpt:12,24,36",
-                    help="WORKLOAD:RATE,RATE;... run in this order on one server (default: %(default)s)")
+    ap.add_argument(
+        "--points",
+        default="long:8,12,16;summ:10,15,20;sharegpt:12,24,36",
+        help="WORKLOAD:RATE,RATE;... run in this order on one server (default: %(default)s)",
+    )
     ap.add_argument("--num-prompts", type=int, default=330, help="measured requests per point")
     ap.add_argument("--warmup", type=int, default=8, help="closed-loop warm-up requests per point (excluded)")
+    ap.add_argument(
+        "--prewarm",
+        type=int,
+        default=0,
+        help="requests of each workload sent once at concurrency 16 before the first point (excluded)",
+    )
     ap.add_argument("--ramp", type=int, default=30, help="first measured requests the report drops (recorded)")
     ap.add_argument("--long", default="2048,128", help="prompt,output tokens of the long workload")
     ap.add_argument("--summ-prompt", default="uniform:1024:2048")
@@ -115,10 +124,17 @@ def main() -> int:
     if unknown:
         print(f"--points: unknown workload {unknown[0]!r} (use long, sharegpt, summ)", file=sys.stderr)
         return 2
-    doc: dict = {"layout": args.layout, "args": vars(args), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-                 "gpus": 2, "points": [], "errors": []}
+    doc: dict = {
+        "layout": args.layout,
+        "args": vars(args),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "gpus": 2,
+        "points": [],
+        "errors": [],
+    }
     try:
         import torch
+
         doc["torch"] = torch.__version__
         if torch.cuda.is_available():
             doc["gpu"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
@@ -128,31 +144,68 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="slo-study-") as tmp:
         srv = None
         try:
-            srv = ServeProcess(Path(tmp), config=server_config(args), extra_args=serve_args(args.layout, args.device),
-                               env=env, timeout_s=args.startup_timeout_s, cwd=REPO)
+            srv = ServeProcess(
+                Path(tmp),
+                config=server_config(args),
+                extra_args=serve_args(args.layout, args.device),
+                env=env,
+                timeout_s=args.startup_timeout_s,
+                cwd=REPO,
+            )
             doc["startup_s"] = round(time.monotonic() - t0, 1)
-            doc["workers"] = [{k: w.get(k) for k in ("worker_id", "role", "device", "kv_blocks_free")}
-                              for w in srv.workers()]
+            doc["workers"] = [
+                {k: w.get(k) for k in ("worker_id", "role", "device", "kv_blocks_free")} for w in srv.workers()
+            ]
             print(f"[{time.monotonic() - t0:6.1f}s] {args.layout} ready: {doc['workers']}", flush=True)
+            for name in dict.fromkeys(w for w, _ in points) if args.prewarm else ():
+                spec = RunSpec(
+                    url=srv.url, strategy="closed", concurrency=16, num_prompts=args.prewarm, seed=99, timeout_s=120.0
+                )
+                res = run_distbench(Options(spec, wls[name], progress=False, token=srv.token))
+                doc.setdefault("prewarm", {})[name] = {
+                    "completed": res["completed"],
+                    "failed": res["failed"],
+                    "duration": res["duration"],
+                }
+            print(f"[{time.monotonic() - t0:6.1f}s] prewarm {doc.get('prewarm')}", flush=True)
             for name, rate in points:
                 need = args.num_prompts / rate + args.drain_s + 5
                 if time.monotonic() - t0 + need > args.budget_s:
-                    doc["errors"].append(f"{name}@{rate}: skipped, needs ~{need:.0f} s, budget left "
-                                         f"{args.budget_s - (time.monotonic() - t0):.0f} s")
+                    doc["errors"].append(
+                        f"{name}@{rate}: skipped, needs ~{need:.0f} s, budget left "
+                        f"{args.budget_s - (time.monotonic() - t0):.0f} s"
+                    )
                     continue
-                spec = RunSpec(url=srv.url, strategy="poisson", request_rate=rate, num_prompts=args.num_prompts,
-                               warmup=args.warmup, seed=int(rate * 1000) + len(doc["points"]), timeout_s=120.0)
+                spec = RunSpec(
+                    url=srv.url,
+                    strategy="poisson",
+                    request_rate=rate,
+                    num_prompts=args.num_prompts,
+                    warmup=args.warmup,
+                    seed=int(rate * 1000) + len(doc["points"]),
+                    timeout_s=120.0,
+                )
                 ts = time.monotonic()
-                res = run_distbench(Options(spec, wls[name], percentiles=(50.0, 90.0, 99.0), progress=False,
-                                            token=srv.token))
+                res = run_distbench(
+                    Options(spec, wls[name], percentiles=(50.0, 90.0, 99.0), progress=False, token=srv.token)
+                )
                 for k in DROP:
                     res.pop(k, None)
-                doc["points"].append({"workload": name, "rate": rate, "ramp": args.ramp, "wall_s":
-                                      round(time.monotonic() - ts, 1), "result": res})
-                print(f"[{time.monotonic() - t0:6.1f}s] {name} @ {rate:g}/s: {res['completed']} done, "
-                      f"{res['failed']} failed, TTFT p90 {res.get('p90_ttft_ms', float('nan')):.0f} ms, "
-                      f"TPOT p90 {res.get('p90_tpot_ms', float('nan')):.1f} ms, late sends {res['late_sends']}",
-                      flush=True)
+                doc["points"].append(
+                    {
+                        "workload": name,
+                        "rate": rate,
+                        "ramp": args.ramp,
+                        "wall_s": round(time.monotonic() - ts, 1),
+                        "result": res,
+                    }
+                )
+                print(
+                    f"[{time.monotonic() - t0:6.1f}s] {name} @ {rate:g}/s: {res['completed']} done, "
+                    f"{res['failed']} failed, TTFT p90 {res.get('p90_ttft_ms', float('nan')):.0f} ms, "
+                    f"TPOT p90 {res.get('p90_tpot_ms', float('nan')):.1f} ms, late sends {res['late_sends']}",
+                    flush=True,
+                )
                 write_gz(out, doc)
             doc["kv_after"] = srv.wait_kv_free(5.0)
         except Exception as e:  # noqa: BLE001 - keep what was measured
