@@ -12,6 +12,7 @@ import argparse
 import json
 import statistics
 import time
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -39,7 +40,7 @@ def main() -> None:
     dev = torch.device("cuda")
     x = torch.randn(1, 32, 2048, 128, device=dev, dtype=torch.bfloat16)
     F.scaled_dot_product_attention(x, x, x, is_causal=True)  # CUDA context, allocator
-    out = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(0), "choices": {}}
+    out: dict[str, Any] = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(0), "choices": {}}
     base = 1031
     for name, backends in choices.items():
         firsts, seconds = [], []
