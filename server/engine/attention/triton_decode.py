@@ -30,6 +30,11 @@ import torch.nn.functional as F
 
 from server.engine.attention.base import AttentionBackend, AttentionMetadata, gather_kv
 
+try:
+    from torch.nn.attention import SDPBackend
+except ImportError:  # torch < 2.3
+    SDPBackend = None  # type: ignore[assignment,misc]
+
 try:  # pragma: no cover - depends on the install
     import triton
     import triton.language as tl
@@ -46,9 +51,13 @@ except Exception:  # ImportError, or a broken driver stack
 # tensor-core path with at least 32 tokens and 2 warps.)
 DECODE_CONFIG = {"BLOCK_N": 16, "num_warps": 1, "num_stages": 2, "target_programs_per_sm": 2,
                  "min_partition": 256}
-# SDPA kernels for causal prefill (None: PyTorch's choice, flash first), e.g.
-# [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION]; set by tuning or the bench.
-PREFILL_SDPA_BACKENDS = None
+# SDPA kernels for causal prefill, in priority order (None: PyTorch's own choice), e.g.
+# [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION]; the bench may override it. Flash first by
+# default: PyTorch's choice on Hopper can be cuDNN, which builds an execution plan for every new sequence
+# length (tens to hundreds of ms each), so a workload of varied prompt lengths (or chunked prefills) paid
+# it on most steps in the two-GPU SLO study (docs/PERFORMANCE.md section 9).
+PREFILL_SDPA_BACKENDS: list | None = (
+    [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH] if SDPBackend is not None else None)
 _LOG2E = 1.4426950408889634
 _SM_COUNT: dict[int, int] = {}
 
@@ -239,9 +248,10 @@ def paged_decode_attention(
     return out
 
 
-def _causal_sdpa(q, k, v, scale, gqa):
+def _sdpa(q, k, v, **kw):
+    """F.scaled_dot_product_attention under PREFILL_SDPA_BACKENDS (on CUDA)."""
     if PREFILL_SDPA_BACKENDS is None or q.device.type != "cuda":
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, **kw)
     from torch.nn.attention import sdpa_kernel
 
     try:  # the list's order is the priority (PyTorch >= 2.6)
@@ -249,7 +259,11 @@ def _causal_sdpa(q, k, v, scale, gqa):
     except TypeError:
         ctx = sdpa_kernel(PREFILL_SDPA_BACKENDS)
     with ctx:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, **kw)
+
+
+def _causal_sdpa(q, k, v, scale, gqa):
+    return _sdpa(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
 
 
 def full_prefill_attention(q, k, v, scale: float) -> torch.Tensor:
@@ -285,7 +299,7 @@ def prefill_attention_sdpa(q, k, v, kv_cache, meta: AttentionMetadata, scale: fl
             ki, vi = gather_kv(kv_cache, meta.prefill_block_tables[i], slen, meta.block_size)
             qpos = torch.arange(slen - qlen, slen, device=q.device)[:, None]
             mask = torch.arange(slen, device=q.device)[None, :] <= qpos
-            o = F.scaled_dot_product_attention(
+            o = _sdpa(
                 q[start:end].transpose(0, 1), ki.transpose(0, 1), vi.transpose(0, 1),
                 attn_mask=mask, scale=scale, enable_gqa=gqa,
             )
