@@ -39,9 +39,10 @@ def cmd_profile(args) -> int:
             return _err(str(e))
         if args.transport not in ("tcp", "shm"):
             return _err(f"--transport must be tcp or shm, got {args.transport!r}")
-        from planner.profiler import measure
+        from planner.profiler import QUICK_CPU_SWEEP, measure
 
-        prof = measure(args.model, args.device, transport=args.transport, threads=not args.no_threads,
+        sweep = QUICK_CPU_SWEEP if args.quick else None
+        prof = measure(args.model, args.device, sweep, transport=args.transport, threads=not args.no_threads,
                        log=lambda s: print(s, file=sys.stderr, flush=True))
     out = Path(args.out)
     if not out.parent.exists():
@@ -80,7 +81,7 @@ def _inputs(args) -> tuple[Profile, Planner, list, int] | int:
         return _err(str(e))
     devices = args.devices or prof.devices_available
     batch = tuple(int(b) for b in args.batch_limits.split(",") if b) if args.batch_limits else ()
-    layouts = enumerate_layouts(cfg, prof.device, devices, batch)
+    layouts = enumerate_layouts(cfg, prof.device, devices, batch, prof.kv_bytes_per_token)
     if not layouts:
         return _err(f"no layout fits {devices} device(s)")
     planner = Planner(LatencyModel.fit(prof), wl, slo, prof.kv_bytes_per_token, prof.overhead_ttft_ms,

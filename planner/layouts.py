@@ -18,6 +18,7 @@ class EngineLimits:
     prefill_policy: str = "fcfs"  # fcfs | wfs
     decode_policy: str = "fcfs"  # fcfs | fewest_remaining
     aging_tokens_per_s: float = 1000.0
+    kv_tokens: int = 0  # KV-cache capacity in tokens; 0 = not a limit (sized from device memory)
 
 
 @dataclass(frozen=True)
@@ -53,19 +54,32 @@ class Layout:
         return f"{base} ({', '.join(extra)})"
 
 
-def limits_from_config(cfg: DistServeConfig) -> tuple[EngineLimits, EngineLimits, EngineLimits]:
+def kv_capacity_tokens(cfg: DistServeConfig, device: str, kv_bytes_per_token: int) -> int:
+    """Tokens of KV one worker holds when the config fixes it (blocks, or MiB when not sized from GPU memory);
+    0 when it is sized from device memory (not known here: treated as no limit)."""
+    cache = cfg.cache
+    if cache.num_gpu_blocks:
+        return cache.num_gpu_blocks * cache.block_size
+    if device != "cpu" and cache.gpu_memory_utilization > 0:
+        return 0
+    return cache.kv_cache_memory_mb * 2**20 // max(1, kv_bytes_per_token)
+
+
+def limits_from_config(cfg: DistServeConfig, kv_tokens: int = 0) -> tuple[EngineLimits, EngineLimits, EngineLimits]:
     """(prefill worker, decode worker, colocated worker) limits, as the workers build their engines."""
     pf, dc = cfg.prefill, cfg.decode
     tokens = pf.max_num_batched_tokens
-    return (EngineLimits(pf.max_batch_size, tokens, prefill_policy="wfs"),
-            EngineLimits(min(dc.max_batch_size, dc.max_concurrent_requests), tokens, decode_policy="fewest_remaining"),
-            EngineLimits(dc.max_batch_size, tokens))
+    return (EngineLimits(pf.max_batch_size, tokens, prefill_policy="wfs", kv_tokens=kv_tokens),
+            EngineLimits(min(dc.max_batch_size, dc.max_concurrent_requests), tokens, decode_policy="fewest_remaining",
+                         kv_tokens=kv_tokens),
+            EngineLimits(dc.max_batch_size, tokens, kv_tokens=kv_tokens))
 
 
 def enumerate_layouts(cfg: DistServeConfig, device: str, devices: int,
-                      batch_limits: tuple[int, ...] = ()) -> list[Layout]:
+                      batch_limits: tuple[int, ...] = (), kv_bytes_per_token: int = 0) -> list[Layout]:
     """Every layout that fits ``devices`` exactly (GPUs, or cores on CPU), for each decode batch limit."""
-    pf, dec, col = limits_from_config(cfg)
+    kv = kv_capacity_tokens(cfg, device, kv_bytes_per_token) if kv_bytes_per_token else 0
+    pf, dec, col = limits_from_config(cfg, kv)
     out: list[Layout] = []
     thread_choices = range(1, devices + 1) if device == "cpu" else (1,)
     for t in thread_choices:  # colocated: r replicas of t threads (CPU), r replicas (GPU)

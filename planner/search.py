@@ -3,6 +3,7 @@ doubling then bisection over the rate (the same arrival gaps scaled at every rat
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from planner.latency import LatencyModel
@@ -34,10 +35,15 @@ class Planner:
     overhead_ttft_ms: float = 0.0
     device: str = "cuda"
     seed: int = 0
+    min_duration_s: float = 30.0  # arrivals span at least this long: a burst of a few requests is no load
+    max_requests: int = 6000
 
-    def run(self, layout: Layout, rate: float) -> SimResult:
-        return simulate(self.model, layout, self.workload.requests, rate, self.kv_bytes_per_token,
-                        self.overhead_ttft_ms, self.seed)
+    def run(self, layout: Layout, rate: float, n: int | None = None) -> SimResult:
+        reqs = self.workload.requests
+        if n is None:
+            n = min(self.max_requests, max(len(reqs), math.ceil(rate * self.min_duration_s)))
+        lengths = [reqs[i % len(reqs)] for i in range(n)]
+        return simulate(self.model, layout, lengths, rate, self.kv_bytes_per_token, self.overhead_ttft_ms, self.seed)
 
     def ok(self, layout: Layout, rate: float) -> bool:
         return meets(self.slo, self.run(layout, rate).latencies)
@@ -46,8 +52,8 @@ class Planner:
         lo, hi = 0.0, 1.0
         while self.ok(layout, hi):
             lo, hi = hi, hi * 2
-            if hi > max_rate:
-                return lo
+            if hi > max_rate or math.ceil(hi * self.min_duration_s) > self.max_requests:
+                return lo  # beyond what a run of max_requests can show
         if lo == 0.0:  # find a passing rate below 1 req/s, if any
             r = 0.5
             while r > 1e-3 and not self.ok(layout, r):
@@ -72,9 +78,16 @@ class Planner:
             share = sum(v > limit for v in vals) / max(1, len(vals))
             misses.append((share, metric, percentile(vals, 90)))
         share, metric, p90 = max(misses)
-        busiest = max(res.utilization.items(), key=lambda kv: kv[1], default=("?", 0.0))
-        util = ", ".join(f"{k} {v:.0%} busy" for k, v in sorted(res.utilization.items()))
-        return f"{metric.upper()} ({share:.0%} miss, P90 {p90:.0f} ms); {util}; limit: {busiest[0]}"
+        parts = []
+        for role, busy in sorted(res.utilization.items()):
+            parts.append(f"{role} {busy:.0%} busy, mean batch {res.mean_batch.get(role, 0):.1f}")
+        if layout.mode == "colocated":
+            limit = "prefill steps stall decodes" if metric == "tpot" else "prefill queueing behind mixed steps"
+        elif metric == "ttft":
+            limit = "prefill workers" if res.utilization.get("prefill", 0) > 0.5 else "prefill reply + KV path"
+        else:
+            limit = "decode workers"
+        return f"{metric.upper()} ({share:.0%} miss, P90 {p90:.0f} ms) -> {limit}; {'; '.join(parts)}"
 
     def evaluate(self, layout: Layout) -> Evaluation:
         g = self.goodput(layout)

@@ -13,7 +13,9 @@ What it simulates, with the server's own policies (``server/engine/scheduler.py`
   worker's event loop, so the handler awaiting the staged KV resumes only between steps; measured in
   docs/PERFORMANCE.md section 8);
 - a fixed serving-path cost (``overhead_ttft_ms``) on every TTFT.
-It ignores: KV-cache capacity and preemption, prefix caching, the router's and the client's CPU, network
+- KV capacity (when the config fixes it): a sequence holds prompt + output tokens from admission (decode:
+  from its reservation) to its end, and waits while they do not fit.
+It ignores: preemption (admission waits instead), prefix caching, the router's and the client's CPU, network
 jitter, contention between concurrent KV pulls, and sampling (output lengths are exact, as with ignore_eos).
 """
 
@@ -61,9 +63,13 @@ class Worker:
     running: list[SimRequest] = field(default_factory=list)
     blocked: list[SimRequest] = field(default_factory=list)  # decode: waiting for a reservation
     reserved: int = 0  # decode: slots reserved for KV in flight
+    kv_used: int = 0  # tokens of KV held (prompt + output of every admitted sequence)
     assigned: int = 0  # router's load count
     busy: bool = False
+    kick_pending: bool = False
     busy_ms: float = 0.0
+    steps: int = 0
+    seqs_in_steps: int = 0  # summed over steps: the mean batch is seqs_in_steps / steps
     replies: list[SimRequest] = field(default_factory=list)  # prefill: finished, reply after next step
 
 
@@ -72,6 +78,7 @@ class SimResult:
     latencies: tuple[dict[str, float], ...]
     duration_ms: float
     utilization: dict[str, float]  # role -> mean busy share of its workers
+    mean_batch: dict[str, float]  # role -> sequences per step
     mean_ttft_ms: float
     mean_tpot_ms: float
 
@@ -114,6 +121,10 @@ class Simulator:
                 self._arrive(obj)  # type: ignore[arg-type]
             elif kind == "step_end":
                 self._step_end(*obj)  # type: ignore[misc]
+            elif kind == "kick":
+                w = obj  # type: ignore[assignment]
+                w.kick_pending = False  # type: ignore[attr-defined]
+                self._start_step(w)  # type: ignore[arg-type]
             elif kind == "kv_done":
                 req, w = obj  # type: ignore[misc]
                 w.reserved -= 1
@@ -122,13 +133,14 @@ class Simulator:
         end = max((r.done_at for r in reqs), default=0.0)
         start = min((r.arrival for r in reqs), default=0.0)
         lat = tuple(r.latencies(self.overhead) for r in reqs)
-        util = {}
+        util, batch = {}, {}
         for role, ws in (("prefill", self.prefill), ("decode", self.decode)):
             if ws and end > start:
-                util[role if self.layout.mode == "disaggregated" else "colocated"] = (
-                    sum(w.busy_ms for w in ws) / len(ws) / (end - start))
+                name = role if self.layout.mode == "disaggregated" else "colocated"
+                util[name] = sum(w.busy_ms for w in ws) / len(ws) / (end - start)
+                batch[name] = sum(w.seqs_in_steps for w in ws) / max(1, sum(w.steps for w in ws))
         tpots = [x["tpot"] for x in lat if "tpot" in x]
-        return SimResult(lat, end - start, util, sum(x["ttft"] for x in lat) / max(1, len(lat)),
+        return SimResult(lat, end - start, util, batch, sum(x["ttft"] for x in lat) / max(1, len(lat)),
                          sum(tpots) / max(1, len(tpots)))
 
     def _least(self, ws: list[Worker]) -> Worker:
@@ -149,6 +161,12 @@ class Simulator:
 
     # --- one engine step ----------------------------------------------------------------------------
     def _kick(self, w: Worker) -> None:
+        """Start a step once every event of this instant is in (simultaneous arrivals share a step)."""
+        if not w.busy and not w.kick_pending:
+            w.kick_pending = True
+            self._at(self.now, "kick", w)
+
+    def _start_step(self, w: Worker) -> None:
         if w.busy:
             return
         plan = self._schedule(w)
@@ -159,6 +177,8 @@ class Simulator:
         dt = self.model.step_ms(chunks, len(decodes), ctx, w.threads, w.neighbours)
         w.busy = True
         w.busy_ms += dt
+        w.steps += 1
+        w.seqs_in_steps += len(scheduled)
         self._at(self.now + dt, "step_end", (w, scheduled))
 
     def _schedule(self, w: Worker):
@@ -187,7 +207,10 @@ class Simulator:
             budget -= n
         while w.waiting and budget > 0 and len(w.running) < lim.max_num_seqs:
             s = self._next_waiting(w)
+            if not self._fits(w, s):
+                break
             w.waiting.remove(s)
+            w.kv_used += self._kv_need(w, s)
             n = min(s.prompt - s.computed, budget)
             w.running.append(s)
             chunks.append((n, s.computed))
@@ -196,6 +219,14 @@ class Simulator:
         if not scheduled:
             return None
         return chunks, decodes, ctx, scheduled
+
+    @staticmethod
+    def _kv_need(w: Worker, s: SimRequest) -> int:
+        return s.prompt + (1 if w.role == "prefill" else s.output)
+
+    def _fits(self, w: Worker, s: SimRequest) -> bool:
+        cap = w.limits.kv_tokens
+        return cap <= 0 or w.kv_used + self._kv_need(w, s) <= cap or (w.kv_used == 0)
 
     def _next_waiting(self, w: Worker) -> SimRequest:
         if w.limits.prefill_policy == "fcfs":
@@ -216,6 +247,7 @@ class Simulator:
                 if w.role == "prefill":
                     w.running.remove(s)
                     w.assigned -= 1
+                    w.kv_used -= self._kv_need(w, s)
                     if self.reply_after_next_step:
                         w.replies.append(s)
                     else:
@@ -228,6 +260,7 @@ class Simulator:
                 s.done_at = self.now
                 w.running.remove(s)
                 w.assigned -= 1
+                w.kv_used -= self._kv_need(w, s)
                 self._admit_blocked(w)
         for s in ready:
             self._reply(s)
@@ -250,9 +283,10 @@ class Simulator:
         self._admit_blocked(d)
 
     def _admit_blocked(self, d: Worker) -> None:
-        while d.blocked and len(d.running) + d.reserved < d.limits.max_num_seqs:
+        while d.blocked and len(d.running) + d.reserved < d.limits.max_num_seqs and self._fits(d, d.blocked[0]):
             s = d.blocked.pop(0)
             d.reserved += 1
+            d.kv_used += self._kv_need(d, s)
             self._at(self.now + self.model.kv_ms(self.kv_bytes_per_token * s.prompt), "kv_done", (s, d))
 
 

@@ -69,7 +69,7 @@ class Workload:
         """The distbench options that send this workload (for the printed plan)."""
         if self.spec.startswith("prompt="):
             kv = dict(part.split("=", 1) for part in self.spec.split(","))
-            return f"--dataset random --prompt-len {kv['prompt']} --output-len {kv['output']} --ignore-eos"
+            return f"--dataset random --prompt-len {kv['prompt']} --output-len {kv['output']}"
         if self.spec.startswith("sharegpt"):
             return "--dataset " + self.spec.replace(",output=", " --output-len ")
         return f"(the requests of {self.spec})"

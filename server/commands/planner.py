@@ -26,6 +26,7 @@ def add_parsers(sub) -> None:
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--transport", default="tcp", help="KV transport to time: tcp or shm")
     p.add_argument("--no-threads", action="store_true", help="CPU: skip the thread-split measurements")
+    p.add_argument("--quick", action="store_true", help="CPU: a two-point sweep per phase (seconds, for tests)")
     p.add_argument("--from-results", default=None, metavar="DIR",
                    help="build the H200 (7B shape) profile from recorded GPU results in DIR (e.g. bench/results) "
                         "instead of measuring")
@@ -51,7 +52,8 @@ def add_parsers(sub) -> None:
     p.add_argument("--top", type=int, default=4, help="layouts to list")
     p.add_argument("--batch-limits", default=None,
                    help="extra decode batch limits to try, comma-separated (e.g. 16,32; default: the config's)")
-    p.add_argument("--num-requests", type=int, default=400, help="simulated requests per rate")
+    p.add_argument("--num-requests", type=int, default=400,
+                   help="request lengths drawn from the workload (a run of R req/s simulates max(this, 30 R))")
     p.add_argument("--seed", type=int, default=0, help="seed of the lengths and arrival gaps")
     p.add_argument("--config", default=None, help="the config the deployment will use (batch limits, token budget)")
     p.add_argument("--write-config", default=None, metavar="FILE", help="write the winner's config overrides here")
