@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 from planner import deploy
-from planner.latency import LatencyModel
 from planner.layouts import enumerate_layouts
 from planner.profile import Profile, ProfileError, load
 from planner.search import Evaluation, Planner
@@ -42,14 +41,23 @@ def cmd_profile(args) -> int:
         from planner.profiler import QUICK_CPU_SWEEP, measure
 
         sweep = QUICK_CPU_SWEEP if args.quick else None
-        prof = measure(args.model, args.device, sweep, transport=args.transport, threads=not args.no_threads,
-                       log=lambda s: print(s, file=sys.stderr, flush=True))
+        prof = measure(
+            args.model,
+            args.device,
+            sweep,
+            transport=args.transport,
+            threads=not args.no_threads,
+            serving=not args.no_serving,
+            log=lambda s: print(s, file=sys.stderr, flush=True),
+        )
     out = Path(args.out)
     if not out.parent.exists():
         return _err(f"--out folder {out.parent} does not exist")
     prof.save(out)
-    print(f"profile written: {out} ({len(prof.prefill)} prefill, {len(prof.decode)} decode, "
-          f"{len(prof.kv_transfer)} KV points)")
+    print(
+        f"profile written: {out} ({len(prof.prefill)} prefill, {len(prof.decode)} decode, "
+        f"{len(prof.kv_transfer)} KV points)"
+    )
     return 0
 
 
@@ -84,8 +92,7 @@ def _inputs(args) -> tuple[Profile, Planner, list, int] | int:
     layouts = enumerate_layouts(cfg, prof.device, devices, batch, prof.kv_bytes_per_token)
     if not layouts:
         return _err(f"no layout fits {devices} device(s)")
-    planner = Planner(LatencyModel.fit(prof), wl, slo, prof.kv_bytes_per_token, prof.overhead_ttft_ms,
-                      prof.device, args.seed)
+    planner = Planner.for_profile(prof, wl, slo, args.seed)
     return prof, planner, layouts, cfg.decode.max_batch_size
 
 
@@ -109,9 +116,11 @@ def cmd_plan(args) -> int:
     evals.sort(key=lambda e: (-e.per_device, -e.goodput, e.layout.workers))
     unit = "core" if prof.device == "cpu" else "GPU"
     wl = planner.workload
-    print(f"profile: {prof.device_name}, model {prof.model or 'tiny (built-in)'}; workload {wl.spec} "
-          f"(mean prompt {wl.mean_prompt:.0f}, output {wl.mean_output:.0f} tokens, {len(wl.requests)} requests); "
-          f"SLO: {planner.slo.describe()}")
+    print(
+        f"profile: {prof.device_name}, model {prof.model or 'tiny (built-in)'}; workload {wl.spec} "
+        f"(mean prompt {wl.mean_prompt:.0f}, output {wl.mean_output:.0f} tokens, {len(wl.requests)} requests); "
+        f"SLO: {planner.slo.describe()}"
+    )
     print(f"best layouts on {evals[0].devices} {unit}(s), by predicted goodput per {unit}:")
     for e in evals[: args.top]:
         print(_row(e, prof.device, args.rate, planner))

@@ -64,8 +64,12 @@ def build_h200_profile(results: Path) -> Profile:
     small = 128 * KV_BYTES_PER_TOKEN
     src = "from bench/results: "
     return Profile(
-        device="cuda", device_name="NVIDIA H200 (from recorded results)", model="preset:llama-2-7b",
-        kv_bytes_per_token=KV_BYTES_PER_TOKEN, devices_available=4, transport="cuda_ipc",
+        device="cuda",
+        device_name="NVIDIA H200 (from recorded results)",
+        model="preset:llama-2-7b",
+        kv_bytes_per_token=KV_BYTES_PER_TOKEN,
+        devices_available=4,
+        transport="cuda_ipc",
         prefill=(
             PrefillPoint(1, 2048, p2048, "measured", src + "gpu_issue16/kv_sizing.json step_ms_median"),
             PrefillPoint(2, 2048, 2 * in_step, "measured", src + "gpu_issue16/prefill_after_out16.json in_step x 2"),
@@ -78,11 +82,17 @@ def build_h200_profile(results: Path) -> Profile:
             DecodePoint(64, 128, d1 + per_ctx * (64 * 128 - 128), "interpolated", "linear in total context"),
         ),
         kv_transfer=(
-            TransferPoint(kvx["nbytes"], pool["pull_s_median"] * 1000, "measured",
-                          src + "kv_transfer_gpu_x2_2026-11-29_run2.json cuda_ipc_pool, GPU 0 -> GPU 1"),
+            TransferPoint(
+                kvx["nbytes"],
+                pool["pull_s_median"] * 1000,
+                "measured",
+                src + "kv_transfer_gpu_x2_2026-11-29_run2.json cuda_ipc_pool, GPU 0 -> GPU 1",
+            ),
             TransferPoint(small, control_ms + copy_ms_per_byte * small, "derived", "control phases + scaled copy"),
         ),
         overhead_ttft_ms=6.0,
-        notes=("built by `distserve profile --from-results`; see planner/from_results.py for each point's source",
-               "one GPU per worker; decode with CUDA graphs; prefill default max_num_batched_tokens 4096"),
+        notes=(
+            "built by `distserve profile --from-results`; see planner/from_results.py for each point's source",
+            "one GPU per worker; decode with CUDA graphs; prefill default max_num_batched_tokens 4096",
+        ),
     )

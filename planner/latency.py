@@ -52,7 +52,7 @@ class LatencyModel:
         d = _fit_nonneg([[1.0, p.batch, p.batch * p.context] for p in profile.decode], [p.ms for p in profile.decode])
         fixed = d[0]
         # prefill: the rest after the decode fixed part, as extra fixed + per token + per token^2
-        rows = [[1.0, p.batch * p.tokens, p.batch * p.tokens ** 2] for p in profile.prefill]
+        rows = [[1.0, p.batch * p.tokens, p.batch * p.tokens**2] for p in profile.prefill]
         pf = _fit_nonneg(rows, [max(0.0, p.ms - fixed) for p in profile.prefill])
         if len(profile.kv_transfer) >= 2:
             kv = _fit_nonneg([[1.0, p.bytes] for p in profile.kv_transfer], [p.ms for p in profile.kv_transfer])
@@ -62,8 +62,14 @@ class LatencyModel:
         return cls(fixed, pf[1], pf[2], pf[0], d[1], d[2], kv[0], kv[1], scale)
 
     # --- one step -----------------------------------------------------------------------------------
-    def step_ms(self, prefill_chunks: Sequence[tuple[int, int]], decode_batch: int, decode_context: int,
-                threads: int = 1, neighbours: int = 0) -> float:
+    def step_ms(
+        self,
+        prefill_chunks: Sequence[tuple[int, int]],
+        decode_batch: int,
+        decode_context: int,
+        threads: int = 1,
+        neighbours: int = 0,
+    ) -> float:
         """One engine step: ``prefill_chunks`` as (new tokens, context before them) per prompt, plus a
         decode batch of ``decode_batch`` sequences holding ``decode_context`` tokens in all."""
         t = self.fixed_ms
@@ -72,7 +78,7 @@ class LatencyModel:
             pf = self.prefill_fixed_extra_ms
             for new, before in prefill_chunks:
                 # attention over the chunk: (before+new)^2 - before^2 keeps a chunked prompt's total exact
-                pf += self.prefill_per_token_ms * new + self.prefill_per_token2_ms * ((before + new) ** 2 - before ** 2)
+                pf += self.prefill_per_token_ms * new + self.prefill_per_token2_ms * ((before + new) ** 2 - before**2)
         dc = self.decode_per_seq_ms * decode_batch + self.decode_per_ctx_ms * decode_context
         phase = "prefill" if prefill_chunks and pf >= dc else "decode"
         return (t + pf + dc) * self.scale(phase, threads, neighbours)
@@ -94,6 +100,10 @@ class LatencyModel:
         key = (phase, threads, neighbours)
         if key in self.thread_scale:
             return self.thread_scale[key]
-        same = [(abs(t - threads), s) for (p, t, n), s in self.thread_scale.items() if p == phase and n == min(
-            neighbours, max((n2 for (p2, _, n2) in self.thread_scale if p2 == phase), default=0))]
+        same = [
+            (abs(t - threads), s)
+            for (p, t, n), s in self.thread_scale.items()
+            if p == phase
+            and n == min(neighbours, max((n2 for (p2, _, n2) in self.thread_scale if p2 == phase), default=0))
+        ]
         return min(same)[1] if same else 1.0

@@ -48,8 +48,11 @@ class Layout:
             base = f"{self.num_prefill}P{self.num_decode}D"
         extra = []
         if device == "cpu" and (self.prefill_threads > 1 or self.decode_threads > 1):
-            extra.append(f"threads {self.prefill_threads}/{self.decode_threads}" if self.num_prefill
-                         else f"{self.decode_threads} threads")
+            extra.append(
+                f"threads {self.prefill_threads}/{self.decode_threads}"
+                if self.num_prefill
+                else f"{self.decode_threads} threads"
+            )
         extra.append(f"batch<={self.decode.max_num_seqs}")
         return f"{base} ({', '.join(extra)})"
 
@@ -69,14 +72,21 @@ def limits_from_config(cfg: DistServeConfig, kv_tokens: int = 0) -> tuple[Engine
     """(prefill worker, decode worker, colocated worker) limits, as the workers build their engines."""
     pf, dc = cfg.prefill, cfg.decode
     tokens = pf.max_num_batched_tokens
-    return (EngineLimits(pf.max_batch_size, tokens, prefill_policy="wfs", kv_tokens=kv_tokens),
-            EngineLimits(min(dc.max_batch_size, dc.max_concurrent_requests), tokens, decode_policy="fewest_remaining",
-                         kv_tokens=kv_tokens),
-            EngineLimits(dc.max_batch_size, tokens, kv_tokens=kv_tokens))
+    return (
+        EngineLimits(pf.max_batch_size, tokens, prefill_policy="wfs", kv_tokens=kv_tokens),
+        EngineLimits(
+            min(dc.max_batch_size, dc.max_concurrent_requests),
+            tokens,
+            decode_policy="fewest_remaining",
+            kv_tokens=kv_tokens,
+        ),
+        EngineLimits(dc.max_batch_size, tokens, kv_tokens=kv_tokens),
+    )
 
 
-def enumerate_layouts(cfg: DistServeConfig, device: str, devices: int,
-                      batch_limits: tuple[int, ...] = (), kv_bytes_per_token: int = 0) -> list[Layout]:
+def enumerate_layouts(
+    cfg: DistServeConfig, device: str, devices: int, batch_limits: tuple[int, ...] = (), kv_bytes_per_token: int = 0
+) -> list[Layout]:
     """Every layout that fits ``devices`` exactly (GPUs, or cores on CPU), for each decode batch limit."""
     kv = kv_capacity_tokens(cfg, device, kv_bytes_per_token) if kv_bytes_per_token else 0
     pf, dec, col = limits_from_config(cfg, kv)

@@ -75,6 +75,7 @@ class Profile:
     kv_transfer: tuple[TransferPoint, ...]
     threads: tuple[ThreadPoint, ...] = ()
     overhead_ttft_ms: float = 0.0  # fixed serving-path cost on every TTFT (router, HTTP)
+    handoff_ms: float = 0.0  # disaggregated: router -> decode worker -> first decode token, beyond the KV pull
     notes: tuple[str, ...] = field(default_factory=tuple)
 
     def to_dict(self) -> dict[str, Any]:
@@ -134,35 +135,67 @@ def from_dict(data: Any) -> Profile:
         if not isinstance(data.get(key), str):
             raise ProfileError(f"profile field {key!r} must be a string")
     prefill = tuple(
-        PrefillPoint(_num(p, "batch", f"prefill[{i}]", integer=True), _num(p, "tokens", f"prefill[{i}]", integer=True),
-                     float(_num(p, "ms", f"prefill[{i}]")), _origin(p, f"prefill[{i}]"), str(p.get("note", "")))
-        for i, p in enumerate(_points(data, "prefill", 2)))
+        PrefillPoint(
+            _num(p, "batch", f"prefill[{i}]", integer=True),
+            _num(p, "tokens", f"prefill[{i}]", integer=True),
+            float(_num(p, "ms", f"prefill[{i}]")),
+            _origin(p, f"prefill[{i}]"),
+            str(p.get("note", "")),
+        )
+        for i, p in enumerate(_points(data, "prefill", 2))
+    )
     decode = tuple(
-        DecodePoint(_num(p, "batch", f"decode[{i}]", integer=True), _num(p, "context", f"decode[{i}]", integer=True),
-                    float(_num(p, "ms", f"decode[{i}]")), _origin(p, f"decode[{i}]"), str(p.get("note", "")))
-        for i, p in enumerate(_points(data, "decode", 2)))
+        DecodePoint(
+            _num(p, "batch", f"decode[{i}]", integer=True),
+            _num(p, "context", f"decode[{i}]", integer=True),
+            float(_num(p, "ms", f"decode[{i}]")),
+            _origin(p, f"decode[{i}]"),
+            str(p.get("note", "")),
+        )
+        for i, p in enumerate(_points(data, "decode", 2))
+    )
     kv = tuple(
-        TransferPoint(_num(p, "bytes", f"kv_transfer[{i}]", integer=True), float(_num(p, "ms", f"kv_transfer[{i}]")),
-                      _origin(p, f"kv_transfer[{i}]"), str(p.get("note", "")))
-        for i, p in enumerate(_points(data, "kv_transfer", 1)))
+        TransferPoint(
+            _num(p, "bytes", f"kv_transfer[{i}]", integer=True),
+            float(_num(p, "ms", f"kv_transfer[{i}]")),
+            _origin(p, f"kv_transfer[{i}]"),
+            str(p.get("note", "")),
+        )
+        for i, p in enumerate(_points(data, "kv_transfer", 1))
+    )
     threads = []
     for i, p in enumerate(data.get("threads") or []):
         if not isinstance(p, dict) or p.get("phase") not in ("prefill", "decode"):
             raise ProfileError(f"threads[{i}].phase must be prefill or decode")
-        threads.append(ThreadPoint(p["phase"], _num(p, "threads", f"threads[{i}]", integer=True),
-                                   _num(p, "neighbours", f"threads[{i}]", positive=False, integer=True),
-                                   float(_num(p, "scale", f"threads[{i}]")), _origin(p, f"threads[{i}]")))
+        threads.append(
+            ThreadPoint(
+                p["phase"],
+                _num(p, "threads", f"threads[{i}]", integer=True),
+                _num(p, "neighbours", f"threads[{i}]", positive=False, integer=True),
+                float(_num(p, "scale", f"threads[{i}]")),
+                _origin(p, f"threads[{i}]"),
+            )
+        )
     notes = data.get("notes", [])
     if not isinstance(notes, list) or not all(isinstance(n, str) for n in notes):
         raise ProfileError("profile field 'notes' must be a list of strings")
     return Profile(
-        device=data["device"], device_name=data["device_name"], model=data["model"],
+        device=data["device"],
+        device_name=data["device_name"],
+        model=data["model"],
         kv_bytes_per_token=_num(data, "kv_bytes_per_token", "profile", integer=True),
         devices_available=_num(data, "devices_available", "profile", integer=True),
-        transport=data["transport"], prefill=prefill, decode=decode, kv_transfer=kv, threads=tuple(threads),
+        transport=data["transport"],
+        prefill=prefill,
+        decode=decode,
+        kv_transfer=kv,
+        threads=tuple(threads),
         overhead_ttft_ms=float(_num(data, "overhead_ttft_ms", "profile", positive=False))
-        if "overhead_ttft_ms" in data else 0.0,
-        notes=tuple(notes))
+        if "overhead_ttft_ms" in data
+        else 0.0,
+        handoff_ms=float(_num(data, "handoff_ms", "profile", positive=False)) if "handoff_ms" in data else 0.0,
+        notes=tuple(notes),
+    )
 
 
 def load(path: str | Path) -> Profile:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from planner.latency import LatencyModel
 from planner.layouts import Layout
+from planner.profile import Profile
 from planner.simulator import SimResult, simulate
 from planner.slo import SLO, attainment, meets, percentile
 from planner.workload import Workload
@@ -35,15 +36,38 @@ class Planner:
     overhead_ttft_ms: float = 0.0
     device: str = "cuda"
     seed: int = 0
+    handoff_ms: float = 0.0
     min_duration_s: float = 30.0  # arrivals span at least this long: a burst of a few requests is no load
     max_requests: int = 6000
+
+    @classmethod
+    def for_profile(cls, prof: Profile, workload: Workload, slo: SLO, seed: int = 0) -> Planner:
+        return cls(
+            LatencyModel.fit(prof),
+            workload,
+            slo,
+            prof.kv_bytes_per_token,
+            prof.overhead_ttft_ms,
+            prof.device,
+            seed,
+            handoff_ms=prof.handoff_ms,
+        )
 
     def run(self, layout: Layout, rate: float, n: int | None = None) -> SimResult:
         reqs = self.workload.requests
         if n is None:
             n = min(self.max_requests, max(len(reqs), math.ceil(rate * self.min_duration_s)))
         lengths = [reqs[i % len(reqs)] for i in range(n)]
-        return simulate(self.model, layout, lengths, rate, self.kv_bytes_per_token, self.overhead_ttft_ms, self.seed)
+        return simulate(
+            self.model,
+            layout,
+            lengths,
+            rate,
+            self.kv_bytes_per_token,
+            self.overhead_ttft_ms,
+            self.seed,
+            self.handoff_ms,
+        )
 
     def ok(self, layout: Layout, rate: float) -> bool:
         return meets(self.slo, self.run(layout, rate).latencies)
@@ -82,17 +106,18 @@ class Planner:
         for role, busy in sorted(res.utilization.items()):
             parts.append(f"{role} {busy:.0%} busy, mean batch {res.mean_batch.get(role, 0):.1f}")
         if layout.mode == "colocated":
-            limit = "prefill steps stall decodes" if metric == "tpot" else "prefill queueing behind mixed steps"
+            cause = "prefill steps stall decodes" if metric == "tpot" else "prefill queueing behind mixed steps"
         elif metric == "ttft":
-            limit = "prefill workers" if res.utilization.get("prefill", 0) > 0.5 else "prefill reply + KV path"
+            cause = "prefill workers" if res.utilization.get("prefill", 0) > 0.5 else "prefill reply + KV path"
         else:
-            limit = "decode workers"
-        return f"{metric.upper()} ({share:.0%} miss, P90 {p90:.0f} ms) -> {limit}; {'; '.join(parts)}"
+            cause = "decode workers"
+        return f"{metric.upper()} ({share:.0%} miss, P90 {p90:.0f} ms) -> {cause}; {'; '.join(parts)}"
 
     def evaluate(self, layout: Layout) -> Evaluation:
         g = self.goodput(layout)
-        return Evaluation(layout, layout.devices(self.device), g, self.bottleneck(layout, g),
-                          self.run(layout, g) if g > 0 else None)
+        return Evaluation(
+            layout, layout.devices(self.device), g, self.bottleneck(layout, g), self.run(layout, g) if g > 0 else None
+        )
 
     def curve(self, layout: Layout, rates: list[float]) -> list[tuple[float, float, float, float]]:
         """(rate, attainment, TTFT P90 ms, TPOT P90 ms) per rate, for --explain and the accuracy bench."""

@@ -8,7 +8,8 @@ What it simulates, with the server's own policies (``server/engine/scheduler.py`
   decode workers serve fewest-remaining first; the step's duration comes from ``planner.latency``;
 - the router sends each request to the least-loaded worker of each role, charging a decode worker from
   the pick; disaggregated: prefill (token #1), then the decode worker reserves a slot (back-pressure
-  while it has ``max_num_seqs`` sequences), pulls the KV (``kv_ms(bytes)``) and decodes the rest;
+  while it has ``max_num_seqs`` sequences), pulls the KV (``kv_ms(bytes)``) and decodes the rest; the
+  hand-off itself (router -> decode worker request, reservation, scatter, stream back) costs ``handoff_ms``;
 - a prefill worker's reply leaves after the *next* step when it has more work (the engine step runs on the
   worker's event loop, so the handler awaiting the staged KV resumes only between steps; measured in
   docs/PERFORMANCE.md section 8);
@@ -26,6 +27,7 @@ import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from planner.latency import LatencyModel
 from planner.layouts import EngineLimits, Layout
@@ -84,29 +86,41 @@ class SimResult:
 
 
 class Simulator:
-    def __init__(self, model: LatencyModel, layout: Layout, kv_bytes_per_token: int, overhead_ttft_ms: float = 0.0,
-                 reply_after_next_step: bool = True, device: str = "cuda") -> None:
+    def __init__(
+        self,
+        model: LatencyModel,
+        layout: Layout,
+        kv_bytes_per_token: int,
+        overhead_ttft_ms: float = 0.0,
+        reply_after_next_step: bool = True,
+        device: str = "cuda",
+        handoff_ms: float = 0.0,
+    ) -> None:
         self.model, self.layout = model, layout
         self.kv_bytes_per_token = kv_bytes_per_token
         self.overhead = overhead_ttft_ms
         self.reply_after_next_step = reply_after_next_step
+        self.handoff_ms = handoff_ms
         many = 1 if layout.workers > 1 else 0
         if layout.mode == "colocated":
             self.prefill: list[Worker] = []
-            self.decode = [Worker("colocated", i, layout.decode, layout.decode_threads, many)
-                           for i in range(layout.num_decode)]
+            self.decode = [
+                Worker("colocated", i, layout.decode, layout.decode_threads, many) for i in range(layout.num_decode)
+            ]
         else:
-            self.prefill = [Worker("prefill", i, layout.prefill, layout.prefill_threads, many)
-                            for i in range(layout.num_prefill)]
-            self.decode = [Worker("decode", i, layout.decode, layout.decode_threads, many)
-                           for i in range(layout.num_decode)]
-        self._events: list[tuple[float, int, str, object]] = []
+            self.prefill = [
+                Worker("prefill", i, layout.prefill, layout.prefill_threads, many) for i in range(layout.num_prefill)
+            ]
+            self.decode = [
+                Worker("decode", i, layout.decode, layout.decode_threads, many) for i in range(layout.num_decode)
+            ]
+        self._events: list[tuple[float, int, str, Any]] = []
         self._seq = 0
         self.now = 0.0
         self._decode_of: dict[int, Worker] = {}
 
     # --- events -------------------------------------------------------------------------------------
-    def _at(self, t: float, kind: str, obj: object) -> None:
+    def _at(self, t: float, kind: str, obj: Any) -> None:
         self._seq += 1
         heapq.heappush(self._events, (t, self._seq, kind, obj))
 
@@ -118,15 +132,14 @@ class Simulator:
         while self._events:
             self.now, _, kind, obj = heapq.heappop(self._events)
             if kind == "arrive":
-                self._arrive(obj)  # type: ignore[arg-type]
+                self._arrive(obj)
             elif kind == "step_end":
-                self._step_end(*obj)  # type: ignore[misc]
+                self._step_end(*obj)
             elif kind == "kick":
-                w = obj  # type: ignore[assignment]
-                w.kick_pending = False  # type: ignore[attr-defined]
-                self._start_step(w)  # type: ignore[arg-type]
+                obj.kick_pending = False
+                self._start_step(obj)
             elif kind == "kv_done":
-                req, w = obj  # type: ignore[misc]
+                req, w = obj
                 w.reserved -= 1
                 w.running.append(req)
                 self._kick(w)
@@ -140,8 +153,14 @@ class Simulator:
                 util[name] = sum(w.busy_ms for w in ws) / len(ws) / (end - start)
                 batch[name] = sum(w.seqs_in_steps for w in ws) / max(1, sum(w.steps for w in ws))
         tpots = [x["tpot"] for x in lat if "tpot" in x]
-        return SimResult(lat, end - start, util, batch, sum(x["ttft"] for x in lat) / max(1, len(lat)),
-                         sum(tpots) / max(1, len(tpots)))
+        return SimResult(
+            lat,
+            end - start,
+            util,
+            batch,
+            sum(x["ttft"] for x in lat) / max(1, len(lat)),
+            sum(tpots) / max(1, len(tpots)),
+        )
 
     def _least(self, ws: list[Worker]) -> Worker:
         return min(ws, key=lambda w: (w.assigned, w.index))
@@ -287,7 +306,8 @@ class Simulator:
             s = d.blocked.pop(0)
             d.reserved += 1
             d.kv_used += self._kv_need(d, s)
-            self._at(self.now + self.model.kv_ms(self.kv_bytes_per_token * s.prompt), "kv_done", (s, d))
+            pull = self.model.kv_ms(self.kv_bytes_per_token * s.prompt)
+            self._at(self.now + self.handoff_ms + pull, "kv_done", (s, d))
 
 
 def poisson_arrivals(n: int, rate_per_s: float, seed: int = 0) -> list[float]:
@@ -301,8 +321,16 @@ def poisson_arrivals(n: int, rate_per_s: float, seed: int = 0) -> list[float]:
     return out
 
 
-def simulate(model: LatencyModel, layout: Layout, lengths: Sequence[tuple[int, int]], rate_per_s: float,
-             kv_bytes_per_token: int, overhead_ttft_ms: float = 0.0, seed: int = 0) -> SimResult:
+def simulate(
+    model: LatencyModel,
+    layout: Layout,
+    lengths: Sequence[tuple[int, int]],
+    rate_per_s: float,
+    kv_bytes_per_token: int,
+    overhead_ttft_ms: float = 0.0,
+    seed: int = 0,
+    handoff_ms: float = 0.0,
+) -> SimResult:
     arrivals = poisson_arrivals(len(lengths), rate_per_s, seed)
     reqs = [(a, p, o) for a, (p, o) in zip(arrivals, lengths, strict=True)]
-    return Simulator(model, layout, kv_bytes_per_token, overhead_ttft_ms).run(reqs)
+    return Simulator(model, layout, kv_bytes_per_token, overhead_ttft_ms, handoff_ms=handoff_ms).run(reqs)

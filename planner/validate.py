@@ -41,29 +41,80 @@ def layout_config(layout: Layout, base: dict | None = None) -> dict:
     return cfg
 
 
-def run_distbench(url: str, prompt: str, output: str, rate: float, num: int, slo: str, out: Path,
-                  seed: int = 0, warmup: int = 4, timeout_s: float = 600) -> Measured:
-    cmd = [sys.executable, "-m", "distbench", "run", "--url", url, "--dataset", "random", "--prompt-len", prompt,
-           "--output-len", output, "--strategy", "poisson", "--request-rate", str(rate), "--num-prompts", str(num),
-           "--warmup", str(warmup), "--slo", slo, "--seed", str(seed), "--no-progress", "--save-result", str(out)]
+def run_distbench(
+    url: str,
+    prompt: str,
+    output: str,
+    rate: float,
+    num: int,
+    slo: str,
+    out: Path,
+    seed: int = 0,
+    warmup: int = 4,
+    timeout_s: float = 600,
+) -> Measured:
+    cmd = [
+        sys.executable,
+        "-m",
+        "distbench",
+        "run",
+        "--url",
+        url,
+        "--dataset",
+        "random",
+        "--prompt-len",
+        prompt,
+        "--output-len",
+        output,
+        "--strategy",
+        "poisson",
+        "--request-rate",
+        str(rate),
+        "--num-prompts",
+        str(num),
+        "--warmup",
+        str(warmup),
+        "--slo",
+        slo,
+        "--seed",
+        str(seed),
+        "--no-progress",
+        "--save-result",
+        str(out),
+    ]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, check=False, env=dict(os.environ))
     if p.returncode not in (0, 1) or not out.exists():
         raise RuntimeError(f"distbench failed ({p.returncode}): {p.stderr[-2000:]}")
     r = json.loads(out.read_text())
-    return Measured(rate, float(r["slo_attainment"]), float(r.get("p90_ttft_ms") or 0.0),
-                    float(r.get("p90_tpot_ms") or 0.0), int(r["completed"]), int(r["failed"]))
+    return Measured(
+        rate,
+        float(r["slo_attainment"]),
+        float(r.get("p90_ttft_ms") or 0.0),
+        float(r.get("p90_tpot_ms") or 0.0),
+        int(r["completed"]),
+        int(r["failed"]),
+    )
 
 
-def measure_layout(layout: Layout, prompt: str, output: str, rates: list[float], num: int, slo: str,
-                   base_config: dict | None = None, workdir: Path | None = None) -> list[Measured]:
+def measure_layout(
+    layout: Layout,
+    prompt: str,
+    output: str,
+    rates: list[float],
+    num: int,
+    slo: str,
+    base_config: dict | None = None,
+    workdir: Path | None = None,
+) -> list[Measured]:
     """Start the layout once, run each rate in turn, stop it (by PID)."""
     from distbench.target import ServeProcess
 
     mode, prefill, decode, extra = serve_args(layout)
     wd = Path(workdir or tempfile.mkdtemp(prefix="plan-validate-"))
     out = []
-    with ServeProcess(wd, mode=mode, prefill=prefill, decode=decode, config=layout_config(layout, base_config),
-                      extra_args=extra) as srv:
+    with ServeProcess(
+        wd, mode=mode, prefill=prefill, decode=decode, config=layout_config(layout, base_config), extra_args=extra
+    ) as srv:
         for i, rate in enumerate(rates):
             out.append(run_distbench(srv.url, prompt, output, rate, num, slo, wd / f"rate{i}.json", seed=i))
     return out

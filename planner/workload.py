@@ -82,8 +82,11 @@ def _from_result(path: str, which: str) -> list[tuple[int, int]]:
     except (OSError, json.JSONDecodeError) as e:
         raise WorkloadError(f"cannot read result file {p}: {e}") from None
     if isinstance(data.get("requests"), list):  # distbench
-        out = [(int(r["prompt_tokens"]), int(r["output_tokens"])) for r in data["requests"]
-               if not r.get("warmup") and r.get("prompt_tokens") and r.get("output_tokens")]
+        out = [
+            (int(r["prompt_tokens"]), int(r["output_tokens"]))
+            for r in data["requests"]
+            if not r.get("warmup") and r.get("prompt_tokens") and r.get("output_tokens")
+        ]
         if out:
             return out
     args = data.get("args", {})
@@ -116,10 +119,10 @@ def load_workload(spec: str, n: int = 400, seed: int = 0) -> Workload:
             items = sharegpt_items(n, path, None, None, seed=seed)
         except ValueError as e:
             raise WorkloadError(str(e)) from None
-        ol = Lengths.parse(out, "output") if out else None
-        return Workload(spec, tuple((it.prompt_len, ol.draw(rng) if ol else it.output_len) for it in items))
+        over = Lengths.parse(out, "output") if out else None
+        return Workload(spec, tuple((it.prompt_len, over.draw(rng) if over else it.output_len) for it in items))
     if spec.startswith("result:"):
-        path, _, which = spec[len("result:"):].partition("#")
+        path, _, which = spec[len("result:") :].partition("#")
         pairs = _from_result(path, which)
         return Workload(spec, tuple(pairs[i % len(pairs)] for i in range(max(n, len(pairs)))))
     raise WorkloadError(f"workload {spec!r} is not prompt=N,output=M, sharegpt[:PATH] or result:PATH")

@@ -24,8 +24,9 @@ def h200_dict() -> dict:
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "server.cli", *args], capture_output=True, text=True, timeout=120,
-                          check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "server.cli", *args], capture_output=True, text=True, timeout=120, check=False
+    )
 
 
 def test_h200_profile_round_trips_and_marks_origins(tmp_path):
@@ -41,15 +42,18 @@ def test_h200_profile_round_trips_and_marks_origins(tmp_path):
     assert abs(m.kv_ms(1 << 30) - 3.89) < 0.1
 
 
-@pytest.mark.parametrize("mutate, words", [
-    (lambda d: d.update(version=2), "version"),
-    (lambda d: d.update(schema="x"), "schema"),
-    (lambda d: d["prefill"][0].update(ms=-1), "prefill[0].ms"),
-    (lambda d: d["decode"][1].pop("context"), "context"),
-    (lambda d: d.update(decode=[]), "decode"),
-    (lambda d: d["kv_transfer"][0].update(origin="guessed"), "origin"),
-    (lambda d: d["prefill"][0].update(batch=1.5), "batch"),
-])
+@pytest.mark.parametrize(
+    "mutate, words",
+    [
+        (lambda d: d.update(version=2), "version"),
+        (lambda d: d.update(schema="x"), "schema"),
+        (lambda d: d["prefill"][0].update(ms=-1), "prefill[0].ms"),
+        (lambda d: d["decode"][1].pop("context"), "context"),
+        (lambda d: d.update(decode=[]), "decode"),
+        (lambda d: d["kv_transfer"][0].update(origin="guessed"), "origin"),
+        (lambda d: d["prefill"][0].update(batch=1.5), "batch"),
+    ],
+)
 def test_bad_profiles_are_refused_naming_the_field(mutate, words):
     d = h200_dict()
     mutate(d)
@@ -76,21 +80,38 @@ def test_plan_on_the_h200_profile_prints_layouts_and_the_serve_command(tmp_path)
     prof = tmp_path / "h200.json"
     assert cli("profile", "--from-results", str(RESULTS), "--out", str(prof)).returncode == 0
     cfg = tmp_path / "plan.yaml"
-    p = cli("plan", "--profile", str(prof), "--workload", "prompt=2048,output=128", "--slo", "ttft:200ms,tpot:50ms",
-            "--devices", "2", "--num-requests", "100", "--write-config", str(cfg), "--explain")
+    p = cli(
+        "plan",
+        "--profile",
+        str(prof),
+        "--workload",
+        "prompt=2048,output=128",
+        "--slo",
+        "ttft:200ms,tpot:50ms",
+        "--devices",
+        "2",
+        "--num-requests",
+        "100",
+        "--write-config",
+        str(cfg),
+        "--explain",
+    )
     assert p.returncode == 0, p.stderr
     assert "1P1D" in p.stdout and "2 colocated" in p.stdout and "bottleneck:" in p.stdout
     assert "distserve serve" in p.stdout and "--devices cuda:0,cuda:1" in p.stdout
     assert "attainment vs rate" in p.stdout
 
 
-@pytest.mark.parametrize("args, words", [
-    (["--profile", "/nonexistent.json"], "cannot read profile"),
-    (["--slo", "ttft"], "--slo part"),
-    (["--workload", "prompt=abc,output=3"], "prompt"),
-    (["--devices", "0"], "--devices"),
-    (["--rate", "-1"], "--rate"),
-])
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--profile", "/nonexistent.json"], "cannot read profile"),
+        (["--slo", "ttft"], "--slo part"),
+        (["--workload", "prompt=abc,output=3"], "prompt"),
+        (["--devices", "0"], "--devices"),
+        (["--rate", "-1"], "--rate"),
+    ],
+)
 def test_plan_bad_input_exits_2_with_one_sentence(tmp_path, args, words):
     prof = tmp_path / "h200.json"
     prof.write_text(json.dumps(h200_dict()))
