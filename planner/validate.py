@@ -50,7 +50,7 @@ def run_distbench(
     slo: str,
     out: Path,
     seed: int = 0,
-    warmup: int = 4,
+    warmup: int = 2,
     timeout_s: float = 600,
 ) -> Measured:
     cmd = [
