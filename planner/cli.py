@@ -88,7 +88,14 @@ def _inputs(args) -> tuple[Profile, Planner, list, int] | int:
     except ConfigError as e:
         return _err(str(e))
     devices = args.devices or prof.devices_available
-    batch = tuple(int(b) for b in args.batch_limits.split(",") if b) if args.batch_limits else ()
+    try:
+        batch = tuple(int(b) for b in args.batch_limits.split(",") if b) if args.batch_limits else ()
+    except ValueError:
+        return _err(f"--batch-limits must be whole numbers separated by commas, got {args.batch_limits!r}")
+    if any(b < 1 for b in batch) or args.top < 1:
+        return _err("--batch-limits values and --top must be >= 1")
+    if args.write_config and not Path(args.write_config).resolve().parent.is_dir():
+        return _err(f"--write-config folder {Path(args.write_config).parent} does not exist")
     layouts = enumerate_layouts(cfg, prof.device, devices, batch, prof.kv_bytes_per_token)
     if not layouts:
         return _err(f"no layout fits {devices} device(s)")

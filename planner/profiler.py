@@ -177,7 +177,7 @@ def _neighbour_main(model: str | None) -> None:
 
 
 def measure_threads(model: str | None, repeats: int, log) -> list[ThreadPoint]:
-    """Prefill (1 x 256) and decode (16 x 128) steps with T threads, alone and beside one neighbour.
+    """Prefill (1 x 128) and decode (8 x 128) steps with T threads, alone and beside one neighbour.
 
     Ratios of minimums over the repeats: on a shared machine the minimum is the step undisturbed by other
     users' processes, so the ratio isolates what the thread count and the neighbour do."""
@@ -201,8 +201,8 @@ def measure_threads(model: str | None, repeats: int, log) -> list[ThreadPoint]:
             for threads in sorted({1, cpus - neighbours} - {0}):
                 torch.set_num_threads(threads)
                 probe = EngineProbe(model, "cpu", threads=threads)
-                pf = min(probe.prefill_ms(1, 256, 1) for _ in range(repeats + 1))
-                dc = min(probe.decode_ms(16, 128, 8, 1) for _ in range(repeats + 1))
+                pf = min(probe.prefill_ms(1, 128, 1) for _ in range(repeats + 1))
+                dc = min(probe.decode_ms(8, 128, 8, 1) for _ in range(repeats + 1))
                 if not base:
                     base = {"prefill": pf, "decode": dc}
                 # a neighbour cannot make a step faster: a ratio below 1 is noise in the base, kept at 1

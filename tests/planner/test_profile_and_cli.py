@@ -110,6 +110,8 @@ def test_plan_on_the_h200_profile_prints_layouts_and_the_serve_command(tmp_path)
         (["--workload", "prompt=abc,output=3"], "prompt"),
         (["--devices", "0"], "--devices"),
         (["--rate", "-1"], "--rate"),
+        (["--batch-limits", "a,b"], "--batch-limits"),
+        (["--write-config", "/nonexistent/dir/plan.yaml"], "--write-config"),
     ],
 )
 def test_plan_bad_input_exits_2_with_one_sentence(tmp_path, args, words):
