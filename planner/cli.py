@@ -87,6 +87,12 @@ def _inputs(args) -> tuple[Profile, Planner, list, int] | int:
         cfg = load_args_config(args)
     except ConfigError as e:
         return _err(str(e))
+    longest = max(p + o for p, o in wl.requests)
+    if longest > cfg.prefill.max_seq_len:
+        return _err(
+            f"the workload has requests of {longest} tokens (prompt + output), above prefill.max_seq_len "
+            f"{cfg.prefill.max_seq_len}: pass a --config that serves them"
+        )
     devices = args.devices or prof.devices_available
     try:
         batch = tuple(int(b) for b in args.batch_limits.split(",") if b) if args.batch_limits else ()

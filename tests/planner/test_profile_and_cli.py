@@ -80,8 +80,14 @@ def test_plan_on_the_h200_profile_prints_layouts_and_the_serve_command(tmp_path)
     prof = tmp_path / "h200.json"
     assert cli("profile", "--from-results", str(RESULTS), "--out", str(prof)).returncode == 0
     cfg = tmp_path / "plan.yaml"
+    served = tmp_path / "serve.yaml"
+    served.write_text("prefill:\n  max_seq_len: 2304\n")
+    too_long = cli("plan", "--profile", str(prof), "--workload", "prompt=2048,output=128", "--slo", "ttft:200ms")
+    assert too_long.returncode == 2 and "max_seq_len" in too_long.stderr
     p = cli(
         "plan",
+        "--config",
+        str(served),
         "--profile",
         str(prof),
         "--workload",
