@@ -1,0 +1,198 @@
+#!/usr/bin/env python
+"""Planner accuracy: predicted vs measured goodput for the layouts this repo measured, and the planner's
+predictions for four H200s (issue 19).
+
+    python bench/plan_accuracy.py [--out bench/results/plan_accuracy_DATE.json] [--seeds 5]
+
+GPU part (no GPU needed): the H200 profile built from the recorded results (``planner.from_results``) and
+each recorded two-GPU serving run (``bench/results/gpu_serving_two-gpu*_2026-11-29*.json``). For every
+(layout, rate) the run measured, the simulator replays the same number of requests at that rate with the
+run's config (decode batch 128, KV 36 000 MB per worker) over ``--seeds`` arrival seeds and reports the mean
+predicted attainment; goodput is the highest rate *of the measured grid* at >= 90 % attainment (the measured
+definition), and the continuous predicted goodput is printed beside it. CPU part: ``--cpu-profile FILE`` with
+``--cpu-measured FILE`` (JSON written by tests/planner/test_plan_ordering_cpu.py's report) when given.
+The four-GPU part prints 2P2D, 3P1D, 1P3D and 4 colocated for the long (2048/128) and ShareGPT workloads at
+TTFT P90 <= 200 ms and TPOT P90 <= 50 ms, and a tight-TPOT variant (25 ms).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from planner.from_results import build_h200_profile  # noqa: E402
+from planner.latency import LatencyModel  # noqa: E402
+from planner.layouts import Layout, kv_capacity_tokens, limits_from_config  # noqa: E402
+from planner.search import Planner  # noqa: E402
+from planner.simulator import simulate  # noqa: E402
+from planner.slo import SLO, attainment  # noqa: E402
+from planner.workload import load_workload  # noqa: E402
+from server.config import load_config  # noqa: E402
+
+RESULTS = REPO / "bench" / "results"
+STUDY_FILES = {
+    "two-gpu long run 1": ("gpu_serving_two-gpu_long_2026-11-29.json", "long", "ttft:200ms,tpot:50ms"),
+    "two-gpu long run 2": ("gpu_serving_two-gpu_long_2026-11-29_run2.json", "long", "ttft:200ms,tpot:50ms"),
+    "two-gpu short": ("gpu_serving_two-gpu_2026-11-29.json", "short", "ttft:250ms,tpot:50ms"),
+}
+
+
+def study_layouts(cfg_over: dict, kvb: int) -> dict[str, Layout]:
+    cfg = load_config(None, cfg_over)
+    kv = kv_capacity_tokens(cfg, "cuda", kvb)
+    pf, dec, col = limits_from_config(cfg, kv)
+    return {
+        "disaggregated_1p1d": Layout("disaggregated", 1, 1, pf, dec),
+        "colocated_2replicas": Layout("colocated", 0, 2, pf, col),
+    }
+
+
+def predicted_attainment(model, layout, lengths, rate, n, kvb, overhead, slo, seeds) -> float:
+    vals = []
+    for seed in range(seeds):
+        res = simulate(model, layout, [lengths[i % len(lengths)] for i in range(n)], rate, kvb, overhead, seed)
+        vals.append(attainment(slo, res.latencies))
+    return statistics.mean(vals)
+
+
+def gpu_accuracy(seeds: int) -> list[dict]:
+    prof = build_h200_profile(RESULTS)
+    model = LatencyModel.fit(prof)
+    rows = []
+    for name, (fname, wl_name, slo_text) in STUDY_FILES.items():
+        data = json.loads((RESULTS / fname).read_text())
+        args = data["args"]
+        prompt, output = (int(x) for x in args[wl_name].split(","))
+        cfg_over = {
+            "prefill": {"max_seq_len": args["max_seq_len"]},
+            "decode": {"max_batch_size": args["max_batch"], "max_concurrent_requests": args["max_batch"]},
+            "cache": {"kv_cache_memory_mb": args["kv_cache_mb"], "gpu_memory_utilization": 0},
+        }
+        layouts = study_layouts(cfg_over, prof.kv_bytes_per_token)
+        slo = SLO.parse(slo_text)
+        wl = load_workload(f"prompt={prompt},output={output}", n=50)
+        planner = Planner.for_profile(prof, wl, slo)
+        for mode, lay in layouts.items():
+            sweep = data["modes"].get(mode, {}).get("sweeps", {}).get(wl_name, [])
+            if not sweep:
+                continue
+            points = []
+            for r in sweep:
+                s = r["summary"]
+                pred = predicted_attainment(
+                    model,
+                    lay,
+                    wl.requests,
+                    r["rate"],
+                    s["requests"],
+                    prof.kv_bytes_per_token,
+                    prof.overhead_ttft_ms,
+                    slo,
+                    seeds,
+                )
+                points.append(
+                    {
+                        "rate": r["rate"],
+                        "requests": s["requests"],
+                        "measured": s["slo_attainment"],
+                        "predicted": round(pred, 3),
+                        "measured_ttft_p90": round(s["ttft_ms"]["p90"]),
+                        "measured_tpot_p90": round(s["tpot_ms"]["p90"], 1),
+                    }
+                )
+            meas_g = max([p["rate"] for p in points if p["measured"] >= 0.9], default=0.0)
+            pred_g = max([p["rate"] for p in points if p["predicted"] >= 0.9], default=0.0)
+            cont = planner.goodput(lay)
+            rows.append(
+                {
+                    "study": name,
+                    "workload": f"{prompt}/{output}",
+                    "slo": slo_text,
+                    "layout": lay.name(),
+                    "points": points,
+                    "measured_goodput_grid": meas_g,
+                    "predicted_goodput_grid": pred_g,
+                    "predicted_goodput_continuous": round(cont, 2),
+                    "error_grid": None if not meas_g else round(pred_g / meas_g - 1, 3),
+                }
+            )
+    return rows
+
+
+def four_gpu(num_requests: int) -> list[dict]:
+    prof = build_h200_profile(RESULTS)
+    cfg = load_config(None, {"decode": {"max_batch_size": 128, "max_concurrent_requests": 128}})
+    pf, dec, col = limits_from_config(cfg, 0)  # KV sized from GPU memory (~113 GiB): not the limit here
+    layouts = [
+        Layout("disaggregated", 2, 2, pf, dec),
+        Layout("disaggregated", 3, 1, pf, dec),
+        Layout("disaggregated", 1, 3, pf, dec),
+        Layout("colocated", 0, 4, pf, col),
+    ]
+    out = []
+    for wl_spec in ("prompt=2048,output=128", "sharegpt"):
+        wl = load_workload(wl_spec, n=num_requests, seed=0)
+        for slo_text, form in (
+            ("ttft:200ms,tpot:50ms", "p90"),
+            ("ttft:200ms,tpot:50ms", "attainment"),
+            ("ttft:200ms,tpot:25ms", "p90"),
+        ):
+            slo = SLO.parse(slo_text, form)
+            planner = Planner.for_profile(prof, wl, slo)
+            for lay in layouts:
+                e = planner.evaluate(lay)
+                out.append(
+                    {
+                        "workload": wl_spec,
+                        "mean_prompt": round(wl.mean_prompt),
+                        "mean_output": round(wl.mean_output),
+                        "slo": slo.describe(),
+                        "layout": lay.name(),
+                        "goodput": round(e.goodput, 2),
+                        "per_gpu": round(e.per_device, 2),
+                        "bottleneck": e.bottleneck,
+                    }
+                )
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seeds", type=int, default=5)
+    ap.add_argument("--num-requests", type=int, default=600)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--skip-four-gpu", action="store_true")
+    args = ap.parse_args()
+    rows = gpu_accuracy(args.seeds)
+    print("two-GPU study (H200, 7B shape): measured vs predicted attainment per rate")
+    for r in rows:
+        print(
+            f"\n{r['study']} {r['workload']} {r['slo']} {r['layout']}: goodput on the grid measured "
+            f"{r['measured_goodput_grid']} / predicted {r['predicted_goodput_grid']} req/s "
+            f"(continuous prediction {r['predicted_goodput_continuous']})"
+        )
+        for p in r["points"]:
+            print(
+                f"  rate {p['rate']:>7}: measured {p['measured']:.0%} (TTFT P90 {p['measured_ttft_p90']} ms, "
+                f"TPOT P90 {p['measured_tpot_p90']} ms), predicted {p['predicted']:.0%}  [{p['requests']} requests]"
+            )
+    four = [] if args.skip_four_gpu else four_gpu(args.num_requests)
+    if four:
+        print("\nfour H200s (issue 19), predicted:")
+        for r in four:
+            print(
+                f"  {r['workload']:<24} {r['slo']:<55} {r['layout']:<24} goodput {r['goodput']:>7} "
+                f"({r['per_gpu']} per GPU)  {r['bottleneck']}"
+            )
+    if args.out:
+        Path(args.out).write_text(json.dumps({"two_gpu": rows, "four_gpu": four}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

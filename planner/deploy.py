@@ -1,0 +1,50 @@
+"""What deploys a layout: the ``distserve serve`` command line and the config keys that differ from the
+base config (batch limits, torch threads), as YAML text."""
+
+from __future__ import annotations
+
+from planner.layouts import Layout
+
+
+def config_overrides(layout: Layout, base_decode_max_batch: int, device: str) -> dict[str, dict[str, int]]:
+    out: dict[str, dict[str, int]] = {}
+    dec: dict[str, int] = {}
+    if layout.decode.max_num_seqs != base_decode_max_batch:
+        dec["max_batch_size"] = layout.decode.max_num_seqs
+        if layout.mode == "disaggregated":
+            dec["max_concurrent_requests"] = layout.decode.max_num_seqs
+    if device == "cpu":
+        dec["torch_threads"] = layout.decode_threads
+        if layout.mode == "disaggregated":
+            out["prefill"] = {"torch_threads": layout.prefill_threads}
+    if dec:
+        out["decode"] = dec
+    return out
+
+
+def to_yaml(overrides: dict[str, dict[str, int]], model: str) -> str:
+    lines = ["# written by `distserve plan`: only what differs from the defaults"]
+    if model:
+        lines.append(f"model: {model}")
+    for section, keys in overrides.items():
+        lines.append(f"{section}:")
+        lines += [f"  {k}: {v}" for k, v in keys.items()]
+    return "\n".join(lines) + "\n"
+
+
+def serve_command(layout: Layout, device: str, model: str, config_path: str | None) -> str:
+    parts = ["distserve serve"]
+    if config_path:
+        parts.append(f"--config {config_path}")
+    elif model:
+        parts.append(f"--model {model}")
+    if layout.mode == "colocated":
+        parts.append(f"--mode colocated --decode {layout.num_decode}")
+    else:
+        parts.append(f"--mode disaggregated --prefill {layout.num_prefill} --decode {layout.num_decode}")
+    if device != "cpu":
+        n = layout.workers
+        parts.append(f"--devices {','.join(f'cuda:{i}' for i in range(n))}")
+    elif layout.mode == "colocated" and layout.num_decode > 1:
+        parts.append("--cpu-pinning none")
+    return " ".join(parts)

@@ -1,0 +1,109 @@
+"""Step-time models fitted to a profile: what one engine step costs for a given batch.
+
+An engine step does three kinds of work, and its time is modelled as their sum:
+- a fixed part (reading the weights once, launching kernels, Python around the step);
+- work linear in the tokens computed (the GEMMs of a prefill) and in the decode batch (per-sequence
+  sampling and bookkeeping);
+- attention: quadratic in each prompt's length for a prefill, linear in the total context for decode.
+Coefficients are least-squares fits over the profile's points with every coefficient kept >= 0 (a term the
+points cannot support is dropped), so the model interpolates between measured points and extrapolates
+linearly beyond them. A colocated step that mixes prefill chunks with decodes pays the fixed part once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from planner.profile import Profile
+
+
+def _fit_nonneg(rows: list[list[float]], y: list[float]) -> list[float]:
+    """Least squares with coefficients >= 0: refit without any term that came out negative."""
+    a, b = np.asarray(rows, dtype=float), np.asarray(y, dtype=float)
+    active = list(range(a.shape[1]))
+    while active:
+        coef, *_ = np.linalg.lstsq(a[:, active], b, rcond=None)
+        if (coef >= 0).all():
+            out = [0.0] * a.shape[1]
+            for i, c in zip(active, coef, strict=True):
+                out[i] = float(c)
+            return out
+        active.pop(int(np.argmin(coef)))
+    return [0.0] * a.shape[1]
+
+
+@dataclass(frozen=True)
+class LatencyModel:
+    fixed_ms: float  # shared by every step
+    prefill_per_token_ms: float
+    prefill_per_token2_ms: float  # per (prompt length)^2, summed over prompts
+    prefill_fixed_extra_ms: float  # what a prefill step costs beyond the decode step's fixed part
+    decode_per_seq_ms: float
+    decode_per_ctx_ms: float  # per token of context, summed over the batch
+    kv_fixed_ms: float
+    kv_ms_per_byte: float
+    thread_scale: dict[tuple[str, int, int], float]
+
+    @classmethod
+    def fit(cls, profile: Profile) -> LatencyModel:
+        d = _fit_nonneg([[1.0, p.batch, p.batch * p.context] for p in profile.decode], [p.ms for p in profile.decode])
+        fixed = d[0]
+        # prefill: the rest after the decode fixed part, as extra fixed + per token + per token^2
+        rows = [[1.0, p.batch * p.tokens, p.batch * p.tokens**2] for p in profile.prefill]
+        pf = _fit_nonneg(rows, [max(0.0, p.ms - fixed) for p in profile.prefill])
+        if len(profile.kv_transfer) >= 2:
+            kv = _fit_nonneg([[1.0, p.bytes] for p in profile.kv_transfer], [p.ms for p in profile.kv_transfer])
+        else:
+            kv = [0.0, profile.kv_transfer[0].ms / profile.kv_transfer[0].bytes]
+        scale = {(t.phase, t.threads, t.neighbours): t.scale for t in profile.threads}
+        return cls(fixed, pf[1], pf[2], pf[0], d[1], d[2], kv[0], kv[1], scale)
+
+    # --- one step -----------------------------------------------------------------------------------
+    def step_ms(
+        self,
+        prefill_chunks: Sequence[tuple[int, int]],
+        decode_batch: int,
+        decode_context: int,
+        threads: int = 1,
+        neighbours: int = 0,
+    ) -> float:
+        """One engine step: ``prefill_chunks`` as (new tokens, context before them) per prompt, plus a
+        decode batch of ``decode_batch`` sequences holding ``decode_context`` tokens in all."""
+        t = self.fixed_ms
+        pf = 0.0
+        if prefill_chunks:
+            pf = self.prefill_fixed_extra_ms
+            for new, before in prefill_chunks:
+                # attention over the chunk: (before+new)^2 - before^2 keeps a chunked prompt's total exact
+                pf += self.prefill_per_token_ms * new + self.prefill_per_token2_ms * ((before + new) ** 2 - before**2)
+        dc = self.decode_per_seq_ms * decode_batch + self.decode_per_ctx_ms * decode_context
+        phase = "prefill" if prefill_chunks and pf >= dc else "decode"
+        return (t + pf + dc) * self.scale(phase, threads, neighbours)
+
+    def prefill_ms(self, lengths: Sequence[int], threads: int = 1, neighbours: int = 0) -> float:
+        return self.step_ms([(n, 0) for n in lengths], 0, 0, threads, neighbours)
+
+    def decode_ms(self, batch: int, context: int, threads: int = 1, neighbours: int = 0) -> float:
+        return self.step_ms([], batch, context, threads, neighbours)
+
+    def kv_ms(self, nbytes: int) -> float:
+        return self.kv_fixed_ms + self.kv_ms_per_byte * nbytes
+
+    def scale(self, phase: str, threads: int, neighbours: int) -> float:
+        """Time multiplier for a step with ``threads`` torch threads beside ``neighbours`` busy processes:
+        the measured point, else the nearest measured thread count with the same neighbours, else 1."""
+        if not self.thread_scale:
+            return 1.0
+        key = (phase, threads, neighbours)
+        if key in self.thread_scale:
+            return self.thread_scale[key]
+        same = [
+            (abs(t - threads), s)
+            for (p, t, n), s in self.thread_scale.items()
+            if p == phase
+            and n == min(neighbours, max((n2 for (p2, _, n2) in self.thread_scale if p2 == phase), default=0))
+        ]
+        return min(same)[1] if same else 1.0

@@ -1,0 +1,336 @@
+"""Discrete-event model of the server: router, prefill queue and batching, KV transfer, decode batching.
+
+What it simulates, with the server's own policies (``server/engine/scheduler.py``):
+- each worker runs one engine step at a time; a step serves running sequences first (one token per decode,
+  a chunk of at most the remaining token budget per unfinished prefill), then admits waiting prompts while
+  the token budget (``max_num_batched_tokens``) and ``max_num_seqs`` allow (chunked prefill: the last
+  admitted prompt may get a partial chunk); prefill workers admit shortest-first with aging (``wfs``),
+  decode workers serve fewest-remaining first; the step's duration comes from ``planner.latency``;
+- the router sends each request to the least-loaded worker of each role, charging a decode worker from
+  the pick; disaggregated: prefill (token #1), then the decode worker reserves a slot (back-pressure
+  while it has ``max_num_seqs`` sequences), pulls the KV (``kv_ms(bytes)``) and decodes the rest; the
+  hand-off itself (router -> decode worker request, reservation, scatter, stream back) costs ``handoff_ms``;
+- a prefill worker's reply leaves after the *next* step when it has more work (the engine step runs on the
+  worker's event loop, so the handler awaiting the staged KV resumes only between steps; measured in
+  docs/PERFORMANCE.md section 8);
+- a fixed serving-path cost (``overhead_ttft_ms``) on every TTFT.
+- KV capacity (when the config fixes it): a sequence holds prompt + output tokens from admission (decode:
+  from its reservation) to its end, and waits while they do not fit.
+It ignores: preemption (admission waits instead), prefix caching, the router's and the client's CPU, network
+jitter, contention between concurrent KV pulls, and sampling (output lengths are exact, as with ignore_eos).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from planner.latency import LatencyModel
+from planner.layouts import EngineLimits, Layout
+
+
+@dataclass
+class SimRequest:
+    index: int
+    arrival: float  # ms
+    prompt: int
+    output: int
+    computed: int = 0  # prompt tokens computed on the current worker
+    tokens: int = 0  # output tokens produced
+    first_token_at: float = math.nan
+    done_at: float = math.nan
+    reply_ready: bool = False
+
+    def latencies(self, overhead_ms: float) -> dict[str, float]:
+        ttft = self.first_token_at - self.arrival + overhead_ms
+        e2e = self.done_at - self.arrival + overhead_ms
+        out = {"ttft": ttft, "e2el": e2e}
+        if self.output > 1:
+            out["tpot"] = (e2e - ttft) / (self.output - 1)
+        return out
+
+
+@dataclass
+class Worker:
+    role: str  # prefill | decode | colocated
+    index: int
+    limits: EngineLimits
+    threads: int
+    neighbours: int
+    waiting: list[SimRequest] = field(default_factory=list)
+    running: list[SimRequest] = field(default_factory=list)
+    blocked: list[SimRequest] = field(default_factory=list)  # decode: waiting for a reservation
+    reserved: int = 0  # decode: slots reserved for KV in flight
+    kv_used: int = 0  # tokens of KV held (prompt + output of every admitted sequence)
+    assigned: int = 0  # router's load count
+    busy: bool = False
+    kick_pending: bool = False
+    busy_ms: float = 0.0
+    steps: int = 0
+    seqs_in_steps: int = 0  # summed over steps: the mean batch is seqs_in_steps / steps
+    replies: list[SimRequest] = field(default_factory=list)  # prefill: finished, reply after next step
+
+
+@dataclass(frozen=True)
+class SimResult:
+    latencies: tuple[dict[str, float], ...]
+    duration_ms: float
+    utilization: dict[str, float]  # role -> mean busy share of its workers
+    mean_batch: dict[str, float]  # role -> sequences per step
+    mean_ttft_ms: float
+    mean_tpot_ms: float
+
+
+class Simulator:
+    def __init__(
+        self,
+        model: LatencyModel,
+        layout: Layout,
+        kv_bytes_per_token: int,
+        overhead_ttft_ms: float = 0.0,
+        reply_after_next_step: bool = True,
+        device: str = "cuda",
+        handoff_ms: float = 0.0,
+    ) -> None:
+        self.model, self.layout = model, layout
+        self.kv_bytes_per_token = kv_bytes_per_token
+        self.overhead = overhead_ttft_ms
+        self.reply_after_next_step = reply_after_next_step
+        self.handoff_ms = handoff_ms
+        many = 1 if layout.workers > 1 else 0
+        if layout.mode == "colocated":
+            self.prefill: list[Worker] = []
+            self.decode = [
+                Worker("colocated", i, layout.decode, layout.decode_threads, many) for i in range(layout.num_decode)
+            ]
+        else:
+            self.prefill = [
+                Worker("prefill", i, layout.prefill, layout.prefill_threads, many) for i in range(layout.num_prefill)
+            ]
+            self.decode = [
+                Worker("decode", i, layout.decode, layout.decode_threads, many) for i in range(layout.num_decode)
+            ]
+        self._events: list[tuple[float, int, str, Any]] = []
+        self._seq = 0
+        self.now = 0.0
+        self._decode_of: dict[int, Worker] = {}
+
+    # --- events -------------------------------------------------------------------------------------
+    def _at(self, t: float, kind: str, obj: Any) -> None:
+        self._seq += 1
+        heapq.heappush(self._events, (t, self._seq, kind, obj))
+
+    def run(self, requests: Sequence[tuple[float, int, int]]) -> SimResult:
+        """``requests``: (arrival ms, prompt tokens, output tokens); all run to completion."""
+        reqs = [SimRequest(i, a, p, o) for i, (a, p, o) in enumerate(requests)]
+        for r in reqs:
+            self._at(r.arrival, "arrive", r)
+        while self._events:
+            self.now, _, kind, obj = heapq.heappop(self._events)
+            if kind == "arrive":
+                self._arrive(obj)
+            elif kind == "step_end":
+                self._step_end(*obj)
+            elif kind == "kick":
+                obj.kick_pending = False
+                self._start_step(obj)
+            elif kind == "kv_done":
+                req, w = obj
+                w.reserved -= 1
+                w.running.append(req)
+                self._kick(w)
+        end = max((r.done_at for r in reqs), default=0.0)
+        start = min((r.arrival for r in reqs), default=0.0)
+        lat = tuple(r.latencies(self.overhead) for r in reqs)
+        util, batch = {}, {}
+        for role, ws in (("prefill", self.prefill), ("decode", self.decode)):
+            if ws and end > start:
+                name = role if self.layout.mode == "disaggregated" else "colocated"
+                util[name] = sum(w.busy_ms for w in ws) / len(ws) / (end - start)
+                batch[name] = sum(w.seqs_in_steps for w in ws) / max(1, sum(w.steps for w in ws))
+        tpots = [x["tpot"] for x in lat if "tpot" in x]
+        return SimResult(
+            lat,
+            end - start,
+            util,
+            batch,
+            sum(x["ttft"] for x in lat) / max(1, len(lat)),
+            sum(tpots) / max(1, len(tpots)),
+        )
+
+    def _least(self, ws: list[Worker]) -> Worker:
+        return min(ws, key=lambda w: (w.assigned, w.index))
+
+    def _arrive(self, r: SimRequest) -> None:
+        d = self._least(self.decode)
+        d.assigned += 1
+        if self.layout.mode == "colocated":
+            d.waiting.append(r)
+            self._kick(d)
+            return
+        self._decode_of[r.index] = d
+        p = self._least(self.prefill)
+        p.assigned += 1
+        p.waiting.append(r)
+        self._kick(p)
+
+    # --- one engine step ----------------------------------------------------------------------------
+    def _kick(self, w: Worker) -> None:
+        """Start a step once every event of this instant is in (simultaneous arrivals share a step)."""
+        if not w.busy and not w.kick_pending:
+            w.kick_pending = True
+            self._at(self.now, "kick", w)
+
+    def _start_step(self, w: Worker) -> None:
+        if w.busy:
+            return
+        plan = self._schedule(w)
+        if plan is None:
+            self._flush_replies(w)
+            return
+        chunks, decodes, ctx, scheduled = plan
+        dt = self.model.step_ms(chunks, len(decodes), ctx, w.threads, w.neighbours)
+        w.busy = True
+        w.busy_ms += dt
+        w.steps += 1
+        w.seqs_in_steps += len(scheduled)
+        self._at(self.now + dt, "step_end", (w, scheduled))
+
+    def _schedule(self, w: Worker):
+        lim = w.limits
+        budget = lim.max_num_batched_tokens
+        if lim.decode_policy == "fewest_remaining":
+            order = sorted(w.running, key=lambda s: (s.output - s.tokens, s.arrival))
+        else:
+            order = sorted(w.running, key=lambda s: s.arrival)
+        chunks: list[tuple[int, int]] = []
+        decodes: list[SimRequest] = []
+        scheduled: list[tuple[SimRequest, int]] = []
+        ctx = 0
+        for s in order:
+            if budget <= 0:
+                break
+            if s.computed < s.prompt:
+                n = min(s.prompt - s.computed, budget)
+                chunks.append((n, s.computed))
+                scheduled.append((s, n))
+            else:
+                n = 1
+                decodes.append(s)
+                ctx += s.prompt + s.tokens
+                scheduled.append((s, 0))
+            budget -= n
+        while w.waiting and budget > 0 and len(w.running) < lim.max_num_seqs:
+            s = self._next_waiting(w)
+            if not self._fits(w, s):
+                break
+            w.waiting.remove(s)
+            w.kv_used += self._kv_need(w, s)
+            n = min(s.prompt - s.computed, budget)
+            w.running.append(s)
+            chunks.append((n, s.computed))
+            scheduled.append((s, n))
+            budget -= n
+        if not scheduled:
+            return None
+        return chunks, decodes, ctx, scheduled
+
+    @staticmethod
+    def _kv_need(w: Worker, s: SimRequest) -> int:
+        return s.prompt + (1 if w.role == "prefill" else s.output)
+
+    def _fits(self, w: Worker, s: SimRequest) -> bool:
+        cap = w.limits.kv_tokens
+        return cap <= 0 or w.kv_used + self._kv_need(w, s) <= cap or (w.kv_used == 0)
+
+    def _next_waiting(self, w: Worker) -> SimRequest:
+        if w.limits.prefill_policy == "fcfs":
+            return w.waiting[0]
+        aging = w.limits.aging_tokens_per_s / 1000.0  # per ms
+        return min(w.waiting, key=lambda s: (s.prompt - s.computed) - aging * (self.now - s.arrival))
+
+    def _step_end(self, w: Worker, scheduled: list[tuple[SimRequest, int]]) -> None:
+        w.busy = False
+        ready = w.replies
+        w.replies = []
+        for s, n in scheduled:
+            if n:  # a prefill chunk
+                s.computed += n
+                if s.computed < s.prompt:
+                    continue
+                s.tokens = 1
+                if w.role == "prefill":
+                    w.running.remove(s)
+                    w.assigned -= 1
+                    w.kv_used -= self._kv_need(w, s)
+                    if self.reply_after_next_step:
+                        w.replies.append(s)
+                    else:
+                        ready.append(s)
+                    continue
+                s.first_token_at = self.now
+            else:
+                s.tokens += 1
+            if s.tokens >= s.output:
+                s.done_at = self.now
+                w.running.remove(s)
+                w.assigned -= 1
+                w.kv_used -= self._kv_need(w, s)
+                self._admit_blocked(w)
+        for s in ready:
+            self._reply(s)
+        self._kick(w)
+
+    def _flush_replies(self, w: Worker) -> None:
+        ready, w.replies = w.replies, []
+        for s in ready:
+            self._reply(s)
+
+    def _reply(self, s: SimRequest) -> None:
+        """The prefill worker answered: token #1 reaches the client, the decode worker takes over."""
+        s.first_token_at = self.now
+        if s.tokens >= s.output:
+            s.done_at = self.now
+            self._decode_of[s.index].assigned -= 1
+            return
+        d = self._decode_of[s.index]
+        d.blocked.append(s)
+        self._admit_blocked(d)
+
+    def _admit_blocked(self, d: Worker) -> None:
+        while d.blocked and len(d.running) + d.reserved < d.limits.max_num_seqs and self._fits(d, d.blocked[0]):
+            s = d.blocked.pop(0)
+            d.reserved += 1
+            d.kv_used += self._kv_need(d, s)
+            pull = self.model.kv_ms(self.kv_bytes_per_token * s.prompt)
+            self._at(self.now + self.handoff_ms + pull, "kv_done", (s, d))
+
+
+def poisson_arrivals(n: int, rate_per_s: float, seed: int = 0) -> list[float]:
+    """Arrival times (ms) of a Poisson process; the same seed gives the same unit gaps at every rate, so
+    attainment changes smoothly with the rate (common random numbers)."""
+    rng = random.Random(seed)
+    t, out = 0.0, []
+    for _ in range(n):
+        t += rng.expovariate(1.0) * 1000.0 / rate_per_s
+        out.append(t)
+    return out
+
+
+def simulate(
+    model: LatencyModel,
+    layout: Layout,
+    lengths: Sequence[tuple[int, int]],
+    rate_per_s: float,
+    kv_bytes_per_token: int,
+    overhead_ttft_ms: float = 0.0,
+    seed: int = 0,
+    handoff_ms: float = 0.0,
+) -> SimResult:
+    arrivals = poisson_arrivals(len(lengths), rate_per_s, seed)
+    reqs = [(a, p, o) for a, (p, o) in zip(arrivals, lengths, strict=True)]
+    return Simulator(model, layout, kv_bytes_per_token, overhead_ttft_ms, handoff_ms=handoff_ms).run(reqs)

@@ -1,0 +1,143 @@
+"""Profile schema (validated on load), the H200 profile built from the recorded results, and the CLI's
+bad-input rule (exit 2, one sentence) for ``distserve profile`` and ``distserve plan``."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from planner.from_results import build_h200_profile
+from planner.latency import LatencyModel
+from planner.profile import ProfileError, from_dict, load
+from planner.slo import SLO, SLOError, meets
+from planner.workload import WorkloadError, load_workload
+
+RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
+
+
+def h200_dict() -> dict:
+    return json.loads(json.dumps(build_h200_profile(RESULTS).to_dict()))
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "server.cli", *args], capture_output=True, text=True, timeout=120, check=False
+    )
+
+
+def test_h200_profile_round_trips_and_marks_origins(tmp_path):
+    prof = build_h200_profile(RESULTS)
+    prof.save(tmp_path / "p.json")
+    back = load(tmp_path / "p.json")
+    assert back == prof
+    assert {p.origin for p in back.prefill} == {"measured", "derived"}
+    m = LatencyModel.fit(back)
+    # the fit reproduces the measured points it came from
+    assert abs(m.prefill_ms([2048]) - 48.3) < 2.5
+    assert abs(m.decode_ms(1, 128) - 4.84) < 0.2
+    assert abs(m.kv_ms(1 << 30) - 3.89) < 0.1
+
+
+@pytest.mark.parametrize(
+    "mutate, words",
+    [
+        (lambda d: d.update(version=2), "version"),
+        (lambda d: d.update(schema="x"), "schema"),
+        (lambda d: d["prefill"][0].update(ms=-1), "prefill[0].ms"),
+        (lambda d: d["decode"][1].pop("context"), "context"),
+        (lambda d: d.update(decode=[]), "decode"),
+        (lambda d: d["kv_transfer"][0].update(origin="guessed"), "origin"),
+        (lambda d: d["prefill"][0].update(batch=1.5), "batch"),
+    ],
+)
+def test_bad_profiles_are_refused_naming_the_field(mutate, words):
+    d = h200_dict()
+    mutate(d)
+    with pytest.raises(ProfileError, match=words.replace("[", r"\[").replace("]", r"\]")):
+        from_dict(d)
+
+
+def test_slo_and_workload_parsing():
+    slo = SLO.parse("ttft:0.2s,tpot:50ms", "p90")
+    assert slo.limits_ms == (("ttft", 200.0), ("tpot", 50.0))
+    assert meets(slo, [{"ttft": 100, "tpot": 10}] * 9 + [{"ttft": 900, "tpot": 10}])
+    assert not meets(slo, [{"ttft": 100, "tpot": 10}] * 8 + [{"ttft": 900, "tpot": 10}] * 2)
+    for bad in ("ttft", "speed:3ms", "ttft:-1ms", "ttft:fast"):
+        with pytest.raises(SLOError):
+            SLO.parse(bad)
+    wl = load_workload("prompt=uniform:10:20,output=8", n=50)
+    assert all(10 <= p <= 20 and o == 8 for p, o in wl.requests)
+    for bad in ("prompt=10", "prompt=0,output=1", "tokens=3", "result:/nonexistent.json"):
+        with pytest.raises(WorkloadError):
+            load_workload(bad)
+
+
+def test_plan_on_the_h200_profile_prints_layouts_and_the_serve_command(tmp_path):
+    prof = tmp_path / "h200.json"
+    assert cli("profile", "--from-results", str(RESULTS), "--out", str(prof)).returncode == 0
+    cfg = tmp_path / "plan.yaml"
+    served = tmp_path / "serve.yaml"
+    served.write_text("prefill:\n  max_seq_len: 2304\n")
+    too_long = cli("plan", "--profile", str(prof), "--workload", "prompt=2048,output=128", "--slo", "ttft:200ms")
+    assert too_long.returncode == 2 and "max_seq_len" in too_long.stderr
+    p = cli(
+        "plan",
+        "--config",
+        str(served),
+        "--profile",
+        str(prof),
+        "--workload",
+        "prompt=2048,output=128",
+        "--slo",
+        "ttft:200ms,tpot:50ms",
+        "--devices",
+        "2",
+        "--num-requests",
+        "100",
+        "--write-config",
+        str(cfg),
+        "--explain",
+    )
+    assert p.returncode == 0, p.stderr
+    assert "1P1D" in p.stdout and "2 colocated" in p.stdout and "bottleneck:" in p.stdout
+    assert "distserve serve" in p.stdout and "--devices cuda:0,cuda:1" in p.stdout
+    assert "attainment vs rate" in p.stdout
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--profile", "/nonexistent.json"], "cannot read profile"),
+        (["--slo", "ttft"], "--slo part"),
+        (["--workload", "prompt=abc,output=3"], "prompt"),
+        (["--devices", "0"], "--devices"),
+        (["--rate", "-1"], "--rate"),
+        (["--batch-limits", "a,b"], "--batch-limits"),
+        (["--write-config", "/nonexistent/dir/plan.yaml"], "--write-config"),
+    ],
+)
+def test_plan_bad_input_exits_2_with_one_sentence(tmp_path, args, words):
+    prof = tmp_path / "h200.json"
+    prof.write_text(json.dumps(h200_dict()))
+    base = {"--profile": str(prof), "--workload": "prompt=128,output=8", "--slo": "ttft:200ms"}
+    for k, v in zip(args[::2], args[1::2], strict=True):
+        base[k] = v
+    p = cli("plan", *[x for kv in base.items() for x in kv])
+    assert p.returncode == 2
+    assert words in p.stderr and len(p.stderr.strip().splitlines()) == 1
+
+
+def test_plan_refuses_a_profile_of_another_schema(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"schema": "distserve-profile", "version": 99}))
+    p = cli("plan", "--profile", str(bad), "--workload", "prompt=8,output=8", "--slo", "ttft:1s")
+    assert p.returncode == 2 and "version 99" in p.stderr
+
+
+def test_profile_bad_device_exits_2(tmp_path):
+    p = cli("profile", "--device", "tpu", "--out", str(tmp_path / "x.json"))
+    assert p.returncode == 2 and p.stderr.count("\n") == 1
