@@ -16,6 +16,7 @@ from typing import Any
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from server.launchers.ray_controller import remote_controller
 from server.launchers.ray_placement import RaySpec
@@ -35,9 +36,18 @@ def serve(spec: RaySpec, address: str | None, ready_file: str | None) -> int:
     from server.router.main import write_ready_file
 
     connect(address, spec.namespace, quiet=False)
-    spec = RaySpec(**{**spec.__dict__, "driver_node_id": ray.get_runtime_context().get_node_id()})
-    try:
-        controller = remote_controller().options(name=spec.deployment, namespace=spec.namespace).remote(spec)
+    node_id = ray.get_runtime_context().get_node_id()
+    spec = RaySpec(**{**spec.__dict__, "driver_node_id": node_id})
+    try:  # the controller (and by default the router) live on this node: losing another node spares them
+        controller = (
+            remote_controller()
+            .options(
+                name=spec.deployment,
+                namespace=spec.namespace,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+            )
+            .remote(spec)
+        )
     except ValueError:
         print(
             f"distserve: error: a deployment named {spec.deployment!r} already runs in Ray namespace "

@@ -64,6 +64,7 @@ class WorkerInfo:
     inflight: int = 0  # requests routed here and not finished, counted from the moment of the pick
     joined_at: float = field(default_factory=time.monotonic)  # when this process registered
     first_pick_at: float | None = None  # when the router first routed a request to it
+    last_pick_at: float = 0.0  # when it was last picked (0: never): breaks ties between equal loads
     waiters: set = field(default_factory=set)  # Waiter objects of calls in flight to this worker
 
     @property
@@ -151,6 +152,7 @@ class WorkerRegistry:
             else:
                 info.inflight, info.waiters = old.inflight, old.waiters
                 info.joined_at, info.first_pick_at = old.joined_at, old.first_pick_at
+                info.last_pick_at = old.last_pick_at
                 if old.state == DRAINING:  # the same process registering again (router restarted) still leaves
                     info.state = DRAINING
         self.workers[req.worker_id] = info
@@ -230,9 +232,12 @@ class WorkerRegistry:
         candidates = [w for w in self.healthy(role) if w.worker_id not in exclude]
         if not candidates:
             return None
-        best = min(candidates, key=lambda w: (w.load(), w.worker_id))
+        # Ties (idle workers, light load) go to the least recently picked: a worker that just joined gets
+        # the next request instead of waiting until every older one is busy, and idle workers take turns.
+        best = min(candidates, key=lambda w: (w.load(), w.last_pick_at, w.worker_id))
+        best.last_pick_at = time.monotonic()
         if best.first_pick_at is None:
-            best.first_pick_at = time.monotonic()
+            best.first_pick_at = best.last_pick_at
         return best
 
     def mode(self) -> str | None:

@@ -116,9 +116,9 @@ class RayCluster:
 
     def wait_nodes(self, alive: int, timeout_s: float = 120.0) -> list[dict]:
         """Block until ``alive`` nodes are registered and alive (asked through a short-lived driver)."""
-        code = ("import json, ray; ray.init(address=%r, logging_level='ERROR', log_to_driver=False); "
+        code = (f"import json, ray; ray.init(address={self.address!r}, logging_level='ERROR', log_to_driver=False); "
                 "print(json.dumps([{'ip': n['NodeManagerAddress'], 'alive': n['Alive'], 'resources': n['Resources']}"
-                " for n in ray.nodes()]))" % self.address)
+                " for n in ray.nodes()]))")
         deadline = time.monotonic() + timeout_s
         last = ""
         while time.monotonic() < deadline:

@@ -99,10 +99,11 @@ class Deployment:
         return json.loads(r.stdout)
 
     def load(self, name: str, duration_s: int) -> tuple[subprocess.Popen, Path]:
+        """Closed loop, 4 users: every worker has requests in flight whenever a scale or a kill hits it."""
         out = self.root / f"{name}.json"
         proc = subprocess.Popen(
-            [sys.executable, "-m", "distbench.cli", "run", "--url", self.url, "--request-rate", "3",
-             "--duration", str(duration_s), "--prompt-len", "24", "--output-len", "24", "--timeout", "120",
+            [sys.executable, "-m", "distbench.cli", "run", "--url", self.url, "--concurrency", "4",
+             "--duration", str(duration_s), "--prompt-len", "24", "--output-len", "48", "--timeout", "120",
              "--no-progress", "--save-result", str(out)],
             cwd=REPO, env=self.cluster.env, stdout=open(self.root / f"{name}.log", "wb"),  # noqa: SIM115
             stderr=subprocess.STDOUT, start_new_session=True)
