@@ -223,7 +223,7 @@ class DeploymentController:
             m.where = await m.actor.start.remote(argv, env, s.config_yaml)  # waits for a node with the resources
         except RayActorError as e:
             if m.state == "pending":
-                await self._on_lost(m, None, f"its Ray actor was lost before it started ({type(e).__name__})")
+                await self._on_lost(m, None, f"was lost with its Ray actor before it started ({type(e).__name__})")
             return
         if m.state != "pending":  # retired while it waited for a node
             return

@@ -130,7 +130,12 @@ def deployment(cluster, tmp_path_factory):
         print((d.root / "serve.log").read_text()[-3000:])
 
 
-def _finished(proc: subprocess.Popen, out: Path) -> dict:
+def _finished(proc: subprocess.Popen, out: Path, stop: bool = False) -> dict:
+    """distbench's result, asserting no request failed; ``stop``: end the load now (SIGTERM: distbench
+    stops sending and lets the requests in flight finish)."""
+    if stop:
+        assert proc.poll() is None, "the load ended before the test was done with it"
+        proc.send_signal(signal.SIGTERM)
     assert proc.wait(300) == 0 or out.exists(), f"distbench exited {proc.returncode}"
     result = json.loads(out.read_text())
     errors = [e for e in result["errors"] if e]
@@ -158,7 +163,7 @@ def test_workers_land_where_their_resources_ask(deployment):
 
 
 def test_scale_up_and_down_under_load_loses_no_request(deployment):
-    proc, out = deployment.load("scale", 45)
+    proc, out = deployment.load("scale", 900)  # stopped below, once every scale step is done
     time.sleep(4)
     up = deployment.scale("--prefill", "2")
     assert [w["worker_id"] for w in up["joined"]] == ["prefill-1"] and up["layout"]["prefill"] == 2
@@ -173,11 +178,13 @@ def test_scale_up_and_down_under_load_loses_no_request(deployment):
     assert set(left) == {"prefill-1", "decode-1"}  # the newest of each pool leave
     for w in left.values():  # drained: idle before it left (not cut by the timeout), no KV block held
         assert w["idle"] and w["kv_blocks_used"] == 0 and w["exit_status"] == 0, w
+    print("drains: " + ", ".join(f"{w['worker_id']} {w['seconds']} s" for w in left.values()))
     assert down["layout"] == {"prefill": 1, "decode": 1}
     assert {w["worker_id"] for w in deployment.workers()} == {"prefill-0", "decode-0"}
     again = deployment.scale("--decode", "2")
     assert [w["worker_id"] for w in again["joined"]] == ["decode-2"]
-    result = _finished(proc, out)
+    time.sleep(2)
+    result = _finished(proc, out, stop=True)
     print(f"scale under load: {result['completed']} requests completed, {result['failed']} failed")
     _wait(lambda: _idle(deployment), "every worker idle with no KV block in use after the load", 60)
 
@@ -204,7 +211,8 @@ def test_losing_a_node_mid_load_loses_no_request_and_the_worker_is_replaced(depl
         return w if w["state"] == "running" else None
 
     w = _wait(replaced, "the replacement to register from the third node", 300, every=2)
-    assert w["node_ip"] == "127.0.0.4" and w["restart_count"] == 1
+    # >= 1: a first replacement may be sent to the dead node before Ray has declared it dead
+    assert w["node_ip"] == "127.0.0.4" and w["restart_count"] >= 1
     router = {x["worker_id"]: x for x in deployment.workers()}
     assert router[lost_id]["healthy"] and router[lost_id]["url"].startswith("http://127.0.0.4:")
     proc, out = deployment.load("after_replacement", 5)
