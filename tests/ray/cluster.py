@@ -109,6 +109,7 @@ class RayCluster:
     def start_head(self, num_cpus: int, resources: dict) -> RayNode:
         self.port = free_port()
         return self._start("head", "127.0.0.2", ["--head", f"--port={self.port}", "--include-dashboard=false",
+                                                 f"--dashboard-port={free_port()}",
                                                  f"--temp-dir={self.root / 'tmp'}"], num_cpus, resources)
 
     def add_node(self, name: str, ip: str, num_cpus: int, resources: dict) -> RayNode:
