@@ -266,7 +266,13 @@ class DeploymentController:
         recent = [t for t in m.restarts if now - t <= self.policy.window_s]
         if rc in PERMANENT_EXITS or not self.policy.enabled or len(recent) >= self.policy.max_restarts:
             m.state = "failed"
-            reason = PERMANENT_EXITS.get(rc, "restarts are off" if not self.policy.enabled else "crash loop")
+            reason = (
+                PERMANENT_EXITS[rc]
+                if rc in PERMANENT_EXITS
+                else "restarts are off"
+                if not self.policy.enabled
+                else "crash loop"
+            )
             await self._report_dead(m.worker_id, f"{why}; not restarted: {reason}")
             self._event(f"worker {m.worker_id} {why}; not restarting it ({reason})")
             return
@@ -307,6 +313,7 @@ class DeploymentController:
             self._event(f"worker {m.worker_id} cancelled before it served ({before})")
             return {"worker_id": m.worker_id, "idle": True, "detail": f"cancelled while {before}"}
         self._event(f"worker {m.worker_id} draining")
+        assert self.url is not None  # workers exist only after the router started
         result = (await drain_worker(self.url, self.spec.token, m.worker_id, self.spec.drain_timeout_s)).to_dict()
         m.state = "stopping"
         result["exit_status"] = await self._stop_actor(m.actor)

@@ -8,6 +8,7 @@ connects to the same cluster and namespace, finds the controller by name and ask
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
@@ -27,7 +28,7 @@ def connect(address: str | None, namespace: str, quiet: bool) -> None:
     ray.init(
         address=address or os.environ.get("RAY_ADDRESS") or "auto",
         namespace=namespace,
-        logging_level="ERROR" if quiet else "WARNING",
+        logging_level=logging.ERROR if quiet else logging.WARNING,
         log_to_driver=not quiet,
     )
 

@@ -36,7 +36,7 @@ def session_pids(sid: int) -> list[int]:
             stat = Path(f"/proc/{entry}/stat").read_text()
         except OSError:
             continue
-        fields_ = stat[stat.rindex(")") + 2:].split()
+        fields_ = stat[stat.rindex(")") + 2 :].split()
         if int(fields_[3]) == sid:  # state ppid pgrp session ...
             pids.append(int(entry))
     return pids
@@ -92,42 +92,65 @@ class RayCluster:
 
     def _start(self, name: str, ip: str, args: list[str], num_cpus: int, resources: dict) -> RayNode:
         log = self.root / f"{name}.log"
-        cmd = [str(Path(sys.executable).parent / "ray"), "start", "--block", f"--node-ip-address={ip}",
-               f"--num-cpus={num_cpus}", "--resources", json.dumps(resources), "--disable-usage-stats",
-               f"--node-manager-port={free_port()}", f"--object-manager-port={free_port()}",
-               f"--min-worker-port={free_port()}", "--max-worker-port=0",
-               f"--metrics-export-port={free_port()}", f"--dashboard-agent-listen-port={free_port()}",
-               f"--dashboard-agent-grpc-port={free_port()}", f"--runtime-env-agent-port={free_port()}",
-               "--object-store-memory=80000000", *args]
+        cmd = [
+            str(Path(sys.executable).parent / "ray"),
+            "start",
+            "--block",
+            f"--node-ip-address={ip}",
+            f"--num-cpus={num_cpus}",
+            "--resources",
+            json.dumps(resources),
+            "--disable-usage-stats",
+            f"--node-manager-port={free_port()}",
+            f"--object-manager-port={free_port()}",
+            f"--min-worker-port={free_port()}",
+            "--max-worker-port=0",
+            f"--metrics-export-port={free_port()}",
+            f"--dashboard-agent-listen-port={free_port()}",
+            f"--dashboard-agent-grpc-port={free_port()}",
+            f"--runtime-env-agent-port={free_port()}",
+            "--object-store-memory=80000000",
+            *args,
+        ]
         with open(log, "ab") as out:
-            proc = subprocess.Popen(cmd, env=self.env, stdout=out, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
+            proc = subprocess.Popen(cmd, env=self.env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         node = RayNode(name, ip, proc, log)
         self.nodes.append(node)
         return node
 
     def start_head(self, num_cpus: int, resources: dict) -> RayNode:
         self.port = free_port()
-        return self._start("head", "127.0.0.2", ["--head", f"--port={self.port}", "--include-dashboard=false",
-                                                 f"--dashboard-port={free_port()}",
-                                                 f"--temp-dir={self.root / 'tmp'}"], num_cpus, resources)
+        return self._start(
+            "head",
+            "127.0.0.2",
+            [
+                "--head",
+                f"--port={self.port}",
+                "--include-dashboard=false",
+                f"--dashboard-port={free_port()}",
+                f"--temp-dir={self.root / 'tmp'}",
+            ],
+            num_cpus,
+            resources,
+        )
 
     def add_node(self, name: str, ip: str, num_cpus: int, resources: dict) -> RayNode:
         return self._start(name, ip, [f"--address={self.address}"], num_cpus, resources)
 
     def wait_nodes(self, alive: int, timeout_s: float = 120.0) -> list[dict]:
         """Block until ``alive`` nodes are registered and alive (asked through a short-lived driver)."""
-        code = (f"import json, ray; ray.init(address={self.address!r}, logging_level='ERROR', log_to_driver=False); "
-                "print(json.dumps([{'ip': n['NodeManagerAddress'], 'alive': n['Alive'], 'resources': n['Resources']}"
-                " for n in ray.nodes()]))")
+        code = (
+            f"import json, ray; ray.init(address={self.address!r}, logging_level='ERROR', log_to_driver=False); "
+            "print(json.dumps([{'ip': n['NodeManagerAddress'], 'alive': n['Alive'], 'resources': n['Resources']}"
+            " for n in ray.nodes()]))"
+        )
         deadline = time.monotonic() + timeout_s
         last = ""
         while time.monotonic() < deadline:
             for n in self.nodes:
                 if n.proc.poll() is not None and n.name == "head":
                     raise RuntimeError(f"ray head exited: {n.log.read_text()[-2000:]}")
-            r = subprocess.run([sys.executable, "-c", code], env=self.env, capture_output=True, text=True,
-                               timeout=120)
+            r = subprocess.run([sys.executable, "-c", code], env=self.env, capture_output=True, text=True, timeout=120)
             last = r.stderr[-1000:]
             if r.returncode == 0:
                 nodes = json.loads(r.stdout.strip().splitlines()[-1])

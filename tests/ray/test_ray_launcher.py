@@ -79,11 +79,36 @@ class Deployment:
         self.ready = root / "ready.json"
         self.log = open(root / "serve.log", "wb")  # noqa: SIM115 - open while the process runs
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "server.cli", "serve", "--launcher", "ray", "--address", cluster.address,
-             "--config", str(root / "config.yaml"), "--port", "0", "--prefill", "1", "--decode", "2",
-             "--prefill-resources", '{"prefill_node": 1}', "--decode-resources", '{"decode_node": 1}',
-             "--ready-file", str(self.ready)],
-            cwd=REPO, env=cluster.env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+            [
+                sys.executable,
+                "-m",
+                "server.cli",
+                "serve",
+                "--launcher",
+                "ray",
+                "--address",
+                cluster.address,
+                "--config",
+                str(root / "config.yaml"),
+                "--port",
+                "0",
+                "--prefill",
+                "1",
+                "--decode",
+                "2",
+                "--prefill-resources",
+                '{"prefill_node": 1}',
+                "--decode-resources",
+                '{"decode_node": 1}',
+                "--ready-file",
+                str(self.ready),
+            ],
+            cwd=REPO,
+            env=cluster.env,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         _wait(lambda: self.ready.exists() or self.proc.poll() is not None, "the deployment", 400)
         assert self.proc.poll() is None, (root / "serve.log").read_text()[-4000:]
         info = json.loads(self.ready.read_text())
@@ -93,8 +118,14 @@ class Deployment:
         return _get(f"{self.url}/v1/workers", self.token)["workers"]
 
     def scale(self, *args: str) -> dict:
-        r = subprocess.run([sys.executable, "-m", "server.cli", "scale", "--address", self.cluster.address, *args],
-                           cwd=REPO, env=self.cluster.env, capture_output=True, text=True, timeout=600)
+        r = subprocess.run(
+            [sys.executable, "-m", "server.cli", "scale", "--address", self.cluster.address, *args],
+            cwd=REPO,
+            env=self.cluster.env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert r.returncode == 0, f"scale {args}: {r.returncode}\n{r.stdout}\n{r.stderr[-3000:]}"
         return json.loads(r.stdout)
 
@@ -102,11 +133,33 @@ class Deployment:
         """Closed loop, 4 users: every worker has requests in flight whenever a scale or a kill hits it."""
         out = self.root / f"{name}.json"
         proc = subprocess.Popen(
-            [sys.executable, "-m", "distbench.cli", "run", "--url", self.url, "--concurrency", "4",
-             "--duration", str(duration_s), "--prompt-len", "24", "--output-len", "48", "--timeout", "120",
-             "--no-progress", "--save-result", str(out)],
-            cwd=REPO, env=self.cluster.env, stdout=open(self.root / f"{name}.log", "wb"),  # noqa: SIM115
-            stderr=subprocess.STDOUT, start_new_session=True)
+            [
+                sys.executable,
+                "-m",
+                "distbench.cli",
+                "run",
+                "--url",
+                self.url,
+                "--concurrency",
+                "4",
+                "--duration",
+                str(duration_s),
+                "--prompt-len",
+                "24",
+                "--output-len",
+                "48",
+                "--timeout",
+                "120",
+                "--no-progress",
+                "--save-result",
+                str(out),
+            ],
+            cwd=REPO,
+            env=self.cluster.env,
+            stdout=open(self.root / f"{name}.log", "wb"),  # noqa: SIM115
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         return proc, out
 
     def stop(self) -> None:
@@ -146,8 +199,10 @@ def _finished(proc: subprocess.Popen, out: Path, stop: bool = False) -> dict:
 
 def _idle(d: Deployment) -> bool:
     ws = d.workers()
-    return all(w["state"] == "healthy" and w["inflight"] == 0 and w["kv_blocks_used"] == 0
-               and w["num_staged_kv"] == 0 for w in ws)
+    return all(
+        w["state"] == "healthy" and w["inflight"] == 0 and w["kv_blocks_used"] == 0 and w["num_staged_kv"] == 0
+        for w in ws
+    )
 
 
 def test_workers_land_where_their_resources_ask(deployment):
@@ -168,11 +223,19 @@ def test_scale_up_and_down_under_load_loses_no_request(deployment):
     up = deployment.scale("--prefill", "2")
     assert [w["worker_id"] for w in up["joined"]] == ["prefill-1"] and up["layout"]["prefill"] == 2
     assert up["joined"][0]["node_ip"] == "127.0.0.2"
-    _wait(lambda: next(w for w in deployment.workers() if w["worker_id"] == "prefill-1")["join_to_first_request_ms"]
-          is not None, "a request routed to the new prefill worker", 60)
+    _wait(
+        lambda: (
+            next(w for w in deployment.workers() if w["worker_id"] == "prefill-1")["join_to_first_request_ms"]
+            is not None
+        ),
+        "a request routed to the new prefill worker",
+        60,
+    )
     joined = next(w for w in deployment.workers() if w["worker_id"] == "prefill-1")
-    print(f"join-to-first-request prefill-1: {joined['join_to_first_request_ms']} ms; "
-          f"scale call to registered: {up['joined'][0]['start_to_registered_s']} s")
+    print(
+        f"join-to-first-request prefill-1: {joined['join_to_first_request_ms']} ms; "
+        f"scale call to registered: {up['joined'][0]['start_to_registered_s']} s"
+    )
     down = deployment.scale("--prefill", "1", "--decode", "1")
     left = {w["worker_id"]: w for w in down["left"]}
     assert set(left) == {"prefill-1", "decode-1"}  # the newest of each pool leave
@@ -202,8 +265,14 @@ def test_losing_a_node_mid_load_loses_no_request_and_the_worker_is_replaced(depl
     result = _finished(proc, out)
     print(f"node loss under load: {result['completed']} requests completed, {result['failed']} failed")
     # no other node offers decode_node: the replacement waits for one; a third node joins and gets it
-    _wait(lambda: next(w for w in deployment.scale()["workers"] if w["worker_id"] == lost_id)["state"]
-          in ("pending", "restarting"), "the lost worker to wait for a node", 120)
+    _wait(
+        lambda: (
+            next(w for w in deployment.scale()["workers"] if w["worker_id"] == lost_id)["state"]
+            in ("pending", "restarting")
+        ),
+        "the lost worker to wait for a node",
+        120,
+    )
     cluster.add_node("node3", "127.0.0.4", num_cpus=4, resources={"decode_node": 1})
 
     def replaced():

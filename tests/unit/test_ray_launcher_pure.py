@@ -41,13 +41,16 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "server.cli", *args], capture_output=True, text=True, timeout=120)
 
 
-@pytest.mark.parametrize("args, says", [
-    (["scale", "--prefill", "0"], "--prefill must be >= 1"),
-    (["scale", "--decode", "-1"], "--decode must be >= 1"),
-    (["scale", "--decode-resources", "x"], None),  # not a scale flag: argparse's own exit 2
-    (["serve", "--launcher", "ray", "--prefill-resources", "[1]"], "--prefill-resources: resources must"),
-    (["serve", "--launcher", "ray", "--devices", "cuda:0,cuda:1"], "--devices and --log-dir are for the local"),
-])
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["scale", "--prefill", "0"], "--prefill must be >= 1"),
+        (["scale", "--decode", "-1"], "--decode must be >= 1"),
+        (["scale", "--decode-resources", "x"], None),  # not a scale flag: argparse's own exit 2
+        (["serve", "--launcher", "ray", "--prefill-resources", "[1]"], "--prefill-resources: resources must"),
+        (["serve", "--launcher", "ray", "--devices", "cuda:0,cuda:1"], "--devices and --log-dir are for the local"),
+    ],
+)
 def test_usage_errors_exit_2_with_one_sentence(args, says):
     r = _cli(*args)
     assert r.returncode == 2, r.stderr
@@ -56,8 +59,10 @@ def test_usage_errors_exit_2_with_one_sentence(args, says):
 
 
 def test_ray_is_imported_only_by_the_ray_launcher_and_its_absence_is_one_sentence():
-    code = ("import sys; import server.cli; assert 'ray' not in sys.modules, 'ray imported by the CLI'; "
-            "sys.modules['ray'] = None; sys.exit(server.cli.main(%r))")
+    code = (
+        "import sys; import server.cli; assert 'ray' not in sys.modules, 'ray imported by the CLI'; "
+        "sys.modules['ray'] = None; sys.exit(server.cli.main(%r))"
+    )
     for argv in (["scale", "--decode", "2"], ["serve", "--launcher", "ray"]):
         r = subprocess.run([sys.executable, "-c", code % argv], capture_output=True, text=True, timeout=120)
         assert r.returncode == 2 and "pip install 'distserve[ray]'" in r.stderr, r.stderr

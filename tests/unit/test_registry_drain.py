@@ -11,8 +11,9 @@ from server.wire import RegisterRequest, WorkerStatus
 
 
 def _reg(wid: str, role: str = "decode", pid: int = 1) -> RegisterRequest:
-    return RegisterRequest(worker_id=wid, role=role, url=f"http://127.0.0.1:1/{wid}", pid=pid,
-                           fingerprint={"m": 1}, max_model_len=128)
+    return RegisterRequest(
+        worker_id=wid, role=role, url=f"http://127.0.0.1:1/{wid}", pid=pid, fingerprint={"m": 1}, max_model_len=128
+    )
 
 
 def test_a_draining_worker_is_never_picked_even_when_it_heartbeats_or_reregisters():
