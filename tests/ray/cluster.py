@@ -3,8 +3,9 @@
 Each node is a ``ray start --block`` process started in a session of its own, bound to its own loopback
 address (127.0.0.2, 127.0.0.3, ...: Ray rewrites 127.0.0.1 to the machine's outward address, any other
 127/8 address it keeps), with free ports and a temp dir under the test's tmp_path. Stopping a node kills
-exactly the processes of its session (the raylet, GCS, Ray's worker processes and the distserve processes
-they started), by PID: never ``ray stop``, which kills every Ray process of the user on the machine.
+exactly the processes of its session (the raylet, GCS, Ray's worker processes), by PID: never ``ray stop``,
+which kills every Ray process of the user on the machine. The distserve processes those actors started
+run in sessions of their own and exit within a second of their actor (they watch its PID).
 """
 
 from __future__ import annotations
