@@ -88,7 +88,11 @@ def serve_on_ray(args, cfg: DistServeConfig) -> int:
         restart_window_s=args.restart_window_s,
         restart=args.restart == "always",
     )
-    return ray_serve.serve(spec, cfg.ray.address, args.ready_file)
+    try:
+        return ray_serve.serve(spec, cfg.ray.address, args.ready_file)
+    except ray_serve.ClusterUnreachable as e:
+        print(f"distserve: error: {e}", file=sys.stderr)
+        return 1
 
 
 def cmd_scale(args) -> int:
@@ -106,7 +110,11 @@ def cmd_scale(args) -> int:
         return usage_error(NEEDS_RAY)
     from server.launchers import ray_serve
 
-    controller = ray_serve.find_controller(cfg.ray.address, cfg.ray.namespace, cfg.ray.deployment)
+    try:
+        controller = ray_serve.find_controller(cfg.ray.address, cfg.ray.namespace, cfg.ray.deployment)
+    except ray_serve.ClusterUnreachable as e:
+        print(f"distserve: error: {e}", file=sys.stderr)
+        return 1
     if controller is None:
         print(
             f"distserve: error: no deployment named {cfg.ray.deployment!r} in Ray namespace "

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import sys
 import time
 from typing import Any
@@ -23,14 +24,34 @@ from server.launchers.ray_controller import remote_controller
 from server.launchers.ray_placement import RaySpec
 
 
+class ClusterUnreachable(Exception):
+    """No Ray cluster answers at the address (one sentence, for the CLI)."""
+
+
 def connect(address: str | None, namespace: str, quiet: bool) -> None:
-    """Join the cluster as a driver (``address`` None: $RAY_ADDRESS, else the cluster on this machine)."""
-    ray.init(
-        address=address or os.environ.get("RAY_ADDRESS") or "auto",
-        namespace=namespace,
-        logging_level=logging.ERROR if quiet else logging.WARNING,
-        log_to_driver=not quiet,
-    )
+    """Join the cluster as a driver (``address`` None: $RAY_ADDRESS, else the cluster on this machine).
+
+    A HOST:PORT that does not accept connections fails in seconds with ``ClusterUnreachable``;
+    ``ray.init`` alone would retry for minutes."""
+    address = address or os.environ.get("RAY_ADDRESS") or "auto"
+    host, _, port = address.rpartition(":")
+    if host and port.isdigit() and "://" not in address:
+        try:
+            socket.create_connection((host, int(port)), timeout=5).close()
+        except OSError as e:
+            raise ClusterUnreachable(
+                f"no Ray cluster answers at {address} ({e.strerror or e}); start one with "
+                f"`ray start --head` or pass --address HEAD_IP:PORT"
+            ) from None
+    try:
+        ray.init(
+            address=address,
+            namespace=namespace,
+            logging_level=logging.ERROR if quiet else logging.WARNING,
+            log_to_driver=not quiet,
+        )
+    except ConnectionError as e:
+        raise ClusterUnreachable(f"cannot connect to a Ray cluster at {address}: {str(e).splitlines()[0]}") from None
 
 
 def serve(spec: RaySpec, address: str | None, ready_file: str | None) -> int:
