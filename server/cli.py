@@ -11,7 +11,7 @@ import logging
 import os
 import sys
 
-from server.commands import harness, planner, serve, tools
+from server.commands import cluster, harness, planner, serve, tools
 from server.commands.common import LOG_LEVEL_ENV, Parser
 
 __all__ = ["LOG_LEVEL_ENV", "build_parser", "main"]
@@ -43,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_parsers(sub)
     harness.add_parsers(sub)
     planner.add_parsers(sub)
+    cluster.add_parsers(sub)
     return parser
 
 

@@ -30,6 +30,7 @@ __all__ = [
     "DistServeConfig",
     "KVTransferConfig",
     "PrefillConfig",
+    "RayConfig",
     "RouterConfig",
     "load_config",
 ]
@@ -44,7 +45,7 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class _Spec:
-    kind: str  # int | float | bool | str | enum | url_list
+    kind: str  # int | float | bool | str | enum | url_list | resources
     lo: float | None = None
     hi: float | None = None
     lo_open: bool = False
@@ -70,6 +71,7 @@ _KIND_NAMES = {
     "bool": "a boolean (true/false)",
     "str": "a string",
     "url_list": "a list of strings",
+    "resources": "a mapping of resource names to amounts >= 0",
 }
 
 _MS_MAX = 3_600_000  # one hour, in milliseconds
@@ -95,6 +97,14 @@ def _validate(key: str, s: _Spec, v: Any) -> Any:
     """Return ``v`` normalised (int/float/tuple) or raise ConfigError."""
     if v is None and s.nullable:
         return None
+    if s.kind == "resources":  # Ray resources, e.g. {prefill_node: 1, GPU: 1}: kept as sorted (name, amount) pairs
+        items = v.items() if isinstance(v, Mapping) else v if isinstance(v, tuple) else None
+        ok = items is not None and all(
+            isinstance(kv, tuple) and len(kv) == 2 and isinstance(kv[0], str) and kv[0]
+            and isinstance(kv[1], numbers.Real) and not isinstance(kv[1], bool) and kv[1] >= 0 for kv in items)
+        if not ok:
+            raise ConfigError(f"{key!r} must be {_KIND_NAMES[s.kind]}, got {_describe(v)}")
+        return tuple(sorted((k, float(n)) for k, n in items))
     if s.kind == "enum":
         if not isinstance(v, str) or v not in s.choices:
             raise ConfigError(f"{key!r} must be one of {', '.join(s.choices)}; got {v!r}")
@@ -184,7 +194,12 @@ class _Section:
         out: dict[str, Any] = {}
         for f in fields(self):
             v = getattr(self, f.name)
-            out[f.name] = v.to_dict() if isinstance(v, _Section) else list(v) if isinstance(v, tuple) else v
+            if isinstance(v, _Section):
+                out[f.name] = v.to_dict()
+            elif f.metadata["spec"].kind == "resources":
+                out[f.name] = dict(v)
+            else:
+                out[f.name] = list(v) if isinstance(v, tuple) else v
         return out
 
 
@@ -278,6 +293,45 @@ class RouterConfig(_Section):
     breaker: BreakerConfig = _sub(BreakerConfig)
 
 
+
+
+@dataclass(frozen=True)
+class RayRouterPool(_Section):
+    """What the router's Ray actor asks for (``distserve serve --launcher ray``). ``resources`` are Ray
+    resources: custom ones a node was started with (``ray start --resources '{"prefill_node": 4}'``),
+    plus ``CPU`` and ``GPU``. Empty: one CPU, on the node that runs ``distserve serve``."""
+    _section: ClassVar[str] = "ray.router"
+    resources: tuple[tuple[str, float], ...] = _opt((), "resources")
+
+
+@dataclass(frozen=True)
+class RayPrefillPool(_Section):
+    """What each prefill worker's Ray actor asks for; ``CPU`` defaults to 1, ``GPU`` to 1 on CUDA."""
+    _section: ClassVar[str] = "ray.prefill"
+    resources: tuple[tuple[str, float], ...] = _opt((), "resources")
+
+
+@dataclass(frozen=True)
+class RayDecodePool(_Section):
+    """What each decode (or colocated) worker's Ray actor asks for; as ``ray.prefill``."""
+    _section: ClassVar[str] = "ray.decode"
+    resources: tuple[tuple[str, float], ...] = _opt((), "resources")
+
+
+@dataclass(frozen=True)
+class RayConfig(_Section):
+    """``distserve serve --launcher ray`` and ``distserve scale``; ignored by the local launcher."""
+    _section: ClassVar[str] = "ray"
+    address: str | None = _opt(None, "str", nullable=True)  # None = $RAY_ADDRESS, else the local cluster
+    namespace: str = _opt("distserve", "str")
+    deployment: str = _opt("distserve", "str")  # name of the controller actor that `distserve scale` finds
+    drain_timeout_s: float = _opt(120.0, "float", lo=0, lo_open=True)  # then the rest migrate
+    start_timeout_s: float = _opt(300.0, "float", lo=0, lo_open=True)  # a worker placed, loaded, registered
+    router: RayRouterPool = _sub(RayRouterPool)
+    prefill: RayPrefillPool = _sub(RayPrefillPool)
+    decode: RayDecodePool = _sub(RayDecodePool)
+
+
 @dataclass(frozen=True)
 class DistServeConfig(_Section):
     model: str | None = _opt(None, "str", nullable=True)  # None = built-in tiny model
@@ -286,6 +340,7 @@ class DistServeConfig(_Section):
     cache: CacheConfig = _sub(CacheConfig)
     kv_transfer: KVTransferConfig = _sub(KVTransferConfig)
     router: RouterConfig = _sub(RouterConfig)
+    ray: RayConfig = _sub(RayConfig)
 
 
 # -------------------------------------------------------------------------- loading

@@ -37,7 +37,7 @@ class RouterMetrics:
         self.kv_transfer_bytes = Counter("distserve_kv_transfer_bytes", "KV bytes moved prefill → decode.",
                                          ["transport"], registry=r)
         self.running = Gauge("distserve_num_requests_running", "Requests in flight at the router.", registry=r)
-        self.workers = Gauge("distserve_workers", "Registered workers by state (healthy, stale, suspect, dead).",
+        self.workers = Gauge("distserve_workers", "Registered workers by state (healthy ... dead, draining).",
                              ["role", "health"], registry=r)
         self.worker_restarts = Gauge("distserve_worker_restarts", "Times the launcher restarted this worker.",
                                      ["worker_id", "role"], registry=r)

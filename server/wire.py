@@ -74,6 +74,12 @@ class DeregisterRequest(BaseModel):
     """A worker leaving (no reason: forget it), or the launcher reporting its exit (reason: list it dead)."""
     worker_id: str = Field(min_length=1, max_length=128)
     reason: str | None = Field(default=None, max_length=256)
+    pid: int | None = None  # a worker's own goodbye: forget the entry only while it is still this process's
+
+
+class DrainRequest(BaseModel):
+    """Take a worker out of rotation before it leaves (scale-down); its requests in flight continue."""
+    worker_id: str = Field(min_length=1, max_length=128)
 
 
 class WorkerStatus(BaseModel):

@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+from server.commands.cluster import add_serve_flags
 from server.commands.common import admin_token, load_args_config, usage_error
 from server.config import ConfigError, DistServeConfig
 from server.launcher import TOKEN_ENV, Launcher, RestartPolicy, parse_devices
@@ -30,6 +31,9 @@ def cmd_serve(args) -> int:
         return usage_error(str(e))
     if args.max_restarts < 0 or args.restart_window_s <= 0:
         return usage_error("--max-restarts must be >= 0 and --restart-window-s > 0")
+    if args.launcher == "ray":  # workers on other nodes: no local port or device to check here
+        from server.commands.cluster import serve_on_ray
+        return serve_on_ray(args, cfg)
     problem = device_problem(list(devices) or [args.device]) or port_problem(cfg.router.host, cfg.router.port)
     if problem:
         return usage_error(problem)
@@ -195,6 +199,7 @@ def add_parsers(sub) -> None:
                    help="a worker that needs more restarts than this within --restart-window-s is a crash "
                         "loop: reported and left stopped")
     p.add_argument("--restart-window-s", type=float, default=60.0, help="see --max-restarts")
+    add_serve_flags(p)
     p.set_defaults(handler=cmd_serve)
 
     p = sub.add_parser("router", help="run the HTTP router alone",

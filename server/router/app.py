@@ -35,11 +35,11 @@ from server.router.failover import PoolHeaderMiddleware, maybe_backup
 from server.router.limits import BodyLimit
 from server.router.pipeline import EngineRequest, NoWorkersError, Pipeline, PipelineOptions, TokenEvent
 from server.router.protocol import InvalidRequest
-from server.router.registry import RegistrationRefused, WorkerRegistry
+from server.router.registry import STATES, RegistrationRefused, WorkerRegistry
 from server.router.sampling_defaults import default_sampling
 from server.router.sla_live import Finished, SlaLive
 from server.router.text import TextAssembler
-from server.wire import DeregisterRequest, HeartbeatRequest, InternalSampling, RegisterRequest
+from server.wire import DeregisterRequest, DrainRequest, HeartbeatRequest, InternalSampling, RegisterRequest
 
 log = logging.getLogger(__name__)
 
@@ -229,7 +229,21 @@ def create_router_app(state: RouterState) -> FastAPI:
             if marked:
                 log.warning("worker %s marked dead: %s", req.worker_id, req.reason)
             return {"deregistered": marked}
-        return {"deregistered": state.registry.deregister(req.worker_id)}
+        return {"deregistered": state.registry.deregister(req.worker_id, req.pid)}
+
+    @app.post("/drain")
+    async def drain(request: Request):
+        """Scale-down, step one: no new request goes to this worker; the caller waits for it to go idle."""
+        if not authorized(request):
+            return _error(401, "missing or wrong bearer token")
+        try:
+            req = DrainRequest.model_validate(await json_body(request))
+        except (InvalidRequest, ValueError) as e:
+            return _error(400, f"invalid drain request: {e}")
+        if not state.registry.drain(req.worker_id):
+            return _error(404, f"worker_id: no live worker {req.worker_id!r} is registered")
+        log.info("worker %s draining: out of rotation, its requests in flight continue", req.worker_id)
+        return {"draining": req.worker_id}
 
     @app.get("/v1/workers")
     async def workers(request: Request):
@@ -254,7 +268,7 @@ def create_router_app(state: RouterState) -> FastAPI:
                                  "error": {"message": "no healthy prefill+decode pair or colocated worker",
                                            "type": "service_unavailable", "code": 503}},
                                 status_code=503, headers={"Retry-After": "1"})
-        lost = sum(n for c in counts.values() for st, n in c.items() if st != "healthy")
+        lost = sum(n for c in counts.values() for st, n in c.items() if st not in ("healthy", "draining"))
         return {"status": "degraded" if lost else "ok", "mode": mode, "workers": workers}
 
     @app.get("/metrics")
@@ -263,7 +277,7 @@ def create_router_app(state: RouterState) -> FastAPI:
         reg.sweep()
         for role in ("prefill", "decode", "colocated"):
             c = reg.counts().get(role, {})
-            for st in ("healthy", "stale", "suspect", "dead"):
+            for st in STATES:
                 state.metrics.workers.labels(role, st).set(c.get(st, 0))
         for w in reg.workers.values():
             state.metrics.worker_restarts.labels(w.worker_id, w.role).set(w.restart_count)

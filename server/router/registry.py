@@ -9,7 +9,9 @@ Workers push heartbeats carrying their load. Each worker is in one state:
   heartbeat;
 - ``dead``: its process is gone (connection refused, or the launcher saw it exit); out of rotation
   until it registers again. Its load numbers are no longer reported (``kv_blocks_used: null``), so a
-  leak check never reads a dead worker's last heartbeat as live.
+  leak check never reads a dead worker's last heartbeat as live;
+- ``draining``: leaving on purpose (``POST /drain``, a scale-down): never picked for a new request, its
+  requests in flight continue; heartbeats keep it draining. It leaves the registry when it deregisters.
 
 Every wait on a worker (a prefill answer, the next line of a token stream) is registered with it
 (:meth:`WorkerInfo.watch`). When the worker is dead, those waits fail at once; when it has been
@@ -30,7 +32,8 @@ from typing import Protocol
 
 from server.wire import RegisterRequest, WorkerStatus
 
-HEALTHY, STALE, SUSPECT, DEAD = "healthy", "stale", "suspect", "dead"
+HEALTHY, STALE, SUSPECT, DEAD, DRAINING = "healthy", "stale", "suspect", "dead", "draining"
+STATES = (HEALTHY, STALE, SUSPECT, DEAD, DRAINING)
 
 
 class Waiter(Protocol):
@@ -59,6 +62,9 @@ class WorkerInfo:
     state: str = HEALTHY
     dead_reason: str | None = None
     inflight: int = 0  # requests routed here and not finished, counted from the moment of the pick
+    joined_at: float = field(default_factory=time.monotonic)  # when this process registered
+    first_pick_at: float | None = None  # when the router first routed a request to it
+    last_pick_at: float = 0.0  # when it was last picked (0: never): breaks ties between equal loads
     waiters: set = field(default_factory=set)  # Waiter objects of calls in flight to this worker
 
     @property
@@ -105,6 +111,8 @@ class WorkerInfo:
             "kv_blocks_free": s.kv_blocks_free if live else None,
             "num_staged_kv": s.num_staged_kv if live else None, "fingerprint": self.fingerprint,
             "model_path": self.model_path, "max_model_len": self.max_model_len,
+            "join_to_first_request_ms": (round((self.first_pick_at - self.joined_at) * 1000, 3)
+                                         if self.first_pick_at is not None else None),
         }
 
 
@@ -143,6 +151,10 @@ class WorkerRegistry:
                 old.expire_waiters()
             else:
                 info.inflight, info.waiters = old.inflight, old.waiters
+                info.joined_at, info.first_pick_at = old.joined_at, old.first_pick_at
+                info.last_pick_at = old.last_pick_at
+                if old.state == DRAINING:  # the same process registering again (router restarted) still leaves
+                    info.state = DRAINING
         self.workers[req.worker_id] = info
         return info
 
@@ -152,12 +164,28 @@ class WorkerRegistry:
             return False  # a dead worker that still heartbeats must register again
         info.status = status
         info.last_seen = time.monotonic()
-        info.state = HEALTHY
+        if info.state != DRAINING:
+            info.state = HEALTHY
         return True
 
-    def deregister(self, worker_id: str) -> bool:
-        """A worker leaving on purpose (drain, shutdown): forget it. Its calls in flight finish."""
-        return self.workers.pop(worker_id, None) is not None
+    def deregister(self, worker_id: str, pid: int | None = None) -> bool:
+        """A worker leaving on purpose (drain, shutdown): forget it. Its calls in flight finish.
+
+        With ``pid``, only that process's entry: the late goodbye of a replaced process must not
+        remove the replacement registered under the same id."""
+        info = self.workers.get(worker_id)
+        if info is None or (pid is not None and info.pid != pid):
+            return False
+        del self.workers[worker_id]
+        return True
+
+    def drain(self, worker_id: str) -> bool:
+        """Take a worker out of rotation for good (scale-down); its requests in flight continue."""
+        info = self.workers.get(worker_id)
+        if info is None or info.state == DEAD:
+            return False
+        info.state = DRAINING
+        return True
 
     def mark_dead(self, worker_id: str, reason: str) -> bool:
         """Its process is gone: out of rotation, every wait on it fails now, load no longer reported."""
@@ -184,15 +212,15 @@ class WorkerRegistry:
                 info.expire_waiters()
                 continue
             if age > self.heartbeat_timeout_s and info.state in (HEALTHY, SUSPECT):
-                info.state = STALE
-            if info.state == STALE and age > self.fail_waits_after_s:
+                info.state = STALE  # a draining worker stays draining: it never returns to rotation
+            if info.state in (STALE, DRAINING) and age > self.fail_waits_after_s:
                 info.expire_waiters()
 
     def counts(self) -> dict[str, dict[str, int]]:
         """Workers per role and state (``/health``, ``/metrics``)."""
         out: dict[str, dict[str, int]] = {}
         for w in self.workers.values():
-            by_state = out.setdefault(w.role, {HEALTHY: 0, STALE: 0, SUSPECT: 0, DEAD: 0})
+            by_state = out.setdefault(w.role, dict.fromkeys(STATES, 0))
             by_state[w.state] += 1
         return out
 
@@ -204,7 +232,13 @@ class WorkerRegistry:
         candidates = [w for w in self.healthy(role) if w.worker_id not in exclude]
         if not candidates:
             return None
-        return min(candidates, key=lambda w: (w.load(), w.worker_id))
+        # Ties (idle workers, light load) go to the least recently picked: a worker that just joined gets
+        # the next request instead of waiting until every older one is busy, and idle workers take turns.
+        best = min(candidates, key=lambda w: (w.load(), w.last_pick_at, w.worker_id))
+        best.last_pick_at = time.monotonic()
+        if best.first_pick_at is None:
+            best.first_pick_at = best.last_pick_at
+        return best
 
     def mode(self) -> str | None:
         """'disaggregated' when a prefill and a decode worker are healthy, else 'colocated' when a

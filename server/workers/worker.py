@@ -130,7 +130,7 @@ async def _registration_loop(state: WorkerState, opts: WorkerOptions, reg: Regis
             await asyncio.sleep(interval)
         if registered:
             try:
-                bye = DeregisterRequest(worker_id=reg.worker_id)
+                bye = DeregisterRequest(worker_id=reg.worker_id, pid=reg.pid)
                 async with http.post(f"{opts.router_url}/deregister", json=bye.model_dump(exclude_none=True)):
                     pass
             except (TimeoutError, aiohttp.ClientError, OSError):

@@ -335,6 +335,6 @@ def test_a_decode_worker_lost_with_another_left_is_degraded(serve_factory):
         assert time.monotonic() < deadline, "never reported degraded"
         time.sleep(0.05)
     status, body, _ = http("GET", f"{server.url}/health")
-    assert status == 200 and body["workers"]["decode"] == {"healthy": 1, "stale": 0, "suspect": 0, "dead": 1}
+    assert status == 200 and body["workers"]["decode"] == {"healthy": 1, "stale": 0, "suspect": 0, "dead": 1, "draining": 0}
     status, body, _ = http("POST", f"{server.url}/generate", {"prompt": "still serving", "max_tokens": 4})
     assert status == 200 and len(body["token_ids"]) == 4, body

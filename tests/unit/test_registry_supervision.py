@@ -44,7 +44,7 @@ def test_states_dead_workers_report_no_load_and_come_back_by_registering():
     assert reg.pick("decode") is None and reg.mode() is None
     assert not reg.heartbeat("d1", WorkerStatus())  # a dead worker must register again
     reg.register(_reg("d1", pid=2))
-    assert reg.workers["d1"].healthy and reg.counts() == {"decode": {"healthy": 1, "stale": 0, "suspect": 0, "dead": 0}}
+    assert reg.workers["d1"].healthy and reg.counts() == {"decode": {"healthy": 1, "stale": 0, "suspect": 0, "dead": 0, "draining": 0}}
     reg.mark_suspect("d1")
     assert reg.workers["d1"].state == "suspect" and reg.pick("decode") is None
     reg.heartbeat("d1", WorkerStatus())

@@ -1,0 +1,67 @@
+"""Scale-down in the router's registry: a draining worker gets no new request and never returns to
+rotation by heartbeating; a replaced process's late goodbye does not remove its successor; the time
+from joining to the first request routed to a worker is recorded."""
+
+from __future__ import annotations
+
+import time
+
+from server.router.registry import WorkerRegistry
+from server.wire import RegisterRequest, WorkerStatus
+
+
+def _reg(wid: str, role: str = "decode", pid: int = 1) -> RegisterRequest:
+    return RegisterRequest(
+        worker_id=wid, role=role, url=f"http://127.0.0.1:1/{wid}", pid=pid, fingerprint={"m": 1}, max_model_len=128
+    )
+
+
+def test_a_draining_worker_is_never_picked_even_when_it_heartbeats_or_reregisters():
+    reg = WorkerRegistry(heartbeat_timeout_s=5)
+    reg.register(_reg("d1"))
+    reg.register(_reg("d2"))
+    reg.workers["d2"].inflight = 50  # d1 would win every pick on load
+    assert reg.drain("d1")
+    assert all(reg.pick("decode").worker_id == "d2" for _ in range(5))
+    assert reg.heartbeat("d1", WorkerStatus(num_running=2))  # still accepted: its streams are alive
+    assert reg.workers["d1"].state == "draining" and reg.pick("decode").worker_id == "d2"
+    reg.register(_reg("d1"))  # same process again (a router restart made it register anew)
+    assert reg.workers["d1"].state == "draining"
+    assert reg.counts()["decode"] == {"healthy": 1, "stale": 0, "suspect": 0, "dead": 0, "draining": 1}
+    reg.drain("d2")
+    assert reg.pick("decode") is None
+
+
+def test_drain_of_an_unknown_or_dead_worker_is_refused():
+    reg = WorkerRegistry(heartbeat_timeout_s=5)
+    assert not reg.drain("nobody")
+    reg.register(_reg("d1"))
+    reg.mark_dead("d1", "exited with status 1")
+    assert not reg.drain("d1")
+
+
+def test_a_late_goodbye_of_a_replaced_process_keeps_the_replacement():
+    reg = WorkerRegistry(heartbeat_timeout_s=5)
+    reg.register(_reg("d1", pid=100))
+    reg.register(_reg("d1", pid=200))  # replacement under the same id
+    assert not reg.deregister("d1", pid=100)
+    assert reg.workers["d1"].pid == 200
+    assert reg.deregister("d1", pid=200) and "d1" not in reg.workers
+    reg.register(_reg("d2", pid=1))
+    assert reg.deregister("d2")  # no pid (the launcher, or an older worker): forget whatever is there
+
+
+def test_join_to_first_request_is_recorded_at_the_first_pick_only():
+    reg = WorkerRegistry(heartbeat_timeout_s=5)
+    reg.register(_reg("d1"))
+    assert reg.workers["d1"].to_dict(time.monotonic())["join_to_first_request_ms"] is None
+    time.sleep(0.01)
+    reg.pick("decode")
+    first = reg.workers["d1"].to_dict(time.monotonic())["join_to_first_request_ms"]
+    assert first is not None and first >= 10.0
+    time.sleep(0.01)
+    reg.pick("decode")
+    assert reg.workers["d1"].to_dict(time.monotonic())["join_to_first_request_ms"] == first
+    reg.heartbeat("d1", WorkerStatus())
+    reg.register(_reg("d1"))  # the same process registering again keeps its join time
+    assert reg.workers["d1"].to_dict(time.monotonic())["join_to_first_request_ms"] == first
