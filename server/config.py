@@ -98,10 +98,10 @@ def _validate(key: str, s: _Spec, v: Any) -> Any:
     if v is None and s.nullable:
         return None
     if s.kind == "resources":  # Ray resources, e.g. {prefill_node: 1, GPU: 1}: kept as sorted (name, amount) pairs
-        items = v.items() if isinstance(v, Mapping) else v if isinstance(v, tuple) else None
-        ok = items is not None and all(
+        items = tuple(v.items()) if isinstance(v, Mapping) else v if isinstance(v, tuple) else ()
+        ok = isinstance(v, Mapping | tuple) and all(
             isinstance(kv, tuple) and len(kv) == 2 and isinstance(kv[0], str) and kv[0]
-            and isinstance(kv[1], numbers.Real) and not isinstance(kv[1], bool) and kv[1] >= 0 for kv in items)
+            and isinstance(kv[1], int | float) and not isinstance(kv[1], bool) and kv[1] >= 0 for kv in items)
         if not ok:
             raise ConfigError(f"{key!r} must be {_KIND_NAMES[s.kind]}, got {_describe(v)}")
         return tuple(sorted((k, float(n)) for k, n in items))

@@ -135,6 +135,8 @@ class CudaGraphRunner:
             return None
         n = len(scheduled)
         bs = self.padded_size(n)
+        if bs is None:  # can_run said yes, so a captured size fits; kept as a guard
+            return None
         b, w, bsz = self.max_bs, self.width, self.block_size
         if self._copy_done is not None:
             self._copy_done.synchronize()  # the previous step's copy has left the pinned buffer

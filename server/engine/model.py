@@ -11,6 +11,7 @@ greedy tokens match it exactly.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -63,7 +64,8 @@ class RotaryEmbedding(nn.Module):
         # these tables are (re)computed on the real one at first use.
         self.inv_freq = rope_inv_freq(cfg)
         self._cache_len = 0
-        self._cos = self._sin = None
+        # float32 tables on the device of first use, [cache_len, head_dim]; empty until then
+        self._cos = self._sin = self._sin_signed = torch.empty(0)
 
     def _build(self, length: int, device: torch.device) -> None:
         pos = torch.arange(length, device=device, dtype=torch.int64).float()
@@ -207,7 +209,8 @@ class LlamaForCausalLM(nn.Module):
         else:  # re-tie: moving modules between devices (to_empty) unties shared parameters
             self.lm_head.weight = self.embed_tokens.weight
             used.add("lm_head.weight")
-        for i, layer in enumerate(self.layers):
+        layer: Any
+        for i, layer in enumerate(self.layers):  # Any: torch types submodules as Module | Tensor
             p = f"model.layers.{i}."
             att = layer.self_attn
             qkv = torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
