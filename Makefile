@@ -40,8 +40,10 @@ test-ray: $(STAMP)  ## installs the ray extra, then serve --launcher ray / scale
 test-all: $(STAMP)  ## every test, verbose skip reasons (GPU tests run where CUDA is present)
 	$(PY) -m pytest -q -rs tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; rc=0; fi; exit $$rc
 
-lint: $(STAMP)  ## ruff check (the rules in pyproject.toml); CI runs it before the tests
+lint: $(STAMP)  ## ruff check + ruff format --check + mypy (settings in pyproject.toml); CI runs it before the tests
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
 
 clean:  ## remove .venv and caches
 	rm -rf $(VENV) .pytest_cache

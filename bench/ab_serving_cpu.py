@@ -39,22 +39,57 @@ def worktree(ref: str, into: Path) -> Path:
 
 def router_overhead(tree: Path, n: int, tmp: Path) -> dict:
     out = tmp / "overhead.json"
-    subprocess.run([sys.executable, "bench/serving_cpu.py", "--requests", str(n), "--out", str(out)], cwd=tree,
-                   env={**os.environ, "PYTHONPATH": str(tree)}, check=True, stdout=subprocess.DEVNULL)
-    return {r["mode"]: {"added_p50_ms": r["added_ms"]["p50"], "router_p50_ms": r["router_ttft_ms"]["p50"]}
-            for r in json.loads(out.read_text())}
+    subprocess.run(
+        [sys.executable, "bench/serving_cpu.py", "--requests", str(n), "--out", str(out)],
+        cwd=tree,
+        env={**os.environ, "PYTHONPATH": str(tree)},
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
+    return {
+        r["mode"]: {"added_p50_ms": r["added_ms"]["p50"], "router_p50_ms": r["router_ttft_ms"]["p50"]}
+        for r in json.loads(out.read_text())
+    }
 
 
 def closed_loop(tree: Path, n: int, tmp: Path) -> dict:
     env = {**os.environ, "PYTHONPATH": str(tree)}
     with ServeProcess(tmp / "serve", mode="disaggregated", token=TOKEN, cwd=tree, env=env) as srv:
         res = tmp / "closed.json"
-        subprocess.run([sys.executable, "-m", "distbench.cli", "run", "--url", srv.url, "--concurrency", "8",
-                        "--num-prompts", str(n), "--warmup", "8", "--prompt-len", "128", "--output-len", "32",
-                        "--save-result", str(res), "--no-progress"], cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "distbench.cli",
+                "run",
+                "--url",
+                srv.url,
+                "--concurrency",
+                "8",
+                "--num-prompts",
+                str(n),
+                "--warmup",
+                "8",
+                "--prompt-len",
+                "128",
+                "--output-len",
+                "32",
+                "--save-result",
+                str(res),
+                "--no-progress",
+            ],
+            cwd=ROOT,
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
     s = json.loads(res.read_text())  # vLLM's key names at the top level
-    return {"req_s": s["request_throughput"], "ttft_p50_ms": s["median_ttft_ms"], "ttft_p99_ms": s["p99_ttft_ms"],
-            "tpot_p50_ms": s["median_tpot_ms"], "failed": s["failed"]}
+    return {
+        "req_s": s["request_throughput"],
+        "ttft_p50_ms": s["median_ttft_ms"],
+        "ttft_p99_ms": s["p99_ttft_ms"],
+        "tpot_p50_ms": s["median_tpot_ms"],
+        "failed": s["failed"],
+    }
 
 
 def main() -> int:
@@ -79,8 +114,11 @@ def main() -> int:
                 for name in order:
                     work = tmp / f"{name}-{rnd}"
                     work.mkdir()
-                    r = {"round": rnd, "overhead": router_overhead(trees[name], args.requests, work),
-                         "closed": closed_loop(trees[name], args.closed_requests, work)}
+                    r = {
+                        "round": rnd,
+                        "overhead": router_overhead(trees[name], args.requests, work),
+                        "closed": closed_loop(trees[name], args.closed_requests, work),
+                    }
                     runs[name].append(r)
                     print(name, rnd, json.dumps(r), flush=True)
         finally:
@@ -96,18 +134,31 @@ def main() -> int:
             vals.append(v)
         return statistics.median(vals)
 
-    rows = [("colocated router added TTFT P50 (ms)", ("overhead", "colocated", "added_p50_ms")),
-            ("disaggregated router added TTFT P50 (ms)", ("overhead", "disaggregated", "added_p50_ms")),
-            ("disaggregated router TTFT P50, one at a time (ms)", ("overhead", "disaggregated", "router_p50_ms")),
-            ("closed loop c=8 req/s", ("closed", "req_s")),
-            ("closed loop TTFT P50 (ms)", ("closed", "ttft_p50_ms")),
-            ("closed loop TTFT P99 (ms)", ("closed", "ttft_p99_ms")),
-            ("closed loop TPOT P50 (ms)", ("closed", "tpot_p50_ms"))]
+    rows = [
+        ("colocated router added TTFT P50 (ms)", ("overhead", "colocated", "added_p50_ms")),
+        ("disaggregated router added TTFT P50 (ms)", ("overhead", "disaggregated", "added_p50_ms")),
+        ("disaggregated router TTFT P50, one at a time (ms)", ("overhead", "disaggregated", "router_p50_ms")),
+        ("closed loop c=8 req/s", ("closed", "req_s")),
+        ("closed loop TTFT P50 (ms)", ("closed", "ttft_p50_ms")),
+        ("closed loop TTFT P99 (ms)", ("closed", "ttft_p99_ms")),
+        ("closed loop TPOT P50 (ms)", ("closed", "tpot_p50_ms")),
+    ]
     summary = {label: {"before": med("before", *keys), "after": med("after", *keys)} for label, keys in rows}
     for label, v in summary.items():
         print(f"{label:<52}{v['before']:>10.2f}{v['after']:>10.2f}")
-    atomic_write(args.out, json.dumps({"before": args.before, "after": args.after, "rounds": args.rounds,
-                                       "summary_medians": summary, "runs": runs}, indent=1))
+    atomic_write(
+        args.out,
+        json.dumps(
+            {
+                "before": args.before,
+                "after": args.after,
+                "rounds": args.rounds,
+                "summary_medians": summary,
+                "runs": runs,
+            },
+            indent=1,
+        ),
+    )
     return 0
 
 

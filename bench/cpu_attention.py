@@ -43,8 +43,13 @@ def _layer_inputs(b: int, ctx: int, layers: int, seed: int):
     lens = torch.full((b,), ctx, dtype=torch.long)
     q = torch.randn(b, H, D, generator=g)
     meta = AttentionMetadata(
-        slot_mapping=torch.empty(0, dtype=torch.long), block_size=BS, prefill_query_lens=[],
-        prefill_seq_lens=[], prefill_block_tables=[], decode_seq_lens=lens, decode_block_tables=tables,
+        slot_mapping=torch.empty(0, dtype=torch.long),
+        block_size=BS,
+        prefill_query_lens=[],
+        prefill_seq_lens=[],
+        prefill_block_tables=[],
+        decode_seq_lens=lens,
+        decode_block_tables=tables,
         decode_max_seq_len=ctx,
     )
     return q, caches, tables, lens, meta
@@ -52,7 +57,7 @@ def _layer_inputs(b: int, ctx: int, layers: int, seed: int):
 
 def bench_kernel(batches, contexts, layers: int, repeats: int) -> list[dict]:
     rows = []
-    scale = D ** -0.5
+    scale = D**-0.5
     for ctx in contexts:
         for b in batches:
             q, caches, tables, lens, meta = _layer_inputs(b, ctx, layers, seed=b * 10_000 + ctx)
@@ -66,21 +71,35 @@ def bench_kernel(batches, contexts, layers: int, repeats: int) -> list[dict]:
                 for c in caches:
                     cpu_paged.paged_decode_attention(q, c, tables, lens, scale, BS, out=out)
 
-            err = float((cpu_paged.paged_decode_attention(q, caches[0], tables, lens, scale, BS)
-                         - SdpaBackend._decode(q, caches[0], meta, scale, False)).abs().max())
+            err = float(
+                (
+                    cpu_paged.paged_decode_attention(q, caches[0], tables, lens, scale, BS)
+                    - SdpaBackend._decode(q, caches[0], meta, scale, False)
+                )
+                .abs()
+                .max()
+            )
             times = {"sdpa": [], "cpu_paged": []}
             sdpa(), paged()  # warm-up
             for r in range(repeats):
                 order = (("sdpa", sdpa), ("cpu_paged", paged))
-                for name, fn in (order if r % 2 == 0 else order[::-1]):
+                for name, fn in order if r % 2 == 0 else order[::-1]:
                     t0 = time.perf_counter()
                     fn()
                     times[name].append((time.perf_counter() - t0) / layers * 1e3)
             s, p = statistics.median(times["sdpa"]), statistics.median(times["cpu_paged"])
-            rows.append({"batch": b, "context": ctx, "sdpa_ms": s, "cpu_paged_ms": p, "speedup": s / p,
-                         "sdpa_min_max": [min(times["sdpa"]), max(times["sdpa"])],
-                         "cpu_paged_min_max": [min(times["cpu_paged"]), max(times["cpu_paged"])],
-                         "max_abs_diff": err})
+            rows.append(
+                {
+                    "batch": b,
+                    "context": ctx,
+                    "sdpa_ms": s,
+                    "cpu_paged_ms": p,
+                    "speedup": s / p,
+                    "sdpa_min_max": [min(times["sdpa"]), max(times["sdpa"])],
+                    "cpu_paged_min_max": [min(times["cpu_paged"]), max(times["cpu_paged"])],
+                    "max_abs_diff": err,
+                }
+            )
             del caches
     return rows
 
@@ -94,9 +113,10 @@ def _decode_tok_s(engine, b: int, context: int, steps: int, tag: str) -> float:
 def bench_engine(batches, context: int, steps: int, repeats: int) -> list[dict]:
     from server.engine.llm_engine import EngineConfig, LLMEngine
 
-    engines = {name: LLMEngine(EngineConfig(attention_backend=name, max_num_seqs=128,
-                                            max_num_batched_tokens=8192))
-               for name in ("sdpa", "cpu_paged")}
+    engines = {
+        name: LLMEngine(EngineConfig(attention_backend=name, max_num_seqs=128, max_num_batched_tokens=8192))
+        for name in ("sdpa", "cpu_paged")
+    }
     rows = []
     for b in batches:
         vals = {name: [] for name in engines}
@@ -107,9 +127,18 @@ def bench_engine(batches, context: int, steps: int, repeats: int) -> list[dict]:
             for name in names:
                 vals[name].append(_decode_tok_s(engines[name], b, context, steps, f"{name}{b}r{r}"))
         s, p = statistics.median(vals["sdpa"]), statistics.median(vals["cpu_paged"])
-        rows.append({"batch": b, "context": context, "steps": steps, "sdpa_tok_s": s, "cpu_paged_tok_s": p,
-                     "speedup": p / s, "sdpa_min_max": [min(vals["sdpa"]), max(vals["sdpa"])],
-                     "cpu_paged_min_max": [min(vals["cpu_paged"]), max(vals["cpu_paged"])]})
+        rows.append(
+            {
+                "batch": b,
+                "context": context,
+                "steps": steps,
+                "sdpa_tok_s": s,
+                "cpu_paged_tok_s": p,
+                "speedup": p / s,
+                "sdpa_min_max": [min(vals["sdpa"]), max(vals["sdpa"])],
+                "cpu_paged_min_max": [min(vals["cpu_paged"]), max(vals["cpu_paged"])],
+            }
+        )
     return rows
 
 
@@ -135,28 +164,40 @@ def main() -> None:
     if not ok:
         sys.exit(f"cpu_paged is not available: {cpu_paged.unavailable_reason()}")
     info = cpu_paged.build_info()
-    results = {"machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
-               "torch": torch.__version__, "threads": args.threads,
-               "shapes": {"heads": H, "kv_heads": HKV, "head_dim": D, "block_size": BS, "dtype": "float32"},
-               "extension": {"cached": info.get("cached"), "seconds": load_s, "path": info.get("path")},
-               "kernel": bench_kernel(args.batches, args.contexts, args.layers, args.repeats)}
-    print(f"cpu_paged extension: {'loaded from cache' if info.get('cached') else 'built'} in {load_s * 1e3:.1f} ms"
-          f" ({info.get('path')})")
+    results = {
+        "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
+        "torch": torch.__version__,
+        "threads": args.threads,
+        "shapes": {"heads": H, "kv_heads": HKV, "head_dim": D, "block_size": BS, "dtype": "float32"},
+        "extension": {"cached": info.get("cached"), "seconds": load_s, "path": info.get("path")},
+        "kernel": bench_kernel(args.batches, args.contexts, args.layers, args.repeats),
+    }
+    print(
+        f"cpu_paged extension: {'loaded from cache' if info.get('cached') else 'built'} in {load_s * 1e3:.1f} ms"
+        f" ({info.get('path')})"
+    )
     print(f"\ndecode attention per layer ({args.threads} thread, median of {args.repeats})")
     print(f"{'batch':>6}{'context':>9}{'sdpa ms':>10}{'paged ms':>10}{'speedup':>9}{'max|diff|':>11}")
     for r in results["kernel"]:
-        print(f"{r['batch']:>6}{r['context']:>9}{r['sdpa_ms']:>10.3f}{r['cpu_paged_ms']:>10.3f}"
-              f"{r['speedup']:>8.2f}x{r['max_abs_diff']:>11.1e}")
+        print(
+            f"{r['batch']:>6}{r['context']:>9}{r['sdpa_ms']:>10.3f}{r['cpu_paged_ms']:>10.3f}"
+            f"{r['speedup']:>8.2f}x{r['max_abs_diff']:>11.1e}"
+        )
     if not args.skip_engine:
-        results["engine"] = bench_engine(args.engine_batches, args.engine_context, args.engine_steps,
-                                         args.engine_repeats)
-        print(f"\nengine decode tok/s, tiny model, context {args.engine_context} "
-              f"(median of {args.engine_repeats}, min..max)")
+        results["engine"] = bench_engine(
+            args.engine_batches, args.engine_context, args.engine_steps, args.engine_repeats
+        )
+        print(
+            f"\nengine decode tok/s, tiny model, context {args.engine_context} "
+            f"(median of {args.engine_repeats}, min..max)"
+        )
         print(f"{'batch':>6}{'sdpa':>10}{'cpu_paged':>11}{'speedup':>9}   {'sdpa range':>15}  {'paged range':>15}")
         for r in results["engine"]:
-            print(f"{r['batch']:>6}{r['sdpa_tok_s']:>10.0f}{r['cpu_paged_tok_s']:>11.0f}{r['speedup']:>8.2f}x"
-                  f"   {r['sdpa_min_max'][0]:>7.0f}..{r['sdpa_min_max'][1]:<6.0f}"
-                  f"  {r['cpu_paged_min_max'][0]:>7.0f}..{r['cpu_paged_min_max'][1]:<6.0f}")
+            print(
+                f"{r['batch']:>6}{r['sdpa_tok_s']:>10.0f}{r['cpu_paged_tok_s']:>11.0f}{r['speedup']:>8.2f}x"
+                f"   {r['sdpa_min_max'][0]:>7.0f}..{r['sdpa_min_max'][1]:<6.0f}"
+                f"  {r['cpu_paged_min_max'][0]:>7.0f}..{r['cpu_paged_min_max'][1]:<6.0f}"
+            )
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
 

@@ -27,8 +27,12 @@ from distbench.runner import Options, Workload, run  # noqa: E402
 
 def start_stub(tmp: str) -> tuple[subprocess.Popen, str]:
     ready = Path(tmp) / "stub.json"
-    proc = subprocess.Popen([sys.executable, "-m", "tests.stub_server", "--ready-file", str(ready)], cwd=REPO,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.stub_server", "--ready-file", str(ready)],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + 30
     while not ready.exists():
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -54,22 +58,57 @@ def main() -> None:
             for rate in (float(r) for r in args.rates.split(",")):
                 spec = RunSpec(url=url, strategy="constant", request_rate=rate, num_prompts=int(rate * args.seconds))
                 res = run(Options(spec, wl, progress=False))
-                row = {"rate": rate, "achieved_rps": res["request_throughput"], "failed": res["failed"],
-                       "p99_send_lag_ms": res["p99_send_lag_ms"], "max_send_lag_ms": res["max_send_lag_ms"],
-                       "p99_ttft_service_ms": res["p99_ttft_service_ms"]}
+                row = {
+                    "rate": rate,
+                    "achieved_rps": res["request_throughput"],
+                    "failed": res["failed"],
+                    "p99_send_lag_ms": res["p99_send_lag_ms"],
+                    "max_send_lag_ms": res["max_send_lag_ms"],
+                    "p99_ttft_service_ms": res["p99_ttft_service_ms"],
+                }
                 out["distbench"].append(row)
-                print(f"distbench rate {rate:6g}: {row['achieved_rps']:7.1f} req/s done, send lag P99 "
-                      f"{row['p99_send_lag_ms']:.2f} ms, max {row['max_send_lag_ms']:.2f} ms, failed {row['failed']}",
-                      flush=True)
+                print(
+                    f"distbench rate {rate:6g}: {row['achieved_rps']:7.1f} req/s done, send lag P99 "
+                    f"{row['p99_send_lag_ms']:.2f} ms, max {row['max_send_lag_ms']:.2f} ms, failed {row['failed']}",
+                    flush=True,
+                )
             lf = Path(tmp) / "locust.json"
-            p = subprocess.run([sys.executable, "-m", "distbench", "locust", "--url", url, "--users", str(args.users),
-                                "--spawn-rate", str(args.users), "--run-time", str(int(args.seconds)),
-                                "--prompt-len", "16", "--output-len", "8", "--tokenizer", str(Path(tmp) / "model"),
-                                "--save-result", str(lf)], cwd=REPO, capture_output=True, text=True, check=False)
+            p = subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "distbench",
+                    "locust",
+                    "--url",
+                    url,
+                    "--users",
+                    str(args.users),
+                    "--spawn-rate",
+                    str(args.users),
+                    "--run-time",
+                    str(int(args.seconds)),
+                    "--prompt-len",
+                    "16",
+                    "--output-len",
+                    "8",
+                    "--tokenizer",
+                    str(Path(tmp) / "model"),
+                    "--save-result",
+                    str(lf),
+                ],
+                cwd=REPO,
+                capture_output=True,
+                text=True,
+                check=False,
+            )
             if p.returncode == 0:
                 lr = json.loads(lf.read_text())
-                out["locust"] = {"users": args.users, "achieved_rps": lr["request_throughput"],
-                                 "completed": lr["completed"], "p99_ttft_ms": lr["p99_ttft_ms"]}
+                out["locust"] = {
+                    "users": args.users,
+                    "achieved_rps": lr["request_throughput"],
+                    "completed": lr["completed"],
+                    "p99_ttft_ms": lr["p99_ttft_ms"],
+                }
                 print(f"locust (1 process, {args.users} users): {lr['request_throughput']:.1f} req/s", flush=True)
             else:
                 out["locust"] = {"error": p.stderr[-500:]}

@@ -42,42 +42,119 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(tmp) / "sharegpt.json"
-        data.write_text(json.dumps([{"conversations": [
-            {"from": "human", "value": "".join(rng.choices(string.ascii_letters, k=args.prompt_chars))},
-            {"from": "gpt", "value": "x" * 64}]} for _ in range(args.num_prompts)]))
+        data.write_text(
+            json.dumps(
+                [
+                    {
+                        "conversations": [
+                            {"from": "human", "value": "".join(rng.choices(string.ascii_letters, k=args.prompt_chars))},
+                            {"from": "gpt", "value": "x" * 64},
+                        ]
+                    }
+                    for _ in range(args.num_prompts)
+                ]
+            )
+        )
         with ServeProcess(Path(tmp) / "serve", mode=args.mode, token="agreement") as srv:
             model = srv.get("/v1/models")["data"][0]["id"]
             host, port = srv.url.removeprefix("http://").split(":")
             for i in range(args.repeats):
                 vres = Path(tmp) / f"vllm_{i}.json"
-                v = subprocess.run([args.vllm_python, str(REPO / "bench" / "vllm_client.py"), "--host", host,
-                                    "--port", port, "--model", model, "--tokenizer", model,
-                                    "--dataset-name", "sharegpt", "--dataset-path", str(data),
-                                    "--sharegpt-output-len", str(args.output_len),
-                                    "--ignore-eos", "--request-rate", str(args.rate), "--num-prompts",
-                                    str(args.num_prompts), "--seed", str(i), "--save-result", "--save-detailed",
-                                    "--result-dir", tmp, "--result-filename", vres.name],
-                                   capture_output=True, text=True, check=False)
+                v = subprocess.run(
+                    [
+                        args.vllm_python,
+                        str(REPO / "bench" / "vllm_client.py"),
+                        "--host",
+                        host,
+                        "--port",
+                        port,
+                        "--model",
+                        model,
+                        "--tokenizer",
+                        model,
+                        "--dataset-name",
+                        "sharegpt",
+                        "--dataset-path",
+                        str(data),
+                        "--sharegpt-output-len",
+                        str(args.output_len),
+                        "--ignore-eos",
+                        "--request-rate",
+                        str(args.rate),
+                        "--num-prompts",
+                        str(args.num_prompts),
+                        "--seed",
+                        str(i),
+                        "--save-result",
+                        "--save-detailed",
+                        "--result-dir",
+                        tmp,
+                        "--result-filename",
+                        vres.name,
+                    ],
+                    capture_output=True,
+                    text=True,
+                    check=False,
+                )
                 if v.returncode != 0:
                     raise RuntimeError(f"vllm client failed: {v.stdout[-1500:]} {v.stderr[-1500:]}")
                 vd = json.loads(vres.read_text())
-                rows.append({"client": "vllm", "run": i, "completed": vd["completed"],
-                             "mean_ttft_ms": vd["mean_ttft_ms"], "p99_ttft_ms": vd["p99_ttft_ms"],
-                             "mean_tpot_ms": vd["mean_tpot_ms"], "input_tokens": vd["total_input_tokens"]})
+                rows.append(
+                    {
+                        "client": "vllm",
+                        "run": i,
+                        "completed": vd["completed"],
+                        "mean_ttft_ms": vd["mean_ttft_ms"],
+                        "p99_ttft_ms": vd["p99_ttft_ms"],
+                        "mean_tpot_ms": vd["mean_tpot_ms"],
+                        "input_tokens": vd["total_input_tokens"],
+                    }
+                )
                 dres = Path(tmp) / f"distbench_{i}.json"
-                d = subprocess.run([sys.executable, "-m", "distbench", "run", "--url", srv.url, "--dataset",
-                                    f"sharegpt:{data}", "--output-len", str(args.output_len),
-                                    "--request-rate", str(args.rate), "--num-prompts",
-                                    str(args.num_prompts), "--seed", str(i), "--no-progress", "--save-result",
-                                    str(dres)], cwd=REPO, capture_output=True, text=True, check=False)
+                d = subprocess.run(
+                    [
+                        sys.executable,
+                        "-m",
+                        "distbench",
+                        "run",
+                        "--url",
+                        srv.url,
+                        "--dataset",
+                        f"sharegpt:{data}",
+                        "--output-len",
+                        str(args.output_len),
+                        "--request-rate",
+                        str(args.rate),
+                        "--num-prompts",
+                        str(args.num_prompts),
+                        "--seed",
+                        str(i),
+                        "--no-progress",
+                        "--save-result",
+                        str(dres),
+                    ],
+                    cwd=REPO,
+                    capture_output=True,
+                    text=True,
+                    check=False,
+                )
                 if d.returncode not in (0, 1):
                     raise RuntimeError(f"distbench failed: {d.stderr[-1500:]}")
                 dd = json.loads(dres.read_text())
-                rows.append({"client": "distbench", "run": i, "completed": dd["completed"],
-                             "mean_ttft_ms": dd["mean_ttft_ms"], "mean_ttft_service_ms": dd["mean_ttft_service_ms"],
-                             "p99_ttft_ms": dd["p99_ttft_ms"], "p99_ttft_service_ms": dd["p99_ttft_service_ms"],
-                             "mean_tpot_ms": dd["mean_tpot_ms"], "input_tokens": dd["total_input_tokens"],
-                             "late_sends": dd["late_sends"]})
+                rows.append(
+                    {
+                        "client": "distbench",
+                        "run": i,
+                        "completed": dd["completed"],
+                        "mean_ttft_ms": dd["mean_ttft_ms"],
+                        "mean_ttft_service_ms": dd["mean_ttft_service_ms"],
+                        "p99_ttft_ms": dd["p99_ttft_ms"],
+                        "p99_ttft_service_ms": dd["p99_ttft_service_ms"],
+                        "mean_tpot_ms": dd["mean_tpot_ms"],
+                        "input_tokens": dd["total_input_tokens"],
+                        "late_sends": dd["late_sends"],
+                    }
+                )
                 for r in rows[-2:]:
                     print(json.dumps(r), flush=True)
     if args.out:

@@ -76,14 +76,19 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="any --model distserve takes (default: the tiny model)")
     ap.add_argument("--decode-batches", type=int, nargs="+", default=[1, 8, 32, 64])
     args = ap.parse_args()
-    results = {"machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
-               "cpus": torch.get_num_threads(), "torch": torch.__version__, "model": args.model or "tiny",
-               "runs": []}
+    results = {
+        "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
+        "cpus": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "model": args.model or "tiny",
+        "runs": [],
+    }
     for threads in args.threads:
         torch.set_num_threads(threads)
         t0 = time.perf_counter()
-        engine = LLMEngine(EngineConfig(model=args.model, max_num_seqs=128, max_num_batched_tokens=8192,
-                                        max_model_len=2048))
+        engine = LLMEngine(
+            EngineConfig(model=args.model, max_num_seqs=128, max_num_batched_tokens=8192, max_model_len=2048)
+        )
         results.setdefault("load_s", []).append(round(time.perf_counter() - t0, 2))
         for b, length in ((1, 128), (1, 512), (8, 128)):
             r = summarize(time_prefill(engine, b, length, args.repeats))
@@ -95,8 +100,10 @@ def main() -> None:
     print(f"{'phase':<8}{'threads':>8}{'batch':>6}{'len':>6}{'tok/s median':>14}{'min..max':>20}")
     for r in results["runs"]:
         length = r.get("tokens", r.get("context"))
-        print(f"{r['phase']:<8}{r['threads']:>8}{r['batch']:>6}{length:>6}{r['median']:>14.0f}"
-              f"{r['min']:>11.0f}..{r['max']:<8.0f}")
+        print(
+            f"{r['phase']:<8}{r['threads']:>8}{r['batch']:>6}{length:>6}{r['median']:>14.0f}"
+            f"{r['min']:>11.0f}..{r['max']:<8.0f}"
+        )
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)

@@ -34,8 +34,9 @@ TOKEN = "bench-failure-semantics"
 
 
 def http(method: str, url: str, body: bytes | None = None, timeout: float = 300) -> tuple[int, dict]:
-    req = urllib.request.Request(url, data=body, method=method, headers={
-        "Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url, data=body, method=method, headers={"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"}
+    )
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return r.status, json.loads(r.read() or b"{}")
@@ -65,25 +66,34 @@ async def stream(s: aiohttp.ClientSession, url: str, body: dict) -> dict:
 
 def prompts(n: int) -> list[list[int]]:
     import random
+
     rng = random.Random(0)
     return [[1] + [rng.randrange(3, 259) for _ in range(rng.randrange(8, 80))] for _ in range(n)]
 
 
 async def bad_neighbour(url: str) -> dict:
     async with aiohttp.ClientSession() as s:
-        others = [stream(s, url, {"prompt_token_ids": p, "max_tokens": 32, "temperature": 0.8, "seed": i,
-                                  "ignore_eos": True}) for i, p in enumerate(prompts(39))]
+        others = [
+            stream(s, url, {"prompt_token_ids": p, "max_tokens": 32, "temperature": 0.8, "seed": i, "ignore_eos": True})
+            for i, p in enumerate(prompts(39))
+        ]
         bad = stream(s, url, {"prompt": "hi", "max_tokens": 4, "temperature": 1e-300})
         res = await asyncio.gather(bad, *others)
-    return {"requests": 40, "failed": sum(r["error"] is not None for r in res),
-            "bad_request_tokens": len(res[0]["ids"])}
+    return {
+        "requests": 40,
+        "failed": sum(r["error"] is not None for r in res),
+        "bad_request_tokens": len(res[0]["ids"]),
+    }
 
 
 async def oversize(url: str) -> dict:
     async with aiohttp.ClientSession() as s:
         t0 = time.perf_counter()
-        async with s.post(f"{url}/v1/completions", data=b'{"prompt":"' + b"x" * (50 << 20) + b'"}',
-                          headers={"Content-Type": "application/json"}) as r:
+        async with s.post(
+            f"{url}/v1/completions",
+            data=b'{"prompt":"' + b"x" * (50 << 20) + b'"}',
+            headers={"Content-Type": "application/json"},
+        ) as r:
             status_50mb, t_50mb = r.status, time.perf_counter() - t0
 
         async def huge():
@@ -100,9 +110,15 @@ async def oversize(url: str) -> dict:
                 worst = max(worst, time.perf_counter() - t)
                 await asyncio.sleep(0.01)
             return worst
+
         (status_5mb, t_5mb), health_worst = await asyncio.gather(huge(), health())
-    return {"body_50mb_status": status_50mb, "body_50mb_s": t_50mb, "prompt_5mb_status": status_5mb,
-            "prompt_5mb_s": t_5mb, "health_worst_s_during_5mb": health_worst}
+    return {
+        "body_50mb_status": status_50mb,
+        "body_50mb_s": t_50mb,
+        "prompt_5mb_status": status_5mb,
+        "prompt_5mb_s": t_5mb,
+        "health_worst_s_during_5mb": health_worst,
+    }
 
 
 async def fault_under_streams(url: str, role: str, sig: int, n: int = 20) -> dict:
@@ -110,8 +126,9 @@ async def fault_under_streams(url: str, role: str, sig: int, n: int = 20) -> dic
     out: dict = {}
 
     async def one(s, i, p):
-        r = await stream(s, url, {"prompt_token_ids": p, "max_tokens": 64, "temperature": 0.7, "seed": i,
-                                  "ignore_eos": True})
+        r = await stream(
+            s, url, {"prompt_token_ids": p, "max_tokens": 64, "temperature": 0.7, "seed": i, "ignore_eos": True}
+        )
         progress[i] = len(r["ids"])
         return r
 
@@ -126,8 +143,12 @@ async def fault_under_streams(url: str, role: str, sig: int, n: int = 20) -> dic
         out["all_done_after_fault_s"] = time.perf_counter() - t0
         if sig == signal.SIGSTOP:
             os.kill(victim["pid"], signal.SIGCONT)
-    out.update(streams=n, failed=sum(r["error"] is not None for r in res),
-               complete=sum(len(r["ids"]) == 64 for r in res), max_gap_s=max(r["gap"] for r in res))
+    out.update(
+        streams=n,
+        failed=sum(r["error"] is not None for r in res),
+        complete=sum(len(r["ids"]) == 64 for r in res),
+        max_gap_s=max(r["gap"] for r in res),
+    )
     return out
 
 
@@ -170,16 +191,21 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=None, help="write the figures here (JSON)")
     args = ap.parse_args()
-    with tempfile.TemporaryDirectory(prefix="distserve-failures-") as tmp, \
-            ServeProcess(Path(tmp), prefill=1, decode=2, token=TOKEN) as srv:
+    with (
+        tempfile.TemporaryDirectory(prefix="distserve-failures-") as tmp,
+        ServeProcess(Path(tmp), prefill=1, decode=2, token=TOKEN) as srv,
+    ):
         url = srv.url
-        results = {"machine": f"{platform.node()} {os.cpu_count()} CPUs", "date": time.strftime("%F %T"),
-                   "bad_neighbour": asyncio.run(bad_neighbour(url)),
-                   "oversize": asyncio.run(oversize(url)),
-                   "frozen_decode": asyncio.run(fault_under_streams(url, "decode", signal.SIGSTOP)),
-                   "killed_decode": asyncio.run(fault_under_streams(url, "decode", signal.SIGKILL)),
-                   "killed_prefill": prefill_restart(url),
-                   "slowloris": slowloris(url)}
+        results = {
+            "machine": f"{platform.node()} {os.cpu_count()} CPUs",
+            "date": time.strftime("%F %T"),
+            "bad_neighbour": asyncio.run(bad_neighbour(url)),
+            "oversize": asyncio.run(oversize(url)),
+            "frozen_decode": asyncio.run(fault_under_streams(url, "decode", signal.SIGSTOP)),
+            "killed_decode": asyncio.run(fault_under_streams(url, "decode", signal.SIGKILL)),
+            "killed_prefill": prefill_restart(url),
+            "slowloris": slowloris(url),
+        }
     for k, v in results.items():
         print(f"{k}: {v}")
     if args.out:

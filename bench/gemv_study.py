@@ -91,6 +91,7 @@ if HAS_TRITON:
 
         HAS_GDC = True
     except Exception:  # older Triton: PDL variants are skipped
+
         @triton.jit
         def gdc_wait():
             pass
@@ -98,6 +99,7 @@ if HAS_TRITON:
         @triton.jit
         def gdc_launch_dependents():
             pass
+
 
 # 7B Llama-2 shapes (N, K) of the weights, in decode order.
 SHAPES = {
@@ -126,8 +128,9 @@ if HAS_TRITON:
             else:
                 w = tl.load(w_rows + cols[None, :], mask=rmask[:, None], other=0.0, eviction_policy=EVICT)
         else:
-            w = tl.load(w_rows + cols[None, :], mask=rmask[:, None] & (cols[None, :] < k_hi), other=0.0,
-                        eviction_policy=EVICT)
+            w = tl.load(
+                w_rows + cols[None, :], mask=rmask[:, None] & (cols[None, :] < k_hi), other=0.0, eviction_policy=EVICT
+            )
         return w
 
     @triton.jit
@@ -140,11 +143,13 @@ if HAS_TRITON:
         else:
             offs_m = tl.arange(0, BLOCK_M)
             if EVEN_K:
-                x = tl.load(x_ptr + offs_m[:, None] * stride_xm + cols[None, :], mask=offs_m[:, None] < M,
-                            other=0.0)
+                x = tl.load(x_ptr + offs_m[:, None] * stride_xm + cols[None, :], mask=offs_m[:, None] < M, other=0.0)
             else:
-                x = tl.load(x_ptr + offs_m[:, None] * stride_xm + cols[None, :],
-                            mask=(offs_m[:, None] < M) & (cols[None, :] < k_hi), other=0.0)
+                x = tl.load(
+                    x_ptr + offs_m[:, None] * stride_xm + cols[None, :],
+                    mask=(offs_m[:, None] < M) & (cols[None, :] < k_hi),
+                    other=0.0,
+                )
         return x
 
     @triton.jit
@@ -152,8 +157,9 @@ if HAS_TRITON:
         """prefetch.global.L2 of LINES 128-byte lines (64 bf16) of each row of the tile, from column k_lo."""
         offs = tl.minimum(k_lo + tl.arange(0, LINES) * 64, k_hi - 1)
         ptrs = w_rows + offs[None, :]
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                                  is_pure=False, pack=1)
+        tl.inline_asm_elementwise(
+            "prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1
+        )
 
     @triton.jit
     def _fma(acc, w, x, BLOCK_M: tl.constexpr):
@@ -164,8 +170,23 @@ if HAS_TRITON:
         return acc
 
     @triton.jit
-    def _epilogue(part, b_ptr, y_ptr, ws_ptr, cnt_ptr, pid_n, rows, rmask, M, N, stride_ym, split_k,
-                  HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr):
+    def _epilogue(
+        part,
+        b_ptr,
+        y_ptr,
+        ws_ptr,
+        cnt_ptr,
+        pid_n,
+        rows,
+        rmask,
+        M,
+        N,
+        stride_ym,
+        split_k,
+        HAS_BIAS: tl.constexpr,
+        SPLIT: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+    ):
         """part [BLOCK_M, BLOCK_N] fp32 -> y (direct, or through the split-K workspace and ticket)."""
         offs_m = tl.arange(0, BLOCK_M)
         omask = (offs_m[:, None] < M) & rmask[None, :]
@@ -189,12 +210,37 @@ if HAS_TRITON:
             tl.store(y_ptrs, part.to(y_ptr.dtype.element_ty), mask=omask)
 
     @triton.jit
-    def _gemv_v2_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm, stride_w, stride_ym,
-                        n_tiles, split_k, k_per_split, n_prog,
-                        HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, SPLIT: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        PREFETCH: tl.constexpr, STAGES: tl.constexpr, USE_PDL: tl.constexpr,
-                        EVICT: tl.constexpr, L2PF: tl.constexpr, TRIG_LATE: tl.constexpr):
+    def _gemv_v2_kernel(
+        x_ptr,
+        w_ptr,
+        b_ptr,
+        y_ptr,
+        ws_ptr,
+        cnt_ptr,
+        M,
+        N,
+        K,
+        stride_xm,
+        stride_w,
+        stride_ym,
+        n_tiles,
+        split_k,
+        k_per_split,
+        n_prog,
+        HAS_BIAS: tl.constexpr,
+        EVEN_K: tl.constexpr,
+        EVEN_N: tl.constexpr,
+        SPLIT: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        PREFETCH: tl.constexpr,
+        STAGES: tl.constexpr,
+        USE_PDL: tl.constexpr,
+        EVICT: tl.constexpr,
+        L2PF: tl.constexpr,
+        TRIG_LATE: tl.constexpr,
+    ):
         """y[M, N] = x[M, K] @ W[N, K]^T (+ b); tiles t = pid, pid + nprog, ... (a persistent grid when
         n_prog < n_tiles * split_k); tile t covers rows (t % n_tiles) and K slice (t // n_tiles)."""
         if USE_PDL:
@@ -245,16 +291,53 @@ if HAS_TRITON:
                 part = tl.sum(acc, 1)[None, :]
             else:
                 part = acc
-            _epilogue(part, b_ptr, y_ptr, ws_ptr, cnt_ptr, pid_n, rows, rmask, M, N, stride_ym, split_k,
-                      HAS_BIAS, SPLIT, BLOCK_M)
+            _epilogue(
+                part,
+                b_ptr,
+                y_ptr,
+                ws_ptr,
+                cnt_ptr,
+                pid_n,
+                rows,
+                rmask,
+                M,
+                N,
+                stride_ym,
+                split_k,
+                HAS_BIAS,
+                SPLIT,
+                BLOCK_M,
+            )
 
     @triton.jit
-    def _gemv_tc_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm, stride_w, stride_ym,
-                        split_k, k_per_split,
-                        HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, SPLIT: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        STAGES: tl.constexpr, USE_PDL: tl.constexpr, EVICT: tl.constexpr, L2PF: tl.constexpr,
-                        TRIG_LATE: tl.constexpr):
+    def _gemv_tc_kernel(
+        x_ptr,
+        w_ptr,
+        b_ptr,
+        y_ptr,
+        ws_ptr,
+        cnt_ptr,
+        M,
+        N,
+        K,
+        stride_xm,
+        stride_w,
+        stride_ym,
+        split_k,
+        k_per_split,
+        HAS_BIAS: tl.constexpr,
+        EVEN_K: tl.constexpr,
+        EVEN_N: tl.constexpr,
+        SPLIT: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        STAGES: tl.constexpr,
+        USE_PDL: tl.constexpr,
+        EVICT: tl.constexpr,
+        L2PF: tl.constexpr,
+        TRIG_LATE: tl.constexpr,
+    ):
         """Swap-AB tensor-core GEMV: acc[BLOCK_N, BLOCK_M] += W_tile @ x_tile^T, x zero-padded to BLOCK_M."""
         if USE_PDL:
             if not TRIG_LATE:
@@ -285,14 +368,38 @@ if HAS_TRITON:
         if USE_PDL:
             if TRIG_LATE:
                 gdc_launch_dependents()
-        _epilogue(tl.trans(acc), b_ptr, y_ptr, ws_ptr, cnt_ptr, pid_n, rows, rmask, M, N, stride_ym, split_k,
-                  HAS_BIAS, SPLIT, BLOCK_M)
+        _epilogue(
+            tl.trans(acc),
+            b_ptr,
+            y_ptr,
+            ws_ptr,
+            cnt_ptr,
+            pid_n,
+            rows,
+            rmask,
+            M,
+            N,
+            stride_ym,
+            split_k,
+            HAS_BIAS,
+            SPLIT,
+            BLOCK_M,
+        )
 
     # --- small kernels of the chain, PDL-capable (same math as server.engine.cuda_ops, one row) ---------
 
     @triton.jit
-    def _rms_norm_pdl_kernel(x_ptr, res_ptr, w_ptr, out_ptr, n_cols, eps, HAS_RESIDUAL: tl.constexpr,
-                             BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    def _rms_norm_pdl_kernel(
+        x_ptr,
+        res_ptr,
+        w_ptr,
+        out_ptr,
+        n_cols,
+        eps,
+        HAS_RESIDUAL: tl.constexpr,
+        BLOCK: tl.constexpr,
+        USE_PDL: tl.constexpr,
+    ):
         if USE_PDL:
             gdc_launch_dependents()
         offs = tl.arange(0, BLOCK)
@@ -353,8 +460,10 @@ def _workspace(device, numel, n_tiles):
     """Split-K workspace (fp32 sums) and tickets; zero once, kept zero by the kernels themselves."""
     key = (str(device), numel, n_tiles)
     if key not in _WS:
-        _WS[key] = (torch.zeros(numel, dtype=torch.float32, device=device),
-                    torch.zeros(n_tiles, dtype=torch.int32, device=device))
+        _WS[key] = (
+            torch.zeros(numel, dtype=torch.float32, device=device),
+            torch.zeros(n_tiles, dtype=torch.int32, device=device),
+        )
     return _WS[key]
 
 
@@ -376,13 +485,42 @@ def v2_launch(x, w, b, cfg, pdl=False, warmup=False):
     grid = (min(total, persist * NUM_SMS) if persist else total,)
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     ws, cnt = _workspace(x.device, M * N, n_tiles) if split > 1 else (y, y)
-    args = (x, w, b if b is not None else y, y, ws, cnt, M, N, K, x.stride(0), w.stride(0), y.stride(0),
-            n_tiles, split, k_per, grid[0])
+    args = (
+        x,
+        w,
+        b if b is not None else y,
+        y,
+        ws,
+        cnt,
+        M,
+        N,
+        K,
+        x.stride(0),
+        w.stride(0),
+        y.stride(0),
+        n_tiles,
+        split,
+        k_per,
+        grid[0],
+    )
     ns = cfg.get("ns", 1)
-    kw = dict(HAS_BIAS=b is not None, EVEN_K=K % bk == 0, EVEN_N=N % bn == 0, SPLIT=split > 1, BLOCK_M=bm,
-              BLOCK_N=bn, BLOCK_K=bk, PREFETCH=bool(cfg.get("pf", 1)), STAGES=ns, USE_PDL=bool(pdl),
-              EVICT=cfg.get("evict", "evict_first"), L2PF=cfg.get("l2pf", 0) if pdl else 0,
-              TRIG_LATE=bool(pdl) and cfg.get("trig") == "late", num_warps=cfg["nw"], num_stages=ns)
+    kw = dict(
+        HAS_BIAS=b is not None,
+        EVEN_K=K % bk == 0,
+        EVEN_N=N % bn == 0,
+        SPLIT=split > 1,
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        PREFETCH=bool(cfg.get("pf", 1)),
+        STAGES=ns,
+        USE_PDL=bool(pdl),
+        EVICT=cfg.get("evict", "evict_first"),
+        L2PF=cfg.get("l2pf", 0) if pdl else 0,
+        TRIG_LATE=bool(pdl) and cfg.get("trig") == "late",
+        num_warps=cfg["nw"],
+        num_stages=ns,
+    )
     if pdl:
         kw["launch_pdl"] = True
     if warmup:
@@ -402,13 +540,24 @@ def tc_launch(x, w, b, cfg, pdl=False, warmup=False):
     grid = (n_tiles, split)
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     ws, cnt = _workspace(x.device, M * N, n_tiles) if split > 1 else (y, y)
-    args = (x, w, b if b is not None else y, y, ws, cnt, M, N, K, x.stride(0), w.stride(0), y.stride(0),
-            split, k_per)
+    args = (x, w, b if b is not None else y, y, ws, cnt, M, N, K, x.stride(0), w.stride(0), y.stride(0), split, k_per)
     ns = cfg.get("ns", 3)
-    kw = dict(HAS_BIAS=b is not None, EVEN_K=K % bk == 0, EVEN_N=N % bn == 0, SPLIT=split > 1, BLOCK_M=bm,
-              BLOCK_N=bn, BLOCK_K=bk, STAGES=ns, USE_PDL=bool(pdl), EVICT=cfg.get("evict", "evict_first"),
-              L2PF=cfg.get("l2pf", 0) if pdl else 0, TRIG_LATE=bool(pdl) and cfg.get("trig") == "late",
-              num_warps=cfg["nw"], num_stages=ns)
+    kw = dict(
+        HAS_BIAS=b is not None,
+        EVEN_K=K % bk == 0,
+        EVEN_N=N % bn == 0,
+        SPLIT=split > 1,
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        STAGES=ns,
+        USE_PDL=bool(pdl),
+        EVICT=cfg.get("evict", "evict_first"),
+        L2PF=cfg.get("l2pf", 0) if pdl else 0,
+        TRIG_LATE=bool(pdl) and cfg.get("trig") == "late",
+        num_warps=cfg["nw"],
+        num_stages=ns,
+    )
     if pdl:
         kw["launch_pdl"] = True
     if warmup:
@@ -428,9 +577,22 @@ def legacy_launch(x, w, b, cfg, warmup=False):
     stages = cfg[3] if len(cfg) > 3 else 1
     extra = {"STAGES": stages, "EVEN_N": n % bn == 0, "num_stages": stages} if stages > 1 else {}
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
-    cuda_ops._gemv_kernel.warmup(x, w, b if b is not None else y, y, n, k, w.stride(0),
-                                 HAS_BIAS=b is not None, EVEN_K=k % bk == 0, BLOCK_N=bn, BLOCK_K=bk,
-                                 num_warps=nw, grid=(_cdiv(n, bn),), **extra)
+    cuda_ops._gemv_kernel.warmup(
+        x,
+        w,
+        b if b is not None else y,
+        y,
+        n,
+        k,
+        w.stride(0),
+        HAS_BIAS=b is not None,
+        EVEN_K=k % bk == 0,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        num_warps=nw,
+        grid=(_cdiv(n, bn),),
+        **extra,
+    )
     return None
 
 
@@ -490,38 +652,75 @@ def build_variants(quick):
     vs = [Variant("cublas")]
     vs += [Variant("legacy", tuple(c)) for c in (GEMV_CANDIDATES[:3] if quick else GEMV_CANDIDATES)]
     v2 = [  # register-prefetch, evict_first
-        dict(bn=1, bk=2048, nw=4), dict(bn=2, bk=1024, nw=4), dict(bn=4, bk=512, nw=4),
-        dict(bn=4, bk=1024, nw=4), dict(bn=4, bk=1024, nw=8), dict(bn=8, bk=512, nw=4), dict(bn=8, bk=512, nw=8),
+        dict(bn=1, bk=2048, nw=4),
+        dict(bn=2, bk=1024, nw=4),
+        dict(bn=4, bk=512, nw=4),
+        dict(bn=4, bk=1024, nw=4),
+        dict(bn=4, bk=1024, nw=8),
+        dict(bn=8, bk=512, nw=4),
+        dict(bn=8, bk=512, nw=8),
         dict(bn=16, bk=256, nw=4),
         # whole row per step, no prefetch (all loads of a program issued at once)
         dict(bn=1, bk=4096, nw=4, pf=0),
         # software pipelined through shared memory (cp.async)
-        dict(bn=4, bk=512, nw=4, pf=0, ns=3), dict(bn=8, bk=256, nw=4, pf=0, ns=4), dict(bn=2, bk=1024, nw=4, pf=0, ns=3),
-        dict(bn=4, bk=512, nw=4, pf=0, ns=4), dict(bn=4, bk=256, nw=4, pf=0, ns=4), dict(bn=8, bk=512, nw=8, pf=0, ns=3),
-        dict(bn=2, bk=512, nw=4, pf=0, ns=4), dict(bn=4, bk=512, nw=4, pf=0, ns=3, split=2),
-        dict(bn=4, bk=512, nw=4, pf=0, ns=3, persist=4), dict(bn=16, bk=256, nw=4, pf=0, ns=3),
-        dict(bn=8, bk=512, nw=4, pf=0, ns=3), dict(bn=8, bk=256, nw=4, pf=0, ns=3), dict(bn=4, bk=512, nw=4, pf=0, ns=5),
-        dict(bn=4, bk=256, nw=4, pf=0, ns=6), dict(bn=16, bk=512, nw=8, pf=0, ns=3), dict(bn=8, bk=256, nw=2, pf=0, ns=4),
+        dict(bn=4, bk=512, nw=4, pf=0, ns=3),
+        dict(bn=8, bk=256, nw=4, pf=0, ns=4),
+        dict(bn=2, bk=1024, nw=4, pf=0, ns=3),
+        dict(bn=4, bk=512, nw=4, pf=0, ns=4),
+        dict(bn=4, bk=256, nw=4, pf=0, ns=4),
+        dict(bn=8, bk=512, nw=8, pf=0, ns=3),
+        dict(bn=2, bk=512, nw=4, pf=0, ns=4),
+        dict(bn=4, bk=512, nw=4, pf=0, ns=3, split=2),
+        dict(bn=4, bk=512, nw=4, pf=0, ns=3, persist=4),
+        dict(bn=16, bk=256, nw=4, pf=0, ns=3),
+        dict(bn=8, bk=512, nw=4, pf=0, ns=3),
+        dict(bn=8, bk=256, nw=4, pf=0, ns=3),
+        dict(bn=4, bk=512, nw=4, pf=0, ns=5),
+        dict(bn=4, bk=256, nw=4, pf=0, ns=6),
+        dict(bn=16, bk=512, nw=8, pf=0, ns=3),
+        dict(bn=8, bk=256, nw=2, pf=0, ns=4),
         dict(bn=4, bk=512, nw=4, pf=0, ns=3, evict=""),
         # split-K (fp32 atomics + ticket)
-        dict(bn=4, bk=1024, nw=4, split=2), dict(bn=8, bk=512, nw=4, split=4),
+        dict(bn=4, bk=1024, nw=4, split=2),
+        dict(bn=8, bk=512, nw=4, split=4),
         # persistent (one wave of persist * SMs programs)
-        dict(bn=4, bk=1024, nw=4, persist=4), dict(bn=8, bk=512, nw=4, persist=8), dict(bn=4, bk=512, nw=4, persist=8),
+        dict(bn=4, bk=1024, nw=4, persist=4),
+        dict(bn=8, bk=512, nw=4, persist=8),
+        dict(bn=4, bk=512, nw=4, persist=8),
         # evict_first off (to see what the hint buys)
         dict(bn=4, bk=1024, nw=4, evict=""),
     ]
     tc = [
-        dict(bn=64, bk=128, nw=4, ns=4), dict(bn=64, bk=128, nw=4, ns=4, split=2), dict(bn=64, bk=128, nw=4, ns=4, split=4),
-        dict(bn=64, bk=128, nw=4, ns=4, split=8), dict(bn=64, bk=256, nw=4, ns=3), dict(bn=64, bk=256, nw=4, ns=3, split=4),
-        dict(bn=128, bk=128, nw=8, ns=4), dict(bn=128, bk=128, nw=8, ns=4, split=4), dict(bn=32, bk=256, nw=4, ns=4),
-        dict(bn=32, bk=256, nw=4, ns=4, split=4), dict(bn=16, bk=512, nw=4, ns=3, split=2),
-        dict(bn=64, bk=128, nw=4, ns=6), dict(bn=64, bk=128, nw=4, ns=6, split=2), dict(bn=64, bk=64, nw=4, ns=8),
+        dict(bn=64, bk=128, nw=4, ns=4),
+        dict(bn=64, bk=128, nw=4, ns=4, split=2),
+        dict(bn=64, bk=128, nw=4, ns=4, split=4),
+        dict(bn=64, bk=128, nw=4, ns=4, split=8),
+        dict(bn=64, bk=256, nw=4, ns=3),
+        dict(bn=64, bk=256, nw=4, ns=3, split=4),
+        dict(bn=128, bk=128, nw=8, ns=4),
+        dict(bn=128, bk=128, nw=8, ns=4, split=4),
+        dict(bn=32, bk=256, nw=4, ns=4),
+        dict(bn=32, bk=256, nw=4, ns=4, split=4),
+        dict(bn=16, bk=512, nw=4, ns=3, split=2),
+        dict(bn=64, bk=128, nw=4, ns=6),
+        dict(bn=64, bk=128, nw=4, ns=6, split=2),
+        dict(bn=64, bk=64, nw=4, ns=8),
     ]
     if quick:
-        v2 = [dict(bn=4, bk=1024, nw=4), dict(bn=8, bk=512, nw=4), dict(bn=4, bk=512, nw=4, pf=0, ns=3),
-              dict(bn=4, bk=512, nw=4, pf=0, ns=4), dict(bn=4, bk=1024, nw=4, split=4), dict(bn=4, bk=1024, nw=4, persist=4)]
-        tc = [dict(bn=64, bk=128, nw=4, ns=4), dict(bn=64, bk=128, nw=4, ns=4, split=4), dict(bn=64, bk=256, nw=4, ns=3),
-              dict(bn=32, bk=256, nw=4, ns=4, split=4)]
+        v2 = [
+            dict(bn=4, bk=1024, nw=4),
+            dict(bn=8, bk=512, nw=4),
+            dict(bn=4, bk=512, nw=4, pf=0, ns=3),
+            dict(bn=4, bk=512, nw=4, pf=0, ns=4),
+            dict(bn=4, bk=1024, nw=4, split=4),
+            dict(bn=4, bk=1024, nw=4, persist=4),
+        ]
+        tc = [
+            dict(bn=64, bk=128, nw=4, ns=4),
+            dict(bn=64, bk=128, nw=4, ns=4, split=4),
+            dict(bn=64, bk=256, nw=4, ns=3),
+            dict(bn=32, bk=256, nw=4, ns=4, split=4),
+        ]
     vs += [Variant("v2", c) for c in v2] + [Variant("tc", c) for c in tc]
     # batched (M = 2..8): cuBLAS, v2 with small tiles (products [M, BN, BK] per step), tc (one compile for M<=16)
     vb = [Variant("cublas"), Variant("v2", dict(bn=2, bk=512, nw=4)), Variant("v2", dict(bn=4, bk=256, nw=4))]
@@ -652,8 +851,9 @@ def study_shape(name, n, k, variants_m1, variants_b, ms, timer, args, res, deadl
         vs = variants_m1 if m == 1 else variants_b
         x = torch.randn(m, k, generator=g, device=dev).bfloat16()
         ref = F.linear(x.float(), W[0].float())
-        tc_s, cerr = precompile([(v, x, W[0], None, False) for v in vs if v.applies(m) and v.kind != "cublas"],
-                                args.compile_threads)
+        tc_s, cerr = precompile(
+            [(v, x, W[0], None, False) for v in vs if v.applies(m) and v.kind != "cublas"], args.compile_threads
+        )
         rows = {}
         ent["M"][str(m)] = {"results": rows, "precompile_s": round(tc_s, 2)}
         for v in vs:
@@ -728,8 +928,13 @@ def run_chain(res, variants_by_name, timer, args):
     x0 = torch.randn(1, H, device=dev).bfloat16()
     res_buf = torch.zeros(1, H, dtype=torch.bfloat16, device=dev)
     wbytes = sum(t.numel() * 2 for t in (Wqkv, Wo, Wgu, Wd))
-    ch = res["chain"] = {"layers": L, "weight_bytes": wbytes, "alloc_s": round(time.time() - t0, 2),
-                         "floor_ms_at_4.16TBps": round(wbytes / READ_BW * 1e3, 3), "runs": {}}
+    ch = res["chain"] = {
+        "layers": L,
+        "weight_bytes": wbytes,
+        "alloc_s": round(time.time() - t0, 2),
+        "floor_ms_at_4.16TBps": round(wbytes / READ_BW * 1e3, 3),
+        "runs": {},
+    }
 
     def rms_ops(x, w, residual):
         return cuda_ops.rms_norm(x, w, eps, residual=residual)
@@ -747,8 +952,9 @@ def run_chain(res, variants_by_name, timer, args):
 
         def rms(x, w, residual):
             out = torch.empty_like(x)
-            _rms_norm_pdl_kernel[(1,)](x, residual, w, out, H, eps, HAS_RESIDUAL=True, BLOCK=H, USE_PDL=pdl,
-                                       num_warps=8, **kw)
+            _rms_norm_pdl_kernel[(1,)](
+                x, residual, w, out, H, eps, HAS_RESIDUAL=True, BLOCK=H, USE_PDL=pdl, num_warps=8, **kw
+            )
             return out
 
         def silu(gu):
@@ -774,7 +980,11 @@ def run_chain(res, variants_by_name, timer, args):
                 a = copy(qkv)
                 o = gem["o_proj"](a, Wo[l], None, pdl) if gemv_on else a
                 h2 = rms(o, ln[l, 1], res_buf)
-                gu = gem["gate_up"](h2, Wgu[l], None, pdl) if gemv_on else torch.empty(1, 2 * I, dtype=h.dtype, device=dev)
+                gu = (
+                    gem["gate_up"](h2, Wgu[l], None, pdl)
+                    if gemv_on
+                    else torch.empty(1, 2 * I, dtype=h.dtype, device=dev)
+                )
                 s = silu(gu)
                 x = gem["down"](s, Wd[l], None, pdl) if gemv_on else s[:, :H].contiguous()
             return x
@@ -825,12 +1035,19 @@ def run_chain(res, variants_by_name, timer, args):
     best_pdl = {s: m1[s].get("best_pdl_capable") for s in shapes}
     best_leg = {}
     for s in shapes:
-        leg = {vn: r["us"] for vn, r in m1[s].get("results", {}).items() if vn.startswith("legacy") and "us" in r
-               and not r.get("odd_shape_failed")}
+        leg = {
+            vn: r["us"]
+            for vn, r in m1[s].get("results", {}).items()
+            if vn.startswith("legacy") and "us" in r and not r.get("odd_shape_failed")
+        }
         best_leg[s] = min(leg, key=leg.get) if leg else None
     # a fixed set (the H200 winners of an earlier run), so that PDL on/off compare the same kernels every run
-    fixed = {"qkv": "v2_bn16_bk256_w4_ns3", "o_proj": "v2_bn4_bk512_w4_ns3", "gate_up": "v2_bn16_bk256_w4_ns3",
-             "down": "v2_bn8_bk512_w4_ns3"}
+    fixed = {
+        "qkv": "v2_bn16_bk256_w4_ns3",
+        "o_proj": "v2_bn4_bk512_w4_ns3",
+        "gate_up": "v2_bn16_bk256_w4_ns3",
+        "down": "v2_bn8_bk512_w4_ns3",
+    }
 
     y_ref = time_chain("cublas", make_chain(resolve(cub), ops_smalls, False), cub)
     time_chain("small_kernels_only", make_chain(resolve(cub), ops_smalls, False, gemv_on=False), "none")
@@ -847,15 +1064,18 @@ def run_chain(res, variants_by_name, timer, args):
     for tag, names in pdl_sets:
         if not all(names.values()):
             continue
-        y_np = outs[f"{tag}_nopdl"] = time_chain(f"{tag}_nopdl", make_chain(resolve(names), small_local(False), False),
-                                                 names)
+        y_np = outs[f"{tag}_nopdl"] = time_chain(
+            f"{tag}_nopdl", make_chain(resolve(names), small_local(False), False), names
+        )
         if not HAS_GDC:
             ch["runs"][f"{tag}_pdl"] = {"error": "triton.language.extra.cuda.gdc_* not available"}
             continue
         if args.no_pdl:
             continue
-        runs = [(f"{tag}_pdl", resolve(names), names),
-                (f"{tag}_pdl_late", with_cfg(names, trig="late"), {s: n + "+trig_late" for s, n in names.items()})]
+        runs = [
+            (f"{tag}_pdl", resolve(names), names),
+            (f"{tag}_pdl_late", with_cfg(names, trig="late"), {s: n + "+trig_late" for s, n in names.items()}),
+        ]
         if tag == "new":
             # + prefetch.global.L2 of up to 32 KB of each program's weights before gdc_wait()
             gem, desc = {}, {}
@@ -892,16 +1112,23 @@ def run_chain(res, variants_by_name, timer, args):
             rmeds[lab].append(round(statistics.median(ts), 4))
     for lab, ts in times.items():
         med = statistics.median(ts) * 1e3  # us
-        ch["runs"][lab].update(ms=round(med / 1e3, 4), ms_min=round(min(ts), 4), round_medians_ms=rmeds[lab],
-                               TBps=round(wbytes / (med * 1e-6) / 1e12, 3), us_per_layer=round(med / L, 2))
+        ch["runs"][lab].update(
+            ms=round(med / 1e3, 4),
+            ms_min=round(min(ts), 4),
+            round_medians_ms=rmeds[lab],
+            TBps=round(wbytes / (med * 1e-6) / 1e12, 3),
+            us_per_layer=round(med / L, 2),
+        )
     captured.clear()
     Wqkv = Wo = Wgu = Wd = None  # free 12.9 GB
     torch.cuda.empty_cache()
 
 
 def summarize(res):
-    lines = [f"device {res.get('device')}  torch {res.get('torch')}  triton {res.get('triton')}  "
-             f"copy {res.get('copy_TBps_rw')} TB/s (r+w)"]
+    lines = [
+        f"device {res.get('device')}  torch {res.get('torch')}  triton {res.get('triton')}  "
+        f"copy {res.get('copy_TBps_rw')} TB/s (r+w)"
+    ]
     for name, ent in res.get("shapes", {}).items():
         nb = ent["weight_bytes"]
         for m, me in ent["M"].items():
@@ -915,16 +1142,21 @@ def summarize(res):
             top = ", ".join(f"{vn} {us:.1f}" for us, vn in ok[:4])
             floor = nb / READ_BW * 1e6
             nerr = sum(1 for r in rows.values() if "error" in r)
-            lines.append(f"{name:8s} M={m}: floor {floor:.1f}us cublas {cub} legacy {leg} | best {top}"
-                         + (f" | {nerr} errors" if nerr else ""))
+            lines.append(
+                f"{name:8s} M={m}: floor {floor:.1f}us cublas {cub} legacy {leg} | best {top}"
+                + (f" | {nerr} errors" if nerr else "")
+            )
     ch = res.get("chain")
     if ch:
-        lines.append(f"chain {ch['layers']} layers, {ch['weight_bytes'] / 1e9:.2f} GB, floor "
-                     f"{ch['floor_ms_at_4.16TBps']} ms:")
+        lines.append(
+            f"chain {ch['layers']} layers, {ch['weight_bytes'] / 1e9:.2f} GB, floor {ch['floor_ms_at_4.16TBps']} ms:"
+        )
         for k, r in ch["runs"].items():
             if "ms" in r:
                 extra = "".join(f" {kk}={r[kk]:.2e}" for kk in ("rel_vs_cublas", "rel_vs_nopdl") if kk in r)
-                lines.append(f"  {k:18s} {r['ms']:.3f} ms  {r['TBps']:.2f} TB/s  {r['us_per_layer']:.1f} us/layer{extra}")
+                lines.append(
+                    f"  {k:18s} {r['ms']:.3f} ms  {r['TBps']:.2f} TB/s  {r['us_per_layer']:.1f} us/layer{extra}"
+                )
             else:
                 lines.append(f"  {k:18s} ERROR {r.get('error')}")
     return "\n".join(lines)
@@ -949,12 +1181,17 @@ def selftest():
     g = torch.Generator().manual_seed(0)
     fails = 0
     cases = []
-    for (n, k) in ((37, 128), (64, 96), (48, 256)):
+    for n, k in ((37, 128), (64, 96), (48, 256)):
         for m in (1, 3):
             for bias in (False, True):
                 cases.append((n, k, m, bias))
-    v2cfgs = [dict(bn=4, bk=32, nw=4), dict(bn=4, bk=32, nw=4, pf=0, ns=2), dict(bn=8, bk=64, nw=4, split=3),
-              dict(bn=4, bk=32, nw=4, persist=2), dict(bn=2, bk=32, nw=4, split=2, persist=1)]
+    v2cfgs = [
+        dict(bn=4, bk=32, nw=4),
+        dict(bn=4, bk=32, nw=4, pf=0, ns=2),
+        dict(bn=8, bk=64, nw=4, split=3),
+        dict(bn=4, bk=32, nw=4, persist=2),
+        dict(bn=2, bk=32, nw=4, split=2, persist=1),
+    ]
     tccfgs = [dict(bn=16, bk=32, nw=4, ns=2), dict(bn=16, bk=32, nw=4, ns=2, split=3)]
     for n, k, m, bias in cases:
         w = (0.05 * torch.randn(n, k, generator=g)).to(dt).to(dev)
@@ -988,8 +1225,10 @@ def main(argv=None):
     if args.selftest:
         return 1 if selftest() else 0
     if not torch.cuda.is_available():
-        print("gemv_study: needs a CUDA device (none found); on CPU try "
-              "`TRITON_INTERPRET=1 python3 bench/gemv_study.py --selftest`")
+        print(
+            "gemv_study: needs a CUDA device (none found); on CPU try "
+            "`TRITON_INTERPRET=1 python3 bench/gemv_study.py --selftest`"
+        )
         return 2
     global NUM_SMS, L2_BYTES
     t_start = time.time()
@@ -1000,9 +1239,18 @@ def main(argv=None):
     props = torch.cuda.get_device_properties(dev)
     NUM_SMS = props.multi_processor_count
     L2_BYTES = max(L2_BYTES, getattr(props, "L2_cache_size", 0) or 0)
-    res = {"device": props.name, "sms": NUM_SMS, "l2_bytes": L2_BYTES, "torch": torch.__version__,
-           "triton": triton.__version__, "python": platform.python_version(), "has_gdc": HAS_GDC,
-           "quick": args.quick, "shapes": {}, "args": vars(args)}
+    res = {
+        "device": props.name,
+        "sms": NUM_SMS,
+        "l2_bytes": L2_BYTES,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "python": platform.python_version(),
+        "has_gdc": HAS_GDC,
+        "quick": args.quick,
+        "shapes": {},
+        "args": vars(args),
+    }
     out_path = args.out
 
     def dump():
@@ -1023,10 +1271,16 @@ def main(argv=None):
     gg = torch.Generator(device=dev).manual_seed(1)
     wodd = torch.empty(1000, 4096, dtype=torch.bfloat16, device=dev).uniform_(-0.03, 0.03)
     bodd = torch.randn(1000, generator=gg, device=dev).bfloat16()
-    items = [(v, torch.empty(1, 4096, dtype=torch.bfloat16, device=dev), wodd, bodd, False)
-             for v in variants_m1 if v.kind != "cublas"]
-    items += [(v, torch.empty(3, 4096, dtype=torch.bfloat16, device=dev), wodd, bodd, False)
-              for v in variants_b if v.kind != "cublas"]
+    items = [
+        (v, torch.empty(1, 4096, dtype=torch.bfloat16, device=dev), wodd, bodd, False)
+        for v in variants_m1
+        if v.kind != "cublas"
+    ]
+    items += [
+        (v, torch.empty(3, 4096, dtype=torch.bfloat16, device=dev), wodd, bodd, False)
+        for v in variants_b
+        if v.kind != "cublas"
+    ]
     pc_s, _ = precompile(items, args.compile_threads)
     odd_ok = check_odd(variants_m1, variants_b, dev, res)
     res["odd_shape"]["seconds"] = round(time.time() - t0, 2)
@@ -1038,8 +1292,9 @@ def main(argv=None):
         n, k = SHAPES[name]
         t0 = time.time()
         try:
-            study_shape(name, n, k, variants_m1, variants_b, ms if name != "lm_head" else [],
-                        timer, args, res, deadline, odd_ok)
+            study_shape(
+                name, n, k, variants_m1, variants_b, ms if name != "lm_head" else [], timer, args, res, deadline, odd_ok
+            )
         except Exception as ex:
             res["shapes"].setdefault(name, {})["error"] = short_err(ex)
             res["shapes"][name]["trace"] = traceback.format_exc()[-1500:]
@@ -1066,15 +1321,22 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=None, help="JSON file for all results")
     p.add_argument("--quick", action="store_true", help="fewer configs and repetitions (< 1 min)")
-    p.add_argument("--budget", type=float, default=None,
-                   help="seconds for the whole run; later configs are skipped past it (default 170, quick 45)")
+    p.add_argument(
+        "--budget",
+        type=float,
+        default=None,
+        help="seconds for the whole run; later configs are skipped past it (default 170, quick 45)",
+    )
     p.add_argument("--shapes", default=None, help="comma list out of qkv,o_proj,gate_up,down,lm_head")
     p.add_argument("--layers", type=int, default=32, help="layers in the decode chain")
     p.add_argument("--no-chain", action="store_true", help="skip the 32-layer chain")
     p.add_argument("--no-pdl", action="store_true", help="skip the programmatic-dependent-launch chain")
     p.add_argument("--compile-threads", type=int, default=16, help="threads for Triton's parallel compile")
-    p.add_argument("--selftest", action="store_true",
-                   help="tiny-shape correctness of the new kernels (CPU with TRITON_INTERPRET=1, or a GPU)")
+    p.add_argument(
+        "--selftest",
+        action="store_true",
+        help="tiny-shape correctness of the new kernels (CPU with TRITON_INTERPRET=1, or a GPU)",
+    )
     return p.parse_args(argv)
 
 

@@ -67,7 +67,9 @@ def section(name):
                 RESULTS.setdefault("section_seconds", {})[name] = round(time.time() - t0, 1)
                 save()
                 print(f"== {name} done in {time.time() - t0:.1f}s", flush=True)
+
         return run
+
     return wrap
 
 
@@ -103,7 +105,7 @@ def anchors():
     a = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
     t = cuda_time_ms(lambda: a @ b, 10)
-    flops = 2 * m ** 3 / (med(t) / 1e3)
+    flops = 2 * m**3 / (med(t) / 1e3)
     del a, b
     RESULTS["anchors"] = {"d2d_copy_GBps": copy_bw / 1e9, "bf16_gemm_8192_TFLOPs": flops / 1e12}
     print(f"   copy {copy_bw / 1e9:.0f} GB/s, gemm {flops / 1e12:.0f} TFLOP/s")
@@ -116,7 +118,7 @@ def _kernel_inputs(batch, ctx, heads, kv_heads, d=128, bs=16, seed=0):
     total = batch * nb
     perm = torch.randperm(total, generator=g)
     tables = perm[: batch * nb].view(batch, nb).contiguous().to("cuda")
-    cache = (torch.randn(2, total * bs, kv_heads, d, device="cuda", dtype=torch.bfloat16))
+    cache = torch.randn(2, total * bs, kv_heads, d, device="cuda", dtype=torch.bfloat16)
     q = torch.randn(batch, heads, d, device="cuda", dtype=torch.bfloat16)
     lens = torch.full((batch,), ctx, device="cuda", dtype=torch.long)
     return q, cache, tables, lens
@@ -134,18 +136,34 @@ def decode_kernel():
     batch, ctx, h, d, bs = 64, 1024, 32, 128, 16
     q, cache, tables, lens = _kernel_inputs(batch, ctx, h, h)
     kv_bytes = batch * ctx * h * d * 2 * 2
-    scale = d ** -0.5
-    meta = AttentionMetadata(slot_mapping=None, block_size=bs, prefill_query_lens=[], prefill_seq_lens=[],
-                             prefill_block_tables=[], decode_seq_lens=lens, decode_block_tables=tables,
-                             decode_max_seq_len=ctx)
+    scale = d**-0.5
+    meta = AttentionMetadata(
+        slot_mapping=None,
+        block_size=bs,
+        prefill_query_lens=[],
+        prefill_seq_lens=[],
+        prefill_block_tables=[],
+        decode_seq_lens=lens,
+        decode_block_tables=tables,
+        decode_max_seq_len=ctx,
+    )
     ref = SdpaBackend._decode(q.float(), cache.float(), meta, scale, False)
-    ms = do_bench(lambda: SdpaBackend._decode(q, cache, meta, scale, False), warmup=25, rep=100,
-                  return_mode="median")
+    ms = do_bench(lambda: SdpaBackend._decode(q, cache, meta, scale, False), warmup=25, rep=100, return_mode="median")
     res["sdpa_gather_b64_ctx1024"] = {"ms": ms, "GBps": kv_bytes / ms / 1e6}
     default = dict(td.DECODE_CONFIG)
     best = None
-    variants = [(16, 1, 2), (32, 2, 2), (64, 4, 2), (8, 1, 2), (16, 1, 3), (16, 1, 4), (16, 2, 2), (32, 1, 2),
-                (16, 1, 1), (32, 1, 3)]
+    variants = [
+        (16, 1, 2),
+        (32, 2, 2),
+        (64, 4, 2),
+        (8, 1, 2),
+        (16, 1, 3),
+        (16, 1, 4),
+        (16, 2, 2),
+        (32, 1, 2),
+        (16, 1, 1),
+        (32, 1, 3),
+    ]
     out = torch.empty_like(q)
     for bn, nw, ns in variants:
         td.DECODE_CONFIG.update(BLOCK_N=bn, num_warps=nw, num_stages=ns)
@@ -154,8 +172,12 @@ def decode_kernel():
             out.fill_(float("nan"))
             td.paged_decode_attention(q, cache, tables, lens, bs, scale, 4096, out=out)
             err = ((out.float() - ref).norm() / ref.norm()).item()
-            ms = do_bench(lambda: td.paged_decode_attention(q, cache, tables, lens, bs, scale, 4096, out=out),
-                          warmup=25, rep=100, return_mode="median")
+            ms = do_bench(
+                lambda: td.paged_decode_attention(q, cache, tables, lens, bs, scale, 4096, out=out),
+                warmup=25,
+                rep=100,
+                return_mode="median",
+            )
             res[key] = {"ms": ms, "GBps": kv_bytes / ms / 1e6, "rel_err": err}
             print(f"   {key}: {ms * 1e3:.0f} us, {kv_bytes / ms / 1e6:.0f} GB/s, err {err:.1e}")
             if err < 1e-2 and (best is None or ms < best[0]):
@@ -167,8 +189,12 @@ def decode_kernel():
         td.DECODE_CONFIG.update(BLOCK_N=best[1], num_warps=best[2], num_stages=best[3])
     res["chosen_config"] = dict(td.DECODE_CONFIG)
     for splits in (2, 4):  # split-K at batch 64 as well?
-        ms = do_bench(lambda: td.paged_decode_attention(q, cache, tables, lens, bs, scale, 4096, out=out,
-                                                        num_splits=splits), warmup=25, rep=100, return_mode="median")
+        ms = do_bench(
+            lambda: td.paged_decode_attention(q, cache, tables, lens, bs, scale, 4096, out=out, num_splits=splits),
+            warmup=25,
+            rep=100,
+            return_mode="median",
+        )
         res[f"triton_b64_ctx1024_chosen_splits{splits}"] = {"ms": ms, "GBps": kv_bytes / ms / 1e6}
         print(f"   chosen config, {splits} splits: {ms * 1e3:.0f} us, {kv_bytes / ms / 1e6:.0f} GB/s")
     del q, cache, tables, lens, ref
@@ -176,14 +202,20 @@ def decode_kernel():
     q, cache, tables, lens = _kernel_inputs(1, 4096, h, h, seed=1)
     kv1 = 4096 * h * d * 2 * 2
     for splits in (None, 1):
-        ms = do_bench(lambda: td.paged_decode_attention(q, cache, tables, lens, bs, scale, 4096, num_splits=splits),
-                      warmup=25, rep=100, return_mode="median")
+        ms = do_bench(
+            lambda: td.paged_decode_attention(q, cache, tables, lens, bs, scale, 4096, num_splits=splits),
+            warmup=25,
+            rep=100,
+            return_mode="median",
+        )
         key = f"triton_b1_ctx4096_splits_{'auto' if splits is None else splits}"
-        res[key] = {"ms": ms, "GBps": kv1 / ms / 1e6,
-                    "num_splits": td.plan_splits(1, h, 4096, q.device)[0] if splits is None else 1}
+        res[key] = {
+            "ms": ms,
+            "GBps": kv1 / ms / 1e6,
+            "num_splits": td.plan_splits(1, h, 4096, q.device)[0] if splits is None else 1,
+        }
         print(f"   {key}: {ms * 1e3:.1f} us")
     RESULTS["decode_kernel"] = res
-
 
 
 # ------------------------------------------------------------------ prefill parts
@@ -206,17 +238,22 @@ def prefill_parts():
     h, d = 32, 128
     qkv = torch.randn(t, 3 * h * d, device="cuda", dtype=torch.bfloat16)
     q = qkv[:, : h * d].view(t, h, d).transpose(0, 1)[None]
-    k = qkv[:, h * d: 2 * h * d].view(t, h, d).transpose(0, 1)[None]
-    v = qkv[:, 2 * h * d:].view(t, h, d).transpose(0, 1)[None]
+    k = qkv[:, h * d : 2 * h * d].view(t, h, d).transpose(0, 1)[None]
+    v = qkv[:, 2 * h * d :].view(t, h, d).transpose(0, 1)[None]
     ref = None
     attn_flops = 2 * t * t * h * d  # causal: half of 4*T^2*D per head
     best = None
-    for name, be in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION),
-                     ("efficient", SDPBackend.EFFICIENT_ATTENTION)):
+    for name, be in (
+        ("flash", SDPBackend.FLASH_ATTENTION),
+        ("cudnn", SDPBackend.CUDNN_ATTENTION),
+        ("efficient", SDPBackend.EFFICIENT_ATTENTION),
+    ):
         try:
+
             def f():
                 with sdpa_kernel([be]):
                     return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
             o = f()
             if ref is None:
                 ref = o.float()
@@ -315,9 +352,18 @@ def engine_7b():
     pc = preset_config(PRESET)
     kv_mb = int(B64 * (CTX + 128) * pc.num_hidden_layers * 2 * pc.num_key_value_heads * pc.head_dim * 2 / 2**20) + 1024
     t0 = time.time()
-    eng = LLMEngine(EngineConfig(model=f"preset:{PRESET}", device="cuda", dtype="bfloat16",
-                                 kv_cache_memory_mb=kv_mb, max_num_seqs=max(64, B64), max_num_batched_tokens=8192,
-                                 attention_backend="triton", enforce_eager=True))
+    eng = LLMEngine(
+        EngineConfig(
+            model=f"preset:{PRESET}",
+            device="cuda",
+            dtype="bfloat16",
+            kv_cache_memory_mb=kv_mb,
+            max_num_seqs=max(64, B64),
+            max_num_batched_tokens=8192,
+            attention_backend="triton",
+            enforce_eager=True,
+        )
+    )
     cfg = eng.model_config
     wb = weight_bytes(eng.model)
     build_s = time.time() - t0
@@ -325,12 +371,17 @@ def engine_7b():
     gr = CudaGraphRunner(eng.runner, eng.max_model_len, batch_sizes=[1, B64])
     capture_s = time.time() - t0
     backends = {"triton": eng.model.backend, "sdpa": SdpaBackend()}
-    res = {"weight_bytes": wb, "build_s": build_s, "graph_capture_s": capture_s, "num_blocks": eng.runner.num_blocks,
-           "gemv_tuning": getattr(eng, "gemv_report", None),
-           "prefill_sdpa_backends": str(__import__("server.engine.attention.triton_decode",
-                                                   fromlist=["x"]).PREFILL_SDPA_BACKENDS),
-           "decode_kernel_config": dict(__import__("server.engine.attention.triton_decode",
-                                                   fromlist=["x"]).DECODE_CONFIG)}
+    res = {
+        "weight_bytes": wb,
+        "build_s": build_s,
+        "graph_capture_s": capture_s,
+        "num_blocks": eng.runner.num_blocks,
+        "gemv_tuning": getattr(eng, "gemv_report", None),
+        "prefill_sdpa_backends": str(
+            __import__("server.engine.attention.triton_decode", fromlist=["x"]).PREFILL_SDPA_BACKENDS
+        ),
+        "decode_kernel_config": dict(__import__("server.engine.attention.triton_decode", fromlist=["x"]).DECODE_CONFIG),
+    }
     RESULTS["engine_7b"] = res
     rng = random.Random(0)
     kv_tok = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * 2  # bytes per token of context
@@ -368,8 +419,13 @@ def engine_7b():
         ts = _time_steps(eng, n)
         ctx = ctx0 + n / 2  # mean context over the timed steps
         bytes_step = wb + B64 * ctx * kv_tok
-        b64[mode] = {"step_ms_median": med(ts), "mean_context": ctx, "bytes_per_step": bytes_step,
-                     "GBps": bytes_step / (med(ts) / 1e3) / 1e9, "n": n}
+        b64[mode] = {
+            "step_ms_median": med(ts),
+            "mean_context": ctx,
+            "bytes_per_step": bytes_step,
+            "GBps": bytes_step / (med(ts) / 1e3) / 1e9,
+            "n": n,
+        }
         print(f"   b64 {mode}: {med(ts):.2f} ms/step, {bytes_step / (med(ts) / 1e3) / 1e9:.0f} GB/s")
     _set_mode(eng, "graphs", gr, backends)
     eng.step()
@@ -420,8 +476,12 @@ def engine_7b():
         times = {m: ts for m, ts in times.items() if ts is not None}
     td.PREFILL_SDPA_BACKENDS = default_backends
     for mode, ts in times.items():
-        pf[mode] = {"step_ms_median": med(ts), "step_ms_min": min(ts), "TFLOPs": pf["flops"] / (med(ts) / 1e3) / 1e12,
-                    "n": len(ts)}
+        pf[mode] = {
+            "step_ms_median": med(ts),
+            "step_ms_min": min(ts),
+            "TFLOPs": pf["flops"] / (med(ts) / 1e3) / 1e12,
+            "n": len(ts),
+        }
         print(f"   prefill {PF_LEN} {mode}: {med(ts):.1f} ms (min {min(ts):.1f})")
     pf["engine_default_sdpa_backends"] = str(default_backends)
     _set_mode(eng, "eager_fused", gr, backends)
@@ -469,9 +529,16 @@ def hf_eager():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     res = {"transformers": transformers.__version__}
-    cfg = LlamaConfig(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
-                      num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096,
-                      rms_norm_eps=1e-5)
+    cfg = LlamaConfig(
+        vocab_size=32000,
+        hidden_size=4096,
+        intermediate_size=11008,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-5,
+    )
     t0 = time.time()
     old = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
@@ -528,28 +595,56 @@ def table() -> str:
     e = RESULTS.get("engine_7b", {})
     b1 = e.get("decode_b1")
     if b1:
-        rows.append(("7B decode b1, graphs, step", f"{b1['graphs']['step_ms_median']:.2f} ms",
-                     f"floor {b1['floor_ms']:.2f} ms", f"x{b1['ratio_step_to_floor']:.2f} (target <= 4.05 ms)"))
-        rows.append(("7B decode b1, graph replay GPU", f"{b1['graphs']['replay_gpu_ms']:.2f} ms",
-                     f"floor {b1['floor_ms']:.2f} ms", f"x{b1['ratio_replay_to_floor']:.2f}"))
+        rows.append(
+            (
+                "7B decode b1, graphs, step",
+                f"{b1['graphs']['step_ms_median']:.2f} ms",
+                f"floor {b1['floor_ms']:.2f} ms",
+                f"x{b1['ratio_step_to_floor']:.2f} (target <= 4.05 ms)",
+            )
+        )
+        rows.append(
+            (
+                "7B decode b1, graph replay GPU",
+                f"{b1['graphs']['replay_gpu_ms']:.2f} ms",
+                f"floor {b1['floor_ms']:.2f} ms",
+                f"x{b1['ratio_replay_to_floor']:.2f}",
+            )
+        )
         rows.append(("7B decode b1, eager fused", f"{b1['eager_fused']['step_ms_median']:.2f} ms", "", ""))
         rows.append(("7B decode b1, eager plain", f"{b1['eager_plain']['step_ms_median']:.2f} ms", "", ""))
     b64 = e.get("decode_b64_ctx1024")
     if b64:
         g = b64["graphs"]
-        rows.append(("7B decode b64x1024, graphs, step", f"{g['step_ms_median']:.2f} ms ({g['GBps']:.0f} GB/s)",
-                     f"roofline {b64['roofline_ms']:.2f} ms",
-                     f"{100 * b64['frac_of_roofline_step']:.0f}% of roofline (target >= 70%)"))
-        rows.append(("7B decode b64x1024, replay GPU", f"{g['replay_gpu_ms']:.2f} ms", "",
-                     f"{100 * b64['frac_of_roofline_replay']:.0f}% of roofline"))
+        rows.append(
+            (
+                "7B decode b64x1024, graphs, step",
+                f"{g['step_ms_median']:.2f} ms ({g['GBps']:.0f} GB/s)",
+                f"roofline {b64['roofline_ms']:.2f} ms",
+                f"{100 * b64['frac_of_roofline_step']:.0f}% of roofline (target >= 70%)",
+            )
+        )
+        rows.append(
+            (
+                "7B decode b64x1024, replay GPU",
+                f"{g['replay_gpu_ms']:.2f} ms",
+                "",
+                f"{100 * b64['frac_of_roofline_replay']:.0f}% of roofline",
+            )
+        )
         rows.append(("7B decode b64x1024, eager plain", f"{b64['eager_plain']['step_ms_median']:.2f} ms", "", ""))
     pf = e.get("prefill_2048")
     if pf:
         for m in ("fused_flash", "fused_cudnn"):
             if m in pf:
-                rows.append((f"7B prefill 2048, {m}" + (" (default)" if m == pf.get("default_mode") else ""),
-                             f"{pf[m]['step_ms_median']:.1f} ms", f"floor {pf['floor_ms']:.1f} ms",
-                             f"x{pf[m]['step_ms_median'] / pf['floor_ms']:.2f} (target <= 46 ms)"))
+                rows.append(
+                    (
+                        f"7B prefill 2048, {m}" + (" (default)" if m == pf.get("default_mode") else ""),
+                        f"{pf[m]['step_ms_median']:.1f} ms",
+                        f"floor {pf['floor_ms']:.1f} ms",
+                        f"x{pf[m]['step_ms_median'] / pf['floor_ms']:.2f} (target <= 46 ms)",
+                    )
+                )
         rows.append(("7B prefill 2048, eager plain", f"{pf['eager_plain']['step_ms_median']:.1f} ms", "", ""))
     hf = RESULTS.get("hf_eager", {})
     for k, v in hf.items():
@@ -570,14 +665,22 @@ def main() -> None:
         sys.exit("bench/gpu_engine.py needs a CUDA GPU")
     import triton
 
-    RESULTS["env"] = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-                      "date": time.strftime("%Y-%m-%d %H:%M:%S"), "sm_count": torch.cuda.get_device_properties(0)
-                      .multi_processor_count}
+    RESULTS["env"] = {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "sm_count": torch.cuda.get_device_properties(0).multi_processor_count,
+    }
     skip = set(filter(None, args.skip.split(",")))
     t0 = time.time()
-    for name, fn in (("anchors", anchors), ("decode_kernel", decode_kernel), ("prefill_parts", prefill_parts),
-                     ("engine_7b", engine_7b),
-                     ("hf_eager", hf_eager)):
+    for name, fn in (
+        ("anchors", anchors),
+        ("decode_kernel", decode_kernel),
+        ("prefill_parts", prefill_parts),
+        ("engine_7b", engine_7b),
+        ("hf_eager", hf_eager),
+    ):
         if name not in skip:
             fn()
     RESULTS["total_s"] = time.time() - t0

@@ -24,14 +24,29 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     t0 = time.perf_counter()
-    eng = LLMEngine(EngineConfig(model=a.model, device="cuda:0", max_model_len=2304, max_num_batched_tokens=2048,
-                                 max_num_seqs=128, gpu_memory_utilization=a.utilization))
+    eng = LLMEngine(
+        EngineConfig(
+            model=a.model,
+            device="cuda:0",
+            max_model_len=2304,
+            max_num_batched_tokens=2048,
+            max_num_seqs=128,
+            gpu_memory_utilization=a.utilization,
+        )
+    )
     startup = time.perf_counter() - t0
     b = eng.kv_budget
     free, total = torch.cuda.mem_get_info()
-    res = {"startup_s": startup, "budget": b.describe(), "num_blocks": b.num_blocks, "kv_gib": b.kv_bytes / 2**30,
-           "peak_gib": b.peak_bytes / 2**30, "non_torch_gib": b.non_torch_bytes / 2**30,
-           "device_used_after_gib": (total - free) / 2**30, "device_total_gib": total / 2**30}
+    res = {
+        "startup_s": startup,
+        "budget": b.describe(),
+        "num_blocks": b.num_blocks,
+        "kv_gib": b.kv_bytes / 2**30,
+        "peak_gib": b.peak_bytes / 2**30,
+        "non_torch_gib": b.non_torch_bytes / 2**30,
+        "device_used_after_gib": (total - free) / 2**30,
+        "device_total_gib": total / 2**30,
+    }
     print(res, flush=True)
     params = SamplingParams(max_tokens=1, ignore_eos=True)
     steps, whole = [], []
@@ -46,10 +61,17 @@ def main() -> None:
             steps.append(time.perf_counter() - t2)
         whole.append(time.perf_counter() - t1)
     w, s = whole[3:], steps[3:]
-    res.update({"prefill_whole_ms_median": 1e3 * statistics.median(w), "step_ms_median": 1e3 * statistics.median(s),
-                "engine_only_req_per_s": 1 / statistics.median(w), "n": len(w)})
+    res.update(
+        {
+            "prefill_whole_ms_median": 1e3 * statistics.median(w),
+            "step_ms_median": 1e3 * statistics.median(s),
+            "engine_only_req_per_s": 1 / statistics.median(w),
+            "n": len(w),
+        }
+    )
     print({k: v for k, v in res.items() if "ms" in k or "req" in k}, flush=True)
     from torch.profiler import ProfilerActivity, profile
+
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for i in range(3):
             eng.add_request(f"p{i}", [(i * 104729 + j) % 30000 + 1 for j in range(a.prompt)], params)

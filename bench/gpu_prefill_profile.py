@@ -34,7 +34,7 @@ def scrape(url: str) -> dict[str, float]:
         text = r.read().decode()
     out = {}
     for ln in text.splitlines():
-        m = re.match(r'^(distserve_(?:engine_\w+|prefill_\w+|kv_\w+|gpu_\w+)(?:\{[^}]*\})?) ([0-9.eE+-]+)$', ln)
+        m = re.match(r"^(distserve_(?:engine_\w+|prefill_\w+|kv_\w+|gpu_\w+)(?:\{[^}]*\})?) ([0-9.eE+-]+)$", ln)
         if m and "_bucket" not in m.group(1):
             out[m.group(1)] = float(m.group(2))
     return out
@@ -52,15 +52,21 @@ def main() -> int:
     ap.add_argument("--extra", default="", help="JSON merged into the config's sections, e.g. '{\"prefill\": {}}'")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
-    args = argparse.Namespace(model=a.model, max_batch=128, kv_cache_mb=36000, pool_mb=4096,
-                              gpu_memory_utilization=a.gpu_memory_utilization)
+    args = argparse.Namespace(
+        model=a.model, max_batch=128, kv_cache_mb=36000, pool_mb=4096, gpu_memory_utilization=a.gpu_memory_utilization
+    )
     cfg = gs.base_config(args, a.prompt + a.output + 256)
     for k, v in json.loads(a.extra or "{}").items():
         cfg.setdefault(k, {}).update(v)
     res: dict = {"args": vars(a), "config": cfg}
     with tempfile.TemporaryDirectory(prefix="prefill-profile-") as tmp:
-        srv = gs.Server("pd", args, cfg, ["--mode", "disaggregated", "--prefill", "1", "--decode", "1",
-                                          "--devices", a.devices], Path(tmp))
+        srv = gs.Server(
+            "pd",
+            args,
+            cfg,
+            ["--mode", "disaggregated", "--prefill", "1", "--decode", "1", "--devices", a.devices],
+            Path(tmp),
+        )
         try:
             res["startup_s"] = srv.start(timeout_s=240)
             workers = srv.workers()["workers"]
@@ -70,27 +76,41 @@ def main() -> int:
             vocab = preset_config(a.model).vocab_size
             asyncio.run(gs.closed_loop(url, a.model, vocab, 4, 3.0, a.prompt, a.output, seed=1))  # warm-up
             m0, t0 = scrape(pw), time.perf_counter()
-            recs, wall = asyncio.run(gs.closed_loop(url, a.model, vocab, a.concurrency, a.duration_s, a.prompt,
-                                                    a.output, seed=2))
+            recs, wall = asyncio.run(
+                gs.closed_loop(url, a.model, vocab, a.concurrency, a.duration_s, a.prompt, a.output, seed=2)
+            )
             m1, wall_m = scrape(pw), time.perf_counter() - t0
             d = {k: m1[k] - m0.get(k, 0.0) for k in m1}
             s = gs.summarize(recs, wall, {"ttft_ms": 1e9, "tpot_ms": 1e9}, False)
             n = d.get("distserve_engine_steps", 0) or 1
             done = d.get('distserve_prefill_phase_seconds_count{phase="stage"}', 0) or 1
             step_s, idle_s = d.get("distserve_engine_step_seconds", 0), d.get("distserve_engine_idle_seconds", 0)
-            res.update({
-                "throughput_rps": s["throughput_rps"], "requests": s["requests"], "failed": s.get("failed"),
-                "ttft_ms": s["ttft_ms"], "wall_s": wall_m, "prefills": done, "steps": n,
-                "per_prefill_ms": {
-                    "wall": 1e3 * wall_m / done, "in_step": 1e3 * step_s / done,
-                    "step_cpu": 1e3 * d.get("distserve_engine_step_cpu_seconds", 0) / done,
-                    "idle": 1e3 * idle_s / done, "host_between_steps": 1e3 * (wall_m - step_s - idle_s) / done,
-                    **{f"phase_{p}_mean": 1e3 * d.get(f'distserve_prefill_phase_seconds_sum{{phase="{p}"}}', 0)
-                       / max(1, d.get(f'distserve_prefill_phase_seconds_count{{phase="{p}"}}', 0))
-                       for p in ("queued_and_step", "take_kv", "stage")}},
-                "kv_cache": {k: v for k, v in m1.items() if "kv_cache_bytes" in k or "gpu_memory" in k},
-                "metrics_delta": d,
-            })
+            res.update(
+                {
+                    "throughput_rps": s["throughput_rps"],
+                    "requests": s["requests"],
+                    "failed": s.get("failed"),
+                    "ttft_ms": s["ttft_ms"],
+                    "wall_s": wall_m,
+                    "prefills": done,
+                    "steps": n,
+                    "per_prefill_ms": {
+                        "wall": 1e3 * wall_m / done,
+                        "in_step": 1e3 * step_s / done,
+                        "step_cpu": 1e3 * d.get("distserve_engine_step_cpu_seconds", 0) / done,
+                        "idle": 1e3 * idle_s / done,
+                        "host_between_steps": 1e3 * (wall_m - step_s - idle_s) / done,
+                        **{
+                            f"phase_{p}_mean": 1e3
+                            * d.get(f'distserve_prefill_phase_seconds_sum{{phase="{p}"}}', 0)
+                            / max(1, d.get(f'distserve_prefill_phase_seconds_count{{phase="{p}"}}', 0))
+                            for p in ("queued_and_step", "take_kv", "stage")
+                        },
+                    },
+                    "kv_cache": {k: v for k, v in m1.items() if "kv_cache_bytes" in k or "gpu_memory" in k},
+                    "metrics_delta": d,
+                }
+            )
         except Exception as e:  # noqa: BLE001 - keep what was measured, and the logs
             res["error"] = f"{type(e).__name__}: {e}"
         finally:

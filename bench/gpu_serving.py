@@ -78,13 +78,30 @@ def log(msg: str) -> None:
 
 
 # ------------------------------------------------------------------ load (distbench)
-def drive(url: str, token: str | None, prompt_len: int, out_len: int, *, seed: int, duration_s: float,
-          concurrency: int | None = None, rate: float | None = None, timeout_s: float = 120.0,
-          num_prompts: int = 10**9) -> dict:
+def drive(
+    url: str,
+    token: str | None,
+    prompt_len: int,
+    out_len: int,
+    *,
+    seed: int,
+    duration_s: float,
+    concurrency: int | None = None,
+    rate: float | None = None,
+    timeout_s: float = 120.0,
+    num_prompts: int = 10**9,
+) -> dict:
     """One distbench run: closed loop (``concurrency``) or Poisson open loop (``rate``) for ``duration_s``."""
-    spec = RunSpec(url=url, strategy="closed" if concurrency else "poisson", concurrency=concurrency,
-                   request_rate=rate, num_prompts=num_prompts, duration_s=duration_s, seed=seed,
-                   timeout_s=timeout_s)
+    spec = RunSpec(
+        url=url,
+        strategy="closed" if concurrency else "poisson",
+        concurrency=concurrency,
+        request_rate=rate,
+        num_prompts=num_prompts,
+        duration_s=duration_s,
+        seed=seed,
+        timeout_s=timeout_s,
+    )
     wl = Workload(prompt_len=str(prompt_len), output_len=str(out_len), seed=seed)
     return run_distbench(Options(spec, wl, percentiles=(50.0, 90.0, 95.0, 99.0), progress=False, token=token))
 
@@ -92,20 +109,36 @@ def drive(url: str, token: str | None, prompt_len: int, out_len: int, *, seed: i
 def _dist(res: dict, key: str) -> dict:
     if not res["completed"]:
         return {"n": 0}
-    return {"n": res["completed"], "mean": res[f"mean_{key}_ms"], "p50": res[f"median_{key}_ms"],
-            "p90": res[f"p90_{key}_ms"], "p95": res[f"p95_{key}_ms"], "p99": res[f"p99_{key}_ms"],
-            "std": res[f"std_{key}_ms"], "max": res[f"max_{key}_ms"]}
+    return {
+        "n": res["completed"],
+        "mean": res[f"mean_{key}_ms"],
+        "p50": res[f"median_{key}_ms"],
+        "p90": res[f"p90_{key}_ms"],
+        "p95": res[f"p95_{key}_ms"],
+        "p99": res[f"p99_{key}_ms"],
+        "std": res[f"std_{key}_ms"],
+        "max": res[f"max_{key}_ms"],
+    }
 
 
 def summarize(res: dict, slo: dict, open_loop_run: bool) -> dict:
     """This script's summary of a distbench result (figures from distbench's one statistics module)."""
     recs = records_of(res)
     limits = {"ttft": slo["ttft_ms"] / 1000, "tpot": slo["tpot_ms"] / 1000}
-    s = {"requests": res["num_prompts"], "completed": res["completed"], "failed": res["failed"],
-         "wall_s": res["duration"], "throughput_rps": res["request_throughput"],
-         "output_tok_per_s": res["output_throughput"], "ttft_ms": _dist(res, "ttft"),
-         "tpot_ms": _dist(res, "tpot"), "e2e_ms": _dist(res, "e2el"), "slo": slo,
-         "slo_attainment": attainment(recs, limits), "errors": res["failures"]}
+    s = {
+        "requests": res["num_prompts"],
+        "completed": res["completed"],
+        "failed": res["failed"],
+        "wall_s": res["duration"],
+        "throughput_rps": res["request_throughput"],
+        "output_tok_per_s": res["output_throughput"],
+        "ttft_ms": _dist(res, "ttft"),
+        "tpot_ms": _dist(res, "tpot"),
+        "e2e_ms": _dist(res, "e2el"),
+        "slo": slo,
+        "slo_attainment": attainment(recs, limits),
+        "errors": res["failures"],
+    }
     for m in ("ttft", "tpot"):
         for q in (90, 99):
             s[f"p{q}_{m}_all_ms"] = percentile_with_failures(recs, m, q)
@@ -131,9 +164,14 @@ def goodput(sweep: list[dict], gpus: int) -> dict:
         best = max(passing) if passing else 0.0
         first_miss = next((p["rate"] for p in pts if not p["summary"]["meets"][form]), math.inf)
         safe = max([r for r in passing if r < first_miss], default=0.0)
-        out[form] = {"rps": best, "rps_per_gpu": best / gpus, "rps_below_first_miss": safe,
-                     "rps_below_first_miss_per_gpu": safe / gpus, "monotone": safe == best,
-                     "bracketed": bool(passing) and any(p["rate"] > best for p in sweep)}
+        out[form] = {
+            "rps": best,
+            "rps_per_gpu": best / gpus,
+            "rps_below_first_miss": safe,
+            "rps_below_first_miss_per_gpu": safe / gpus,
+            "monotone": safe == best,
+            "bracketed": bool(passing) and any(p["rate"] > best for p in sweep),
+        }
     return out
 
 
@@ -159,8 +197,9 @@ class Server:
         log(f"start {self.name}: {' '.join(self.serve_args)}")
         t0 = time.monotonic()
         try:
-            self.srv = ServeProcess(self.workdir, config=self.config, extra_args=self.serve_args, env=env,
-                                    timeout_s=timeout_s, cwd=REPO)
+            self.srv = ServeProcess(
+                self.workdir, config=self.config, extra_args=self.serve_args, env=env, timeout_s=timeout_s, cwd=REPO
+            )
         except RuntimeError as e:
             raise RuntimeError(f"{self.name}: {str(e)[:300]}") from None
         self.url, self.token = self.srv.url, self.srv.token
@@ -171,6 +210,7 @@ class Server:
 
     def metric_lines(self, prefix: str) -> list[str]:
         import urllib.request
+
         try:
             with urllib.request.urlopen(f"{self.url}/metrics", timeout=5) as r:
                 return [ln for ln in r.read().decode().splitlines() if ln.startswith(prefix)]
@@ -206,8 +246,17 @@ def base_config(args, max_seq_len: int) -> dict:
     }
 
 
-def run_mode(name: str, args, serve_args: list[str], gpus: int, workloads: list[dict], grids: dict,
-             workdir: Path, share: float, vocab: int) -> None:
+def run_mode(
+    name: str,
+    args,
+    serve_args: list[str],
+    gpus: int,
+    workloads: list[dict],
+    grids: dict,
+    workdir: Path,
+    share: float,
+    vocab: int,
+) -> None:
     """One server configuration: start, closed loop (first workload), sweeps, stop."""
     mode_deadline = time.monotonic() + share
     res = RESULTS["modes"].setdefault(name, {"serve_args": serve_args, "gpus": gpus})
@@ -215,14 +264,22 @@ def run_mode(name: str, args, serve_args: list[str], gpus: int, workloads: list[
     try:
         res["startup_s"] = srv.start(timeout_s=min(args.startup_timeout_s, max(30.0, left() - 30)))
         log(f"{name} healthy in {res['startup_s']:.1f} s")
-        res["workers"] = [{k: w.get(k) for k in ("worker_id", "role", "kv_blocks_free")}
-                          for w in srv.workers()["workers"]]
+        res["workers"] = [
+            {k: w.get(k) for k in ("worker_id", "role", "kv_blocks_free")} for w in srv.workers()["workers"]
+        ]
         save()
         url = srv.url
         # warm-up: a few requests of each workload (first-use kernels, allocator, connections)
         for wl in workloads:
-            drive(url, srv.token, wl["prompt_len"], wl["out_len"], seed=1, duration_s=2.0,
-                  concurrency=min(4, args.concurrency))
+            drive(
+                url,
+                srv.token,
+                wl["prompt_len"],
+                wl["out_len"],
+                seed=1,
+                duration_s=2.0,
+                concurrency=min(4, args.concurrency),
+            )
         for wi, wl in enumerate(workloads):
             key = wl["name"]
             # closed loop: concurrency 100 on the short workload; a shorter one on the long one
@@ -231,19 +288,23 @@ def run_mode(name: str, args, serve_args: list[str], gpus: int, workloads: list[
             if left() < dur + 10:
                 RESULTS["errors"][f"{name}/{key}/closed"] = "skipped: out of time"
                 continue
-            s = summarize(drive(url, srv.token, wl["prompt_len"], wl["out_len"], seed=2, duration_s=dur,
-                                concurrency=conc), wl["slo"], False)
+            s = summarize(
+                drive(url, srv.token, wl["prompt_len"], wl["out_len"], seed=2, duration_s=dur, concurrency=conc),
+                wl["slo"],
+                False,
+            )
             s["concurrency"] = conc
             res.setdefault("closed_loop", {})[key] = s
-            log(f"{name}/{key} closed c={conc}: {s['throughput_rps']:.1f} req/s, TTFT p50 "
+            log(
+                f"{name}/{key} closed c={conc}: {s['throughput_rps']:.1f} req/s, TTFT p50 "
                 f"{s['ttft_ms'].get('p50', math.nan):.0f} ms, TPOT p50 {s['tpot_ms'].get('p50', math.nan):.1f} ms, "
-                f"failed {s['failed']}")
+                f"failed {s['failed']}"
+            )
             save()
             if key not in grids:  # the first mode fixes the layout's grid for this workload
                 c = max(s["throughput_rps"], 0.5)
                 grids[key] = [round(g * c, 2) for g in args.grid]
-                RESULTS.setdefault("grids", {})[key] = {"from_mode": name, "closed_loop_rps": c,
-                                                        "rates": grids[key]}
+                RESULTS.setdefault("grids", {})[key] = {"from_mode": name, "closed_loop_rps": c, "rates": grids[key]}
             sweep = res.setdefault("sweeps", {}).setdefault(key, [])
             wl_deadline = time.monotonic() + (mode_deadline - time.monotonic()) / (len(workloads) - wi)
 
@@ -252,15 +313,25 @@ def run_mode(name: str, args, serve_args: list[str], gpus: int, workloads: list[
                 if time.monotonic() + need > min(wl_deadline, DEADLINE - 20):
                     return None
                 open_s = min(2 * wl["open_s"], max(wl["open_s"], 20.0 / rate))  # >= ~20 arrivals where time allows
-                res = drive(url, srv.token, wl["prompt_len"], wl["out_len"], seed=int(rate * 100) + 7,
-                            duration_s=open_s, rate=rate, timeout_s=open_s + wl["drain_s"])
+                res = drive(
+                    url,
+                    srv.token,
+                    wl["prompt_len"],
+                    wl["out_len"],
+                    seed=int(rate * 100) + 7,
+                    duration_s=open_s,
+                    rate=rate,
+                    timeout_s=open_s + wl["drain_s"],
+                )
                 s = summarize(res, wl["slo"], True)
                 point = {"rate": rate, "summary": s}
                 sweep.append(point)
                 sweep.sort(key=lambda p: p["rate"])
-                log(f"{name}/{key} rate {rate:g}: attain {s['slo_attainment']:.0%}, TTFT p90 "
+                log(
+                    f"{name}/{key} rate {rate:g}: attain {s['slo_attainment']:.0%}, TTFT p90 "
                     f"{s['p90_ttft_all_ms']:.0f} p99 {s['p99_ttft_all_ms']:.0f} ms, TPOT p90 "
-                    f"{s['p90_tpot_all_ms']:.1f} p99 {s['p99_tpot_all_ms']:.1f} ms, {s['throughput_rps']:.1f} req/s")
+                    f"{s['p90_tpot_all_ms']:.1f} p99 {s['p99_tpot_all_ms']:.1f} ms, {s['throughput_rps']:.1f} req/s"
+                )
                 save()
                 return point
 
@@ -308,19 +379,25 @@ def print_table(layout: str) -> None:
     rows = []
     for name, m in RESULTS.get("modes", {}).items():
         for key, s in m.get("closed_loop", {}).items():
-            rows.append(f"{name:<28} {key:<6} closed c={s.get('concurrency')}: {s['throughput_rps']:7.1f} req/s  "
-                        f"TTFT mean/p50/p99 {s['ttft_ms'].get('mean', math.nan):6.0f}/{s['ttft_ms'].get('p50', math.nan):6.0f}/"
-                        f"{s['ttft_ms'].get('p99', math.nan):6.0f} ms  TPOT mean/p50/p99 "
-                        f"{s['tpot_ms'].get('mean', math.nan):5.1f}/{s['tpot_ms'].get('p50', math.nan):5.1f}/"
-                        f"{s['tpot_ms'].get('p99', math.nan):5.1f} ms")
+            rows.append(
+                f"{name:<28} {key:<6} closed c={s.get('concurrency')}: {s['throughput_rps']:7.1f} req/s  "
+                f"TTFT mean/p50/p99 {s['ttft_ms'].get('mean', math.nan):6.0f}/{s['ttft_ms'].get('p50', math.nan):6.0f}/"
+                f"{s['ttft_ms'].get('p99', math.nan):6.0f} ms  TPOT mean/p50/p99 "
+                f"{s['tpot_ms'].get('mean', math.nan):5.1f}/{s['tpot_ms'].get('p50', math.nan):5.1f}/"
+                f"{s['tpot_ms'].get('p99', math.nan):5.1f} ms"
+            )
         for key, g in m.get("goodput", {}).items():
+
             def fmt(f):
                 x = g[f]
                 mark = "" if x["bracketed"] else " (top of sweep)"
                 safe = "" if x["monotone"] else f" [below 1st miss {x['rps_below_first_miss']:.1f}]"
                 return f"{x['rps']:.1f} ({x['rps_per_gpu']:.1f}/GPU){safe}{mark}"
-            rows.append(f"{name:<28} {key:<6} goodput req/s: attain>=90% {fmt('attainment_90')}  "
-                        f"P90 {fmt('p90')}  P99 {fmt('p99')}")
+
+            rows.append(
+                f"{name:<28} {key:<6} goodput req/s: attain>=90% {fmt('attainment_90')}  "
+                f"P90 {fmt('p90')}  P99 {fmt('p99')}"
+            )
     print(f"\n== gpu_serving {layout} ({RESULTS.get('elapsed_s')} s; errors: {list(RESULTS['errors']) or 'none'})")
     for r in rows:
         print(r)
@@ -339,16 +416,23 @@ def main() -> int:
     ap.add_argument("--max-batch", type=int, default=128)
     ap.add_argument("--max-seq-len", type=int, default=2304)
     ap.add_argument("--kv-cache-mb", type=int, default=36_000)
-    ap.add_argument("--gpu-memory-utilization", type=float, default=0.0,
-                    help="cache.gpu_memory_utilization per worker; 0 = size KV from --kv-cache-mb")
+    ap.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.0,
+        help="cache.gpu_memory_utilization per worker; 0 = size KV from --kv-cache-mb",
+    )
     ap.add_argument("--pool-mb", type=int, default=4096)
     ap.add_argument("--startup-timeout-s", type=float, default=240.0)
     ap.add_argument("--short", default="128,64", help="prompt,output tokens of the short workload")
     ap.add_argument("--long", default="2048,128", help="prompt,output tokens of the long workload (two-gpu)")
     ap.add_argument("--workloads", default=None, help="comma list: short,long (default: all of the layout)")
     ap.add_argument("--modes", default=None, help="comma list to run a subset (in this order)")
-    ap.add_argument("--grid", default=",".join(map(str, GRID)),
-                    help="sweep rates as multiples of the first mode's closed-loop throughput")
+    ap.add_argument(
+        "--grid",
+        default=",".join(map(str, GRID)),
+        help="sweep rates as multiples of the first mode's closed-loop throughput",
+    )
     ap.add_argument("--rates-short", default=None, help="explicit short-workload rates (skip the grid)")
     ap.add_argument("--rates-long", default=None, help="explicit long-workload rates (skip the grid)")
     ap.add_argument("--max-extend", type=int, default=3, help="extra rates to bracket the knee")
@@ -364,6 +448,7 @@ def main() -> int:
     env = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "python": sys.version.split()[0], "cpus": os.cpu_count()}
     try:
         import torch
+
         env["torch"] = torch.__version__
         if torch.cuda.is_available():
             env["gpu"] = torch.cuda.get_device_name(0)
@@ -372,20 +457,38 @@ def main() -> int:
         env["torch_error"] = str(e)
     sp, so = (int(x) for x in args.short.split(","))
     lp, lo = (int(x) for x in args.long.split(","))
-    short = {"name": "short", "prompt_len": sp, "out_len": so, "slo": SLO_SHORT, "closed_s": args.closed_s,
-             "open_s": args.open_s, "drain_s": 15.0}
-    long_ = {"name": "long", "prompt_len": lp, "out_len": lo, "slo": SLO_LONG, "closed_s": max(6.0, args.closed_s / 2),
-             "open_s": args.open_s, "drain_s": 20.0}
+    short = {
+        "name": "short",
+        "prompt_len": sp,
+        "out_len": so,
+        "slo": SLO_SHORT,
+        "closed_s": args.closed_s,
+        "open_s": args.open_s,
+        "drain_s": 15.0,
+    }
+    long_ = {
+        "name": "long",
+        "prompt_len": lp,
+        "out_len": lo,
+        "slo": SLO_LONG,
+        "closed_s": max(6.0, args.closed_s / 2),
+        "open_s": args.open_s,
+        "drain_s": 20.0,
+    }
     dev = args.device
     if args.layout == "one-gpu":
         d0 = "cuda:0" if dev == "cuda" else dev
-        modes = [("colocated", ["--mode", "colocated", "--decode", "1", "--devices", d0], 1),
-                 ("disaggregated", ["--mode", "disaggregated", "--prefill", "1", "--decode", "1", "--devices", d0], 1)]
+        modes = [
+            ("colocated", ["--mode", "colocated", "--decode", "1", "--devices", d0], 1),
+            ("disaggregated", ["--mode", "disaggregated", "--prefill", "1", "--decode", "1", "--devices", d0], 1),
+        ]
         workloads = [short]
     else:
         d = "cuda:0,cuda:1" if dev == "cuda" else f"{dev},{dev}"
-        modes = [("disaggregated_1p1d", ["--mode", "disaggregated", "--prefill", "1", "--decode", "1", "--devices", d], 2),
-                 ("colocated_2replicas", ["--mode", "colocated", "--decode", "2", "--devices", d], 2)]
+        modes = [
+            ("disaggregated_1p1d", ["--mode", "disaggregated", "--prefill", "1", "--decode", "1", "--devices", d], 2),
+            ("colocated_2replicas", ["--mode", "colocated", "--decode", "2", "--devices", d], 2),
+        ]
         workloads = [short, long_]
     if args.workloads:
         wanted = set(args.workloads.split(","))
@@ -393,13 +496,20 @@ def main() -> int:
     if args.modes:
         by_name = {m[0]: m for m in modes}
         modes = [by_name[n] for n in args.modes.split(",")]
-    RESULTS.update({"layout": args.layout, "env": env, "args": vars(args), "modes": {},
-                    "slo": {"short": SLO_SHORT, "long": SLO_LONG, "attainment_target": ATTAIN},
-                    "workloads": [{k: v for k, v in w.items() if k != "slo"} for w in workloads],
-                    "method": "TTFT from the scheduled send time (open loop) / from the send (closed loop); "
-                              "TPOT=(last-first)/(tokens-1); failed or unfinished requests count as "
-                              "infinitely slow in the *_all percentiles and as SLO misses; goodput = highest "
-                              "swept rate meeting the form"})
+    RESULTS.update(
+        {
+            "layout": args.layout,
+            "env": env,
+            "args": vars(args),
+            "modes": {},
+            "slo": {"short": SLO_SHORT, "long": SLO_LONG, "attainment_target": ATTAIN},
+            "workloads": [{k: v for k, v in w.items() if k != "slo"} for w in workloads],
+            "method": "TTFT from the scheduled send time (open loop) / from the send (closed loop); "
+            "TPOT=(last-first)/(tokens-1); failed or unfinished requests count as "
+            "infinitely slow in the *_all percentiles and as SLO misses; goodput = highest "
+            "swept rate meeting the form",
+        }
+    )
     save()
     grids: dict = {}
     for key, rates in (("short", args.rates_short), ("long", args.rates_long)):

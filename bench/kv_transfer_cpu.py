@@ -44,10 +44,15 @@ from server.kv_transfer import KVHandle, KVPuller, KVStagingServer  # noqa: E402
 MiB = 1 << 20
 LAYERS, HEADS, HEAD_DIM = 4, 8, 128
 # (transport, crc32 on, pull into a reused preallocated `out` tensor)
-VARIANTS = [("tcp", True, False), ("tcp", True, True), ("tcp", False, True),
-            ("shm", True, False), ("shm", True, True), ("shm", False, True)]
-COLUMNS = ["memcpy warm", "memcpy fresh", "tcp", "tcp out", "tcp out nocrc", "shm", "shm out",
-           "shm out nocrc"]
+VARIANTS = [
+    ("tcp", True, False),
+    ("tcp", True, True),
+    ("tcp", False, True),
+    ("shm", True, False),
+    ("shm", True, True),
+    ("shm", False, True),
+]
+COLUMNS = ["memcpy warm", "memcpy fresh", "tcp", "tcp out", "tcp out nocrc", "shm", "shm out", "shm out nocrc"]
 
 
 def variant_key(transport: str, checksum: bool, reuse_out: bool) -> str:
@@ -72,10 +77,8 @@ def sender_main() -> None:
             if nbytes not in tensors:
                 tensors[nbytes] = torch.randn(kv_shape(nbytes))
             start = time.perf_counter()
-            handle = srv.stage(cmd["rid"], tensors[nbytes], transport=cmd["transport"],
-                               checksum=cmd["checksum"])
-            print(json.dumps({"handle": handle.to_dict(),
-                              "stage_s": time.perf_counter() - start}), flush=True)
+            handle = srv.stage(cmd["rid"], tensors[nbytes], transport=cmd["transport"], checksum=cmd["checksum"])
+            print(json.dumps({"handle": handle.to_dict(), "stage_s": time.perf_counter() - start}), flush=True)
 
 
 def memcpy_s(nbytes: int, repeats: int, fresh: bool) -> list[float]:
@@ -101,8 +104,13 @@ def default_repeats(nbytes: int) -> int:
 
 
 def run(sizes_mib: list[float], repeats_arg: int | None) -> dict:
-    child = subprocess.Popen([sys.executable, __file__, "--role", "sender"], cwd=REPO,
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    child = subprocess.Popen(
+        [sys.executable, __file__, "--role", "sender"],
+        cwd=REPO,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert json.loads(child.stdout.readline())["ready"]
         puller, seq, rows = KVPuller(), 0, []
@@ -110,8 +118,12 @@ def run(sizes_mib: list[float], repeats_arg: int | None) -> dict:
         def stage(nbytes: int, transport: str, checksum: bool) -> tuple[KVHandle, float]:
             nonlocal seq
             seq += 1
-            child.stdin.write(json.dumps({"op": "stage", "rid": f"b{seq}", "nbytes": nbytes,
-                                          "transport": transport, "checksum": checksum}) + "\n")
+            child.stdin.write(
+                json.dumps(
+                    {"op": "stage", "rid": f"b{seq}", "nbytes": nbytes, "transport": transport, "checksum": checksum}
+                )
+                + "\n"
+            )
             child.stdin.flush()
             reply = json.loads(child.stdout.readline())
             return KVHandle.from_dict(reply["handle"]), reply["stage_s"]
@@ -119,9 +131,13 @@ def run(sizes_mib: list[float], repeats_arg: int | None) -> dict:
         for size in sizes_mib:
             nbytes = int(size * MiB)
             repeats = repeats_arg or default_repeats(nbytes)
-            row = {"size_mib": size, "nbytes": nbytes, "repeats": repeats,
-                   "memcpy_warm_s": memcpy_s(nbytes, repeats * 4, fresh=False),
-                   "memcpy_fresh_s": memcpy_s(nbytes, repeats * 4, fresh=True)}
+            row = {
+                "size_mib": size,
+                "nbytes": nbytes,
+                "repeats": repeats,
+                "memcpy_warm_s": memcpy_s(nbytes, repeats * 4, fresh=False),
+                "memcpy_fresh_s": memcpy_s(nbytes, repeats * 4, fresh=True),
+            }
             out = torch.empty(kv_shape(nbytes))
             for transport, checksum, reuse_out in VARIANTS:
                 pulls, stages, phases = [], [], []
@@ -138,8 +154,8 @@ def run(sizes_mib: list[float], repeats_arg: int | None) -> dict:
                 key = variant_key(transport, checksum, reuse_out)
                 row[f"{key}_pull_s"], row[f"{key}_stage_s"] = pulls, stages
                 row[f"{key}_phases_s_median"] = {
-                    k: statistics.median(p[k] for p in phases)
-                    for k in phases[0] if k.endswith("_s")}
+                    k: statistics.median(p[k] for p in phases) for k in phases[0] if k.endswith("_s")
+                }
                 row[f"{key}_reused_connection"] = sum(p["reused"] for p in phases)
             del out
             rows.append(row)
@@ -151,10 +167,17 @@ def run(sizes_mib: list[float], repeats_arg: int | None) -> dict:
     finally:
         if child.poll() is None:
             child.kill()
-    return {"machine": {"platform": platform.platform(), "python": platform.python_version(),
-                        "torch": torch.__version__, "cpus": os.cpu_count(),
-                        "torch_threads": torch.get_num_threads()},
-            "unit": "GB/s = 1e9 bytes/s, median", "rows": rows}
+    return {
+        "machine": {
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "cpus": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(),
+        },
+        "unit": "GB/s = 1e9 bytes/s, median",
+        "rows": rows,
+    }
 
 
 HEADER = " | ".join([f"{'size':>9}", *COLUMNS, "shm stage ms"])
@@ -162,25 +185,27 @@ HEADER = " | ".join([f"{'size':>9}", *COLUMNS, "shm stage ms"])
 
 def print_row(row: dict) -> None:
     n = row["nbytes"]
-    keys = ["memcpy_warm_s", "memcpy_fresh_s",
-            *(variant_key(*v) + "_pull_s" for v in VARIANTS)]
+    keys = ["memcpy_warm_s", "memcpy_fresh_s", *(variant_key(*v) + "_pull_s" for v in VARIANTS)]
     cells = [f"{gbps(n, row[k]):>{len(c)}.2f}" for k, c in zip(keys, COLUMNS)]
     stage_ms = f"{statistics.median(row['shm_stage_s']) * 1e3:>12.1f}"
-    print(" | ".join([f"{row['size_mib']:>5g} MiB", *cells, stage_ms]) + f"  (n={row['repeats']})",
-          flush=True)
+    print(" | ".join([f"{row['size_mib']:>5g} MiB", *cells, stage_ms]) + f"  (n={row['repeats']})", flush=True)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     epilog="example: python bench/kv_transfer_cpu.py --out "
-                                            "bench/results/kv_transfer_cpu.json")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog="example: python bench/kv_transfer_cpu.py --out bench/results/kv_transfer_cpu.json",
+    )
     parser.add_argument("--sizes-mib", type=float, nargs="+", default=[1, 16, 256])
-    parser.add_argument("--repeats", type=int, default=None,
-                        help="pulls per variant and size (default: 40 at <= 1 MiB down to 5 at "
-                             "256 MiB; small payloads are noisier on a shared machine)")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help="pulls per variant and size (default: 40 at <= 1 MiB down to 5 at "
+        "256 MiB; small payloads are noisier on a shared machine)",
+    )
     parser.add_argument("--out", help="write raw samples and medians as JSON to this file")
-    parser.add_argument("--role", choices=["bench", "sender"], default="bench",
-                        help=argparse.SUPPRESS)
+    parser.add_argument("--role", choices=["bench", "sender"], default="bench", help=argparse.SUPPRESS)
     args = parser.parse_args()
     # One intra-op thread in both processes: the transports copy on one thread (recv_into, a
     # memoryview copy), so that is the fair baseline; and with two processes on a small shared
@@ -189,8 +214,10 @@ def main() -> None:
     if args.role == "sender":
         sender_main()
         return
-    print("KV transfer throughput, GB/s (1e9 B/s), median of the repeats; sender and receiver in "
-          "separate processes; crc32 on unless 'nocrc'; 'out' = pull into a preallocated tensor")
+    print(
+        "KV transfer throughput, GB/s (1e9 B/s), median of the repeats; sender and receiver in "
+        "separate processes; crc32 on unless 'nocrc'; 'out' = pull into a preallocated tensor"
+    )
     print(HEADER)
     print("-" * len(HEADER))
     report = run(args.sizes_mib, args.repeats)

@@ -103,8 +103,11 @@ _CHILD = textwrap.dedent("""
 
 def digest(t: torch.Tensor) -> list[int]:
     f = t.view(torch.int16)
-    return [int(f.sum(dtype=torch.int64)), int(f[1, 1, 77].sum(dtype=torch.int64)),
-            int(f[-1, 0, -1].sum(dtype=torch.int64))]
+    return [
+        int(f.sum(dtype=torch.int64)),
+        int(f[1, 1, 77].sum(dtype=torch.int64)),
+        int(f[-1, 0, -1].sum(dtype=torch.int64)),
+    ]
 
 
 def main() -> int:
@@ -118,11 +121,20 @@ def main() -> int:
 
     from server.kv_transfer import KVStagingServer
 
-    res: dict = {"shape": SHAPE, "dtype": "bfloat16", "src": args.src, "dst": args.dst,
-                 "target_fraction_of_d2d": TARGET_FRACTION, "env": {
-                     "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
-                     "gpus": torch.cuda.device_count(), "date": time.strftime("%Y-%m-%d %H:%M:%S")},
-                 "errors": {}}
+    res: dict = {
+        "shape": SHAPE,
+        "dtype": "bfloat16",
+        "src": args.src,
+        "dst": args.dst,
+        "target_fraction_of_d2d": TARGET_FRACTION,
+        "env": {
+            "gpu": torch.cuda.get_device_name(0),
+            "torch": torch.__version__,
+            "gpus": torch.cuda.device_count(),
+            "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        },
+        "errors": {},
+    }
 
     def save():
         out_path.write_text(json.dumps(res, indent=2))
@@ -132,8 +144,14 @@ def main() -> int:
     res["nbytes"] = nbytes
     want = digest(kv)
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    child = subprocess.Popen([sys.executable, "-c", _CHILD, args.dst], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, text=True, env=env, cwd=REPO)
+    child = subprocess.Popen(
+        [sys.executable, "-c", _CHILD, args.dst],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=REPO,
+    )
 
     def ask(req: dict) -> dict:
         child.stdin.write(json.dumps(req) + "\n")
@@ -147,14 +165,23 @@ def main() -> int:
         copy = ask({"op": "copy", "src": args.src, "nbytes": nbytes, "iters": 10})
         d2d_wall = statistics.median(copy["wall_s"])
         d2d_event = statistics.median(copy["event_s"])
-        res["d2d_copy"] = {"wall_s_median": d2d_wall, "event_s_median": d2d_event,
-                           "GBps_wall": nbytes / d2d_wall / 1e9, "GBps_event": nbytes / d2d_event / 1e9,
-                           "note": "one-way bytes per second (bytes read + written is twice this)"}
-        print(f"d2d copy {args.src}->{args.dst}: {d2d_wall * 1e3:.3f} ms wall, "
-              f"{nbytes / d2d_wall / 1e9:.0f} GB/s", flush=True)
+        res["d2d_copy"] = {
+            "wall_s_median": d2d_wall,
+            "event_s_median": d2d_event,
+            "GBps_wall": nbytes / d2d_wall / 1e9,
+            "GBps_event": nbytes / d2d_event / 1e9,
+            "note": "one-way bytes per second (bytes read + written is twice this)",
+        }
+        print(
+            f"d2d copy {args.src}->{args.dst}: {d2d_wall * 1e3:.3f} ms wall, {nbytes / d2d_wall / 1e9:.0f} GB/s",
+            flush=True,
+        )
         save()
-        for name, pool_bytes, prealloc in (("pool", 2 * nbytes, False), ("pool_into_prealloc", 2 * nbytes, True),
-                                           ("own_export", 0, False)):
+        for name, pool_bytes, prealloc in (
+            ("pool", 2 * nbytes, False),
+            ("pool_into_prealloc", 2 * nbytes, True),
+            ("own_export", 0, False),
+        ):
             with KVStagingServer(cuda_ipc_pool_bytes=pool_bytes, default_lease_ms=60_000) as srv:
                 times, stage_s, phases, ok = [], [], [], True
                 for i in range(args.repeats):
@@ -181,21 +208,31 @@ def main() -> int:
                 timed = phases[1:] or phases
                 phase_keys = [k for k in (timed[-1] if timed else {}) if k.endswith("_s")]
                 res[f"cuda_ipc_{name}"] = {
-                    "correct": ok, "pulls": len(times), "first_pull_s": times[0] if times else None,
-                    "pull_s_median": med, "pull_s_min": min(rest) if rest else None,
-                    "pull_s_all": times, "stage_s_median": statistics.median(stage_s) if stage_s else None,
-                    "GBps": nbytes / med / 1e9, "fraction_of_d2d_wall": d2d_wall / med,
+                    "correct": ok,
+                    "pulls": len(times),
+                    "first_pull_s": times[0] if times else None,
+                    "pull_s_median": med,
+                    "pull_s_min": min(rest) if rest else None,
+                    "pull_s_all": times,
+                    "stage_s_median": statistics.median(stage_s) if stage_s else None,
+                    "GBps": nbytes / med / 1e9,
+                    "fraction_of_d2d_wall": d2d_wall / med,
                     "meets_target": bool(ok and d2d_wall / med >= TARGET_FRACTION),
-                    "phases_s_median": {k: statistics.median(p[k] for p in timed if k in p)
-                                        for k in phase_keys},
+                    "phases_s_median": {k: statistics.median(p[k] for p in timed if k in p) for k in phase_keys},
                     "first_pull_phases": phases[0] if phases else None,
-                    "pulls_on_reused_connection": sum(bool(p.get("reused")) for p in timed)}
-                print(f"cuda_ipc {name}: pull {med * 1e3:.3f} ms median (first {times[0] * 1e3:.2f} ms), "
-                      f"{nbytes / med / 1e9:.0f} GB/s = {d2d_wall / med:.0%} of the d2d copy; "
-                      f"correct={ok}; phases (ms) " + ", ".join(
-                          f"{k[:-2]} {v * 1e3:.3f}" for k, v in res[f"cuda_ipc_{name}"]["phases_s_median"].items())
-                      + f"; {res[f'cuda_ipc_{name}']['pulls_on_reused_connection']}/{len(timed)} on a reused "
-                        "connection", flush=True)
+                    "pulls_on_reused_connection": sum(bool(p.get("reused")) for p in timed),
+                }
+                print(
+                    f"cuda_ipc {name}: pull {med * 1e3:.3f} ms median (first {times[0] * 1e3:.2f} ms), "
+                    f"{nbytes / med / 1e9:.0f} GB/s = {d2d_wall / med:.0%} of the d2d copy; "
+                    f"correct={ok}; phases (ms) "
+                    + ", ".join(
+                        f"{k[:-2]} {v * 1e3:.3f}" for k, v in res[f"cuda_ipc_{name}"]["phases_s_median"].items()
+                    )
+                    + f"; {res[f'cuda_ipc_{name}']['pulls_on_reused_connection']}/{len(timed)} on a reused "
+                    "connection",
+                    flush=True,
+                )
                 save()
         # Sustained transfer: N pulls back to back (no idle gap), and N pulls from `threads` threads
         # at once (a decode worker under load has several KV pulls in flight).
@@ -205,8 +242,7 @@ def main() -> int:
                 ask({"op": "pull_many", "handles": [warm.to_dict()], "threads": threads})
                 rounds = []
                 for rnd in range(3):
-                    hs = [srv.stage(f"{label}-{rnd}-{i}", kv, transport="cuda_ipc").to_dict()
-                          for i in range(n)]
+                    hs = [srv.stage(f"{label}-{rnd}-{i}", kv, transport="cuda_ipc").to_dict() for i in range(n)]
                     torch.cuda.synchronize()
                     r = ask({"op": "pull_many", "handles": hs, "threads": threads})
                     if not r["ok"]:
@@ -217,14 +253,20 @@ def main() -> int:
                 if rounds:
                     wall = statistics.median(r["wall_s"] for r in rounds)
                     res[f"cuda_ipc_pool_{label}"] = {
-                        "pulls_per_round": n, "threads": threads, "rounds": len(rounds),
-                        "round_wall_s_median": wall, "GBps": n * nbytes / wall / 1e9,
+                        "pulls_per_round": n,
+                        "threads": threads,
+                        "rounds": len(rounds),
+                        "round_wall_s_median": wall,
+                        "GBps": n * nbytes / wall / 1e9,
                         "fraction_of_d2d_wall": (n * nbytes / wall) / (nbytes / d2d_wall),
-                        "pull_s_median": statistics.median(x for r in rounds for x in r["pull_s"])}
-                    print(f"cuda_ipc pool {label}: {n} pulls x 1 GiB in {wall * 1e3:.2f} ms = "
-                          f"{n * nbytes / wall / 1e9:.0f} GB/s = "
-                          f"{res[f'cuda_ipc_pool_{label}']['fraction_of_d2d_wall']:.0%} of the d2d copy",
-                          flush=True)
+                        "pull_s_median": statistics.median(x for r in rounds for x in r["pull_s"]),
+                    }
+                    print(
+                        f"cuda_ipc pool {label}: {n} pulls x 1 GiB in {wall * 1e3:.2f} ms = "
+                        f"{n * nbytes / wall / 1e9:.0f} GB/s = "
+                        f"{res[f'cuda_ipc_pool_{label}']['fraction_of_d2d_wall']:.0%} of the d2d copy",
+                        flush=True,
+                    )
                 save()
     except Exception as e:  # keep what was measured
         res["errors"]["run"] = f"{type(e).__name__}: {e}"

@@ -14,6 +14,7 @@ The folder is the one the team agreed to compare on (same shape, seed and tokeni
     U+F00FB, so that decoding random non-special ids and encoding the text again gives back as
     many tokens (what vLLM's random dataset needs to produce prompts of the asked length).
 """
+
 from __future__ import annotations
 
 import json
@@ -124,7 +125,7 @@ def main(argv: list[str]) -> int:
     nparams = sum(p.numel() for p in model.parameters())
     print(
         f"wrote {out}: llama hidden={cfg['hidden_size']} layers={cfg['num_hidden_layers']} "
-        f"vocab={cfg['vocab_size']} params={nparams/1e6:.2f}M tokenizer_vocab={len(t2)}"
+        f"vocab={cfg['vocab_size']} params={nparams / 1e6:.2f}M tokenizer_vocab={len(t2)}"
     )
     return 0
 

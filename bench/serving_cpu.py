@@ -52,15 +52,21 @@ async def ttft_direct(s: aiohttp.ClientSession, worker: dict, prompt: list[int],
     headers = {"Authorization": f"Bearer {TOKEN}"}
     t0 = time.perf_counter()
     if worker["role"] == "prefill":
-        async with s.post(f"{worker['url']}/internal/prefill", headers=headers,
-                          json={"request_id": rid, "prompt_token_ids": prompt, "sampling": sampling}) as r:
+        async with s.post(
+            f"{worker['url']}/internal/prefill",
+            headers=headers,
+            json={"request_id": rid, "prompt_token_ids": prompt, "sampling": sampling},
+        ) as r:
             await r.read()
         dt = time.perf_counter() - t0
         async with s.post(f"{worker['url']}/internal/abort", headers=headers, json={"request_id": rid}):
             pass
         return dt
-    async with s.post(f"{worker['url']}/internal/generate", headers=headers,
-                      json={"request_id": rid, "prompt_token_ids": prompt, "sampling": sampling}) as r:
+    async with s.post(
+        f"{worker['url']}/internal/generate",
+        headers=headers,
+        json={"request_id": rid, "prompt_token_ids": prompt, "sampling": sampling},
+    ) as r:
         async for _ in r.content:
             dt = time.perf_counter() - t0
             break
@@ -83,8 +89,11 @@ async def measure(url: str, n: int) -> dict:
     v, d = stats_of(via, "router", (50, 99)), stats_of(direct, "direct", (50, 99))
     out = {"direct_at": target["role"], "n": len(via)}
     for name, st in (("router", v), ("direct", d)):
-        out[f"{name}_ttft_ms"] = {"p50": st[f"p50_{name}_ms"], "p99": st[f"p99_{name}_ms"],
-                                  "mean": st[f"mean_{name}_ms"]}
+        out[f"{name}_ttft_ms"] = {
+            "p50": st[f"p50_{name}_ms"],
+            "p99": st[f"p99_{name}_ms"],
+            "mean": st[f"mean_{name}_ms"],
+        }
     out["added_ms"] = {q: out["router_ttft_ms"][q] - out["direct_ttft_ms"][q] for q in ("p50", "p99")}
     return out
 
@@ -100,12 +109,16 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     results = [run_mode(m, args.requests) for m in ("colocated", "disaggregated")]
-    print(f"{'mode':<15}{'direct at':<11}{'router P50':>11}{'P99':>8}{'direct P50':>12}{'P99':>8}"
-          f"{'added P50':>11}{'P99':>8}   (ms)")
+    print(
+        f"{'mode':<15}{'direct at':<11}{'router P50':>11}{'P99':>8}{'direct P50':>12}{'P99':>8}"
+        f"{'added P50':>11}{'P99':>8}   (ms)"
+    )
     for r in results:
-        print(f"{r['mode']:<15}{r['direct_at']:<11}{r['router_ttft_ms']['p50']:>11.1f}{r['router_ttft_ms']['p99']:>8.1f}"
-              f"{r['direct_ttft_ms']['p50']:>12.1f}{r['direct_ttft_ms']['p99']:>8.1f}"
-              f"{r['added_ms']['p50']:>11.1f}{r['added_ms']['p99']:>8.1f}")
+        print(
+            f"{r['mode']:<15}{r['direct_at']:<11}{r['router_ttft_ms']['p50']:>11.1f}{r['router_ttft_ms']['p99']:>8.1f}"
+            f"{r['direct_ttft_ms']['p50']:>12.1f}{r['direct_ttft_ms']['p99']:>8.1f}"
+            f"{r['added_ms']['p50']:>11.1f}{r['added_ms']['p99']:>8.1f}"
+        )
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))
 

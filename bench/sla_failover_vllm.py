@@ -82,13 +82,24 @@ async def drive(args, router: str, prefill_url: str, token: str, model: str, eve
     phase = {"name": "before"}
 
     async def one(i: int) -> None:
-        rec = {"i": i, "phase": phase["name"], "start": time.monotonic(), "pool": None, "ttft": None,
-               "error": None, "tokens": 0}
+        rec = {
+            "i": i,
+            "phase": phase["name"],
+            "start": time.monotonic(),
+            "pool": None,
+            "ttft": None,
+            "error": None,
+            "tokens": 0,
+        }
         log.append(rec)
         try:
             raw = await client.completions.with_raw_response.create(
-                model=model, prompt=f"request {i}: tell me a story about the number {i}", max_tokens=args.max_tokens,
-                temperature=0.0, stream=True)
+                model=model,
+                prompt=f"request {i}: tell me a story about the number {i}",
+                max_tokens=args.max_tokens,
+                temperature=0.0,
+                stream=True,
+            )
             rec["pool"] = raw.headers.get("x-distserve-pool")
             async for chunk in raw.parse():  # the raw response parses to the AsyncStream
                 if chunk.choices:
@@ -104,8 +115,12 @@ async def drive(args, router: str, prefill_url: str, token: str, model: str, eve
             return json.load(r)["breaker"]["state"]
 
     def fault(body: dict) -> None:
-        req = urllib.request.Request(f"{prefill_url}/admin/fault", data=json.dumps(body).encode(), method="POST",
-                                     headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"})
+        req = urllib.request.Request(
+            f"{prefill_url}/admin/fault",
+            data=json.dumps(body).encode(),
+            method="POST",
+            headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"},
+        )
         urllib.request.urlopen(req, timeout=10).read()
 
     stop_evt = asyncio.Event()
@@ -152,18 +167,24 @@ async def drive(args, router: str, prefill_url: str, token: str, model: str, eve
     for name in ("before", "fault", "open", "recovering", "after"):
         rs = [r for r in log if r["phase"] == name]
         ttfts = [r["ttft"] * 1000 for r in rs if r["ttft"] is not None]
-        phases[name] = {"requests": len(rs), "primary": sum(r["pool"] == "primary" for r in rs),
-                        "backup": sum(r["pool"] == "backup" for r in rs),
-                        "failed": sum(r["error"] is not None for r in rs),
-                        "ttft_p50_ms": pct(ttfts, 50), "ttft_p99_ms": pct(ttfts, 99)}
+        phases[name] = {
+            "requests": len(rs),
+            "primary": sum(r["pool"] == "primary" for r in rs),
+            "backup": sum(r["pool"] == "backup" for r in rs),
+            "failed": sum(r["error"] is not None for r in rs),
+            "ttft_p50_ms": pct(ttfts, 50),
+            "ttft_p99_ms": pct(ttfts, 99),
+        }
     return {
         "failover_s": marks["open"] - marks["fault"],
         "failover_s_router": opened["at_unix"] - fault_unix if opened else None,  # fault → the router's transition
         "recovery_s": marks["closed"] - marks["clear"],
-        "requests": len(log), "failed": sum(r["error"] is not None for r in log),
+        "requests": len(log),
+        "failed": sum(r["error"] is not None for r in log),
         "by_pool": {p: sum(r["pool"] == p for r in log) for p in ("primary", "backup")},
         "errors": [r["error"] for r in log if r["error"]][:10],
-        "phases": phases, "transitions": transitions,
+        "phases": phases,
+        "transitions": transitions,
     }
 
 
@@ -195,27 +216,77 @@ def main() -> int:
         env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"))
         vlog = open(work / "vllm.log", "wb")
         t0 = time.monotonic()
-        vllm = subprocess.Popen([args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model",
-                                 str(model_dir), "--host", "127.0.0.1", "--port", str(vport), "--max-model-len", "2048",
-                                 "--dtype", "float32", "--served-model-name", "peer-on-vllm"],
-                                stdout=vlog, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        vllm = subprocess.Popen(
+            [
+                args.vllm_python,
+                "-m",
+                "vllm.entrypoints.openai.api_server",
+                "--model",
+                str(model_dir),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(vport),
+                "--max-model-len",
+                "2048",
+                "--dtype",
+                "float32",
+                "--served-model-name",
+                "peer-on-vllm",
+            ],
+            stdout=vlog,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
         wait_http(f"http://127.0.0.1:{vport}/health", args.health_timeout, vllm)
         print(f"vLLM healthy after {time.monotonic() - t0:.0f} s on port {vport}", flush=True)
 
         token = "sla-failover-drill"
         events, journal = work / "events.jsonl", work / "requests.jsonl"
-        cfg = {"router": {"port": 0, "backup_pool": [f"http://127.0.0.1:{vport}/v1"], "backup_model": "peer-on-vllm",
-                          "journal_path": str(journal), "event_journal_path": str(events), "sla_window_s": 5,
-                          "breaker": {"enabled": True, "metric": "ttft", "percentile": 90.0, "threshold_ms": 800.0,
-                                      "consecutive_s": 2.0, "cooldown_s": 5.0, "probe_fraction": 0.3,
-                                      "min_samples": 5, "probe_samples": 3}}}
+        cfg = {
+            "router": {
+                "port": 0,
+                "backup_pool": [f"http://127.0.0.1:{vport}/v1"],
+                "backup_model": "peer-on-vllm",
+                "journal_path": str(journal),
+                "event_journal_path": str(events),
+                "sla_window_s": 5,
+                "breaker": {
+                    "enabled": True,
+                    "metric": "ttft",
+                    "percentile": 90.0,
+                    "threshold_ms": 800.0,
+                    "consecutive_s": 2.0,
+                    "cooldown_s": 5.0,
+                    "probe_fraction": 0.3,
+                    "min_samples": 5,
+                    "probe_samples": 3,
+                },
+            }
+        }
         (work / "config.yaml").write_text(yaml.safe_dump(cfg))
         ready = work / "ready.json"
         slog = open(work / "serve.log", "wb")
-        serve = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--model", str(model_dir), "--config",
-                                  str(work / "config.yaml"), "--ready-file", str(ready)], cwd=ROOT, stdout=slog,
-                                 stderr=subprocess.STDOUT, env=dict(os.environ, DISTSERVE_ADMIN_TOKEN=token),
-                                 start_new_session=True)
+        serve = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "server.cli",
+                "serve",
+                "--model",
+                str(model_dir),
+                "--config",
+                str(work / "config.yaml"),
+                "--ready-file",
+                str(ready),
+            ],
+            cwd=ROOT,
+            stdout=slog,
+            stderr=subprocess.STDOUT,
+            env=dict(os.environ, DISTSERVE_ADMIN_TOKEN=token),
+            start_new_session=True,
+        )
         deadline = time.monotonic() + 300
         while not ready.exists():
             if serve.poll() is not None or time.monotonic() > deadline:
@@ -226,10 +297,15 @@ def main() -> int:
         workers = json.load(urllib.request.urlopen(req, timeout=10))["workers"]
         prefill = next(w["url"] for w in workers if w["role"] == "prefill")
         result = asyncio.run(drive(args, router, prefill, token, str(model_dir), events))
-        result.update(machine=f"{os.cpu_count()} CPUs, {os.uname().sysname} {os.uname().release}",
-                      date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), config=cfg["router"],
-                      rate=args.rate, max_tokens=args.max_tokens, fault_ms=args.fault_ms,
-                      command=" ".join(sys.argv))
+        result.update(
+            machine=f"{os.cpu_count()} CPUs, {os.uname().sysname} {os.uname().release}",
+            date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            config=cfg["router"],
+            rate=args.rate,
+            max_tokens=args.max_tokens,
+            fault_ms=args.fault_ms,
+            command=" ".join(sys.argv),
+        )
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(f"{args.out}.tmp")
         tmp.write_text(json.dumps(result, indent=1))
@@ -238,8 +314,10 @@ def main() -> int:
         print("| phase | requests | primary | backup | failed | TTFT P50 ms | TTFT P99 ms |")
         print("|---|---|---|---|---|---|---|")
         for name, ph in result["phases"].items():
-            print(f"| {name} | {ph['requests']} | {ph['primary']} | {ph['backup']} | {ph['failed']} | "
-                  f"{_ms(ph['ttft_p50_ms'])} | {_ms(ph['ttft_p99_ms'])} |")
+            print(
+                f"| {name} | {ph['requests']} | {ph['primary']} | {ph['backup']} | {ph['failed']} | "
+                f"{_ms(ph['ttft_p50_ms'])} | {_ms(ph['ttft_p99_ms'])} |"
+            )
         return 0 if result["failed"] == 0 else 1
     finally:
         stop(serve)

@@ -19,6 +19,7 @@ the same quantity when the client ran with the same SLOs.
 Percentiles and SLO checks come from distbench's one statistics module (HDR, nearest rank; the
 client's own pNN keys are preferred where the file has them).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -63,8 +64,7 @@ def summarize_one(path: str, ttft_ms: float, tpot_ms: float) -> dict:
         good_ttfts = [t * 1000 for ok, t, _ in reqs if ok]
         good_tpots = [tp * 1000 for ok, _, tp in reqs if ok]
         # The client's own percentiles only count outputs longer than one token for TPOT.
-        client_tpots = [tp * 1000 for (ok, _, tp), out in zip(reqs, d["output_lens"])
-                        if ok and out > 1]
+        client_tpots = [tp * 1000 for (ok, _, tp), out in zip(reqs, d["output_lens"]) if ok and out > 1]
         met = sum(meets(r, {"ttft": ttft_ms / 1000, "tpot": tpot_ms / 1000}) for r in recs)
         row["attain"] = 100.0 * met / max(num, len(reqs), 1)
         row["attain_src"] = "per-request"
@@ -108,8 +108,7 @@ def main(argv=None) -> int:
     ap.add_argument("--min-attainment", type=float, default=90.0, help="percent")
     a = ap.parse_args(argv)
 
-    paths = sorted(p for p in glob.glob(os.path.join(a.results_dir, "*.json"))
-                   if not p.endswith(".pytorch.json"))
+    paths = sorted(p for p in glob.glob(os.path.join(a.results_dir, "*.json")) if not p.endswith(".pytorch.json"))
     rows = []
     for p in paths:
         try:
@@ -127,16 +126,20 @@ def main(argv=None) -> int:
 
     slo = f"TTFT ≤ {a.ttft_ms:g} ms and TPOT ≤ {a.tpot_ms:g} ms"
     print(f"SLO: {slo}; attainment = share of all requests sent meeting both.\n")
-    print("| server | rate (req/s) | ok/sent | TTFT P50 ms | TTFT P99 ms | TPOT P50 ms "
-          "| TPOT P99 ms | SLO attainment | output tok/s |")
+    print(
+        "| server | rate (req/s) | ok/sent | TTFT P50 ms | TTFT P99 ms | TPOT P50 ms "
+        "| TPOT P99 ms | SLO attainment | output tok/s |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         att = "—" if r["attain"] is None else f"{r['attain']:.1f}%"
         if r["attain_src"] == "client goodput":
             att += "*"
-        print(f"| {r['server']} | {fmt_rate(r['rate'])} | {r['completed']}/{r['num']} "
-              f"| {fmt(r['ttft_p50'])} | {fmt(r['ttft_p99'])} | {fmt(r['tpot_p50'])} "
-              f"| {fmt(r['tpot_p99'])} | {att} | {fmt(r['out_tps'], 0)} |")
+        print(
+            f"| {r['server']} | {fmt_rate(r['rate'])} | {r['completed']}/{r['num']} "
+            f"| {fmt(r['ttft_p50'])} | {fmt(r['ttft_p99'])} | {fmt(r['tpot_p50'])} "
+            f"| {fmt(r['tpot_p99'])} | {att} | {fmt(r['out_tps'], 0)} |"
+        )
     if any(r["attain_src"] == "client goodput" for r in rows):
         print("\n\\* from the client's request_goodput (no per-request data saved)")
 
@@ -146,8 +149,7 @@ def main(argv=None) -> int:
     goodput = {}
     for server in sorted(order, key=order.get):
         mine = [r for r in rows if r["server"] == server]
-        passing = [r["rate"] for r in mine
-                   if r["attain"] is not None and r["attain"] >= a.min_attainment]
+        passing = [r["rate"] for r in mine if r["attain"] is not None and r["attain"] >= a.min_attainment]
         goodput[server] = max(passing) if passing else None
         if goodput[server] is None:
             gp = "< lowest rate measured"

@@ -16,6 +16,7 @@ package metadata named `vllm`, so it fails.
 Exit status: 0 when at least one request completed, 3 when every request failed (the client
 itself only warns in that case), anything else is the client's own error.
 """
+
 from __future__ import annotations
 
 import sys

@@ -25,34 +25,52 @@ def _kv(items: list[str]) -> dict:
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("chaos", help="chaos drills, fault injection, NaN check",
-                       description="Chaos drills and fault injectors. Example: "
-                                   "distserve chaos drill configs/drills/worker_kill.yaml")
+    p = sub.add_parser(
+        "chaos",
+        help="chaos drills, fault injection, NaN check",
+        description="Chaos drills and fault injectors. Example: distserve chaos drill configs/drills/worker_kill.yaml",
+    )
     cs = p.add_subparsers(dest="chaos_command", required=True)
-    d = cs.add_parser("drill", help="run one drill file",
-                      description="Steady state, faults under distbench load, invariants, rollback; writes "
-                                  "journal.json and report.md. Exit 0 completed, 1 failed, 3 aborted, 130 "
-                                  "interrupted. Example: distserve chaos drill configs/drills/worker_pause.yaml "
-                                  "--out .out/drills/pause")
+    d = cs.add_parser(
+        "drill",
+        help="run one drill file",
+        description="Steady state, faults under distbench load, invariants, rollback; writes "
+        "journal.json and report.md. Exit 0 completed, 1 failed, 3 aborted, 130 "
+        "interrupted. Example: distserve chaos drill configs/drills/worker_pause.yaml "
+        "--out .out/drills/pause",
+    )
     d.add_argument("file")
     d.add_argument("--out", default=None, help="directory for journal.json, report.md, logs (default: a temp dir)")
-    d.add_argument("--url", default=None, help="run against this router instead of starting the file's target "
-                                                "(token from DISTSERVE_ADMIN_TOKEN; PID and namespace faults "
-                                                "need the drill on the workers' host)")
-    i = cs.add_parser("inject", help="run one injector's inject(key=value ...)",
-                      description="Example: distserve chaos inject pause router_url=http://127.0.0.1:8080 "
-                                  "role=decode (token from DISTSERVE_ADMIN_TOKEN)")
+    d.add_argument(
+        "--url",
+        default=None,
+        help="run against this router instead of starting the file's target "
+        "(token from DISTSERVE_ADMIN_TOKEN; PID and namespace faults "
+        "need the drill on the workers' host)",
+    )
+    i = cs.add_parser(
+        "inject",
+        help="run one injector's inject(key=value ...)",
+        description="Example: distserve chaos inject pause router_url=http://127.0.0.1:8080 "
+        "role=decode (token from DISTSERVE_ADMIN_TOKEN)",
+    )
     i.add_argument("injector")
     i.add_argument("args", nargs="*", help="key=value (values parsed as JSON when they parse)")
-    r = cs.add_parser("rollback", help="run one injector's rollback(key=value ...)",
-                      description="Example: distserve chaos rollback pause role=decode")
+    r = cs.add_parser(
+        "rollback",
+        help="run one injector's rollback(key=value ...)",
+        description="Example: distserve chaos rollback pause role=decode",
+    )
     r.add_argument("injector")
     r.add_argument("args", nargs="*")
-    n = cs.add_parser("nan-check", help="logits finite at prompt lengths 2^k-1, 2^k, 2^k+1 on every backend",
-                      description="Runs the real prefill path of every available attention backend at prompt "
-                                  "lengths around powers of two up to prefill.max_seq_len and checks the logits "
-                                  "are finite. Exit 1 on any NaN/Inf. Example: distserve chaos nan-check "
-                                  "--max-len 512 --json out.json")
+    n = cs.add_parser(
+        "nan-check",
+        help="logits finite at prompt lengths 2^k-1, 2^k, 2^k+1 on every backend",
+        description="Runs the real prefill path of every available attention backend at prompt "
+        "lengths around powers of two up to prefill.max_seq_len and checks the logits "
+        "are finite. Exit 1 on any NaN/Inf. Example: distserve chaos nan-check "
+        "--max-len 512 --json out.json",
+    )
     n.add_argument("--config", default=None, help="YAML config (default: built-in defaults)")
     n.add_argument("--model", default=None, help="model folder (default: the built-in tiny model)")
     n.add_argument("--max-len", type=int, default=None, help="largest length (default: prefill.max_seq_len)")
@@ -65,6 +83,7 @@ def add_parser(sub) -> None:
 def main(args) -> int:
     if args.chaos_command == "drill":
         from chaos.drill import EXIT, run_drill
+
         if not Path(args.file).is_file():
             print(f"distserve: error: drill file {args.file} does not exist", file=sys.stderr)
             return 2
@@ -80,6 +99,7 @@ def main(args) -> int:
         return EXIT[journal.status]
     if args.chaos_command in ("inject", "rollback"):
         from chaos import injectors
+
         try:
             mod = injectors.get(args.injector)
             kw = _kv(args.args)
@@ -87,6 +107,7 @@ def main(args) -> int:
             print(f"distserve: error: {e}", file=sys.stderr)
             return 2
         from chaos.sysutil import HostError
+
         fn = mod.inject if args.chaos_command == "inject" else mod.rollback
         try:
             print(json.dumps(fn(**kw), indent=1, default=str))
@@ -96,5 +117,6 @@ def main(args) -> int:
         return 0
     if args.chaos_command == "nan-check":
         from chaos.nan_check import cli_main
+
         return cli_main(args)
     return 2

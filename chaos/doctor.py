@@ -37,6 +37,7 @@ class Finding:
 def check_sysctls(netns: str | None = None, keys: list[str] | None = None) -> list[Finding]:
     """``net.core.*`` are global: read inside a namespace they show (and are fixed on) the host."""
     from chaos.sysutil import HostError, sysctl_get
+
     out = []
     for key, want in BASELINE.items():
         if keys and key not in keys:
@@ -47,9 +48,16 @@ def check_sysctls(netns: str | None = None, keys: list[str] | None = None) -> li
         except HostError as e:
             out.append(Finding(key, False, f"unreadable ({e})", want))
             continue
-        out.append(Finding(key, _at_least(found, want), found, want,
-                           f"{prefix}sysctl -w {key}=\"{want}\" && echo '{key} = {want}' >> "
-                           "/etc/sysctl.d/90-distserve.conf   # then restart the workers"))
+        out.append(
+            Finding(
+                key,
+                _at_least(found, want),
+                found,
+                want,
+                f"{prefix}sysctl -w {key}=\"{want}\" && echo '{key} = {want}' >> "
+                "/etc/sysctl.d/90-distserve.conf   # then restart the workers",
+            )
+        )
     return out
 
 
@@ -64,16 +72,30 @@ def _at_least(found: str, want: str) -> bool:
 
 def check_memory(decode_pids: list[int]) -> list[Finding]:
     from chaos.injectors.memory_limit import cgroup_flavour
+
     fl = cgroup_flavour()
-    out = [Finding("memory cgroup controller", fl is not None, fl[0] if fl else "none", "v2 or v1",
-                   "mount the cgroup v2 hierarchy with the memory controller enabled")]
+    out = [
+        Finding(
+            "memory cgroup controller",
+            fl is not None,
+            fl[0] if fl else "none",
+            "v2 or v1",
+            "mount the cgroup v2 hierarchy with the memory controller enabled",
+        )
+    ]
     for pid in decode_pids:
         limit = _pid_memory_limit(pid)
-        out.append(Finding(f"decode worker pid {pid} memory limit", limit is not None,
-                           "unlimited" if limit is None else f"{limit >> 20} MiB", "a memory cgroup limit",
-                           "mkdir /sys/fs/cgroup/distserve-decode && echo 70G > /sys/fs/cgroup/distserve-decode/"
-                           f"memory.max && echo {pid} > /sys/fs/cgroup/distserve-decode/cgroup.procs  "
-                           "# or start it under: systemd-run -p MemoryMax=70G distserve worker --role decode ..."))
+        out.append(
+            Finding(
+                f"decode worker pid {pid} memory limit",
+                limit is not None,
+                "unlimited" if limit is None else f"{limit >> 20} MiB",
+                "a memory cgroup limit",
+                "mkdir /sys/fs/cgroup/distserve-decode && echo 70G > /sys/fs/cgroup/distserve-decode/"
+                f"memory.max && echo {pid} > /sys/fs/cgroup/distserve-decode/cgroup.procs  "
+                "# or start it under: systemd-run -p MemoryMax=70G distserve worker --role decode ...",
+            )
+        )
     return out
 
 
@@ -84,10 +106,13 @@ def _pid_memory_limit(pid: int) -> int | None:
     except OSError:
         return None
     for _, controllers, path in lines:
-        for cand in ([f"/sys/fs/cgroup{path}/memory.max", f"/sys/fs/cgroup/unified{path}/memory.max"]
-                     if controllers == "" else
-                     [f"/sys/fs/cgroup/memory{path}/memory.limit_in_bytes"] if "memory" in controllers.split(",")
-                     else []):
+        for cand in (
+            [f"/sys/fs/cgroup{path}/memory.max", f"/sys/fs/cgroup/unified{path}/memory.max"]
+            if controllers == ""
+            else [f"/sys/fs/cgroup/memory{path}/memory.limit_in_bytes"]
+            if "memory" in controllers.split(",")
+            else []
+        ):
             try:
                 with open(cand) as f:
                     text = f.read().strip()
@@ -101,46 +126,89 @@ def _pid_memory_limit(pid: int) -> int | None:
 def check_max_seq_len(config_path: str | None) -> list[Finding]:
     from server.config import load_config
     from server.engine.model_config import ModelConfig
+
     cfg = load_config(config_path)
     if cfg.model:
         folder = cfg.model
     else:
         from server.engine.tiny_model import ensure_default_tiny_model
+
         folder = str(ensure_default_tiny_model())
     ctx = ModelConfig.from_folder(folder).max_position_embeddings
     where = config_path or "your config"
-    return [Finding("prefill.max_seq_len vs model context length", cfg.prefill.max_seq_len == ctx,
-                    str(cfg.prefill.max_seq_len), str(ctx),
-                    f"set `prefill: {{max_seq_len: {ctx}}}` in {where} (the model's max_position_embeddings)")]
+    return [
+        Finding(
+            "prefill.max_seq_len vs model context length",
+            cfg.prefill.max_seq_len == ctx,
+            str(cfg.prefill.max_seq_len),
+            str(ctx),
+            f"set `prefill: {{max_seq_len: {ctx}}}` in {where} (the model's max_position_embeddings)",
+        )
+    ]
 
 
 def check_router(router: str, token: str | None) -> tuple[list[Finding], list[int]]:
     from chaos.probes import _get
     from chaos.workers import list_workers
+
     status, _ = _get(f"{router}/health")
-    out = [Finding("router /health", status == 200, str(status), "200",
-                   "start the workers (prefill first, then decode) and look for 'registered with router' in "
-                   "their logs; curl each worker's /health")]
+    out = [
+        Finding(
+            "router /health",
+            status == 200,
+            str(status),
+            "200",
+            "start the workers (prefill first, then decode) and look for 'registered with router' in "
+            "their logs; curl each worker's /health",
+        )
+    ]
     if not token:
-        out.append(Finding("workers' registration", False, "not checked", "admin token",
-                           "export DISTSERVE_ADMIN_TOKEN=... (the router's admin token) and run doctor again"))
+        out.append(
+            Finding(
+                "workers' registration",
+                False,
+                "not checked",
+                "admin token",
+                "export DISTSERVE_ADMIN_TOKEN=... (the router's admin token) and run doctor again",
+            )
+        )
         return out, []
     try:
         ws = list_workers(router, token)
     except (OSError, ValueError) as e:
-        out.append(Finding("workers' registration", False, f"GET /v1/workers failed: {e}", "a worker list",
-                           "check the router URL and the admin token"))
+        out.append(
+            Finding(
+                "workers' registration",
+                False,
+                f"GET /v1/workers failed: {e}",
+                "a worker list",
+                "check the router URL and the admin token",
+            )
+        )
         return out, []
     roles = {w["role"] for w in ws if w["healthy"]}
     ok = {"prefill", "decode"} <= roles or "colocated" in roles
-    out.append(Finding("workers registered and healthy", ok, ", ".join(sorted(roles)) or "none",
-                       "prefill + decode, or colocated",
-                       f"distserve worker --role decode --router {router}  (and --role prefill); check that each "
-                       "worker can reach the router and the router can reach the worker's --host"))
+    out.append(
+        Finding(
+            "workers registered and healthy",
+            ok,
+            ", ".join(sorted(roles)) or "none",
+            "prefill + decode, or colocated",
+            f"distserve worker --role decode --router {router}  (and --role prefill); check that each "
+            "worker can reach the router and the router can reach the worker's --host",
+        )
+    )
     for w in ws:
         if not w["healthy"]:
-            out.append(Finding(f"worker {w['worker_id']}", False, "unhealthy (heartbeats stopped)", "healthy",
-                               f"curl {w['url']}/health ; check the worker's log"))
+            out.append(
+                Finding(
+                    f"worker {w['worker_id']}",
+                    False,
+                    "unhealthy (heartbeats stopped)",
+                    "healthy",
+                    f"curl {w['url']}/health ; check the worker's log",
+                )
+            )
     local = [int(w["pid"]) for w in ws if w["role"] == "decode" and os.path.exists(f"/proc/{w['pid']}")]
     return out, local
 
@@ -177,6 +245,9 @@ def main(args) -> int:
             print(f"[{'ok' if f.ok else 'DRIFT':>5}] {f.item}: {f.found}" + ("" if f.ok else f" (want {f.want})"))
             if not f.ok and f.fix:
                 print(f"        fix: {f.fix}")
-        print(f"doctor: {len(drift)} drifted of {len(findings)} checked" if drift else
-              f"doctor: all {len(findings)} checks match the baseline")
+        print(
+            f"doctor: {len(drift)} drifted of {len(findings)} checked"
+            if drift
+            else f"doctor: all {len(findings)} checks match the baseline"
+        )
     return 1 if drift else 0

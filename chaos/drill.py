@@ -41,8 +41,18 @@ from chaos.target import Target
 from chaos.workers import list_workers
 
 EXIT = {"completed": 0, "failed": 1, "aborted": 3, "interrupted": 130}
-TOP_KEYS = {"title", "description", "incident", "target", "steady-state-hypothesis", "load", "method",
-            "rollbacks", "invariants", "tags"}
+TOP_KEYS = {
+    "title",
+    "description",
+    "incident",
+    "target",
+    "steady-state-hypothesis",
+    "load",
+    "method",
+    "rollbacks",
+    "invariants",
+    "tags",
+}
 
 
 class Interrupted(BaseException):
@@ -85,10 +95,26 @@ class LoadRun:
     def __init__(self, spec: dict, url: str, out_dir: Path) -> None:
         self.spec, self.result = spec, out_dir / "distbench.json"
         self.timeout_s = float(spec.get("timeout_s", 300))
-        argv = [sys.executable, "-m", "distbench.cli", "run", "--url", url, "--concurrency",
-                str(spec.get("concurrency", 4)), "--num-prompts", str(spec.get("num_prompts", 32)),
-                "--prompt-len", str(spec.get("prompt_len", 64)), "--output-len", str(spec.get("output_len", 32)),
-                "--seed", str(spec.get("seed", 0)), "--save-result", str(self.result)]
+        argv = [
+            sys.executable,
+            "-m",
+            "distbench.cli",
+            "run",
+            "--url",
+            url,
+            "--concurrency",
+            str(spec.get("concurrency", 4)),
+            "--num-prompts",
+            str(spec.get("num_prompts", 32)),
+            "--prompt-len",
+            str(spec.get("prompt_len", 64)),
+            "--output-len",
+            str(spec.get("output_len", 32)),
+            "--seed",
+            str(spec.get("seed", 0)),
+            "--save-result",
+            str(self.result),
+        ]
         if spec.get("duration_s"):
             argv += ["--duration", str(spec["duration_s"])]
         self.log = open(out_dir / "distbench.log", "wb")  # noqa: SIM115 - open while the subprocess runs
@@ -224,23 +250,29 @@ def run_drill(path: str, out_dir: Path | None = None, url: str | None = None) ->
         _rollback_all(undo, journal)
         inv = spec.get("invariants") or {}
         journal.invariants.append(requests_invariant(journal.load))
-        journal.invariants.append(kv_blocks_invariant(ctx["router"], ctx["token"],
-                                                      float(inv.get("kv_blocks_within_s", 30))))
+        journal.invariants.append(
+            kv_blocks_invariant(ctx["router"], ctx["token"], float(inv.get("kv_blocks_within_s", 30)))
+        )
         journal.invariants.append(breaker_invariant(ctx["router"], float(inv.get("breaker_within_s", 60))))
         keep = (f"netns--{target.netns['netns']}.json",) if target.netns else ()
         journal.invariants.append(state_invariant(state_dir, keep))
         for r in journal.run:  # a probe inside the method with a tolerance is a claim about the fault
             if r["type"] == "probe" and isinstance(r.get("output"), dict) and r["output"].get("tolerance") is not None:
-                journal.invariants.append({"name": f"during the fault: {r['name']}",
-                                           "status": "passed" if r["output"]["ok"] else "failed",
-                                           "detail": f"value {r['output']['value']!r}, "
-                                                     f"tolerance {r['output']['tolerance']!r}"})
-        journal.invariants += objective_invariants(_fill(inv.get("objective") or {}, ctx), journal.load, journal.run,
-                                                   ctx["router"], ctx["token"], alive)
+                journal.invariants.append(
+                    {
+                        "name": f"during the fault: {r['name']}",
+                        "status": "passed" if r["output"]["ok"] else "failed",
+                        "detail": f"value {r['output']['value']!r}, tolerance {r['output']['tolerance']!r}",
+                    }
+                )
+        journal.invariants += objective_invariants(
+            _fill(inv.get("objective") or {}, ctx), journal.load, journal.run, ctx["router"], ctx["token"], alive
+        )
         settle = 0 if journal.failed_invariants() else 30  # already failed: one look, no waiting
         for p in hyp.get("probes", []):
-            journal.steady_state_after.append(run_probe(_fill({**p, "within_s": p.get("within_s", settle)}, ctx),
-                                                        ctx["router"], ctx["token"]))
+            journal.steady_state_after.append(
+                run_probe(_fill({**p, "within_s": p.get("within_s", settle)}, ctx), ctx["router"], ctx["token"])
+            )
         bad = journal.failed_invariants() or not all(p["ok"] for p in journal.steady_state_after)
         status = "failed" if bad else "completed"
     except Interrupted as e:

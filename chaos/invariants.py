@@ -30,10 +30,17 @@ def summarize(records: list[dict], timeout_s: float) -> dict:
     for r in failed:
         key = str(r["error"])[:120]
         errors[key] = errors.get(key, 0) + 1
-    return {"total": len(records), "ok": len(ok), "failed": len(failed), "lost": len(lost), "late": len(late),
-            "ttft_p50_ms": pct(50), "ttft_p99_ms": pct(99),
-            "e2e_max_s": round(max((r.get("e2e") or 0) for r in records), 3) if records else None,
-            "errors": errors}
+    return {
+        "total": len(records),
+        "ok": len(ok),
+        "failed": len(failed),
+        "lost": len(lost),
+        "late": len(late),
+        "ttft_p50_ms": pct(50),
+        "ttft_p99_ms": pct(99),
+        "e2e_max_s": round(max((r.get("e2e") or 0) for r in records), 3) if records else None,
+        "errors": errors,
+    }
 
 
 def _check(name: str, ok: bool | None, detail) -> dict:
@@ -44,17 +51,20 @@ def requests_invariant(load: dict) -> dict:
     if not load:
         return _check("requests: none lost or hung", None, "no load in this drill")
     if load.get("hung"):
-        return _check("requests: none lost or hung", False, f"load still running after {load['timeout_s']} s: "
-                      "requests hung")
+        return _check(
+            "requests: none lost or hung", False, f"load still running after {load['timeout_s']} s: requests hung"
+        )
     s = load.get("summary")
     if s is None:
         return _check("requests: none lost or hung", False, load.get("error", "no result file"))
     unclear = [e for e in s["errors"] if not e.strip() or e.strip().lower() in ("error", "none")]
     ok = s["lost"] == 0 and s["late"] == 0 and not unclear and s["total"] > 0
-    return _check("requests: none lost or hung", ok,
-                  f"{s['total']} requests: {s['ok']} completed, {s['failed']} failed with an error, "
-                  f"{s['lost']} lost, {s['late']} past the timeout"
-                  + (f", unclear errors {unclear}" if unclear else ""))
+    return _check(
+        "requests: none lost or hung",
+        ok,
+        f"{s['total']} requests: {s['ok']} completed, {s['failed']} failed with an error, "
+        f"{s['lost']} lost, {s['late']} past the timeout" + (f", unclear errors {unclear}" if unclear else ""),
+    )
 
 
 def kv_blocks_invariant(router: str, token: str, within_s: float) -> dict:
@@ -62,16 +72,23 @@ def kv_blocks_invariant(router: str, token: str, within_s: float) -> dict:
     while True:
         try:
             ws = [w for w in list_workers(router, token) if w["healthy"]]  # a dead process holds no blocks
-            busy: dict[str, object] = {w["worker_id"]: (w["kv_blocks_used"], w["num_staged_kv"]) for w in ws
-                    if w["kv_blocks_used"] or w["num_staged_kv"]}
+            busy: dict[str, object] = {
+                w["worker_id"]: (w["kv_blocks_used"], w["num_staged_kv"])
+                for w in ws
+                if w["kv_blocks_used"] or w["num_staged_kv"]
+            }
         except (OSError, ValueError) as e:
             busy, ws = {"router": str(e)}, []
         if not busy or time.monotonic() >= deadline:
             break
         time.sleep(0.5)
-    return _check("kv blocks used back to 0 on every worker", not busy,
-                  f"{len(ws)} live workers, all at 0 blocks used / 0 staged" if not busy
-                  else f"after {within_s} s still (blocks used, staged): {busy}")
+    return _check(
+        "kv blocks used back to 0 on every worker",
+        not busy,
+        f"{len(ws)} live workers, all at 0 blocks used / 0 staged"
+        if not busy
+        else f"after {within_s} s still (blocks used, staged): {busy}",
+    )
 
 
 def breaker_invariant(router: str, within_s: float) -> dict:
@@ -100,26 +117,45 @@ def objective_invariants(obj: dict, load: dict, run: list[dict], router: str, to
     s = (load or {}).get("summary") or {}
     if "min_success_ratio" in obj:
         ratio = s["ok"] / s["total"] if s.get("total") else 0.0
-        out.append(_check(f"objective: success ratio >= {obj['min_success_ratio']}", ratio >= obj["min_success_ratio"],
-                          f"{ratio:.3f} ({s.get('ok')}/{s.get('total')})"))
+        out.append(
+            _check(
+                f"objective: success ratio >= {obj['min_success_ratio']}",
+                ratio >= obj["min_success_ratio"],
+                f"{ratio:.3f} ({s.get('ok')}/{s.get('total')})",
+            )
+        )
     if "max_ttft_p99_ms" in obj:
         p99 = s.get("ttft_p99_ms")
-        out.append(_check(f"objective: TTFT P99 <= {obj['max_ttft_p99_ms']} ms",
-                          p99 is not None and p99 <= obj["max_ttft_p99_ms"], f"TTFT P99 {p99} ms"))
+        out.append(
+            _check(
+                f"objective: TTFT P99 <= {obj['max_ttft_p99_ms']} ms",
+                p99 is not None and p99 <= obj["max_ttft_p99_ms"],
+                f"TTFT P99 {p99} ms",
+            )
+        )
     for role in obj.get("roles_alive", []):
         pids = alive.get(role, [])
         from chaos.sysutil import pid_alive
+
         dead = [p for p in pids if not pid_alive(p)]
-        out.append(_check(f"objective: every {role} worker process lives", bool(pids) and not dead,
-                          f"pids {pids}, dead {dead}"))
+        out.append(
+            _check(
+                f"objective: every {role} worker process lives", bool(pids) and not dead, f"pids {pids}, dead {dead}"
+            )
+        )
     for a in obj.get("action_fields", []):
         entry = next((r for r in run if r["name"] == a["action"]), None)
         value = (entry or {}).get("output", {}) or {}
         for part in a["field"].split("."):
             value = value.get(part) if isinstance(value, dict) else None
         ok = value is not None and a.get("min", float("-inf")) <= value <= a.get("max", float("inf"))
-        out.append(_check(f"objective: {a['action']}.{a['field']} in [{a.get('min', '-inf')}, {a.get('max', 'inf')}]",
-                          ok, f"value {value}"))
+        out.append(
+            _check(
+                f"objective: {a['action']}.{a['field']} in [{a.get('min', '-inf')}, {a.get('max', 'inf')}]",
+                ok,
+                f"value {value}",
+            )
+        )
     for p in obj.get("probes", []):
         r = run_probe(p, router, token)
         out.append(_check(f"objective: {r['name']}", r["ok"], f"value {r['value']!r}, tolerance {r['tolerance']!r}"))

@@ -58,14 +58,14 @@ class Journal:
         return d
 
 
-
-
 def markdown(j: Journal) -> str:
     d = j.to_dict()
-    lines = [f"# Drill `{j.drill}`: {j.title}", "",
-             f"**Status: {j.status}** — {d['duration_s']} s, "
-             f"{time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime(j.start))}",
-             ""]
+    lines = [
+        f"# Drill `{j.drill}`: {j.title}",
+        "",
+        f"**Status: {j.status}** — {d['duration_s']} s, {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime(j.start))}",
+        "",
+    ]
     if j.incident:
         lines += [f"Incident: {j.incident}", ""]
     if j.error:
@@ -77,24 +77,35 @@ def markdown(j: Journal) -> str:
         lines.append(f"| {i['name']} | {i['status']} | {str(i.get('detail', '')).replace('|', '/')} |")
     if j.load:
         s = j.load.get("summary", {})
-        lines += ["", "## Load (distbench)", "",
-                  (f"{s.get('total', '?')} requests: {s.get('ok', '?')} ok, {s.get('failed', '?')} failed with an "
-                  f"error; TTFT P50 {s.get('ttft_p50_ms', '?')} ms, P99 {s.get('ttft_p99_ms', '?')} ms; "
-                  f"E2E max {s.get('e2e_max_s', '?')} s")]
+        lines += [
+            "",
+            "## Load (distbench)",
+            "",
+            (
+                f"{s.get('total', '?')} requests: {s.get('ok', '?')} ok, {s.get('failed', '?')} failed with an "
+                f"error; TTFT P50 {s.get('ttft_p50_ms', '?')} ms, P99 {s.get('ttft_p99_ms', '?')} ms; "
+                f"E2E max {s.get('e2e_max_s', '?')} s"
+            ),
+        ]
         if s.get("errors"):
             lines += ["", "Errors seen: " + "; ".join(f"{k} ×{v}" for k, v in s["errors"].items())]
     lines += ["", "## Method", ""]
     for r in j.run:
         out = json.dumps(r.get("output"), default=str)
-        lines.append(f"- t={r['at']} s `{r['name']}` ({r['type']}): {r['status']}"
-                     + (f" — {out[:300]}" if r.get("output") is not None else "")
-                     + (f" — error: {r['error']}" if r.get("error") else ""))
+        lines.append(
+            f"- t={r['at']} s `{r['name']}` ({r['type']}): {r['status']}"
+            + (f" — {out[:300]}" if r.get("output") is not None else "")
+            + (f" — error: {r['error']}" if r.get("error") else "")
+        )
     lines += ["", "## Rollbacks", ""]
     lines += [f"- `{r['name']}`: {r['status']}" + (f" — {r['error']}" if r.get("error") else "") for r in j.rollbacks]
     for title, probes in (("before", j.steady_state_before), ("after", j.steady_state_after)):
         lines += ["", f"## Steady state {title}", ""]
-        lines += [f"- {p['name']}: {'ok' if p['ok'] else 'DEVIATED'} (value {p.get('value')!r}, "
-                  f"tolerance {p.get('tolerance')!r})" for p in probes]
+        lines += [
+            f"- {p['name']}: {'ok' if p['ok'] else 'DEVIATED'} (value {p.get('value')!r}, "
+            f"tolerance {p.get('tolerance')!r})"
+            for p in probes
+        ]
     return "\n".join(lines) + "\n"
 
 

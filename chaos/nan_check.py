@@ -40,10 +40,18 @@ def check_backend(backend: str, lens: list[int], model: str | None, device: str,
 
     top = max(lens)
     try:
-        engine = LLMEngine(EngineConfig(model=model, device=device, attention_backend=backend,
-                                        max_model_len=top + 3, max_num_batched_tokens=max(top, 16) + 16,
-                                        max_num_seqs=4, enable_prefix_caching=False,
-                                        kv_cache_memory_mb=max(64, top // 8)))
+        engine = LLMEngine(
+            EngineConfig(
+                model=model,
+                device=device,
+                attention_backend=backend,
+                max_model_len=top + 3,
+                max_num_batched_tokens=max(top, 16) + 16,
+                max_num_seqs=4,
+                enable_prefix_caching=False,
+                kv_cache_memory_mb=max(64, top // 8),
+            )
+        )
     except (ValueError, RuntimeError, ImportError) as e:
         return {"unavailable": str(e)}
     seen: list[str] = []
@@ -74,8 +82,12 @@ def check_backend(backend: str, lens: list[int], model: str | None, device: str,
 
 def run(max_len: int, model: str | None = None, device: str = "cpu", min_k: int = 4) -> dict:
     lens = lengths(max_len, min_k)
-    return {"max_seq_len": max_len, "lengths": lens, "device": device,
-            "backends": {b: check_backend(b, lens, model, device) for b in CANDIDATES}}
+    return {
+        "max_seq_len": max_len,
+        "lengths": lens,
+        "device": device,
+        "backends": {b: check_backend(b, lens, model, device) for b in CANDIDATES},
+    }
 
 
 def table(result: dict) -> str:
@@ -90,12 +102,18 @@ def table(result: dict) -> str:
 
 
 def failures(result: dict) -> list[str]:
-    return [f"{b} @ {n}: {v}" for b, r in result["backends"].items() if "lengths" in r
-            for n, v in r["lengths"].items() if v != "ok"]
+    return [
+        f"{b} @ {n}: {v}"
+        for b, r in result["backends"].items()
+        if "lengths" in r
+        for n, v in r["lengths"].items()
+        if v != "ok"
+    ]
 
 
 def cli_main(args) -> int:
     from server.config import ConfigError, load_config
+
     try:
         cfg = load_config(args.config, {"model": args.model} if args.model else None)
     except ConfigError as e:
@@ -114,6 +132,8 @@ def cli_main(args) -> int:
     if not any("lengths" in r for r in result["backends"].values()):
         print("nan-check: no attention backend could run", file=sys.stderr)
         return 1
-    print(f"nan-check: {len(bad)} non-finite results" + (": " + "; ".join(bad) if bad else
-                                                         f" ({len(result['lengths'])} lengths, all finite)"))
+    print(
+        f"nan-check: {len(bad)} non-finite results"
+        + (": " + "; ".join(bad) if bad else f" ({len(result['lengths'])} lengths, all finite)")
+    )
     return 1 if bad else 0

@@ -36,8 +36,11 @@ def parse_metrics(text: str) -> list[tuple[str, dict, float]]:
 
 def metric_value(text: str, name: str, labels: dict | None = None) -> float | None:
     """Sum of the samples of ``name`` whose labels include ``labels``; None when there is none."""
-    hits = [v for n, lab, v in parse_metrics(text) if n == name and all(lab.get(k) == v2 for k, v2 in
-                                                                         (labels or {}).items())]
+    hits = [
+        v
+        for n, lab, v in parse_metrics(text)
+        if n == name and all(lab.get(k) == v2 for k, v2 in (labels or {}).items())
+    ]
     return sum(hits) if hits else None
 
 
@@ -73,9 +76,11 @@ def _value(probe: dict, router: str, token: str):
     if kind == "command":  # exit status of a command (e.g. `distserve doctor` finds the drift)
         import subprocess
         import sys
+
         argv = [sys.executable if a == "{python}" else a for a in probe["argv"]]
-        return subprocess.run(argv, capture_output=True, timeout=float(probe.get("timeout_s", 120)),
-                              check=False).returncode
+        return subprocess.run(
+            argv, capture_output=True, timeout=float(probe.get("timeout_s", 120)), check=False
+        ).returncode
     if kind == "prometheus":
         scope = probe.get("scope", "router")
         if scope == "router":
@@ -108,6 +113,10 @@ def run_probe(probe: dict, router: str, token: str) -> dict:
             value = f"unreachable: {e}"
         ok = in_tolerance(value, probe.get("tolerance"))
         if ok or time.monotonic() >= deadline:
-            return {"name": probe.get("name", probe.get("type")), "value": value,
-                    "tolerance": probe.get("tolerance"), "ok": ok}
+            return {
+                "name": probe.get("name", probe.get("type")),
+                "value": value,
+                "tolerance": probe.get("tolerance"),
+                "ok": ok,
+            }
         time.sleep(0.5)

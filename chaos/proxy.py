@@ -56,8 +56,9 @@ def _reset(writer: asyncio.StreamWriter) -> None:
     writer.transport.abort()
 
 
-async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, toxics: list[dict],
-                rng: random.Random) -> None:
+async def _pipe(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, toxics: list[dict], rng: random.Random
+) -> None:
     sent = 0
     try:
         while True:
@@ -80,7 +81,7 @@ async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, toxi
                 elif kind == "limit_data":
                     room = int(t.get("bytes", 0)) - sent
                     if room <= len(data):
-                        writer.write(data[:max(0, room)])
+                        writer.write(data[: max(0, room)])
                         await writer.drain()
                         writer.close()
                         return
@@ -90,7 +91,7 @@ async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, toxi
                 i = 0
                 while i < len(data):
                     n = max(1, avg + rng.randint(-var, var))
-                    writer.write(data[i:i + n])
+                    writer.write(data[i : i + n])
                     await writer.drain()
                     i += n
                     await asyncio.sleep(slicer.get("delay", 0) / 1e6)
@@ -119,8 +120,7 @@ async def _handle(client_r, client_w, upstream: tuple[str, int], toxics: list[di
     rng = random.Random(seed)
     down = [t for t in toxics if t.get("stream", "downstream") == "downstream"]
     up = [t for t in toxics if t.get("stream") == "upstream"]
-    tasks = [asyncio.create_task(_pipe(up_r, client_w, down, rng)),
-             asyncio.create_task(_pipe(client_r, up_w, up, rng))]
+    tasks = [asyncio.create_task(_pipe(up_r, client_w, down, rng)), asyncio.create_task(_pipe(client_r, up_w, up, rng))]
     reset = next((t for t in toxics if t["type"] == "reset_peer"), None)
     if reset:
         await asyncio.sleep(reset.get("timeout", 0) / 1000.0)
@@ -150,11 +150,13 @@ def _write_ready(path: str, info: dict) -> None:
     atomic_write(path, json.dumps(info))
 
 
-async def serve(listen: tuple[str, int], upstream: tuple[str, int], toxics: list[dict],
-                ready_file: str | None = None, seed: int = 0) -> None:
+async def serve(
+    listen: tuple[str, int], upstream: tuple[str, int], toxics: list[dict], ready_file: str | None = None, seed: int = 0
+) -> None:
     counter = iter(range(1 << 62))
     server = await asyncio.start_server(
-        lambda r, w: _handle(r, w, upstream, toxics, seed + next(counter)), listen[0], listen[1])
+        lambda r, w: _handle(r, w, upstream, toxics, seed + next(counter)), listen[0], listen[1]
+    )
     port = server.sockets[0].getsockname()[1]
     if ready_file:
         _write_ready(ready_file, {"host": listen[0], "port": port, "pid": os.getpid()})
@@ -167,9 +169,12 @@ async def serve(listen: tuple[str, int], upstream: tuple[str, int], toxics: list
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m chaos.proxy", description=__doc__.split("\n\n")[0] + " Example: "
-                                "python -m chaos.proxy --listen 127.0.0.1:0 --upstream 127.0.0.1:8080 "
-                                "--toxic '{\"type\": \"slicer\", \"average_size\": 7}'")
+    p = argparse.ArgumentParser(
+        prog="python -m chaos.proxy",
+        description=__doc__.split("\n\n")[0] + " Example: "
+        "python -m chaos.proxy --listen 127.0.0.1:0 --upstream 127.0.0.1:8080 "
+        '--toxic \'{"type": "slicer", "average_size": 7}\'',
+    )
     p.add_argument("--listen", type=_addr, required=True, help="HOST:PORT to listen on (port 0 = any)")
     p.add_argument("--upstream", type=_addr, required=True, help="HOST:PORT to forward to")
     p.add_argument("--toxic", action="append", default=[], help="a toxic as JSON (repeatable)")

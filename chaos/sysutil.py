@@ -62,8 +62,13 @@ def kernel_has_netem() -> bool:
     try:
         run(["ip", "netns", "add", ns])
         run(["ip", "link", "add", "probe0", "type", "dummy"], netns=ns)
-        p = subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "probe0", "root", "netem",
-                            "delay", "1ms"], check=False, capture_output=True, text=True, timeout=30)
+        p = subprocess.run(
+            ["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "probe0", "root", "netem", "delay", "1ms"],
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         return p.returncode == 0
     except HostError:
         return False

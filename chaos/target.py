@@ -72,16 +72,18 @@ class Target:
         path.write_text(yaml.safe_dump(self._config(role)))
         return str(path)
 
-    def _spawn(self, name: str, argv: list[str], netns: str | None = None, module: str = "server.cli"
-               ) -> subprocess.Popen:
+    def _spawn(
+        self, name: str, argv: list[str], netns: str | None = None, module: str = "server.cli"
+    ) -> subprocess.Popen:
         env = dict(os.environ, **{TOKEN_ENV: self.token, "OMP_NUM_THREADS": "1"})
         # --parent-pid: the child exits if the drill dies without stopping it (even by SIGKILL)
         cmd = [sys.executable, "-m", module, *argv, "--parent-pid", str(os.getpid())]
         if netns:
             cmd = ["ip", "netns", "exec", netns, *cmd]  # exec's the command: the PID is the worker's
         with open(self.log_dir / f"{name}.log", "ab") as out:
-            p = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                 cwd=os.getcwd())
+            p = subprocess.Popen(
+                cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=os.getcwd()
+            )
         self.procs[name] = p
         return p
 
@@ -105,8 +107,20 @@ class Target:
             for key, value in (self.spec.get("netns_sysctls") or {}).items():  # a tuned second host
                 sysctl_set(key, str(value), self.netns["netns"])
         ready = Path(tempfile.mkdtemp(prefix="dschaos-")) / "router.json"
-        router = self._spawn("router", ["router", "--config", self._config_file("router"), "--host", host,
-                                        "--port", "0", "--ready-file", str(ready)])
+        router = self._spawn(
+            "router",
+            [
+                "router",
+                "--config",
+                self._config_file("router"),
+                "--host",
+                host,
+                "--port",
+                "0",
+                "--ready-file",
+                str(ready),
+            ],
+        )
         deadline = time.monotonic() + timeout_s
         while not ready.exists():
             if router.poll() is not None or time.monotonic() > deadline:
@@ -119,8 +133,9 @@ class Target:
             self.add_worker("decode", in_netns=(i == 0 and self.netns is not None))
         for _ in range(int(self.spec.get("colocated", 0))):
             self.add_worker("colocated")
-        self.wait_workers(sum(int(self.spec.get(r, d)) for r, d in (("prefill", 1), ("decode", 1), ("colocated", 0))),
-                          deadline)
+        self.wait_workers(
+            sum(int(self.spec.get(r, d)) for r, d in (("prefill", 1), ("decode", 1), ("colocated", 0))), deadline
+        )
 
     def add_worker(self, role: str, in_netns: bool = False) -> str:
         """Start one more worker (also mid-drill: a hot join); its worker id."""
@@ -129,9 +144,24 @@ class Target:
         ns = self.netns or {}
         host = ns["ns_ip"] if in_netns else ns.get("host_ip", "127.0.0.1")
         module = self.spec.get(f"{role}_module", "server.cli")
-        self._spawn(wid, ["worker", "--role", role, "--router", self.url, "--config", self._config_file(role),
-                          "--host", host, "--worker-id", wid],
-                    netns=ns["netns"] if in_netns else None, module=module)
+        self._spawn(
+            wid,
+            [
+                "worker",
+                "--role",
+                role,
+                "--router",
+                self.url,
+                "--config",
+                self._config_file(role),
+                "--host",
+                host,
+                "--worker-id",
+                wid,
+            ],
+            netns=ns["netns"] if in_netns else None,
+            module=module,
+        )
         return wid
 
     def restart_worker(self, worker_id: str) -> None:
@@ -140,9 +170,13 @@ class Target:
         if old.poll() is None:
             raise RuntimeError(f"{worker_id} is still running")
         with open(self.log_dir / f"{worker_id}.log", "ab") as out:
-            self.procs[worker_id] = subprocess.Popen(old.args, env=dict(os.environ, **{
-                TOKEN_ENV: self.token, "OMP_NUM_THREADS": "1"}), stdout=out, stderr=subprocess.STDOUT,
-                start_new_session=True)
+            self.procs[worker_id] = subprocess.Popen(
+                old.args,
+                env=dict(os.environ, **{TOKEN_ENV: self.token, "OMP_NUM_THREADS": "1"}),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
 
     def wait_workers(self, expected: int, deadline: float) -> None:
         while True:

@@ -47,14 +47,14 @@ def list_workers(router_url: str, token: str | None = None) -> list[dict]:
     return get_json(f"{router_url.rstrip('/')}/v1/workers", admin_token(token))["workers"]
 
 
-def select_workers(router_url: str, token: str | None = None, role: str | None = None,
-                   worker_id: str | None = None, count: int = 1) -> list[dict]:
+def select_workers(
+    router_url: str, token: str | None = None, role: str | None = None, worker_id: str | None = None, count: int = 1
+) -> list[dict]:
     """Up to ``count`` workers matching role / id (sorted by id, so a drill is repeatable); ValueError if none."""
     if role is None and worker_id is None:
         raise ValueError("role or worker_id: name the worker(s) to act on")
     ws = sorted(list_workers(router_url, token), key=lambda w: w["worker_id"])
-    hits = [w for w in ws if (worker_id is None or w["worker_id"] == worker_id)
-            and (role is None or w["role"] == role)]
+    hits = [w for w in ws if (worker_id is None or w["worker_id"] == worker_id) and (role is None or w["role"] == role)]
     if not hits:
         have = ", ".join(f"{w['worker_id']} ({w['role']})" for w in ws) or "none"
         raise ValueError(f"no worker matches role={role!r} worker_id={worker_id!r}; registered: {have}")

@@ -37,8 +37,6 @@ def _fill(v, ctx: dict):
     return v
 
 
-
-
 def _skip_reason(item: dict) -> str | None:
     if item.get("needs_root") and os.geteuid() != 0:
         return "needs root (namespaces, tc, nftables, sysctl, cgroups)"
@@ -47,8 +45,9 @@ def _skip_reason(item: dict) -> str | None:
         return f"not available: this build has no {mod}"
     cmd = item.get("needs_command")
     if cmd:
-        p = subprocess.run([sys.executable, "-m", "server.cli", *cmd, "--help"], capture_output=True, check=False,
-                           timeout=120)
+        p = subprocess.run(
+            [sys.executable, "-m", "server.cli", *cmd, "--help"], capture_output=True, check=False, timeout=120
+        )
         if p.returncode != 0:
             return f"not available: this build has no `distserve {' '.join(cmd)}`"
     return None
@@ -58,8 +57,9 @@ def _run_command(item: dict, quick: bool, ctx: dict, log: Path) -> tuple[str, st
     argv = _fill(item.get("quick_argv") if quick and item.get("quick_argv") else item["argv"], ctx)
     with open(log, "wb") as f:
         try:
-            p = subprocess.run(argv, stdout=f, stderr=subprocess.STDOUT, timeout=float(item.get("timeout_s", 600)),
-                               check=False)
+            p = subprocess.run(
+                argv, stdout=f, stderr=subprocess.STDOUT, timeout=float(item.get("timeout_s", 600)), check=False
+            )
         except subprocess.TimeoutExpired:
             return "failed", f"timed out after {item.get('timeout_s', 600)} s"
     tail = log.read_text(errors="replace").strip().splitlines()[-1:] or [""]
@@ -70,17 +70,34 @@ def _run_command(item: dict, quick: bool, ctx: dict, log: Path) -> tuple[str, st
 def _run_load(item: dict, quick: bool, ctx: dict, log_dir: Path) -> tuple[str, str]:
     from chaos.invariants import summarize
     from chaos.target import Target
+
     spec: dict = item["quick_load"] if quick and item.get("quick_load") else item["load"]
     result = Path(_fill(item["result"], ctx))
     target = Target(item.get("target") or {}, log_dir / item["id"])
     try:
         target.start()
-        argv = [sys.executable, "-m", "distbench.cli", "run", "--url", target.url, "--concurrency",
-                str(spec["concurrency"]), "--num-prompts", str(spec["num_prompts"]), "--prompt-len",
-                str(spec["prompt_len"]), "--output-len", str(spec["output_len"]), "--save-result", str(result)]
+        argv = [
+            sys.executable,
+            "-m",
+            "distbench.cli",
+            "run",
+            "--url",
+            target.url,
+            "--concurrency",
+            str(spec["concurrency"]),
+            "--num-prompts",
+            str(spec["num_prompts"]),
+            "--prompt-len",
+            str(spec["prompt_len"]),
+            "--output-len",
+            str(spec["output_len"]),
+            "--save-result",
+            str(result),
+        ]
         with open(log_dir / f"{item['id']}.log", "wb") as f:
-            subprocess.run(argv, stdout=f, stderr=subprocess.STDOUT, timeout=float(item.get("timeout_s", 900)),
-                           check=False)
+            subprocess.run(
+                argv, stdout=f, stderr=subprocess.STDOUT, timeout=float(item.get("timeout_s", 900)), check=False
+            )
         s = summarize(json.loads(result.read_text())["requests"], float(item.get("timeout_s", 900)))
     except (OSError, ValueError, KeyError, RuntimeError, subprocess.TimeoutExpired) as e:
         return "failed", f"{type(e).__name__}: {e}"
@@ -88,17 +105,23 @@ def _run_load(item: dict, quick: bool, ctx: dict, log_dir: Path) -> tuple[str, s
         target.stop()
     p99, limit = s["ttft_p99_ms"], float(item.get("max_ttft_p99_ms", float("inf")))
     ok = p99 is not None and p99 <= limit and s["failed"] <= int(item.get("max_failed", 0)) and s["lost"] == 0
-    return ("passed" if ok else "failed"), (f"TTFT P99 {p99} ms (limit {limit:g}), P50 {s['ttft_p50_ms']} ms; "
-                                            f"{s['ok']}/{s['total']} ok, {s['failed']} failed")
+    return ("passed" if ok else "failed"), (
+        f"TTFT P99 {p99} ms (limit {limit:g}), P50 {s['ttft_p50_ms']} ms; "
+        f"{s['ok']}/{s['total']} ok, {s['failed']} failed"
+    )
 
 
 def _run_drill(item: dict, ctx: dict, log: Path) -> tuple[str, str]:
     out = Path(ctx["out"]) / "drills" / item["id"]
     with open(log, "wb") as f:
         try:
-            p = subprocess.run([sys.executable, "-m", "server.cli", "chaos", "drill", item["file"], "--out", str(out)],
-                               stdout=f, stderr=subprocess.STDOUT, timeout=float(item.get("timeout_s", 900)),
-                               check=False)
+            p = subprocess.run(
+                [sys.executable, "-m", "server.cli", "chaos", "drill", item["file"], "--out", str(out)],
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                timeout=float(item.get("timeout_s", 900)),
+                check=False,
+            )
         except subprocess.TimeoutExpired:
             return "failed", "drill timed out"
     try:
@@ -106,8 +129,11 @@ def _run_drill(item: dict, ctx: dict, log: Path) -> tuple[str, str]:
     except (OSError, ValueError):
         return "failed", f"exit {p.returncode}, no journal"
     bad = [i["name"] for i in j["invariants"] if i["status"] == "failed"]
-    detail = f"{j['status']}; " + (f"failed: {', '.join(bad)}" if bad else
-                                   f"{sum(i['status'] == 'passed' for i in j['invariants'])} invariants held")
+    detail = f"{j['status']}; " + (
+        f"failed: {', '.join(bad)}"
+        if bad
+        else f"{sum(i['status'] == 'passed' for i in j['invariants'])} invariants held"
+    )
     if j.get("error"):
         detail += f" ({j['error'][:160]})"
     return ("passed" if p.returncode == 0 and j["status"] == "completed" else "failed"), detail
@@ -136,22 +162,38 @@ def run_gate(checklist: str, out: Path, quick: bool, only: set[str] | None = Non
             status, detail = _run_load(item, quick, ctx, out / "logs")
         else:
             status, detail = _run_drill(item, ctx, out / "logs" / f"{item['id']}.log")
-        r = {"id": item["id"], "title": item["title"], "status": status, "detail": detail,
-             "seconds": round(time.monotonic() - t0, 1)}
+        r = {
+            "id": item["id"],
+            "title": item["title"],
+            "status": status,
+            "detail": detail,
+            "seconds": round(time.monotonic() - t0, 1),
+        }
         results.append(r)
-        print(f"  [ {MARK[status]} ] {n}/{len(items)} {item['title']} ({r['seconds']} s): {detail}", file=stream,
-              flush=True)
+        print(
+            f"  [ {MARK[status]} ] {n}/{len(items)} {item['title']} ({r['seconds']} s): {detail}",
+            file=stream,
+            flush=True,
+        )
     verdict = "no-go" if any(r["status"] == "failed" for r in results) else "go"
     report = {"verdict": verdict, "quick": quick, "checklist": checklist, "finished": time.time(), "items": results}
     atomic_write(out / "gate.json", json.dumps(report, indent=1))
-    md = [f"# Release gate: **{verdict.upper()}**{' (quick)' if quick else ''}", "",
-          f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, checklist `{checklist}`", "",
-          "| item | status | time | detail |", "|---|---|---:|---|"]
+    md = [
+        f"# Release gate: **{verdict.upper()}**{' (quick)' if quick else ''}",
+        "",
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, checklist `{checklist}`",
+        "",
+        "| item | status | time | detail |",
+        "|---|---|---:|---|",
+    ]
     md += [f"| {r['title']} | {r['status']} | {r['seconds']} s | {r['detail'].replace('|', '/')} |" for r in results]
     atomic_write(out / "gate.md", "\n".join(md) + "\n")
-    print(f"gate: {verdict.upper()} — {sum(r['status'] == 'passed' for r in results)} passed, "
-          f"{sum(r['status'] == 'failed' for r in results)} failed, {sum(r['status'] == 'skipped' for r in results)} "
-          f"skipped; report {out / 'gate.md'}", file=stream)
+    print(
+        f"gate: {verdict.upper()} — {sum(r['status'] == 'passed' for r in results)} passed, "
+        f"{sum(r['status'] == 'failed' for r in results)} failed, {sum(r['status'] == 'skipped' for r in results)} "
+        f"skipped; report {out / 'gate.md'}",
+        file=stream,
+    )
     return report
 
 
@@ -160,8 +202,7 @@ def main(args) -> int:
         print(f"distserve: error: checklist {args.checklist} does not exist", file=sys.stderr)
         return 2
     try:
-        report = run_gate(args.checklist, Path(args.out), args.quick,
-                          set(args.only.split(",")) if args.only else None)
+        report = run_gate(args.checklist, Path(args.out), args.quick, set(args.only.split(",")) if args.only else None)
     except (ValueError, KeyError, yaml.YAMLError) as e:
         print(f"distserve: error: {e}", file=sys.stderr)
         return 2

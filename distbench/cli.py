@@ -43,48 +43,78 @@ def _percentiles(text: str) -> tuple[float, ...]:
 
 def add_load_args(r: argparse.ArgumentParser, sweep: bool = False) -> None:
     r.add_argument("--url", required=True, help="server base URL, with or without a trailing /v1")
-    r.add_argument("--endpoint", default="/v1/completions",
-                   choices=["/v1/completions", "/v1/chat/completions", "/generate"])
+    r.add_argument(
+        "--endpoint", default="/v1/completions", choices=["/v1/completions", "/v1/chat/completions", "/generate"]
+    )
     if not sweep:
-        r.add_argument("--strategy", default=None, choices=["closed", "poisson", "gamma", "constant", "trace"],
-                       help="arrivals (default: closed with --concurrency, gamma with --burstiness != 1, "
-                            "trace with --time-scale, else poisson)")
+        r.add_argument(
+            "--strategy",
+            default=None,
+            choices=["closed", "poisson", "gamma", "constant", "trace"],
+            help="arrivals (default: closed with --concurrency, gamma with --burstiness != 1, "
+            "trace with --time-scale, else poisson)",
+        )
         r.add_argument("--concurrency", type=int, default=None, help="closed loop: this many users")
         r.add_argument("--request-rate", type=float, default=None, help="open loop: requests per second")
-        r.add_argument("--max-concurrency", type=int, default=None,
-                       help="open loop: at most this many requests in flight; the others are sent late "
-                            "(and counted as late sends)")
-        r.add_argument("--num-prompts", type=int, default=None,
-                       help="requests to send (default 100; with --duration the duration ends the run "
-                            "and this is an upper bound, default unlimited)")
+        r.add_argument(
+            "--max-concurrency",
+            type=int,
+            default=None,
+            help="open loop: at most this many requests in flight; the others are sent late "
+            "(and counted as late sends)",
+        )
+        r.add_argument(
+            "--num-prompts",
+            type=int,
+            default=None,
+            help="requests to send (default 100; with --duration the duration ends the run "
+            "and this is an upper bound, default unlimited)",
+        )
         r.add_argument("--duration", type=float, default=None, help="stop sending after this many seconds")
         r.add_argument("--time-scale", type=float, default=1.0, help="trace replay speed-up (2 = twice as fast)")
-        r.add_argument("--stop-on-saturation", action="store_true",
-                       help="end the run once the SLO attainment target can no longer be met")
+        r.add_argument(
+            "--stop-on-saturation",
+            action="store_true",
+            help="end the run once the SLO attainment target can no longer be met",
+        )
         r.add_argument("--save-result", default=None, help="write the result JSON here (atomically)")
     r.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of inter-arrival times; 1 = Poisson")
     r.add_argument("--dataset", default="random", help="random | sharegpt | sharegpt:PATH | jsonl:PATH")
     r.add_argument("--prompt-len", default="128", help="N, uniform:LO:HI or lognormal:MEDIAN:SIGMA (tokens)")
-    r.add_argument("--output-len", default=None,
-                   help="N, uniform:LO:HI or lognormal:MEDIAN:SIGMA (tokens; default 64 for random prompts, "
-                        "the dataset's own lengths for sharegpt and jsonl)")
+    r.add_argument(
+        "--output-len",
+        default=None,
+        help="N, uniform:LO:HI or lognormal:MEDIAN:SIGMA (tokens; default 64 for random prompts, "
+        "the dataset's own lengths for sharegpt and jsonl)",
+    )
     r.add_argument("--prefix-len", type=int, default=0, help="shared system prompt of N tokens on every prompt")
     r.add_argument("--turns", type=int, default=1, help="multi-turn sessions of this many turns")
-    r.add_argument("--tokenizer", default=None, help="model folder whose vocabulary random prompts use "
-                                                     "(default: ask the server)")
+    r.add_argument(
+        "--tokenizer", default=None, help="model folder whose vocabulary random prompts use (default: ask the server)"
+    )
     r.add_argument("--warmup", type=int, default=0, help="requests sent first and left out of every figure")
     r.add_argument("--seed", type=int, default=0, help="seed of prompts, lengths and arrival times")
     r.add_argument("--model", default=None, help="model name to send (default: the server's first model)")
     r.add_argument("--slo", default=None, help="per-request SLO, e.g. ttft:250ms,tpot:50ms (ttft, tpot, itl, e2el)")
     r.add_argument("--slo-target", type=float, default=0.9, help="SLO attainment needed to pass (fraction)")
-    r.add_argument("--goodput", nargs="+", default=[], metavar="KEY:MS",
-                   help="vLLM's --goodput: request_goodput counts requests meeting these, e.g. ttft:250 tpot:50 "
-                        "(default: the --slo)")
-    r.add_argument("--percentiles", type=_percentiles, default=(50.0, 90.0, 95.0, 99.0, 99.9),
-                   help="comma-separated, e.g. 50,99,99.9")
+    r.add_argument(
+        "--goodput",
+        nargs="+",
+        default=[],
+        metavar="KEY:MS",
+        help="vLLM's --goodput: request_goodput counts requests meeting these, e.g. ttft:250 tpot:50 "
+        "(default: the --slo)",
+    )
+    r.add_argument(
+        "--percentiles",
+        type=_percentiles,
+        default=(50.0, 90.0, 95.0, 99.0, 99.9),
+        help="comma-separated, e.g. 50,99,99.9",
+    )
     r.add_argument("--timeout", type=float, default=600.0, help="per-request timeout in seconds")
-    r.add_argument("--token", default=None,
-                   help="admin token (default $DISTSERVE_ADMIN_TOKEN): scrape the workers' /metrics too")
+    r.add_argument(
+        "--token", default=None, help="admin token (default $DISTSERVE_ADMIN_TOKEN): scrape the workers' /metrics too"
+    )
     r.add_argument("--no-progress", action="store_true", help="no live progress line")
 
 
@@ -95,8 +125,15 @@ def options_from(args, **spec_overrides):
     strategy = getattr(args, "strategy", None)
     conc, rate = getattr(args, "concurrency", None), getattr(args, "request_rate", None)
     if strategy is None:
-        strategy = ("closed" if conc is not None else "trace" if getattr(args, "time_scale", 1.0) != 1.0
-                    else "gamma" if args.burstiness != 1.0 else "poisson")
+        strategy = (
+            "closed"
+            if conc is not None
+            else "trace"
+            if getattr(args, "time_scale", 1.0) != 1.0
+            else "gamma"
+            if args.burstiness != 1.0
+            else "poisson"
+        )
     if strategy == "closed" and rate is not None:
         raise UsageError("give --concurrency (closed loop) or --request-rate (open loop), not both")
     if strategy not in ("closed", "trace") and rate is None and "request_rate" not in spec_overrides:
@@ -107,20 +144,39 @@ def options_from(args, **spec_overrides):
         num = 10**9 if duration else 100
     if args.turns < 1 or args.prefix_len < 0:
         raise UsageError("--turns must be >= 1 and --prefix-len >= 0")
-    kw = {"url": _base(args.url), "endpoint": args.endpoint, "strategy": strategy, "request_rate": rate,
-              "burstiness": args.burstiness, "concurrency": conc,
-          "max_concurrency": getattr(args, "max_concurrency", None), "num_prompts": num, "duration_s": duration,
-              "warmup": args.warmup, "seed": args.seed, "model": args.model, "timeout_s": args.timeout,
-              "time_scale": getattr(args, "time_scale", 1.0)}
+    kw = {
+        "url": _base(args.url),
+        "endpoint": args.endpoint,
+        "strategy": strategy,
+        "request_rate": rate,
+        "burstiness": args.burstiness,
+        "concurrency": conc,
+        "max_concurrency": getattr(args, "max_concurrency", None),
+        "num_prompts": num,
+        "duration_s": duration,
+        "warmup": args.warmup,
+        "seed": args.seed,
+        "model": args.model,
+        "timeout_s": args.timeout,
+        "time_scale": getattr(args, "time_scale", 1.0),
+    }
     kw.update(spec_overrides)
     try:
         spec = RunSpec(**kw)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    w = Workload(args.dataset, args.prompt_len, args.output_len, args.prefix_len, args.turns, args.tokenizer,
-                 args.seed)
-    return Options(spec, w, args.slo, tuple(args.goodput), args.slo_target, args.percentiles,
-                   getattr(args, "stop_on_saturation", False), not args.no_progress, admin_token(args.token))
+    w = Workload(args.dataset, args.prompt_len, args.output_len, args.prefix_len, args.turns, args.tokenizer, args.seed)
+    return Options(
+        spec,
+        w,
+        args.slo,
+        tuple(args.goodput),
+        args.slo_target,
+        args.percentiles,
+        getattr(args, "stop_on_saturation", False),
+        not args.no_progress,
+        admin_token(args.token),
+    )
 
 
 def _base(url: str) -> str:
@@ -148,10 +204,14 @@ def cmd_run(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="distbench", description=__doc__, formatter_class=Formatter)
     sub = p.add_subparsers(dest="command", required=True)
-    r = sub.add_parser("run", help="one load run against a server", formatter_class=Formatter,
-                       description="Closed loop (--concurrency) or open loop (--request-rate; TTFT from the "
-                                   "scheduled send time). Example: distbench run --url http://127.0.0.1:8080 "
-                                   "--request-rate 8 --num-prompts 200 --slo ttft:250ms,tpot:50ms")
+    r = sub.add_parser(
+        "run",
+        help="one load run against a server",
+        formatter_class=Formatter,
+        description="Closed loop (--concurrency) or open loop (--request-rate; TTFT from the "
+        "scheduled send time). Example: distbench run --url http://127.0.0.1:8080 "
+        "--request-rate 8 --num-prompts 200 --slo ttft:250ms,tpot:50ms",
+    )
     add_load_args(r)
     r.set_defaults(handler=cmd_run)
     from distbench import commands

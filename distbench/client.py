@@ -66,8 +66,7 @@ def _chunk_tokens(endpoint: str, data: dict) -> int:
     return 1
 
 
-async def send(http: aiohttp.ClientSession, url: str, endpoint: str, body: dict, rec: RequestRecord,
-               t0: float) -> None:
+async def send(http: aiohttp.ClientSession, url: str, endpoint: str, body: dict, rec: RequestRecord, t0: float) -> None:
     """POST and stream; times are offsets from ``t0`` (perf_counter of the run's start)."""
     sched_abs = t0 + rec.scheduled
     sent_abs = time.perf_counter()

@@ -29,8 +29,13 @@ def cmd_sweep(args) -> int:
         raise UsageError("sweep needs --slo (the SLO whose attainment decides each rate)")
     if args.rate_start <= 0 or args.precision <= 0 or args.max_runs < 2:
         raise UsageError("--rate-start and --precision must be > 0 and --max-runs >= 2")
-    opts = options_from(args, request_rate=args.rate_start, strategy="gamma" if args.burstiness != 1 else "poisson",
-                        num_prompts=args.num_prompts, duration_s=args.duration)
+    opts = options_from(
+        args,
+        request_rate=args.rate_start,
+        strategy="gamma" if args.burstiness != 1 else "poisson",
+        num_prompts=args.num_prompts,
+        duration_s=args.duration,
+    )
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     try:
@@ -93,11 +98,14 @@ def cmd_merge(args) -> int:
 def add_parsers(sub, formatter, add_load_args) -> None:
     from distbench import demo
 
-    s = sub.add_parser("sweep", help="find the highest rate meeting the SLO attainment target",
-                       formatter_class=formatter,
-                       description="Bracket (double/halve the rate) then bisect the highest open-loop rate whose "
-                                   "SLO attainment >= --slo-target. Example: distbench sweep --url "
-                                   "http://127.0.0.1:8080 --slo ttft:250ms,tpot:50ms --num-prompts 200 --out-dir sw")
+    s = sub.add_parser(
+        "sweep",
+        help="find the highest rate meeting the SLO attainment target",
+        formatter_class=formatter,
+        description="Bracket (double/halve the rate) then bisect the highest open-loop rate whose "
+        "SLO attainment >= --slo-target. Example: distbench sweep --url "
+        "http://127.0.0.1:8080 --slo ttft:250ms,tpot:50ms --num-prompts 200 --out-dir sw",
+    )
     add_load_args(s, sweep=True)
     s.add_argument("--num-prompts", type=int, default=100, help="requests per rate")
     s.add_argument("--duration", type=float, default=None, help="seconds of sending per rate (instead of a count)")
@@ -109,9 +117,12 @@ def add_parsers(sub, formatter, add_load_args) -> None:
     s.add_argument("--plot", action="store_true", help="also write vs_rate.png (needs matplotlib)")
     s.set_defaults(handler=cmd_sweep)
 
-    c = sub.add_parser("compare", help="A vs B: mean/P95/P99/std with change %% and bootstrap significance",
-                       formatter_class=formatter,
-                       description="Example: distbench compare before.json after.json")
+    c = sub.add_parser(
+        "compare",
+        help="A vs B: mean/P95/P99/std with change %% and bootstrap significance",
+        formatter_class=formatter,
+        description="Example: distbench compare before.json after.json",
+    )
     c.add_argument("a", help="baseline result JSON")
     c.add_argument("b", help="candidate result JSON")
     c.add_argument("--resamples", type=int, default=1000, help="bootstrap resamples")
@@ -119,16 +130,23 @@ def add_parsers(sub, formatter, add_load_args) -> None:
     c.add_argument("--json", default=None, help="also write the table here")
     c.set_defaults(handler=cmd_compare)
 
-    p = sub.add_parser("plot", help="PNG plots: CDFs, latency/attainment vs rate, timeline",
-                       formatter_class=formatter,
-                       description="Example: distbench plot a.json b.json --out-dir plots (needs matplotlib: "
-                                   "pip install 'distserve[bench]')")
+    p = sub.add_parser(
+        "plot",
+        help="PNG plots: CDFs, latency/attainment vs rate, timeline",
+        formatter_class=formatter,
+        description="Example: distbench plot a.json b.json --out-dir plots (needs matplotlib: "
+        "pip install 'distserve[bench]')",
+    )
     p.add_argument("results", nargs="+", help="run results and/or sweep.json files")
     p.add_argument("--out-dir", default="distbench-plots", help="where the PNGs go")
     p.set_defaults(handler=cmd_plot)
 
-    m = sub.add_parser("merge", help="merge results losslessly (HDR histograms added)", formatter_class=formatter,
-                       description="Example: distbench merge w1.json w2.json -o all.json")
+    m = sub.add_parser(
+        "merge",
+        help="merge results losslessly (HDR histograms added)",
+        formatter_class=formatter,
+        description="Example: distbench merge w1.json w2.json -o all.json",
+    )
     m.add_argument("results", nargs="+", help="distbench result JSONs")
     m.add_argument("-o", "--output", required=True)
     m.set_defaults(handler=cmd_merge)

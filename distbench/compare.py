@@ -40,17 +40,31 @@ def compare(a: dict, b: dict, resamples: int = 1000, seed: int = 0) -> list[dict
             va, vb = float(_stat(xa, stat)), float(_stat(xb, stat))
             diff = _stat(rb, stat, axis=1) - _stat(ra, stat, axis=1)
             lo, hi = np.percentile(diff, [2.5, 97.5])
-            rows.append({"metric": label, "stat": stat, "a": va, "b": vb,
-                         "change_pct": 100.0 * (vb - va) / va if va else float("nan"),
-                         "ci95_ms": [float(lo), float(hi)], "significant": bool(lo > 0 or hi < 0)})
+            rows.append(
+                {
+                    "metric": label,
+                    "stat": stat,
+                    "a": va,
+                    "b": vb,
+                    "change_pct": 100.0 * (vb - va) / va if va else float("nan"),
+                    "ci95_ms": [float(lo), float(hi)],
+                    "significant": bool(lo > 0 or hi < 0),
+                }
+            )
     return rows
 
 
 def format_table(rows: list[dict], name_a: str = "A", name_b: str = "B") -> str:
-    lines = [(f"{'metric':<7}{'stat':<6}{name_a[:12]:>13}{name_b[:12]:>13}{'change':>10}  "
-             f"{'95% CI of B-A (ms)':<24}significant")]
+    lines = [
+        (
+            f"{'metric':<7}{'stat':<6}{name_a[:12]:>13}{name_b[:12]:>13}{'change':>10}  "
+            f"{'95% CI of B-A (ms)':<24}significant"
+        )
+    ]
     for r in rows:
         ci = f"[{r['ci95_ms'][0]:+.2f}, {r['ci95_ms'][1]:+.2f}]"
-        lines.append(f"{r['metric']:<7}{r['stat']:<6}{r['a']:>13.2f}{r['b']:>13.2f}{r['change_pct']:>+9.1f}%  "
-                     f"{ci:<24}{'yes' if r['significant'] else 'no'}")
+        lines.append(
+            f"{r['metric']:<7}{r['stat']:<6}{r['a']:>13.2f}{r['b']:>13.2f}{r['change_pct']:>+9.1f}%  "
+            f"{ci:<24}{'yes' if r['significant'] else 'no'}"
+        )
     return "\n".join(lines)

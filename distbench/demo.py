@@ -52,13 +52,19 @@ def run_demo(args) -> int:
                 with urllib.request.urlopen(f"{srv.url}/v1/models", timeout=30) as r:
                     ask_questions(srv.url, json.loads(r.read())["data"][0]["id"])
             spec = RunSpec(url=srv.url, strategy="closed", concurrency=args.concurrency, num_prompts=args.requests)
-            opts = Options(spec, Workload(prompt_len="128", output_len=str(args.max_tokens)),
-                           slo=None if args.sla else "ttft:250ms,tpot:50ms", percentiles=PERCENTILES,
-                           token=srv.token)
+            opts = Options(
+                spec,
+                Workload(prompt_len="128", output_len=str(args.max_tokens)),
+                slo=None if args.sla else "ttft:250ms,tpot:50ms",
+                percentiles=PERCENTILES,
+                token=srv.token,
+            )
             res = run(opts)
             save(res, Path(tmp) / "result.json")
-            print(f"\nload: {args.requests} streaming completions, 128 prompt tokens, {args.max_tokens} output "
-                  f"tokens, concurrency {args.concurrency}")
+            print(
+                f"\nload: {args.requests} streaming completions, 128 prompt tokens, {args.max_tokens} output "
+                f"tokens, concurrency {args.concurrency}"
+            )
             print(format_summary({**res, "verdict": None}))
             deadline = time.monotonic() + 5
             while True:  # aborts settle within a heartbeat
@@ -89,13 +95,18 @@ def _real_model(args) -> bool:
 def _audit(spec: str, result: Path, out: str) -> bool:
     """``distserve sla audit`` of the demo's own run; the verdict in words a newcomer reads."""
     print(f"\nSLA audit of this run against {spec} (report: {out}/report.html, {out}/compliance.csv)")
-    proc = subprocess.run([sys.executable, "-m", "server.cli", "sla", "audit", "--spec", spec,
-                           "--results", str(result), "--out", out], capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "server.cli", "sla", "audit", "--spec", spec, "--results", str(result), "--out", out],
+        capture_output=True,
+        text=True,
+    )
     print(proc.stdout.rstrip())
     if proc.returncode == 2:
         print(proc.stderr.rstrip(), file=sys.stderr)
-    print("TTFT = time to first token (how long a user waits before the answer starts); TPOT = time per output "
-          "token after it (how fast the answer streams); E2E = the whole request.")
+    print(
+        "TTFT = time to first token (how long a user waits before the answer starts); TPOT = time per output "
+        "token after it (how fast the answer streams); E2E = the whole request."
+    )
     if proc.returncode == 0:
         print("SLA verdict: PASS - every objective held and every request succeeded.")
     else:
@@ -104,15 +115,23 @@ def _audit(spec: str, result: Path, out: str) -> bool:
 
 
 def add_parser(sub, formatter) -> None:
-    p = sub.add_parser("demo", help="serve the built-in model, push a short load through it, check for leaks",
-                       formatter_class=formatter, description=__doc__)
+    p = sub.add_parser(
+        "demo",
+        help="serve the built-in model, push a short load through it, check for leaks",
+        formatter_class=formatter,
+        description=__doc__,
+    )
     add_args(p)
     p.set_defaults(handler=run_demo)
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--mode", choices=["disaggregated", "colocated"], default="disaggregated",
-                   help="router + 1 prefill + 1 decode worker, or 1 colocated worker")
+    p.add_argument(
+        "--mode",
+        choices=["disaggregated", "colocated"],
+        default="disaggregated",
+        help="router + 1 prefill + 1 decode worker, or 1 colocated worker",
+    )
     p.add_argument("--requests", type=int, default=32, help="streaming completions to send")
     p.add_argument("--concurrency", type=int, default=8, help="closed-loop users")
     p.add_argument("--max-tokens", type=int, default=32, help="output tokens per request")
@@ -123,8 +142,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m distbench.demo", description=__doc__,
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m distbench.demo", description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     add_args(p)
     return run_demo(p.parse_args(argv))
 

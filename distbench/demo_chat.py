@@ -21,8 +21,12 @@ def chat(url: str, question: str, max_tokens: int = 48, timeout_s: float = 300.0
     body = {"messages": [{"role": "user", "content": question}], "max_tokens": max_tokens, "temperature": 0}
     deadline = time.monotonic() + timeout_s
     while True:
-        req = urllib.request.Request(f"{url}/v1/chat/completions", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"}, method="POST")
+        req = urllib.request.Request(
+            f"{url}/v1/chat/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+            method="POST",
+        )
         try:
             with urllib.request.urlopen(req, timeout=timeout_s) as r:
                 resp = json.loads(r.read())
@@ -39,5 +43,4 @@ def ask_questions(url: str, model_name: str, questions: tuple[str, ...] = QUESTI
         t0 = time.perf_counter()
         answer, usage = chat(url, q)
         dt = time.perf_counter() - t0
-        print(f"  Q: {q}\n  A: {answer}\n     ({usage.get('completion_tokens', '?')} tokens in {dt:.1f} s)",
-              flush=True)
+        print(f"  Q: {q}\n  A: {answer}\n     ({usage.get('completion_tokens', '?')} tokens in {dt:.1f} s)", flush=True)

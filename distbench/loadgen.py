@@ -75,10 +75,14 @@ def _jobs(items: list[Item], n: int) -> Iterator[list[int]]:
         yield job
 
 
-async def run_load(spec: RunSpec, items: list[Item], vocab: Vocab | None = None,
-                   on_done: Callable[[RequestRecord], None] | None = None,
-                   on_sent: Callable[[RequestRecord], None] | None = None,
-                   stop: asyncio.Event | None = None) -> tuple[list[RequestRecord], float, float]:
+async def run_load(
+    spec: RunSpec,
+    items: list[Item],
+    vocab: Vocab | None = None,
+    on_done: Callable[[RequestRecord], None] | None = None,
+    on_sent: Callable[[RequestRecord], None] | None = None,
+    stop: asyncio.Event | None = None,
+) -> tuple[list[RequestRecord], float, float]:
     """Returns (records in send order incl. warm-up, measured duration s, unix time of the start)."""
     stop = stop or asyncio.Event()
     timeout = aiohttp.ClientTimeout(total=spec.timeout_s)
@@ -99,8 +103,9 @@ async def run_load(spec: RunSpec, items: list[Item], vocab: Vocab | None = None,
 
         if spec.warmup:  # excluded from every figure; its own clock
             tw, uw = time.perf_counter(), time.time()
-            await asyncio.gather(*(one(i, RequestRecord(-1 - i, 0.0, start_unix=uw, warmup=True), tw)
-                                   for i in range(spec.warmup)))
+            await asyncio.gather(
+                *(one(i, RequestRecord(-1 - i, 0.0, start_unix=uw, warmup=True), tw) for i in range(spec.warmup))
+            )
             for r in records:
                 r.scheduled = r.sent
         t0, unix0 = time.perf_counter(), time.time()
@@ -123,6 +128,7 @@ async def run_load(spec: RunSpec, items: list[Item], vocab: Vocab | None = None,
                 offset = time.perf_counter() - t0  # the next turn is due now
 
         if spec.strategy == "closed":
+
             async def user() -> None:
                 while not sending_over():
                     job = next(jobs, None)

@@ -30,9 +30,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_locust(url: str, users: int, spawn_rate: float, run_time_s: float, workers: int, prompt_len: int,
-               output_len: int, slo: str | None, slo_target: float, token: str | None, seed: int = 0,
-               tokenizer: str | None = None) -> dict:
+def run_locust(
+    url: str,
+    users: int,
+    spawn_rate: float,
+    run_time_s: float,
+    workers: int,
+    prompt_len: int,
+    output_len: int,
+    slo: str | None,
+    slo_target: float,
+    token: str | None,
+    seed: int = 0,
+    tokenizer: str | None = None,
+) -> dict:
     if importlib.util.find_spec("locust") is None:  # not imported here: it monkey-patches the process
         raise UsageError("distbench locust needs Locust: pip install 'distserve[locust]'")
     try:
@@ -48,27 +59,66 @@ def run_locust(url: str, users: int, spawn_rate: float, run_time_s: float, worke
     if not info.get("vocab_size"):
         raise UsageError("the server did not say its vocabulary; give --tokenizer MODEL_DIR or --token")
     with tempfile.TemporaryDirectory(prefix="distbench-locust-") as out:
-        cfg = {"prompt_len": prompt_len, "output_len": output_len, "vocab_size": info["vocab_size"],
-               "model": info.get("model"), "out_dir": out, "users": users, "seed": seed}
+        cfg = {
+            "prompt_len": prompt_len,
+            "output_len": output_len,
+            "vocab_size": info["vocab_size"],
+            "model": info.get("model"),
+            "out_dir": out,
+            "users": users,
+            "seed": seed,
+        }
         env = dict(os.environ, DISTBENCH_LOCUST=json.dumps(cfg))
         base = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--loglevel", "WARNING"]
-        load = ["--headless", "-u", str(users), "-r", str(spawn_rate), "-t", f"{int(run_time_s)}s", "-H", url,
-                "--only-summary", "--stop-timeout", "30"]
+        load = [
+            "--headless",
+            "-u",
+            str(users),
+            "-r",
+            str(spawn_rate),
+            "-t",
+            f"{int(run_time_s)}s",
+            "-H",
+            url,
+            "--only-summary",
+            "--stop-timeout",
+            "30",
+        ]
         procs: list[subprocess.Popen] = []
         try:
             if workers:
                 port = _free_port()
-                master = subprocess.Popen([*base, *load, "--master", "--expect-workers", str(workers),
-                                           "--master-bind-host", "127.0.0.1", "--master-bind-port", str(port)],
-                                          env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                master = subprocess.Popen(
+                    [
+                        *base,
+                        *load,
+                        "--master",
+                        "--expect-workers",
+                        str(workers),
+                        "--master-bind-host",
+                        "127.0.0.1",
+                        "--master-bind-port",
+                        str(port),
+                    ],
+                    env=env,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                )
                 procs.append(master)
                 for _ in range(workers):
-                    procs.append(subprocess.Popen([*base, "--worker", "--master-host", "127.0.0.1",
-                                                   "--master-port", str(port)], env=env,
-                                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+                    procs.append(
+                        subprocess.Popen(
+                            [*base, "--worker", "--master-host", "127.0.0.1", "--master-port", str(port)],
+                            env=env,
+                            stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL,
+                        )
+                    )
             else:
-                master = subprocess.Popen([*base, *load], env=env, stdout=subprocess.PIPE,
-                                          stderr=subprocess.STDOUT, text=True)
+                master = subprocess.Popen(
+                    [*base, *load], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+                )
                 procs.append(master)
             log, _ = master.communicate(timeout=run_time_s + 180)
             for p in procs[1:]:
@@ -87,9 +137,17 @@ def run_locust(url: str, users: int, spawn_rate: float, run_time_s: float, worke
     res = merge(parts)
     recs = result.records_of(res)
     res["num_locust_processes"] = len(parts)
-    res["config"] = {"driver": "locust", "users": users, "spawn_rate": spawn_rate, "run_time_s": run_time_s,
-                     "workers": workers, "prompt_len": prompt_len, "output_len": output_len, "slo": slo,
-                     "server": info}
+    res["config"] = {
+        "driver": "locust",
+        "users": users,
+        "spawn_rate": spawn_rate,
+        "run_time_s": run_time_s,
+        "workers": workers,
+        "prompt_len": prompt_len,
+        "output_len": output_len,
+        "slo": slo,
+        "server": info,
+    }
     if slo_s:
         res["slo"] = {k: v * 1000 for k, v in slo_s.items()}
         res["slo_met"] = sum(meets(r, slo_s) for r in recs)
@@ -101,10 +159,13 @@ def run_locust(url: str, users: int, spawn_rate: float, run_time_s: float, worke
 
 
 def add_parser(sub, formatter) -> None:
-    p = sub.add_parser("locust", help="Locust drives the load; raw timings in HDR, merged into a distbench result",
-                       formatter_class=formatter,
-                       description=__doc__ + "\nExample: distbench locust --url http://127.0.0.1:8080 --users 8 "
-                                             "--run-time 30 --workers 2 --save-result l.json")
+    p = sub.add_parser(
+        "locust",
+        help="Locust drives the load; raw timings in HDR, merged into a distbench result",
+        formatter_class=formatter,
+        description=__doc__ + "\nExample: distbench locust --url http://127.0.0.1:8080 --users 8 "
+        "--run-time 30 --workers 2 --save-result l.json",
+    )
     p.add_argument("--url", required=True, help="server base URL, with or without a trailing /v1")
     p.add_argument("--users", type=int, default=8, help="concurrent Locust users (closed loop)")
     p.add_argument("--spawn-rate", type=float, default=8.0, help="users started per second")
@@ -115,8 +176,9 @@ def add_parser(sub, formatter) -> None:
     p.add_argument("--slo", default=None, help="e.g. ttft:250ms,tpot:50ms")
     p.add_argument("--slo-target", type=float, default=0.9, help="SLO attainment needed to pass (fraction)")
     p.add_argument("--token", default=None, help="admin token (default $DISTSERVE_ADMIN_TOKEN)")
-    p.add_argument("--tokenizer", default=None,
-                   help="model folder whose vocabulary prompts use (default: ask the server)")
+    p.add_argument(
+        "--tokenizer", default=None, help="model folder whose vocabulary prompts use (default: ask the server)"
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the prompts")
     p.add_argument("--save-result", default=None, help="write the merged result JSON here")
     p.set_defaults(handler=cmd_locust)
@@ -129,9 +191,20 @@ def cmd_locust(args) -> int:
 
     if args.users < 1 or args.workers < 0 or args.run_time < 1 or args.prompt_len < 1 or args.output_len < 1:
         raise UsageError("--users, --run-time, --prompt-len, --output-len must be >= 1 and --workers >= 0")
-    res = run_locust(_base(args.url), args.users, args.spawn_rate, args.run_time, args.workers, args.prompt_len,
-                     args.output_len, args.slo, args.slo_target, admin_token(args.token), args.seed,
-                     args.tokenizer)
+    res = run_locust(
+        _base(args.url),
+        args.users,
+        args.spawn_rate,
+        args.run_time,
+        args.workers,
+        args.prompt_len,
+        args.output_len,
+        args.slo,
+        args.slo_target,
+        admin_token(args.token),
+        args.seed,
+        args.tokenizer,
+    )
     if args.save_result:
         print(f"saved {result.save(res, args.save_result)}")
     print(f"locust: {res['num_locust_processes']} process(es) with users")

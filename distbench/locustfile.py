@@ -54,18 +54,24 @@ class CompletionUser(HttpUser):
         t0 = REC.start()
         vocab = int(cfg.get("vocab_size", 259))
         prompt = [self.rng.randrange(3, vocab) for _ in range(int(cfg.get("prompt_len", 128)))]
-        body = {"prompt": prompt, "max_tokens": int(cfg.get("output_len", 64)), "temperature": 0.0,
-                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+        body = {
+            "prompt": prompt,
+            "max_tokens": int(cfg.get("output_len", 64)),
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         if cfg.get("model"):
             body["model"] = cfg["model"]
         sent = time.perf_counter()
-        rec = RequestRecord(next(REC.counter), sent - t0, sent - t0, REC.unix0 + (sent - t0),
-                            prompt_tokens=len(prompt))
+        rec = RequestRecord(next(REC.counter), sent - t0, sent - t0, REC.unix0 + (sent - t0), prompt_tokens=len(prompt))
         REC.records.append(rec)
         last: float | None = None
         try:
-            with self.client.post("/v1/completions", json=body, stream=True, catch_response=True,
-                                  name="/v1/completions") as r:
+            with self.client.post(
+                "/v1/completions", json=body, stream=True, catch_response=True, name="/v1/completions"
+            ) as r:
                 if r.status_code != 200:
                     rec.error = short_error(r.status_code, r.text)
                     r.failure(rec.error)
@@ -105,7 +111,18 @@ def _write(environment, **_kw) -> None:
     if isinstance(environment.runner, MasterRunner) or not REC.records or not REC.cfg.get("out_dir"):
         return
     dur = max(r.sent + (r.e2e or 0.0) for r in REC.records)
-    res = result.build(REC.records, dur, REC.unix0, {"strategy": "closed", "concurrency": REC.cfg.get("users"),
-                                                     "endpoint": "/v1/completions", "model": REC.cfg.get("model")},
-                       REC.cfg.get("percentiles", [50, 90, 95, 99, 99.9]), {}, {})
+    res = result.build(
+        REC.records,
+        dur,
+        REC.unix0,
+        {
+            "strategy": "closed",
+            "concurrency": REC.cfg.get("users"),
+            "endpoint": "/v1/completions",
+            "model": REC.cfg.get("model"),
+        },
+        REC.cfg.get("percentiles", [50, 90, 95, 99, 99.9]),
+        {},
+        {},
+    )
     result.save(res, Path(REC.cfg["out_dir"]) / f"locust-{os.getpid()}.json")

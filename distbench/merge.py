@@ -24,9 +24,15 @@ def merge(results: list[dict]) -> dict:
     for r in results:
         for reason, n in r.get("failures", {}).items():
             failures[reason] = failures.get(reason, 0) + n
-    out.update(start_unix=start, end_unix=end, duration=dur, failures=failures,
-               request_throughput=out["completed"] / dur, output_throughput=out["total_output_tokens"] / dur,
-               total_token_throughput=(out["total_input_tokens"] + out["total_output_tokens"]) / dur)
+    out.update(
+        start_unix=start,
+        end_unix=end,
+        duration=dur,
+        failures=failures,
+        request_throughput=out["completed"] / dur,
+        output_throughput=out["total_output_tokens"] / dur,
+        total_token_throughput=(out["total_input_tokens"] + out["total_output_tokens"]) / dur,
+    )
     hs = merge_histograms([r["histograms"] for r in results])
     for name, h in hs.items():
         out.update(hist_stats(h, name, percentiles))
@@ -39,8 +45,11 @@ def merge(results: list[dict]) -> dict:
         for k in ("slo", "slo_met", "slo_attainment"):
             out.pop(k, None)
     goodputs = [r.get("request_goodput") for r in results]
-    out["request_goodput"] = (sum(g * r["duration"] for g, r in zip(goodputs, results)) / dur
-                              if all(g is not None for g in goodputs) else None)
+    out["request_goodput"] = (
+        sum(g * r["duration"] for g, r in zip(goodputs, results)) / dur
+        if all(g is not None for g in goodputs)
+        else None
+    )
     for key in ("ttfts", "itls", "input_lens", "output_lens", "errors", "requests"):
         out[key] = [x for r in results for x in r.get(key, [])]
     out["merged_from"] = [r.get("date") for r in results]

@@ -41,7 +41,6 @@ class Histogram(HdrHistogram):
     def get_target_count_at_percentile(self, percentile: float) -> int:
         return max(1, math.ceil(round(min(percentile, 100.0) * self.total_count / 100, 9)))
 
-
     def moments(self) -> tuple[float, float]:
         """(mean, population std) over the buckets' median-equivalent values, as HdrHistogram defines
         them, with numpy over the non-empty buckets (the package's own loops take ~0.3 s per call)."""
@@ -86,8 +85,12 @@ def hist_stats(h: HdrHistogram, name: str, percentiles) -> dict:
         return us / 1000.0 if n else math.nan
 
     mean, std = h.moments()
-    out = {f"mean_{name}_ms": ms(mean), f"median_{name}_ms": ms(h.get_value_at_percentile(50)),
-           f"std_{name}_ms": ms(std), f"max_{name}_ms": ms(h.get_max_value())}
+    out = {
+        f"mean_{name}_ms": ms(mean),
+        f"median_{name}_ms": ms(h.get_value_at_percentile(50)),
+        f"std_{name}_ms": ms(std),
+        f"max_{name}_ms": ms(h.get_max_value()),
+    }
     for q in percentiles:
         out[f"{pkey(q)}_{name}_ms"] = ms(h.get_value_at_percentile(q))
     return out
@@ -168,12 +171,16 @@ def meets(r: RequestRecord, slo: dict[str, float]) -> bool:
 
 
 def failure_reasons(records: list[RequestRecord]) -> dict[str, int]:
-    return dict(Counter(r.error or "no tokens received" for r in records if not r.warmup and not r.ok)
-                .most_common())
+    return dict(Counter(r.error or "no tokens received" for r in records if not r.warmup and not r.ok).most_common())
 
 
-def summarize(records: list[RequestRecord], duration_s: float, percentiles=DEFAULT_PERCENTILES,
-              slo: dict[str, float] | None = None, goodput: dict[str, float] | None = None) -> dict:
+def summarize(
+    records: list[RequestRecord],
+    duration_s: float,
+    percentiles=DEFAULT_PERCENTILES,
+    slo: dict[str, float] | None = None,
+    goodput: dict[str, float] | None = None,
+) -> dict:
     """The result's figures under vLLM's key names, plus what coordinated omission hides."""
     slo, goodput = slo or {}, goodput or {}
     measured = [r for r in records if not r.warmup]
@@ -182,11 +189,18 @@ def summarize(records: list[RequestRecord], duration_s: float, percentiles=DEFAU
     dur = duration_s if duration_s > 0 else math.nan
     out_tokens = sum(r.output_tokens for r in ok)
     in_tokens = sum(r.prompt_tokens for r in ok)
-    s: dict = {"num_prompts": len(measured), "completed": len(ok), "failed": len(measured) - len(ok),
-               "duration": duration_s, "total_input_tokens": in_tokens, "total_output_tokens": out_tokens,
-               "request_throughput": len(ok) / dur, "output_throughput": out_tokens / dur,
-               "total_token_throughput": (in_tokens + out_tokens) / dur,
-               "failures": failure_reasons(records)}
+    s: dict = {
+        "num_prompts": len(measured),
+        "completed": len(ok),
+        "failed": len(measured) - len(ok),
+        "duration": duration_s,
+        "total_input_tokens": in_tokens,
+        "total_output_tokens": out_tokens,
+        "request_throughput": len(ok) / dur,
+        "output_throughput": out_tokens / dur,
+        "total_token_throughput": (in_tokens + out_tokens) / dur,
+        "failures": failure_reasons(records),
+    }
     for name in (*METRICS, *SERVICE):
         s.update(hist_stats(hs[name], name, percentiles))
     lag = hs["send_lag"]
@@ -198,8 +212,9 @@ def summarize(records: list[RequestRecord], duration_s: float, percentiles=DEFAU
         s["slo_met"] = sum(meets(r, slo) for r in measured)
         s["slo_attainment"] = s["slo_met"] / len(measured) if measured else 0.0
     gp = goodput or slo
-    s["request_goodput"] = (sum(meets(r, {k: v for k, v in gp.items() if k != "itl"}) for r in measured) / dur
-                            if gp else None)
+    s["request_goodput"] = (
+        sum(meets(r, {k: v for k, v in gp.items() if k != "itl"}) for r in measured) / dur if gp else None
+    )
     s["histograms"] = {name: encode(h) for name, h in hs.items()}
     return s
 

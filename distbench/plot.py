@@ -54,18 +54,24 @@ def plot(results: list[tuple[str, dict]], out_dir: Path) -> list[Path]:
             ax.scatter([x.scheduled for x in ok], [(x.ttft or 0.0) * 1000 for x in ok], s=6, label=f"{name} TTFT")
             bad = [x for x in recs if not x.ok]
             if bad:
-                ax.scatter([x.scheduled for x in bad], [0] * len(bad), marker="x", color="red", s=18,
-                           label=f"{name} failed")
+                ax.scatter(
+                    [x.scheduled for x in bad], [0] * len(bad), marker="x", color="red", s=18, label=f"{name} failed"
+                )
         ax.set_xlabel("scheduled send time (s from start)")
         ax.set_ylabel("TTFT (ms)")
         ax.set_title("per-request timeline")
         ax.legend(fontsize=7)
         fig.tight_layout()
         written.append(_save(fig, out_dir / "timeline.png", plt))
-    curves = {name: [(p["rate"], p["slo_attainment"], p["p99_ttft_ms"], p["p99_tpot_ms"]) for p in s["points"]]
-              for name, s in sweeps}
-    by_rate = [(r["request_rate"], r.get("slo_attainment"), r["p99_ttft_ms"], r["p99_tpot_ms"])
-               for _, r in runs if isinstance(r.get("request_rate"), (int, float))]
+    curves = {
+        name: [(p["rate"], p["slo_attainment"], p["p99_ttft_ms"], p["p99_tpot_ms"]) for p in s["points"]]
+        for name, s in sweeps
+    }
+    by_rate = [
+        (r["request_rate"], r.get("slo_attainment"), r["p99_ttft_ms"], r["p99_tpot_ms"])
+        for _, r in runs
+        if isinstance(r.get("request_rate"), (int, float))
+    ]
     if len(by_rate) > 1:
         curves["runs"] = by_rate
     if curves:

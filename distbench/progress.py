@@ -58,8 +58,10 @@ class Monitor:
 
     def line(self) -> str:
         el = time.monotonic() - self.t0
-        parts = [f"{el:.0f} s", (f"sent {self.sent} done {self.done} failed {self.failed} "
-                               f"in flight {self.sent - self.done}")]
+        parts = [
+            f"{el:.0f} s",
+            (f"sent {self.sent} done {self.done} failed {self.failed} in flight {self.sent - self.done}"),
+        ]
         for name, xs in (("TTFT", self.ttft), ("TPOT", self.tpot)):
             p = _p99(xs) * 1000
             lim = self.slo.get(name.lower())

@@ -22,25 +22,44 @@ from distbench.records import SCHEMA_VERSION, RequestRecord
 def environment() -> dict:
     import aiohttp
 
-    return {"python": sys.version.split()[0], "platform": platform.platform(), "host": socket.gethostname(),
-            "cpus": os.cpu_count(), "aiohttp": aiohttp.__version__, "argv": sys.argv}
+    return {
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "host": socket.gethostname(),
+        "cpus": os.cpu_count(),
+        "aiohttp": aiohttp.__version__,
+        "argv": sys.argv,
+    }
 
 
-def build(records: list[RequestRecord], duration_s: float, start_unix: float, config: dict, percentiles,
-          slo: dict, goodput: dict, server_metrics: dict | None = None,
-          interrupted: str | None = None) -> dict:
+def build(
+    records: list[RequestRecord],
+    duration_s: float,
+    start_unix: float,
+    config: dict,
+    percentiles,
+    slo: dict,
+    goodput: dict,
+    server_metrics: dict | None = None,
+    interrupted: str | None = None,
+) -> dict:
     s = summarize(records, duration_s, percentiles, slo, goodput)
     measured = [r for r in records if not r.warmup]
     return {
-        "distbench_schema": SCHEMA_VERSION, "backend": "distbench",
+        "distbench_schema": SCHEMA_VERSION,
+        "backend": "distbench",
         "date": time.strftime("%Y%m%d-%H%M%S", time.gmtime(start_unix)),
-        "start_unix": start_unix, "end_unix": start_unix + duration_s,
-        "model_id": config.get("model"), "endpoint": config.get("endpoint"),
+        "start_unix": start_unix,
+        "end_unix": start_unix + duration_s,
+        "model_id": config.get("model"),
+        "endpoint": config.get("endpoint"),
         "request_rate": config.get("request_rate") if config.get("strategy") != "closed" else "inf",
         "burstiness": config.get("burstiness"),
         "max_concurrency": config.get("max_concurrency") or config.get("concurrency"),
-        "strategy": config.get("strategy"), "percentiles": list(percentiles),
-        "interrupted": interrupted, **s,
+        "strategy": config.get("strategy"),
+        "percentiles": list(percentiles),
+        "interrupted": interrupted,
+        **s,
         # vLLM's per-request arrays (seconds), in send order, measured requests only
         "ttfts": [r.ttft if r.ok else 0.0 for r in measured],
         "itls": [r.itl if r.ok else [] for r in measured],
@@ -49,7 +68,8 @@ def build(records: list[RequestRecord], duration_s: float, start_unix: float, co
         "errors": [r.error or "" for r in measured],
         "requests": [r.to_dict() for r in records],
         "server_metrics": server_metrics or {},
-        "config": config, "environment": environment(),
+        "config": config,
+        "environment": environment(),
     }
 
 

@@ -83,18 +83,24 @@ def build_items(w: Workload, n: int, info: dict) -> tuple[list[Item], Vocab | No
         prompt = Lengths.parse(w.prompt_len, "--prompt-len")
         given = Lengths.parse(w.output_len, "--output-len") if w.output_len is not None else None
         output = given or Lengths.parse("64", "--output-len")
-        vocab = Vocab.from_tokenizer(w.tokenizer) if w.tokenizer else (
-            Vocab(int(info["vocab_size"])) if info.get("vocab_size") else None)
+        vocab = (
+            Vocab.from_tokenizer(w.tokenizer)
+            if w.tokenizer
+            else (Vocab(int(info["vocab_size"])) if info.get("vocab_size") else None)
+        )
         pool = min(n, 2000)  # cycled: long closed-loop runs need no huge list
         kind, _, path = w.dataset.partition(":")
         if kind == "random":
             if vocab is None:
-                raise UsageError("--dataset random needs the target's vocabulary: the server did not say it; "
-                                 "give --tokenizer MODEL_DIR (or --token for distserve's /v1/workers)")
+                raise UsageError(
+                    "--dataset random needs the target's vocabulary: the server did not say it; "
+                    "give --tokenizer MODEL_DIR (or --token for distserve's /v1/workers)"
+                )
             return random_items(pool, prompt, output, vocab, w.seed, w.prefix_len, w.turns), vocab
         if kind == "sharegpt":
-            return sharegpt_items(pool, path or None, vocab, given, w.seed,
-                                  int(info.get("max_model_len") or 2048)), vocab
+            return sharegpt_items(
+                pool, path or None, vocab, given, w.seed, int(info.get("max_model_len") or 2048)
+            ), vocab
         if kind == "jsonl" and path:
             return jsonl_items(path, None, vocab, given, w.seed), vocab
         raise UsageError(f"--dataset {w.dataset!r}: use random, sharegpt, sharegpt:PATH or jsonl:PATH")
@@ -140,12 +146,23 @@ async def run_async(opts: Options, stop: asyncio.Event | None = None) -> dict:
         watcher.cancel()
         await asyncio.gather(watcher, return_exceptions=True)
     after = await promscrape.scrape(spec.url, opts.token)
-    interrupted = "saturated: SLO attainment target out of reach" if mon.saturated else (
-        "stopped by signal" if stop.is_set() else None)
-    config = {**asdict(spec), "workload": asdict(opts.workload), "slo": opts.slo, "goodput": list(opts.goodput),
-              "slo_target": opts.slo_target, "vocab_size": vocab.size if vocab else None, "server": info}
-    res = result.build(records, duration, start, config, opts.percentiles, slo, gp,
-                       promscrape.deltas(before, after), interrupted)
+    interrupted = (
+        "saturated: SLO attainment target out of reach"
+        if mon.saturated
+        else ("stopped by signal" if stop.is_set() else None)
+    )
+    config = {
+        **asdict(spec),
+        "workload": asdict(opts.workload),
+        "slo": opts.slo,
+        "goodput": list(opts.goodput),
+        "slo_target": opts.slo_target,
+        "vocab_size": vocab.size if vocab else None,
+        "server": info,
+    }
+    res = result.build(
+        records, duration, start, config, opts.percentiles, slo, gp, promscrape.deltas(before, after), interrupted
+    )
     res["slo_target"] = opts.slo_target
     res["verdict"] = verdict(res)
     return res
@@ -160,8 +177,10 @@ def verdict(res: dict) -> dict:
         att, target = res["slo_attainment"], res["slo_target"]
         ok = att >= target
         slo = ", ".join(f"{k} <= {v:g} ms" for k, v in res["slo"].items())
-        line = (f"{'PASS' if ok else 'FAIL'}: SLO attainment {100 * att:.1f}% "
-                f"{'>=' if ok else '<'} target {100 * target:g}% ({slo}; {failed} of {n} requests failed)")
+        line = (
+            f"{'PASS' if ok else 'FAIL'}: SLO attainment {100 * att:.1f}% "
+            f"{'>=' if ok else '<'} target {100 * target:g}% ({slo}; {failed} of {n} requests failed)"
+        )
         return {"pass": ok, "line": line}
     if failed:
         return {"pass": False, "line": f"FAIL: {failed} of {n} requests failed"}
@@ -170,6 +189,7 @@ def verdict(res: dict) -> dict:
 
 def run(opts: Options) -> dict:
     """Synchronous run with Ctrl-C (SIGINT) and SIGTERM wired to a graceful stop."""
+
     async def main() -> dict:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -186,6 +206,7 @@ def run(opts: Options) -> dict:
                     loop.remove_signal_handler(sig)
                 except (NotImplementedError, RuntimeError):
                     pass
+
     return asyncio.run(main())
 
 

@@ -18,6 +18,7 @@ def register(name: str):
     def deco(fn: Schedule) -> Schedule:
         STRATEGIES[name] = fn
         return fn
+
     return deco
 
 
@@ -55,6 +56,8 @@ def constant(n: int, rate: float, burstiness: float = 1.0, seed: int = 0) -> lis
 def schedule(strategy: str, n: int, rate: float, burstiness: float = 1.0, seed: int = 0) -> list[float]:
     fn = STRATEGIES.get(strategy)
     if fn is None:
-        raise ValueError(f"--strategy {strategy!r} has no schedule; open-loop strategies: "
-                         f"{', '.join(k for k, v in STRATEGIES.items() if v is not None)}")
+        raise ValueError(
+            f"--strategy {strategy!r} has no schedule; open-loop strategies: "
+            f"{', '.join(k for k, v in STRATEGIES.items() if v is not None)}"
+        )
     return fn(n, rate, burstiness, seed)

@@ -31,14 +31,37 @@ def deep_merge(a: dict, b: dict) -> dict:
 class ServeProcess:
     """``distserve serve`` in a subprocess: ``url`` and ``token`` once ready; ``stop()`` by PID."""
 
-    def __init__(self, workdir: Path | str, mode: str = "disaggregated", prefill: int = 1, decode: int = 1,
-                 config: dict | None = None, token: str | None = None, extra_args: list[str] | tuple = (),
-                 env: dict | None = None, timeout_s: float = 180.0, cwd: str | Path | None = None) -> None:
+    def __init__(
+        self,
+        workdir: Path | str,
+        mode: str = "disaggregated",
+        prefill: int = 1,
+        decode: int = 1,
+        config: dict | None = None,
+        token: str | None = None,
+        extra_args: list[str] | tuple = (),
+        env: dict | None = None,
+        timeout_s: float = 180.0,
+        cwd: str | Path | None = None,
+    ) -> None:
         self.tmp = Path(workdir)
         self.tmp.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "server.cli", "serve", "--mode", mode, "--prefill", str(prefill),
-               "--decode", str(decode), "--ready-file", str(self.tmp / "ready.json"),
-               "--log-dir", str(self.tmp / "logs")]
+        cmd = [
+            sys.executable,
+            "-m",
+            "server.cli",
+            "serve",
+            "--mode",
+            mode,
+            "--prefill",
+            str(prefill),
+            "--decode",
+            str(decode),
+            "--ready-file",
+            str(self.tmp / "ready.json"),
+            "--log-dir",
+            str(self.tmp / "logs"),
+        ]
         if config is not None:
             import yaml
 

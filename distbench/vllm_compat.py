@@ -21,7 +21,17 @@ def records_from_vllm(d: dict) -> list[RequestRecord] | None:
     recs = []
     for i, (ttft, lat, out, err, inp) in enumerate(zip(ttfts, lats, outs, errors, ins)):
         ok = bool(out) and out > 0 and ttft is not None and ttft > 0 and not err
-        recs.append(RequestRecord(i, 0.0, 0.0, ttft=ttft if ok else None, ttft_service=ttft if ok else None,
-                                  e2e=lat if ok else None, prompt_tokens=inp or 0, output_tokens=out or 0,
-                                  error=None if ok else (err or "no tokens")))
+        recs.append(
+            RequestRecord(
+                i,
+                0.0,
+                0.0,
+                ttft=ttft if ok else None,
+                ttft_service=ttft if ok else None,
+                e2e=lat if ok else None,
+                prompt_tokens=inp or 0,
+                output_tokens=out or 0,
+                error=None if ok else (err or "no tokens"),
+            )
+        )
     return recs

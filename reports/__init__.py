@@ -22,31 +22,37 @@ class RendererUnavailable(RuntimeError):
 
 def _json(report: dict, path: Path) -> None:
     from reports.tabular import write_json
+
     write_json(report, path)
 
 
 def _csv(report: dict, path: Path) -> None:
     from reports.tabular import write_csv
+
     write_csv(report, path)
 
 
 def _markdown(report: dict, path: Path) -> None:
     from reports.tabular import write_markdown
+
     write_markdown(report, path)
 
 
 def _parquet(report: dict, path: Path) -> None:
     from reports.parquet import write_parquet
+
     write_parquet(report, path)
 
 
 def _html(report: dict, path: Path) -> None:
     from reports.html import write_html
+
     write_html(report, path)
 
 
 def _prom(report: dict, path: Path) -> None:
     from reports.prom import write_prom
+
     write_prom(report, path)
 
 

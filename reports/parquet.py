@@ -16,6 +16,7 @@ def write_parquet(report: dict, path: Path) -> None:
         import pyarrow.parquet as pq
     except ImportError:
         from reports import RendererUnavailable
+
         raise RendererUnavailable("parquet needs pyarrow: pip install 'distserve[reports]'") from None
     schema = pa.schema([(name, getattr(pa, _TYPES[kind])()) for name, kind in report["columns"]])
     table = pa.Table.from_pylist(report["rows"], schema=schema)

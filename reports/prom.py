@@ -16,10 +16,15 @@ from distbench.atomic import atomic_write
 def render_prom(report: dict) -> bytes:
     r = CollectorRegistry()
     labels = ["spec", "objective", "metric"]
-    observed = Gauge("distserve_sla_observed", "Observed value over all windows: percentile in ms, or success "
-                     "share for availability.", labels, registry=r)
-    threshold = Gauge("distserve_sla_threshold", "The objective's threshold (ms, or required success share).",
-                      labels, registry=r)
+    observed = Gauge(
+        "distserve_sla_observed",
+        "Observed value over all windows: percentile in ms, or success share for availability.",
+        labels,
+        registry=r,
+    )
+    threshold = Gauge(
+        "distserve_sla_threshold", "The objective's threshold (ms, or required success share).", labels, registry=r
+    )
     windows = Gauge("distserve_sla_windows", "Windows audited.", labels, registry=r)
     failed = Gauge("distserve_sla_windows_failed", "Windows that failed the objective.", labels, registry=r)
     passed = Gauge("distserve_sla_objective_pass", "1 when every window passed the objective.", labels, registry=r)

@@ -16,9 +16,9 @@ def export_db(report: dict, url: str, table: str = DEFAULT_TABLE) -> int:
         import sqlalchemy as sa
     except ImportError:
         from reports import RendererUnavailable
+
         raise RendererUnavailable("--export-db needs SQLAlchemy: pip install 'distserve[reports]'") from None
-    types: dict[str, sa.types.TypeEngine] = {"int": sa.BigInteger(), "float": sa.Float(precision=53),
-                                             "str": sa.Text()}
+    types: dict[str, sa.types.TypeEngine] = {"int": sa.BigInteger(), "float": sa.Float(precision=53), "str": sa.Text()}
     engine = sa.create_engine(url)
     try:
         meta = sa.MetaData()

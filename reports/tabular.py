@@ -62,24 +62,34 @@ def _budget(r: dict) -> str:
 
 def markdown_summary(report: dict) -> str:
     spec = report["spec"]
-    lines = [f"# SLA audit: {spec['name']} — **{report['verdict'].upper()}**", "",
-             f"{report['num_requests']} requests in {report['num_windows']} window(s) of {spec['window_s']:g} s "
-             f"(clock: {report['clock']}); audit `{report['audit_id']}` at {report['audited_at']}.", "",
-             "| objective | target | observed (all windows) | samples | windows failed | verdict |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        f"# SLA audit: {spec['name']} — **{report['verdict'].upper()}**",
+        "",
+        f"{report['num_requests']} requests in {report['num_windows']} window(s) of {spec['window_s']:g} s "
+        f"(clock: {report['clock']}); audit `{report['audit_id']}` at {report['audited_at']}.",
+        "",
+        "| objective | target | observed (all windows) | samples | windows failed | verdict |",
+        "|---|---|---|---|---|---|",
+    ]
     for o in report["overall"]:
-        lines.append(f"| {o['objective']} | {_target(o)} | {_observed(o)} | {o['samples']} | "
-                     f"{o['windows_failed']}/{o['windows']} | {o['status']} |")
+        lines.append(
+            f"| {o['objective']} | {_target(o)} | {_observed(o)} | {o['samples']} | "
+            f"{o['windows_failed']}/{o['windows']} | {o['status']} |"
+        )
     worst = [r for r in report["worst_windows"] if r["status"] == "fail"]
     lines += ["", "## Worst windows", ""]
     if not worst:
         lines.append("No window failed.")
     else:
-        lines += ["| window start | objective | observed | target | samples | budget used |",
-                  "|---|---|---|---|---|---|"]
+        lines += [
+            "| window start | objective | observed | target | samples | budget used |",
+            "|---|---|---|---|---|---|",
+        ]
         for r in worst:
-            lines.append(f"| {r['window_start']} | {r['objective']} | {_observed(r)} | {_target(r)} | "
-                         f"{r['samples']} | {_budget(r)} |")
+            lines.append(
+                f"| {r['window_start']} | {r['objective']} | {_observed(r)} | {_target(r)} | "
+                f"{r['samples']} | {_budget(r)} |"
+            )
     lines += ["", f"Sources: {', '.join(report['sources'])}", ""]
     return "\n".join(lines)
 

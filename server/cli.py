@@ -30,14 +30,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser = Parser(
         prog="distserve",
         description="LLM serving with prefill/decode disaggregation. Exit status: 0 ok, 1 failure, 2 bad "
-                    "input (one sentence on stderr); a worker also exits 3 when the router refuses to register "
-                    "it (wrong token or a different model). Example: distserve serve --model smollm2-135m-instruct",
+        "input (one sentence on stderr); a worker also exits 3 when the router refuses to register "
+        "it (wrong token or a different model). Example: distserve serve --model smollm2-135m-instruct",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
-    parser.add_argument("--log-level", type=str.upper, default=None,
-                        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
-                        help="log level of this process and the processes it starts (default: INFO for serve, "
-                             "router and worker, WARNING otherwise; env DISTSERVE_LOG_LEVEL)")
+    parser.add_argument(
+        "--log-level",
+        type=str.upper,
+        default=None,
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="log level of this process and the processes it starts (default: INFO for serve, "
+        "router and worker, WARNING otherwise; env DISTSERVE_LOG_LEVEL)",
+    )
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
     tools.add_parsers(sub)
     serve.add_parsers(sub)
@@ -47,8 +51,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
@@ -56,8 +58,11 @@ def main(argv: list[str] | None = None) -> int:
         args.sla_args = extra + args.sla_args
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    level = args.log_level or os.environ.get(LOG_LEVEL_ENV) or (
-        "INFO" if args.command in ("serve", "router", "worker") else "WARNING")
+    level = (
+        args.log_level
+        or os.environ.get(LOG_LEVEL_ENV)
+        or ("INFO" if args.command in ("serve", "router", "worker") else "WARNING")
+    )
     os.environ[LOG_LEVEL_ENV] = level  # the children `serve` starts inherit it
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     return args.handler(args)

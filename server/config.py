@@ -100,8 +100,15 @@ def _validate(key: str, s: _Spec, v: Any) -> Any:
     if s.kind == "resources":  # Ray resources, e.g. {prefill_node: 1, GPU: 1}: kept as sorted (name, amount) pairs
         items = tuple(v.items()) if isinstance(v, Mapping) else v if isinstance(v, tuple) else ()
         ok = isinstance(v, Mapping | tuple) and all(
-            isinstance(kv, tuple) and len(kv) == 2 and isinstance(kv[0], str) and kv[0]
-            and isinstance(kv[1], int | float) and not isinstance(kv[1], bool) and kv[1] >= 0 for kv in items)
+            isinstance(kv, tuple)
+            and len(kv) == 2
+            and isinstance(kv[0], str)
+            and kv[0]
+            and isinstance(kv[1], int | float)
+            and not isinstance(kv[1], bool)
+            and kv[1] >= 0
+            for kv in items
+        )
         if not ok:
             raise ConfigError(f"{key!r} must be {_KIND_NAMES[s.kind]}, got {_describe(v)}")
         return tuple(sorted((k, float(n)) for k, n in items))
@@ -127,9 +134,7 @@ def _validate(key: str, s: _Spec, v: Any) -> Any:
         raise ConfigError(f"{key!r} must be {what}, got {_describe(v)}")
     if s.lo is not None:
         # Written so that NaN fails every comparison.
-        in_range = (v > s.lo if s.lo_open else v >= s.lo) and (
-            s.hi is None or (v < s.hi if s.hi_open else v <= s.hi)
-        )
+        in_range = (v > s.lo if s.lo_open else v >= s.lo) and (s.hi is None or (v < s.hi if s.hi_open else v <= s.hi))
         if s.pow2 and not (v > 0 and v & (v - 1) == 0):
             in_range = False
         if not in_range:
@@ -293,13 +298,12 @@ class RouterConfig(_Section):
     breaker: BreakerConfig = _sub(BreakerConfig)
 
 
-
-
 @dataclass(frozen=True)
 class RayRouterPool(_Section):
     """What the router's Ray actor asks for (``distserve serve --launcher ray``). ``resources`` are Ray
     resources: custom ones a node was started with (``ray start --resources '{"prefill_node": 4}'``),
     plus ``CPU`` and ``GPU``. Empty: one CPU, on the node that runs ``distserve serve``."""
+
     _section: ClassVar[str] = "ray.router"
     resources: tuple[tuple[str, float], ...] = _opt((), "resources")
 
@@ -307,6 +311,7 @@ class RayRouterPool(_Section):
 @dataclass(frozen=True)
 class RayPrefillPool(_Section):
     """What each prefill worker's Ray actor asks for; ``CPU`` defaults to 1, ``GPU`` to 1 on CUDA."""
+
     _section: ClassVar[str] = "ray.prefill"
     resources: tuple[tuple[str, float], ...] = _opt((), "resources")
 
@@ -314,6 +319,7 @@ class RayPrefillPool(_Section):
 @dataclass(frozen=True)
 class RayDecodePool(_Section):
     """What each decode (or colocated) worker's Ray actor asks for; as ``ray.prefill``."""
+
     _section: ClassVar[str] = "ray.decode"
     resources: tuple[tuple[str, float], ...] = _opt((), "resources")
 
@@ -321,6 +327,7 @@ class RayDecodePool(_Section):
 @dataclass(frozen=True)
 class RayConfig(_Section):
     """``distserve serve --launcher ray`` and ``distserve scale``; ignored by the local launcher."""
+
     _section: ClassVar[str] = "ray"
     address: str | None = _opt(None, "str", nullable=True)  # None = $RAY_ADDRESS, else the local cluster
     namespace: str = _opt("distserve", "str")
@@ -368,9 +375,7 @@ def _read_yaml(path: Path) -> Any:
         raise ConfigError(f"{where}: invalid YAML: {problem}") from None
 
 
-def load_config(
-    path: str | Path | None = None, overrides: Mapping[str, Any] | None = None
-) -> DistServeConfig:
+def load_config(path: str | Path | None = None, overrides: Mapping[str, Any] | None = None) -> DistServeConfig:
     """Load ``path`` (None = built-in defaults), then merge nested ``overrides``.
 
     The file is validated on its own first, so its errors name the file; the

@@ -22,8 +22,7 @@ T = TypeVar("T")
 
 
 class IdleTimeout:
-    __slots__ = ("_loop", "_task", "_timeout", "_last", "_waiting", "_expired", "_handle", "_cancelling",
-                 "reason")
+    __slots__ = ("_loop", "_task", "_timeout", "_last", "_waiting", "_expired", "_handle", "_cancelling", "reason")
 
     def __init__(self, timeout_s: float) -> None:
         self._loop = asyncio.get_running_loop()

@@ -77,14 +77,15 @@ def parse_devices(text: str) -> tuple[str, ...]:
     return devices
 
 
-def plan_workers(mode: str, num_prefill: int, num_decode: int, device: str,
-                 devices: tuple[str, ...] = ()) -> list[tuple[str, str, str]]:
+def plan_workers(
+    mode: str, num_prefill: int, num_decode: int, device: str, devices: tuple[str, ...] = ()
+) -> list[tuple[str, str, str]]:
     """(role, worker id, device) per worker, in start order: prefill workers first, then decode (or
     colocated) ones; ``devices`` are assigned round-robin in that order, else ``device`` to all."""
-    roles = (["prefill"] * num_prefill + ["decode"] * num_decode
-             if mode == "disaggregated" else ["colocated"] * num_decode)
-    return [(role, f"{role}-{i}", devices[i % len(devices)] if devices else device)
-            for i, role in enumerate(roles)]
+    roles = (
+        ["prefill"] * num_prefill + ["decode"] * num_decode if mode == "disaggregated" else ["colocated"] * num_decode
+    )
+    return [(role, f"{role}-{i}", devices[i % len(devices)] if devices else device) for i, role in enumerate(roles)]
 
 
 @dataclass(frozen=True)
@@ -96,7 +97,7 @@ class RestartPolicy:
     max_backoff_s: float = 30.0
 
     def delay(self, recent: int) -> float:
-        return min(self.max_backoff_s, self.backoff_s * 2 ** recent)
+        return min(self.max_backoff_s, self.backoff_s * 2**recent)
 
 
 PERMANENT_EXITS = {2: "bad usage or configuration", 3: "the router refused its registration"}
@@ -105,6 +106,7 @@ PERMANENT_EXITS = {2: "bad usage or configuration", 3: "the router refused its r
 @dataclass
 class _Worker:
     """One supervised worker: how to start it, its current process, its restart history."""
+
     worker_id: str
     argv: list[str]
     cpus: list[int] | None
@@ -138,8 +140,9 @@ class Launcher:
         self.config_path = Path(self._tmp.name) / "config.yaml"
         self.config_path.write_text(yaml.safe_dump(self.config.to_dict()))
 
-    def _spawn(self, argv: list[str], name: str, cpus: list[int] | None = None,
-               threads: int | None = None) -> subprocess.Popen:
+    def _spawn(
+        self, argv: list[str], name: str, cpus: list[int] | None = None, threads: int | None = None
+    ) -> subprocess.Popen:
         env = dict(os.environ)
         env[TOKEN_ENV] = self.token
         if threads:
@@ -149,8 +152,9 @@ class Launcher:
         if self.log_dir is not None:
             self.log_dir.mkdir(parents=True, exist_ok=True)
             out = open(self.log_dir / f"{name}.log", "ab")
-        p = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
-                             start_new_session=True)
+        p = subprocess.Popen(
+            cmd, env=env, stdout=out, stderr=subprocess.STDOUT if out else None, start_new_session=True
+        )
         if out is not None:
             out.close()
         self.procs.append(p)
@@ -158,8 +162,15 @@ class Launcher:
 
     def start(self, timeout_s: float = 180.0) -> str:
         ready = Path(self._tmp.name) / "router.json"
-        argv = ["router", "--config", str(self.config_path), "--ready-file", str(ready),
-                "--parent-pid", str(os.getpid())]
+        argv = [
+            "router",
+            "--config",
+            str(self.config_path),
+            "--ready-file",
+            str(ready),
+            "--parent-pid",
+            str(os.getpid()),
+        ]
         if self.served_model_name:
             argv += ["--served-model-name", self.served_model_name]
         placement, threads = plan_cpus(self.mode, self.pinning)
@@ -177,8 +188,21 @@ class Launcher:
         plan = plan_workers(self.mode, self.num_prefill, self.num_decode, self.device, self.devices)
         for role, worker_id, device in plan:
             cpus = placement.get(role)
-            argv = ["worker", "--role", role, "--router", self.url, "--config", str(self.config_path),
-                    "--device", device, "--parent-pid", str(os.getpid()), "--worker-id", worker_id]
+            argv = [
+                "worker",
+                "--role",
+                role,
+                "--router",
+                self.url,
+                "--config",
+                str(self.config_path),
+                "--device",
+                device,
+                "--parent-pid",
+                str(os.getpid()),
+                "--worker-id",
+                worker_id,
+            ]
             if cpus:
                 argv += ["--cpus", ",".join(map(str, cpus))]
             proc = self._spawn(argv, worker_id, cpus, threads[role])
@@ -201,8 +225,7 @@ class Launcher:
                 w.restarts.append(now)
                 w.restart_at = None
                 self.procs.remove(w.proc)
-                w.proc = self._spawn([*w.argv, "--restart-count", str(len(w.restarts))], w.worker_id, w.cpus,
-                                     w.threads)
+                w.proc = self._spawn([*w.argv, "--restart-count", str(len(w.restarts))], w.worker_id, w.cpus, w.threads)
                 events.append(f"worker {w.worker_id} restarted (pid {w.proc.pid}, restart {len(w.restarts)})")
         return events
 
@@ -212,8 +235,13 @@ class Launcher:
         recent = [t for t in w.restarts if now - t <= self.restart.window_s]
         if rc in PERMANENT_EXITS or not self.restart.enabled or len(recent) >= self.restart.max_restarts:
             w.given_up = True
-            why = (PERMANENT_EXITS[rc] if rc in PERMANENT_EXITS else "restarts are off" if not self.restart.enabled
-                   else f"crash loop: {len(recent) + 1} exits within {self.restart.window_s:g} s")
+            why = (
+                PERMANENT_EXITS[rc]
+                if rc in PERMANENT_EXITS
+                else "restarts are off"
+                if not self.restart.enabled
+                else f"crash loop: {len(recent) + 1} exits within {self.restart.window_s:g} s"
+            )
             self._report_dead(w.worker_id, f"{status}; not restarted: {why}")
             return f"worker {w.worker_id} {status}; not restarting it ({why})"
         w.restart_at = now + self.restart.delay(len(recent))
@@ -225,8 +253,12 @@ class Launcher:
         if self.url is None:
             return
         body = DeregisterRequest(worker_id=worker_id, reason=reason[:256]).model_dump_json().encode()
-        req = urllib.request.Request(f"{self.url}/deregister", data=body, method="POST", headers={
-            "Authorization": f"Bearer {self.token}", "Content-Type": "application/json"})
+        req = urllib.request.Request(
+            f"{self.url}/deregister",
+            data=body,
+            method="POST",
+            headers={"Authorization": f"Bearer {self.token}", "Content-Type": "application/json"},
+        )
         try:
             with urllib.request.urlopen(req, timeout=2):
                 pass

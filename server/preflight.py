@@ -25,8 +25,10 @@ def port_problem(host: str, port: int) -> str | None:
             s.bind((host, port))
     except OSError as e:
         if e.errno == errno.EADDRINUSE:
-            return (f"port {port} on {host} is already in use (another distserve?); stop it or pick another "
-                    "port with --port (0 = any free port)")
+            return (
+                f"port {port} on {host} is already in use (another distserve?); stop it or pick another "
+                "port with --port (0 = any free port)"
+            )
         return f"cannot listen on {host}:{port}: {e.strerror or e}"
     return None
 
@@ -58,7 +60,7 @@ def sweep_orphan_tmp(root: str | None = None) -> list[Path]:
     """Remove ``distserve-<pid>-*`` folders whose launcher is gone (killed with SIGKILL); return them."""
     removed = []
     for p in Path(root or tempfile.gettempdir()).glob(f"{TMP_PREFIX}*-*"):
-        pid_text = p.name[len(TMP_PREFIX):].split("-", 1)[0]
+        pid_text = p.name[len(TMP_PREFIX) :].split("-", 1)[0]
         if not pid_text.isdigit() or not p.is_dir() or p.owner() != _me():
             continue
         try:

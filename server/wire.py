@@ -48,6 +48,7 @@ class PrefillResponse(BaseModel):
 
 class GenerateRequest(BaseModel):
     """Decode (with ``kv``) or colocated/recompute (``kv`` null) generation."""
+
     request_id: str = Field(min_length=1, max_length=256)
     prompt_token_ids: list[int] = Field(min_length=1)
     output_token_ids: list[int] = Field(default_factory=list)
@@ -57,6 +58,7 @@ class GenerateRequest(BaseModel):
 
 class StreamLine(BaseModel):
     """One NDJSON line of a generate stream."""
+
     token_ids: list[int] = Field(default_factory=list)
     finished: bool = False
     finish_reason: str | None = None
@@ -72,6 +74,7 @@ class AbortRequest(BaseModel):
 
 class DeregisterRequest(BaseModel):
     """A worker leaving (no reason: forget it), or the launcher reporting its exit (reason: list it dead)."""
+
     worker_id: str = Field(min_length=1, max_length=128)
     reason: str | None = Field(default=None, max_length=256)
     pid: int | None = None  # a worker's own goodbye: forget the entry only while it is still this process's
@@ -79,6 +82,7 @@ class DeregisterRequest(BaseModel):
 
 class DrainRequest(BaseModel):
     """Take a worker out of rotation before it leaves (scale-down); its requests in flight continue."""
+
     worker_id: str = Field(min_length=1, max_length=128)
 
 

@@ -33,6 +33,7 @@ WORST_N = 5
 @dataclass(frozen=True)
 class WindowRow:
     """One objective in one window: a row of compliance.csv and of the SQL table."""
+
     audit_id: str
     spec: str
     window_index: int
@@ -57,7 +58,8 @@ class WindowRow:
 
 COLUMNS: tuple[tuple[str, str], ...] = tuple(
     (f.name, {"int": "int", "float": "float", "float | None": "float", "str": "str"}[str(f.type)])
-    for f in fields(WindowRow))
+    for f in fields(WindowRow)
+)
 
 
 def _budget(violations: int, allowed: float) -> float | None:
@@ -69,18 +71,37 @@ def _budget(violations: int, allowed: float) -> float | None:
 def _latency_row(base: dict, o: Objective, values: list[float]) -> WindowRow:
     n = len(values)
     if n == 0:
-        return WindowRow(**base, objective=o.name, metric=o.metric, percentile=o.percentile, threshold=o.threshold_ms,
-                         observed=None, samples=0, violations=0, allowed_violations=0.0, budget_used=None,
-                         status="no_data")
+        return WindowRow(
+            **base,
+            objective=o.name,
+            metric=o.metric,
+            percentile=o.percentile,
+            threshold=o.threshold_ms,
+            observed=None,
+            samples=0,
+            violations=0,
+            allowed_violations=0.0,
+            budget_used=None,
+            status="no_data",
+        )
     h = LatencyHistogram()
     h.record_all(values)
     observed = h.percentile_ms(o.percentile)
     violations = sum(v * 1000.0 > o.threshold_ms for v in values)
     allowed = o.allowed_share * n
-    return WindowRow(**base, objective=o.name, metric=o.metric, percentile=o.percentile, threshold=o.threshold_ms,
-                     observed=observed, samples=n, violations=violations, allowed_violations=allowed,
-                     budget_used=_budget(violations, allowed),
-                     status="pass" if observed is not None and observed <= o.threshold_ms else "fail")
+    return WindowRow(
+        **base,
+        objective=o.name,
+        metric=o.metric,
+        percentile=o.percentile,
+        threshold=o.threshold_ms,
+        observed=observed,
+        samples=n,
+        violations=violations,
+        allowed_violations=allowed,
+        budget_used=_budget(violations, allowed),
+        status="pass" if observed is not None and observed <= o.threshold_ms else "fail",
+    )
 
 
 def _availability_row(base: dict, target: float, recs: list[Record]) -> WindowRow:
@@ -88,9 +109,19 @@ def _availability_row(base: dict, target: float, recs: list[Record]) -> WindowRo
     failed = sum(not r.ok for r in recs)
     allowed = (1.0 - target) * n
     share = (n - failed) / n
-    return WindowRow(**base, objective="availability", metric="availability", percentile=None, threshold=target,
-                     observed=share, samples=n, violations=failed, allowed_violations=allowed,
-                     budget_used=_budget(failed, allowed), status="pass" if share >= target else "fail")
+    return WindowRow(
+        **base,
+        objective="availability",
+        metric="availability",
+        percentile=None,
+        threshold=target,
+        observed=share,
+        samples=n,
+        violations=failed,
+        allowed_violations=allowed,
+        budget_used=_budget(failed, allowed),
+        status="pass" if share >= target else "fail",
+    )
 
 
 def _window_label(start: float, clock: str) -> str:
@@ -116,19 +147,28 @@ class AuditReport:
 
     def worst(self, n: int = WORST_N) -> list[WindowRow]:
         """The failed windows that overspent their budget most (then the closest to failing)."""
+
         def badness(r: WindowRow) -> tuple[int, float]:
             b = math.inf if r.budget_used is None else r.budget_used
             return (r.status == "fail", b)
+
         scored = [r for r in self.rows if r.status != "no_data"]
         return sorted(scored, key=badness, reverse=True)[:n]
 
     def to_dict(self) -> dict:
         return {
-            "audit_id": self.audit_id, "audited_at": self.audited_at, "verdict": self.verdict,
-            "spec": self.spec.to_dict(), "clock": self.clock, "sources": list(self.sources),
-            "num_requests": self.num_requests, "num_windows": len({r.window_index for r in self.rows}),
-            "overall": self.overall, "worst_windows": [asdict(r) for r in self.worst()],
-            "columns": [list(c) for c in COLUMNS], "rows": [asdict(r) for r in self.rows],
+            "audit_id": self.audit_id,
+            "audited_at": self.audited_at,
+            "verdict": self.verdict,
+            "spec": self.spec.to_dict(),
+            "clock": self.clock,
+            "sources": list(self.sources),
+            "num_requests": self.num_requests,
+            "num_windows": len({r.window_index for r in self.rows}),
+            "overall": self.overall,
+            "worst_windows": [asdict(r) for r in self.worst()],
+            "columns": [list(c) for c in COLUMNS],
+            "rows": [asdict(r) for r in self.rows],
         }
 
 
@@ -143,8 +183,14 @@ def audit(spec: SlaSpec, data: RecordSet, audit_id: str | None = None, now: dt.d
     for k in sorted(by_window):
         recs = by_window[k]
         start = k * spec.window_s
-        base = {"audit_id": audit_id, "spec": spec.name, "window_index": k,
-                "window_start": _window_label(start, data.clock), "window_start_s": start, "window_s": spec.window_s}
+        base = {
+            "audit_id": audit_id,
+            "spec": spec.name,
+            "window_index": k,
+            "window_start": _window_label(start, data.clock),
+            "window_start_s": start,
+            "window_s": spec.window_s,
+        }
         for o in spec.objectives:
             values = [v for r in recs for v in r.values(o.metric)]
             totals[o.name].extend(values)
@@ -156,18 +202,35 @@ def audit(spec: SlaSpec, data: RecordSet, audit_id: str | None = None, now: dt.d
         mine = [r for r in rows if r.objective == o.name]
         h = LatencyHistogram()
         h.record_all(totals[o.name])
-        overall.append({"objective": o.name, "metric": o.metric, "percentile": o.percentile,
-                        "threshold": o.threshold_ms, "observed": h.percentile_ms(o.percentile),
-                        "samples": len(totals[o.name]), "windows": len(mine),
-                        "windows_failed": sum(r.status == "fail" for r in mine),
-                        "status": "fail" if any(r.status == "fail" for r in mine) else "pass"})
+        overall.append(
+            {
+                "objective": o.name,
+                "metric": o.metric,
+                "percentile": o.percentile,
+                "threshold": o.threshold_ms,
+                "observed": h.percentile_ms(o.percentile),
+                "samples": len(totals[o.name]),
+                "windows": len(mine),
+                "windows_failed": sum(r.status == "fail" for r in mine),
+                "status": "fail" if any(r.status == "fail" for r in mine) else "pass",
+            }
+        )
     if spec.availability is not None:
         mine = [r for r in rows if r.objective == "availability"]
         n = len(data.records)
         ok = sum(r.ok for r in data.records)
-        overall.append({"objective": "availability", "metric": "availability", "percentile": None,
-                        "threshold": spec.availability, "observed": ok / n, "samples": n, "windows": len(mine),
-                        "windows_failed": sum(r.status == "fail" for r in mine),
-                        "status": "fail" if any(r.status == "fail" for r in mine) else "pass"})
+        overall.append(
+            {
+                "objective": "availability",
+                "metric": "availability",
+                "percentile": None,
+                "threshold": spec.availability,
+                "observed": ok / n,
+                "samples": n,
+                "windows": len(mine),
+                "windows_failed": sum(r.status == "fail" for r in mine),
+                "status": "fail" if any(r.status == "fail" for r in mine) else "pass",
+            }
+        )
     audited_at = (now or dt.datetime.now(dt.UTC)).isoformat().replace("+00:00", "Z")
     return AuditReport(audit_id, audited_at, spec, data.clock, data.sources, len(data.records), rows, overall)

@@ -116,8 +116,7 @@ class CircuitBreaker:
             return self._cooldown_over()
         breached = stats.value_ms is not None and stats.value_ms > s.threshold_ms
         value = stats.value_ms if stats.value_ms is None else round(stats.value_ms, 1)
-        what = f"{s.metric} p{s.percentile:g} {value}" \
-               f" ms vs {s.threshold_ms:g} ms over {stats.samples} samples"
+        what = f"{s.metric} p{s.percentile:g} {value} ms vs {s.threshold_ms:g} ms over {stats.samples} samples"
         if self.state is BreakerState.HALF_OPEN:
             if stats.samples < s.probe_samples:
                 return None

@@ -37,26 +37,44 @@ def _db_url(text: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="distserve sla", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="distserve sla", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = p.add_subparsers(dest="command", required=True)
-    a = sub.add_parser("audit", help="judge distbench results / router journals against a spec",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-                       description="Per objective and per window: observed percentile (HDR), samples, "
-                                   "violations, error budget used, pass/fail; worst windows; overall verdict. "
-                                   "Example: distserve sla audit --spec configs/sla/default.yaml "
-                                   "--results run.json --out sla-report/")
+    a = sub.add_parser(
+        "audit",
+        help="judge distbench results / router journals against a spec",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Per objective and per window: observed percentile (HDR), samples, "
+        "violations, error budget used, pass/fail; worst windows; overall verdict. "
+        "Example: distserve sla audit --spec configs/sla/default.yaml "
+        "--results run.json --out sla-report/",
+    )
     a.add_argument("--spec", required=True, help="SLA spec YAML (configs/sla/*.yaml)")
-    a.add_argument("--results", required=True, nargs="+",
-                   help="distbench result files (JSON) and/or router request journals (JSON lines)")
-    a.add_argument("--out", required=True,
-                   help="folder for compliance.{json,csv,parquet,prom}, report.html, summary.md")
-    a.add_argument("--formats", type=_formats, default=None,
-                   help=f"renderers to run (default: {','.join(DEFAULT_FORMATS)}; parquet skipped "
-                        f"without pyarrow unless asked for)")
-    a.add_argument("--export-db", type=_db_url, default=None, metavar="URL",
-                   help="also append the rows to a SQL table (SQLAlchemy URL, e.g. postgresql://u@host/db; "
-                        "a plain path means SQLite)")
+    a.add_argument(
+        "--results",
+        required=True,
+        nargs="+",
+        help="distbench result files (JSON) and/or router request journals (JSON lines)",
+    )
+    a.add_argument(
+        "--out", required=True, help="folder for compliance.{json,csv,parquet,prom}, report.html, summary.md"
+    )
+    a.add_argument(
+        "--formats",
+        type=_formats,
+        default=None,
+        help=f"renderers to run (default: {','.join(DEFAULT_FORMATS)}; parquet skipped "
+        f"without pyarrow unless asked for)",
+    )
+    a.add_argument(
+        "--export-db",
+        type=_db_url,
+        default=None,
+        metavar="URL",
+        help="also append the rows to a SQL table (SQLAlchemy URL, e.g. postgresql://u@host/db; "
+        "a plain path means SQLite)",
+    )
     a.add_argument("--table", default=DEFAULT_TABLE, help="table name for --export-db")
     return p
 
@@ -92,8 +110,10 @@ def cmd_audit(args) -> int:
         print(f"appended {n} rows to table {args.table} at {args.export_db}")
     for o in report["overall"]:
         print(f"{o['objective']:<16} {o['status']:<5} windows failed {o['windows_failed']}/{o['windows']}")
-    print(f"verdict: {report['verdict']} ({report['num_requests']} requests, {report['num_windows']} windows); "
-          f"wrote {', '.join(str(p) for p in written)}")
+    print(
+        f"verdict: {report['verdict']} ({report['num_requests']} requests, {report['num_windows']} windows); "
+        f"wrote {', '.join(str(p) for p in written)}"
+    )
     return EXIT_PASS if report["verdict"] == "pass" else EXIT_FAIL
 
 

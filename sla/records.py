@@ -79,9 +79,16 @@ def _record(path: Path, i: int, d: Any, start_key: str) -> Record:
         raise RecordsError(f"{path}: request {i}: 'itl' must be a list of numbers")
     error = d.get("error")
     ttft = _num(path, i, d, "ttft")
-    return Record(start=start, ok=error is None and ttft is not None, ttft=ttft, tpot=_num(path, i, d, "tpot"),
-                  e2e=_num(path, i, d, "e2e"), itl=tuple(float(x) for x in itl),
-                  error=None if error is None else str(error), pool=d.get("pool"))
+    return Record(
+        start=start,
+        ok=error is None and ttft is not None,
+        ttft=ttft,
+        tpot=_num(path, i, d, "tpot"),
+        e2e=_num(path, i, d, "e2e"),
+        itl=tuple(float(x) for x in itl),
+        error=None if error is None else str(error),
+        pool=d.get("pool"),
+    )
 
 
 def _distbench(path: Path, doc: dict) -> tuple[list[Record], str]:
@@ -125,8 +132,10 @@ def _load_one(path: Path) -> tuple[list[Record], str]:
     if isinstance(doc, dict) and "start_unix" not in doc:
         raise RecordsError(f"{path}: a JSON object without 'requests': not a distbench result file")
     if doc is not None and not isinstance(doc, dict):
-        raise RecordsError(f"{path}: expected a distbench result (JSON object) or a request journal "
-                           f"(JSON lines), got a JSON {type(doc).__name__}")
+        raise RecordsError(
+            f"{path}: expected a distbench result (JSON object) or a request journal "
+            f"(JSON lines), got a JSON {type(doc).__name__}"
+        )
     return _journal(path, text)
 
 
@@ -142,8 +151,10 @@ def load_records(paths: list[str | Path]) -> RecordSet:
         clocks[str(p)] = clock
     if len(set(clocks.values())) > 1:
         rel = [p for p, c in clocks.items() if c == "relative"]
-        raise RecordsError(f"cannot window these files together: {', '.join(rel)} lack 'start_unix' "
-                           f"(wall-clock send times) while the others have it")
+        raise RecordsError(
+            f"cannot window these files together: {', '.join(rel)} lack 'start_unix' "
+            f"(wall-clock send times) while the others have it"
+        )
     if not records:
         raise RecordsError(f"no request records in {', '.join(map(str, paths))}")
     return RecordSet(tuple(records), next(iter(clocks.values())), tuple(map(str, paths)))

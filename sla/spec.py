@@ -39,13 +39,15 @@ def _check_keys(where: str, d: Mapping[str, Any], valid: tuple[str, ...]) -> Non
         if k not in valid:
             close = difflib.get_close_matches(str(k), valid, n=1)
             key = f"{where}.{k}" if where else str(k)
-            hint = f"did you mean {(where + '.' if where else '') + close[0]!r}?" if close else \
-                f"valid keys: {', '.join(valid)}"
+            hint = (
+                f"did you mean {(where + '.' if where else '') + close[0]!r}?"
+                if close
+                else f"valid keys: {', '.join(valid)}"
+            )
             raise SpecError(f"unknown key {key!r}; {hint}")
 
 
-def _number(key: str, v: Any, lo: float, hi: float | None = None, lo_open: bool = True,
-            hi_open: bool = False) -> float:
+def _number(key: str, v: Any, lo: float, hi: float | None = None, lo_open: bool = True, hi_open: bool = False) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
         raise SpecError(f"{key!r} must be a number, got {v!r}")
     ok = (v > lo if lo_open else v >= lo) and (hi is None or (v < hi if hi_open else v <= hi))
@@ -59,6 +61,7 @@ def _number(key: str, v: Any, lo: float, hi: float | None = None, lo_open: bool 
 @dataclass(frozen=True)
 class Objective:
     """``percentile`` of ``metric`` per window must be <= ``threshold_ms``."""
+
     metric: str
     percentile: float
     threshold_ms: float
@@ -85,9 +88,11 @@ class Objective:
         metric = d["metric"]
         if metric not in METRICS:
             raise SpecError(f"'{where}.metric' must be one of {', '.join(METRICS)}; got {metric!r}")
-        return cls(metric=metric,
-                   percentile=_number(f"{where}.percentile", d["percentile"], 0.0, 100.0, hi_open=True),
-                   threshold_ms=_number(f"{where}.threshold_ms", d["threshold_ms"], 0.0))
+        return cls(
+            metric=metric,
+            percentile=_number(f"{where}.percentile", d["percentile"], 0.0, 100.0, hi_open=True),
+            threshold_ms=_number(f"{where}.threshold_ms", d["threshold_ms"], 0.0),
+        )
 
 
 @dataclass(frozen=True)
@@ -126,9 +131,15 @@ class SlaSpec:
         return cls(name=name, window_s=window_s, availability=avail, objectives=objectives)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "window_s": self.window_s, "availability": self.availability,
-                "objectives": [{"metric": o.metric, "percentile": o.percentile, "threshold_ms": o.threshold_ms}
-                               for o in self.objectives]}
+        return {
+            "name": self.name,
+            "window_s": self.window_s,
+            "availability": self.availability,
+            "objectives": [
+                {"metric": o.metric, "percentile": o.percentile, "threshold_ms": o.threshold_ms}
+                for o in self.objectives
+            ],
+        }
 
 
 def load_spec(path: str | Path) -> SlaSpec:

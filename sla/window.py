@@ -130,6 +130,7 @@ class LatencyHistogram:
 @dataclass(frozen=True)
 class WindowStats:
     """One percentile of one metric over a window: the value (None when empty) and the sample count."""
+
     value_ms: float | None
     samples: int
 

@@ -17,8 +17,13 @@ from aiohttp import web
 
 
 class StubServer:
-    def __init__(self, token_delay_s: float = 0.002, stall_at: int | None = None, stall_s: float = 1.0,
-                 fail_every: int | None = None) -> None:
+    def __init__(
+        self,
+        token_delay_s: float = 0.002,
+        stall_at: int | None = None,
+        stall_s: float = 1.0,
+        fail_every: int | None = None,
+    ) -> None:
         self.token_delay_s, self.stall_at, self.stall_s, self.fail_every = token_delay_s, stall_at, stall_s, fail_every
         self.count = 0
         self.url = ""

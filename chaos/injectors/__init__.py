@@ -14,8 +14,17 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-INJECTORS = ("kill", "pause", "disconnect_storm", "sysctl_drift", "netns", "kv_link", "memory_limit",
-             "prefill_exhaustion", "latency")
+INJECTORS = (
+    "kill",
+    "pause",
+    "disconnect_storm",
+    "sysctl_drift",
+    "netns",
+    "kv_link",
+    "memory_limit",
+    "prefill_exhaustion",
+    "latency",
+)
 
 
 def get(name: str) -> ModuleType:

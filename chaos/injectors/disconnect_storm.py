@@ -15,8 +15,9 @@ import random
 import aiohttp
 
 
-async def _one(http: aiohttp.ClientSession, url: str, prompt: list[int], max_tokens: int,
-               first_token_timeout_s: float) -> str:
+async def _one(
+    http: aiohttp.ClientSession, url: str, prompt: list[int], max_tokens: int, first_token_timeout_s: float
+) -> str:
     body = {"prompt": prompt, "max_tokens": max_tokens, "stream": True, "ignore_eos": True, "temperature": 0.0}
     try:
         async with asyncio.timeout(first_token_timeout_s):
@@ -47,13 +48,19 @@ async def _storm(url: str, n: int, prompt_len: int, max_tokens: int, seed: int, 
     return counts
 
 
-def inject(router_url: str, n: int = 32, prompt_len: int = 64, max_tokens: int = 256, seed: int = 0,
-           first_token_timeout_s: float = 60.0, **_: object) -> dict:
+def inject(
+    router_url: str,
+    n: int = 32,
+    prompt_len: int = 64,
+    max_tokens: int = 256,
+    seed: int = 0,
+    first_token_timeout_s: float = 60.0,
+    **_: object,
+) -> dict:
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
     counts = asyncio.run(_storm(router_url.rstrip("/"), n, prompt_len, max_tokens, seed, first_token_timeout_s))
-    return {"mechanism": f"{n} streaming clients closing their connections after the first token",
-            "outcomes": counts}
+    return {"mechanism": f"{n} streaming clients closing their connections after the first token", "outcomes": counts}
 
 
 def rollback(**_: object) -> dict:

@@ -13,8 +13,14 @@ import signal
 from chaos.workers import select_workers
 
 
-def inject(router_url: str, role: str | None = None, worker_id: str | None = None, count: int = 1,
-           token: str | None = None, **_: object) -> dict:
+def inject(
+    router_url: str,
+    role: str | None = None,
+    worker_id: str | None = None,
+    count: int = 1,
+    token: str | None = None,
+    **_: object,
+) -> dict:
     victims = select_workers(router_url, token, role, worker_id, count)
     done = []
     for w in victims:

@@ -45,8 +45,14 @@ from chaos.workers import list_workers
 KIND = "kv_link"
 FILTER_TABLE = "dschaos_filter"
 NAT_TABLE = "dschaos_nat"
-FAULTS = ("bandwidth", "latency", "loss", "partition", "jitter", *[t for t in TOXICS if t not in ("latency",
-                                                                                                   "bandwidth")])
+FAULTS = (
+    "bandwidth",
+    "latency",
+    "loss",
+    "partition",
+    "jitter",
+    *[t for t in TOXICS if t not in ("latency", "bandwidth")],
+)
 
 
 def prefill_kv_ports(router_url: str, token: str | None = None) -> list[int]:
@@ -87,10 +93,24 @@ def _start_proxy(host_ip: str, ports: list[int], toxic: dict) -> list[dict]:
     procs = []
     for p in ports:
         ready = os.path.join(tempfile.mkdtemp(prefix="dschaos-proxy-"), "ready.json")
-        proc = subprocess.Popen([sys.executable, "-m", "chaos.proxy", "--listen", f"{host_ip}:0",
-                                 "--upstream", f"{host_ip}:{p}", "--toxic", json.dumps(toxic),
-                                 "--ready-file", ready], start_new_session=True,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "chaos.proxy",
+                "--listen",
+                f"{host_ip}:0",
+                "--upstream",
+                f"{host_ip}:{p}",
+                "--toxic",
+                json.dumps(toxic),
+                "--ready-file",
+                ready,
+            ],
+            start_new_session=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         deadline = time.monotonic() + 20
         while not os.path.exists(ready):
             if proc.poll() is not None or time.monotonic() > deadline:
@@ -102,8 +122,15 @@ def _start_proxy(host_ip: str, ports: list[int], toxic: dict) -> list[dict]:
     return procs
 
 
-def inject(netns: str, fault: str, router_url: str | None = None, token: str | None = None,
-           kv_ports: list[int] | None = None, mechanism: str = "auto", **kw: Any) -> dict:
+def inject(
+    netns: str,
+    fault: str,
+    router_url: str | None = None,
+    token: str | None = None,
+    kv_ports: list[int] | None = None,
+    mechanism: str = "auto",
+    **kw: Any,
+) -> dict:
     """``mechanism``: auto (netem where the kernel has it), or force ``netem``/``tbf``/``nft``/``proxy``."""
     require_root("degrading the KV link")
     if fault not in FAULTS:
@@ -114,19 +141,44 @@ def inject(netns: str, fault: str, router_url: str | None = None, token: str | N
     if fault != "bandwidth" and not ports and not (fault == "partition" and kw.get("scope") == "all"):
         raise ValueError("router_url or kv_ports: the prefill KV port(s) are needed for this fault")
     netem = mechanism == "netem" or (mechanism == "auto" and fault in ("latency", "loss") and kernel_has_netem())
-    saved = {"netns": netns, "host_if": host_if, "qdisc": False, "tables": [], "proxies": [], "ports": ports,
-             "host_ip": host_ip}
+    saved = {
+        "netns": netns,
+        "host_if": host_if,
+        "qdisc": False,
+        "tables": [],
+        "proxies": [],
+        "ports": ports,
+        "host_ip": host_ip,
+    }
     state.save(KIND, netns, saved)
     out: dict = {"fault": fault, "kv_ports": ports}
     if fault == "bandwidth":
         rate = str(kw.get("rate", "8mbit"))
-        run(["tc", "qdisc", "replace", "dev", host_if, "root", "tbf", "rate", rate, "burst",
-             str(kw.get("burst", "32kbit")), "latency", str(kw.get("queue_latency", "400ms"))])
+        run(
+            [
+                "tc",
+                "qdisc",
+                "replace",
+                "dev",
+                host_if,
+                "root",
+                "tbf",
+                "rate",
+                rate,
+                "burst",
+                str(kw.get("burst", "32kbit")),
+                "latency",
+                str(kw.get("queue_latency", "400ms")),
+            ]
+        )
         saved["qdisc"] = True
         out.update(mechanism="tc tbf", rate=rate)
     elif netem:
-        args = (["delay", f"{kw.get('latency_ms', 50)}ms", f"{kw.get('jitter_ms', 0)}ms"] if fault == "latency"
-                else ["loss", f"{kw.get('percent', 10)}%"])
+        args = (
+            ["delay", f"{kw.get('latency_ms', 50)}ms", f"{kw.get('jitter_ms', 0)}ms"]
+            if fault == "latency"
+            else ["loss", f"{kw.get('percent', 10)}%"]
+        )
         run(["tc", "qdisc", "replace", "dev", host_if, "root", "netem", *args])
         saved["qdisc"] = True
         out.update(mechanism="tc netem " + " ".join(args))
@@ -135,8 +187,17 @@ def inject(netns: str, fault: str, router_url: str | None = None, token: str | N
         if not 0 < pct <= 100:
             raise ValueError(f"percent must be in 1..100, got {pct}")
         sports = ", ".join(map(str, ports))
-        _nft_table(netns, "inet", FILTER_TABLE, {"in": ("type filter hook input priority 0", [
-            f"ip saddr {host_ip} tcp sport {{ {sports} }} numgen random mod 100 < {pct} drop"])})
+        _nft_table(
+            netns,
+            "inet",
+            FILTER_TABLE,
+            {
+                "in": (
+                    "type filter hook input priority 0",
+                    [f"ip saddr {host_ip} tcp sport {{ {sports} }} numgen random mod 100 < {pct} drop"],
+                )
+            },
+        )
         saved["tables"].append(["inet", FILTER_TABLE])
         out.update(mechanism=f"nftables numgen random drop {pct}% (no netem)", percent=pct)
     elif fault == "partition":
@@ -147,24 +208,33 @@ def inject(netns: str, fault: str, router_url: str | None = None, token: str | N
             ps = ", ".join(map(str, ports))
             rules_in = f"ip saddr {host_ip} tcp sport {{ {ps} }} drop"
             rules_out = f"ip daddr {host_ip} tcp dport {{ {ps} }} drop"
-        _nft_table(netns, "inet", FILTER_TABLE, {"in": ("type filter hook input priority 0", [rules_in]),
-                                                 "out": ("type filter hook output priority 0", [rules_out])})
+        _nft_table(
+            netns,
+            "inet",
+            FILTER_TABLE,
+            {
+                "in": ("type filter hook input priority 0", [rules_in]),
+                "out": ("type filter hook output priority 0", [rules_out]),
+            },
+        )
         saved["tables"].append(["inet", FILTER_TABLE])
         out.update(mechanism="nftables drop", scope=scope)
     else:  # the userspace proxy
         toxic_type = "latency" if fault in ("latency", "jitter") else fault
         names = {"latency_ms": "latency", "jitter_ms": "jitter"}  # this module's names -> toxiproxy's
-        toxic = validate_toxic({"type": toxic_type, **{names.get(k, k): v for k, v in kw.items()
-                                                       if k not in ("scope", "rate", "percent")}})
+        toxic = validate_toxic(
+            {"type": toxic_type, **{names.get(k, k): v for k, v in kw.items() if k not in ("scope", "rate", "percent")}}
+        )
         procs = _start_proxy(host_ip, ports, toxic)
         saved["proxies"] = procs
         state.save(KIND, netns, saved)
         rules = [f"ip daddr {host_ip} tcp dport {p['upstream_port']} dnat to {host_ip}:{p['port']}" for p in procs]
         _nft_table(netns, "ip", NAT_TABLE, {"out": ("type nat hook output priority -100", rules)})
         saved["tables"].append(["ip", NAT_TABLE])
-        out.update(mechanism=f"userspace proxy (chaos.proxy) toxic {toxic}" + ("" if mechanism == "proxy" else
-                                                                              " (no netem)"),
-                   proxies=procs)
+        out.update(
+            mechanism=f"userspace proxy (chaos.proxy) toxic {toxic}" + ("" if mechanism == "proxy" else " (no netem)"),
+            proxies=procs,
+        )
     state.save(KIND, netns, saved)
     if fault != "bandwidth":  # pooled KV connections must take the new path
         _reset_kv_connections(netns, host_ip, ports)

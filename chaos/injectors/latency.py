@@ -28,9 +28,17 @@ def _post(url: str, body: dict, token: str) -> dict:
     return reply
 
 
-def inject(router_url: str, role: str | None = None, worker_id: str | None = None, count: int = 100,
-           prefill_delay_ms: float = 0.0, decode_delay_ms: float = 0.0, token: str | None = None,
-           key: str | None = None, **_: object) -> dict:
+def inject(
+    router_url: str,
+    role: str | None = None,
+    worker_id: str | None = None,
+    count: int = 100,
+    prefill_delay_ms: float = 0.0,
+    decode_delay_ms: float = 0.0,
+    token: str | None = None,
+    key: str | None = None,
+    **_: object,
+) -> dict:
     tok = admin_token(token)
     targets = select_workers(router_url, tok, role, worker_id, count)
     k = key or worker_id or role or "any"
@@ -40,8 +48,9 @@ def inject(router_url: str, role: str | None = None, worker_id: str | None = Non
     return {"mechanism": "worker fault hook POST /admin/fault", "fault": body, "replies": replies}
 
 
-def rollback(role: str | None = None, worker_id: str | None = None, token: str | None = None,
-             key: str | None = None, **_: object) -> dict:
+def rollback(
+    role: str | None = None, worker_id: str | None = None, token: str | None = None, key: str | None = None, **_: object
+) -> dict:
     k = key or worker_id or role or "any"
     saved = state.load(KIND, k)
     if not saved:

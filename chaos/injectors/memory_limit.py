@@ -74,9 +74,16 @@ def _key(role: str | None, worker_id: str | None, pid: int | None, key: str | No
     return key or worker_id or (str(pid) if pid else None) or role or "worker"
 
 
-def inject(router_url: str | None = None, role: str | None = "decode", worker_id: str | None = None,
-           pid: int | None = None, limit_mb: int = 1024, token: str | None = None, key: str | None = None,
-           **_: object) -> dict:
+def inject(
+    router_url: str | None = None,
+    role: str | None = "decode",
+    worker_id: str | None = None,
+    pid: int | None = None,
+    limit_mb: int = 1024,
+    token: str | None = None,
+    key: str | None = None,
+    **_: object,
+) -> dict:
     require_root("creating a memory cgroup")
     fl = cgroup_flavour()
     if fl is None:
@@ -95,12 +102,22 @@ def inject(router_url: str | None = None, role: str | None = "decode", worker_id
     limit = str(limit_mb << 20)
     _write(f"{cg}/memory.max" if flavour == "v2" else f"{cg}/memory.limit_in_bytes", limit)
     _write(f"{cg}/cgroup.procs", str(pid))
-    return {"mechanism": f"cgroup {flavour} memory limit {limit_mb} MiB", "pid": pid, "cgroup": cg,
-            "previous_cgroup": previous}
+    return {
+        "mechanism": f"cgroup {flavour} memory limit {limit_mb} MiB",
+        "pid": pid,
+        "cgroup": cg,
+        "previous_cgroup": previous,
+    }
 
 
-def rollback(router_url: str | None = None, role: str | None = "decode", worker_id: str | None = None,
-             pid: int | None = None, key: str | None = None, **_: object) -> dict:
+def rollback(
+    router_url: str | None = None,
+    role: str | None = "decode",
+    worker_id: str | None = None,
+    pid: int | None = None,
+    key: str | None = None,
+    **_: object,
+) -> dict:
     k = _key(role, worker_id, pid, key)
     saved = state.load(KIND, k)
     if not saved:

@@ -39,8 +39,15 @@ def inject(name: str | None = None, **_: object) -> dict:
     host_if, ns_if = f"dsc{tag}h", f"dsc{tag}n"
     net = _free_subnet()
     host_ip, ns_ip = str(net[1]), str(net[2])
-    info = {"netns": name, "host_if": host_if, "ns_if": ns_if, "host_ip": host_ip, "ns_ip": ns_ip,
-            "prefix": net.prefixlen, "mechanism": "ip netns + veth"}
+    info = {
+        "netns": name,
+        "host_if": host_if,
+        "ns_if": ns_if,
+        "host_ip": host_ip,
+        "ns_ip": ns_ip,
+        "prefix": net.prefixlen,
+        "mechanism": "ip netns + veth",
+    }
     state.save(KIND, name, info)  # before creating anything: a crash midway still rolls back
     try:
         run(["ip", "netns", "add", name])

@@ -19,8 +19,15 @@ def _key(role: str | None, worker_id: str | None, key: str | None) -> str:
     return key or worker_id or role or "any"
 
 
-def inject(router_url: str, role: str | None = None, worker_id: str | None = None, count: int = 1,
-           token: str | None = None, key: str | None = None, **_: object) -> dict:
+def inject(
+    router_url: str,
+    role: str | None = None,
+    worker_id: str | None = None,
+    count: int = 1,
+    token: str | None = None,
+    key: str | None = None,
+    **_: object,
+) -> dict:
     k = _key(role, worker_id, key)
     victims = select_workers(router_url, token, role, worker_id, count)
     stopped = []

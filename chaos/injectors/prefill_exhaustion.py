@@ -22,16 +22,21 @@ async def _one(http: aiohttp.ClientSession, url: str, prompt: list[int], max_tok
             data = await r.json(content_type=None)
             if r.status == 200:
                 ch = data["choices"][0]
-                return {"status": 200, "prompt_len": len(prompt), "tokens": data["usage"]["completion_tokens"],
-                        "finish_reason": ch.get("finish_reason")}
+                return {
+                    "status": 200,
+                    "prompt_len": len(prompt),
+                    "tokens": data["usage"]["completion_tokens"],
+                    "finish_reason": ch.get("finish_reason"),
+                }
             msg = (data.get("error") or {}).get("message") if isinstance(data, dict) else None
             return {"status": r.status, "prompt_len": len(prompt), "error": msg or str(data)[:200]}
     except (TimeoutError, aiohttp.ClientError, ValueError) as e:
         return {"status": None, "prompt_len": len(prompt), "error": f"{type(e).__name__}: {e}"}
 
 
-async def _run(url: str, over_len: int, lens: list[int], max_seq_len: int, max_tokens: int,
-               timeout_s: float) -> list[dict]:
+async def _run(
+    url: str, over_len: int, lens: list[int], max_seq_len: int, max_tokens: int, timeout_s: float
+) -> list[dict]:
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 259) for _ in range(n)] for n in [max_seq_len + 16] * over_len + lens]
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as http:
@@ -46,14 +51,25 @@ def clear(r: dict) -> bool:
     return r["status"] is not None and r["status"] >= 400 and len(msg) > 12
 
 
-def inject(router_url: str, max_seq_len: int, over_len: int = 2, batch: int = 8, prompt_len: int = 1024,
-           prompt_lens: list[int] | None = None, max_tokens: int = 4, timeout_s: float = 120.0,
-           **_: object) -> dict:
+def inject(
+    router_url: str,
+    max_seq_len: int,
+    over_len: int = 2,
+    batch: int = 8,
+    prompt_len: int = 1024,
+    prompt_lens: list[int] | None = None,
+    max_tokens: int = 4,
+    timeout_s: float = 120.0,
+    **_: object,
+) -> dict:
     lens = list(prompt_lens) if prompt_lens else [prompt_len] * batch
     results = asyncio.run(_run(router_url.rstrip("/"), over_len, lens, max_seq_len, max_tokens, timeout_s))
-    return {"mechanism": f"{over_len} prompts over max_seq_len + concurrent prompts of {lens} tokens",
-            "results": results, "clear": sum(clear(r) for r in results),
-            "unclear": sum(not clear(r) for r in results)}
+    return {
+        "mechanism": f"{over_len} prompts over max_seq_len + concurrent prompts of {lens} tokens",
+        "results": results,
+        "clear": sum(clear(r) for r in results),
+        "unclear": sum(not clear(r) for r in results),
+    }
 
 
 def rollback(**_: object) -> dict:

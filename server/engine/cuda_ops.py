@@ -44,8 +44,19 @@ def _next_pow2(n: int) -> int:
 if HAS_TRITON:
 
     @triton.jit
-    def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, stride_x, stride_r, stride_o, n_cols, eps,
-                         HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    def _rms_norm_kernel(
+        x_ptr,
+        res_ptr,
+        w_ptr,
+        out_ptr,
+        stride_x,
+        stride_r,
+        stride_o,
+        n_cols,
+        eps,
+        HAS_RESIDUAL: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         mask = offs < n_cols
@@ -61,11 +72,25 @@ if HAS_TRITON:
         tl.store(out_ptr + row * stride_o + offs, (w * y).to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _rope_cache_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, slot_ptr, q_out_ptr, k_out_ptr,
-                           cache_k_ptr, cache_v_ptr,
-                           stride_qkv, stride_cos, stride_ct, stride_ch,
-                           NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                           HB: tl.constexpr):
+    def _rope_cache_kernel(
+        qkv_ptr,
+        pos_ptr,
+        cos_ptr,
+        sin_ptr,
+        slot_ptr,
+        q_out_ptr,
+        k_out_ptr,
+        cache_k_ptr,
+        cache_v_ptr,
+        stride_qkv,
+        stride_cos,
+        stride_ct,
+        stride_ch,
+        NUM_HEADS: tl.constexpr,
+        NUM_KV_HEADS: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        HB: tl.constexpr,
+    ):
         t = tl.program_id(0).to(tl.int64)
         hh = tl.program_id(1) * HB + tl.arange(0, HB)  # head index over [q heads | k heads]
         half = HEAD_DIM // 2
@@ -87,8 +112,9 @@ if HAS_TRITON:
         a = (x.to(tl.float32) * c[None, :]).to(dt).to(tl.float32)
         b = (xr * s[None, :]).to(dt).to(tl.float32)
         y = (a + b).to(dt)
-        tl.store(q_out_ptr + t * (NUM_HEADS * HEAD_DIM) + hh[:, None] * HEAD_DIM + offs_d[None, :], y,
-                 mask=is_q[:, None])
+        tl.store(
+            q_out_ptr + t * (NUM_HEADS * HEAD_DIM) + hh[:, None] * HEAD_DIM + offs_d[None, :], y, mask=is_q[:, None]
+        )
         kh = hh - NUM_HEADS
         km = is_k[:, None]
         tl.store(k_out_ptr + t * (NUM_KV_HEADS * HEAD_DIM) + kh[:, None] * HEAD_DIM + offs_d[None, :], y, mask=km)
@@ -113,9 +139,21 @@ if HAS_TRITON:
 if HAS_TRITON:
 
     @triton.jit
-    def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_w,
-                     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     STAGES: tl.constexpr = 1, EVEN_N: tl.constexpr = False):
+    def _gemv_kernel(
+        x_ptr,
+        w_ptr,
+        b_ptr,
+        y_ptr,
+        N,
+        K,
+        stride_w,
+        HAS_BIAS: tl.constexpr,
+        EVEN_K: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        STAGES: tl.constexpr = 1,
+        EVEN_N: tl.constexpr = False,
+    ):
         """y[N] = W[N, K] @ x[K] (+ b): products accumulate elementwise, one reduction at the end.
 
         STAGES > 1 software-pipelines the weight stream through shared memory (cp.async, STAGES deep);
@@ -133,12 +171,17 @@ if HAS_TRITON:
                     if EVEN_N:
                         w = tl.load(w_rows + cols[None, :], eviction_policy="evict_first")
                     else:
-                        w = tl.load(w_rows + cols[None, :], mask=rmask[:, None], other=0.0,
-                                    eviction_policy="evict_first")
+                        w = tl.load(
+                            w_rows + cols[None, :], mask=rmask[:, None], other=0.0, eviction_policy="evict_first"
+                        )
                     x = tl.load(x_ptr + cols)
                 else:
-                    w = tl.load(w_rows + cols[None, :], mask=rmask[:, None] & (cols[None, :] < K), other=0.0,
-                                eviction_policy="evict_first")
+                    w = tl.load(
+                        w_rows + cols[None, :],
+                        mask=rmask[:, None] & (cols[None, :] < K),
+                        other=0.0,
+                        eviction_policy="evict_first",
+                    )
                     x = tl.load(x_ptr + cols, mask=cols < K, other=0.0)
                 acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
         else:
@@ -160,11 +203,23 @@ if HAS_TRITON:
 # A GEMV config is (BLOCK_N, BLOCK_K, num_warps) or (BLOCK_N, BLOCK_K, num_warps, STAGES) (pipelined
 # loop). tune_gemv stores the winner on each nn.Linear as `gemv_cfg` (absent/None: cuBLAS).
 GemvCfg = tuple
-GEMV_CANDIDATES = ((4, 1024, 4), (8, 512, 4), (2, 2048, 4), (8, 1024, 8), (16, 512, 8), (4, 512, 2), (16, 256, 4),
-                   # pipelined: best of bench/gemv_study.py on an H200 (CUDA graph, weights out of L2), in us:
-                   # qkv 25.9 (16,256,4,3), o_proj 10.8 (4,512,4,3), gate_up 43.5 (16,256,4,3),
-                   # down 23.6 (8,512,4,3); cuBLAS 28.4 / 13.7 / 47.3 / 28.1
-                   (16, 256, 4, 3), (4, 512, 4, 3), (8, 512, 4, 3), (8, 256, 2, 4), (4, 512, 4, 4))
+GEMV_CANDIDATES = (
+    (4, 1024, 4),
+    (8, 512, 4),
+    (2, 2048, 4),
+    (8, 1024, 8),
+    (16, 512, 8),
+    (4, 512, 2),
+    (16, 256, 4),
+    # pipelined: best of bench/gemv_study.py on an H200 (CUDA graph, weights out of L2), in us:
+    # qkv 25.9 (16,256,4,3), o_proj 10.8 (4,512,4,3), gate_up 43.5 (16,256,4,3),
+    # down 23.6 (8,512,4,3); cuBLAS 28.4 / 13.7 / 47.3 / 28.1
+    (16, 256, 4, 3),
+    (4, 512, 4, 3),
+    (8, 512, 4, 3),
+    (8, 256, 2, 4),
+    (4, 512, 4, 4),
+)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg: GemvCfg) -> torch.Tensor:
@@ -175,8 +230,19 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg: 
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     extra = {"STAGES": stages, "EVEN_N": n % bn == 0, "num_stages": stages} if stages > 1 else {}
     _gemv_kernel[(triton.cdiv(n, bn),)](
-        x, weight, bias if bias is not None else y, y, n, k, weight.stride(0),
-        HAS_BIAS=bias is not None, EVEN_K=k % bk == 0, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, **extra,
+        x,
+        weight,
+        bias if bias is not None else y,
+        y,
+        n,
+        k,
+        weight.stride(0),
+        HAS_BIAS=bias is not None,
+        EVEN_K=k % bk == 0,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        num_warps=nw,
+        **extra,
     )
     return y
 
@@ -232,8 +298,12 @@ def tune_gemv(model, margin: float = 0.03, verbose: bool = False) -> dict:
 
     report = {}
     layers = list(model.layers)
-    getters = [lambda l: l.self_attn.qkv_proj, lambda l: l.self_attn.o_proj, lambda l: l.mlp.gate_up_proj,
-               lambda l: l.mlp.down_proj]
+    getters = [
+        lambda l: l.self_attn.qkv_proj,
+        lambda l: l.self_attn.o_proj,
+        lambda l: l.mlp.gate_up_proj,
+        lambda l: l.mlp.down_proj,
+    ]
     for get in getters:
         mods = [get(l) for l in layers]
         w, b = mods[0].weight, mods[0].bias
@@ -264,8 +334,12 @@ def tune_gemv(model, margin: float = 0.03, verbose: bool = False) -> dict:
                 best, best_ms = cfg, ms
         for m in mods:
             m.gemv_cfg = best
-        report[str(shape)] = {"choice": best, "us": {k: round(v * 1e3, 1) for k, v in times.items()},
-                              "bytes": w.numel() * w.element_size(), "timing": how}
+        report[str(shape)] = {
+            "choice": best,
+            "us": {k: round(v * 1e3, 1) for k, v in times.items()},
+            "bytes": w.numel() * w.element_size(),
+            "timing": how,
+        }
         if verbose:
             print("gemv", shape, report[str(shape)])
     return report
@@ -283,15 +357,34 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
         return out
     block = _next_pow2(n)
     res = residual if residual is not None else x
-    _rms_norm_kernel[(t,)](x, res, weight, out, x.stride(0), res.stride(0), out.stride(0), n, eps,
-                           HAS_RESIDUAL=residual is not None, BLOCK=block,
-                           num_warps=min(16, max(4, block // 512)))
+    _rms_norm_kernel[(t,)](
+        x,
+        res,
+        weight,
+        out,
+        x.stride(0),
+        res.stride(0),
+        out.stride(0),
+        n,
+        eps,
+        HAS_RESIDUAL=residual is not None,
+        BLOCK=block,
+        num_warps=min(16, max(4, block // 512)),
+    )
     return out
 
 
-def rope_and_cache(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                   kv_cache: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int,
-                   head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_and_cache(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """RoPE on q and k of a fused qkv projection; K/V stored at ``slot_mapping`` (negative: skipped).
 
     Returns ``q [T, H, D]`` and ``k [T, Hkv, D]`` (rotated, contiguous).
@@ -304,9 +397,24 @@ def rope_and_cache(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor
     hb = 8
     ck, cv = kv_cache[0], kv_cache[1]
     _rope_cache_kernel[(t, -(-(num_heads + num_kv_heads) // hb))](
-        qkv, positions, cos, sin, slot_mapping, q, k, ck, cv,
-        qkv.stride(0), cos.stride(0), ck.stride(0), ck.stride(1),
-        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HB=hb, num_warps=4,
+        qkv,
+        positions,
+        cos,
+        sin,
+        slot_mapping,
+        q,
+        k,
+        ck,
+        cv,
+        qkv.stride(0),
+        cos.stride(0),
+        ck.stride(0),
+        ck.stride(1),
+        NUM_HEADS=num_heads,
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        HB=hb,
+        num_warps=4,
     )
     return q, k
 
@@ -325,9 +433,10 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 def _fused_attention(attn, h, positions, cos, sin, kv_cache, meta, backend):
     t = h.shape[0]
     qkv = linear(h, attn.qkv_proj)
-    q, k = rope_and_cache(qkv, positions, cos, sin, kv_cache, meta.slot_mapping,
-                          attn.num_heads, attn.num_kv_heads, attn.head_dim)
-    v = qkv[:, attn.q_size + attn.kv_size:].view(t, attn.num_kv_heads, attn.head_dim)
+    q, k = rope_and_cache(
+        qkv, positions, cos, sin, kv_cache, meta.slot_mapping, attn.num_heads, attn.num_kv_heads, attn.head_dim
+    )
+    v = qkv[:, attn.q_size + attn.kv_size :].view(t, attn.num_kv_heads, attn.head_dim)
     o = backend.attend(q, k, v, kv_cache, meta, attn.scale)
     return linear(o.reshape(t, attn.q_size), attn.o_proj)  # (reshape copies only a non-contiguous view)
 

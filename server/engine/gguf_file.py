@@ -19,12 +19,29 @@ from typing import Any
 import numpy as np
 
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-_NP = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32, 6: np.float32,
-       7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}
+_NP = {
+    0: np.uint8,
+    1: np.int8,
+    2: np.uint16,
+    3: np.int16,
+    4: np.uint32,
+    5: np.int32,
+    6: np.float32,
+    7: np.bool_,
+    10: np.uint64,
+    11: np.int64,
+    12: np.float64,
+}
 _STRING, _ARRAY = 8, 9
 # ggml type id -> (name, weights per block, bytes per block) for the types read without the gguf package
-GGML_TYPES = {0: ("F32", 1, 4), 1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20),
-              8: ("Q8_0", 32, 34), 30: ("BF16", 1, 2)}
+GGML_TYPES = {
+    0: ("F32", 1, 4),
+    1: ("F16", 1, 2),
+    2: ("Q4_0", 32, 18),
+    3: ("Q4_1", 32, 20),
+    8: ("Q8_0", 32, 34),
+    30: ("BF16", 1, 2),
+}
 
 
 @dataclass(frozen=True)
@@ -73,7 +90,7 @@ class GGUFFile:
             begin = start + offset
             if begin + nbytes > len(self._mm):
                 raise ValueError(f"tensor '{name}' runs past the end of the file (truncated download?)")
-            self.tensors.append(GGUFTensor(name, shape, GGMLType(type_id, tname), self._mm[begin:begin + nbytes]))
+            self.tensors.append(GGUFTensor(name, shape, GGMLType(type_id, tname), self._mm[begin : begin + nbytes]))
 
     def _scalar(self, t: int) -> Any:
         fmt = _SCALARS[t]
@@ -83,7 +100,7 @@ class GGUFFile:
 
     def _string(self) -> str:
         n = self._scalar(10)
-        s = bytes(self._buf[self._pos:self._pos + n]).decode("utf-8", "replace")
+        s = bytes(self._buf[self._pos : self._pos + n]).decode("utf-8", "replace")
         self._pos += n
         return s
 

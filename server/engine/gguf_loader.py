@@ -217,8 +217,9 @@ def build_tokenizer(meta: GGUFMetadata):
         i = meta.get(key)
         return tokens[i] if isinstance(i, int) and 0 <= i < len(tokens) else None
 
-    tok = Tokenizer(BPE(vocab, merges, unk_token=tok_at("tokenizer.ggml.unknown_token_id"), fuse_unk=True,
-                        byte_fallback=True))
+    tok = Tokenizer(
+        BPE(vocab, merges, unk_token=tok_at("tokenizer.ggml.unknown_token_id"), fuse_unk=True, byte_fallback=True)
+    )
     if kind == "gpt2":
         tok.normalizer = normalizers.Sequence([])
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=True)
@@ -233,15 +234,26 @@ def build_tokenizer(meta: GGUFMetadata):
     if types:
         special = [tokens[i] for i, t in enumerate(types) if t == _TOKEN_TYPE_CONTROL]
     else:
-        special = [t for t in (tok_at("tokenizer.ggml.unknown_token_id"), tok_at("tokenizer.ggml.bos_token_id"),
-                               tok_at("tokenizer.ggml.eos_token_id")) if t is not None]
+        special = [
+            t
+            for t in (
+                tok_at("tokenizer.ggml.unknown_token_id"),
+                tok_at("tokenizer.ggml.bos_token_id"),
+                tok_at("tokenizer.ggml.eos_token_id"),
+            )
+            if t is not None
+        ]
     if special:
         tok.add_special_tokens([AddedToken(s, normalized=False, special=True) for s in special])
     add_bos = meta.get("tokenizer.ggml.add_bos_token")
     template = meta.get("tokenizer.chat_template")
-    return (tok, meta.get("tokenizer.ggml.bos_token_id"), meta.get("tokenizer.ggml.eos_token_id"),
-            add_bos if isinstance(add_bos, bool) else kind == "llama",
-            template if isinstance(template, str) else None)
+    return (
+        tok,
+        meta.get("tokenizer.ggml.bos_token_id"),
+        meta.get("tokenizer.ggml.eos_token_id"),
+        add_bos if isinstance(add_bos, bool) else kind == "llama",
+        template if isinstance(template, str) else None,
+    )
 
 
 def _merges_from_scores(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
@@ -250,8 +262,9 @@ def _merges_from_scores(tokens: list[str], scores: list[float]) -> list[tuple[st
     vocab = {t: scores[i] for i, t in enumerate(tokens)}
     merges: list[tuple[str, str, float]] = []
     for piece, score in vocab.items():
-        local = [(piece[:k], piece[k:], score) for k in range(1, len(piece))
-                 if piece[:k] in vocab and piece[k:] in vocab]
+        local = [
+            (piece[:k], piece[k:], score) for k in range(1, len(piece)) if piece[:k] in vocab and piece[k:] in vocab
+        ]
         local.sort(key=lambda x: (vocab[x[0]], vocab[x[1]]), reverse=True)
         merges.extend(local)
     merges.sort(key=lambda m: m[2], reverse=True)

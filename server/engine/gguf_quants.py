@@ -21,7 +21,7 @@ def _blocks(raw: np.ndarray, block_bytes: int) -> torch.Tensor:
 
 
 def _scale(b: torch.Tensor, start: int) -> torch.Tensor:
-    return b[:, start:start + 2].contiguous().view(torch.float16).to(torch.float32)
+    return b[:, start : start + 2].contiguous().view(torch.float16).to(torch.float32)
 
 
 def _nibbles(qs: torch.Tensor) -> torch.Tensor:

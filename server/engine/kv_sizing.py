@@ -29,15 +29,23 @@ class KVBudget:
 
     def describe(self) -> str:
         gib = 2**30
-        return (f"KV cache {self.num_blocks} blocks = {self.kv_bytes / gib:.2f} GiB "
-                f"(gpu_memory_utilization {self.utilization:.2f} of {self.total_bytes / gib:.1f} GiB; "
-                f"weights+activations peak {self.peak_bytes / gib:.2f} GiB, "
-                f"outside torch {self.non_torch_bytes / gib:.2f} GiB)")
+        return (
+            f"KV cache {self.num_blocks} blocks = {self.kv_bytes / gib:.2f} GiB "
+            f"(gpu_memory_utilization {self.utilization:.2f} of {self.total_bytes / gib:.1f} GiB; "
+            f"weights+activations peak {self.peak_bytes / gib:.2f} GiB, "
+            f"outside torch {self.non_torch_bytes / gib:.2f} GiB)"
+        )
 
 
-def kv_blocks_from_memory(total_bytes: int, utilization: float, peak_bytes: int, non_torch_bytes: int,
-                          block_bytes: int, free_bytes: int | None = None, reserve_bytes: int = 256 * 2**20
-                          ) -> KVBudget:
+def kv_blocks_from_memory(
+    total_bytes: int,
+    utilization: float,
+    peak_bytes: int,
+    non_torch_bytes: int,
+    block_bytes: int,
+    free_bytes: int | None = None,
+    reserve_bytes: int = 256 * 2**20,
+) -> KVBudget:
     """Blocks that fit in ``utilization * total - peak - non_torch`` (this worker's share, as in vLLM:
     two workers on one GPU take e.g. 0.45 each), and in what is actually free minus
     ``reserve_bytes`` (CUDA graphs and the allocator's slack come after sizing); ValueError (saying
@@ -59,5 +67,6 @@ def kv_blocks_from_memory(total_bytes: int, utilization: float, peak_bytes: int,
             f"(device free {free_bytes / gib:.2f} GiB) leaves {free / gib:.2f} GiB after weights+activations "
             f"({peak_bytes / gib:.2f} GiB) and memory "
             f"outside torch ({non_torch_bytes / gib:.2f} GiB); raise cache.gpu_memory_utilization, lower "
-            f"prefill.max_num_batched_tokens, or set cache.num_gpu_blocks")
+            f"prefill.max_num_batched_tokens, or set cache.num_gpu_blocks"
+        )
     return KVBudget(total_bytes, utilization, peak_bytes, non_torch_bytes, free_bytes, block_bytes, num_blocks)

@@ -113,8 +113,13 @@ class LLMEngine:
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         window = self.model_config.sliding_window
         if window is not None and window < self.max_model_len:
-            log.warning("model uses sliding-window attention (window %d); max_seq_len capped from %d to %d "
-                        "so full attention stays exact", window, self.max_model_len, window)
+            log.warning(
+                "model uses sliding-window attention (window %d); max_seq_len capped from %d to %d "
+                "so full attention stays exact",
+                window,
+                self.max_model_len,
+                window,
+            )
             self.max_model_len = window
         self.kv_budget: KVBudget | None = None
         if not config.num_blocks and self.device.type == "cuda" and config.gpu_memory_utilization > 0:
@@ -123,8 +128,10 @@ class LLMEngine:
             num_blocks = self.kv_budget.num_blocks
         else:
             num_blocks = config.num_blocks or max(
-                1, config.kv_cache_memory_mb * 2**20 // kv_bytes_per_block(self.model_config, config.block_size,
-                                                                           self.dtype)
+                1,
+                config.kv_cache_memory_mb
+                * 2**20
+                // kv_bytes_per_block(self.model_config, config.block_size, self.dtype),
             )
         self._build_cache(num_blocks)
         self.sampler = Sampler()
@@ -181,9 +188,14 @@ class LLMEngine:
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         non_torch = max(0, self._free_at_start - free - torch.cuda.memory_reserved(self.device))
-        return kv_blocks_from_memory(total, config.gpu_memory_utilization, peak, non_torch,
-                                     kv_bytes_per_block(self.model_config, bs, self.dtype),
-                                     free_bytes=free - (peak - torch.cuda.memory_allocated(self.device)))
+        return kv_blocks_from_memory(
+            total,
+            config.gpu_memory_utilization,
+            peak,
+            non_torch,
+            kv_bytes_per_block(self.model_config, bs, self.dtype),
+            free_bytes=free - (peak - torch.cuda.memory_allocated(self.device)),
+        )
 
     def _resolve_dtype(self) -> torch.dtype:
         if self.config.dtype != "auto":
@@ -208,21 +220,28 @@ class LLMEngine:
         if bad:
             raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    *, prefill_only: bool = False, output_token_ids: list[int] | None = None) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        prefill_only: bool = False,
+        output_token_ids: list[int] | None = None,
+    ) -> None:
         """Queue a request. ``output_token_ids`` resumes a request that already produced
         tokens elsewhere (migration, or a KV transfer that failed under policy ``recompute``):
         they are prefilled with the prompt and generation continues after them."""
         outputs = list(output_token_ids or [])
         self._check_new(request_id, prompt_token_ids, len(outputs))
-        seq = Sequence(request_id, list(prompt_token_ids), params, prefill_only=prefill_only,
-                       output_token_ids=outputs)
+        seq = Sequence(request_id, list(prompt_token_ids), params, prefill_only=prefill_only, output_token_ids=outputs)
         self._register(seq)
         self.scheduler.add(seq)
 
     # --- decode side of a KV transfer: reserve blocks, then commit the pulled KV ---
-    def reserve_prefilled(self, request_id: str, prompt_token_ids: list[int], output_token_ids: list[int],
-                          params: SamplingParams) -> bool:
+    def reserve_prefilled(
+        self, request_id: str, prompt_token_ids: list[int], output_token_ids: list[int], params: SamplingParams
+    ) -> bool:
         """Allocate blocks for a request whose KV will arrive from a prefill worker.
 
         The KV covers every token but the newest (``len(prompt) + len(outputs) - 1``).
@@ -296,8 +315,11 @@ class LLMEngine:
         outputs: list[RequestOutput] = []
         for seq in sched.rejected:
             blocks = -(-seq.num_tokens // self.block_manager.block_size)
-            outputs.append(self._fail(seq, f"request needs {blocks} KV blocks; this worker's KV pool has "
-                                           f"{self.block_manager.num_blocks}"))
+            outputs.append(
+                self._fail(
+                    seq, f"request needs {blocks} KV blocks; this worker's KV pool has {self.block_manager.num_blocks}"
+                )
+            )
         if sched.is_empty:
             return outputs
         self.stats.num_steps += 1
@@ -309,12 +331,16 @@ class LLMEngine:
         except Exception as e:  # find whose input breaks the forward; the others go on
             scheduled, logits = self._execute_isolating(scheduled, e, outputs)
         sampling = [s.seq for s in scheduled if s.samples]
-        tokens = self.sampler.sample(
-            logits,
-            [s.sampling_params for s in sampling],
-            [self._seeds[s.request_id] for s in sampling],
-            [s.num_output_tokens for s in sampling],
-        ) if sampling else []
+        tokens = (
+            self.sampler.sample(
+                logits,
+                [s.sampling_params for s in sampling],
+                [self._seeds[s.request_id] for s in sampling],
+                [s.num_output_tokens for s in sampling],
+            )
+            if sampling
+            else []
+        )
         bm = self.block_manager
         for s in scheduled:
             s.seq.num_computed_tokens += s.num_new_tokens
@@ -338,8 +364,12 @@ class LLMEngine:
         """The batch forward raised: run each entry alone, fail the ones that still raise (with the
         error they raise), and return (the entries that ran, their logits rows) so the step goes on
         for them. Re-running writes the same KV slots again, so it is safe to repeat."""
-        log.warning("engine step of %d sequences failed (%s: %s); retrying them one by one",
-                    len(scheduled), type(error).__name__, error)
+        log.warning(
+            "engine step of %d sequences failed (%s: %s); retrying them one by one",
+            len(scheduled),
+            type(error).__name__,
+            error,
+        )
         kept, rows = [], []
         for s in scheduled:
             try:
@@ -349,8 +379,7 @@ class LLMEngine:
             except Exception as e:
                 log.warning("request %s fails the model forward: %s: %s", s.seq.request_id, type(e).__name__, e)
                 self.scheduler.remove(s.seq)
-                outputs.append(self._fail(s.seq, f"the model forward failed on this request: "
-                                                 f"{type(e).__name__}: {e}"))
+                outputs.append(self._fail(s.seq, f"the model forward failed on this request: {type(e).__name__}: {e}"))
                 continue
             kept.append(s)
             if s.samples:

@@ -74,9 +74,7 @@ def load_state_dict(
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():
                 if name in out:
-                    raise ValueError(
-                        f"{folder}: tensor '{name}' appears in both {origin[name].name} and {path.name}"
-                    )
+                    raise ValueError(f"{folder}: tensor '{name}' appears in both {origin[name].name} and {path.name}")
                 t = f.get_tensor(name)
                 if dtype is not None and t.is_floating_point() and t.dtype != dtype:
                     t = t.to(dtype)
@@ -89,9 +87,7 @@ def load_state_dict(
         if missing:
             shown = ", ".join(f"'{n}' (expected in {s})" for n, s in missing[:5])
             more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
-            raise ValueError(
-                f"{folder / INDEX_FILE} names tensors that its shards do not contain: {shown}{more}"
-            )
+            raise ValueError(f"{folder / INDEX_FILE} names tensors that its shards do not contain: {shown}{more}")
     return out
 
 
@@ -115,9 +111,7 @@ def _plan(folder: Path) -> tuple[list[Path], dict[str, str] | None]:
                 raise ValueError(f"{index_path}: weight_map names an invalid shard file {s!r}")
         missing = [s for s in shards if not (folder / s).is_file()]
         if missing:
-            raise FileNotFoundError(
-                f"{folder}: shard file(s) listed in {INDEX_FILE} are missing: {', '.join(missing)}"
-            )
+            raise FileNotFoundError(f"{folder}: shard file(s) listed in {INDEX_FILE} are missing: {', '.join(missing)}")
         return [folder / s for s in shards], dict(weight_map)
 
     single = folder / SINGLE_FILE
@@ -151,8 +145,14 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     """The tokenizer (with chat template and special tokens) of a resolved model path."""
     if gguf_loader.is_gguf_file(path):
         backend, bos, eos, add_bos, template = gguf_loader.build_tokenizer(gguf_loader.read_metadata(path))
-        return Tokenizer(backend, bos_token_id=bos, eos_token_id=eos, eos_token_ids=[eos] if eos is not None else [],
-                         add_bos_token=add_bos, chat_template=template)
+        return Tokenizer(
+            backend,
+            bos_token_id=bos,
+            eos_token_id=eos,
+            eos_token_ids=[eos] if eos is not None else [],
+            add_bos_token=add_bos,
+            chat_template=template,
+        )
     return Tokenizer.from_folder(path)
 
 
@@ -195,7 +195,5 @@ def resolve_model_path(model: str | Path | None) -> Path:
             f"Model path '{model}' is a file but not a .gguf file; pass a GGUF file or a Hugging Face model folder."
         )
     if not (p / "config.json").is_file():
-        raise FileNotFoundError(
-            f"Model folder '{model}' has no config.json, so it is not a Hugging Face model folder."
-        )
+        raise FileNotFoundError(f"Model folder '{model}' has no config.json, so it is not a Hugging Face model folder.")
     return p.resolve()

@@ -105,7 +105,7 @@ class LlamaAttention(nn.Module):
         self.head_dim = cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.scale = self.head_dim ** -0.5
+        self.scale = self.head_dim**-0.5
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         # Llama's attention_bias covers o_proj too; Qwen2 biases q/k/v only.
         o_bias = cfg.attention_bias and cfg.architecture != "Qwen2ForCausalLM"
@@ -117,9 +117,10 @@ class LlamaAttention(nn.Module):
         t = x.shape[0]
         qkv = F.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
         nq = self.num_heads
-        qk = apply_rope(qkv[:, : self.q_size + self.kv_size].view(t, nq + self.num_kv_heads, self.head_dim),
-                        cos, signed_sin)
-        v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
+        qk = apply_rope(
+            qkv[:, : self.q_size + self.kv_size].view(t, nq + self.num_kv_heads, self.head_dim), cos, signed_sin
+        )
+        v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
         o = backend.forward(qk[:, :nq], qk[:, nq:], v, kv_cache, meta, self.scale)
         return F.linear(o.reshape(t, self.q_size), self.o_proj.weight, self.o_proj.bias)
 
@@ -165,8 +166,9 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
-    def forward(self, input_ids, positions, kv_caches: list[torch.Tensor], meta: AttentionMetadata,
-                max_position: int) -> torch.Tensor:
+    def forward(
+        self, input_ids, positions, kv_caches: list[torch.Tensor], meta: AttentionMetadata, max_position: int
+    ) -> torch.Tensor:
         x = F.embedding(input_ids, self.embed_tokens.weight)
         cos, signed_sin = self.rotary.tables(positions, x.dtype, max_position)
         backend = self.backend
@@ -216,8 +218,11 @@ class LlamaForCausalLM(nn.Module):
             qkv = torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
             copy(att.qkv_proj.weight, qkv, p + "self_attn.qkv_proj.weight")
             if att.qkv_proj.bias is not None:
-                copy(att.qkv_proj.bias, torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"]),
-                     p + "self_attn.qkv_proj.bias")
+                copy(
+                    att.qkv_proj.bias,
+                    torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"]),
+                    p + "self_attn.qkv_proj.bias",
+                )
             copy(att.o_proj.weight, take(p + "self_attn.o_proj.weight"), p + "self_attn.o_proj.weight")
             if att.o_proj.bias is not None:
                 copy(att.o_proj.bias, take(p + "self_attn.o_proj.bias"), p + "self_attn.o_proj.bias")
@@ -226,12 +231,18 @@ class LlamaForCausalLM(nn.Module):
             copy(mlp.gate_up_proj.weight, gate_up, p + "mlp.gate_up_proj.weight")
             copy(mlp.down_proj.weight, take(p + "mlp.down_proj.weight"), p + "mlp.down_proj.weight")
             if mlp.gate_up_proj.bias is not None:
-                copy(mlp.gate_up_proj.bias, torch.cat([take(p + "mlp.gate_proj.bias"), take(p + "mlp.up_proj.bias")]),
-                     p + "mlp.gate_up_proj.bias")
+                copy(
+                    mlp.gate_up_proj.bias,
+                    torch.cat([take(p + "mlp.gate_proj.bias"), take(p + "mlp.up_proj.bias")]),
+                    p + "mlp.gate_up_proj.bias",
+                )
                 copy(mlp.down_proj.bias, take(p + "mlp.down_proj.bias"), p + "mlp.down_proj.bias")
             copy(layer.input_layernorm.weight, take(p + "input_layernorm.weight"), p + "input_layernorm.weight")
-            copy(layer.post_attention_layernorm.weight, take(p + "post_attention_layernorm.weight"),
-                 p + "post_attention_layernorm.weight")
+            copy(
+                layer.post_attention_layernorm.weight,
+                take(p + "post_attention_layernorm.weight"),
+                p + "post_attention_layernorm.weight",
+            )
         extra = [n for n in sd if n not in used and not n.endswith("rotary_emb.inv_freq")]
         if extra:
             raise ValueError(f"weights: {len(extra)} unexpected tensor(s), e.g. '{extra[0]}'")

@@ -79,8 +79,7 @@ class ModelConfig:
         head_dim = int(d.get("head_dim") or hidden // n_heads)
         if n_heads % n_kv:
             raise ValueError(
-                f"config.json: num_attention_heads={n_heads} is not a multiple of "
-                f"num_key_value_heads={n_kv}"
+                f"config.json: num_attention_heads={n_heads} is not a multiple of num_key_value_heads={n_kv}"
             )
         eos = d.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
@@ -105,8 +104,9 @@ class ModelConfig:
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=tuple(int(e) for e in eos_ids),
             torch_dtype=str(d.get("torch_dtype") or d.get("dtype") or "float32"),
-            sliding_window=(int(d["sliding_window"]) if d.get("sliding_window")
-                            and d.get("use_sliding_window", True) else None),
+            sliding_window=(
+                int(d["sliding_window"]) if d.get("sliding_window") and d.get("use_sliding_window", True) else None
+            ),
         )
 
     @classmethod

@@ -22,7 +22,7 @@ def _token_span(seq, start: int, end: int) -> list[int]:
     if end <= n:
         return prompt[start:end]
     if start >= n:
-        return seq.output_token_ids[start - n: end - n]
+        return seq.output_token_ids[start - n : end - n]
     return prompt[start:] + seq.output_token_ids[: end - n]
 
 
@@ -32,8 +32,9 @@ def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) ->
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, model: LlamaForCausalLM, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
         cfg = model.config
         self.model = model
         self.config = cfg
@@ -42,8 +43,7 @@ class ModelRunner:
         self.device = device
         self.dtype = dtype
         self.kv_caches = [
-            torch.zeros(2, num_blocks * block_size, cfg.num_key_value_heads, cfg.head_dim,
-                        dtype=dtype, device=device)
+            torch.zeros(2, num_blocks * block_size, cfg.num_key_value_heads, cfg.head_dim, dtype=dtype, device=device)
             for _ in range(cfg.num_hidden_layers)
         ]
         self.graph_runner = None  # CudaGraphRunner for all-decode steps on CUDA (cuda_graph_runner.py)
@@ -104,10 +104,10 @@ class ModelRunner:
         dec_slens_t: torch.Tensor | None = None
         dec_table_t: torch.Tensor | None = None
         if nd:
-            dec_slens_t = ints[off: off + nd]
-            dec_table_t = ints[off + nd: off + nd + nd * width].view(nd, width)
+            dec_slens_t = ints[off : off + nd]
+            dec_table_t = ints[off + nd : off + nd + nd * width].view(nd, width)
         meta = AttentionMetadata(
-            slot_mapping=ints[2 * t: 3 * t],
+            slot_mapping=ints[2 * t : 3 * t],
             block_size=bs,
             prefill_query_lens=pf_qlens,
             prefill_seq_lens=pf_slens,
@@ -116,7 +116,7 @@ class ModelRunner:
             decode_block_tables=dec_table_t,
             decode_max_seq_len=max(dec_slens, default=0),
         )
-        hidden = self.model(ints[:t], ints[t: 2 * t], self.kv_caches, meta, max(positions))
+        hidden = self.model(ints[:t], ints[t : 2 * t], self.kv_caches, meta, max(positions))
         if not sample_rows:
             return torch.empty(0, self.config.vocab_size)
         if len(sample_rows) < t:  # prefill chunks: only each sequence's last row is sampled
@@ -136,8 +136,9 @@ class ModelRunner:
         slots = (table[:, None] * bs + torch.arange(bs)).reshape(-1)[:num_tokens]
         slots = slots.to(self.device, non_blocking=True)
         first = self.kv_caches[0]
-        out = torch.empty((len(self.kv_caches), 2, num_tokens, *first.shape[2:]), dtype=first.dtype,
-                          device=first.device)
+        out = torch.empty(
+            (len(self.kv_caches), 2, num_tokens, *first.shape[2:]), dtype=first.dtype, device=first.device
+        )
         for layer, c in enumerate(self.kv_caches):
             torch.index_select(c, 1, slots, out=out[layer])
         return out

@@ -25,23 +25,60 @@ INIT_STD = 0.02
 
 def _llama(**shape) -> ModelConfig:
     """A Llama-architecture config: head_dim 128, bf16, Llama-2 norms/RoPE/ids unless given."""
-    defaults = dict(architecture="LlamaForCausalLM", head_dim=128, rms_norm_eps=1e-5, rope_theta=10000.0,
-                    bos_token_id=1, eos_token_ids=(2,), torch_dtype="bfloat16")
+    defaults = dict(
+        architecture="LlamaForCausalLM",
+        head_dim=128,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        bos_token_id=1,
+        eos_token_ids=(2,),
+        torch_dtype="bfloat16",
+    )
     return ModelConfig(**{**defaults, **shape})
 
 
 PRESETS: dict[str, ModelConfig] = {
-    "llama-2-7b": _llama(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
-                         num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096),
+    "llama-2-7b": _llama(
+        vocab_size=32000,
+        hidden_size=4096,
+        intermediate_size=11008,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        max_position_embeddings=4096,
+    ),
     # Llama-3-8B shape (GQA 4:1), for the kernel's grouped path.
-    "llama-3-8b": _llama(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                         num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
-                         rope_theta=500000.0, bos_token_id=128000, eos_token_ids=(128001,)),
+    "llama-3-8b": _llama(
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        max_position_embeddings=8192,
+        rope_theta=500000.0,
+        bos_token_id=128000,
+        eos_token_ids=(128001,),
+    ),
     # Small shapes for GPU tests (seconds to build, same code paths).
-    "tiny-gpu": _llama(vocab_size=1024, hidden_size=512, intermediate_size=1376, num_hidden_layers=4,
-                       num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=8192),
-    "tiny-gpu-gqa": _llama(vocab_size=1024, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
-                           num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=8192),
+    "tiny-gpu": _llama(
+        vocab_size=1024,
+        hidden_size=512,
+        intermediate_size=1376,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=8192,
+    ),
+    "tiny-gpu-gqa": _llama(
+        vocab_size=1024,
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=8192,
+    ),
 }
 
 
@@ -50,7 +87,7 @@ def is_preset(model: str | None) -> TypeGuard[str]:
 
 
 def preset_config(model: str) -> ModelConfig:
-    name = model[len(PRESET_PREFIX):] if is_preset(model) else model
+    name = model[len(PRESET_PREFIX) :] if is_preset(model) else model
     if name not in PRESETS:
         raise ValueError(f"unknown model preset {name!r}; known: {', '.join(sorted(PRESETS))}")
     return PRESETS[name]
@@ -73,10 +110,9 @@ def init_random_weights(model: torch.nn.Module, seed: int = 0, std: float = INIT
             flat = p.view(-1)
             step = 1 << 26
             for i in range(0, flat.numel(), step):
-                chunk = flat[i:i + step]
+                chunk = flat[i : i + step]
                 chunk.copy_(torch.randn(chunk.shape, generator=gen, device=device, dtype=torch.float32) * std)
         else:
             p.normal_(0.0, std, generator=gen)
     if getattr(model.config, "tie_word_embeddings", False):
         model.lm_head.weight = model.embed_tokens.weight  # type: ignore[union-attr]  # modules typed loosely by torch
-

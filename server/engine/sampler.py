@@ -52,8 +52,9 @@ class Sampler:
     exactly those requests; the rest of the batch goes on (DESIGN: one request never fails another).
     """
 
-    def sample(self, logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
-               indices: list[int]) -> list[int | str]:
+    def sample(
+        self, logits: torch.Tensor, params: list[SamplingParams], seeds: list[int], indices: list[int]
+    ) -> list[int | str]:
         """One token (or a failure reason) per row of ``logits`` ([B, vocab], float32)."""
         # A row sum is non-finite iff the row holds a NaN or an Inf: one reduction, no extra sync
         # (it travels with the tokens in the same .tolist()).

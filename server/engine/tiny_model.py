@@ -217,26 +217,20 @@ def build_byte_fallback_tokenizer(vocab: int = 512):
     from tokenizers import AddedToken, Tokenizer, decoders, models, processors
 
     if vocab < MIN_VOCAB:
-        raise ValueError(
-            f"vocab={vocab} is too small: the byte-fallback tokenizer needs at least {MIN_VOCAB} ids."
-        )
+        raise ValueError(f"vocab={vocab} is too small: the byte-fallback tokenizer needs at least {MIN_VOCAB} ids.")
     table: dict[str, int] = {tok: i for i, tok in enumerate(_SPECIAL_TOKENS)}
     for b in range(256):
         table[f"<0x{b:02X}>"] = BYTE_TOKEN_OFFSET + b
     for n in range(vocab - MIN_VOCAB):
         table[f"<extra_{n}>"] = MIN_VOCAB + n
-    model = models.BPE(
-        vocab=table, merges=[], unk_token="<unk>", byte_fallback=True, fuse_unk=True
-    )
+    model = models.BPE(vocab=table, merges=[], unk_token="<unk>", byte_fallback=True, fuse_unk=True)
     tok = Tokenizer(model)
     # No normalizer / pre-tokenizer: every character falls back to its UTF-8 bytes.
     tok.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse()])
     tok.post_processor = processors.TemplateProcessing(
         single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 1)]
     )
-    tok.add_special_tokens(
-        [AddedToken(s, special=True, normalized=False) for s in _SPECIAL_TOKENS]
-    )
+    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in _SPECIAL_TOKENS])
     return tok
 
 

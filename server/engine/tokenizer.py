@@ -73,9 +73,7 @@ class Tokenizer:
             self.eos_token_id = 2 if eos_token_id is None else eos_token_id
             self.special_token_ids = frozenset(range(BYTE_OFFSET))
             self._special_content = {i: s for i, s in enumerate(BYTE_SPECIAL_TOKENS)}
-            table: list[bytes] | None = [s.encode() for s in BYTE_SPECIAL_TOKENS] + [
-                bytes([b]) for b in range(256)
-            ]
+            table: list[bytes] | None = [s.encode() for s in BYTE_SPECIAL_TOKENS] + [bytes([b]) for b in range(256)]
             self._strip_first_space = False
             self.add_bos_token = True if add_bos_token is None else add_bos_token
         else:

@@ -17,7 +17,17 @@ from .receiver import KVPuller
 from .sender import KVStagingServer, SenderStats, StagingFullError
 
 __all__ = [
-    "DEFAULT_MAX_NBYTES", "FrameError", "KVHandle", "KVPuller", "KVReceiver", "KVSender",
-    "KVStagingServer", "PullResult", "SenderStats", "StagingFullError", "TransferStatus",
-    "choose_transport", "host_id",
+    "DEFAULT_MAX_NBYTES",
+    "FrameError",
+    "KVHandle",
+    "KVPuller",
+    "KVReceiver",
+    "KVSender",
+    "KVStagingServer",
+    "PullResult",
+    "SenderStats",
+    "StagingFullError",
+    "TransferStatus",
+    "choose_transport",
+    "host_id",
 ]

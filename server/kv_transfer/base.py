@@ -111,13 +111,11 @@ class KVHandle:
         for dim in self.shape:
             _check_int("shape[i]", dim, 0, max_nbytes)
         if not isinstance(self.dtype, str) or self.dtype not in DTYPE_NAMES:
-            raise ValueError(f"KVHandle.dtype={self.dtype!r}, expected one of "
-                             f"{sorted(DTYPE_NAMES)}")
+            raise ValueError(f"KVHandle.dtype={self.dtype!r}, expected one of {sorted(DTYPE_NAMES)}")
         _check_int("nbytes", self.nbytes, 0, max_nbytes)
         itemsize = DTYPE_NAMES[self.dtype].itemsize
         if math.prod(self.shape) * itemsize != self.nbytes:
-            raise ValueError(f"KVHandle.nbytes={self.nbytes} != prod(shape {self.shape}) * "
-                             f"itemsize {itemsize}")
+            raise ValueError(f"KVHandle.nbytes={self.nbytes} != prod(shape {self.shape}) * itemsize {itemsize}")
         if self.checksum is not None:
             _check_int("checksum", self.checksum, 0, 0xFFFFFFFF)
         _check_str("host_id", self.host_id, MAX_HOST_ID_CHARS)
@@ -131,18 +129,25 @@ class KVHandle:
         return DTYPE_NAMES[self.dtype]
 
     def to_dict(self) -> dict[str, Any]:
-        return {"request_id": self.request_id, "transport": self.transport,
-                "address": self.address, "secret": self.secret, "nbytes": self.nbytes,
-                "shape": list(self.shape), "dtype": self.dtype, "checksum": self.checksum,
-                "host_id": self.host_id, **({"ipc": self.ipc} if self.ipc else {})}
+        return {
+            "request_id": self.request_id,
+            "transport": self.transport,
+            "address": self.address,
+            "secret": self.secret,
+            "nbytes": self.nbytes,
+            "shape": list(self.shape),
+            "dtype": self.dtype,
+            "checksum": self.checksum,
+            "host_id": self.host_id,
+            **({"ipc": self.ipc} if self.ipc else {}),
+        }
 
     @classmethod
     def from_dict(cls, data: Any, max_nbytes: int = DEFAULT_MAX_NBYTES) -> KVHandle:
         """Build from untrusted JSON: exact key set, strict types, size caps. Raises ValueError."""
         if not isinstance(data, dict):
             raise ValueError(f"KV handle must be a JSON object, got {type(data).__name__}")
-        expected = {"request_id", "transport", "address", "secret", "nbytes", "shape", "dtype",
-                    "checksum", "host_id"}
+        expected = {"request_id", "transport", "address", "secret", "nbytes", "shape", "dtype", "checksum", "host_id"}
         if set(data) - {"ipc"} != expected:
             missing, extra = sorted(expected - set(data)), sorted(set(data) - expected)
             raise ValueError(f"KV handle keys: missing {missing}, unexpected {extra}")
@@ -171,8 +176,15 @@ class KVSender(abc.ABC):
     """Prefill side: holds staged KV under a lease until it is pulled, released or expires."""
 
     @abc.abstractmethod
-    def stage(self, request_id: str, tensor: torch.Tensor, lease_ms: float | None = None,
-              *, transport: str = "tcp", checksum: bool | None = None) -> KVHandle: ...
+    def stage(
+        self,
+        request_id: str,
+        tensor: torch.Tensor,
+        lease_ms: float | None = None,
+        *,
+        transport: str = "tcp",
+        checksum: bool | None = None,
+    ) -> KVHandle: ...
 
     @abc.abstractmethod
     def abort(self, request_id: str) -> bool:
@@ -204,8 +216,7 @@ class KVReceiver(abc.ABC):
     """Decode side: pulls a staged tensor. Never raises for transfer failures."""
 
     @abc.abstractmethod
-    def pull(self, handle: KVHandle, timeout_s: float = 30.0, *,
-             out: torch.Tensor | None = None) -> PullResult: ...
+    def pull(self, handle: KVHandle, timeout_s: float = 30.0, *, out: torch.Tensor | None = None) -> PullResult: ...
 
     def close(self) -> None:  # noqa: B027 (optional hook: most receivers hold nothing to close)
         pass

@@ -70,8 +70,11 @@ _uuids: dict[int, str] = {}
 
 def gpu_uuid(device: torch.device | int) -> str:
     """Stable identity of a GPU across processes (indices differ under CUDA_VISIBLE_DEVICES)."""
-    index = device if isinstance(device, int) else (device.index if device.index is not None
-                                                     else torch.cuda.current_device())
+    index = (
+        device
+        if isinstance(device, int)
+        else (device.index if device.index is not None else torch.cuda.current_device())
+    )
     with _uuid_lock:
         if index not in _uuids:
             props = torch.cuda.get_device_properties(index)
@@ -147,11 +150,20 @@ class IpcDescription:
     event_sync: bool
 
     def to_text(self) -> str:
-        return json.dumps({"v": IPC_VERSION, "pool": self.pool, "dev": self.device_uuid,
-                           "handle": self.handle.hex(), "size": self.storage_bytes,
-                           "soff": self.storage_offset, "off": self.offset,
-                           "event": self.event.hex(), "sync": self.event_sync},
-                          separators=(",", ":"))
+        return json.dumps(
+            {
+                "v": IPC_VERSION,
+                "pool": self.pool,
+                "dev": self.device_uuid,
+                "handle": self.handle.hex(),
+                "size": self.storage_bytes,
+                "soff": self.storage_offset,
+                "off": self.offset,
+                "event": self.event.hex(),
+                "sync": self.event_sync,
+            },
+            separators=(",", ":"),
+        )
 
 
 def _int(d: dict, key: str, lo: int, hi: int) -> int:
@@ -174,11 +186,16 @@ def check_handle(handle: bytes) -> None:
         return  # torch before versioned handles: the bare cudaIpcMemHandle_t
     # versioned: [version, type, cudaIpcMemHandle_t ...]; version 2 as of torch 2.x, later ones
     # accepted as long as the type is 'c' (torch reads version, type, then the 64-byte handle)
-    if (CUDA_IPC_HANDLE_SIZE + 2 <= len(handle) <= _MAX_HANDLE and 1 <= handle[0] <= 15
-            and handle[1] == _TORCH_HANDLE_CUDA_MALLOC):
+    if (
+        CUDA_IPC_HANDLE_SIZE + 2 <= len(handle) <= _MAX_HANDLE
+        and 1 <= handle[0] <= 15
+        and handle[1] == _TORCH_HANDLE_CUDA_MALLOC
+    ):
         return
-    raise IpcError("cuda_ipc handle is not a plain cudaMalloc IPC handle (expandable segments "
-                   "are refused: set PYTORCH_CUDA_ALLOC_CONF without expandable_segments)")
+    raise IpcError(
+        "cuda_ipc handle is not a plain cudaMalloc IPC handle (expandable segments "
+        "are refused: set PYTORCH_CUDA_ALLOC_CONF without expandable_segments)"
+    )
 
 
 def parse_description(text: str, nbytes: int) -> IpcDescription:
@@ -205,14 +222,20 @@ def parse_description(text: str, nbytes: int) -> IpcDescription:
     handle = _hex(d, "handle", CUDA_IPC_HANDLE_SIZE, _MAX_HANDLE)
     check_handle(handle)
     desc = IpcDescription(
-        pool=pool, device_uuid=dev, handle=handle,
-        storage_bytes=_int(d, "size", 1, _MAX_SIZE), storage_offset=_int(d, "soff", 0, _MAX_SIZE),
+        pool=pool,
+        device_uuid=dev,
+        handle=handle,
+        storage_bytes=_int(d, "size", 1, _MAX_SIZE),
+        storage_offset=_int(d, "soff", 0, _MAX_SIZE),
         offset=_int(d, "off", 0, _MAX_SIZE),
         event=_hex(d, "event", CUDA_IPC_HANDLE_SIZE, CUDA_IPC_HANDLE_SIZE),
-        event_sync=d["sync"])
+        event_sync=d["sync"],
+    )
     if desc.offset + nbytes > desc.storage_bytes:
-        raise IpcError(f"cuda_ipc payload [{desc.offset}, {desc.offset + nbytes}) lies outside the "
-                       f"exported storage of {desc.storage_bytes} bytes")
+        raise IpcError(
+            f"cuda_ipc payload [{desc.offset}, {desc.offset + nbytes}) lies outside the "
+            f"exported storage of {desc.storage_bytes} bytes"
+        )
     return desc
 
 
@@ -240,8 +263,9 @@ class IpcPool:
         self.nbytes = nbytes
         self.id = secrets.token_hex(16)
         self.buffer: torch.Tensor | None = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        (_, self._handle, self._size, self._soff, self._ref, self._ref_off, self._event,
-         self._sync) = _share(self.buffer.untyped_storage())
+        (_, self._handle, self._size, self._soff, self._ref, self._ref_off, self._event, self._sync) = _share(
+            self.buffer.untyped_storage()
+        )
         self._base = int(self.buffer.storage_offset())
         self._free: list[tuple[int, int]] = [(0, nbytes)]  # sorted (offset, size)
         self._lock = threading.Lock()
@@ -279,10 +303,16 @@ class IpcPool:
             return sum(sz for _, sz in self._free)
 
     def describe(self, offset: int) -> IpcDescription:
-        return IpcDescription(pool=self.id, device_uuid=self.uuid, handle=self._handle,
-                              storage_bytes=self._size, storage_offset=self._soff,
-                              offset=self._base + offset, event=self._event,
-                              event_sync=bool(self._sync))
+        return IpcDescription(
+            pool=self.id,
+            device_uuid=self.uuid,
+            handle=self._handle,
+            storage_bytes=self._size,
+            storage_offset=self._soff,
+            offset=self._base + offset,
+            event=self._event,
+            event_sync=bool(self._sync),
+        )
 
     def close(self) -> None:
         if self.buffer is not None:
@@ -293,9 +323,16 @@ class IpcPool:
 class IpcExport:
     """One staged KV on the GPU: a region of a pool, or its own exported tensor."""
 
-    def __init__(self, description: IpcDescription, *, pool: IpcPool | None = None,
-                 offset: int = 0, nbytes: int = 0, tensor: torch.Tensor | None = None,
-                 counter: tuple[bytes, int] | None = None):
+    def __init__(
+        self,
+        description: IpcDescription,
+        *,
+        pool: IpcPool | None = None,
+        offset: int = 0,
+        nbytes: int = 0,
+        tensor: torch.Tensor | None = None,
+        counter: tuple[bytes, int] | None = None,
+    ):
         self.description = description
         self.text = description.to_text()
         self._pool, self._offset, self._nbytes = pool, offset, nbytes
@@ -318,8 +355,7 @@ class IpcExport:
         self._tensor = None
 
 
-def export(tensor: torch.Tensor, ready: torch.cuda.Event | None = None,
-           pool: IpcPool | None = None) -> IpcExport:
+def export(tensor: torch.Tensor, ready: torch.cuda.Event | None = None, pool: IpcPool | None = None) -> IpcExport:
     """Stage a contiguous CUDA tensor for a cuda_ipc pull; returns when its bytes are in place."""
     if not tensor.is_cuda or not tensor.is_contiguous():
         raise ValueError("cuda_ipc stages contiguous CUDA tensors only")
@@ -333,8 +369,7 @@ def export(tensor: torch.Tensor, ready: torch.cuda.Event | None = None,
             stream.wait_stream(torch.cuda.default_stream(tensor.device))
         if offset is not None and pool is not None and pool.buffer is not None:
             try:
-                pool.buffer[offset:offset + nbytes].copy_(tensor.reshape(-1).view(torch.uint8),
-                                                          non_blocking=True)
+                pool.buffer[offset : offset + nbytes].copy_(tensor.reshape(-1).view(torch.uint8), non_blocking=True)
             except BaseException:
                 pool.free(offset, nbytes)
                 raise
@@ -344,10 +379,16 @@ def export(tensor: torch.Tensor, ready: torch.cuda.Event | None = None,
         storage = tensor.untyped_storage()
         (_, handle, size, soff, ref, ref_off, event, sync) = _share(storage)
     stream.synchronize()
-    desc = IpcDescription(pool="", device_uuid=gpu_uuid(tensor.device), handle=handle,
-                          storage_bytes=size, storage_offset=soff,
-                          offset=int(tensor.storage_offset()) * tensor.element_size(),
-                          event=event, event_sync=bool(sync))
+    desc = IpcDescription(
+        pool="",
+        device_uuid=gpu_uuid(tensor.device),
+        handle=handle,
+        storage_bytes=size,
+        storage_offset=soff,
+        offset=int(tensor.storage_offset()) * tensor.element_size(),
+        event=event,
+        event_sync=bool(sync),
+    )
     return IpcExport(desc, tensor=tensor, counter=(ref, ref_off))
 
 
@@ -386,13 +427,12 @@ class IpcImporter:
         ref, ref_off = self._sink_counter(src)
         try:
             storage = torch.UntypedStorage._new_shared_cuda(
-                src, desc.handle, desc.storage_bytes, desc.storage_offset, ref, ref_off,
-                desc.event, desc.event_sync)
+                src, desc.handle, desc.storage_bytes, desc.storage_offset, ref, ref_off, desc.event, desc.event_sync
+            )
         except Exception as exc:  # RuntimeError from CUDA (bad handle, foreign GPU, ...)
             raise IpcError(f"opening the CUDA IPC handle failed: {exc}".splitlines()[0]) from None
         if storage.nbytes() != desc.storage_bytes:
-            raise IpcError(f"opened storage has {storage.nbytes()} bytes, described "
-                           f"{desc.storage_bytes}")
+            raise IpcError(f"opened storage has {storage.nbytes()} bytes, described {desc.storage_bytes}")
         if key is not None:
             with self._lock:
                 self._cache[key] = storage
@@ -404,14 +444,16 @@ class IpcImporter:
         with self._lock:
             self._cache.pop((desc.pool, desc.handle, desc.storage_offset, desc.storage_bytes), None)
 
-    def copy(self, desc: IpcDescription, dtype: torch.dtype, shape: tuple[int, ...],
-             out: torch.Tensor | None = None) -> torch.Tensor:
+    def copy(
+        self, desc: IpcDescription, dtype: torch.dtype, shape: tuple[int, ...], out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Device-to-device copy of the described bytes into `out` (or a new tensor on our
         device); returns once the copy has finished and what was opened for it is closed."""
         return self.start_copy(desc, dtype, shape, out).wait()
 
-    def start_copy(self, desc: IpcDescription, dtype: torch.dtype, shape: tuple[int, ...],
-                   out: torch.Tensor | None = None) -> PendingCopy:
+    def start_copy(
+        self, desc: IpcDescription, dtype: torch.dtype, shape: tuple[int, ...], out: torch.Tensor | None = None
+    ) -> PendingCopy:
         """Queue the copy on a side stream and return at once; ``wait()`` finishes it. Lets the
         receiver overlap the copy with the control round trip (receiver.py)."""
         if self.device is None:
@@ -430,7 +472,7 @@ class IpcImporter:
             try:
                 flat = torch.empty(0, dtype=torch.uint8, device=f"cuda:{src}")
                 flat.set_(storage, 0, (storage.nbytes(),), (1,))
-                payload = flat[desc.offset:desc.offset + nbytes]
+                payload = flat[desc.offset : desc.offset + nbytes]
                 if out is None:
                     out = torch.empty(shape, dtype=dtype, device=dst_dev)
                 # cudaMemcpy; an SM copy kernel (bitwise_or into int64) measured no faster on the
@@ -452,8 +494,16 @@ class IpcImporter:
 class PendingCopy:
     """A queued cuda_ipc copy; ``wait()`` returns the tensor once the copy has finished."""
 
-    def __init__(self, importer: IpcImporter, desc: IpcDescription, out: torch.Tensor,
-                 done: torch.cuda.Event, src: int, dst_dev: torch.device, refs: tuple):
+    def __init__(
+        self,
+        importer: IpcImporter,
+        desc: IpcDescription,
+        out: torch.Tensor,
+        done: torch.cuda.Event,
+        src: int,
+        dst_dev: torch.device,
+        refs: tuple,
+    ):
         self._importer, self._desc, self.out, self._done = importer, desc, out, done
         self._src, self._dst_dev = src, dst_dev
         self._refs: tuple | None = refs
@@ -481,4 +531,3 @@ class PendingCopy:
             self.wait()
         except IpcError:
             log.debug("a discarded cuda_ipc copy failed", exc_info=True)
-

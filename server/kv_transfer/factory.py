@@ -9,9 +9,15 @@ MiB = 1 << 20
 CONFIG_TRANSPORTS = ("auto", "tcp", "shm", "cuda_ipc", "nixl")
 
 
-def choose_transport(configured: str, nbytes: int, same_host: bool,
-                     zero_copy_threshold_mb: float, *, kv_on_cuda: bool = False,
-                     peer_gpu: bool | None = None) -> str:
+def choose_transport(
+    configured: str,
+    nbytes: int,
+    same_host: bool,
+    zero_copy_threshold_mb: float,
+    *,
+    kv_on_cuda: bool = False,
+    peer_gpu: bool | None = None,
+) -> str:
     """'tcp', 'shm' or 'cuda_ipc' for one transfer.
 
     `kv_on_cuda`: the staged KV is on a GPU of the sender. `peer_gpu`: the receiver runs on CUDA
@@ -31,20 +37,27 @@ def choose_transport(configured: str, nbytes: int, same_host: bool,
         return "tcp"
     if configured == "shm":
         if not same_host:
-            raise ValueError("kv_transfer.transport=shm needs the prefill and decode workers on "
-                             "the same host; use 'tcp' or 'auto' for workers on different hosts")
+            raise ValueError(
+                "kv_transfer.transport=shm needs the prefill and decode workers on "
+                "the same host; use 'tcp' or 'auto' for workers on different hosts"
+            )
         return "shm"
     if configured == "cuda_ipc":
         if not kv_on_cuda:
-            raise ValueError("kv_transfer.transport=cuda_ipc needs prefill workers on CUDA "
-                             "(--device cuda); use 'auto', 'tcp' or 'shm' on CPU")
+            raise ValueError(
+                "kv_transfer.transport=cuda_ipc needs prefill workers on CUDA "
+                "(--device cuda); use 'auto', 'tcp' or 'shm' on CPU"
+            )
         if not same_host or peer_gpu is False:
-            raise ValueError("kv_transfer.transport=cuda_ipc needs a decode worker on CUDA on the "
-                             "same host that can see the prefill worker's GPU; use 'auto'")
+            raise ValueError(
+                "kv_transfer.transport=cuda_ipc needs a decode worker on CUDA on the "
+                "same host that can see the prefill worker's GPU; use 'auto'"
+            )
         return "cuda_ipc"
     if configured == "nixl":
-        raise NotImplementedError(f"kv_transfer.transport={configured!r} is not implemented yet; "
-                                  "use 'auto', 'tcp', 'shm' or 'cuda_ipc'")
+        raise NotImplementedError(
+            f"kv_transfer.transport={configured!r} is not implemented yet; use 'auto', 'tcp', 'shm' or 'cuda_ipc'"
+        )
     raise ValueError(f"kv_transfer.transport={configured!r}; expected one of {CONFIG_TRANSPORTS}")
 
 

@@ -158,8 +158,18 @@ def encode_frame(frame: Frame) -> bytes:
     shape = tuple(int(d) for d in frame.shape) + (0,) * (MAX_NDIM - len(frame.shape))
     flags = 0 if frame.checksum is None else FLAG_CHECKSUM
     header = _HEADER.pack(
-        MAGIC, VERSION, int(frame.type), flags, int(frame.error_code), dtype_code,
-        len(frame.shape), len(secret), len(rid), len(text), *shape, frame.nbytes,
+        MAGIC,
+        VERSION,
+        int(frame.type),
+        flags,
+        int(frame.error_code),
+        dtype_code,
+        len(frame.shape),
+        len(secret),
+        len(rid),
+        len(text),
+        *shape,
+        frame.nbytes,
         frame.checksum or 0,
     )
     return header + rid + secret + text
@@ -173,13 +183,11 @@ class _Fixed:
     text_len: int
 
 
-def decode_header(buf: bytes | bytearray | memoryview,
-                  max_nbytes: int = DEFAULT_MAX_NBYTES) -> _Fixed:
+def decode_header(buf: bytes | bytearray | memoryview, max_nbytes: int = DEFAULT_MAX_NBYTES) -> _Fixed:
     """Validate the fixed header; returns the lengths of the variable fields that follow."""
     if len(buf) < HEADER_SIZE:
         raise FrameError(f"short header: {len(buf)} of {HEADER_SIZE} bytes")
-    (magic, version, ftype, flags, ecode, dcode, ndim, secret_len, rid_len, text_len,
-     *rest) = _HEADER.unpack_from(buf)
+    (magic, version, ftype, flags, ecode, dcode, ndim, secret_len, rid_len, text_len, *rest) = _HEADER.unpack_from(buf)
     dims, nbytes, checksum = rest[:MAX_NDIM], rest[MAX_NDIM], rest[MAX_NDIM + 1]
     if magic != MAGIC:
         raise FrameError(f"bad magic {magic!r}, expected {MAGIC!r}")
@@ -197,9 +205,11 @@ def decode_header(buf: bytes | bytearray | memoryview,
     if any(dims[ndim:]):
         raise FrameError("shape has non-zero entries beyond ndim")
     if rid_len > MAX_REQUEST_ID_BYTES or secret_len > MAX_SECRET_BYTES or text_len > MAX_TEXT_BYTES:
-        raise FrameError(f"variable field too long (request id {rid_len}, secret {secret_len}, "
-                         f"text {text_len}; limits {MAX_REQUEST_ID_BYTES}/{MAX_SECRET_BYTES}/"
-                         f"{MAX_TEXT_BYTES})")
+        raise FrameError(
+            f"variable field too long (request id {rid_len}, secret {secret_len}, "
+            f"text {text_len}; limits {MAX_REQUEST_ID_BYTES}/{MAX_SECRET_BYTES}/"
+            f"{MAX_TEXT_BYTES})"
+        )
     if not flags & FLAG_CHECKSUM and checksum:
         raise FrameError("checksum set without the checksum flag")
     shape = tuple(dims[:ndim])
@@ -216,8 +226,14 @@ def decode_header(buf: bytes | bytearray | memoryview,
         if dcode or ndim or nbytes or flags:
             raise FrameError(f"{ftype.name} frame must not carry payload metadata")
         dtype = None
-    frame = Frame(type=ftype, dtype=dtype, shape=shape, nbytes=nbytes, error_code=ecode,
-                  checksum=checksum if flags & FLAG_CHECKSUM else None)
+    frame = Frame(
+        type=ftype,
+        dtype=dtype,
+        shape=shape,
+        nbytes=nbytes,
+        error_code=ecode,
+        checksum=checksum if flags & FLAG_CHECKSUM else None,
+    )
     return _Fixed(frame, rid_len, secret_len, text_len)
 
 
@@ -231,15 +247,20 @@ def _decode_str(raw: bytes | bytearray | memoryview, what: str) -> str:
 def _complete(fixed: _Fixed, var: bytes | bytearray | memoryview) -> Frame:
     a, b = fixed.rid_len, fixed.rid_len + fixed.secret_len
     f = fixed.frame
-    return Frame(type=f.type, dtype=f.dtype, shape=f.shape, nbytes=f.nbytes, checksum=f.checksum,
-                 error_code=f.error_code,
-                 request_id=_decode_str(var[:a], "request id"),
-                 secret=_decode_str(var[a:b], "secret"),
-                 text=_decode_str(var[b:b + fixed.text_len], "text"))
+    return Frame(
+        type=f.type,
+        dtype=f.dtype,
+        shape=f.shape,
+        nbytes=f.nbytes,
+        checksum=f.checksum,
+        error_code=f.error_code,
+        request_id=_decode_str(var[:a], "request id"),
+        secret=_decode_str(var[a:b], "secret"),
+        text=_decode_str(var[b : b + fixed.text_len], "text"),
+    )
 
 
-def decode_frame(buf: bytes | bytearray | memoryview,
-                 max_nbytes: int = DEFAULT_MAX_NBYTES) -> Frame:
+def decode_frame(buf: bytes | bytearray | memoryview, max_nbytes: int = DEFAULT_MAX_NBYTES) -> Frame:
     """Decode a complete frame (header + variable fields) held in memory."""
     fixed = decode_header(buf, max_nbytes)
     end = HEADER_SIZE + fixed.rid_len + fixed.secret_len + fixed.text_len

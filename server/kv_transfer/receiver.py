@@ -43,8 +43,7 @@ Address = tuple[str, int]
 
 
 class _PullFailed(Exception):
-    def __init__(self, message: str, status: TransferStatus = TransferStatus.FAILED, *,
-                 in_sync: bool = False):
+    def __init__(self, message: str, status: TransferStatus = TransferStatus.FAILED, *, in_sync: bool = False):
         super().__init__(message)
         self.status = status
         self.in_sync = in_sync  # the connection may carry the next pull
@@ -71,8 +70,7 @@ def _check_out(handle: KVHandle, out: torch.Tensor) -> None:
     if not isinstance(out, torch.Tensor) or out.device.type != want or not out.is_contiguous():
         raise _PullFailed(f"out must be a contiguous {want.upper()} tensor")
     if tuple(out.shape) != handle.shape or out.dtype != handle.torch_dtype:
-        raise _PullFailed(f"out is {out.dtype}{tuple(out.shape)}, handle is "
-                          f"{handle.dtype}{handle.shape}")
+        raise _PullFailed(f"out is {out.dtype}{tuple(out.shape)}, handle is {handle.dtype}{handle.shape}")
 
 
 def _looks_open(sock: socket.socket) -> bool:
@@ -169,9 +167,16 @@ class KVPuller(KVReceiver):
     closed rather than reused (below the sender's own idle timeout, 60 s by default). Thread-safe:
     concurrent pulls each use a connection of their own."""
 
-    def __init__(self, *, max_nbytes: int = DEFAULT_MAX_NBYTES, chunk_bytes: int = 8 << 20,
-                 verify_checksum: bool = True, cuda_device: torch.device | str | None = None,
-                 max_idle_per_address: int = 8, idle_timeout_s: float = 50.0):
+    def __init__(
+        self,
+        *,
+        max_nbytes: int = DEFAULT_MAX_NBYTES,
+        chunk_bytes: int = 8 << 20,
+        verify_checksum: bool = True,
+        cuda_device: torch.device | str | None = None,
+        max_idle_per_address: int = 8,
+        idle_timeout_s: float = 50.0,
+    ):
         self.max_nbytes = max_nbytes
         self.chunk_bytes = chunk_bytes
         self.verify_checksum = verify_checksum
@@ -194,8 +199,7 @@ class KVPuller(KVReceiver):
     def num_idle_connections(self) -> int:
         return len(self._conns)
 
-    def pull(self, handle: KVHandle, timeout_s: float = 30.0, *,
-             out: torch.Tensor | None = None) -> PullResult:
+    def pull(self, handle: KVHandle, timeout_s: float = 30.0, *, out: torch.Tensor | None = None) -> PullResult:
         """Pull into a fresh tensor, or into `out` (contiguous CPU, same shape and dtype) when the
         caller has memory ready: a fresh multi-MiB tensor costs a page fault per 4 KiB on first
         touch, which on a VM can cost more than the copy itself. `out` may be partly written when
@@ -216,13 +220,11 @@ class KVPuller(KVReceiver):
             logger.exception("unexpected error pulling KV for request %s", rid)
             status, error = TransferStatus.FAILED, f"internal error: {exc!r}"
         else:
-            return PullResult(TransferStatus.SUCCESS, tensor, None, handle.nbytes,
-                              time.perf_counter() - start)
+            return PullResult(TransferStatus.SUCCESS, tensor, None, handle.nbytes, time.perf_counter() - start)
         logger.warning("KV pull for request %s: %s (%s)", rid, status.value, error)
         return PullResult(status, None, error, 0, time.perf_counter() - start)
 
-    def _pull(self, handle: KVHandle, deadline: _Deadline,
-              out: torch.Tensor | None) -> torch.Tensor:
+    def _pull(self, handle: KVHandle, deadline: _Deadline, out: torch.Tensor | None) -> torch.Tensor:
         if not isinstance(handle, KVHandle):
             raise _PullFailed(f"expected a KVHandle, got {type(handle).__name__}")
         handle.validate(self.max_nbytes)
@@ -243,8 +245,7 @@ class KVPuller(KVReceiver):
                     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 tensor, in_sync, phases = self._exchange(sock, handle, deadline, out, reused)
             except _StaleConnection as exc:
-                logger.debug("pooled KV connection to %s was dead (%s): retrying on a new one",
-                             handle.address, exc)
+                logger.debug("pooled KV connection to %s was dead (%s): retrying on a new one", handle.address, exc)
                 self._conns.drop(key)
                 retried = True
                 continue
@@ -256,12 +257,12 @@ class KVPuller(KVReceiver):
                     self._conns.give(key, sock)
                 else:
                     sock.close()
-            self._local.timings = {"reused": reused, "retried": retried, "connect_s": t1 - t0,
-                                   **phases}
+            self._local.timings = {"reused": reused, "retried": retried, "connect_s": t1 - t0, **phases}
             return tensor
 
-    def _exchange(self, sock: socket.socket, handle: KVHandle, deadline: _Deadline,
-                  out: torch.Tensor | None, reused: bool) -> tuple[torch.Tensor, bool, dict]:
+    def _exchange(
+        self, sock: socket.socket, handle: KVHandle, deadline: _Deadline, out: torch.Tensor | None, reused: bool
+    ) -> tuple[torch.Tensor, bool, dict]:
         """One pull on `sock`: (tensor, whether the connection is in sync for the next, phases)."""
         rid = handle.request_id
         t1 = time.perf_counter()
@@ -287,8 +288,7 @@ class KVPuller(KVReceiver):
             if not first:
                 if reused:
                     raise _StaleConnection("closed by the sender")
-                raise _PullFailed("sender closed the connection before replying (at its connection "
-                                  "limit?)")
+                raise _PullFailed("sender closed the connection before replying (at its connection limit?)")
             header = read_frame(sock, self.max_nbytes)
             checksum = self._check_header(handle, header)
         except BaseException:
@@ -307,47 +307,60 @@ class KVPuller(KVReceiver):
                 else:
                     self._copy_from_segment(header.text, dst)
                 if checksum is not None and zlib.crc32(dst) != checksum:
-                    sock.sendall(encode_frame(Frame(FrameType.ERROR, request_id=rid,
-                                                    error_code=ErrorCode.CHECKSUM,
-                                                    text="payload crc32 mismatch")))
+                    sock.sendall(
+                        encode_frame(
+                            Frame(
+                                FrameType.ERROR,
+                                request_id=rid,
+                                error_code=ErrorCode.CHECKSUM,
+                                text="payload crc32 mismatch",
+                            )
+                        )
+                    )
                     raise _PullFailed("checksum mismatch: payload corrupted in transfer")
             finally:
                 dst.release()
         t3 = time.perf_counter()
         sock.sendall(encode_frame(Frame(FrameType.ACK, request_id=rid)))
         in_sync = self._wait_for_done(sock, rid, deadline)
-        phases = {"start_copy_s": t_early - t1, "pull_to_header_s": t2 - t1, "copy_s": t3 - t2,
-                  "ack_to_done_s": time.perf_counter() - t3}
+        phases = {
+            "start_copy_s": t_early - t1,
+            "pull_to_header_s": t2 - t1,
+            "copy_s": t3 - t2,
+            "ack_to_done_s": time.perf_counter() - t3,
+        }
         return tensor, in_sync, phases
 
     def _check_header(self, handle: KVHandle, header: Frame) -> int | None:
         """Header must describe exactly what the handle promised; returns the crc to verify."""
         if header.type is FrameType.ERROR:
-            status = (TransferStatus.EXPIRED if header.error_code is ErrorCode.EXPIRED
-                      else TransferStatus.FAILED)
-            in_sync = (header.error_code in _IN_SYNC_REFUSALS
-                       and header.request_id == handle.request_id)
-            raise _PullFailed(f"sender refused ({header.error_code.name}): {header.text}", status,
-                              in_sync=in_sync)
-        want = {"tcp": FrameType.DATA_INLINE, "shm": FrameType.DATA_SHM,
-                "cuda_ipc": FrameType.DATA_CUDA_IPC}[handle.transport]
+            status = TransferStatus.EXPIRED if header.error_code is ErrorCode.EXPIRED else TransferStatus.FAILED
+            in_sync = header.error_code in _IN_SYNC_REFUSALS and header.request_id == handle.request_id
+            raise _PullFailed(f"sender refused ({header.error_code.name}): {header.text}", status, in_sync=in_sync)
+        want = {"tcp": FrameType.DATA_INLINE, "shm": FrameType.DATA_SHM, "cuda_ipc": FrameType.DATA_CUDA_IPC}[
+            handle.transport
+        ]
         if header.type is not want:
-            raise _PullFailed(f"expected {want.name} for transport {handle.transport}, "
-                              f"got {header.type.name}")
-        mismatch = [f"{name} {got} != {exp}" for name, got, exp in (
-            ("request id", header.request_id, handle.request_id),
-            ("dtype", header.dtype, handle.torch_dtype),
-            ("shape", header.shape, handle.shape),
-            ("nbytes", header.nbytes, handle.nbytes),
-        ) if got != exp]
+            raise _PullFailed(f"expected {want.name} for transport {handle.transport}, got {header.type.name}")
+        mismatch = [
+            f"{name} {got} != {exp}"
+            for name, got, exp in (
+                ("request id", header.request_id, handle.request_id),
+                ("dtype", header.dtype, handle.torch_dtype),
+                ("shape", header.shape, handle.shape),
+                ("nbytes", header.nbytes, handle.nbytes),
+            )
+            if got != exp
+        ]
         if handle.checksum is not None and header.checksum != handle.checksum:
             mismatch.append(f"checksum {header.checksum} != {handle.checksum}")
         if mismatch:
             raise _PullFailed("reply does not match the handle: " + "; ".join(mismatch))
         return header.checksum if self.verify_checksum else None
 
-    def _copy_ipc(self, sock: socket.socket, handle: KVHandle, header: Frame,
-                  out: torch.Tensor | None, early) -> torch.Tensor:
+    def _copy_ipc(
+        self, sock: socket.socket, handle: KVHandle, header: Frame, out: torch.Tensor | None, early
+    ) -> torch.Tensor:
         """Finish the early copy when the reply names the same bytes as the handle; else open,
         copy GPU to GPU, close. On failure tell the sender (it keeps the entry)."""
         from . import cuda_ipc
@@ -361,9 +374,16 @@ class KVPuller(KVReceiver):
             return self._importer_for_ipc().copy(desc, handle.torch_dtype, handle.shape, out)
         except cuda_ipc.IpcError as exc:
             try:
-                sock.sendall(encode_frame(Frame(FrameType.ERROR, request_id=handle.request_id,
-                                                error_code=ErrorCode.GENERIC,
-                                                text=str(exc)[:500])))
+                sock.sendall(
+                    encode_frame(
+                        Frame(
+                            FrameType.ERROR,
+                            request_id=handle.request_id,
+                            error_code=ErrorCode.GENERIC,
+                            text=str(exc)[:500],
+                        )
+                    )
+                )
             except OSError:
                 pass
             raise _PullFailed(f"cuda_ipc: {exc}") from None
@@ -401,10 +421,9 @@ class KVPuller(KVReceiver):
         got, total = 0, len(dst)
         while got < total:
             sock.settimeout(deadline.remaining())
-            n = sock.recv_into(dst[got:got + self.chunk_bytes])
+            n = sock.recv_into(dst[got : got + self.chunk_bytes])
             if n == 0:
-                raise _PullFailed(f"sender closed the connection after {got} of {total} "
-                                  "payload bytes")
+                raise _PullFailed(f"sender closed the connection after {got} of {total} payload bytes")
             got += n
 
     @staticmethod
@@ -412,7 +431,7 @@ class KVPuller(KVReceiver):
         with AttachedSegment(name, len(dst)) as seg:
             if seg.buf is None:
                 raise ConnectionError(f"shm segment {name} has no buffer")
-            src = seg.buf[:len(dst)]
+            src = seg.buf[: len(dst)]
             try:
                 dst[:] = src
             finally:
@@ -432,6 +451,10 @@ class KVPuller(KVReceiver):
             return False
         if done.type is FrameType.DONE and done.request_id == request_id:
             return True
-        logger.warning("KV pull for request %s: expected DONE, got %s for %r; closing the "
-                       "connection", request_id, done.type.name, done.request_id)
+        logger.warning(
+            "KV pull for request %s: expected DONE, got %s for %r; closing the connection",
+            request_id,
+            done.type.name,
+            done.request_id,
+        )
         return False

@@ -108,7 +108,6 @@ class _Entry:
     in_flight: bool = False
 
 
-
 def _payload(entry: _Entry) -> torch.Tensor | str | None:
     """What a PULL of this entry sends: the tensor (tcp), or the name that lets the receiver map it."""
     if entry.transport == "tcp":
@@ -116,6 +115,7 @@ def _payload(entry: _Entry) -> torch.Tensor | str | None:
     if entry.transport == "cuda_ipc":
         return entry.ipc.text if entry.ipc is not None else None
     return entry.segment.name if entry.segment is not None else None
+
 
 @dataclass(eq=False)
 class _Conn:
@@ -134,13 +134,24 @@ _ACKED, _RECEIVER_ERROR, _OUT_OF_SYNC = "acked", "receiver error", "out of sync"
 class KVStagingServer(KVSender):
     """KVSender over a TCP listener (bind 127.0.0.1 by default; port 0 = ephemeral)."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, *,
-                 advertise_host: str | None = None, default_lease_ms: float = 30_000.0,
-                 checksum: bool = True, io_timeout_s: float = 30.0,
-                 max_staged_bytes: int | None = None, max_connections: int = 64,
-                 shm_prefix: str = DEFAULT_PREFIX, chunk_bytes: int = 8 << 20,
-                 cuda_ipc_pool_bytes: int = 0, idle_timeout_s: float | None = 60.0,
-                 handshake_timeout_s: float = 2.0, max_connections_per_peer: int | None = None):
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        advertise_host: str | None = None,
+        default_lease_ms: float = 30_000.0,
+        checksum: bool = True,
+        io_timeout_s: float = 30.0,
+        max_staged_bytes: int | None = None,
+        max_connections: int = 64,
+        shm_prefix: str = DEFAULT_PREFIX,
+        chunk_bytes: int = 8 << 20,
+        cuda_ipc_pool_bytes: int = 0,
+        idle_timeout_s: float | None = 60.0,
+        handshake_timeout_s: float = 2.0,
+        max_connections_per_peer: int | None = None,
+    ):
         """`idle_timeout_s`: close a connection that has waited this long for its next PULL
         (None: never); `handshake_timeout_s` bounds reading a request frame once its first byte
         came; `io_timeout_s` bounds each read/write of the payload exchange after it."""
@@ -183,15 +194,24 @@ class KVStagingServer(KVSender):
         adv = advertise_host or (socket.gethostname() if host in ("", "0.0.0.0", "::") else host)
         self.address = f"[{adv}]:{self.port}" if ":" in adv else f"{adv}:{self.port}"
 
-        self._threads = [threading.Thread(target=self._accept_loop, name="kv-accept", daemon=True),
-                         threading.Thread(target=self._sweep_loop, name="kv-sweep", daemon=True)]
+        self._threads = [
+            threading.Thread(target=self._accept_loop, name="kv-accept", daemon=True),
+            threading.Thread(target=self._sweep_loop, name="kv-sweep", daemon=True),
+        ]
         for t in self._threads:
             t.start()
 
     # ---------------------------------------------------------------- KVSender
-    def stage(self, request_id: str, tensor: torch.Tensor, lease_ms: float | None = None,
-              *, transport: str = "tcp", checksum: bool | None = None,
-              ready_event=None) -> KVHandle:
+    def stage(
+        self,
+        request_id: str,
+        tensor: torch.Tensor,
+        lease_ms: float | None = None,
+        *,
+        transport: str = "tcp",
+        checksum: bool | None = None,
+        ready_event=None,
+    ) -> KVHandle:
         """Stage `tensor` for one pull. Takes ownership: do not modify it afterwards (tcp sends
         straight from its memory). Raises ValueError for bad arguments, StagingFullError.
         cuda_ipc: `tensor` is on a GPU; `ready_event` (a CUDA event recorded after the work that
@@ -229,14 +249,22 @@ class KVStagingServer(KVSender):
                 destroy_segment(segment)
             raise
         lease_s = lease_ms / 1000.0
-        entry = _Entry(request_id=request_id, transport=transport, secret=secrets.token_hex(16),
-                       dtype=tensor.dtype, shape=tuple(tensor.shape), nbytes=nbytes, checksum=crc,
-                       lease_s=lease_s, expiry=time.monotonic() + lease_s, tensor=held,
-                       segment=segment)
+        entry = _Entry(
+            request_id=request_id,
+            transport=transport,
+            secret=secrets.token_hex(16),
+            dtype=tensor.dtype,
+            shape=tuple(tensor.shape),
+            nbytes=nbytes,
+            checksum=crc,
+            lease_s=lease_s,
+            expiry=time.monotonic() + lease_s,
+            tensor=held,
+            segment=segment,
+        )
         return self._register(entry)
 
-    def _stage_ipc(self, request_id: str, tensor: torch.Tensor, nbytes: int, lease_ms: float,
-                   ready_event) -> KVHandle:
+    def _stage_ipc(self, request_id: str, tensor: torch.Tensor, nbytes: int, lease_ms: float, ready_event) -> KVHandle:
         from . import cuda_ipc
 
         pool = None
@@ -248,8 +276,11 @@ class KVStagingServer(KVSender):
                 try:
                     pool = cuda_ipc.IpcPool(torch.device("cuda", index), self.cuda_ipc_pool_bytes)
                 except Exception as exc:  # out of memory, or memory that cannot be exported
-                    logger.warning("cuda_ipc staging pool of %d bytes unavailable (%s); exporting "
-                                   "each KV tensor itself", self.cuda_ipc_pool_bytes, exc)
+                    logger.warning(
+                        "cuda_ipc staging pool of %d bytes unavailable (%s); exporting each KV tensor itself",
+                        self.cuda_ipc_pool_bytes,
+                        exc,
+                    )
                     self.cuda_ipc_pool_bytes = 0
                 else:
                     with self._lock:
@@ -258,10 +289,18 @@ class KVStagingServer(KVSender):
         export = cuda_ipc.export(tensor, ready_event, pool)
         del tensor  # a pooled export copied it; an own export holds it
         lease_s = lease_ms / 1000.0
-        entry = _Entry(request_id=request_id, transport="cuda_ipc", secret=secrets.token_hex(16),
-                       dtype=dtype, shape=shape, nbytes=nbytes,
-                       checksum=None, lease_s=lease_s, expiry=time.monotonic() + lease_s,
-                       ipc=export)
+        entry = _Entry(
+            request_id=request_id,
+            transport="cuda_ipc",
+            secret=secrets.token_hex(16),
+            dtype=dtype,
+            shape=shape,
+            nbytes=nbytes,
+            checksum=None,
+            lease_s=lease_s,
+            expiry=time.monotonic() + lease_s,
+            ipc=export,
+        )
         return self._register(entry)
 
     def _register(self, entry: _Entry) -> KVHandle:
@@ -275,11 +314,18 @@ class KVStagingServer(KVSender):
                 raise
             self._entries[entry.request_id] = entry
             self._history.pop(entry.request_id, None)
-        return KVHandle(request_id=entry.request_id, transport=entry.transport,
-                        address=self.address, secret=entry.secret, nbytes=entry.nbytes,
-                        shape=entry.shape, dtype=dtype_name(entry.dtype), checksum=entry.checksum,
-                        host_id=self.host_id,
-                        ipc=entry.ipc.text if entry.ipc is not None and entry.ipc.in_pool else "")
+        return KVHandle(
+            request_id=entry.request_id,
+            transport=entry.transport,
+            address=self.address,
+            secret=entry.secret,
+            nbytes=entry.nbytes,
+            shape=entry.shape,
+            dtype=dtype_name(entry.dtype),
+            checksum=entry.checksum,
+            host_id=self.host_id,
+            ipc=entry.ipc.text if entry.ipc is not None and entry.ipc.in_pool else "",
+        )
 
     def abort(self, request_id: str) -> bool:
         return self._finish(request_id, TransferStatus.ABORTED)
@@ -338,15 +384,13 @@ class KVStagingServer(KVSender):
     def _check_stage_args(self, request_id: str, tensor: torch.Tensor, transport: str) -> None:
         if self._closed:
             raise RuntimeError("KVStagingServer is closed")
-        if (not isinstance(request_id, str)
-                or not 0 < len(request_id.encode()) <= MAX_REQUEST_ID_BYTES):
+        if not isinstance(request_id, str) or not 0 < len(request_id.encode()) <= MAX_REQUEST_ID_BYTES:
             raise ValueError(f"request_id must be a str of 1..{MAX_REQUEST_ID_BYTES} UTF-8 bytes")
         if transport not in ("tcp", "shm", "cuda_ipc"):
             raise ValueError(f"transport must be 'tcp', 'shm' or 'cuda_ipc', got {transport!r}")
         want = "cuda" if transport == "cuda_ipc" else "cpu"
         if not isinstance(tensor, torch.Tensor) or tensor.device.type != want:
-            raise ValueError(f"KV payload for transport {transport} must be a {want.upper()} "
-                             "torch.Tensor")
+            raise ValueError(f"KV payload for transport {transport} must be a {want.upper()} torch.Tensor")
         if tensor.dtype not in DTYPE_CODES:
             raise ValueError(f"unsupported KV dtype {tensor.dtype}")
         if tensor.dim() > MAX_NDIM:
@@ -358,8 +402,9 @@ class KVStagingServer(KVSender):
         if self.max_staged_bytes is not None:
             used = sum(e.nbytes for e in self._entries.values())
             if used + nbytes > self.max_staged_bytes:
-                raise StagingFullError(f"staging {nbytes} bytes would exceed max_staged_bytes="
-                                       f"{self.max_staged_bytes} ({used} in use)")
+                raise StagingFullError(
+                    f"staging {nbytes} bytes would exceed max_staged_bytes={self.max_staged_bytes} ({used} in use)"
+                )
 
     @staticmethod
     def _free_resources(entry: _Entry) -> None:
@@ -377,8 +422,7 @@ class KVStagingServer(KVSender):
         while len(self._history) > _HISTORY_SIZE:
             self._history.popitem(last=False)
 
-    def _finish(self, request_id: str, status: TransferStatus, count: bool = True,
-                only: _Entry | None = None) -> bool:
+    def _finish(self, request_id: str, status: TransferStatus, count: bool = True, only: _Entry | None = None) -> bool:
         """Remove an entry (if still staged, and still `only` when given) and free it."""
         entry = self._unstage(request_id, status, count, only)
         if entry is None:
@@ -386,8 +430,9 @@ class KVStagingServer(KVSender):
         self._free_resources(entry)
         return True
 
-    def _unstage(self, request_id: str, status: TransferStatus, count: bool = True,
-                 only: _Entry | None = None) -> _Entry | None:
+    def _unstage(
+        self, request_id: str, status: TransferStatus, count: bool = True, only: _Entry | None = None
+    ) -> _Entry | None:
         """Bookkeeping half of _finish: the caller frees the returned entry's memory."""
         with self._lock:
             entry = self._entries.get(request_id)
@@ -409,8 +454,7 @@ class KVStagingServer(KVSender):
             now = time.monotonic()
             with self._lock:
                 expired = [e for e in self._entries.values() if e.expiry <= now and not e.in_flight]
-                min_lease = min((e.lease_s for e in self._entries.values()),
-                                default=_MAX_SWEEP_S * 4)
+                min_lease = min((e.lease_s for e in self._entries.values()), default=_MAX_SWEEP_S * 4)
             for entry in expired:
                 if self._finish(entry.request_id, TransferStatus.EXPIRED, only=entry):
                     logger.info("KV lease expired for request %s", entry.request_id)
@@ -438,8 +482,13 @@ class KVStagingServer(KVSender):
                     continue
                 live = [c for c in self._conns.values() if not c.evicted]
                 same_peer = [c for c in live if c.peer == peer]
-                full = (live if len(live) >= self.max_connections else
-                        same_peer if len(same_peer) >= self.max_connections_per_peer else None)
+                full = (
+                    live
+                    if len(live) >= self.max_connections
+                    else same_peer
+                    if len(same_peer) >= self.max_connections_per_peer
+                    else None
+                )
                 if full is not None:
                     victim = self._victim(full)
                     if victim is None:
@@ -499,10 +548,8 @@ class KVStagingServer(KVSender):
             state.idle_since = None
         return True
 
-    def _reply_error(self, conn: socket.socket, code: ErrorCode, text: str,
-                     request_id: str = "") -> None:
-        conn.sendall(encode_frame(Frame(FrameType.ERROR, request_id=request_id,
-                                        error_code=code, text=text)))
+    def _reply_error(self, conn: socket.socket, code: ErrorCode, text: str, request_id: str = "") -> None:
+        conn.sendall(encode_frame(Frame(FrameType.ERROR, request_id=request_id, error_code=code, text=text)))
 
     def _serve_pull(self, conn: socket.socket, state: _Conn) -> bool:
         """Serve one PULL; True when the stream is still in sync, so the connection can carry the
@@ -512,8 +559,9 @@ class KVStagingServer(KVSender):
         except TimeoutError:
             with self._lock:
                 self.stats.handshake_timeouts += 1
-            logger.debug("KV connection from %s sent a partial frame for %s s: closing it", state.peer,
-                         self.handshake_timeout_s)
+            logger.debug(
+                "KV connection from %s sent a partial frame for %s s: closing it", state.peer, self.handshake_timeout_s
+            )
             return False
         except FrameError as exc:
             self._reply_error(conn, ErrorCode.BAD_FRAME, str(exc))
@@ -528,8 +576,11 @@ class KVStagingServer(KVSender):
             if entry is None:
                 past = self._history.get(rid)
                 code = ErrorCode.EXPIRED if past is TransferStatus.EXPIRED else ErrorCode.UNKNOWN_ID
-                text = (f"request {rid!r} is not staged here" if past is None else
-                        f"request {rid!r} is no longer staged ({past.value})")
+                text = (
+                    f"request {rid!r} is not staged here"
+                    if past is None
+                    else f"request {rid!r} is no longer staged ({past.value})"
+                )
             elif not hmac.compare_digest(pull.secret.encode(), entry.secret.encode()):
                 self.stats.auth_failures += 1
                 code, text, entry = ErrorCode.AUTH, "authentication failed", None
@@ -564,12 +615,18 @@ class KVStagingServer(KVSender):
 
     def _send_payload(self, conn: socket.socket, entry: _Entry, payload) -> str:
         inline = entry.transport == "tcp"
-        ftype = {"tcp": FrameType.DATA_INLINE, "shm": FrameType.DATA_SHM,
-                 "cuda_ipc": FrameType.DATA_CUDA_IPC}[entry.transport]
-        header = Frame(ftype,
-                       request_id=entry.request_id, dtype=entry.dtype, shape=entry.shape,
-                       nbytes=entry.nbytes, checksum=entry.checksum,
-                       text="" if inline else payload)
+        ftype = {"tcp": FrameType.DATA_INLINE, "shm": FrameType.DATA_SHM, "cuda_ipc": FrameType.DATA_CUDA_IPC}[
+            entry.transport
+        ]
+        header = Frame(
+            ftype,
+            request_id=entry.request_id,
+            dtype=entry.dtype,
+            shape=entry.shape,
+            nbytes=entry.nbytes,
+            checksum=entry.checksum,
+            text="" if inline else payload,
+        )
         conn.sendall(encode_frame(header))
         if inline:
             view = tensor_bytes(payload)
@@ -577,7 +634,7 @@ class KVStagingServer(KVSender):
                 for off in range(0, entry.nbytes, self.chunk_bytes):
                     if self._stop.is_set():
                         return _OUT_OF_SYNC
-                    conn.sendall(view[off:off + self.chunk_bytes])
+                    conn.sendall(view[off : off + self.chunk_bytes])
             finally:
                 view.release()
         reply = read_frame(conn, max_nbytes=0)
@@ -585,11 +642,19 @@ class KVStagingServer(KVSender):
             if reply.type is FrameType.ACK:
                 return _ACKED
             if reply.type is FrameType.ERROR:
-                logger.warning("KV pull of request %s failed at the receiver: %s %s",
-                               entry.request_id, reply.error_code.name, reply.text)
+                logger.warning(
+                    "KV pull of request %s failed at the receiver: %s %s",
+                    entry.request_id,
+                    reply.error_code.name,
+                    reply.text,
+                )
                 return _RECEIVER_ERROR
-        logger.warning("KV pull of request %s: unexpected reply %s for request %r",
-                       entry.request_id, reply.type.name, reply.request_id)
+        logger.warning(
+            "KV pull of request %s: unexpected reply %s for request %r",
+            entry.request_id,
+            reply.type.name,
+            reply.request_id,
+        )
         return _OUT_OF_SYNC
 
 

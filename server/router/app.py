@@ -127,8 +127,11 @@ def _error(status: int, message: str, param: str | None = None, headers: dict | 
     kind = "invalid_request_error" if status < 500 else "server_error"
     if status == 503:
         kind = "service_unavailable"
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}},
-                        status_code=status, headers=headers)
+    return JSONResponse(
+        {"error": {"message": message, "type": kind, "param": param, "code": status}},
+        status_code=status,
+        headers=headers,
+    )
 
 
 def _unavailable(message: str) -> JSONResponse:
@@ -150,9 +153,16 @@ def create_router_app(state: RouterState) -> FastAPI:
     async def lifespan(app: FastAPI):
         connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
         async with aiohttp.ClientSession(connector=connector) as http:
-            state.pipeline = Pipeline(state.registry, http, state.metrics, PipelineOptions(
-                token=state.token, request_timeout_s=rc.request_timeout_s,
-                progress_timeout_s=rc.stream_progress_timeout_s))
+            state.pipeline = Pipeline(
+                state.registry,
+                http,
+                state.metrics,
+                PipelineOptions(
+                    token=state.token,
+                    request_timeout_s=rc.request_timeout_s,
+                    progress_timeout_s=rc.stream_progress_timeout_s,
+                ),
+            )
             state.backup = BackupPool(BackupOptions(rc.backup_pool, rc.backup_model, rc.backup_api_key), http)
             state.sla = SlaLive(rc, state.metrics.registry, backup_configured=state.backup.configured)
             ticker = asyncio.ensure_future(state.sla.run())
@@ -251,8 +261,7 @@ def create_router_app(state: RouterState) -> FastAPI:
             return _error(401, "missing or wrong bearer token")
         state.registry.sweep()
         now = time.monotonic()
-        return {"mode": state.registry.mode(),
-                "workers": [w.to_dict(now) for w in state.registry.workers.values()]}
+        return {"mode": state.registry.mode(), "workers": [w.to_dict(now) for w in state.registry.workers.values()]}
 
     @app.get("/health")
     async def health():
@@ -264,10 +273,20 @@ def create_router_app(state: RouterState) -> FastAPI:
         mode, counts = reg.mode(), reg.counts()
         workers = {role: dict(c) for role, c in counts.items()}
         if mode is None:
-            return JSONResponse({"status": "down", "mode": None, "workers": workers,
-                                 "error": {"message": "no healthy prefill+decode pair or colocated worker",
-                                           "type": "service_unavailable", "code": 503}},
-                                status_code=503, headers={"Retry-After": "1"})
+            return JSONResponse(
+                {
+                    "status": "down",
+                    "mode": None,
+                    "workers": workers,
+                    "error": {
+                        "message": "no healthy prefill+decode pair or colocated worker",
+                        "type": "service_unavailable",
+                        "code": 503,
+                    },
+                },
+                status_code=503,
+                headers={"Retry-After": "1"},
+            )
         lost = sum(n for c in counts.values() for st, n in c.items() if st not in ("healthy", "draining"))
         return {"status": "degraded" if lost else "ok", "mode": mode, "workers": workers}
 
@@ -289,9 +308,18 @@ def create_router_app(state: RouterState) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{
-            "id": state.model_name(), "object": "model", "created": 0, "owned_by": "distserve",
-            "max_model_len": state.max_seq_len()}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": state.model_name(),
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "distserve",
+                    "max_model_len": state.max_seq_len(),
+                }
+            ],
+        }
 
     # --- data plane --------------------------------------------------------
     @app.exception_handler(InvalidRequest)
@@ -300,10 +328,18 @@ def create_router_app(state: RouterState) -> FastAPI:
 
     @app.exception_handler(ModelNotFound)
     async def model_not_found(request: Request, exc: ModelNotFound):
-        return JSONResponse({"error": {"message": f"The model `{exc}` does not exist; this server serves "
-                                                  f"`{state.model_name()}` (see /v1/models).",
-                                       "type": "invalid_request_error", "param": "model", "code": "model_not_found"}},
-                            status_code=404)
+        return JSONResponse(
+            {
+                "error": {
+                    "message": f"The model `{exc}` does not exist; this server serves "
+                    f"`{state.model_name()}` (see /v1/models).",
+                    "type": "invalid_request_error",
+                    "param": "model",
+                    "code": "model_not_found",
+                }
+            },
+            status_code=404,
+        )
 
     @app.exception_handler(NoWorkersError)
     async def no_workers(request: Request, exc: NoWorkersError):
@@ -313,8 +349,15 @@ def create_router_app(state: RouterState) -> FastAPI:
     async def via_backup(path: str, body: dict, req) -> Response | None:
         if state.sla is None or state.backup is None:
             return None
-        return await maybe_backup(state.sla, state.backup, lambda: state.registry.mode() is not None, path, body,
-                                  req.stream, time.perf_counter())
+        return await maybe_backup(
+            state.sla,
+            state.backup,
+            lambda: state.registry.mode() is not None,
+            path,
+            body,
+            req.stream,
+            time.perf_counter(),
+        )
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -356,29 +399,39 @@ def create_router_app(state: RouterState) -> FastAPI:
             raise InvalidRequest("prompt: give exactly one of prompt or prompt_token_ids", "prompt")
         if req.prompt == "":
             raise InvalidRequest("prompt: must not be empty", "prompt")
-        ids = (await _tokenize(state, req.prompt) if req.prompt is not None
-               else _check_ids(state, req.prompt_token_ids))
+        ids = await _tokenize(state, req.prompt) if req.prompt is not None else _check_ids(state, req.prompt_token_ids)
         return await _serve(request, req, ids, "generate")
 
     async def _serve(request: Request, req, prompt_ids: list[int], kind: str, stop_ids: list[int] | None = None):
         max_len = state.max_seq_len()
         if len(prompt_ids) >= max_len:
-            raise InvalidRequest(f"prompt: {len(prompt_ids)} tokens is longer than max_seq_len allows "
-                                 f"({max_len} tokens, including at least one generated token)", "prompt")
+            raise InvalidRequest(
+                f"prompt: {len(prompt_ids)} tokens is longer than max_seq_len allows "
+                f"({max_len} tokens, including at least one generated token)",
+                "prompt",
+            )
         max_tokens = req.max_tokens
         if max_tokens is None:
             max_tokens = 16 if kind == "completion" else max_len - len(prompt_ids)
         if len(prompt_ids) + max_tokens > max_len:
-            raise InvalidRequest(f"max_tokens: prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) "
-                                 f"exceeds max_seq_len ({max_len})", "max_tokens")
+            raise InvalidRequest(
+                f"max_tokens: prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) "
+                f"exceeds max_seq_len ({max_len})",
+                "max_tokens",
+            )
         vocab = _vocab_size(state)
         if vocab is not None and any(t >= vocab for t in req.stop_token_ids or ()):
             raise InvalidRequest(f"stop_token_ids: token ids must be in [0, {vocab})", "stop_token_ids")
         temperature, top_p = default_sampling(req, state.config.decode)
         sampling = InternalSampling(
-            max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=max(req.top_k, 0),
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=max(req.top_k, 0),
             seed=req.seed if req.seed is not None else secrets.randbits(62),
-            stop_token_ids=(req.stop_token_ids or []) + (stop_ids or []), ignore_eos=req.ignore_eos)
+            stop_token_ids=(req.stop_token_ids or []) + (stop_ids or []),
+            ignore_eos=req.ignore_eos,
+        )
         state.running_pipeline().check_available()  # NoWorkersError -> 503 with Retry-After
         tokenizer = state.get_tokenizer()
         ereq = EngineRequest(f"{kind[:4]}-{uuid.uuid4().hex}", prompt_ids, sampling)
@@ -414,8 +467,10 @@ async def _tokenizer_ready(state: RouterState) -> None:
 async def _tokenize(state: RouterState, text: str, field: str = "prompt", **kw) -> list[int]:
     limit = state.max_prompt_chars()
     if len(text) > limit:  # checked before tokenizing: a huge text must not cost tokenizer time
-        raise InvalidRequest(f"{field}: {len(text)} characters is more than this server accepts ({limit}; "
-                             f"router.max_prompt_chars)", field)
+        raise InvalidRequest(
+            f"{field}: {len(text)} characters is more than this server accepts ({limit}; router.max_prompt_chars)",
+            field,
+        )
     await _tokenizer_ready(state)
     tokenizer = state.get_tokenizer()  # NoWorkersError (no model known yet) -> 503
     if len(text) <= _TOKENIZE_INLINE_CHARS:
@@ -561,11 +616,21 @@ class _Run:
         first = self.first_token_at
         ttft = first - self.req.arrival if ok and first is not None else None
         tpot = (now - first) / (n - 1) if ok and first is not None and n > 1 else None
-        sla.record(Finished(
-            "primary", time.monotonic() - (now - self.req.arrival), time.time() - (now - self.req.arrival), ok,
-            ttft=ttft, tpot=tpot, e2e=now - self.req.arrival if ok else None, itl=tuple(self.itl) if ok else (),
-            prompt_tokens=len(self.req.prompt_token_ids), output_tokens=n,
-            error=None if ok else (self.error or status)))
+        sla.record(
+            Finished(
+                "primary",
+                time.monotonic() - (now - self.req.arrival),
+                time.time() - (now - self.req.arrival),
+                ok,
+                ttft=ttft,
+                tpot=tpot,
+                e2e=now - self.req.arrival if ok else None,
+                itl=tuple(self.itl) if ok else (),
+                prompt_tokens=len(self.req.prompt_token_ids),
+                output_tokens=n,
+                error=None if ok else (self.error or status),
+            )
+        )
 
     async def collect(self) -> None:
         async for _ in self.events():
@@ -579,18 +644,37 @@ class _Run:
 def _final_body(kind: str, run: _Run, model: str) -> dict:
     created = int(time.time())
     if kind == "generate":
-        return {"id": run.req.request_id, "text": run.assembler.text, "token_ids": run.token_ids,
-                "finish_reason": run.finish_reason, "usage": run.usage()}
+        return {
+            "id": run.req.request_id,
+            "text": run.assembler.text,
+            "token_ids": run.token_ids,
+            "finish_reason": run.finish_reason,
+            "usage": run.usage(),
+        }
     if kind == "chat":
-        return {"id": f"chatcmpl-{run.req.request_id}", "object": "chat.completion", "created": created,
-                "model": model, "choices": [{"index": 0, "message": {"role": "assistant",
-                                                                     "content": run.assembler.text},
-                                             "finish_reason": run.finish_reason, "logprobs": None}],
-                "usage": run.usage()}
-    return {"id": f"cmpl-{run.req.request_id}", "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": run.assembler.text, "finish_reason": run.finish_reason,
-                         "logprobs": None}],
-            "usage": run.usage()}
+        return {
+            "id": f"chatcmpl-{run.req.request_id}",
+            "object": "chat.completion",
+            "created": created,
+            "model": model,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": run.assembler.text},
+                    "finish_reason": run.finish_reason,
+                    "logprobs": None,
+                }
+            ],
+            "usage": run.usage(),
+        }
+    return {
+        "id": f"cmpl-{run.req.request_id}",
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [{"index": 0, "text": run.assembler.text, "finish_reason": run.finish_reason, "logprobs": None}],
+        "usage": run.usage(),
+    }
 
 
 _JSON = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)  # json.dumps(..., **kw) builds one per call
@@ -615,9 +699,11 @@ async def _sse_completion(run: _Run, model: str, include_usage: bool):
     # Each chunk is `_sse({"id": rid, "object": "text_completion", "created": created, "model": model,
     # "choices": [{"index": 0, "text": delta, "logprobs": None, "finish_reason": reason}]})`, byte for
     # byte; all but the text is formatted once per request, not once per token.
-    head = (f'data: {{"id":{_JSON.encode(rid)},"object":"text_completion","created":{created},'
-            f'"model":{_JSON.encode(model)},"choices":[{{"index":0,"text":')
-    tail = '}]}\n\n'
+    head = (
+        f'data: {{"id":{_JSON.encode(rid)},"object":"text_completion","created":{created},'
+        f'"model":{_JSON.encode(model)},"choices":[{{"index":0,"text":'
+    )
+    tail = "}]}\n\n"
     async for ev, delta in run.events():
         if ev.error:
             yield _sse_error(ev.error)
@@ -625,8 +711,16 @@ async def _sse_completion(run: _Run, model: str, include_usage: bool):
         reason = run.finish_reason if ev.finished else None
         yield f'{head}{_json_str(delta)},"logprobs":null,"finish_reason":{_reason(reason)}{tail}'.encode()
     if include_usage and not run.error:
-        yield _sse({"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [],
-                    "usage": run.usage()})
+        yield _sse(
+            {
+                "id": rid,
+                "object": "text_completion",
+                "created": created,
+                "model": model,
+                "choices": [],
+                "usage": run.usage(),
+            }
+        )
     yield b"data: [DONE]\n\n"
 
 
@@ -636,8 +730,10 @@ async def _sse_chat(run: _Run, model: str, include_usage: bool):
     # [{"index": 0, "delta": d, "logprobs": None, "finish_reason": reason}]})` with d = {"role":
     # "assistant", "content": delta} in the first chunk, else {"content": delta}: formatted as in
     # _sse_completion, byte for byte.
-    head = (f'data: {{"id":{_JSON.encode(rid)},"object":"chat.completion.chunk","created":{created},'
-            f'"model":{_JSON.encode(model)},"choices":[{{"index":0,"delta":{{')
+    head = (
+        f'data: {{"id":{_JSON.encode(rid)},"object":"chat.completion.chunk","created":{created},'
+        f'"model":{_JSON.encode(model)},"choices":[{{"index":0,"delta":{{'
+    )
     first = True
     async for ev, delta in run.events():
         if ev.error:
@@ -646,11 +742,20 @@ async def _sse_chat(run: _Run, model: str, include_usage: bool):
         role = '"role":"assistant",' if first else ""
         first = False
         reason = run.finish_reason if ev.finished else None
-        yield (f'{head}{role}"content":{_json_str(delta)}}},"logprobs":null,'
-               f'"finish_reason":{_reason(reason)}}}]}}\n\n').encode()
+        yield (
+            f'{head}{role}"content":{_json_str(delta)}}},"logprobs":null,"finish_reason":{_reason(reason)}}}]}}\n\n'
+        ).encode()
     if include_usage and not run.error:
-        yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                    "choices": [], "usage": run.usage()})
+        yield _sse(
+            {
+                "id": rid,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": model,
+                "choices": [],
+                "usage": run.usage(),
+            }
+        )
     yield b"data: [DONE]\n\n"
 
 

@@ -70,7 +70,8 @@ class BackupPool:
             try:
                 resp = await asyncio.wait_for(
                     self.http.post(url, json=body, headers=self._headers(), timeout=_CONNECT_TIMEOUT),
-                    self.options.first_byte_timeout_s)
+                    self.options.first_byte_timeout_s,
+                )
             except (TimeoutError, aiohttp.ClientError, OSError) as e:
                 self.last_error = f"{url}: {type(e).__name__}: {e}"
                 log.warning("backup unreachable: %s", self.last_error)

@@ -29,8 +29,15 @@ DATA_PATHS = ("/v1/completions", "/v1/chat/completions", "/generate")
 _CHOICE = re.compile(rb'"choices"\s*:\s*\[\s*\{')  # an SSE event carrying a choice (not usage-only)
 
 
-async def maybe_backup(live: SlaLive, backup: BackupPool, primary_available: Callable[[], bool], path: str,
-                       body: dict, stream: bool, arrival: float) -> Response | None:
+async def maybe_backup(
+    live: SlaLive,
+    backup: BackupPool,
+    primary_available: Callable[[], bool],
+    path: str,
+    body: dict,
+    stream: bool,
+    arrival: float,
+) -> Response | None:
     pool = live.choose_pool()
     if pool == "primary":
         if primary_available() or not backup.configured:
@@ -56,8 +63,17 @@ async def maybe_backup(live: SlaLive, backup: BackupPool, primary_available: Cal
             upstream.release()
         e2e = time.perf_counter() - arrival
         ok = upstream.status < 400
-        live.record(Finished("backup", start_mono, start_unix, ok, ttft=e2e if ok else None, e2e=e2e if ok else None,
-                             error=None if ok else f"backup HTTP {upstream.status}"))
+        live.record(
+            Finished(
+                "backup",
+                start_mono,
+                start_unix,
+                ok,
+                ttft=e2e if ok else None,
+                e2e=e2e if ok else None,
+                error=None if ok else f"backup HTTP {upstream.status}",
+            )
+        )
         return Response(data, status_code=upstream.status, media_type=media, headers=headers)
 
     async def relay():
@@ -87,9 +103,20 @@ async def maybe_backup(live: SlaLive, backup: BackupPool, primary_available: Cal
         end = time.perf_counter()
         ttft = None if first is None else first - arrival
         tpot = (end - first) / (events - 1) if first is not None and events > 1 else None
-        live.record(Finished("backup", start_mono, start_unix, ok and ttft is not None, ttft=ttft, tpot=tpot,
-                             e2e=end - arrival, itl=tuple(itl), output_tokens=events,
-                             error=None if ok else f"backup HTTP {upstream.status}"))
+        live.record(
+            Finished(
+                "backup",
+                start_mono,
+                start_unix,
+                ok and ttft is not None,
+                ttft=ttft,
+                tpot=tpot,
+                e2e=end - arrival,
+                itl=tuple(itl),
+                output_tokens=events,
+                error=None if ok else f"backup HTTP {upstream.status}",
+            )
+        )
 
     return StreamingResponse(relay(), status_code=upstream.status, media_type=media, headers=headers)
 

@@ -38,8 +38,7 @@ def guarded_http_protocol(header_timeout_s: float) -> type[HttpToolsProtocol]:
         def _head_timed_out(self) -> None:
             self._head_timer = None
             if not self.transport.is_closing():
-                self.transport.write(b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\n"
-                                     b"connection: close\r\n\r\n")
+                self.transport.write(b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
                 self.transport.close()
 
         def connection_made(self, transport) -> None:
@@ -64,9 +63,15 @@ def guarded_http_protocol(header_timeout_s: float) -> type[HttpToolsProtocol]:
 def _json_error(status: int, message: str, param: str | None = None) -> tuple[dict, bytes]:
     kind = "invalid_request_error" if status < 500 else "server_error"
     body = json.dumps({"error": {"message": message, "type": kind, "param": param, "code": status}}).encode()
-    start = {"type": "http.response.start", "status": status,
-             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                         (b"connection", b"close")]}
+    start = {
+        "type": "http.response.start",
+        "status": status,
+        "headers": [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+            (b"connection", b"close"),
+        ],
+    }
     return start, body
 
 
@@ -86,8 +91,9 @@ class BodyLimit:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
             return await self.app(scope, receive, send)
-        too_big = (f"request body is larger than this server accepts ({self.max_bytes} bytes; "
-                   f"router.max_request_body_bytes)")
+        too_big = (
+            f"request body is larger than this server accepts ({self.max_bytes} bytes; router.max_request_body_bytes)"
+        )
         for name, value in scope["headers"]:
             if name == b"content-length":
                 try:
@@ -112,8 +118,9 @@ class BodyLimit:
                     if not message.get("more_body", False):
                         break
         except TimeoutError:
-            return await self._reply(send, 408, f"request body not received within {self.body_timeout_s:g} s "
-                                                "(router.body_timeout_s)")
+            return await self._reply(
+                send, 408, f"request body not received within {self.body_timeout_s:g} s (router.body_timeout_s)"
+            )
         body = b"".join(chunks)
         replayed = False
 

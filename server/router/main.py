@@ -29,21 +29,35 @@ def write_ready_file(path: str | None, payload: dict) -> None:
     os.replace(tmp, path)
 
 
-async def serve_router(config: DistServeConfig, token: str, *, model_path: str | None = None,
-                       served_model_name: str | None = None, ready_file: str | None = None) -> int:
+async def serve_router(
+    config: DistServeConfig,
+    token: str,
+    *,
+    model_path: str | None = None,
+    served_model_name: str | None = None,
+    ready_file: str | None = None,
+) -> int:
     rc = config.router
-    registry = WorkerRegistry(heartbeat_timeout_s=rc.heartbeat_timeout_ms / 1000.0,
-                              fail_waits_after_s=rc.stream_progress_timeout_s)
-    state = RouterState(config=config, token=token, registry=registry, served_model_name=served_model_name,
-                        model_path=model_path)
+    registry = WorkerRegistry(
+        heartbeat_timeout_s=rc.heartbeat_timeout_ms / 1000.0, fail_waits_after_s=rc.stream_progress_timeout_s
+    )
+    state = RouterState(
+        config=config, token=token, registry=registry, served_model_name=served_model_name, model_path=model_path
+    )
     app = create_router_app(state)
     sock = listen(rc.host, rc.port, backlog=2048)
     host, port = sock.getsockname()[:2]
     url = f"http://{host}:{port}"
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False,
-                                           http=guarded_http_protocol(rc.header_timeout_s),
-                                           timeout_graceful_shutdown=5,
-                                           timeout_keep_alive=max(1, round(rc.keepalive_timeout_s))))
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            log_level="warning",
+            access_log=False,
+            http=guarded_http_protocol(rc.header_timeout_s),
+            timeout_graceful_shutdown=5,
+            timeout_keep_alive=max(1, round(rc.keepalive_timeout_s)),
+        )
+    )
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))

@@ -91,8 +91,9 @@ class PipelineOptions:
 
 
 class Pipeline:
-    def __init__(self, registry: WorkerRegistry, http: aiohttp.ClientSession, metrics: RouterMetrics,
-                 options: PipelineOptions) -> None:
+    def __init__(
+        self, registry: WorkerRegistry, http: aiohttp.ClientSession, metrics: RouterMetrics, options: PipelineOptions
+    ) -> None:
         self.registry = registry
         self.http = http
         self.metrics = metrics
@@ -102,8 +103,9 @@ class Pipeline:
     def check_available(self) -> str:
         mode = self.registry.mode()
         if mode is None:
-            raise NoWorkersError(f"no healthy prefill+decode pair or colocated worker "
-                                 f"({len(self.registry.workers)} registered)")
+            raise NoWorkersError(
+                f"no healthy prefill+decode pair or colocated worker ({len(self.registry.workers)} registered)"
+            )
         return mode
 
     async def _wait_for_mode(self) -> str | None:
@@ -149,8 +151,13 @@ class Pipeline:
                     self.registry.mark_suspect(e.worker.worker_id)
                 if outputs:
                     self.metrics.migrations.inc()
-                log.warning("request %s: %s; %s (attempt %d)", req.request_id, e,
-                            "migrating" if outputs else "retrying", failures)
+                log.warning(
+                    "request %s: %s; %s (attempt %d)",
+                    req.request_id,
+                    e,
+                    "migrating" if outputs else "retrying",
+                    failures,
+                )
                 if failures > self.options.max_migrations:
                     yield TokenEvent([], True, "error", f"giving up after {failures} worker failures: {e}")
                     return
@@ -205,16 +212,30 @@ class Pipeline:
         finally:
             decode.inflight -= 1
 
-    async def _prefill(self, worker: WorkerInfo, req: EngineRequest, outputs: list[int], peer_host: str,
-                       peer_cuda: list[str] | None = None) -> PrefillResponse:
-        body = {"request_id": req.request_id, "prompt_token_ids": req.prompt_token_ids,
-                "output_token_ids": outputs, "sampling": req.sampling.model_dump(), "peer_host_id": peer_host,
-                "peer_cuda_uuids": peer_cuda}
+    async def _prefill(
+        self,
+        worker: WorkerInfo,
+        req: EngineRequest,
+        outputs: list[int],
+        peer_host: str,
+        peer_cuda: list[str] | None = None,
+    ) -> PrefillResponse:
+        body = {
+            "request_id": req.request_id,
+            "prompt_token_ids": req.prompt_token_ids,
+            "output_token_ids": outputs,
+            "sampling": req.sampling.model_dump(),
+            "peer_host_id": peer_host,
+            "peer_cuda_uuids": peer_cuda,
+        }
         idle = IdleTimeout(self.options.request_timeout_s)
         try:
             with worker.watch(idle):  # a prefill worker that freezes fails this wait when it goes stale
-                r = await idle.wait(self.http.post(f"{worker.url}/internal/prefill", json=body,
-                                                   headers=self.headers, timeout=_STREAM_TIMEOUT))
+                r = await idle.wait(
+                    self.http.post(
+                        f"{worker.url}/internal/prefill", json=body, headers=self.headers, timeout=_STREAM_TIMEOUT
+                    )
+                )
                 async with r:
                     if r.status == 400:
                         detail = (await idle.wait(r.json())).get("detail", "bad request")
@@ -236,18 +257,27 @@ class Pipeline:
         finally:
             idle.close()
 
-    async def _stream(self, worker: WorkerInfo, req: EngineRequest, outputs: list[int],
-                      kv: dict | None) -> AsyncGenerator[TokenEvent, None]:
-        body = {"request_id": req.request_id, "prompt_token_ids": req.prompt_token_ids,
-                "output_token_ids": outputs, "sampling": req.sampling.model_dump(), "kv": kv}
+    async def _stream(
+        self, worker: WorkerInfo, req: EngineRequest, outputs: list[int], kv: dict | None
+    ) -> AsyncGenerator[TokenEvent, None]:
+        body = {
+            "request_id": req.request_id,
+            "prompt_token_ids": req.prompt_token_ids,
+            "output_token_ids": outputs,
+            "sampling": req.sampling.model_dump(),
+            "kv": kv,
+        }
         # The read timeout is ours, not aiohttp's sock_read (which reschedules a timer per received
         # chunk, i.e. per token): one lazily re-armed timer per stream, see server/idle.py.
         # It is the progress deadline: the worker sends a token or a keep-alive line well within it.
         idle = IdleTimeout(self.options.progress_timeout_s)
         try:
             with worker.watch(idle):
-                r = await idle.wait(self.http.post(f"{worker.url}/internal/generate", json=body,
-                                                   headers=self.headers, timeout=_STREAM_TIMEOUT))
+                r = await idle.wait(
+                    self.http.post(
+                        f"{worker.url}/internal/generate", json=body, headers=self.headers, timeout=_STREAM_TIMEOUT
+                    )
+                )
                 async with r:
                     if r.status != 200:
                         raise WorkerFailed(worker, f"generate answered HTTP {r.status}")
@@ -267,11 +297,15 @@ class Pipeline:
                             line = StreamLine.model_validate_json(raw)
                             if line.kv_transfer_seconds is not None:
                                 transport = line.kv_transport or "?"
-                                self.metrics.kv_transfer_seconds.labels(transport).observe(
-                                    line.kv_transfer_seconds)
+                                self.metrics.kv_transfer_seconds.labels(transport).observe(line.kv_transfer_seconds)
                                 self.metrics.kv_transfer_bytes.labels(transport).inc(line.kv_transfer_bytes or 0)
-                            ev = TokenEvent(line.token_ids, line.finished, line.finish_reason, line.error,
-                                            kv_recomputed=line.kv_transport == "recompute")
+                            ev = TokenEvent(
+                                line.token_ids,
+                                line.finished,
+                                line.finish_reason,
+                                line.error,
+                                kv_recomputed=line.kv_transport == "recompute",
+                            )
                             yield ev
                             if ev.finished:
                                 return
@@ -287,8 +321,12 @@ class Pipeline:
 
     async def _abort(self, worker: WorkerInfo, request_id: str) -> None:
         try:
-            async with self.http.post(f"{worker.url}/internal/abort", json={"request_id": request_id},
-                                      headers=self.headers, timeout=aiohttp.ClientTimeout(total=2)):
+            async with self.http.post(
+                f"{worker.url}/internal/abort",
+                json={"request_id": request_id},
+                headers=self.headers,
+                timeout=aiohttp.ClientTimeout(total=2),
+            ):
                 pass
         except (TimeoutError, aiohttp.ClientError, OSError):
             pass

@@ -31,8 +31,9 @@ def check_unicode(obj: Any, path: str = "") -> None:
                 obj.encode("utf-8")
             except UnicodeEncodeError:
                 field = path or "body"
-                raise InvalidRequest(f"{field}: contains an unpaired surrogate (not valid Unicode text)",
-                                     field.split(".")[0]) from None
+                raise InvalidRequest(
+                    f"{field}: contains an unpaired surrogate (not valid Unicode text)", field.split(".")[0]
+                ) from None
     elif isinstance(obj, dict):
         for k, v in obj.items():
             check_unicode(k, path)
@@ -75,8 +76,12 @@ class _SamplingFields(BaseModel):
             raise InvalidRequest("n: only n=1 is supported; send one request per completion", "n")
         if self.logprobs not in (None, False, 0):
             raise InvalidRequest("logprobs: not supported by this server", "logprobs")
-        for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0),
-                              ("repetition_penalty", 1.0), ("min_p", 0.0)):
+        for name, neutral in (
+            ("presence_penalty", 0.0),
+            ("frequency_penalty", 0.0),
+            ("repetition_penalty", 1.0),
+            ("min_p", 0.0),
+        ):
             if getattr(self, name) != neutral:
                 raise InvalidRequest(f"{name}: only {neutral} is supported", name)
         stops = self.stop_strings()
@@ -128,6 +133,7 @@ class ChatCompletionRequest(_SamplingFields):
 
 class GenerateRequest(_SamplingFields):
     """The seed article's ``POST /generate``: prompt text or ids, NDJSON when streaming."""
+
     prompt: str | None = None
     prompt_token_ids: list[StrictInt] | None = None
 

@@ -85,9 +85,11 @@ class WorkerInfo:
     def expire_waiters(self) -> None:
         if not self.waiters:
             return
-        reason = (f"{self.role} worker {self.worker_id} is dead ({self.dead_reason})" if self.state == DEAD else
-                  f"{self.role} worker {self.worker_id} sent no heartbeat for "
-                  f"{time.monotonic() - self.last_seen:.1f} s")
+        reason = (
+            f"{self.role} worker {self.worker_id} is dead ({self.dead_reason})"
+            if self.state == DEAD
+            else f"{self.role} worker {self.worker_id} sent no heartbeat for {time.monotonic() - self.last_seen:.1f} s"
+        )
         for w in list(self.waiters):
             w.expire(reason)
 
@@ -102,23 +104,34 @@ class WorkerInfo:
         live = self.state != DEAD  # a dead worker's last heartbeat says nothing about now
         s = self.status
         return {
-            "worker_id": self.worker_id, "role": self.role, "pid": self.pid, "url": self.url,
-            "healthy": self.healthy, "state": self.state, "dead_reason": self.dead_reason,
-            "last_heartbeat_s_ago": round(now - self.last_seen, 3), "restart_count": self.restart_count,
+            "worker_id": self.worker_id,
+            "role": self.role,
+            "pid": self.pid,
+            "url": self.url,
+            "healthy": self.healthy,
+            "state": self.state,
+            "dead_reason": self.dead_reason,
+            "last_heartbeat_s_ago": round(now - self.last_seen, 3),
+            "restart_count": self.restart_count,
             "queue_depth": s.num_waiting + s.num_reserving if live else None,
-            "num_running": s.num_running if live else None, "inflight": self.inflight,
+            "num_running": s.num_running if live else None,
+            "inflight": self.inflight,
             "kv_blocks_used": s.kv_blocks_used if live else None,
             "kv_blocks_free": s.kv_blocks_free if live else None,
-            "num_staged_kv": s.num_staged_kv if live else None, "fingerprint": self.fingerprint,
-            "model_path": self.model_path, "max_model_len": self.max_model_len,
-            "join_to_first_request_ms": (round((self.first_pick_at - self.joined_at) * 1000, 3)
-                                         if self.first_pick_at is not None else None),
+            "num_staged_kv": s.num_staged_kv if live else None,
+            "fingerprint": self.fingerprint,
+            "model_path": self.model_path,
+            "max_model_len": self.max_model_len,
+            "join_to_first_request_ms": (
+                round((self.first_pick_at - self.joined_at) * 1000, 3) if self.first_pick_at is not None else None
+            ),
         }
 
 
 class WorkerRegistry:
-    def __init__(self, heartbeat_timeout_s: float, forget_after_s: float | None = None,
-                 fail_waits_after_s: float = 10.0) -> None:
+    def __init__(
+        self, heartbeat_timeout_s: float, forget_after_s: float | None = None, fail_waits_after_s: float = 10.0
+    ) -> None:
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.forget_after_s = forget_after_s if forget_after_s is not None else 20 * heartbeat_timeout_s
         self.fail_waits_after_s = max(heartbeat_timeout_s, fail_waits_after_s)
@@ -130,18 +143,29 @@ class WorkerRegistry:
             if other.state == DEAD:
                 continue
             if other.worker_id != req.worker_id and other.fingerprint != req.fingerprint:
-                diff = sorted(k for k in set(other.fingerprint) | set(req.fingerprint)
-                              if other.fingerprint.get(k) != req.fingerprint.get(k))
+                diff = sorted(
+                    k
+                    for k in set(other.fingerprint) | set(req.fingerprint)
+                    if other.fingerprint.get(k) != req.fingerprint.get(k)
+                )
                 raise RegistrationRefused(
                     f"model fingerprint mismatch with {other.role} worker {other.worker_id}: "
-                    + ", ".join(f"{k}={req.fingerprint.get(k)!r} (registered: {other.fingerprint.get(k)!r})"
-                                for k in diff)
+                    + ", ".join(
+                        f"{k}={req.fingerprint.get(k)!r} (registered: {other.fingerprint.get(k)!r})" for k in diff
+                    )
                     + "; every prefill and decode worker must serve the same model, dtype and KV layout"
                 )
         info = WorkerInfo(
-            worker_id=req.worker_id, role=req.role, url=req.url.rstrip("/"), pid=req.pid,
-            fingerprint=req.fingerprint, model_path=req.model_path, max_model_len=req.max_model_len,
-            host_id=req.host_id, status=req.status, cuda_uuids=list(req.cuda_uuids),
+            worker_id=req.worker_id,
+            role=req.role,
+            url=req.url.rstrip("/"),
+            pid=req.pid,
+            fingerprint=req.fingerprint,
+            model_path=req.model_path,
+            max_model_len=req.max_model_len,
+            host_id=req.host_id,
+            status=req.status,
+            cuda_uuids=list(req.cuda_uuids),
             restart_count=req.restart_count,
         )
         old = self.workers.get(req.worker_id)

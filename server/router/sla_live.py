@@ -44,6 +44,7 @@ TICK_S = 0.2
 @dataclass(frozen=True)
 class Finished:
     """One finished request as the journal and the windows see it (latencies in seconds)."""
+
     pool: str
     start_mono: float  # time.monotonic() when the request arrived
     start_unix: float
@@ -57,10 +58,18 @@ class Finished:
     error: str | None = None
 
     def journal_line(self) -> dict:
-        return {"kind": "request", "start_unix": round(self.start_unix, 6), "pool": self.pool,
-                "ttft": self.ttft, "tpot": self.tpot, "e2e": self.e2e,
-                "itl": [round(x, 6) for x in self.itl], "prompt_tokens": self.prompt_tokens,
-                "output_tokens": self.output_tokens, "error": self.error}
+        return {
+            "kind": "request",
+            "start_unix": round(self.start_unix, 6),
+            "pool": self.pool,
+            "ttft": self.ttft,
+            "tpot": self.tpot,
+            "e2e": self.e2e,
+            "itl": [round(x, 6) for x in self.itl],
+            "prompt_tokens": self.prompt_tokens,
+            "output_tokens": self.output_tokens,
+            "error": self.error,
+        }
 
 
 class _Journal:
@@ -84,14 +93,28 @@ class _Journal:
 
 def breaker_settings(cfg: RouterConfig) -> BreakerSettings:
     b = cfg.breaker
-    return BreakerSettings(metric=b.metric, percentile=b.percentile, threshold_ms=b.threshold_ms,
-                           consecutive_s=b.consecutive_s, cooldown_s=b.cooldown_s, probe_fraction=b.probe_fraction,
-                           min_samples=b.min_samples, probe_samples=b.probe_samples)
+    return BreakerSettings(
+        metric=b.metric,
+        percentile=b.percentile,
+        threshold_ms=b.threshold_ms,
+        consecutive_s=b.consecutive_s,
+        cooldown_s=b.cooldown_s,
+        probe_fraction=b.probe_fraction,
+        min_samples=b.min_samples,
+        probe_samples=b.probe_samples,
+    )
 
 
 class SlaLive:
-    def __init__(self, cfg: RouterConfig, registry: CollectorRegistry, *, backup_configured: bool,
-                 clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        cfg: RouterConfig,
+        registry: CollectorRegistry,
+        *,
+        backup_configured: bool,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+    ) -> None:
         self.cfg = cfg
         self.clock, self.wall = clock, wall
         self.windows = {p: RollingWindow(cfg.sla_window_s, clock, METRICS) for p in POOLS}
@@ -102,13 +125,19 @@ class SlaLive:
         self.requests_journal = _Journal(cfg.journal_path)
         self.events_journal = _Journal(cfg.event_journal_path)
         self.registry = registry
-        self.pool_requests = Counter("distserve_pool_requests", "Requests answered, by pool.", ["pool"],
-                                     registry=registry)
-        self.transitions = Counter("distserve_breaker_transitions", "Breaker transitions.",
-                                   ["from_state", "to_state"], registry=registry)
-        self.fallbacks = Counter("distserve_pool_fallbacks", "Requests served by the other pool than chosen: "
-                                 "backup unreachable -> primary, or primary unavailable -> backup.", ["reason"],
-                                 registry=registry)
+        self.pool_requests = Counter(
+            "distserve_pool_requests", "Requests answered, by pool.", ["pool"], registry=registry
+        )
+        self.transitions = Counter(
+            "distserve_breaker_transitions", "Breaker transitions.", ["from_state", "to_state"], registry=registry
+        )
+        self.fallbacks = Counter(
+            "distserve_pool_fallbacks",
+            "Requests served by the other pool than chosen: "
+            "backup unreachable -> primary, or primary unavailable -> backup.",
+            ["reason"],
+            registry=registry,
+        )
         self._collector = _Collector(self)
         registry.register(self._collector)
 
@@ -152,8 +181,7 @@ class SlaLive:
         if self.breaker is None:
             return None
         b = self.breaker
-        t = b.evaluate(self._judge.stats(self.cfg.breaker.metric, self.cfg.breaker.percentile,
-                                         since=b.observe_since))
+        t = b.evaluate(self._judge.stats(self.cfg.breaker.metric, self.cfg.breaker.percentile, since=b.observe_since))
         if t is not None:
             self._on_transition(t)
         return t
@@ -170,33 +198,50 @@ class SlaLive:
         self._judge.clear()  # each state judges only its own samples
         self.transitions.labels(t.from_state.value, t.to_state.value).inc()
         log.warning("breaker %s -> %s: %s", t.from_state.value, t.to_state.value, t.reason)
-        self.events_journal.append({"kind": "breaker", "at_unix": round(self.wall() - (self.clock() - t.at), 6),
-                                    **t.to_dict()})
+        self.events_journal.append(
+            {"kind": "breaker", "at_unix": round(self.wall() - (self.clock() - t.at), 6), **t.to_dict()}
+        )
 
     # --- views --------------------------------------------------------------
     def status(self) -> dict:
         b = self.breaker
-        serving = {BreakerState.CLOSED: "primary", BreakerState.OPEN: "backup",
-                   BreakerState.HALF_OPEN: "primary+backup"}[self.state]
+        serving = {
+            BreakerState.CLOSED: "primary",
+            BreakerState.OPEN: "backup",
+            BreakerState.HALF_OPEN: "primary+backup",
+        }[self.state]
         if not self.backup_configured:
             serving = "primary"
-        breaker: dict = {"enabled": b is not None, "state": self.state.value,
-                         "backup_configured": self.backup_configured}
+        breaker: dict = {
+            "enabled": b is not None,
+            "state": self.state.value,
+            "backup_configured": self.backup_configured,
+        }
         percentiles: dict = {}
-        out = {"window_s": self.cfg.sla_window_s, "serving_pool": serving, "breaker": breaker,
-               "percentiles_ms": percentiles}
+        out = {
+            "window_s": self.cfg.sla_window_s,
+            "serving_pool": serving,
+            "breaker": breaker,
+            "percentiles_ms": percentiles,
+        }
         for pool, w in self.windows.items():
             percentiles[pool] = {
                 m: {"samples": w.count(m), **{f"p{q:g}": v for q, v in w.percentiles(m, QUANTILES).items()}}
-                for m in METRICS}
+                for m in METRICS
+            }
         if b is not None:
             s = b.settings
             stats = self._judge.stats(s.metric, s.percentile, since=b.observe_since)
-            breaker.update({
-                "metric": s.metric, "percentile": s.percentile, "threshold_ms": s.threshold_ms,
-                "in_state_s": round(self.clock() - b.entered_at, 3),
-                "judged": {"value_ms": stats.value_ms, "samples": stats.samples},
-                "transitions": [t.to_dict() for t in b.transitions][-20:]})
+            breaker.update(
+                {
+                    "metric": s.metric,
+                    "percentile": s.percentile,
+                    "threshold_ms": s.threshold_ms,
+                    "in_state_s": round(self.clock() - b.entered_at, 3),
+                    "judged": {"value_ms": stats.value_ms, "samples": stats.samples},
+                    "transitions": [t.to_dict() for t in b.transitions][-20:],
+                }
+            )
         return out
 
     def close(self) -> None:
@@ -219,12 +264,14 @@ class _Collector:
 
     def collect(self):
         live = self.live
-        lat = GaugeMetricFamily("distserve_sla_rolling_latency_seconds",
-                                f"Latency percentile over the last {live.cfg.sla_window_s} s "
-                                "(HDR, per-second windows).",
-                                labels=["pool", "metric", "quantile"])
-        n = GaugeMetricFamily("distserve_sla_rolling_samples", "Samples in the rolling window.",
-                              labels=["pool", "metric"])
+        lat = GaugeMetricFamily(
+            "distserve_sla_rolling_latency_seconds",
+            f"Latency percentile over the last {live.cfg.sla_window_s} s (HDR, per-second windows).",
+            labels=["pool", "metric", "quantile"],
+        )
+        n = GaugeMetricFamily(
+            "distserve_sla_rolling_samples", "Samples in the rolling window.", labels=["pool", "metric"]
+        )
         qs = sorted(set(QUANTILES) | ({live.cfg.breaker.percentile} if live.breaker else set()))
         for pool, w in live.windows.items():
             for m in METRICS:
@@ -235,9 +282,14 @@ class _Collector:
                         lat.add_metric([pool, m, f"{q / 100:g}"], v / 1000.0)
         yield lat
         yield n
-        yield GaugeMetricFamily("distserve_sla_window_seconds", "Length of the rolling window.",
-                                value=live.cfg.sla_window_s)
-        yield GaugeMetricFamily("distserve_breaker_state", "Latency circuit breaker: 0 closed, 1 open, 2 half-open.",
-                                value=live.state.gauge)
-        yield GaugeMetricFamily("distserve_breaker_enabled", "1 when the breaker is on and a backup pool is set.",
-                                value=int(live.breaker is not None and live.backup_configured))
+        yield GaugeMetricFamily(
+            "distserve_sla_window_seconds", "Length of the rolling window.", value=live.cfg.sla_window_s
+        )
+        yield GaugeMetricFamily(
+            "distserve_breaker_state", "Latency circuit breaker: 0 closed, 1 open, 2 half-open.", value=live.state.gauge
+        )
+        yield GaugeMetricFamily(
+            "distserve_breaker_enabled",
+            "1 when the breaker is on and a backup pool is set.",
+            value=int(live.breaker is not None and live.backup_configured),
+        )

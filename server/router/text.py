@@ -35,6 +35,6 @@ class TextAssembler:
                 return out
         keep = 0 if final else min(self._hold, len(self._pending))
         out = self._pending[: len(self._pending) - keep]
-        self._pending = self._pending[len(out):]
+        self._pending = self._pending[len(out) :]
         self.text += out
         return out

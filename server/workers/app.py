@@ -64,8 +64,15 @@ class WorkerState:
 
 
 def to_sampling_params(s: InternalSampling) -> SamplingParams:
-    return SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-                          seed=s.seed, stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos)
+    return SamplingParams(
+        max_tokens=s.max_tokens,
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=s.top_k,
+        seed=s.seed,
+        stop_token_ids=tuple(s.stop_token_ids),
+        ignore_eos=s.ignore_eos,
+    )
 
 
 def create_worker_app(state: WorkerState) -> FastAPI:
@@ -79,8 +86,9 @@ def create_worker_app(state: WorkerState) -> FastAPI:
 
     def require_role(*roles: str) -> None:
         if state.role not in roles:
-            raise HTTPException(status_code=409, detail=f"this is a {state.role} worker; "
-                                                        f"endpoint needs role {' or '.join(roles)}")
+            raise HTTPException(
+                status_code=409, detail=f"this is a {state.role} worker; endpoint needs role {' or '.join(roles)}"
+            )
 
     @app.get("/health")
     async def health():
@@ -127,8 +135,9 @@ async def _prefill(state: WorkerState, body: PrefillRequest) -> JSONResponse:
     rid = body.request_id
     try:
         params = to_sampling_params(body.sampling)
-        q = await state.loop.add_request(rid, body.prompt_token_ids, params, prefill_only=True,
-                                         output_token_ids=body.output_token_ids)
+        q = await state.loop.add_request(
+            rid, body.prompt_token_ids, params, prefill_only=True, output_token_ids=body.output_token_ids
+        )
     except ValueError as e:
         raise HTTPException(status_code=400, detail=str(e)) from None
     t0 = time.perf_counter()
@@ -136,31 +145,50 @@ async def _prefill(state: WorkerState, body: PrefillRequest) -> JSONResponse:
         async with asyncio.timeout(state.config.router.request_timeout_s):
             out = await q.get()
         if out.finish_reason != "prefilled":  # stopped at token #1 (EOS, max_tokens=1) or aborted
-            return JSONResponse(PrefillResponse(token_ids=out.new_token_ids, finished=True,
-                                                finish_reason=out.finish_reason, error=out.error,
-                                                prefill_seconds=time.perf_counter() - t0).model_dump())
+            return JSONResponse(
+                PrefillResponse(
+                    token_ids=out.new_token_ids,
+                    finished=True,
+                    finish_reason=out.finish_reason,
+                    error=out.error,
+                    prefill_seconds=time.perf_counter() - t0,
+                ).model_dump()
+            )
         t1 = time.perf_counter()
         phases = state.metrics.prefill_phase_seconds
         phases.labels("queued_and_step").observe(t1 - t0)
         try:
             kv, ready = await state.loop.call(lambda: _take_kv(state, rid))
         except KeyError:  # aborted (POST /internal/abort) between its last step and now: nothing to stage
-            return JSONResponse(PrefillResponse(token_ids=[], finished=True, finish_reason="abort",
-                                                error="request was aborted during prefill").model_dump())
+            return JSONResponse(
+                PrefillResponse(
+                    token_ids=[], finished=True, finish_reason="abort", error="request was aborted during prefill"
+                ).model_dump()
+            )
         kvc = state.config.kv_transfer
         nbytes = kv.numel() * kv.element_size()
         same_host = body.peer_host_id is None or body.peer_host_id == host_id()
-        peer_gpu = None if not kv.is_cuda or body.peer_cuda_uuids is None else (
-            cuda_ipc.gpu_uuid(kv.device) in body.peer_cuda_uuids)
-        transport = choose_transport(kvc.transport, nbytes, same_host, kvc.zero_copy_threshold_mb,
-                                     kv_on_cuda=kv.is_cuda, peer_gpu=peer_gpu)
+        peer_gpu = (
+            None
+            if not kv.is_cuda or body.peer_cuda_uuids is None
+            else (cuda_ipc.gpu_uuid(kv.device) in body.peer_cuda_uuids)
+        )
+        transport = choose_transport(
+            kvc.transport, nbytes, same_host, kvc.zero_copy_threshold_mb, kv_on_cuda=kv.is_cuda, peer_gpu=peer_gpu
+        )
         t2 = time.perf_counter()
         phases.labels("take_kv").observe(t2 - t1)
         handle = await asyncio.to_thread(_stage, state, rid, kv, ready, transport)
         phases.labels("stage").observe(time.perf_counter() - t2)
         state.metrics.prefill_seconds.observe(time.perf_counter() - t0)
-        return JSONResponse(PrefillResponse(token_ids=out.new_token_ids, finished=False, kv=handle.to_dict(),
-                                            prefill_seconds=time.perf_counter() - t0).model_dump())
+        return JSONResponse(
+            PrefillResponse(
+                token_ids=out.new_token_ids,
+                finished=False,
+                kv=handle.to_dict(),
+                prefill_seconds=time.perf_counter() - t0,
+            ).model_dump()
+        )
     except BaseException:
         state.loop.abort_nowait(rid)  # client gone or timed out: free the blocks now
         raise
@@ -187,8 +215,7 @@ def _stage(state: WorkerState, rid: str, kv, ready, transport: str):
             transport = "shm" if kv.numel() * kv.element_size() >= kvc.zero_copy_threshold_mb * 2**20 else "tcp"
     if transport != "cuda_ipc" and kv.is_cuda:
         kv, ready = cuda_ipc.to_pinned_host(kv, ready), None
-    return sender.stage(rid, kv, kvc.lease_ms, transport=transport, checksum=kvc.checksum,
-                              ready_event=ready)
+    return sender.stage(rid, kv, kvc.lease_ms, transport=transport, checksum=kvc.checksum, ready_event=ready)
 
 
 _JSON = json.JSONEncoder(separators=(",", ":"))  # one encoder: json.dumps(..., separators=) builds one per call
@@ -302,8 +329,7 @@ async def _admit_with_kv(state: WorkerState, body: GenerateRequest, params: Samp
         except (KeyError, ValueError) as e:
             await loop.abort(rid)
             return None, {"error": f"kv commit failed: {e}"}
-        return q, {"kv_transfer_seconds": elapsed, "kv_transfer_bytes": result.nbytes,
-                   "kv_transport": handle.transport}
+        return q, {"kv_transfer_seconds": elapsed, "kv_transfer_bytes": result.nbytes, "kv_transport": handle.transport}
     state.metrics.kv_transfer_failures.labels(handle.transport).inc()
     await loop.abort(rid)  # drop the reservation
     log.warning("KV pull for %s failed (%s): %s", rid, result.status.name, result.error)

@@ -43,6 +43,7 @@ class _Reservation:
 @dataclass
 class LoopStats:
     """Cumulative counters (``/metrics``). The load snapshot the router routes by is ``status()``."""
+
     num_steps: int = 0
     num_preemptions: int = 0
     num_generated_tokens: int = 0
@@ -63,6 +64,7 @@ class GcPolicy:
     load can hold dozens). Every ``interval_s`` (``decode.gc_interval_ms``) the oldest stale slots
     beyond ``max_stale_slots`` (``decode.max_stale_slots``) are freed, and any slot stale for twice
     ``stale_after_s`` is freed regardless."""
+
     interval_s: float = 0.5
     stale_after_s: float = 11.0
     max_stale_slots: int = 16
@@ -95,18 +97,26 @@ class EngineLoop:
         e = self.engine
         return LoopStats(
             num_steps=e.stats.num_steps,
-            num_preemptions=e.stats.num_preemptions, num_generated_tokens=e.stats.num_generated_tokens,
-            step_seconds_total=self._step_seconds, step_cpu_seconds_total=self._step_cpu_seconds,
+            num_preemptions=e.stats.num_preemptions,
+            num_generated_tokens=e.stats.num_generated_tokens,
+            step_seconds_total=self._step_seconds,
+            step_cpu_seconds_total=self._step_cpu_seconds,
             prefix_cache_queried_tokens=e.block_manager.num_cache_queries,
-            prefix_cache_hit_tokens=e.block_manager.num_cache_hits, idle_seconds_total=self._idle_seconds,
+            prefix_cache_hit_tokens=e.block_manager.num_cache_hits,
+            idle_seconds_total=self._idle_seconds,
         )
 
     def status(self, num_staged_kv: int = 0) -> WorkerStatus:
         """The load snapshot: what heartbeats carry, ``/internal/status`` answers and ``/metrics`` shows."""
         e = self.engine
-        return WorkerStatus(num_waiting=e.scheduler.num_waiting, num_running=e.scheduler.num_running,
-                            num_reserving=len(self._reservations), kv_blocks_used=e.num_used_blocks,
-                            kv_blocks_free=e.num_free_blocks, num_staged_kv=num_staged_kv)
+        return WorkerStatus(
+            num_waiting=e.scheduler.num_waiting,
+            num_running=e.scheduler.num_running,
+            num_reserving=len(self._reservations),
+            kv_blocks_used=e.num_used_blocks,
+            kv_blocks_free=e.num_free_blocks,
+            num_staged_kv=num_staged_kv,
+        )
 
     # --- the loop ------------------------------------------------------------
     async def _run(self) -> None:
@@ -160,8 +170,9 @@ class EngineLoop:
         outs = []
         for rid, seq in list(self.engine.requests.items()):
             self.engine.abort_request(rid)
-            outs.append(RequestOutput(rid, [], True, "abort", len(seq.prompt_token_ids), seq.num_output_tokens,
-                                      error=reason))
+            outs.append(
+                RequestOutput(rid, [], True, "abort", len(seq.prompt_token_ids), seq.num_output_tokens, error=reason)
+            )
         return outs
 
     def _admit_reservations(self) -> None:
@@ -192,8 +203,11 @@ class EngineLoop:
         too_old = [rid for rid, t in stale if now - t > 2 * self.gc.stale_after_s]
         victims = set(too_old) | set(overflow)
         for rid in victims:
-            log.warning("freeing stale KV slot of %s (reserved %.1f s ago, KV never arrived)",
-                        rid, now - self.engine.awaiting_kv[rid].arrival_time)
+            log.warning(
+                "freeing stale KV slot of %s (reserved %.1f s ago, KV never arrived)",
+                rid,
+                now - self.engine.awaiting_kv[rid].arrival_time,
+            )
             self.abort_nowait(rid)
         self.num_gc_collected += len(victims)
         return len(victims)
@@ -213,20 +227,29 @@ class EngineLoop:
     def close_stream(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
 
-    async def add_request(self, request_id: str, prompt: list[int], params: SamplingParams, *,
-                          prefill_only: bool = False, output_token_ids: list[int] | None = None) -> asyncio.Queue:
+    async def add_request(
+        self,
+        request_id: str,
+        prompt: list[int],
+        params: SamplingParams,
+        *,
+        prefill_only: bool = False,
+        output_token_ids: list[int] | None = None,
+    ) -> asyncio.Queue:
         q = self.open_stream(request_id)
         try:
-            self.engine.add_request(request_id, prompt, params, prefill_only=prefill_only,
-                                    output_token_ids=output_token_ids)
+            self.engine.add_request(
+                request_id, prompt, params, prefill_only=prefill_only, output_token_ids=output_token_ids
+            )
         except BaseException:
             self.close_stream(request_id)
             raise
         self._wakeup.set()
         return q
 
-    async def reserve(self, request_id: str, prompt: list[int], outputs: list[int], params: SamplingParams,
-                      timeout_s: float) -> None:
+    async def reserve(
+        self, request_id: str, prompt: list[int], outputs: list[int], params: SamplingParams, timeout_s: float
+    ) -> None:
         """Wait until the engine has blocks for this request's KV (raises TimeoutError)."""
         fut = asyncio.get_running_loop().create_future()
         self._reservations.append(_Reservation(request_id, list(prompt), list(outputs), params, fut))

@@ -59,20 +59,37 @@ def engine_config_for(role: str, cfg: DistServeConfig, device: str) -> EngineCon
     workers, ``decode.*`` for decode and colocated ones).
     """
     pf, dc, cache = cfg.prefill, cfg.decode, cfg.cache
-    common: dict[str, Any] = dict(model=cfg.model, device=device, dtype=cache.dtype, block_size=cache.block_size,
-                  num_blocks=cache.num_gpu_blocks, kv_cache_memory_mb=cache.kv_cache_memory_mb,
-                  gpu_memory_utilization=cache.gpu_memory_utilization,
-                  max_model_len=pf.max_seq_len, max_num_batched_tokens=pf.max_num_batched_tokens,
-                  enable_prefix_caching=cache.enable_prefix_caching)
+    common: dict[str, Any] = dict(
+        model=cfg.model,
+        device=device,
+        dtype=cache.dtype,
+        block_size=cache.block_size,
+        num_blocks=cache.num_gpu_blocks,
+        kv_cache_memory_mb=cache.kv_cache_memory_mb,
+        gpu_memory_utilization=cache.gpu_memory_utilization,
+        max_model_len=pf.max_seq_len,
+        max_num_batched_tokens=pf.max_num_batched_tokens,
+        enable_prefix_caching=cache.enable_prefix_caching,
+    )
     if role == "prefill":
-        return EngineConfig(**common, max_num_seqs=pf.max_batch_size, prefill_policy="wfs",
-                            torch_threads=pf.torch_threads, attention_backend=pf.attention_backend)
+        return EngineConfig(
+            **common,
+            max_num_seqs=pf.max_batch_size,
+            prefill_policy="wfs",
+            torch_threads=pf.torch_threads,
+            attention_backend=pf.attention_backend,
+        )
     if role == "decode":
-        return EngineConfig(**common, max_num_seqs=min(dc.max_batch_size, dc.max_concurrent_requests),
-                            decode_policy="fewest_remaining", torch_threads=dc.torch_threads,
-                            attention_backend=dc.attention_backend)
-    return EngineConfig(**common, max_num_seqs=dc.max_batch_size, torch_threads=dc.torch_threads,
-                        attention_backend=dc.attention_backend)
+        return EngineConfig(
+            **common,
+            max_num_seqs=min(dc.max_batch_size, dc.max_concurrent_requests),
+            decode_policy="fewest_remaining",
+            torch_threads=dc.torch_threads,
+            attention_backend=dc.attention_backend,
+        )
+    return EngineConfig(
+        **common, max_num_seqs=dc.max_batch_size, torch_threads=dc.torch_threads, attention_backend=dc.attention_backend
+    )
 
 
 def fingerprint(engine: LLMEngine) -> dict:
@@ -84,16 +101,34 @@ def fingerprint(engine: LLMEngine) -> dict:
     """
     c = engine.model_config
     m: Any = engine.model  # torch types submodules loosely
-    sample = torch.cat([m.embed_tokens.weight[:8].flatten(), m.norm.weight.flatten(),
-                        m.layers[0].self_attn.qkv_proj.weight[:4].flatten()]).detach().float().cpu()
+    sample = (
+        torch.cat(
+            [
+                m.embed_tokens.weight[:8].flatten(),
+                m.norm.weight.flatten(),
+                m.layers[0].self_attn.qkv_proj.weight[:4].flatten(),
+            ]
+        )
+        .detach()
+        .float()
+        .cpu()
+    )
     weights = hashlib.sha256(sample.numpy().tobytes()).hexdigest()[:16]
-    return {"architecture": c.architecture, "config": c.fingerprint(), "weights": weights,
-            "dtype": str(engine.dtype).split(".")[-1], "num_layers": c.num_hidden_layers,
-            "num_kv_heads": c.num_key_value_heads, "head_dim": c.head_dim, "vocab_size": c.vocab_size}
+    return {
+        "architecture": c.architecture,
+        "config": c.fingerprint(),
+        "weights": weights,
+        "dtype": str(engine.dtype).split(".")[-1],
+        "num_layers": c.num_hidden_layers,
+        "num_kv_heads": c.num_key_value_heads,
+        "head_dim": c.head_dim,
+        "vocab_size": c.vocab_size,
+    }
 
 
-async def _registration_loop(state: WorkerState, opts: WorkerOptions, reg: RegisterRequest,
-                             server: uvicorn.Server) -> None:
+async def _registration_loop(
+    state: WorkerState, opts: WorkerOptions, reg: RegisterRequest, server: uvicorn.Server
+) -> None:
     interval = opts.config.router.heartbeat_interval_ms / 1000.0
     headers = {"Authorization": f"Bearer {opts.token}"}
     registered = False
@@ -115,8 +150,7 @@ async def _registration_loop(state: WorkerState, opts: WorkerOptions, reg: Regis
                             return
                         registered = r.status == 200
                         if registered:
-                            log.info("registered with router %s as %s %s", opts.router_url, opts.role,
-                                        reg.worker_id)
+                            log.info("registered with router %s as %s %s", opts.router_url, opts.role, reg.worker_id)
                 else:
                     hb = HeartbeatRequest(worker_id=reg.worker_id, status=state.status())
                     async with http.post(f"{opts.router_url}/heartbeat", json=hb.model_dump()) as r:
@@ -153,19 +187,35 @@ async def serve_worker(opts: WorkerOptions) -> int:
     engine = LLMEngine(engine_config_for(opts.role, opts.config, opts.device))
     loop = asyncio.get_running_loop()
     kvc, dc = opts.config.kv_transfer, opts.config.decode
-    engine_loop = EngineLoop(engine, GcPolicy(interval_s=dc.gc_interval_ms / 1000.0,
-                                              stale_after_s=kvc.pull_timeout_ms / 1000.0 + 1.0,
-                                              max_stale_slots=dc.max_stale_slots))
-    state = WorkerState(role=opts.role, worker_id=opts.worker_id or f"{opts.role}-{uuid.uuid4().hex[:8]}",
-                        config=opts.config, token=opts.token, loop=engine_loop, metrics=WorkerMetrics(opts.role))
+    engine_loop = EngineLoop(
+        engine,
+        GcPolicy(
+            interval_s=dc.gc_interval_ms / 1000.0,
+            stale_after_s=kvc.pull_timeout_ms / 1000.0 + 1.0,
+            max_stale_slots=dc.max_stale_slots,
+        ),
+    )
+    state = WorkerState(
+        role=opts.role,
+        worker_id=opts.worker_id or f"{opts.role}-{uuid.uuid4().hex[:8]}",
+        config=opts.config,
+        token=opts.token,
+        loop=engine_loop,
+        metrics=WorkerMetrics(opts.role),
+    )
     budget = engine.kv_budget
     state.metrics.set_kv_cache(engine.kv_cache_bytes, budget.utilization if budget else 0.0)
     if opts.role == "prefill":
-        state.sender = KVStagingServer(opts.host, 0, default_lease_ms=kvc.lease_ms, checksum=kvc.checksum,
-                                       handshake_timeout_s=kvc.handshake_timeout_ms / 1000.0,
-                                       max_connections=kvc.max_connections,
-                                       max_connections_per_peer=kvc.max_connections_per_peer or None,
-                                       cuda_ipc_pool_bytes=(kvc.cuda_ipc_pool_mb << 20) if on_cuda else 0)
+        state.sender = KVStagingServer(
+            opts.host,
+            0,
+            default_lease_ms=kvc.lease_ms,
+            checksum=kvc.checksum,
+            handshake_timeout_s=kvc.handshake_timeout_ms / 1000.0,
+            max_connections=kvc.max_connections,
+            max_connections_per_peer=kvc.max_connections_per_peer or None,
+            cuda_ipc_pool_bytes=(kvc.cuda_ipc_pool_mb << 20) if on_cuda else 0,
+        )
     if opts.role == "decode":
         state.puller = KVPuller(cuda_device=engine.device if on_cuda else None)
     sock = listen(opts.host, opts.port)
@@ -175,14 +225,28 @@ async def serve_worker(opts: WorkerOptions) -> int:
     # Keep-alive longer than the router's aiohttp pool keeps idle connections (15 s): with uvicorn's
     # default 5 s the worker could close a pooled connection just as the router reused it, which the
     # router reads as a worker failure (seen with long prompts on 2 GPUs: resets, then 503s).
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
-                                           timeout_graceful_shutdown=5, timeout_keep_alive=75))
-    reg = RegisterRequest(worker_id=state.worker_id, role=opts.role, url=url, pid=os.getpid(),
-                          fingerprint=fingerprint(engine),
-                          model_path=str(engine.model_path) if engine.model_path else None,
-                          max_model_len=engine.max_model_len, host_id=host_id(),
-                          cuda_uuids=cuda_ipc.visible_gpu_uuids() if on_cuda else [],
-                          restart_count=opts.restart_count)
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            log_level="warning",
+            access_log=False,
+            lifespan="off",
+            timeout_graceful_shutdown=5,
+            timeout_keep_alive=75,
+        )
+    )
+    reg = RegisterRequest(
+        worker_id=state.worker_id,
+        role=opts.role,
+        url=url,
+        pid=os.getpid(),
+        fingerprint=fingerprint(engine),
+        model_path=str(engine.model_path) if engine.model_path else None,
+        max_model_len=engine.max_model_len,
+        host_id=host_id(),
+        cuda_uuids=cuda_ipc.visible_gpu_uuids() if on_cuda else [],
+        restart_count=opts.restart_count,
+    )
     engine_loop.start()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))

@@ -35,10 +35,13 @@ def _read(path: str) -> str:
 
 def host_snapshot() -> dict:
     """What a drill may change on the host: global sysctls, our netns / cgroups, qdiscs, nft tables."""
-    snap = {k: " ".join(_read(f"/proc/sys/{k.replace('.', '/')}").split())
-            for k in ("net.core.rmem_max", "net.core.wmem_max", "net.ipv4.tcp_rmem", "net.ipv4.tcp_wmem")}
-    snap["netns"] = sorted(n for n in os.listdir("/run/netns") if n.startswith("dschaos")) \
-        if os.path.isdir("/run/netns") else []
+    snap = {
+        k: " ".join(_read(f"/proc/sys/{k.replace('.', '/')}").split())
+        for k in ("net.core.rmem_max", "net.core.wmem_max", "net.ipv4.tcp_rmem", "net.ipv4.tcp_wmem")
+    }
+    snap["netns"] = (
+        sorted(n for n in os.listdir("/run/netns") if n.startswith("dschaos")) if os.path.isdir("/run/netns") else []
+    )
     snap["links"] = sorted(n for n in os.listdir("/sys/class/net") if n.startswith("dsc"))
     cg = []
     for root in ("/sys/fs/cgroup", "/sys/fs/cgroup/unified", "/sys/fs/cgroup/memory"):
@@ -51,8 +54,15 @@ def host_snapshot() -> dict:
     return snap
 
 
-def run_drill(path: str | Path, out: Path, timeout: float = 400, env: dict | None = None) -> subprocess.CompletedProcess:
+def run_drill(
+    path: str | Path, out: Path, timeout: float = 400, env: dict | None = None
+) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "server.cli",
-         "chaos", "drill", str(path), "--out", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})}, check=False)
+        [sys.executable, "-m", "server.cli", "chaos", "drill", str(path), "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+        check=False,
+    )

@@ -22,12 +22,30 @@ def test_chaostoolkit_runs_the_pause_experiment(tmp_path):
     target = Target({"prefill": 1, "decode": 1, "config": {"cache": {"kv_cache_memory_mb": 64}}}, tmp_path / "logs")
     target.start()
     try:
-        env = {**os.environ, "DISTSERVE_ROUTER_URL": target.url, "DISTSERVE_ADMIN_TOKEN": target.token,
-               "DISTSERVE_CHAOS_STATE_DIR": str(tmp_path / "state"), "PYTHONPATH": str(ROOT)}
+        env = {
+            **os.environ,
+            "DISTSERVE_ROUTER_URL": target.url,
+            "DISTSERVE_ADMIN_TOKEN": target.token,
+            "DISTSERVE_CHAOS_STATE_DIR": str(tmp_path / "state"),
+            "PYTHONPATH": str(ROOT),
+        }
         journal = tmp_path / "journal.json"
-        p = subprocess.run([chaos_cli, "--no-version-check", "run", "--journal-path", str(journal),
-                            str(ROOT / "configs" / "chaostoolkit" / "pause_decode.json")],
-                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
+        p = subprocess.run(
+            [
+                chaos_cli,
+                "--no-version-check",
+                "run",
+                "--journal-path",
+                str(journal),
+                str(ROOT / "configs" / "chaostoolkit" / "pause_decode.json"),
+            ],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
         j = json.loads(journal.read_text())
         assert p.returncode == 0 and j["status"] == "completed" and not j["deviated"], p.stdout[-3000:]
         pause = next(r for r in j["run"] if r["activity"]["name"] == "pause-decode")

@@ -15,8 +15,14 @@ TCP = "net.ipv4.tcp_rmem,net.ipv4.tcp_wmem"
 
 
 def _doctor(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "server.cli", "doctor", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "server.cli", "doctor", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
 
 
 def test_doctor_sees_sysctl_drift_in_a_namespace_and_prints_the_fix(tmp_path, monkeypatch):

@@ -21,8 +21,16 @@ import yaml
 from tests.chaos.conftest import ROOT, host_snapshot, need_root, run_drill
 
 DRILLS = ROOT / "configs" / "drills"
-ALWAYS = ["worker_pause", "worker_kill", "slot_leak", "prefill_exhaustion", "memory_limit", "hot_join_leave",
-          "sysctl_drift", "kv_link"]
+ALWAYS = [
+    "worker_pause",
+    "worker_kill",
+    "slot_leak",
+    "prefill_exhaustion",
+    "memory_limit",
+    "hot_join_leave",
+    "sysctl_drift",
+    "kv_link",
+]
 
 
 def _journal(out: Path) -> dict:
@@ -72,8 +80,12 @@ def test_planted_slot_leak_makes_the_leak_drill_fail(tmp_path):
 
 
 def _interrupt_mid_fault(drill: str, sig: int, state_glob: str, out: Path) -> tuple[int, dict]:
-    proc = subprocess.Popen([sys.executable, "-m", "server.cli", "chaos", "drill", str(DRILLS / f"{drill}.yaml"),
-                             "--out", str(out)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "server.cli", "chaos", "drill", str(DRILLS / f"{drill}.yaml"), "--out", str(out)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     deadline = time.monotonic() + 300
     try:
         while not list((out / "state").glob(state_glob)):  # the fault is in place

@@ -69,10 +69,17 @@ def _listener(host: str) -> tuple[socket.socket, int]:
 
 
 def _connect_from(ns_name: str, host: str, port: int, payload: str = "") -> subprocess.CompletedProcess:
-    code = (f"import socket;s=socket.create_connection(('{host}',{port}),timeout=3);"
-            f"s.sendall(b'{payload}');print('connected')")
-    return subprocess.run(["ip", "netns", "exec", ns_name, sys.executable, "-c", code], capture_output=True,
-                          text=True, timeout=30, check=False)
+    code = (
+        f"import socket;s=socket.create_connection(('{host}',{port}),timeout=3);"
+        f"s.sendall(b'{payload}');print('connected')"
+    )
+    return subprocess.run(
+        ["ip", "netns", "exec", ns_name, sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
 
 
 def test_kv_link_partition_and_bandwidth_roll_back(ns):
@@ -168,6 +175,7 @@ def _wait_state(pid: int, want: tuple[str, ...]) -> str | None:
 
 def test_pause_stops_and_resumes_exact_pids(chaos_state):
     from chaos.injectors import pause
+
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         state.save("pause", "manual", {"pids": []})

@@ -16,8 +16,14 @@ from tests.chaos.conftest import ROOT
 
 
 def _cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "server.cli", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "server.cli", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
 
 
 def test_lengths_around_powers_of_two():
@@ -36,6 +42,7 @@ def test_nan_check_passes_on_the_tiny_model(tmp_path):
 def test_nan_check_fails_on_a_poisoned_model(tmp_path):
     """A model with one NaN embedding row: any prompt holding that token has non-finite logits."""
     from server.engine.tiny_model import make_tiny_model
+
     folder = Path(make_tiny_model(tmp_path / "m", layers=1, hidden=64, heads=2, kv_heads=2))
     w = load_file(str(folder / "model.safetensors"))
     for tok in range(3, 259):
@@ -49,14 +56,33 @@ def test_nan_check_fails_on_a_poisoned_model(tmp_path):
 
 
 def test_gate_go_and_no_go(tmp_path):
-    checklist = {"title": "test gate", "items": [
-        {"id": "ok", "title": "a passing command", "kind": "command", "argv": ["{python}", "-c", "print('fine')"],
-         "quick": True},
-        {"id": "missing", "title": "a command this build lacks", "kind": "command",
-         "needs_command": ["no-such-command"], "argv": ["false"], "quick": True},
-        {"id": "bad", "title": "a failing command", "kind": "command", "argv": ["{python}", "-c", "raise SystemExit(3)"],
-         "quick": False},
-    ]}
+    checklist = {
+        "title": "test gate",
+        "items": [
+            {
+                "id": "ok",
+                "title": "a passing command",
+                "kind": "command",
+                "argv": ["{python}", "-c", "print('fine')"],
+                "quick": True,
+            },
+            {
+                "id": "missing",
+                "title": "a command this build lacks",
+                "kind": "command",
+                "needs_command": ["no-such-command"],
+                "argv": ["false"],
+                "quick": True,
+            },
+            {
+                "id": "bad",
+                "title": "a failing command",
+                "kind": "command",
+                "argv": ["{python}", "-c", "raise SystemExit(3)"],
+                "quick": False,
+            },
+        ],
+    }
     path = tmp_path / "gate.yaml"
     path.write_text(yaml.safe_dump(checklist))
     quick = _cli("gate", "--checklist", str(path), "--quick", "--out", str(tmp_path / "q"))

@@ -15,6 +15,7 @@ async def _echo_server():
             w.write(data)
             await w.drain()
         w.close()
+
     srv = await asyncio.start_server(handle, "127.0.0.1", 0)
     return srv, srv.sockets[0].getsockname()[1]
 
@@ -26,6 +27,7 @@ async def _through_proxy(toxics: list[dict], payload: bytes, tmp_path) -> tuple[
     while not ready.exists():
         await asyncio.sleep(0.01)
     import json
+
     pport = json.loads(ready.read_text())["port"]
     r, w = await asyncio.open_connection("127.0.0.1", pport)
     w.write(payload)
@@ -48,8 +50,9 @@ async def _through_proxy(toxics: list[dict], payload: bytes, tmp_path) -> tuple[
 
 def test_slicer_delivers_every_byte_in_many_pieces(tmp_path):
     payload = bytes(range(256)) * 40
-    got, reads, _ = asyncio.run(_through_proxy([{"type": "slicer", "average_size": 7, "size_variation": 3,
-                                                  "delay": 200}], payload, tmp_path))
+    got, reads, _ = asyncio.run(
+        _through_proxy([{"type": "slicer", "average_size": 7, "size_variation": 3, "delay": 200}], payload, tmp_path)
+    )
     assert got == payload and reads > 10
 
 

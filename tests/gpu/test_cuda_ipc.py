@@ -50,8 +50,9 @@ def _sha(t: torch.Tensor) -> str:
 class Child:
     def __init__(self):
         env = dict(os.environ, PYTHONPATH=str(REPO))
-        self.p = subprocess.Popen([sys.executable, "-c", _CHILD], stdin=subprocess.PIPE,
-                                  stdout=subprocess.PIPE, text=True, env=env, cwd=REPO)
+        self.p = subprocess.Popen(
+            [sys.executable, "-c", _CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=REPO
+        )
 
     def pull(self, handle, device: str = "cuda:0") -> dict:
         d = handle if isinstance(handle, dict) else handle.to_dict()
@@ -217,9 +218,18 @@ class FakeSender:
             with conn:
                 try:
                     pull = read_frame(conn, max_nbytes=0)
-                    conn.sendall(encode_frame(Frame(FrameType.DATA_CUDA_IPC, request_id=pull.request_id,
-                                                    dtype=torch.bfloat16, shape=(4, 2, 64, 4, 128),
-                                                    nbytes=4 * 2 * 64 * 4 * 128 * 2, text=self.text)))
+                    conn.sendall(
+                        encode_frame(
+                            Frame(
+                                FrameType.DATA_CUDA_IPC,
+                                request_id=pull.request_id,
+                                dtype=torch.bfloat16,
+                                shape=(4, 2, 64, 4, 128),
+                                nbytes=4 * 2 * 64 * 4 * 128 * 2,
+                                text=self.text,
+                            )
+                        )
+                    )
                     self.replies.append(read_frame(conn, max_nbytes=0))
                 except (OSError, ValueError) as e:
                     self.replies.append(e)
@@ -227,28 +237,48 @@ class FakeSender:
     def handle(self, rid: str) -> dict:
         from server.kv_transfer.factory import host_id
 
-        return {"request_id": rid, "transport": "cuda_ipc", "address": self.address,
-                "secret": secrets.token_hex(16), "nbytes": 4 * 2 * 64 * 4 * 128 * 2,
-                "shape": [4, 2, 64, 4, 128], "dtype": "bfloat16", "checksum": None, "host_id": host_id()}
+        return {
+            "request_id": rid,
+            "transport": "cuda_ipc",
+            "address": self.address,
+            "secret": secrets.token_hex(16),
+            "nbytes": 4 * 2 * 64 * 4 * 128 * 2,
+            "shape": [4, 2, 64, 4, 128],
+            "dtype": "bfloat16",
+            "checksum": None,
+            "host_id": host_id(),
+        }
 
 
 def _desc(**over) -> str:
     from server.kv_transfer.cuda_ipc import gpu_uuid
 
-    d = {"v": 1, "pool": "", "dev": gpu_uuid(0), "handle": (bytes([2, ord("c")]) + os.urandom(64)).hex(),
-         "size": 1 << 20, "soff": 0, "off": 0, "event": bytes(64).hex(), "sync": False}
+    d = {
+        "v": 1,
+        "pool": "",
+        "dev": gpu_uuid(0),
+        "handle": (bytes([2, ord("c")]) + os.urandom(64)).hex(),
+        "size": 1 << 20,
+        "soff": 0,
+        "off": 0,
+        "event": bytes(64).hex(),
+        "sync": False,
+    }
     d.update(over)
     return json.dumps(d)
 
 
-@pytest.mark.parametrize("case,err", [
-    ("random handle", "opening the CUDA IPC handle failed"),
-    ("expandable segment", "not a plain cudaMalloc"),
-    ("outside storage", "outside the exported storage"),
-    ("extra key", "keys"),
-    ("not json", "not JSON"),
-    ("unknown gpu", "not visible"),
-])
+@pytest.mark.parametrize(
+    "case,err",
+    [
+        ("random handle", "opening the CUDA IPC handle failed"),
+        ("expandable segment", "not a plain cudaMalloc"),
+        ("outside storage", "outside the exported storage"),
+        ("extra key", "keys"),
+        ("not json", "not JSON"),
+        ("unknown gpu", "not visible"),
+    ],
+)
 def test_bad_handle_rejected(child, case, err):
     from server.kv_transfer import KVStagingServer
     from server.kv_transfer.frame import FrameType

@@ -32,7 +32,7 @@ def _random_tables(lens, block_size, gen, extra_width=3):
     tables = torch.zeros(len(lens), width, dtype=torch.long)
     k = 0
     for i, n in enumerate(nb):
-        tables[i, :n] = perm[k:k + n]
+        tables[i, :n] = perm[k : k + n]
         k += n
     return tables, total
 
@@ -42,8 +42,13 @@ def _sdpa_reference(q, cache, tables, lens, block_size, scale):
     from server.engine.attention.sdpa import SdpaBackend
 
     meta = AttentionMetadata(
-        slot_mapping=None, block_size=block_size, prefill_query_lens=[], prefill_seq_lens=[],
-        prefill_block_tables=[], decode_seq_lens=lens, decode_block_tables=tables,
+        slot_mapping=None,
+        block_size=block_size,
+        prefill_query_lens=[],
+        prefill_seq_lens=[],
+        prefill_block_tables=[],
+        decode_seq_lens=lens,
+        decode_block_tables=tables,
         decode_max_seq_len=int(lens.max()),
     )
     return SdpaBackend._decode(q.float(), cache.float(), meta, scale, q.shape[1] != cache.shape[2])
@@ -52,13 +57,16 @@ def _sdpa_reference(q, cache, tables, lens, block_size, scale):
 LENS = [1, 16, 1024, 2048, 7, 100, 1000, 1537, 3001]
 
 
-@pytest.mark.parametrize("heads,kv_heads,dtype,block_size", [
-    (32, 32, torch.bfloat16, 16),  # Llama-2-7B
-    (32, 8, torch.bfloat16, 16),  # GQA 4:1 (broadcast path)
-    (64, 8, torch.bfloat16, 16),  # GQA 8:1 (tensor-core path)
-    (32, 32, torch.bfloat16, 32),
-    (32, 8, torch.float16, 16),
-])
+@pytest.mark.parametrize(
+    "heads,kv_heads,dtype,block_size",
+    [
+        (32, 32, torch.bfloat16, 16),  # Llama-2-7B
+        (32, 8, torch.bfloat16, 16),  # GQA 4:1 (broadcast path)
+        (64, 8, torch.bfloat16, 16),  # GQA 8:1 (tensor-core path)
+        (32, 32, torch.bfloat16, 32),
+        (32, 8, torch.float16, 16),
+    ],
+)
 def test_triton_decode_matches_sdpa(heads, kv_heads, dtype, block_size):
     from server.engine.attention.triton_decode import paged_decode_attention
 
@@ -70,7 +78,7 @@ def test_triton_decode_matches_sdpa(heads, kv_heads, dtype, block_size):
     cache = torch.randn(2, nblocks * block_size, kv_heads, d, generator=gen).to(dtype).to(DEV)
     q = torch.randn(len(lens), heads, d, generator=gen).to(dtype).to(DEV)
     tables, lens_t = tables.to(DEV), torch.tensor(lens, device=DEV)
-    scale = d ** -0.5
+    scale = d**-0.5
     ref = _sdpa_reference(q, cache, tables, lens_t, block_size, scale)
     # eager plan (tight max), a graph-style plan (static bound far above the lengths), forced splits
     for max_ctx, splits in [(max(lens), None), (8192, None), (max(lens), 1), (max(lens), 7)]:
@@ -97,17 +105,17 @@ def test_triton_decode_in_cuda_graph():
     tables, lens_t = tables.to(DEV), torch.tensor(lens, device=DEV)
     max_ctx = tables.shape[1] * bs
     out = torch.empty_like(q)
-    paged_decode_attention(q, cache, tables, lens_t, bs, d ** -0.5, max_ctx, out=out)  # compile
+    paged_decode_attention(q, cache, tables, lens_t, bs, d**-0.5, max_ctx, out=out)  # compile
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        paged_decode_attention(q, cache, tables, lens_t, bs, d ** -0.5, max_ctx, out=out)
+        paged_decode_attention(q, cache, tables, lens_t, bs, d**-0.5, max_ctx, out=out)
     for new_lens in ([5, 1024, 2048, 333], [1, 16, 2000, 1500]):
         lens_t.copy_(torch.tensor(new_lens, device=DEV))
         out.fill_(float("nan"))
         g.replay()
         torch.cuda.synchronize()
-        ref = _sdpa_reference(q, cache, tables, lens_t, bs, d ** -0.5)
+        ref = _sdpa_reference(q, cache, tables, lens_t, bs, d**-0.5)
         assert not out.isnan().any()
         assert _rel(out, ref) < 1e-2
 
@@ -167,8 +175,15 @@ def test_auto_backend_is_triton_on_cuda():
 def _engine(preset="tiny-gpu", **kw):
     from server.engine.llm_engine import EngineConfig, LLMEngine
 
-    args = dict(model=f"preset:{preset}", device="cuda", dtype="bfloat16", num_blocks=2048,
-                max_num_seqs=8, max_num_batched_tokens=8192, max_model_len=256)
+    args = dict(
+        model=f"preset:{preset}",
+        device="cuda",
+        dtype="bfloat16",
+        num_blocks=2048,
+        max_num_seqs=8,
+        max_num_batched_tokens=8192,
+        max_model_len=256,
+    )
     args.update(kw)
     return LLMEngine(EngineConfig(**args))
 
@@ -217,8 +232,9 @@ def test_fused_forward_close_to_plain_model(preset):
         for s in sched.scheduled:
             s.seq.num_computed_tokens += s.num_new_tokens
         for i, s in enumerate(sched.scheduled):  # both engines continue from the same (fused) token
-            s.seq.output_token_ids.append(int(logits["fused"][0][i].argmax()) if name == "plain" else
-                                          int(pre[i].argmax()))
+            s.seq.output_token_ids.append(
+                int(logits["fused"][0][i].argmax()) if name == "plain" else int(pre[i].argmax())
+            )
         sched = eng.scheduler.schedule()
         assert all(s.num_new_tokens == 1 for s in sched.scheduled)
         dec = eng.runner.execute(sched.scheduled)
@@ -287,7 +303,11 @@ def test_preset_7b_shape_builds_lazily():
 
     cfg = preset_config("preset:llama-2-7b")
     assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.intermediate_size) == (
-        4096, 32, 32, 11008)
+        4096,
+        32,
+        32,
+        11008,
+    )
 
 
 @pytest.mark.parametrize("length", [64, 100])

@@ -49,10 +49,24 @@ def http(method: str, url: str, body=None, token: str | None = TOKEN, timeout: f
 class ServeProcess(target.ServeProcess):
     """``distserve serve`` (distbench's shared helper) with fast heartbeats and the test token."""
 
-    def __init__(self, tmp: Path, mode: str = "disaggregated", prefill: int = 1, decode: int = 1,
-                 config: dict | None = None, extra_args: tuple[str, ...] = ()) -> None:
-        super().__init__(tmp, mode=mode, prefill=prefill, decode=decode,
-                         config=deep_merge(FAST_HEARTBEATS, config or {}), token=TOKEN, extra_args=extra_args)
+    def __init__(
+        self,
+        tmp: Path,
+        mode: str = "disaggregated",
+        prefill: int = 1,
+        decode: int = 1,
+        config: dict | None = None,
+        extra_args: tuple[str, ...] = (),
+    ) -> None:
+        super().__init__(
+            tmp,
+            mode=mode,
+            prefill=prefill,
+            decode=decode,
+            config=deep_merge(FAST_HEARTBEATS, config or {}),
+            token=TOKEN,
+            extra_args=extra_args,
+        )
 
 
 @pytest.fixture(scope="module")

@@ -30,8 +30,9 @@ def vocab_dir(tmp_path) -> str:
 
 
 def distbench(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "distbench", *args], capture_output=True, text=True, check=False,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "distbench", *args], capture_output=True, text=True, check=False, timeout=timeout
+    )
 
 
 def nearest_rank(values: list[float], q: float) -> float:
@@ -69,8 +70,23 @@ def test_open_loop_shows_the_stall_closed_loop_service_time_hides_it(vocab_dir):
 def test_failures_are_reported_with_reasons_and_count_against_the_slo(vocab_dir, tmp_path):
     with StubServer(fail_every=4) as srv:
         out = tmp_path / "r.json"
-        p = distbench("run", "--url", srv.url + "/v1/", "--concurrency", "2", "--num-prompts", "20", "--tokenizer",
-                      vocab_dir, "--output-len", "3", "--slo", "ttft:5s", "--save-result", str(out))
+        p = distbench(
+            "run",
+            "--url",
+            srv.url + "/v1/",
+            "--concurrency",
+            "2",
+            "--num-prompts",
+            "20",
+            "--tokenizer",
+            vocab_dir,
+            "--output-len",
+            "3",
+            "--slo",
+            "ttft:5s",
+            "--save-result",
+            str(out),
+        )
         res = json.loads(out.read_text())
     assert p.returncode == 1, p.stderr
     assert res["failed"] == 5 and res["failures"] == {'HTTP 503: {"error": "overloaded, retry"}': 5}
@@ -81,21 +97,64 @@ def test_failures_are_reported_with_reasons_and_count_against_the_slo(vocab_dir,
 
 def test_exit_codes(vocab_dir, tmp_path):
     with StubServer() as srv:
-        ok = distbench("run", "--url", srv.url, "--request-rate", "50", "--num-prompts", "10", "--tokenizer",
-                       vocab_dir, "--slo", "ttft:10s", "--output-len", "2")
-        missed = distbench("run", "--url", srv.url, "--concurrency", "2", "--num-prompts", "6", "--tokenizer",
-                           vocab_dir, "--slo", "ttft:1ms,e2el:1ms", "--output-len", "4")
+        ok = distbench(
+            "run",
+            "--url",
+            srv.url,
+            "--request-rate",
+            "50",
+            "--num-prompts",
+            "10",
+            "--tokenizer",
+            vocab_dir,
+            "--slo",
+            "ttft:10s",
+            "--output-len",
+            "2",
+        )
+        missed = distbench(
+            "run",
+            "--url",
+            srv.url,
+            "--concurrency",
+            "2",
+            "--num-prompts",
+            "6",
+            "--tokenizer",
+            vocab_dir,
+            "--slo",
+            "ttft:1ms,e2el:1ms",
+            "--output-len",
+            "4",
+        )
     assert ok.returncode == 0, ok.stdout + ok.stderr
     assert "PASS" in ok.stdout
     assert missed.returncode == 1 and "FAIL: SLO attainment" in missed.stdout
-    for args in (["--concurrency", "0"], ["--concurrency", "2", "--request-rate", "3"], ["--request-rate", "2",
-                 "--slo", "latency:3ms"], ["--concurrency", "1", "--prompt-len", "uniform:9:1"]):
+    for args in (
+        ["--concurrency", "0"],
+        ["--concurrency", "2", "--request-rate", "3"],
+        ["--request-rate", "2", "--slo", "latency:3ms"],
+        ["--concurrency", "1", "--prompt-len", "uniform:9:1"],
+    ):
         bad = distbench("run", "--url", "http://127.0.0.1:9", *args)
         assert bad.returncode == 2
         assert bad.stderr.strip().count("\n") == 0 and bad.stderr.startswith("distbench: error:"), bad.stderr
     with StubServer() as srv:
-        timed = distbench("run", "--url", srv.url, "--request-rate", "20", "--duration", "1.5", "--tokenizer",
-                          vocab_dir, "--output-len", "2", "--save-result", str(tmp_path / "d.json"))
+        timed = distbench(
+            "run",
+            "--url",
+            srv.url,
+            "--request-rate",
+            "20",
+            "--duration",
+            "1.5",
+            "--tokenizer",
+            vocab_dir,
+            "--output-len",
+            "2",
+            "--save-result",
+            str(tmp_path / "d.json"),
+        )
         port = srv.url.rsplit(":", 1)[1]
     assert timed.returncode == 0, timed.stderr
     assert 10 <= result.load(tmp_path / "d.json")["num_prompts"] <= 60  # the clock, not a count, ended it
@@ -106,10 +165,29 @@ def test_exit_codes(vocab_dir, tmp_path):
 def test_sigint_stops_sending_and_writes_a_valid_partial_result(vocab_dir, tmp_path):
     out = tmp_path / "partial.json"
     with StubServer(token_delay_s=0.05) as srv:
-        proc = subprocess.Popen([sys.executable, "-m", "distbench", "run", "--url", srv.url, "--request-rate", "10",
-                                 "--num-prompts", "10000", "--output-len", "20", "--tokenizer", vocab_dir,
-                                 "--save-result", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "distbench",
+                "run",
+                "--url",
+                srv.url,
+                "--request-rate",
+                "10",
+                "--num-prompts",
+                "10000",
+                "--output-len",
+                "20",
+                "--tokenizer",
+                vocab_dir,
+                "--save-result",
+                str(out),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         deadline = time.monotonic() + 60
         while srv.count < 15 and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -131,9 +209,30 @@ def test_against_distserve_serve_run_sweep_compare_plot_merge(serve_factory, tmp
     a, b = tmp_path / "a.json", tmp_path / "b.json"
     env = dict(os.environ, DISTSERVE_ADMIN_TOKEN=TOKEN)
     common = ["--url", srv.url + "/v1", "--prompt-len", "32", "--output-len", "8", "--no-progress"]
-    p = subprocess.run([sys.executable, "-m", "distbench", "run", *common, "--request-rate", "4", "--num-prompts",
-                        "12", "--warmup", "2", "--prefix-len", "16", "--save-result", str(a)], env=env,
-                       capture_output=True, text=True, timeout=300, check=False)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "distbench",
+            "run",
+            *common,
+            "--request-rate",
+            "4",
+            "--num-prompts",
+            "12",
+            "--warmup",
+            "2",
+            "--prefix-len",
+            "16",
+            "--save-result",
+            str(a),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert p.returncode == 0, p.stdout + p.stderr
     ra = result.load(a)
     assert ra["completed"] == 12 and ra["total_output_tokens"] == 96
@@ -141,8 +240,20 @@ def test_against_distserve_serve_run_sweep_compare_plot_merge(serve_factory, tmp
     assert sum(r["warmup"] for r in ra["requests"]) == 2
     assert ra["server_metrics"]["router"]  # /metrics deltas, workers' too with the token
     assert len(ra["server_metrics"]) >= 2
-    p = distbench("run", *common, "--concurrency", "2", "--num-prompts", "10", "--turns", "2", "--endpoint",
-                  "/generate", "--save-result", str(b))
+    p = distbench(
+        "run",
+        *common,
+        "--concurrency",
+        "2",
+        "--num-prompts",
+        "10",
+        "--turns",
+        "2",
+        "--endpoint",
+        "/generate",
+        "--save-result",
+        str(b),
+    )
     assert p.returncode == 0, p.stdout + p.stderr
     rb = result.load(b)
     assert rb["completed"] == 10
@@ -159,8 +270,21 @@ def test_against_distserve_serve_run_sweep_compare_plot_merge(serve_factory, tmp
     m = distbench("merge", str(a), str(b), "-o", str(merged))
     assert m.returncode == 0, m.stderr
     assert result.load(merged)["completed"] == 22
-    sw = distbench("sweep", *common, "--slo", "ttft:30s,tpot:10s", "--num-prompts", "6", "--rate-start", "2",
-                   "--max-runs", "2", "--out-dir", str(tmp_path / "sw"), timeout=300)
+    sw = distbench(
+        "sweep",
+        *common,
+        "--slo",
+        "ttft:30s,tpot:10s",
+        "--num-prompts",
+        "6",
+        "--rate-start",
+        "2",
+        "--max-runs",
+        "2",
+        "--out-dir",
+        str(tmp_path / "sw"),
+        timeout=300,
+    )
     assert sw.returncode == 0, sw.stdout + sw.stderr
     assert "goodput" in sw.stdout and (tmp_path / "sw" / "sweep.json").exists()
     pl = distbench("plot", str(a), str(b), str(tmp_path / "sw" / "sweep.json"), "--out-dir", str(tmp_path / "png"))
@@ -171,8 +295,13 @@ def test_against_distserve_serve_run_sweep_compare_plot_merge(serve_factory, tmp
 
 @pytest.mark.slow
 def test_demo_serves_loads_and_finds_no_leak():
-    p = subprocess.run([sys.executable, "-m", "distbench.demo", "--requests", "6", "--concurrency", "3",
-                        "--max-tokens", "4"], capture_output=True, text=True, timeout=400, check=False)
+    p = subprocess.run(
+        [sys.executable, "-m", "distbench.demo", "--requests", "6", "--concurrency", "3", "--max-tokens", "4"],
+        capture_output=True,
+        text=True,
+        timeout=400,
+        check=False,
+    )
     assert p.returncode == 0, p.stdout + p.stderr
     line = next(ln for ln in p.stdout.splitlines() if ln.startswith("KV blocks used after the load (must be 0): "))
     assert ast.literal_eval(line.split(": ", 1)[1]) == {"prefill-0": 0, "decode-1": 0}, line
@@ -182,9 +311,30 @@ def test_demo_serves_loads_and_finds_no_leak():
 def test_locust_master_and_two_workers_merge_into_one_result(vocab_dir, tmp_path):
     out = tmp_path / "locust.json"
     with StubServer(token_delay_s=0.005) as srv:
-        p = distbench("locust", "--url", srv.url, "--users", "4", "--spawn-rate", "4", "--run-time", "4",
-                      "--workers", "2", "--prompt-len", "8", "--output-len", "5", "--tokenizer", vocab_dir,
-                      "--slo", "ttft:5s", "--save-result", str(out), timeout=240)
+        p = distbench(
+            "locust",
+            "--url",
+            srv.url,
+            "--users",
+            "4",
+            "--spawn-rate",
+            "4",
+            "--run-time",
+            "4",
+            "--workers",
+            "2",
+            "--prompt-len",
+            "8",
+            "--output-len",
+            "5",
+            "--tokenizer",
+            vocab_dir,
+            "--slo",
+            "ttft:5s",
+            "--save-result",
+            str(out),
+            timeout=240,
+        )
         served = srv.count
     assert p.returncode == 0, p.stdout + p.stderr
     res = result.load(out)
@@ -200,14 +350,43 @@ def test_locust_master_and_two_workers_merge_into_one_result(vocab_dir, tmp_path
 
 def test_stop_on_saturation_and_trace_replay(vocab_dir, tmp_path):
     trace = tmp_path / "trace.jsonl"
-    trace.write_text("\n".join(json.dumps({"timestamp": 100 + t, "prompt_len": 6, "output_len": 2})
-                               for t in (0.0, 0.4, 0.8, 2.0)))
+    trace.write_text(
+        "\n".join(json.dumps({"timestamp": 100 + t, "prompt_len": 6, "output_len": 2}) for t in (0.0, 0.4, 0.8, 2.0))
+    )
     with StubServer() as srv:
-        sat = distbench("run", "--url", srv.url, "--request-rate", "40", "--num-prompts", "400", "--tokenizer",
-                        vocab_dir, "--output-len", "2", "--slo", "ttft:0.001ms", "--stop-on-saturation",
-                        "--save-result", str(tmp_path / "sat.json"))
-        rep = distbench("run", "--url", srv.url, "--dataset", f"jsonl:{trace}", "--strategy", "trace",
-                        "--time-scale", "2", "--tokenizer", vocab_dir, "--save-result", str(tmp_path / "rep.json"))
+        sat = distbench(
+            "run",
+            "--url",
+            srv.url,
+            "--request-rate",
+            "40",
+            "--num-prompts",
+            "400",
+            "--tokenizer",
+            vocab_dir,
+            "--output-len",
+            "2",
+            "--slo",
+            "ttft:0.001ms",
+            "--stop-on-saturation",
+            "--save-result",
+            str(tmp_path / "sat.json"),
+        )
+        rep = distbench(
+            "run",
+            "--url",
+            srv.url,
+            "--dataset",
+            f"jsonl:{trace}",
+            "--strategy",
+            "trace",
+            "--time-scale",
+            "2",
+            "--tokenizer",
+            vocab_dir,
+            "--save-result",
+            str(tmp_path / "rep.json"),
+        )
     assert sat.returncode == 1, sat.stdout + sat.stderr
     res = result.load(tmp_path / "sat.json")
     assert res["interrupted"].startswith("saturated") and res["num_prompts"] < 400

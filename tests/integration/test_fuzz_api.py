@@ -19,12 +19,12 @@ from hypothesis import strategies as st
 from tests.integration.conftest import http
 
 any_json = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2 ** 70), 2 ** 70) | st.floats(allow_nan=True) | st.text(max_size=12),
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=True) | st.text(max_size=12),
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
     max_leaves=6,
 )
 token_ids = st.lists(st.integers(-3, 600), max_size=12)
-small_int = st.integers(-3, 24) | st.sampled_from([0, 10 ** 9, 2 ** 63, -(2 ** 63)])
+small_int = st.integers(-3, 24) | st.sampled_from([0, 10**9, 2**63, -(2**63)])
 unit_float = st.floats(-1, 3) | st.sampled_from([1e-300, 1e-30, 0.0, 1.0, float("nan"), float("inf"), -float("inf")])
 prompt_text = st.text(max_size=60) | st.sampled_from(["", "a\ud800b", "hello world", "\x00"])
 
@@ -33,7 +33,7 @@ SAMPLING = {
     "temperature": unit_float | any_json,
     "top_p": unit_float,
     "top_k": st.integers(-3, 600),
-    "seed": st.integers(-(2 ** 64), 2 ** 64) | st.none(),
+    "seed": st.integers(-(2**64), 2**64) | st.none(),
     "stop": st.none() | prompt_text | st.lists(prompt_text, max_size=3),
     "stop_token_ids": token_ids | any_json,
     "stream": st.booleans() | any_json,
@@ -52,14 +52,26 @@ def _body(required: dict) -> st.SearchStrategy[dict]:
     return st.tuples(st.fixed_dictionaries(required), optional).map(lambda t: {**t[1], **t[0]})
 
 
-message = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "tool", "robot"]) | any_json,
-                                 "content": prompt_text | st.none() | any_json})
+message = st.fixed_dictionaries(
+    {
+        "role": st.sampled_from(["user", "system", "assistant", "tool", "robot"]) | any_json,
+        "content": prompt_text | st.none() | any_json,
+    }
+)
 ENDPOINTS = {
-    "/v1/completions": _body({"prompt": prompt_text | token_ids | st.lists(prompt_text, max_size=2)
-                                        | st.lists(token_ids, max_size=2) | any_json}),
+    "/v1/completions": _body(
+        {
+            "prompt": prompt_text
+            | token_ids
+            | st.lists(prompt_text, max_size=2)
+            | st.lists(token_ids, max_size=2)
+            | any_json
+        }
+    ),
     "/v1/chat/completions": _body({"messages": st.lists(message, max_size=3) | any_json}),
-    "/generate": _body({"prompt": prompt_text}) | _body({"prompt_token_ids": token_ids})
-                 | _body({"prompt": prompt_text, "prompt_token_ids": token_ids}),
+    "/generate": _body({"prompt": prompt_text})
+    | _body({"prompt_token_ids": token_ids})
+    | _body({"prompt": prompt_text, "prompt_token_ids": token_ids}),
 }
 
 
@@ -90,8 +102,13 @@ def _check(url: str, path: str, body: dict) -> None:
 
 @pytest.mark.parametrize("path", sorted(ENDPOINTS))
 def test_fuzzed_requests_never_get_a_5xx_or_hang(server, path):
-    @settings(max_examples=80, deadline=None, derandomize=True, database=None,
-              suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+    @settings(
+        max_examples=80,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+    )
     @given(body=ENDPOINTS[path])
     def run(body):
         _check(server.url, path, body)

@@ -26,8 +26,13 @@ from .conftest import http
 from .test_serving import make_prompts
 
 CONFIG = {
-    "router": {"max_request_body_bytes": 1 << 20, "stream_progress_timeout_s": 4.0, "header_timeout_s": 1.0,
-               "body_timeout_s": 2.0, "max_prompt_chars": 20000},
+    "router": {
+        "max_request_body_bytes": 1 << 20,
+        "stream_progress_timeout_s": 4.0,
+        "header_timeout_s": 1.0,
+        "body_timeout_s": 2.0,
+        "max_prompt_chars": 20000,
+    },
     "prefill": {"max_seq_len": 512},
 }
 
@@ -37,8 +42,14 @@ TINY_TEMPERATURES = (1e-300, 1e-30, 1e-6)
 
 
 def _good_body(i: int) -> dict:
-    return {"prompt_token_ids": GOOD[i], "max_tokens": 12, "temperature": 0.8, "top_p": 1.0, "seed": i,
-            "ignore_eos": True}
+    return {
+        "prompt_token_ids": GOOD[i],
+        "max_tokens": 12,
+        "temperature": 0.8,
+        "top_p": 1.0,
+        "seed": i,
+        "ignore_eos": True,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -55,8 +66,10 @@ def poisoned(serve_factory, tmp_path_factory):
     folder = tmp_path_factory.mktemp("poisoned")
     make_tiny_model(folder, **DEFAULT_TINY_MODEL_KWARGS)
     engine = LLMEngine(EngineConfig(model=str(folder)))
-    reference = [engine.generate([GOOD[i]], [SamplingParams(max_tokens=12, temperature=0.8, seed=i,
-                                                            ignore_eos=True)])[0] for i in range(len(GOOD))]
+    reference = [
+        engine.generate([GOOD[i]], [SamplingParams(max_tokens=12, temperature=0.8, seed=i, ignore_eos=True)])[0]
+        for i in range(len(GOOD))
+    ]
     greedy = engine.generate([GOOD[0]], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))[0]
     used = {t for seq in [*reference, greedy, *GOOD] for t in seq}
     poison = next(t for t in range(259, 512) if t not in used)
@@ -90,8 +103,9 @@ def test_tiny_temperature_and_nan_logits_fail_only_their_own_request(poisoned):
     async def main():
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as s:
             good = [_stream(s, server.url, _good_body(i)) for i in range(len(GOOD))]
-            tiny = [_stream(s, server.url, {**_good_body(0), "temperature": t, "seed": None})
-                    for t in TINY_TEMPERATURES]
+            tiny = [
+                _stream(s, server.url, {**_good_body(0), "temperature": t, "seed": None}) for t in TINY_TEMPERATURES
+            ]
             nan = _stream(s, server.url, {"prompt_token_ids": [1, 5, poison, 7], "max_tokens": 12})
             return await asyncio.gather(asyncio.gather(*good), asyncio.gather(*tiny), nan)
 
@@ -115,8 +129,10 @@ def test_oversized_body_is_413_at_once_and_prompt_chars_are_bounded_before_token
     # "at once": the answer comes from the head alone, before a byte of the body is sent
     host, port = server.url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=30) as c:
-        c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  b"Content-Length: %d\r\n\r\n" % len(big))
+        c.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n" % len(big)
+        )
         reply = b""
         while chunk := c.recv(4096):
             reply += chunk
@@ -128,11 +144,14 @@ def test_oversized_body_is_413_at_once_and_prompt_chars_are_bounded_before_token
     async def chunked():
         async def gen():
             for i in range(0, len(big), 1 << 16):
-                yield big[i:i + (1 << 16)]
+                yield big[i : i + (1 << 16)]
+
         async with aiohttp.ClientSession() as s:
-            async with s.post(f"{server.url}/v1/completions", data=gen(),
-                              headers={"Content-Type": "application/json"}) as r:
+            async with s.post(
+                f"{server.url}/v1/completions", data=gen(), headers={"Content-Type": "application/json"}
+            ) as r:
                 return r.status, await r.json()
+
     status, body = asyncio.run(chunked())
     assert status == 413, body
 
@@ -147,36 +166,48 @@ def test_oversized_body_is_413_at_once_and_prompt_chars_are_bounded_before_token
 def test_a_body_that_stalls_gets_408(server):
     host, port = server.url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=30) as c:
-        c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  b"Content-Length: 100\r\n\r\n{\"prompt\":")
+        c.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 100\r\n\r\n{"prompt":'
+        )
         reply = c.recv(4096)
     assert reply.startswith(b"HTTP/1.1 408"), reply[:200]
 
 
 # --- 5. every bad input is a 4xx naming the field ------------------------------------------
-@pytest.mark.parametrize("path,body,param", [
-    ("/v1/completions", {"prompt": "hi", "max_tokens": 4, "stop_token_ids": [-1]}, "stop_token_ids"),
-    ("/v1/completions", {"prompt": "hi", "max_tokens": 4, "stop_token_ids": [-1], "stream": True}, "stop_token_ids"),
-    ("/v1/completions", {"prompt": "hi", "max_tokens": 4, "stop_token_ids": [10 ** 6]}, "stop_token_ids"),
-    ("/v1/completions", {"prompt": "a\ud800b", "max_tokens": 4}, "prompt"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a\ud800b"}], "max_tokens": 4}, "messages"),
-    ("/v1/completions", {"prompt": "hi", "max_tokens": True}, "max_tokens"),
-    ("/v1/completions", {"prompt": "hi", "max_tokens": 4, "stream": "yes"}, "stream"),
-    ("/generate", {"prompt": "", "max_tokens": 4}, "prompt"),
-    ("/v1/completions", {"prompt": "hi", "max_tokens": 4, "stop": "s" * 500_000}, "stop"),
-])
+@pytest.mark.parametrize(
+    "path,body,param",
+    [
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 4, "stop_token_ids": [-1]}, "stop_token_ids"),
+        (
+            "/v1/completions",
+            {"prompt": "hi", "max_tokens": 4, "stop_token_ids": [-1], "stream": True},
+            "stop_token_ids",
+        ),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 4, "stop_token_ids": [10**6]}, "stop_token_ids"),
+        ("/v1/completions", {"prompt": "a\ud800b", "max_tokens": 4}, "prompt"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a\ud800b"}], "max_tokens": 4}, "messages"),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": True}, "max_tokens"),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 4, "stream": "yes"}, "stream"),
+        ("/generate", {"prompt": "", "max_tokens": 4}, "prompt"),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 4, "stop": "s" * 500_000}, "stop"),
+    ],
+)
 def test_bad_fields_are_400_naming_the_field(server, path, body, param):
     status, reply, _ = http("POST", f"{server.url}{path}", body)
     assert status == 400, reply
     assert reply["error"]["param"] == param and reply["error"]["message"].startswith(param), reply
 
 
-@pytest.mark.parametrize("raw", [
-    b"[" * 100_000 + b"]" * 100_000,
-    b'{"prompt": "hi", "max_tokens": ' + b"7" * 5000 + b"}",
-    b'{"prompt": "hi", "max_tokens": 4',
-    b"\xff\xfe not utf-8",
-])
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"[" * 100_000 + b"]" * 100_000,
+        b'{"prompt": "hi", "max_tokens": ' + b"7" * 5000 + b"}",
+        b'{"prompt": "hi", "max_tokens": 4',
+        b"\xff\xfe not utf-8",
+    ],
+)
 def test_malformed_json_is_400(server, raw):
     status, reply, _ = http("POST", f"{server.url}/v1/completions", raw=raw)
     assert status == 400 and "JSON" in reply["error"]["message"], reply
@@ -185,18 +216,27 @@ def test_malformed_json_is_400(server, raw):
 # --- 6. a burst spreads over the decode workers ---------------------------------------------
 def test_a_burst_is_spread_over_both_decode_workers(server):
     decodes = [w for w in server.workers() if w["role"] == "decode"]
-    before = {w["worker_id"]: _counter(http("GET", f"{w['url']}/metrics")[1], "distserve_engine_generated_tokens")
-              for w in decodes}
+    before = {
+        w["worker_id"]: _counter(http("GET", f"{w['url']}/metrics")[1], "distserve_engine_generated_tokens")
+        for w in decodes
+    }
     prompts = make_prompts(40, seed=11)
 
     async def main():
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as s:
-            return await asyncio.gather(*(_stream(s, server.url, {"prompt_token_ids": p, "max_tokens": 16,
-                                                                  "ignore_eos": True}) for p in prompts))
+            return await asyncio.gather(
+                *(
+                    _stream(s, server.url, {"prompt_token_ids": p, "max_tokens": 16, "ignore_eos": True})
+                    for p in prompts
+                )
+            )
+
     for status, lines, raw in asyncio.run(main()):
         assert status == 200 and lines[-1]["finished"] and "error" not in lines[-1], raw[-200:]
-    after = {w["worker_id"]: _counter(http("GET", f"{w['url']}/metrics")[1], "distserve_engine_generated_tokens")
-             for w in decodes}
+    after = {
+        w["worker_id"]: _counter(http("GET", f"{w['url']}/metrics")[1], "distserve_engine_generated_tokens")
+        for w in decodes
+    }
     made = {k: after[k] - before[k] for k in after}
     total = sum(made.values())
     assert total >= 40 * 15 and min(made.values()) >= 0.25 * total, made
@@ -228,14 +268,16 @@ def test_disconnect_storm_at_first_token_leaves_no_traceback_and_no_blocks(serve
     prompts = make_prompts(40, seed=5)
 
     async def one(s, p):
-        async with s.post(f"{server.url}/v1/completions", json={"prompt": p, "max_tokens": 64, "stream": True,
-                                                                "ignore_eos": True}) as r:
+        async with s.post(
+            f"{server.url}/v1/completions", json={"prompt": p, "max_tokens": 64, "stream": True, "ignore_eos": True}
+        ) as r:
             assert r.status == 200
             await r.content.readline()  # first chunk, then go away
 
     async def main():
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as s:
             await asyncio.gather(*(one(s, p) for p in prompts))
+
     asyncio.run(main())
     wait_kv_free(server)
     logs = "".join(p.read_text(errors="replace") for p in (server.tmp / "logs").glob("*.log"))
@@ -246,17 +288,30 @@ def test_disconnect_storm_at_first_token_leaves_no_traceback_and_no_blocks(serve
 def test_streams_on_a_frozen_decode_worker_migrate(serve_factory):
     server = serve_factory(prefill=1, decode=2, config={"router": {"stream_progress_timeout_s": 4.0}})
     prompts = make_prompts(16, seed=21)
-    reference = [http("POST", f"{server.url}/generate", {"prompt_token_ids": p, "max_tokens": 48, "temperature": 0.7,
-                                                         "seed": i, "ignore_eos": True})[1]["token_ids"]
-                 for i, p in enumerate(prompts)]
+    reference = [
+        http(
+            "POST",
+            f"{server.url}/generate",
+            {"prompt_token_ids": p, "max_tokens": 48, "temperature": 0.7, "seed": i, "ignore_eos": True},
+        )[1]["token_ids"]
+        for i, p in enumerate(prompts)
+    ]
     progress = [0] * len(prompts)
     frozen: dict = {}
 
     async def one(s, i):
         ids = []
-        async with s.post(f"{server.url}/generate", json={"prompt_token_ids": prompts[i], "max_tokens": 48,
-                                                          "temperature": 0.7, "seed": i, "ignore_eos": True,
-                                                          "stream": True}) as r:
+        async with s.post(
+            f"{server.url}/generate",
+            json={
+                "prompt_token_ids": prompts[i],
+                "max_tokens": 48,
+                "temperature": 0.7,
+                "seed": i,
+                "ignore_eos": True,
+                "stream": True,
+            },
+        ) as r:
             async for raw in r.content:
                 line = json.loads(raw)
                 assert "error" not in line, line
@@ -280,6 +335,7 @@ def test_streams_on_a_frozen_decode_worker_migrate(serve_factory):
                 return await results
             finally:
                 os.kill(frozen["pid"], signal.SIGCONT)
+
     got = asyncio.run(main())
     assert any(n < 48 for n in frozen["progress"]), "everything finished before the freeze: proved nothing"
     assert got == reference  # no gap, no duplicate: migrated streams continue exactly
@@ -335,6 +391,12 @@ def test_a_decode_worker_lost_with_another_left_is_degraded(serve_factory):
         assert time.monotonic() < deadline, "never reported degraded"
         time.sleep(0.05)
     status, body, _ = http("GET", f"{server.url}/health")
-    assert status == 200 and body["workers"]["decode"] == {"healthy": 1, "stale": 0, "suspect": 0, "dead": 1, "draining": 0}
+    assert status == 200 and body["workers"]["decode"] == {
+        "healthy": 1,
+        "stale": 0,
+        "suspect": 0,
+        "dead": 1,
+        "draining": 0,
+    }
     status, body, _ = http("POST", f"{server.url}/generate", {"prompt": "still serving", "max_tokens": 4})
     assert status == 200 and len(body["token_ids"]) == 4, body

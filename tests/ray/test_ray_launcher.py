@@ -210,8 +210,14 @@ def test_no_cluster_at_the_address_is_one_sentence_in_seconds():
 
     address = f"127.0.0.2:{free_port('127.0.0.2')}"  # nothing listens there
     for argv in (["scale", "--address", address], ["serve", "--launcher", "ray", "--address", address]):
-        r = subprocess.run([sys.executable, "-m", "server.cli", *argv], cwd=REPO, env=_env(), capture_output=True,
-                           text=True, timeout=120)
+        r = subprocess.run(
+            [sys.executable, "-m", "server.cli", *argv],
+            cwd=REPO,
+            env=_env(),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert r.returncode == 1 and f"no Ray cluster answers at {address}" in r.stderr, r.stderr
 
 

@@ -54,8 +54,12 @@ BLOCKS = """{% for message in messages %}
 
 CONVERSATIONS = [
     [{"role": "user", "content": "What is the capital of France?"}],
-    [{"role": "system", "content": "Be brief. \"Quotes\" and é"}, {"role": "user", "content": "  Hi  "},
-     {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Two\nlines"}],
+    [
+        {"role": "system", "content": 'Be brief. "Quotes" and é'},
+        {"role": "user", "content": "  Hi  "},
+        {"role": "assistant", "content": "Hello!"},
+        {"role": "user", "content": "Two\nlines"},
+    ],
 ]
 
 
@@ -81,9 +85,16 @@ def _with_template(folder, tiny, template: str | None, as_file: bool = False):
     return folder
 
 
-@pytest.mark.parametrize("name,template,as_file", [
-    ("smollm2", SMOLLM2, False), ("llama2", LLAMA2, False), ("llama3", LLAMA3, True), ("blocks", BLOCKS, False),
-    ("tiny", "TINY", False)])
+@pytest.mark.parametrize(
+    "name,template,as_file",
+    [
+        ("smollm2", SMOLLM2, False),
+        ("llama2", LLAMA2, False),
+        ("llama3", LLAMA3, True),
+        ("blocks", BLOCKS, False),
+        ("tiny", "TINY", False),
+    ],
+)
 def test_render_equals_transformers(tmp_path, tiny, name, template, as_file):
     from transformers import AutoTokenizer
 

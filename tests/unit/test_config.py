@@ -111,8 +111,11 @@ def test_round_trip():
             "model": "/models/llama",
             "decode": {"top_p": 0.8, "sampling_strategy": "greedy"},
             "cache": {"block_size": 32, "dtype": "bfloat16"},
-            "router": {"backup_pool": ["http://a:1", "https://b"], "admin_token": "s3cret",
-                       "breaker": {"enabled": True, "metric": "itl", "min_samples": 5}},
+            "router": {
+                "backup_pool": ["http://a:1", "https://b"],
+                "admin_token": "s3cret",
+                "breaker": {"enabled": True, "metric": "itl", "min_samples": 5},
+            },
         }
     )
     d = c.to_dict()
@@ -262,16 +265,20 @@ def test_top_level_not_a_mapping(tmp_path):
         ({"cache": {"block_size": 512}}, "'cache.block_size' must be a power of two in [1, 256], got 512"),
         ({"cache": {"num_gpu_blocks": -1}}, "'cache.num_gpu_blocks' must be in [0, 10000000], got -1"),
         ({"cache": {"kv_cache_memory_mb": 0}}, "'cache.kv_cache_memory_mb' must be in [1, 10000000], got 0"),
-        ({"kv_transfer": {"zero_copy_threshold_mb": -0.5}},
-         "'kv_transfer.zero_copy_threshold_mb' must be >= 0, got -0.5"),
+        (
+            {"kv_transfer": {"zero_copy_threshold_mb": -0.5}},
+            "'kv_transfer.zero_copy_threshold_mb' must be >= 0, got -0.5",
+        ),
         ({"kv_transfer": {"lease_ms": 0}}, "'kv_transfer.lease_ms' must be in [1, 3600000], got 0"),
         ({"router": {"port": 65536}}, "'router.port' must be in [0, 65535], got 65536"),
         ({"router": {"request_timeout_s": 0}}, "'router.request_timeout_s' must be > 0, got 0"),
         ({"router": {"breaker": {"percentile": 100}}}, "'router.breaker.percentile' must be in (0, 100), got 100"),
         ({"router": {"breaker": {"percentile": 0}}}, "'router.breaker.percentile' must be in (0, 100), got 0"),
         ({"router": {"breaker": {"threshold_ms": 0}}}, "'router.breaker.threshold_ms' must be > 0, got 0"),
-        ({"router": {"breaker": {"probe_fraction": 1.01}}},
-         "'router.breaker.probe_fraction' must be in (0, 1], got 1.01"),
+        (
+            {"router": {"breaker": {"probe_fraction": 1.01}}},
+            "'router.breaker.probe_fraction' must be in (0, 1], got 1.01",
+        ),
         ({"router": {"breaker": {"min_samples": 0}}}, "'router.breaker.min_samples' must be in [1, 10000000], got 0"),
     ],
 )
@@ -306,18 +313,27 @@ def test_boundaries_accepted(overrides):
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        ({"prefill": {"attention_backend": "flash"}},
-         "'prefill.attention_backend' must be one of auto, sdpa, cpu_paged, flash_attn_v2, triton; got 'flash'"),
-        ({"decode": {"sampling_strategy": "beam"}},
-         "'decode.sampling_strategy' must be one of greedy, top_p; got 'beam'"),
-        ({"cache": {"dtype": "fp16"}},
-         "'cache.dtype' must be one of auto, float32, float16, bfloat16; got 'fp16'"),
-        ({"kv_transfer": {"transport": "rdma"}},
-         "'kv_transfer.transport' must be one of auto, shm, cuda_ipc, tcp, nixl; got 'rdma'"),
-        ({"kv_transfer": {"failure_policy": "retry"}},
-         "'kv_transfer.failure_policy' must be one of recompute, fail; got 'retry'"),
-        ({"router": {"breaker": {"metric": "p99"}}},
-         "'router.breaker.metric' must be one of ttft, tpot, itl, e2e; got 'p99'"),
+        (
+            {"prefill": {"attention_backend": "flash"}},
+            "'prefill.attention_backend' must be one of auto, sdpa, cpu_paged, flash_attn_v2, triton; got 'flash'",
+        ),
+        (
+            {"decode": {"sampling_strategy": "beam"}},
+            "'decode.sampling_strategy' must be one of greedy, top_p; got 'beam'",
+        ),
+        ({"cache": {"dtype": "fp16"}}, "'cache.dtype' must be one of auto, float32, float16, bfloat16; got 'fp16'"),
+        (
+            {"kv_transfer": {"transport": "rdma"}},
+            "'kv_transfer.transport' must be one of auto, shm, cuda_ipc, tcp, nixl; got 'rdma'",
+        ),
+        (
+            {"kv_transfer": {"failure_policy": "retry"}},
+            "'kv_transfer.failure_policy' must be one of recompute, fail; got 'retry'",
+        ),
+        (
+            {"router": {"breaker": {"metric": "p99"}}},
+            "'router.breaker.metric' must be one of ttft, tpot, itl, e2e; got 'p99'",
+        ),
         ({"cache": {"dtype": 16}}, "'cache.dtype' must be one of auto, float32, float16, bfloat16; got 16"),
     ],
 )
@@ -341,13 +357,13 @@ def test_overrides_merge_on_file(tmp_path):
         "model: /m\ndecode:\n  top_p: 0.5\n  max_batch_size: 7\nrouter:\n  port: 9000\n  breaker:\n    enabled: true\n",
     )
     c = load_config(p, overrides={"decode": {"top_p": 0.7}, "router": {"breaker": {"metric": "e2e"}}})
-    assert c.decode.top_p == 0.7            # overridden
-    assert c.decode.max_batch_size == 7     # kept from the file (same section)
-    assert c.router.port == 9000            # kept from the file
+    assert c.decode.top_p == 0.7  # overridden
+    assert c.decode.max_batch_size == 7  # kept from the file (same section)
+    assert c.router.port == 9000  # kept from the file
     assert c.router.breaker.enabled is True  # kept from the file (nested section)
     assert c.router.breaker.metric == "e2e"  # overridden
     assert c.model == "/m"
-    assert c.cache == CacheConfig()          # defaults elsewhere
+    assert c.cache == CacheConfig()  # defaults elsewhere
 
 
 def test_overrides_without_file():
@@ -436,9 +452,12 @@ def test_replace_revalidates():
 def test_each_role_reads_its_own_section():
     from server.workers.worker import engine_config_for
 
-    cfg = load_config(overrides={"prefill": {"attention_backend": "sdpa", "max_batch_size": 3, "max_seq_len": 512},
-                                 "decode": {"attention_backend": "cpu_paged", "max_batch_size": 7,
-                                            "max_concurrent_requests": 5}})
+    cfg = load_config(
+        overrides={
+            "prefill": {"attention_backend": "sdpa", "max_batch_size": 3, "max_seq_len": 512},
+            "decode": {"attention_backend": "cpu_paged", "max_batch_size": 7, "max_concurrent_requests": 5},
+        }
+    )
     pf, dc, co = (engine_config_for(r, cfg, "cpu") for r in ("prefill", "decode", "colocated"))
     assert (pf.attention_backend, pf.max_num_seqs, pf.prefill_policy) == ("sdpa", 3, "wfs")
     assert (dc.attention_backend, dc.max_num_seqs, dc.decode_policy) == ("cpu_paged", 5, "fewest_remaining")

@@ -49,14 +49,19 @@ def _case(lengths, h, hkv, d, bs, dtype=torch.float32, seed=0, pad_value=0, spar
     tables = torch.full((b, width), pad_value, dtype=torch.long)
     used = 0
     for i, k in enumerate(need):
-        tables[i, :k] = perm[used:used + k]
+        tables[i, :k] = perm[used : used + k]
         used += k
     lens = torch.tensor(lengths, dtype=torch.long)
     q = torch.randn(b, h, d, generator=g).to(dtype)
     meta = AttentionMetadata(
-        slot_mapping=torch.empty(0, dtype=torch.long), block_size=bs, prefill_query_lens=[],
-        prefill_seq_lens=[], prefill_block_tables=[], decode_seq_lens=lens,
-        decode_block_tables=tables.clamp(0, nb - 1), decode_max_seq_len=max(lengths),
+        slot_mapping=torch.empty(0, dtype=torch.long),
+        block_size=bs,
+        prefill_query_lens=[],
+        prefill_seq_lens=[],
+        prefill_block_tables=[],
+        decode_seq_lens=lens,
+        decode_block_tables=tables.clamp(0, nb - 1),
+        decode_max_seq_len=max(lengths),
     )
     return q, kv, tables, lens, meta
 
@@ -72,7 +77,7 @@ def _rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
 def test_matches_sdpa_decode(h, hkv, d, bs):
     lengths = _lengths(bs)
     q, kv, tables, lens, meta = _case(lengths, h, hkv, d, bs, seed=d * 100 + bs + h)
-    scale = d ** -0.5
+    scale = d**-0.5
     ref = SdpaBackend._decode(q, kv, meta, scale, h != hkv)
     got = paged_decode_attention(q, kv, tables, lens, scale, bs)
     assert got.shape == ref.shape and got.dtype == torch.float32
@@ -184,8 +189,15 @@ def test_kernel_checks_values_itself():
     for case in ("len 0", "len past the table", "block id past the cache", "negative block id"):
         a = args[case]
         with pytest.raises(ValueError, match="cpu_paged"):
-            op(a["q"], a["kv_cache"], a["block_tables"], a["seq_lens"], a["scale"], a["block_size"],
-               torch.empty_like(a["q"]))
+            op(
+                a["q"],
+                a["kv_cache"],
+                a["block_tables"],
+                a["seq_lens"],
+                a["scale"],
+                a["block_size"],
+                torch.empty_like(a["q"]),
+            )
 
 
 # ------------------------------------------------------------------ the backend and the engine
@@ -200,23 +212,33 @@ def test_backend_matches_sdpa_on_a_mixed_step():
     perm = torch.randperm(nb)
     fresh_len, chunk_q, chunk_ctx, dec_lens = 6, 3, 11, [1, 9, 20]
     tabs = [perm[0:2], perm[2:5], perm[5:6], perm[6:9], perm[9:14]]
+
     def slots(tab, start, end):
         return [int(tab[p // bs]) * bs + p % bs for p in range(start, end)]
-    slot_mapping = (slots(tabs[0], 0, fresh_len) + slots(tabs[1], chunk_ctx - chunk_q, chunk_ctx)
-                    + [slots(tabs[2 + i], n - 1, n)[0] for i, n in enumerate(dec_lens)])
+
+    slot_mapping = (
+        slots(tabs[0], 0, fresh_len)
+        + slots(tabs[1], chunk_ctx - chunk_q, chunk_ctx)
+        + [slots(tabs[2 + i], n - 1, n)[0] for i, n in enumerate(dec_lens)]
+    )
     t = len(slot_mapping)
     table = torch.zeros(3, 5, dtype=torch.long)
     for i in range(3):
-        table[i, :len(tabs[2 + i])] = tabs[2 + i]
+        table[i, : len(tabs[2 + i])] = tabs[2 + i]
     meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slot_mapping), block_size=bs, prefill_query_lens=[fresh_len, chunk_q],
-        prefill_seq_lens=[fresh_len, chunk_ctx], prefill_block_tables=[tabs[0], tabs[1]],
-        decode_seq_lens=torch.tensor(dec_lens), decode_block_tables=table, decode_max_seq_len=max(dec_lens),
+        slot_mapping=torch.tensor(slot_mapping),
+        block_size=bs,
+        prefill_query_lens=[fresh_len, chunk_q],
+        prefill_seq_lens=[fresh_len, chunk_ctx],
+        prefill_block_tables=[tabs[0], tabs[1]],
+        decode_seq_lens=torch.tensor(dec_lens),
+        decode_block_tables=table,
+        decode_max_seq_len=max(dec_lens),
     )
     q, k, v = torch.randn(t, h, d), torch.randn(t, hkv, d), torch.randn(t, hkv, d)
     c_ref, c_got = cache.clone(), cache.clone()
-    ref = SdpaBackend().forward(q, k, v, c_ref, meta, d ** -0.5)
-    got = CpuPagedBackend().forward(q, k, v, c_got, meta, d ** -0.5)
+    ref = SdpaBackend().forward(q, k, v, c_ref, meta, d**-0.5)
+    got = CpuPagedBackend().forward(q, k, v, c_got, meta, d**-0.5)
     assert torch.equal(c_ref, c_got)
     n_pf = fresh_len + chunk_q
     assert torch.equal(got[:n_pf], ref[:n_pf])  # the prefill path is SDPA's own
@@ -279,13 +301,19 @@ def test_engine_greedy_tokens_match_sdpa():
     from server.engine.llm_engine import EngineConfig, LLMEngine
     from server.engine.sampling_params import SamplingParams
 
-    prompts = [[1, 17, 42, 99, 5], list(range(1, 70)), [1, 9], [1] + [(7 * j) % 250 + 3 for j in range(150)],
-               [1, 250, 3, 3, 3, 8, 19, 200, 101, 7, 64, 33, 12]]
+    prompts = [
+        [1, 17, 42, 99, 5],
+        list(range(1, 70)),
+        [1, 9],
+        [1] + [(7 * j) % 250 + 3 for j in range(150)],
+        [1, 250, 3, 3, 3, 8, 19, 200, 101, 7, 64, 33, 12],
+    ]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     out = {}
     for name in ("sdpa", "cpu_paged"):
-        engine = LLMEngine(EngineConfig(attention_backend=name, block_size=16, num_blocks=128,
-                                        max_num_batched_tokens=64))
+        engine = LLMEngine(
+            EngineConfig(attention_backend=name, block_size=16, num_blocks=128, max_num_batched_tokens=64)
+        )
         assert engine.model.backend.name == name
         out[name] = engine.generate(prompts, params)
         assert engine.num_used_blocks == 0

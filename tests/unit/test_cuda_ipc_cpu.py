@@ -19,15 +19,32 @@ HANDLE = bytes([2, ord("c")]) + bytes(range(64))
 
 
 def _text(**over) -> str:
-    d = {"v": 1, "pool": "ab" * 16, "dev": "GPU-1234abcd-0000", "handle": HANDLE.hex(), "size": 1 << 20,
-         "soff": 512, "off": 8192, "event": bytes(64).hex(), "sync": True}
+    d = {
+        "v": 1,
+        "pool": "ab" * 16,
+        "dev": "GPU-1234abcd-0000",
+        "handle": HANDLE.hex(),
+        "size": 1 << 20,
+        "soff": 512,
+        "off": 8192,
+        "event": bytes(64).hex(),
+        "sync": True,
+    }
     d.update(over)
     return json.dumps(d)
 
 
 def test_description_round_trip():
-    desc = IpcDescription(pool="ab" * 16, device_uuid="GPU-1234abcd-0000", handle=HANDLE, storage_bytes=1 << 20,
-                          storage_offset=512, offset=8192, event=bytes(64), event_sync=True)
+    desc = IpcDescription(
+        pool="ab" * 16,
+        device_uuid="GPU-1234abcd-0000",
+        handle=HANDLE,
+        storage_bytes=1 << 20,
+        storage_offset=512,
+        offset=8192,
+        event=bytes(64),
+        event_sync=True,
+    )
     assert parse_description(desc.to_text(), NBYTES) == desc
     assert parse_description(_text(), NBYTES) == desc
     assert len(desc.to_text()) < fr.MAX_TEXT_BYTES
@@ -35,33 +52,36 @@ def test_description_round_trip():
     assert legacy.handle == bytes(64) and legacy.pool == ""
 
 
-@pytest.mark.parametrize("text,match", [
-    (_text(handle=(bytes([2, ord("e")]) + bytes(64)).hex()), "not a plain cudaMalloc"),
-    (_text(handle=(bytes([0, ord("c")]) + bytes(64)).hex()), "not a plain cudaMalloc"),
-    (_text(handle=(bytes([2, ord("c")]) + bytes(63)).hex()), "not a plain cudaMalloc"),
-    (_text(handle=bytes(65).hex()), "not a plain cudaMalloc"),
-    (_text(handle=bytes(131).hex()), "handle"),
-    (_text(handle="AB" * 66), "handle"),
-    (_text(handle="zz" * 66), "handle"),
-    (_text(event=bytes(63).hex()), "event"),
-    (_text(size=NBYTES - 1, off=0), "outside"),
-    (_text(size=1 << 20, off=(1 << 20) - NBYTES + 1), "outside"),
-    (_text(off=-1), "'off'"),
-    (_text(size=True), "'size'"),
-    (_text(size=1.5), "'size'"),
-    (_text(size=1 << 50), "'size'"),
-    (_text(sync=1), "'sync'"),
-    (_text(v=2), "version"),
-    (_text(v=True), "version"),
-    (_text(pool="xyz"), "'pool'"),
-    (_text(dev="../../etc"), "'dev'"),
-    (_text(dev=7), "'dev'"),
-    (json.dumps({**json.loads(_text()), "pid": 123}), "keys"),
-    (json.dumps({k: v for k, v in json.loads(_text()).items() if k != "event"}), "keys"),
-    ("[1, 2]", "keys"),
-    ("{nope", "not JSON"),
-    ("x" * 2000, "too long"),
-])
+@pytest.mark.parametrize(
+    "text,match",
+    [
+        (_text(handle=(bytes([2, ord("e")]) + bytes(64)).hex()), "not a plain cudaMalloc"),
+        (_text(handle=(bytes([0, ord("c")]) + bytes(64)).hex()), "not a plain cudaMalloc"),
+        (_text(handle=(bytes([2, ord("c")]) + bytes(63)).hex()), "not a plain cudaMalloc"),
+        (_text(handle=bytes(65).hex()), "not a plain cudaMalloc"),
+        (_text(handle=bytes(131).hex()), "handle"),
+        (_text(handle="AB" * 66), "handle"),
+        (_text(handle="zz" * 66), "handle"),
+        (_text(event=bytes(63).hex()), "event"),
+        (_text(size=NBYTES - 1, off=0), "outside"),
+        (_text(size=1 << 20, off=(1 << 20) - NBYTES + 1), "outside"),
+        (_text(off=-1), "'off'"),
+        (_text(size=True), "'size'"),
+        (_text(size=1.5), "'size'"),
+        (_text(size=1 << 50), "'size'"),
+        (_text(sync=1), "'sync'"),
+        (_text(v=2), "version"),
+        (_text(v=True), "version"),
+        (_text(pool="xyz"), "'pool'"),
+        (_text(dev="../../etc"), "'dev'"),
+        (_text(dev=7), "'dev'"),
+        (json.dumps({**json.loads(_text()), "pid": 123}), "keys"),
+        (json.dumps({k: v for k, v in json.loads(_text()).items() if k != "event"}), "keys"),
+        ("[1, 2]", "keys"),
+        ("{nope", "not JSON"),
+        ("x" * 2000, "too long"),
+    ],
+)
 def test_description_rejects(text, match):
     with pytest.raises(IpcError, match=match):
         parse_description(text, NBYTES)
@@ -78,19 +98,39 @@ def test_check_handle():
 
 def test_frame_type_carries_description():
     text = _text()
-    raw = fr.encode_frame(fr.Frame(fr.FrameType.DATA_CUDA_IPC, request_id="r", dtype=torch.bfloat16,
-                                   shape=(2, 1024), nbytes=NBYTES, text=text))
+    raw = fr.encode_frame(
+        fr.Frame(
+            fr.FrameType.DATA_CUDA_IPC, request_id="r", dtype=torch.bfloat16, shape=(2, 1024), nbytes=NBYTES, text=text
+        )
+    )
     f = fr.decode_frame(raw)
     assert f.type is fr.FrameType.DATA_CUDA_IPC and f.text == text and f.nbytes == NBYTES
-    bad = fr.encode_frame(fr.Frame(fr.FrameType.DATA_CUDA_IPC, request_id="r", dtype=torch.bfloat16,
-                                   shape=(2, 1024), nbytes=NBYTES + 2, text=text))
+    bad = fr.encode_frame(
+        fr.Frame(
+            fr.FrameType.DATA_CUDA_IPC,
+            request_id="r",
+            dtype=torch.bfloat16,
+            shape=(2, 1024),
+            nbytes=NBYTES + 2,
+            text=text,
+        )
+    )
     with pytest.raises(fr.FrameError, match="nbytes"):
         fr.decode_frame(bad)
 
 
 def test_handle_accepts_cuda_ipc_and_staging_checks_device():
-    d = {"request_id": "r", "transport": "cuda_ipc", "address": "127.0.0.1:9", "secret": "ab" * 16,
-         "nbytes": 8, "shape": [2, 2], "dtype": "float16", "checksum": None, "host_id": "h"}
+    d = {
+        "request_id": "r",
+        "transport": "cuda_ipc",
+        "address": "127.0.0.1:9",
+        "secret": "ab" * 16,
+        "nbytes": 8,
+        "shape": [2, 2],
+        "dtype": "float16",
+        "checksum": None,
+        "host_id": "h",
+    }
     assert KVHandle.from_dict(d).transport == "cuda_ipc"
     with KVStagingServer() as srv:
         with pytest.raises(ValueError, match="CUDA"):
@@ -118,13 +158,21 @@ def test_parse_devices():
             parse_devices(bad)
 
 
-@pytest.mark.parametrize("mode,p,d,devices,want", [
-    ("disaggregated", 1, 1, ("cuda:0", "cuda:1"), ["prefill-0=cuda:0", "decode-1=cuda:1"]),
-    ("colocated", 1, 2, ("cuda:0", "cuda:1"), ["colocated-0=cuda:0", "colocated-1=cuda:1"]),
-    ("disaggregated", 2, 2, ("cuda:0", "cuda:1"),
-     ["prefill-0=cuda:0", "prefill-1=cuda:1", "decode-2=cuda:0", "decode-3=cuda:1"]),
-    ("disaggregated", 1, 1, (), ["prefill-0=cuda", "decode-1=cuda"]),
-])
+@pytest.mark.parametrize(
+    "mode,p,d,devices,want",
+    [
+        ("disaggregated", 1, 1, ("cuda:0", "cuda:1"), ["prefill-0=cuda:0", "decode-1=cuda:1"]),
+        ("colocated", 1, 2, ("cuda:0", "cuda:1"), ["colocated-0=cuda:0", "colocated-1=cuda:1"]),
+        (
+            "disaggregated",
+            2,
+            2,
+            ("cuda:0", "cuda:1"),
+            ["prefill-0=cuda:0", "prefill-1=cuda:1", "decode-2=cuda:0", "decode-3=cuda:1"],
+        ),
+        ("disaggregated", 1, 1, (), ["prefill-0=cuda", "decode-1=cuda"]),
+    ],
+)
 def test_launcher_assigns_devices_round_robin(mode, p, d, devices, want):
     from server.launcher import plan_workers
 
@@ -146,7 +194,17 @@ def test_router_tokenizer_for_presets():
     state = RouterState(config=load_config(), token="t", registry=reg)
     with pytest.raises(NoWorkersError):
         state.get_tokenizer()  # nobody registered yet: 503, as before
-    reg.register(RegisterRequest(worker_id="w", role="colocated", url="http://x", pid=1, fingerprint={},
-                                 model_path=None, max_model_len=64, cuda_uuids=["GPU-1"]))
+    reg.register(
+        RegisterRequest(
+            worker_id="w",
+            role="colocated",
+            url="http://x",
+            pid=1,
+            fingerprint={},
+            model_path=None,
+            max_model_len=64,
+            cuda_uuids=["GPU-1"],
+        )
+    )
     assert reg.workers["w"].cuda_uuids == ["GPU-1"]
     assert state.get_tokenizer().kind == "byte"

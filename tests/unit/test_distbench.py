@@ -67,9 +67,16 @@ def test_length_distributions_parse_and_reject():
 
 def test_jsonl_dataset_and_trace(tmp_path):
     p = tmp_path / "t.jsonl"
-    p.write_text("\n".join(json.dumps(d) for d in [
-        {"timestamp": 10.5, "prompt_len": 8, "output_len": 3}, {"timestamp": 10.0, "prompt": [5, 6], "output_len": 2},
-        {"timestamp": 11.0, "prompt": "hello there", "output_len": 4}]))
+    p.write_text(
+        "\n".join(
+            json.dumps(d)
+            for d in [
+                {"timestamp": 10.5, "prompt_len": 8, "output_len": 3},
+                {"timestamp": 10.0, "prompt": [5, 6], "output_len": 2},
+                {"timestamp": 11.0, "prompt": "hello there", "output_len": 4},
+            ]
+        )
+    )
     items = jsonl_items(str(p), None, Vocab(100), None)
     assert [i.at for i in items] == [0.0, 0.5, 1.0]
     assert items[0].prompt_ids == [5, 6] and len(items[1].prompt_ids) == 8 and items[2].text == "hello there"
@@ -95,8 +102,18 @@ def _records(n: int = 500, seed: int = 0, failed_every: int = 0) -> list[Request
         late = rng.choice([0.0, 0.0, 0.0004, 0.02])
         ttft = rng.lognormvariate(math.log(0.08), 0.6) + late
         tp = rng.uniform(0.01, 0.06)
-        r = RequestRecord(i, sched, sched + late, 1000.0 + sched, ttft=ttft, ttft_service=ttft - late,
-                          e2e=ttft + 15 * tp, itl=[tp] * 15, prompt_tokens=128, output_tokens=16)
+        r = RequestRecord(
+            i,
+            sched,
+            sched + late,
+            1000.0 + sched,
+            ttft=ttft,
+            ttft_service=ttft - late,
+            e2e=ttft + 15 * tp,
+            itl=[tp] * 15,
+            prompt_tokens=128,
+            output_tokens=16,
+        )
         if failed_every and i % failed_every == 0:
             r = RequestRecord(i, sched, sched, 1000.0 + sched, prompt_tokens=128, error="HTTP 503: overloaded")
         out.append(r)
@@ -112,9 +129,13 @@ def test_result_percentiles_agree_with_an_independent_computation_from_the_recor
     recs = _records(failed_every=25)
     s = summarize(recs, 30.0, (50, 90, 99, 99.9), parse_slo("ttft:250ms,tpot:50ms"))
     ok = [r for r in recs if r.ok]
-    for key, vals in {"ttft": [r.ttft for r in ok], "tpot": [r.tpot for r in ok],
-                      "itl": [x for r in ok for x in r.itl], "e2el": [r.e2e for r in ok],
-                      "ttft_service": [r.ttft_service for r in ok]}.items():
+    for key, vals in {
+        "ttft": [r.ttft for r in ok],
+        "tpot": [r.tpot for r in ok],
+        "itl": [x for r in ok for x in r.itl],
+        "e2el": [r.e2e for r in ok],
+        "ttft_service": [r.ttft_service for r in ok],
+    }.items():
         for q in (50, 90, 99, 99.9):
             want = nearest_rank(vals, q) * 1000
             assert s[f"{pkey(q)}_{key}_ms"] == pytest.approx(want, rel=1e-3, abs=1e-3), (key, q)
@@ -162,10 +183,34 @@ def test_result_file_round_trips_records(tmp_path):
     p = result.save(res, tmp_path / "r.json")
     back = result.records_of(result.load(p))
     assert [r.to_dict() for r in back] == [r.to_dict() for r in recs]
-    assert {"request_throughput", "output_throughput", "mean_ttft_ms", "median_tpot_ms", "std_itl_ms",
-            "p99_e2el_ms", "request_goodput", "ttfts", "itls", "requests", "config", "environment"} <= set(res)
-    for key in ("index", "scheduled", "sent", "start_unix", "ttft", "ttft_service", "e2e", "itl", "tpot",
-                "prompt_tokens", "output_tokens", "error"):
+    assert {
+        "request_throughput",
+        "output_throughput",
+        "mean_ttft_ms",
+        "median_tpot_ms",
+        "std_itl_ms",
+        "p99_e2el_ms",
+        "request_goodput",
+        "ttfts",
+        "itls",
+        "requests",
+        "config",
+        "environment",
+    } <= set(res)
+    for key in (
+        "index",
+        "scheduled",
+        "sent",
+        "start_unix",
+        "ttft",
+        "ttft_service",
+        "e2e",
+        "itl",
+        "tpot",
+        "prompt_tokens",
+        "output_tokens",
+        "error",
+    ):
         assert key in res["requests"][0]
     (tmp_path / "x.json").write_text("{}")
     with pytest.raises(ValueError, match="not a distbench result"):
@@ -175,8 +220,10 @@ def test_result_file_round_trips_records(tmp_path):
 def test_sharegpt_from_a_path_uses_the_first_exchange(tmp_path):
     from distbench.datasets import sharegpt_items
 
-    convs = [{"conversations": [{"from": "human", "value": "q" * 40 * (i + 1)}, {"from": "gpt", "value": "a" * 80}]}
-             for i in range(5)] + [{"conversations": [{"from": "human", "value": "lonely"}]}]
+    convs = [
+        {"conversations": [{"from": "human", "value": "q" * 40 * (i + 1)}, {"from": "gpt", "value": "a" * 80}]}
+        for i in range(5)
+    ] + [{"conversations": [{"from": "human", "value": "lonely"}]}]
     p = tmp_path / "sg.json"
     p.write_text(json.dumps(convs))
     items = sharegpt_items(10, str(p), None, None, seed=1)

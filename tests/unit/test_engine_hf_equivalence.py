@@ -19,26 +19,95 @@ from server.engine.sequence import Sequence  # noqa: E402
 
 # name -> (config class name, kwargs)
 SHAPES = {
-    "mha": ("LlamaConfig", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                num_attention_heads=4, num_key_value_heads=4, vocab_size=300)),
-    "gqa": ("LlamaConfig", dict(hidden_size=96, intermediate_size=200, num_hidden_layers=3,
-                                num_attention_heads=6, num_key_value_heads=2, vocab_size=320)),
-    "odd_sizes_mqa": ("LlamaConfig", dict(hidden_size=120, intermediate_size=250, num_hidden_layers=2,
-                                          num_attention_heads=5, num_key_value_heads=1, vocab_size=333)),
-    "tied_llama3_rope": ("LlamaConfig", dict(
-        hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=300, tie_word_embeddings=True, rope_theta=500000.0,
-        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                      "high_freq_factor": 4.0, "original_max_position_embeddings": 32})),
-    "linear_rope_bias": ("LlamaConfig", dict(
-        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, vocab_size=280, attention_bias=True,
-        rope_scaling={"rope_type": "linear", "factor": 2.0})),
-    "mistral": ("MistralConfig", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=1, vocab_size=300,
-                                      sliding_window=4096)),
-    "qwen2_bias": ("Qwen2Config", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                       num_attention_heads=4, num_key_value_heads=2, vocab_size=300)),
+    "mha": (
+        "LlamaConfig",
+        dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            vocab_size=300,
+        ),
+    ),
+    "gqa": (
+        "LlamaConfig",
+        dict(
+            hidden_size=96,
+            intermediate_size=200,
+            num_hidden_layers=3,
+            num_attention_heads=6,
+            num_key_value_heads=2,
+            vocab_size=320,
+        ),
+    ),
+    "odd_sizes_mqa": (
+        "LlamaConfig",
+        dict(
+            hidden_size=120,
+            intermediate_size=250,
+            num_hidden_layers=2,
+            num_attention_heads=5,
+            num_key_value_heads=1,
+            vocab_size=333,
+        ),
+    ),
+    "tied_llama3_rope": (
+        "LlamaConfig",
+        dict(
+            hidden_size=64,
+            intermediate_size=160,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=300,
+            tie_word_embeddings=True,
+            rope_theta=500000.0,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            },
+        ),
+    ),
+    "linear_rope_bias": (
+        "LlamaConfig",
+        dict(
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            vocab_size=280,
+            attention_bias=True,
+            rope_scaling={"rope_type": "linear", "factor": 2.0},
+        ),
+    ),
+    "mistral": (
+        "MistralConfig",
+        dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            vocab_size=300,
+            sliding_window=4096,
+        ),
+    ),
+    "qwen2_bias": (
+        "Qwen2Config",
+        dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=300,
+        ),
+    ),
 }
 
 PROMPTS = [
@@ -53,12 +122,17 @@ MAX_TOKENS = 12
 def _hf_model(name: str, folder):
     cfg_cls, kwargs = SHAPES[name]
     cfg = getattr(transformers, cfg_cls)(
-        max_position_embeddings=256, initializer_range=0.15, torch_dtype="float32",
-        bos_token_id=1, eos_token_id=2, **kwargs,
+        max_position_embeddings=256,
+        initializer_range=0.15,
+        torch_dtype="float32",
+        bos_token_id=1,
+        eos_token_id=2,
+        **kwargs,
     )
     torch.manual_seed(1234)
-    model_cls = {"Qwen2Config": transformers.Qwen2ForCausalLM,
-                 "MistralConfig": transformers.MistralForCausalLM}.get(cfg_cls, transformers.LlamaForCausalLM)
+    model_cls = {"Qwen2Config": transformers.Qwen2ForCausalLM, "MistralConfig": transformers.MistralForCausalLM}.get(
+        cfg_cls, transformers.LlamaForCausalLM
+    )
     model = model_cls(cfg).eval()
     with torch.no_grad():  # RMSNorm weights of 1.0 would hide a norm bug
         for n, p in model.named_parameters():
@@ -123,6 +197,7 @@ def test_greedy_mixed_batch_matches_single(pair):
 
 def test_sliding_window_caps_max_seq_len(tmp_path):
     import json
+
     _hf_model("mistral", tmp_path)
     cfg = json.loads((tmp_path / "config.json").read_text())
     cfg["sliding_window"] = 64

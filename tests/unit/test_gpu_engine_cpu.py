@@ -23,8 +23,14 @@ def test_auto_is_cpu_paged_or_sdpa_on_cpu_and_gpu_names_refused():
 def test_presets():
     assert is_preset("preset:llama-2-7b") and not is_preset("/models/x") and not is_preset(None)
     cfg = preset_config("preset:llama-2-7b")
-    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads,
-            cfg.intermediate_size, cfg.vocab_size) == (4096, 32, 32, 32, 11008, 32000)
+    assert (
+        cfg.hidden_size,
+        cfg.num_hidden_layers,
+        cfg.num_attention_heads,
+        cfg.num_key_value_heads,
+        cfg.intermediate_size,
+        cfg.vocab_size,
+    ) == (4096, 32, 32, 32, 11008, 32000)
     with pytest.raises(ValueError, match="unknown model preset"):
         preset_config("preset:nope")
 

@@ -12,9 +12,21 @@ from distbench.records import RequestRecord
 
 
 def _res(n_ok: int, n_failed: int, ttft: float = 0.1, tpot: float = 0.02) -> dict:
-    recs = [RequestRecord(i, i * 0.1, i * 0.1, 1000 + i * 0.1, ttft=ttft, ttft_service=ttft,
-                          e2e=ttft + 15 * tpot, itl=[tpot] * 15, prompt_tokens=128, output_tokens=16)
-            for i in range(n_ok)]
+    recs = [
+        RequestRecord(
+            i,
+            i * 0.1,
+            i * 0.1,
+            1000 + i * 0.1,
+            ttft=ttft,
+            ttft_service=ttft,
+            e2e=ttft + 15 * tpot,
+            itl=[tpot] * 15,
+            prompt_tokens=128,
+            output_tokens=16,
+        )
+        for i in range(n_ok)
+    ]
     recs += [RequestRecord(n_ok + i, 0.0, error="HTTP 503: busy") for i in range(n_failed)]
     return result.build(recs, 10.0, 1000.0, {"strategy": "poisson"}, (50, 90, 95, 99), {}, {})
 
@@ -32,8 +44,10 @@ def test_failed_requests_count_as_misses_and_as_infinitely_slow():
 
 
 def test_goodput_is_the_highest_passing_rate():
-    sweep = [{"rate": r, "summary": {"meets": {"attainment_90": r <= 4, "p90": r <= 3, "p99": r <= 2}}}
-             for r in (1, 2, 3, 4, 5)]
+    sweep = [
+        {"rate": r, "summary": {"meets": {"attainment_90": r <= 4, "p90": r <= 3, "p99": r <= 2}}}
+        for r in (1, 2, 3, 4, 5)
+    ]
     g = gpu_serving.goodput(sweep, gpus=2)
     assert g["attainment_90"]["rps"] == 4 and g["attainment_90"]["rps_per_gpu"] == 2
     assert g["p99"]["rps"] == 2 and g["p99"]["bracketed"]

@@ -23,8 +23,17 @@ from server.router import app as router_app
 from server.router.pipeline import TokenEvent
 from server.workers.app import _line, _token_line
 
-TEXTS = ["", "hello", " world", 'quote " and \\ backslash', "tab\tnew\nline\r", "\x00\x1f\x7f",
-         "é日本語🙂", "\u2028\u2029", "</script>"]
+TEXTS = [
+    "",
+    "hello",
+    " world",
+    'quote " and \\ backslash',
+    "tab\tnew\nline\r",
+    "\x00\x1f\x7f",
+    "é日本語🙂",
+    "\u2028\u2029",
+    "</script>",
+]
 
 
 # --- SSE chunks -------------------------------------------------------------------------------
@@ -68,12 +77,32 @@ def test_sse_completion_chunks_are_byte_identical(model, reason, monkeypatch):
     run = _FakeRun(TEXTS, reason)
     got = asyncio.run(_collect(router_app._sse_completion(run, model, True)))
     rid, created = f"cmpl-{run.req.request_id}", 1234567890
-    want = [_old_sse({"id": rid, "object": "text_completion", "created": created, "model": model,
-                      "choices": [{"index": 0, "text": d, "logprobs": None,
-                                   "finish_reason": reason if i == len(TEXTS) - 1 else None}]})
-            for i, d in enumerate(TEXTS)]
-    want.append(_old_sse({"id": rid, "object": "text_completion", "created": created, "model": model,
-                          "choices": [], "usage": run.usage()}))
+    want = [
+        _old_sse(
+            {
+                "id": rid,
+                "object": "text_completion",
+                "created": created,
+                "model": model,
+                "choices": [
+                    {"index": 0, "text": d, "logprobs": None, "finish_reason": reason if i == len(TEXTS) - 1 else None}
+                ],
+            }
+        )
+        for i, d in enumerate(TEXTS)
+    ]
+    want.append(
+        _old_sse(
+            {
+                "id": rid,
+                "object": "text_completion",
+                "created": created,
+                "model": model,
+                "choices": [],
+                "usage": run.usage(),
+            }
+        )
+    )
     want.append(b"data: [DONE]\n\n")
     assert got == want
 
@@ -88,21 +117,43 @@ def test_sse_chat_chunks_are_byte_identical(reason, monkeypatch):
     want = []
     for i, d in enumerate(TEXTS):
         delta = {"role": "assistant", "content": d} if i == 0 else {"content": d}
-        want.append(_old_sse({"id": rid, "object": "chat.completion.chunk", "created": 42, "model": model,
-                              "choices": [{"index": 0, "delta": delta, "logprobs": None,
-                                           "finish_reason": reason if i == len(TEXTS) - 1 else None}]}))
+        want.append(
+            _old_sse(
+                {
+                    "id": rid,
+                    "object": "chat.completion.chunk",
+                    "created": 42,
+                    "model": model,
+                    "choices": [
+                        {
+                            "index": 0,
+                            "delta": delta,
+                            "logprobs": None,
+                            "finish_reason": reason if i == len(TEXTS) - 1 else None,
+                        }
+                    ],
+                }
+            )
+        )
     want.append(b"data: [DONE]\n\n")
     assert got == want
 
 
 # --- NDJSON token lines ------------------------------------------------------------------------
 @pytest.mark.parametrize("tokens", [[], [0], [7, 12345, 3], list(range(40))])
-@pytest.mark.parametrize("finished,reason", [(False, None), (True, None), (True, "length"), (True, "stop"),
-                                             (True, "abort"), (True, 'we"ird')])
+@pytest.mark.parametrize(
+    "finished,reason",
+    [(False, None), (True, None), (True, "length"), (True, "stop"), (True, "abort"), (True, 'we"ird')],
+)
 def test_token_line_matches_generic_line(tokens, finished, reason):
     assert _token_line(tokens, finished, reason) == _line(token_ids=tokens, finished=finished, finish_reason=reason)
-    old = (json.dumps({k: v for k, v in dict(token_ids=tokens, finished=finished, finish_reason=reason).items()
-                       if v is not None}, separators=(",", ":")) + "\n").encode()
+    old = (
+        json.dumps(
+            {k: v for k, v in dict(token_ids=tokens, finished=finished, finish_reason=reason).items() if v is not None},
+            separators=(",", ":"),
+        )
+        + "\n"
+    ).encode()
     assert _token_line(tokens, finished, reason) == old
 
 
@@ -111,6 +162,7 @@ def test_idle_timeout_fires_only_after_a_silent_wait():
     """The period bounds each wait, not the stream: many prompt waits spread over several periods
     pass, a late-but-inside-the-period arrival after them passes (the lazily re-armed timer is not
     stale), and only a wait with nothing arriving times out."""
+
     async def main():
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
@@ -160,10 +212,19 @@ def test_rope_is_bitwise_hugging_faces_rotate_half():
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
     torch.manual_seed(0)
-    cfg = ModelConfig(architecture="LlamaForCausalLM", vocab_size=512, hidden_size=384,
-                      intermediate_size=1024, num_hidden_layers=1, num_attention_heads=6,
-                      num_key_value_heads=2, head_dim=64, max_position_embeddings=4096, rms_norm_eps=1e-5,
-                      rope_theta=10000.0)
+    cfg = ModelConfig(
+        architecture="LlamaForCausalLM",
+        vocab_size=512,
+        hidden_size=384,
+        intermediate_size=1024,
+        num_hidden_layers=1,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+    )
     rot = model_mod.RotaryEmbedding(cfg)
     for dtype in (torch.float32, torch.bfloat16):
         q, k = torch.randn(37, 6, 64).to(dtype), torch.randn(37, 2, 64).to(dtype)
@@ -187,8 +248,10 @@ def test_token_span_matches_all_token_ids():
 
     rng = random.Random(1)
     for _ in range(200):
-        s = Seq([rng.randrange(100) for _ in range(rng.randint(1, 20))],
-                [rng.randrange(100) for _ in range(rng.randint(0, 10))])
+        s = Seq(
+            [rng.randrange(100) for _ in range(rng.randint(1, 20))],
+            [rng.randrange(100) for _ in range(rng.randint(0, 10))],
+        )
         n = len(s.all_token_ids)
         a = rng.randint(0, n - 1)
         b = rng.randint(a + 1, n)

@@ -102,10 +102,17 @@ class FakeSender:
             behave(conn)
 
     def handle(self, t: torch.Tensor, checksum: int | None = None) -> KVHandle:
-        return KVHandle(request_id="fake", transport="tcp", address=self.address,
-                        secret="ab" * 16, nbytes=t.numel() * t.element_size(),
-                        shape=tuple(t.shape), dtype=fr.dtype_name(t.dtype),
-                        checksum=checksum, host_id=host_id())
+        return KVHandle(
+            request_id="fake",
+            transport="tcp",
+            address=self.address,
+            secret="ab" * 16,
+            nbytes=t.numel() * t.element_size(),
+            shape=tuple(t.shape),
+            dtype=fr.dtype_name(t.dtype),
+            checksum=checksum,
+            host_id=host_id(),
+        )
 
     def close(self):
         self.thread.join(timeout=5)
@@ -113,15 +120,20 @@ class FakeSender:
 
 
 def data_header(t: torch.Tensor, checksum: int | None, **over) -> bytes:
-    f = fr.Frame(fr.FrameType.DATA_INLINE, request_id="fake", dtype=t.dtype, shape=tuple(t.shape),
-                 nbytes=t.numel() * t.element_size(), checksum=checksum)
+    f = fr.Frame(
+        fr.FrameType.DATA_INLINE,
+        request_id="fake",
+        dtype=t.dtype,
+        shape=tuple(t.shape),
+        nbytes=t.numel() * t.element_size(),
+        checksum=checksum,
+    )
     return fr.encode_frame(dataclasses.replace(f, **over))
 
 
 # ------------------------------------------------------------------ round trips
 @pytest.mark.parametrize("transport", ["tcp", "shm"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16,
-                                   torch.int8, torch.uint8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.uint8])
 def test_round_trip(server, puller, prefix, transport, dtype):
     t = kv(dtype)
     handle = server.stage("req-1", t, transport=transport)
@@ -147,12 +159,11 @@ def test_non_contiguous_empty_and_concurrent(server, puller):
     t = kv(shape=(2, 2, 8, 4, 16)).transpose(2, 3)
     empty = torch.empty(4, 2, 0, 2, 8, dtype=torch.bfloat16)
     handles = [server.stage("nc", t), server.stage("empty", empty, transport="shm")]
-    handles += [server.stage(f"c{i}", kv(seed=i), transport=("tcp", "shm")[i % 2])
-                for i in range(6)]
+    handles += [server.stage(f"c{i}", kv(seed=i), transport=("tcp", "shm")[i % 2]) for i in range(6)]
     results: dict[str, PullResult] = {}
-    threads = [threading.Thread(target=lambda h=h: results.__setitem__(h.request_id,
-                                                                       puller.pull(h, 5)))
-               for h in handles]
+    threads = [
+        threading.Thread(target=lambda h=h: results.__setitem__(h.request_id, puller.pull(h, 5))) for h in handles
+    ]
     for th in threads:
         th.start()
     for th in threads:
@@ -229,8 +240,7 @@ def test_connection_refused_is_data(puller):
     with socket.create_server(("127.0.0.1", 0)) as s:
         port = s.getsockname()[1]
     t = kv()
-    handle = KVHandle("r", "tcp", f"127.0.0.1:{port}", "cd" * 16, t.numel() * 4, SHAPE,
-                      "float32", None, host_id())
+    handle = KVHandle("r", "tcp", f"127.0.0.1:{port}", "cd" * 16, t.numel() * 4, SHAPE, "float32", None, host_id())
     result = puller.pull(handle, 2)
     assert result.status is TransferStatus.FAILED and "refused" in result.error
 
@@ -290,10 +300,13 @@ def test_silent_sender_times_out():
     assert result.status is TransferStatus.FAILED and "timed out after 0.3 s" in result.error
 
 
-@pytest.mark.parametrize("shape,nbytes,message", [
-    ((1 << 20, 2, 1 << 10, 8, 128), 1 << 43, "exceeds limit"),  # 8 TiB of float32
-    ((3, 2, 18, 4, 24), 3 * 2 * 18 * 4 * 24 * 4, "does not match the handle"),
-])
+@pytest.mark.parametrize(
+    "shape,nbytes,message",
+    [
+        ((1 << 20, 2, 1 << 10, 8, 128), 1 << 43, "exceeds limit"),  # 8 TiB of float32
+        ((3, 2, 18, 4, 24), 3 * 2 * 18 * 4 * 24 * 4, "does not match the handle"),
+    ],
+)
 def test_bad_reply_header_fails_before_allocating(monkeypatch, shape, nbytes, message):
     t = kv()
     fake = FakeSender(lambda c: c.sendall(data_header(t, None, shape=shape, nbytes=nbytes)))
@@ -309,8 +322,15 @@ def test_bad_reply_header_fails_before_allocating(monkeypatch, shape, nbytes, me
 
 # ------------------------------------------------------------------ frames
 def test_frame_round_trip():
-    f = fr.Frame(fr.FrameType.DATA_SHM, request_id="req-é", dtype=torch.bfloat16, shape=SHAPE,
-                 nbytes=fr.expected_nbytes(SHAPE, torch.bfloat16), checksum=123, text="seg_name")
+    f = fr.Frame(
+        fr.FrameType.DATA_SHM,
+        request_id="req-é",
+        dtype=torch.bfloat16,
+        shape=SHAPE,
+        nbytes=fr.expected_nbytes(SHAPE, torch.bfloat16),
+        checksum=123,
+        text="seg_name",
+    )
     assert fr.decode_frame(fr.encode_frame(f)) == f
     err = fr.Frame(fr.FrameType.ERROR, request_id="r", error_code=fr.ErrorCode.AUTH, text="no")
     assert fr.decode_frame(fr.encode_frame(err)) == err
@@ -368,9 +388,17 @@ def test_bad_frame_to_server_gets_error_frame(server):
 
 # ------------------------------------------------------------------ handle & policy
 def _handle_dict(**over):
-    d = {"request_id": "r1", "transport": "tcp", "address": "127.0.0.1:4000",
-         "secret": "0f" * 16, "nbytes": 2 * 3 * 2, "shape": [2, 3], "dtype": "bfloat16",
-         "checksum": 7, "host_id": "h/abc"}
+    d = {
+        "request_id": "r1",
+        "transport": "tcp",
+        "address": "127.0.0.1:4000",
+        "secret": "0f" * 16,
+        "nbytes": 2 * 3 * 2,
+        "shape": [2, 3],
+        "dtype": "bfloat16",
+        "checksum": 7,
+        "host_id": "h/abc",
+    }
     d.update(over)
     return d
 
@@ -385,19 +413,37 @@ def test_handle_dict_round_trip():
     assert ipc.ipc == '{"v":1}' and KVHandle.from_dict(ipc.to_dict()) == ipc
 
 
-@pytest.mark.parametrize("bad", [
-    _handle_dict(nbytes=13), _handle_dict(nbytes=True), _handle_dict(shape=[2, -3]),
-    _handle_dict(shape=[2, 3.0]), _handle_dict(shape="23"), _handle_dict(shape=[1] * 9),
-    _handle_dict(dtype="float64"), _handle_dict(dtype=["x"]), _handle_dict(transport="udp"),
-    _handle_dict(secret="zz" * 16), _handle_dict(secret="ab"), _handle_dict(secret="ab" * 40),
-    _handle_dict(address="nohost"), _handle_dict(address="h:70000"),
-    _handle_dict(checksum=1 << 32), _handle_dict(request_id=""), _handle_dict(request_id=5),
-    _handle_dict(request_id="x" * 300), _handle_dict(extra=1),
-    _handle_dict(ipc='{"v":1}'),  # a description only comes with cuda_ipc
-    _handle_dict(transport="cuda_ipc", ipc="x" * 2000), _handle_dict(transport="cuda_ipc", ipc=7),
-    _handle_dict(shape=[1 << 40, 1 << 10], nbytes=1 << 51),
-    {k: v for k, v in _handle_dict().items() if k != "secret"}, [1, 2], None,
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        _handle_dict(nbytes=13),
+        _handle_dict(nbytes=True),
+        _handle_dict(shape=[2, -3]),
+        _handle_dict(shape=[2, 3.0]),
+        _handle_dict(shape="23"),
+        _handle_dict(shape=[1] * 9),
+        _handle_dict(dtype="float64"),
+        _handle_dict(dtype=["x"]),
+        _handle_dict(transport="udp"),
+        _handle_dict(secret="zz" * 16),
+        _handle_dict(secret="ab"),
+        _handle_dict(secret="ab" * 40),
+        _handle_dict(address="nohost"),
+        _handle_dict(address="h:70000"),
+        _handle_dict(checksum=1 << 32),
+        _handle_dict(request_id=""),
+        _handle_dict(request_id=5),
+        _handle_dict(request_id="x" * 300),
+        _handle_dict(extra=1),
+        _handle_dict(ipc='{"v":1}'),  # a description only comes with cuda_ipc
+        _handle_dict(transport="cuda_ipc", ipc="x" * 2000),
+        _handle_dict(transport="cuda_ipc", ipc=7),
+        _handle_dict(shape=[1 << 40, 1 << 10], nbytes=1 << 51),
+        {k: v for k, v in _handle_dict().items() if k != "secret"},
+        [1, 2],
+        None,
+    ],
+)
 def test_handle_from_dict_rejects(bad):
     with pytest.raises(ValueError):
         KVHandle.from_dict(bad)
@@ -467,16 +513,20 @@ _CHILD = textwrap.dedent("""
 
 
 def test_cross_process_receiver(server, prefix):
-    tensors = {"tcp": kv(torch.bfloat16, seed=1), "shm": kv(torch.float16, seed=2),
-               "bad": kv(torch.float32, seed=3)}
-    handles = {name: server.stage(name, t, transport="tcp" if name == "tcp" else "shm")
-               for name, t in tensors.items()}
+    tensors = {"tcp": kv(torch.bfloat16, seed=1), "shm": kv(torch.float16, seed=2), "bad": kv(torch.float32, seed=3)}
+    handles = {name: server.stage(name, t, transport="tcp" if name == "tcp" else "shm") for name, t in tensors.items()}
     buf = server._entries["bad"].segment.buf
     buf[0] ^= 0xFF  # the child must see a checksum mismatch and leave the segment alone
     stdin = "".join(json.dumps(h.to_dict()) + "\n" for h in handles.values())
-    proc = subprocess.run([sys.executable, "-c", _CHILD], input=stdin, capture_output=True,
-                          text=True, cwd=REPO, timeout=60,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    proc = subprocess.run(
+        [sys.executable, "-c", _CHILD],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     assert [o["status"] for o in out] == ["success", "success", "failed"], out
@@ -516,8 +566,7 @@ def test_shm_without_room_is_an_error_not_sigbus(prefix):
 
 # ------------------------------------------------------------------ persistent connections
 def pull_frame(handle: KVHandle) -> bytes:
-    return fr.encode_frame(fr.Frame(fr.FrameType.PULL, request_id=handle.request_id,
-                                    secret=handle.secret))
+    return fr.encode_frame(fr.Frame(fr.FrameType.PULL, request_id=handle.request_id, secret=handle.secret))
 
 
 @pytest.mark.parametrize("transport", ["tcp", "shm"])
@@ -610,9 +659,17 @@ class ScriptedSender:
                 script(conn)
 
     def handle(self, t: torch.Tensor, rid: str) -> KVHandle:
-        return KVHandle(request_id=rid, transport="tcp", address=self.address, secret="ab" * 16,
-                        nbytes=t.numel() * t.element_size(), shape=tuple(t.shape),
-                        dtype=fr.dtype_name(t.dtype), checksum=None, host_id=host_id())
+        return KVHandle(
+            request_id=rid,
+            transport="tcp",
+            address=self.address,
+            secret="ab" * 16,
+            nbytes=t.numel() * t.element_size(),
+            shape=tuple(t.shape),
+            dtype=fr.dtype_name(t.dtype),
+            checksum=None,
+            host_id=host_id(),
+        )
 
     def close(self):
         try:
@@ -706,10 +763,15 @@ def test_sender_protocol_on_one_socket(server):
             s.sendall(pull_frame(h2))
             assert fr.read_frame(s).type is fr.FrameType.DATA_INLINE
             assert fr.recv_exact(s, h2.nbytes) == fr.tensor_bytes(t2).tobytes()
-            s.sendall(fr.encode_frame(fr.Frame(answer, request_id="x2",
-                                               error_code=fr.ErrorCode.CHECKSUM
-                                               if answer is fr.FrameType.ERROR else
-                                               fr.ErrorCode.NONE)))
+            s.sendall(
+                fr.encode_frame(
+                    fr.Frame(
+                        answer,
+                        request_id="x2",
+                        error_code=fr.ErrorCode.CHECKSUM if answer is fr.FrameType.ERROR else fr.ErrorCode.NONE,
+                    )
+                )
+            )
             if answer is fr.FrameType.ERROR:
                 assert wait_until(lambda: server.poll("x2") is TransferStatus.PENDING)
         assert fr.read_frame(s) == fr.Frame(fr.FrameType.DONE, request_id="x2")
@@ -844,8 +906,7 @@ def test_stalled_unauthenticated_connections_cannot_starve_real_pulls(prefix, pu
 
 
 def test_per_peer_cap_evicts_that_peers_unauthenticated_connections_first(prefix, puller):
-    srv = KVStagingServer(shm_prefix=prefix, max_connections=64, max_connections_per_peer=4,
-                          handshake_timeout_s=30)
+    srv = KVStagingServer(shm_prefix=prefix, max_connections=64, max_connections_per_peer=4, handshake_timeout_s=30)
     stalled = [socket.create_connection(("127.0.0.1", srv.port), timeout=10) for _ in range(4)]
     try:
         assert wait_until(lambda: srv.num_connections == 4)

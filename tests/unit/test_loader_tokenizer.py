@@ -47,11 +47,7 @@ def tiny(tmp_path_factory) -> Path:
 
 
 def _hash_folder(folder: Path) -> dict[str, str]:
-    return {
-        p.name: hashlib.sha256(p.read_bytes()).hexdigest()
-        for p in sorted(folder.iterdir())
-        if p.is_file()
-    }
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir()) if p.is_file()}
 
 
 def _assert_same_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
@@ -411,7 +407,9 @@ def test_ensure_default_tiny_model_concurrent(tmp_path, monkeypatch):
     )
     env = dict(os.environ, DISTSERVE_CACHE_DIR=str(cache), PYTHONPATH=str(REPO_ROOT))
     procs = [
-        subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            [sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
         for _ in range(3)
     ]
     time.sleep(0.5)

@@ -66,13 +66,18 @@ async def _run(first_script, progress_timeout_s=5.0):
         runners += [bad, good]
         reg = WorkerRegistry(heartbeat_timeout_s=30)
         for wid, url in (("a-bad", bad_url), ("b-good", good_url)):
-            reg.register(RegisterRequest(worker_id=wid, role="colocated", url=url, pid=1, fingerprint={},
-                                         max_model_len=64))
+            reg.register(
+                RegisterRequest(worker_id=wid, role="colocated", url=url, pid=1, fingerprint={}, max_model_len=64)
+            )
         reg.workers["b-good"].inflight = 1  # the pick goes to the bad worker first
         metrics = RouterMetrics()
         async with aiohttp.ClientSession() as http:
-            pipe = Pipeline(reg, http, metrics, PipelineOptions(token="t", request_timeout_s=30,
-                                                                progress_timeout_s=progress_timeout_s))
+            pipe = Pipeline(
+                reg,
+                http,
+                metrics,
+                PipelineOptions(token="t", request_timeout_s=30, progress_timeout_s=progress_timeout_s),
+            )
             req = EngineRequest("r1", [1, 2, 3], InternalSampling(max_tokens=6, temperature=0, top_p=1, seed=1))
             events = [ev async for ev in pipe.generate(req)]
         return events, reg, metrics, good_seen
@@ -136,8 +141,9 @@ async def _pd_run(decode_lines: list[bytes]) -> tuple[list[TokenEvent], list[str
 
     async def prefill(request: web.Request):
         body = await request.json()
-        return web.json_response({"token_ids": [100], "finished": False,
-                                  "kv": {"request_id": body["request_id"], "transport": "tcp"}})
+        return web.json_response(
+            {"token_ids": [100], "finished": False, "kv": {"request_id": body["request_id"], "transport": "tcp"}}
+        )
 
     async def abort(request: web.Request):
         aborted.append((await request.json())["request_id"])
@@ -175,8 +181,12 @@ async def _pd_run(decode_lines: list[bytes]) -> tuple[list[TokenEvent], list[str
 
 
 def test_a_failed_kv_pull_frees_the_staged_kv_on_the_prefill_worker_at_once():
-    fail = json.dumps({"token_ids": [], "finished": True, "finish_reason": "abort",
-                       "error": "KV transfer failed: timed out"}).encode() + b"\n"
+    fail = (
+        json.dumps(
+            {"token_ids": [], "finished": True, "finish_reason": "abort", "error": "KV transfer failed: timed out"}
+        ).encode()
+        + b"\n"
+    )
     events, aborted = asyncio.run(_pd_run([fail]))
     assert events[-1].error and "KV transfer failed" in events[-1].error
     assert aborted == ["r1"]
@@ -184,8 +194,12 @@ def test_a_failed_kv_pull_frees_the_staged_kv_on_the_prefill_worker_at_once():
 
 def test_a_recomputed_prompt_frees_the_staged_kv_and_a_pulled_one_does_not():
     recompute = json.dumps({"token_ids": [101], "kv_transport": "recompute"}).encode() + b"\n"
-    pulled = json.dumps({"token_ids": [101], "kv_transport": "tcp", "kv_transfer_seconds": 0.01,
-                         "kv_transfer_bytes": 10}).encode() + b"\n"
+    pulled = (
+        json.dumps(
+            {"token_ids": [101], "kv_transport": "tcp", "kv_transfer_seconds": 0.01, "kv_transfer_bytes": 10}
+        ).encode()
+        + b"\n"
+    )
     last = _line([102], finished=True, reason="length")
     events, aborted = asyncio.run(_pd_run([recompute, last]))
     assert _tokens(events) == [100, 101, 102] and aborted == ["r1"]

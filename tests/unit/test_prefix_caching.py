@@ -21,8 +21,8 @@ BASE = [1] + [(11 * j + 5) % 500 + 3 for j in range(37)]  # 38 tokens: 9 full bl
 # Shared prefixes of several lengths (block-aligned and not), identical prompts, and strangers.
 PROMPTS = [
     BASE,
-    BASE,                               # identical: all but the last block reused
-    BASE[:36],                          # exactly 9 blocks: 8 reused, last block recomputed
+    BASE,  # identical: all but the last block reused
+    BASE[:36],  # exactly 9 blocks: 8 reused, last block recomputed
     BASE[:17] + [400, 401, 402, 403, 404],
     BASE[:9],
     [1] + [(3 * j + 2) % 500 + 3 for j in range(20)],
@@ -141,8 +141,9 @@ def test_block_manager_random_workload_keeps_invariants():
             seq = live.pop(rng.randrange(len(live)))
             bm.free(seq)
         else:
-            tokens = rng.choice(prefixes)[: rng.randrange(1, 30)] + [rng.randrange(500)
-                                                                  for _ in range(rng.randrange(0, 6))]
+            tokens = rng.choice(prefixes)[: rng.randrange(1, 30)] + [
+                rng.randrange(500) for _ in range(rng.randrange(0, 6))
+            ]
             seq = _seq(f"s{step}", tokens or [1])
             cached = bm.claim_prefix(seq)
             assert cached % 4 == 0 and cached < seq.num_tokens
@@ -209,11 +210,13 @@ def test_graph_runner_rows_follow_a_table_rebuilt_after_preemption():
     params = SamplingParams(max_tokens=11, temperature=0.0, ignore_eos=True)
 
     def run(graph: bool, caching: bool):
-        eng = LLMEngine(EngineConfig(block_size=4, num_blocks=8, enable_prefix_caching=caching,
-                                     max_num_batched_tokens=64))
+        eng = LLMEngine(
+            EngineConfig(block_size=4, num_blocks=8, enable_prefix_caching=caching, max_num_batched_tokens=64)
+        )
         if graph:
-            eng.runner.graph_runner = CudaGraphRunner(eng.runner, eng.max_model_len, batch_sizes=[1, 2],
-                                                      use_graphs=False)
+            eng.runner.graph_runner = CudaGraphRunner(
+                eng.runner, eng.max_model_len, batch_sizes=[1, 2], use_graphs=False
+            )
         out = eng.generate(prompts, params)
         assert_engine_empty(eng)
         return out, eng.stats.num_preemptions

@@ -18,8 +18,9 @@ from server.wire import RegisterRequest, WorkerStatus
 
 
 def _reg(wid: str, role: str = "decode", pid: int = 1) -> RegisterRequest:
-    return RegisterRequest(worker_id=wid, role=role, url=f"http://127.0.0.1:1/{wid}", pid=pid,
-                           fingerprint={"m": 1}, max_model_len=128)
+    return RegisterRequest(
+        worker_id=wid, role=role, url=f"http://127.0.0.1:1/{wid}", pid=pid, fingerprint={"m": 1}, max_model_len=128
+    )
 
 
 def test_picks_count_from_the_pick_so_a_burst_alternates():
@@ -44,7 +45,9 @@ def test_states_dead_workers_report_no_load_and_come_back_by_registering():
     assert reg.pick("decode") is None and reg.mode() is None
     assert not reg.heartbeat("d1", WorkerStatus())  # a dead worker must register again
     reg.register(_reg("d1", pid=2))
-    assert reg.workers["d1"].healthy and reg.counts() == {"decode": {"healthy": 1, "stale": 0, "suspect": 0, "dead": 0, "draining": 0}}
+    assert reg.workers["d1"].healthy and reg.counts() == {
+        "decode": {"healthy": 1, "stale": 0, "suspect": 0, "dead": 0, "draining": 0}
+    }
     reg.mark_suspect("d1")
     assert reg.workers["d1"].state == "suspect" and reg.pick("decode") is None
     reg.heartbeat("d1", WorkerStatus())
@@ -56,6 +59,7 @@ def test_waits_fail_when_the_worker_dies_or_stays_silent_past_the_deadline():
         reg = WorkerRegistry(heartbeat_timeout_s=0.05, fail_waits_after_s=0.3)
         reg.register(_reg("p", role="prefill"))
         reg.register(_reg("d"))
+
         async def wait_on(wid: str) -> str:
             idle = IdleTimeout(60)
             with reg.workers[wid].watch(idle):
@@ -82,8 +86,15 @@ def test_waits_fail_when_the_worker_dies_or_stays_silent_past_the_deadline():
 
 @pytest.fixture
 def launcher(tmp_path):
-    la = Launcher(DistServeConfig(), "disaggregated", 1, 1, "tok", log_dir=tmp_path,
-                  restart=RestartPolicy(max_restarts=1, window_s=60, backoff_s=0.2))
+    la = Launcher(
+        DistServeConfig(),
+        "disaggregated",
+        1,
+        1,
+        "tok",
+        log_dir=tmp_path,
+        restart=RestartPolicy(max_restarts=1, window_s=60, backoff_s=0.2),
+    )
     yield la
     la.stop(grace_s=5)
 

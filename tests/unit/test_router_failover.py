@@ -27,8 +27,16 @@ def free_port() -> int:
 
 
 def make_client(tmp_path, backup_pool, **router) -> TestClient:
-    cfg = load_config(overrides={"router": {"backup_pool": backup_pool, "journal_path": str(tmp_path / "j.jsonl"),
-                                            "breaker": {"enabled": True}, **router}})
+    cfg = load_config(
+        overrides={
+            "router": {
+                "backup_pool": backup_pool,
+                "journal_path": str(tmp_path / "j.jsonl"),
+                "breaker": {"enabled": True},
+                **router,
+            }
+        }
+    )
     state = RouterState(config=cfg, token="t", registry=WorkerRegistry(heartbeat_timeout_s=3.0))
     return TestClient(create_router_app(state))
 
@@ -48,8 +56,11 @@ def test_open_breaker_with_unreachable_backup_falls_back_to_primary(tmp_path):
     from sla.breaker import BreakerState
     from sla.window import WindowStats
 
-    with make_client(tmp_path, [f"http://127.0.0.1:{free_port()}"],
-                     breaker={"enabled": True, "consecutive_s": 0.001, "cooldown_s": 3600}) as c:
+    with make_client(
+        tmp_path,
+        [f"http://127.0.0.1:{free_port()}"],
+        breaker={"enabled": True, "consecutive_s": 0.001, "cooldown_s": 3600},
+    ) as c:
         breaker = c.app.state.router.sla.breaker
         breaker.evaluate(WindowStats(5000.0, 100))
         while breaker.state is BreakerState.CLOSED:
@@ -78,8 +89,13 @@ class StubOpenAI:
         body = await request.json()
         self.seen.append({"body": body, "auth": request.headers.get("Authorization")})
         if not body.get("stream"):
-            return web.json_response({"object": "text_completion", "model": body["model"],
-                                      "choices": [{"index": 0, "text": "ok", "finish_reason": "length"}]})
+            return web.json_response(
+                {
+                    "object": "text_completion",
+                    "model": body["model"],
+                    "choices": [{"index": 0, "text": "ok", "finish_reason": "length"}],
+                }
+            )
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         for tok in ("a", "b", "c"):
@@ -102,8 +118,12 @@ class StubOpenAI:
 
 def test_backup_serves_when_primary_has_no_workers(tmp_path):
     stub = StubOpenAI()
-    with make_client(tmp_path, [f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{stub.port}/v1"],
-                     backup_model="vllm-model", backup_api_key="k3y") as c:
+    with make_client(
+        tmp_path,
+        [f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{stub.port}/v1"],
+        backup_model="vllm-model",
+        backup_api_key="k3y",
+    ) as c:
         r = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3})
         assert r.status_code == 200 and r.headers["x-distserve-pool"] == "backup"
         assert r.json()["model"] == "vllm-model"
@@ -128,13 +148,16 @@ def test_backup_endpoint_urls():
     assert endpoint("http://h:8000/v1/", "/v1/chat/completions") == "http://h:8000/v1/chat/completions"
 
 
-@pytest.mark.parametrize("strategy, given, expect", [
-    ("top_p", {}, (1.0, 0.95)),
-    ("top_p", {"top_p": 0.5}, (1.0, 0.5)),
-    ("top_p", {"temperature": 0.0}, (0.0, 0.95)),
-    ("greedy", {}, (0.0, 1.0)),
-    ("greedy", {"temperature": 0.7}, (0.7, 1.0)),
-])
+@pytest.mark.parametrize(
+    "strategy, given, expect",
+    [
+        ("top_p", {}, (1.0, 0.95)),
+        ("top_p", {"top_p": 0.5}, (1.0, 0.5)),
+        ("top_p", {"temperature": 0.0}, (0.0, 0.95)),
+        ("greedy", {}, (0.0, 1.0)),
+        ("greedy", {"temperature": 0.7}, (0.7, 1.0)),
+    ],
+)
 def test_sampling_defaults_from_config(strategy, given, expect):
     req = parse(CompletionRequest, {"prompt": "x", **given})
     assert default_sampling(req, DecodeConfig(sampling_strategy=strategy, top_p=0.95)) == expect
@@ -193,8 +216,9 @@ def test_a_request_the_worker_refuses_is_not_an_sla_failure(tmp_path, worker_sta
         with make_client(tmp_path, []) as c:
             reg = c.app.state.router.registry
             for wid, role in (("p0", "prefill"), ("d0", "decode")):
-                reg.register(RegisterRequest(worker_id=wid, role=role, url=fake.url, pid=1, fingerprint={},
-                                             max_model_len=64))
+                reg.register(
+                    RegisterRequest(worker_id=wid, role=role, url=fake.url, pid=1, fingerprint={}, max_model_len=64)
+                )
             r = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
             metrics = c.get("/metrics").text
         journal = (tmp_path / "j.jsonl").read_text().splitlines() if (tmp_path / "j.jsonl").exists() else []

@@ -41,13 +41,16 @@ def test_earliest_of_several_stop_strings_wins():
     assert "".join(stream(a, "aazzab")) == "aa"
 
 
-@pytest.mark.parametrize("body,field", [
-    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
-    ({"prompt": "x", "top_p": 0}, "top_p"),
-    ({"prompt": "x", "stop": [""]}, "stop"),
-    ({"prompt": "x", "logprobs": 3}, "logprobs"),
-    ({}, "prompt"),
-])
+@pytest.mark.parametrize(
+    "body,field",
+    [
+        ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+        ({"prompt": "x", "top_p": 0}, "top_p"),
+        ({"prompt": "x", "stop": [""]}, "stop"),
+        ({"prompt": "x", "logprobs": 3}, "logprobs"),
+        ({}, "prompt"),
+    ],
+)
 def test_completion_validation_names_the_field(body, field):
     with pytest.raises(protocol.InvalidRequest) as e:
         protocol.parse(protocol.CompletionRequest, body)
@@ -55,10 +58,18 @@ def test_completion_validation_names_the_field(body, field):
 
 
 def test_chat_rendering_and_content_parts():
-    req = protocol.parse(protocol.ChatCompletionRequest, {
-        "messages": [{"role": "system", "content": "be brief"},
-                     {"role": "user", "content": [{"type": "text", "text": "hi "}, {"type": "text", "text": "there"}]}]})
+    req = protocol.parse(
+        protocol.ChatCompletionRequest,
+        {
+            "messages": [
+                {"role": "system", "content": "be brief"},
+                {"role": "user", "content": [{"type": "text", "text": "hi "}, {"type": "text", "text": "there"}]},
+            ]
+        },
+    )
     assert protocol.render_chat(req.messages) == "<|system|>\nbe brief\n<|user|>\nhi there\n<|assistant|>\n"
-    bad = protocol.parse(protocol.ChatCompletionRequest, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]})
+    bad = protocol.parse(
+        protocol.ChatCompletionRequest, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}
+    )
     with pytest.raises(protocol.InvalidRequest, match="text"):
         protocol.render_chat(bad.messages)

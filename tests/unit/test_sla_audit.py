@@ -22,10 +22,16 @@ from sla.spec import SlaSpec
 
 ROOT = Path(__file__).resolve().parents[2]
 
-SPEC = {"name": "synthetic", "window_s": 10, "availability": 0.99,
-        "objectives": [{"metric": "ttft", "percentile": 99, "threshold_ms": 200},
-                       {"metric": "tpot", "percentile": 90, "threshold_ms": 40},
-                       {"metric": "itl", "percentile": 99.9, "threshold_ms": 500}]}
+SPEC = {
+    "name": "synthetic",
+    "window_s": 10,
+    "availability": 0.99,
+    "objectives": [
+        {"metric": "ttft", "percentile": 99, "threshold_ms": 200},
+        {"metric": "tpot", "percentile": 90, "threshold_ms": 40},
+        {"metric": "itl", "percentile": 99.9, "threshold_ms": 500},
+    ],
+}
 BREACH_WINDOW = 2  # seconds 20..30
 
 
@@ -38,8 +44,18 @@ def synthetic_result(path: Path, unix_base: float | None = None, failures_in: in
         w = int(t // 10)
         ttft = 0.9 if (w == BREACH_WINDOW and i % 10 == 0) else rng.uniform(0.02, 0.15)
         itl = [rng.uniform(0.01, 0.03) for _ in range(7)]
-        r = {"index": i, "scheduled": t, "sent": t + 0.001, "ttft": ttft, "e2e": ttft + sum(itl), "itl": itl,
-             "tpot": sum(itl) / 7, "prompt_tokens": 16, "output_tokens": 8, "error": None}
+        r = {
+            "index": i,
+            "scheduled": t,
+            "sent": t + 0.001,
+            "ttft": ttft,
+            "e2e": ttft + sum(itl),
+            "itl": itl,
+            "tpot": sum(itl) / 7,
+            "prompt_tokens": 16,
+            "output_tokens": 8,
+            "error": None,
+        }
         if failures_in is not None and w == failures_in and i % 20 == 0:
             r.update(ttft=None, e2e=None, itl=[], tpot=None, error="HTTP 503")
         if unix_base is not None:
@@ -90,8 +106,19 @@ def test_wall_clock_windows_and_availability(tmp_path):
 
 def test_records_adapter_reads_router_journal(tmp_path):
     j = tmp_path / "journal.jsonl"
-    lines = [{"kind": "request", "start_unix": 100.0 + i, "ttft": 0.05, "tpot": 0.01, "e2e": 0.2, "itl": [0.01],
-              "error": None, "pool": "primary" if i % 2 else "backup"} for i in range(6)]
+    lines = [
+        {
+            "kind": "request",
+            "start_unix": 100.0 + i,
+            "ttft": 0.05,
+            "tpot": 0.01,
+            "e2e": 0.2,
+            "itl": [0.01],
+            "error": None,
+            "pool": "primary" if i % 2 else "backup",
+        }
+        for i in range(6)
+    ]
     lines.insert(2, {"kind": "breaker", "at_unix": 101.5, "from_state": "closed", "to_state": "open"})
     j.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
     data = load_records([j])
@@ -102,10 +129,19 @@ def test_records_adapter_reads_router_journal(tmp_path):
 
 def test_records_adapter_skips_warmup_and_unset_wall_clock(tmp_path):
     p = tmp_path / "r.json"
-    reqs = [{"index": -1, "scheduled": 0.0, "start_unix": 50.0, "ttft": 9.0, "e2e": 9.5, "error": None,
-             "warmup": True},
-            {"index": 0, "scheduled": 0.5, "start_unix": 100.5, "ttft": 0.1, "e2e": 0.3, "error": None,
-             "warmup": False, "ttft_service": 0.09}]
+    reqs = [
+        {"index": -1, "scheduled": 0.0, "start_unix": 50.0, "ttft": 9.0, "e2e": 9.5, "error": None, "warmup": True},
+        {
+            "index": 0,
+            "scheduled": 0.5,
+            "start_unix": 100.5,
+            "ttft": 0.1,
+            "e2e": 0.3,
+            "error": None,
+            "warmup": False,
+            "ttft_service": 0.09,
+        },
+    ]
     p.write_text(json.dumps({"requests": reqs}))
     data = load_records([p])
     assert [r.start for r in data.records] == [100.5] and data.clock == "unix"
@@ -115,12 +151,15 @@ def test_records_adapter_skips_warmup_and_unset_wall_clock(tmp_path):
     assert [r.start for r in data.records] == [0.5] and data.clock == "relative"
 
 
-@pytest.mark.parametrize("content, message", [
-    ("{\"completed\": 3}", "without 'requests'"),
-    ("[1, 2]", "got a JSON list"),
-    ("not json\n", "not a JSON line"),
-    ("{\"requests\": [{\"scheduled\": 0, \"ttft\": -1}]}", "'ttft' must be a non-negative number"),
-])
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ('{"completed": 3}', "without 'requests'"),
+        ("[1, 2]", "got a JSON list"),
+        ("not json\n", "not a JSON line"),
+        ('{"requests": [{"scheduled": 0, "ttft": -1}]}', "'ttft' must be a non-negative number"),
+    ],
+)
 def test_records_bad_input(tmp_path, content, message):
     p = tmp_path / "bad.json"
     p.write_text(content)
@@ -144,8 +183,19 @@ def test_cli_exports_agree(tmp_path):
     results = synthetic_result(tmp_path / "r.json")
     out = tmp_path / "out"
     db = tmp_path / "c.db"
-    rc = sla_main(["audit", "--spec", str(spec_file(tmp_path)), "--results", str(results), "--out", str(out),
-                   "--export-db", str(db)])
+    rc = sla_main(
+        [
+            "audit",
+            "--spec",
+            str(spec_file(tmp_path)),
+            "--results",
+            str(results),
+            "--out",
+            str(out),
+            "--export-db",
+            str(db),
+        ]
+    )
     assert rc == 1
     doc = json.loads((out / "compliance.json").read_text())
     names = [c for c, _ in COLUMNS]
@@ -164,6 +214,7 @@ def test_cli_exports_agree(tmp_path):
     assert [[norm(v, k) for v, k in zip(row, kinds)] for row in r[1:]] == rows
 
     import pyarrow.parquet as pq
+
     t = pq.read_table(out / "compliance.parquet")
     assert t.column_names == names
     assert [list(x.values()) for x in t.to_pylist()] == rows
@@ -177,8 +228,11 @@ def test_cli_exports_agree(tmp_path):
     p.feed(html)
     assert "svg" in p.tags and "table" in p.tags and not p.refs  # no external resource: readable offline
     assert "FAIL" in html and "ttft_p99" in html
-    prom = {(s.name, s.labels.get("objective")): s.value
-            for f in text_string_to_metric_families((out / "compliance.prom").read_text()) for s in f.samples}
+    prom = {
+        (s.name, s.labels.get("objective")): s.value
+        for f in text_string_to_metric_families((out / "compliance.prom").read_text())
+        for s in f.samples
+    }
     assert prom[("distserve_sla_pass", None)] == 0 and prom[("distserve_sla_objective_pass", "ttft_p99")] == 0
     assert prom[("distserve_sla_windows_failed", "ttft_p99")] == 1
     assert prom[("distserve_sla_objective_pass", "tpot_p90")] == 1
@@ -186,8 +240,24 @@ def test_cli_exports_agree(tmp_path):
     assert "**FAIL**" in md and "| 20 | ttft_p99 |" in md
 
     # a second audit appends under its own audit_id
-    assert sla_main(["audit", "--spec", str(spec_file(tmp_path)), "--results", str(results), "--out", str(out),
-                     "--export-db", f"sqlite:///{db}", "--formats", "json"]) == 1
+    assert (
+        sla_main(
+            [
+                "audit",
+                "--spec",
+                str(spec_file(tmp_path)),
+                "--results",
+                str(results),
+                "--out",
+                str(out),
+                "--export-db",
+                f"sqlite:///{db}",
+                "--formats",
+                "json",
+            ]
+        )
+        == 1
+    )
     with sqlite3.connect(db) as conn:
         assert conn.execute("select count(distinct audit_id), count(*) from sla_compliance").fetchone() == (2, 32)
 
@@ -195,26 +265,76 @@ def test_cli_exports_agree(tmp_path):
 def test_exit_codes(tmp_path, capsys):
     results = synthetic_result(tmp_path / "r.json")
     lenient = spec_file(tmp_path, objectives=[{"metric": "ttft", "percentile": 99, "threshold_ms": 1000}])
-    assert sla_main(["audit", "--spec", str(lenient), "--results", str(results), "--out", str(tmp_path / "o"),
-                     "--formats", "json,csv,markdown,html"]) == 0
+    assert (
+        sla_main(
+            [
+                "audit",
+                "--spec",
+                str(lenient),
+                "--results",
+                str(results),
+                "--out",
+                str(tmp_path / "o"),
+                "--formats",
+                "json,csv,markdown,html",
+            ]
+        )
+        == 0
+    )
     assert json.loads((tmp_path / "o/compliance.json").read_text())["verdict"] == "pass"
     bad = tmp_path / "bad.yaml"
     bad.write_text("window_s: 10\nobjectivs: []\n")
     assert sla_main(["audit", "--spec", str(bad), "--results", str(results), "--out", str(tmp_path / "o")]) == 2
     assert "did you mean 'objectives'?" in capsys.readouterr().err
-    assert sla_main(["audit", "--spec", str(lenient), "--results", str(tmp_path / "nope.json"),
-                     "--out", str(tmp_path / "o")]) == 2
-    assert sla_main(["audit", "--spec", str(lenient), "--results", str(results), "--out", str(tmp_path / "o"),
-                     "--export-db", "nosuchdb://x"]) == 2
+    assert (
+        sla_main(
+            ["audit", "--spec", str(lenient), "--results", str(tmp_path / "nope.json"), "--out", str(tmp_path / "o")]
+        )
+        == 2
+    )
+    assert (
+        sla_main(
+            [
+                "audit",
+                "--spec",
+                str(lenient),
+                "--results",
+                str(results),
+                "--out",
+                str(tmp_path / "o"),
+                "--export-db",
+                "nosuchdb://x",
+            ]
+        )
+        == 2
+    )
     assert not any(p.name.startswith(".") for p in (tmp_path / "o").iterdir())  # no temporary files left
 
 
 def test_distserve_sla_subcommand(tmp_path):
     """Through the real `distserve` entry point, in a subprocess: exit status 1 on a breach."""
     results = synthetic_result(tmp_path / "r.json")
-    p = subprocess.run([sys.executable, "-m", "server.cli", "sla", "audit", "--spec", str(spec_file(tmp_path)),
-                        "--results", str(results), "--out", str(tmp_path / "o"), "--formats", "json"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "server.cli",
+            "sla",
+            "audit",
+            "--spec",
+            str(spec_file(tmp_path)),
+            "--results",
+            str(results),
+            "--out",
+            str(tmp_path / "o"),
+            "--formats",
+            "json",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert p.returncode == 1, p.stderr
     assert "verdict: fail" in p.stdout
     assert not math.isnan(json.loads((tmp_path / "o/compliance.json").read_text())["overall"][0]["observed"])

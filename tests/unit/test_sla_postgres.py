@@ -54,12 +54,30 @@ def postgres():
         os.chown(root, pw.pw_uid, pw.pw_gid)
         as_user = ["runuser", "-u", pw.pw_name, "--"]
     data, port = root / "data", _free_port()
-    subprocess.run([*as_user, str(bindir / "initdb"), "-D", str(data), "-U", "bi", "--auth=trust", "-E", "UTF8"],
-                   check=True, capture_output=True, timeout=120)
-    proc = subprocess.Popen([*as_user, str(bindir / "postgres"), "-D", str(data), "-p", str(port),
-                             "-k", str(root), "-c", "listen_addresses=127.0.0.1"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    subprocess.run(
+        [*as_user, str(bindir / "initdb"), "-D", str(data), "-U", "bi", "--auth=trust", "-E", "UTF8"],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
+    proc = subprocess.Popen(
+        [
+            *as_user,
+            str(bindir / "postgres"),
+            "-D",
+            str(data),
+            "-p",
+            str(port),
+            "-k",
+            str(root),
+            "-c",
+            "listen_addresses=127.0.0.1",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     import psycopg
+
     url = f"postgresql+psycopg://bi@127.0.0.1:{port}/postgres"
     deadline = time.monotonic() + 60
     while True:
@@ -85,21 +103,38 @@ def test_export_db_postgresql_matches_json(tmp_path, postgres):
     import json
 
     import psycopg
+
     url, port = postgres
     out = tmp_path / "out"
-    args = ["audit", "--spec", str(spec_file(tmp_path)), "--results", str(synthetic_result(tmp_path / "r.json")),
-            "--out", str(out), "--formats", "json", "--export-db", url]
+    args = [
+        "audit",
+        "--spec",
+        str(spec_file(tmp_path)),
+        "--results",
+        str(synthetic_result(tmp_path / "r.json")),
+        "--out",
+        str(out),
+        "--formats",
+        "json",
+        "--export-db",
+        url,
+    ]
     assert sla_main(args) == 1
     assert sla_main(args) == 1  # appends a second audit
     names = [c for c, _ in COLUMNS]
     rows = json.loads((out / "compliance.json").read_text())["rows"]
     with psycopg.connect(f"host=127.0.0.1 port={port} user=bi dbname=postgres") as conn:
         audit_id = rows[0]["audit_id"]
-        got = conn.execute(f"select {', '.join(names)} from sla_compliance where audit_id = %s "
-                           f"order by window_index, objective", (audit_id,)).fetchall()
+        got = conn.execute(
+            f"select {', '.join(names)} from sla_compliance where audit_id = %s order by window_index, objective",
+            (audit_id,),
+        ).fetchall()
         assert conn.execute("select count(distinct audit_id) from sla_compliance").fetchone()[0] == 2
-        types = dict(conn.execute("select column_name, data_type from information_schema.columns "
-                                  "where table_name = 'sla_compliance'").fetchall())
+        types = dict(
+            conn.execute(
+                "select column_name, data_type from information_schema.columns where table_name = 'sla_compliance'"
+            ).fetchall()
+        )
     want = sorted(([r[n] for n in names] for r in rows), key=lambda r: (r[2], r[6]))
     assert [list(g) for g in got] == want
     assert types["observed"] == "double precision" and types["samples"] == "bigint"

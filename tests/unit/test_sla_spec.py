@@ -24,21 +24,32 @@ def test_default_spec_values():
     assert spec.objectives[0].allowed_share == pytest.approx(0.001)
 
 
-@pytest.mark.parametrize("doc, message", [
-    ({"window_s": 60, "availabilty": 0.9}, "unknown key 'availabilty'; did you mean 'availability'?"),
-    ({"window_s": 60, "objectives": [{"metric": "ttft", "percentile": 99, "treshold_ms": 5}]},
-     "unknown key 'objectives[0].treshold_ms'; did you mean 'objectives[0].threshold_ms'?"),
-    ({"window_s": 60, "objectives": [{"metric": "latency", "percentile": 99, "threshold_ms": 5}]},
-     "'objectives[0].metric' must be one of ttft, tpot, itl, e2e"),
-    ({"window_s": 60, "objectives": [{"metric": "ttft", "percentile": 100, "threshold_ms": 5}]},
-     "'objectives[0].percentile' must be in (0, 100)"),
-    ({"window_s": 60, "objectives": [{"metric": "ttft", "percentile": 99, "threshold_ms": -1}]},
-     "'objectives[0].threshold_ms' must be > 0"),
-    ({"window_s": 60, "availability": 1.5}, "'availability' must be in (0, 1]"),
-    ({"availability": 0.9}, "'window_s' is required"),
-    ({"window_s": 60}, "promises nothing"),
-    ({"window_s": "1h", "availability": 0.9}, "'window_s' must be a number"),
-])
+@pytest.mark.parametrize(
+    "doc, message",
+    [
+        ({"window_s": 60, "availabilty": 0.9}, "unknown key 'availabilty'; did you mean 'availability'?"),
+        (
+            {"window_s": 60, "objectives": [{"metric": "ttft", "percentile": 99, "treshold_ms": 5}]},
+            "unknown key 'objectives[0].treshold_ms'; did you mean 'objectives[0].threshold_ms'?",
+        ),
+        (
+            {"window_s": 60, "objectives": [{"metric": "latency", "percentile": 99, "threshold_ms": 5}]},
+            "'objectives[0].metric' must be one of ttft, tpot, itl, e2e",
+        ),
+        (
+            {"window_s": 60, "objectives": [{"metric": "ttft", "percentile": 100, "threshold_ms": 5}]},
+            "'objectives[0].percentile' must be in (0, 100)",
+        ),
+        (
+            {"window_s": 60, "objectives": [{"metric": "ttft", "percentile": 99, "threshold_ms": -1}]},
+            "'objectives[0].threshold_ms' must be > 0",
+        ),
+        ({"window_s": 60, "availability": 1.5}, "'availability' must be in (0, 1]"),
+        ({"availability": 0.9}, "'window_s' is required"),
+        ({"window_s": 60}, "promises nothing"),
+        ({"window_s": "1h", "availability": 0.9}, "'window_s' must be a number"),
+    ],
+)
 def test_bad_specs(doc, message):
     with pytest.raises(SpecError) as e:
         SlaSpec.from_dict(doc)

@@ -29,16 +29,20 @@ def test_fast_percentile_matches_hdrhistogram():
     for v in h.counts().nonzero()[0]:
         slow.record_value(h.hdr.get_value_from_index(int(v)), int(h.counts()[v]))
     for p in (1, 50, 90, 99, 99.9, 100):
-        assert h.percentile_ms(p) == h.hdr.get_value_at_percentile(p) / 1000.0 == slow.get_value_at_percentile(p) / 1000.0
+        assert (
+            h.percentile_ms(p) == h.hdr.get_value_at_percentile(p) / 1000.0 == slow.get_value_at_percentile(p) / 1000.0
+        )
     assert LatencyHistogram().percentile_ms(99) is None
 
 
 def test_vectorised_indices_match_hdrhistogram():
     from sla.window import HIGHEST_US, LAYOUT
+
     rng = random.Random(2)
     values = [1, 2, 1023, 1024, 2047, 2048, 2049, 4095, 4096, 999_999, 1_000_000, HIGHEST_US - 1, HIGHEST_US]
     values += [int(rng.lognormvariate(8, 3)) % HIGHEST_US + 1 for _ in range(20000)]
     import numpy as np
+
     got = LAYOUT.indices(np.array(values, dtype=np.int64))
     assert got.tolist() == [LAYOUT.hdr.get_counts_array_index(v) for v in values]
     assert [LAYOUT.index(v / 1e6) for v in values] == got.tolist()
@@ -75,8 +79,16 @@ def test_rolling_window_forgets_old_seconds():
 
 
 def settings(**kw) -> BreakerSettings:
-    base = dict(metric="ttft", percentile=99.0, threshold_ms=100.0, consecutive_s=2.0, cooldown_s=5.0,
-                probe_fraction=0.25, min_samples=10, probe_samples=4)
+    base = dict(
+        metric="ttft",
+        percentile=99.0,
+        threshold_ms=100.0,
+        consecutive_s=2.0,
+        cooldown_s=5.0,
+        probe_fraction=0.25,
+        min_samples=10,
+        probe_samples=4,
+    )
     return BreakerSettings(**{**base, **kw})
 
 

@@ -330,8 +330,7 @@ def _accepts(cxx: str, flag: str) -> bool:
         src = Path(d) / "probe.cpp"
         src.write_text("int main() { return 0; }\n")
         try:
-            r = subprocess.run([cxx, flag, str(src), "-o", str(Path(d) / "probe")],
-                               capture_output=True, timeout=60)
+            r = subprocess.run([cxx, flag, str(src), "-o", str(Path(d) / "probe")], capture_output=True, timeout=60)
         except (OSError, subprocess.SubprocessError):
             return False
         return r.returncode == 0
@@ -362,8 +361,7 @@ def _build_direct(cxx: str, source: str, name: str, build_dir: Path, cflags: lis
     cmd = [cxx, "-shared", "-fPIC", "-std=c++20", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *cflags]
     for inc in include_paths():  # the CPU ones (the argument changed type across torch versions)
         cmd += ["-isystem", inc]
-    cmd += [str(src), "-o", str(tmp), f"-L{torch_lib}", "-lc10", "-ltorch_cpu", "-ltorch",
-            f"-Wl,-rpath,{torch_lib}"]
+    cmd += [str(src), "-o", str(tmp), f"-L{torch_lib}", "-lc10", "-ltorch_cpu", "-ltorch", f"-Wl,-rpath,{torch_lib}"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     if r.returncode != 0:
         tmp.unlink(missing_ok=True)
@@ -376,8 +374,15 @@ def _build_with_load_inline(source: str, name: str, build_dir: Path, cflags: lis
     from torch.utils.cpp_extension import load_inline
 
     build_dir.mkdir(parents=True, exist_ok=True)
-    load_inline(name=name, cpp_sources=[source], extra_cflags=cflags, build_directory=str(build_dir),
-                is_python_module=False, no_implicit_headers=True, verbose=False)
+    load_inline(
+        name=name,
+        cpp_sources=[source],
+        extra_cflags=cflags,
+        build_directory=str(build_dir),
+        is_python_module=False,
+        no_implicit_headers=True,
+        verbose=False,
+    )
 
 
 def _load_op():
@@ -434,8 +439,7 @@ def _load_op_locked():
             torch.ops.load_library(str(lib))
     op = getattr(torch.ops, name).paged_decode_out
     _state.update(build_s=time.perf_counter() - t0, cached=cached, path=str(lib))
-    log.info("cpu_paged attention kernel %s in %.1f s (%s)", "loaded" if cached else "built",
-             _state["build_s"], lib)
+    log.info("cpu_paged attention kernel %s in %.1f s (%s)", "loaded" if cached else "built", _state["build_s"], lib)
     return op
 
 
@@ -489,21 +493,33 @@ def _validate(q, kv_cache, block_tables, seq_lens, scale, block_size, out) -> No
     if kv_cache.shape[1] % block_size:
         raise ValueError(f"kv_cache has {kv_cache.shape[1]} rows, not a multiple of block_size {block_size}")
     if block_tables.dim() != 2 or block_tables.shape[0] != b or block_tables.dtype != torch.int64:
-        raise ValueError(f"block_tables must be int64 [B={b}, max_blocks], got {block_tables.dtype} "
-                         f"{tuple(block_tables.shape)}")
+        raise ValueError(
+            f"block_tables must be int64 [B={b}, max_blocks], got {block_tables.dtype} {tuple(block_tables.shape)}"
+        )
     if seq_lens.dim() != 1 or seq_lens.shape[0] != b or seq_lens.dtype != torch.int64:
         raise ValueError(f"seq_lens must be int64 [B={b}], got {seq_lens.dtype} {tuple(seq_lens.shape)}")
     if not math.isfinite(float(scale)):
         raise ValueError(f"scale must be finite, got {scale}")
     if out is not None:
-        if not isinstance(out, torch.Tensor) or out.device.type != "cpu" or out.dtype != q.dtype \
-                or out.shape != q.shape or not out.is_contiguous():
+        if (
+            not isinstance(out, torch.Tensor)
+            or out.device.type != "cpu"
+            or out.dtype != q.dtype
+            or out.shape != q.shape
+            or not out.is_contiguous()
+        ):
             raise ValueError("out must be a contiguous CPU tensor with q's shape and dtype")
 
 
-def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                           seq_lens: torch.Tensor, scale: float, block_size: int,
-                           out: torch.Tensor | None = None) -> torch.Tensor:
+def paged_decode_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    block_size: int,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Decode attention from the paged cache: ``q [B, H, D]`` -> ``[B, H, D]`` (q's dtype).
 
     ``kv_cache [2, num_blocks*block_size, Hkv, D]``; ``block_tables [B, max_blocks]`` int64 (entries past

@@ -55,18 +55,29 @@ class FlashAttnBackend(AttentionBackend):
                 start = end
             dev = q.device
             o = flash_attn_varlen_func(
-                q[:start], torch.cat(ks) if len(ks) > 1 else ks[0], torch.cat(vs) if len(vs) > 1 else vs[0],
-                torch.tensor(cu_q, dtype=torch.int32, device=dev), torch.tensor(cu_k, dtype=torch.int32, device=dev),
-                max(meta.prefill_query_lens), max(meta.prefill_seq_lens),
-                softmax_scale=scale, causal=True,
+                q[:start],
+                torch.cat(ks) if len(ks) > 1 else ks[0],
+                torch.cat(vs) if len(vs) > 1 else vs[0],
+                torch.tensor(cu_q, dtype=torch.int32, device=dev),
+                torch.tensor(cu_k, dtype=torch.int32, device=dev),
+                max(meta.prefill_query_lens),
+                max(meta.prefill_seq_lens),
+                softmax_scale=scale,
+                causal=True,
             )
             out[:start] = o
         if meta.num_decodes:
             if HAS_TRITON:
                 block_tables, seq_lens = meta.decode_inputs()
                 paged_decode_attention(
-                    q[start:], kv_cache, block_tables, seq_lens, meta.block_size,
-                    scale, meta.decode_max_seq_len, out=out[start:],
+                    q[start:],
+                    kv_cache,
+                    block_tables,
+                    seq_lens,
+                    meta.block_size,
+                    scale,
+                    meta.decode_max_seq_len,
+                    out=out[start:],
                 )
             else:
                 out[start:] = SdpaBackend._decode(q[start:], kv_cache, meta, scale, q.shape[1] != k.shape[1])

@@ -36,8 +36,13 @@ class SdpaBackend(AttentionBackend):
                 mask = torch.arange(slen, device=q.device)[None, :] <= qpos
                 causal = False
             o = F.scaled_dot_product_attention(
-                qi, ki.transpose(0, 1), vi.transpose(0, 1),
-                attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=gqa,
+                qi,
+                ki.transpose(0, 1),
+                vi.transpose(0, 1),
+                attn_mask=mask,
+                is_causal=causal,
+                scale=scale,
+                enable_gqa=gqa,
             )
             out[start:end] = o.transpose(0, 1)
             start = end
@@ -61,7 +66,10 @@ class SdpaBackend(AttentionBackend):
         mask = torch.arange(length, device=q.device)[None, :] < seq_lens[:, None]
         o = F.scaled_dot_product_attention(
             q[:, :, None, :],  # [B, H, 1, D]
-            kv[0].transpose(1, 2), kv[1].transpose(1, 2),  # [B, Hkv, L, D]
-            attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=gqa,
+            kv[0].transpose(1, 2),
+            kv[1].transpose(1, 2),  # [B, Hkv, L, D]
+            attn_mask=mask[:, None, None, :],
+            scale=scale,
+            enable_gqa=gqa,
         )
         return o[:, :, 0, :]

@@ -49,15 +49,15 @@ except Exception:  # ImportError, or a broken driver stack
 # Defaults from the H200 sweep (bench/results/gpu_engine_*.json): at batch 64 x 1024 context, BLOCK_N 16
 # with one warp streamed the cache at ~4.1 TB/s, 32/2 at 3.1, 64/4 at 1.9. (GQA groups of 8+ take the
 # tensor-core path with at least 32 tokens and 2 warps.)
-DECODE_CONFIG = {"BLOCK_N": 16, "num_warps": 1, "num_stages": 2, "target_programs_per_sm": 2,
-                 "min_partition": 256}
+DECODE_CONFIG = {"BLOCK_N": 16, "num_warps": 1, "num_stages": 2, "target_programs_per_sm": 2, "min_partition": 256}
 # SDPA kernels for causal prefill, in priority order (None: PyTorch's own choice), e.g.
 # [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION]; the bench may override it. Flash first by
 # default: PyTorch's choice on Hopper can be cuDNN, which builds an execution plan for every new sequence
 # length (tens to hundreds of ms each), so a workload of varied prompt lengths (or chunked prefills) paid
 # it on most steps in the two-GPU SLO study (docs/PERFORMANCE.md section 9).
 PREFILL_SDPA_BACKENDS: list | None = (
-    [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH] if SDPBackend is not None else None)
+    [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH] if SDPBackend is not None else None
+)
 _LOG2E = 1.4426950408889634
 _SM_COUNT: dict[int, int] = {}
 
@@ -93,16 +93,30 @@ if HAS_TRITON:
 
     @triton.jit
     def _paged_decode_kernel(
-        q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, part_o_ptr, part_ml_ptr,
+        q_ptr,
+        k_ptr,
+        v_ptr,
+        bt_ptr,
+        lens_ptr,
+        out_ptr,
+        part_o_ptr,
+        part_ml_ptr,
         scale_log2,
-        stride_qt, stride_qh,
-        stride_ct, stride_ch,
+        stride_qt,
+        stride_qh,
+        stride_ct,
+        stride_ch,
         stride_bt,
-        stride_ot, stride_oh,
+        stride_ot,
+        stride_oh,
         partition_size,
         num_heads,
-        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-        BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+        GROUP: tl.constexpr,
+        GROUP_PAD: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        NUM_SPLITS: tl.constexpr,
         USE_DOT: tl.constexpr,
     ):
         b = tl.program_id(0)
@@ -116,8 +130,9 @@ if HAS_TRITON:
         offs_d = tl.arange(0, HEAD_DIM)
         mask_g = offs_g < GROUP
         heads = kvh * GROUP + offs_g
-        q = tl.load(q_ptr + b * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
-                    mask=mask_g[:, None], other=0.0)
+        q = tl.load(
+            q_ptr + b * stride_qt + heads[:, None] * stride_qh + offs_d[None, :], mask=mask_g[:, None], other=0.0
+        )
         if not USE_DOT:
             q = q.to(tl.float32)
 
@@ -151,8 +166,11 @@ if HAS_TRITON:
 
         if NUM_SPLITS == 1:
             o = acc / l_i[:, None]
-            tl.store(out_ptr + b * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
-                     o.to(out_ptr.dtype.element_ty), mask=mask_g[:, None])
+            tl.store(
+                out_ptr + b * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+                o.to(out_ptr.dtype.element_ty),
+                mask=mask_g[:, None],
+            )
         else:
             # partials: o [B, H, S, D] fp32; ml [B, H, S, 2] fp32 (max in log2 units, sum)
             row = (b * num_heads + heads).to(tl.int64) * NUM_SPLITS + sp
@@ -162,8 +180,15 @@ if HAS_TRITON:
 
     @triton.jit
     def _combine_splits_kernel(
-        part_o_ptr, part_ml_ptr, out_ptr, stride_ot, stride_oh, num_heads,
-        NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+        part_o_ptr,
+        part_ml_ptr,
+        out_ptr,
+        stride_ot,
+        stride_oh,
+        num_heads,
+        NUM_SPLITS: tl.constexpr,
+        SPLITS_PAD: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
     ):
         b = tl.program_id(0)
         h = tl.program_id(1)
@@ -228,22 +253,46 @@ def paged_decode_attention(
         part_o = part_ml = out  # unused
     k_view, v_view = kv_cache[0], kv_cache[1]
     _paged_decode_kernel[(bsz, num_kv_heads, splits)](
-        q, k_view, v_view, block_tables, seq_lens, out, part_o, part_ml,
+        q,
+        k_view,
+        v_view,
+        block_tables,
+        seq_lens,
+        out,
+        part_o,
+        part_ml,
         scale * _LOG2E,
-        q.stride(0), q.stride(1),
-        k_view.stride(0), k_view.stride(1),
+        q.stride(0),
+        q.stride(1),
+        k_view.stride(0),
+        k_view.stride(1),
         block_tables.stride(0),
-        out.stride(0), out.stride(1),
+        out.stride(0),
+        out.stride(1),
         partition,
         num_heads,
-        GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim,
-        BLOCK_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=splits, USE_DOT=use_dot,
-        num_warps=num_warps, num_stages=cfg["num_stages"],
+        GROUP=group,
+        GROUP_PAD=group_pad,
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
+        BLOCK_N=block_n,
+        NUM_SPLITS=splits,
+        USE_DOT=use_dot,
+        num_warps=num_warps,
+        num_stages=cfg["num_stages"],
     )
     if splits > 1:
         _combine_splits_kernel[(bsz, num_heads)](
-            part_o, part_ml, out, out.stride(0), out.stride(1), num_heads,
-            NUM_SPLITS=splits, SPLITS_PAD=_next_pow2(splits), HEAD_DIM=head_dim, num_warps=4,
+            part_o,
+            part_ml,
+            out,
+            out.stride(0),
+            out.stride(1),
+            num_heads,
+            NUM_SPLITS=splits,
+            SPLITS_PAD=_next_pow2(splits),
+            HEAD_DIM=head_dim,
+            num_warps=4,
         )
     return out
 
@@ -300,8 +349,12 @@ def prefill_attention_sdpa(q, k, v, kv_cache, meta: AttentionMetadata, scale: fl
             qpos = torch.arange(slen - qlen, slen, device=q.device)[:, None]
             mask = torch.arange(slen, device=q.device)[None, :] <= qpos
             o = _sdpa(
-                q[start:end].transpose(0, 1), ki.transpose(0, 1), vi.transpose(0, 1),
-                attn_mask=mask, scale=scale, enable_gqa=gqa,
+                q[start:end].transpose(0, 1),
+                ki.transpose(0, 1),
+                vi.transpose(0, 1),
+                attn_mask=mask,
+                scale=scale,
+                enable_gqa=gqa,
             )
             out[start:end] = o.transpose(0, 1)
         start = end
@@ -311,9 +364,22 @@ def prefill_attention_sdpa(q, k, v, kv_cache, meta: AttentionMetadata, scale: fl
 if HAS_TRITON:
 
     @triton.jit
-    def _write_kv_kernel(k_ptr, v_ptr, cache_k_ptr, cache_v_ptr, slot_ptr,
-                         stride_kt, stride_kh, stride_vt, stride_vh, stride_ct, stride_ch,
-                         NUM_KV_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr):
+    def _write_kv_kernel(
+        k_ptr,
+        v_ptr,
+        cache_k_ptr,
+        cache_v_ptr,
+        slot_ptr,
+        stride_kt,
+        stride_kh,
+        stride_vt,
+        stride_vh,
+        stride_ct,
+        stride_ch,
+        NUM_KV_HEADS: tl.constexpr,
+        HEADS_PAD: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+    ):
         t = tl.program_id(0)
         slot = tl.load(slot_ptr + t).to(tl.int64)
         offs_h = tl.arange(0, HEADS_PAD)
@@ -333,8 +399,21 @@ def write_kv_triton(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sl
         return
     ck, cv = kv_cache[0], kv_cache[1]
     _write_kv_kernel[(t,)](
-        k, v, ck, cv, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        ck.stride(0), ck.stride(1), NUM_KV_HEADS=hkv, HEADS_PAD=_next_pow2(hkv), HEAD_DIM=d, num_warps=4,
+        k,
+        v,
+        ck,
+        cv,
+        slot_mapping,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        ck.stride(0),
+        ck.stride(1),
+        NUM_KV_HEADS=hkv,
+        HEADS_PAD=_next_pow2(hkv),
+        HEAD_DIM=d,
+        num_warps=4,
     )
 
 
@@ -350,16 +429,25 @@ class TritonBackend(AttentionBackend):
 
     def attend(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float):
         """Attention only: the new K/V are already in ``kv_cache``."""
-        if (meta.num_prefills == 1 and not meta.num_decodes
-                and meta.prefill_query_lens[0] == meta.prefill_seq_lens[0] == q.shape[0]):
+        if (
+            meta.num_prefills == 1
+            and not meta.num_decodes
+            and meta.prefill_query_lens[0] == meta.prefill_seq_lens[0] == q.shape[0]
+        ):
             return full_prefill_attention(q, k, v, scale)  # the prefill worker's common case: no copy
         out = torch.empty_like(q)
         start = prefill_attention_sdpa(q, k, v, kv_cache, meta, scale, out) if meta.num_prefills else 0
         if meta.num_decodes:
             block_tables, seq_lens = meta.decode_inputs()
             paged_decode_attention(
-                q[start:], kv_cache, block_tables, seq_lens, meta.block_size,
-                scale, meta.decode_max_seq_len, out=out[start:],
+                q[start:],
+                kv_cache,
+                block_tables,
+                seq_lens,
+                meta.block_size,
+                scale,
+                meta.decode_max_seq_len,
+                out=out[start:],
             )
         return out
 
@@ -368,5 +456,13 @@ def triton_available() -> bool:
     return HAS_TRITON
 
 
-__all__ = ["TritonBackend", "paged_decode_attention", "write_kv_triton", "plan_splits", "HAS_TRITON",
-           "DECODE_CONFIG", "prefill_attention_sdpa", "triton_available"]
+__all__ = [
+    "TritonBackend",
+    "paged_decode_attention",
+    "write_kv_triton",
+    "plan_splits",
+    "HAS_TRITON",
+    "DECODE_CONFIG",
+    "prefill_attention_sdpa",
+    "triton_available",
+]
