@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 
 from starlette.responses import Response, StreamingResponse
 
@@ -76,7 +76,7 @@ async def maybe_backup(
         )
         return Response(data, status_code=upstream.status, media_type=media, headers=headers)
 
-    async def relay():
+    async def relay() -> AsyncIterator[bytes]:
         first: float | None = None
         last: float | None = None
         itl: list[float] = []
