@@ -25,6 +25,7 @@ import argparse
 import gzip
 import json
 import os
+import re
 import sys
 import tempfile
 import time
@@ -77,16 +78,29 @@ def server_config(args: argparse.Namespace) -> dict:
     }
 
 
+def layout_gpus(layout: str) -> tuple[int, int, int]:
+    """(prefill, decode, colocated) workers of ``NpMd`` or ``colocatedN``; ValueError otherwise."""
+    m = re.fullmatch(r"(\d+)p(\d+)d|colocated(\d+)", layout)
+    if m is None or "0" in (m.group(1), m.group(2), m.group(3)):
+        raise ValueError(f"--layout {layout!r}: use NpMd (e.g. 1p1d, 2p2d) or colocatedN (e.g. colocated4)")
+    if m.group(3):
+        return 0, 0, int(m.group(3))
+    return int(m.group(1)), int(m.group(2)), 0
+
+
 def serve_args(layout: str, device: str) -> list[str]:
-    devs = "cuda:0,cuda:1" if device == "cuda" else f"{device},{device}"
-    if layout == "1p1d":
-        return ["--mode", "disaggregated", "--prefill", "1", "--decode", "1", "--devices", devs]
-    return ["--mode", "colocated", "--decode", "2", "--devices", devs]
+    """One GPU per worker: prefill workers on the first devices, then decode (or colocated) ones."""
+    p, d, c = layout_gpus(layout)
+    n = p + d + c
+    devs = ",".join(f"cuda:{i}" for i in range(n)) if device == "cuda" else ",".join([device] * n)
+    if c:
+        return ["--mode", "colocated", "--decode", str(c), "--devices", devs]
+    return ["--mode", "disaggregated", "--prefill", str(p), "--decode", str(d), "--devices", devs]
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--layout", choices=["1p1d", "colocated2"], required=True)
+    ap.add_argument("--layout", required=True, help="NpMd (1p1d, 2p2d, 3p1d, 1p3d) or colocatedN (colocated2, 4)")
     ap.add_argument("--model", default="preset:llama-2-7b")
     ap.add_argument("--device", default="cuda", help="cuda (GPU runs) or cpu (dry run)")
     ap.add_argument(
@@ -117,6 +131,11 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     t0 = time.monotonic()
+    try:
+        ngpus = sum(layout_gpus(args.layout))
+    except ValueError as e:
+        print(e, file=sys.stderr)
+        return 2
     out = Path(args.out or Path(os.environ.get("OUT", ".")) / f"slo_study_{args.layout}.json.gz")
     points = parse_points(args.points)
     wls = workloads(args)
@@ -128,7 +147,7 @@ def main() -> int:
         "layout": args.layout,
         "args": vars(args),
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "gpus": 2,
+        "gpus": ngpus,
         "points": [],
         "errors": [],
     }
