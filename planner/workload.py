@@ -13,43 +13,23 @@ Arrivals are Poisson at the rate the search tries; the lengths are drawn once wi
 from __future__ import annotations
 
 import json
-import math
 import random
 from dataclasses import dataclass
 from pathlib import Path
+
+from distbench.datasets import Lengths
 
 
 class WorkloadError(ValueError):
     """A workload spec that cannot be used; one sentence."""
 
 
-@dataclass(frozen=True)
-class Lengths:
-    kind: str
-    a: float
-    b: float = 0.0
-
-    @classmethod
-    def parse(cls, text: str, name: str) -> Lengths:
-        parts = text.split(":")
-        try:
-            if len(parts) == 1:
-                if int(parts[0]) < 1:
-                    raise ValueError
-                return cls("fixed", int(parts[0]))
-            kind, a, b = parts[0], float(parts[1]), float(parts[2])
-        except (ValueError, IndexError):
-            raise WorkloadError(f"{name} {text!r} is not N, uniform:LO:HI or lognormal:MEDIAN:SIGMA") from None
-        if (kind == "uniform" and 1 <= a <= b) or (kind == "lognormal" and a >= 1 and b >= 0):
-            return cls(kind, a, b)
-        raise WorkloadError(f"{name} {text!r}: uniform needs 1 <= LO <= HI, lognormal MEDIAN >= 1 and SIGMA >= 0")
-
-    def draw(self, rng: random.Random) -> int:
-        if self.kind == "fixed":
-            return int(self.a)
-        if self.kind == "uniform":
-            return rng.randint(int(self.a), int(self.b))
-        return max(1, round(rng.lognormvariate(math.log(self.a), self.b)))
+def parse_lengths(text: str, name: str) -> Lengths:
+    """distbench's length syntax (N, uniform:LO:HI, lognormal:MEDIAN:SIGMA), refused as a WorkloadError."""
+    try:
+        return Lengths.parse(text, name)
+    except ValueError as e:
+        raise WorkloadError(str(e)) from None
 
 
 @dataclass(frozen=True)
@@ -106,7 +86,7 @@ def load_workload(spec: str, n: int = 400, seed: int = 0) -> Workload:
             raise WorkloadError(f"workload {spec!r} must look like prompt=N,output=M") from None
         if set(kv) != {"prompt", "output"}:
             raise WorkloadError(f"workload {spec!r} must name exactly prompt= and output=")
-        pl, ol = Lengths.parse(kv["prompt"], "prompt"), Lengths.parse(kv["output"], "output")
+        pl, ol = parse_lengths(kv["prompt"], "prompt"), parse_lengths(kv["output"], "output")
         return Workload(spec, tuple((pl.draw(rng), ol.draw(rng)) for _ in range(n)))
     if spec.startswith("sharegpt"):
         head, _, out = spec.partition(",output=")
@@ -119,7 +99,7 @@ def load_workload(spec: str, n: int = 400, seed: int = 0) -> Workload:
             items = sharegpt_items(n, path, None, None, seed=seed)
         except ValueError as e:
             raise WorkloadError(str(e)) from None
-        over = Lengths.parse(out, "output") if out else None
+        over = parse_lengths(out, "output") if out else None
         return Workload(spec, tuple((it.prompt_len, over.draw(rng) if over else it.output_len) for it in items))
     if spec.startswith("result:"):
         path, _, which = spec[len("result:") :].partition("#")
