@@ -216,6 +216,8 @@ class PrefillConfig(_Section):
     attention_backend: str = _opt("auto", "enum", choices=("auto", "sdpa", "cpu_paged", "flash_attn_v2", "triton"))
     max_num_batched_tokens: int = _opt(4096, "int", lo=1, hi=16_777_216)
     torch_threads: int = _opt(0, "int", lo=0, hi=1024)  # 0 = leave torch's default
+    # engine.step() on its own thread (on) or on the event loop (off); auto = on for CUDA devices
+    engine_thread: str = _opt("auto", "enum", choices=("auto", "on", "off"))
 
 
 @dataclass(frozen=True)
@@ -229,6 +231,7 @@ class DecodeConfig(_Section):
     gc_interval_ms: int = _opt(500, "int", lo=1, hi=_MS_MAX)
     max_stale_slots: int = _opt(16, "int", lo=0, hi=1_000_000)
     torch_threads: int = _opt(0, "int", lo=0, hi=1024)
+    engine_thread: str = _opt("auto", "enum", choices=("auto", "on", "off"))  # decode and colocated workers
 
 
 @dataclass(frozen=True)

@@ -1,12 +1,20 @@
 """Drives one ``LLMEngine`` from the worker's asyncio event loop.
 
-The engine steps *on the event-loop thread*: one synchronous ``engine.step()``,
-then a yield so HTTP handlers can run, then the next step. A worker owns one
-core, so a separate engine thread would buy no parallelism; it would only add
-GIL hand-offs (up to the 5 ms switch interval per hand-off) between the thread
-that computes a token and the thread that streams it. Here a token computed in
-a step is in the request's queue when the step returns, and engine calls from
-handlers happen between steps by construction, so the engine needs no locks.
+Two ways to run ``engine.step()``, chosen per role by ``prefill.engine_thread`` / ``decode.engine_thread``:
+
+* **inline** (the default on CPU): the step runs *on the event-loop thread*, then a yield lets HTTP
+  handlers run, then the next step. A CPU worker owns one core, so a separate engine thread would buy
+  no parallelism; it would only add GIL hand-offs (up to the 5 ms switch interval each) between the
+  thread that computes a token and the thread that streams it.
+* **thread** (the default on CUDA): the step runs on one dedicated engine thread while the event loop
+  keeps serving. A GPU step is mostly waiting for the device (the wait releases the GIL), so handlers'
+  host work — parsing the next request, staging a finished prefill's KV, streaming tokens — overlaps the
+  step instead of sitting between steps, and a handler whose work finished mid-step resumes at once
+  instead of after the *next* step (measured on one H200: PERFORMANCE §8).
+
+Either way the engine is touched by one thread at a time, so it needs no locks: in thread mode a
+handler's engine call made while a step runs is queued (``_pending``) and applied on the loop thread
+right after the step returns, before the next one starts.
 
 Requests whose KV must first find room (decode-side reservations) wait in a
 FIFO that is retried after every step: the decode worker's back-pressure.
@@ -19,6 +27,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,10 +79,22 @@ class GcPolicy:
     max_stale_slots: int = 16
 
 
+def resolve_engine_thread(setting: str, device: str) -> bool:
+    """``engine_thread`` config value -> step on a dedicated thread? ``auto``: on CUDA devices only."""
+    if setting == "auto":
+        return device.startswith("cuda")
+    return setting == "on"
+
+
 class EngineLoop:
-    def __init__(self, engine: LLMEngine, gc: GcPolicy = GcPolicy()) -> None:
+    def __init__(self, engine: LLMEngine, gc: GcPolicy = GcPolicy(), *, threaded: bool = False) -> None:
         self.engine = engine
         self.gc = gc
+        self.threaded = threaded
+        self._executor: ThreadPoolExecutor | None = None
+        self._stepping = False  # a step is running on the engine thread (thread mode only)
+        # engine calls made by handlers while a step runs: (fn, future or None for fire-and-forget)
+        self._pending: deque[tuple[Callable[[], Any], asyncio.Future | None]] = deque()
         self.num_gc_collected = 0
         self._next_gc = 0.0
         self._streams: dict[str, asyncio.Queue] = {}
@@ -86,11 +107,24 @@ class EngineLoop:
         self._idle_seconds = 0.0
 
     def start(self) -> None:
+        if self.threaded and self._executor is None:
+            self._executor = ThreadPoolExecutor(1, "engine-step", initializer=self._init_engine_thread)
         self._task = asyncio.get_running_loop().create_task(self._run(), name="engine-loop")
 
     def stop(self) -> None:
         if self._task is not None:
             self._task.cancel()
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor = None
+
+    def _init_engine_thread(self) -> None:
+        # The current CUDA device is per thread and defaults to 0: a worker on cuda:1 must say so here too.
+        dev = getattr(self.engine, "device", None)
+        if dev is not None and getattr(dev, "type", "") == "cuda" and dev.index is not None:
+            import torch
+
+            torch.cuda.set_device(dev)
 
     @property
     def stats(self) -> LoopStats:
@@ -146,14 +180,22 @@ class EngineLoop:
                 await asyncio.sleep(delay)  # handlers keep running; only the engine waits
                 if not engine.has_unfinished_requests():  # all aborted meanwhile
                     continue
-            t0, c0 = time.perf_counter(), time.thread_time()
+            t0 = time.perf_counter()
             try:
-                outputs = engine.step()
+                if self._executor is not None:
+                    self._stepping = True
+                    try:
+                        outputs, cpu = await asyncio.get_running_loop().run_in_executor(self._executor, self._step)
+                    finally:
+                        self._stepping = False
+                else:
+                    outputs, cpu = self._step()
             except Exception as e:  # a bug, not a request's fault (those are failed inside the step)
                 log.exception("engine step failed; aborting every request in it")
-                outputs = self._abort_all(f"internal engine error: {type(e).__name__}: {e}")
+                outputs, cpu = self._abort_all(f"internal engine error: {type(e).__name__}: {e}"), 0.0
             self._step_seconds += time.perf_counter() - t0
-            self._step_cpu_seconds += time.thread_time() - c0
+            self._step_cpu_seconds += cpu
+            self._apply_pending()
             for out in outputs:
                 q = self._streams.get(out.request_id)
                 if q is not None:
@@ -166,6 +208,37 @@ class EngineLoop:
             await asyncio.sleep(0)
             await asyncio.sleep(0)
 
+    def _step(self) -> tuple[list[RequestOutput], float]:
+        """One engine step and the CPU time of the thread that ran it."""
+        c0 = time.thread_time()
+        outputs = self.engine.step()
+        return outputs, time.thread_time() - c0
+
+    def _apply_pending(self) -> None:
+        """Handlers' engine calls that arrived during the step, in arrival order (loop thread, no step running)."""
+        while self._pending:
+            fn, fut = self._pending.popleft()
+            if fut is not None and fut.done():  # its caller gave up (cancelled)
+                continue
+            try:
+                result = fn()
+            except BaseException as e:
+                if fut is None:
+                    log.exception("queued engine call failed")
+                else:
+                    fut.set_exception(e)
+                continue
+            if fut is not None:
+                fut.set_result(result)
+
+    async def _engine_call(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` against the engine now if no step is running, else right after the step."""
+        if not self._stepping:
+            return fn()
+        fut = asyncio.get_running_loop().create_future()
+        self._pending.append((fn, fut))
+        return await fut
+
     def _abort_all(self, reason: str) -> list[RequestOutput]:
         outs = []
         for rid, seq in list(self.engine.requests.items()):
@@ -176,6 +249,8 @@ class EngineLoop:
         return outs
 
     def _admit_reservations(self) -> None:
+        if self._stepping:  # retried after the step
+            return
         while self._reservations:
             r = self._reservations[0]
             if r.future.done():  # its waiter gave up
@@ -212,10 +287,10 @@ class EngineLoop:
         self.num_gc_collected += len(victims)
         return len(victims)
 
-    # --- API for handlers (all on the loop thread, so between steps) ----------
+    # --- API for handlers (loop thread; engine calls happen between steps) -----
     async def call(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn`` against the engine (between steps) and wake the loop."""
-        result = fn()
+        result = await self._engine_call(fn)
         self._wakeup.set()
         return result
 
@@ -238,8 +313,10 @@ class EngineLoop:
     ) -> asyncio.Queue:
         q = self.open_stream(request_id)
         try:
-            self.engine.add_request(
-                request_id, prompt, params, prefill_only=prefill_only, output_token_ids=output_token_ids
+            await self._engine_call(
+                lambda: self.engine.add_request(
+                    request_id, prompt, params, prefill_only=prefill_only, output_token_ids=output_token_ids
+                )
             )
         except BaseException:
             self.close_stream(request_id)
@@ -266,7 +343,7 @@ class EngineLoop:
     async def commit(self, request_id: str, kv) -> asyncio.Queue:
         q = self.open_stream(request_id)
         try:
-            self.engine.commit_prefilled(request_id, kv)
+            await self._engine_call(lambda: self.engine.commit_prefilled(request_id, kv))
         except BaseException:
             self.close_stream(request_id)
             raise
@@ -274,9 +351,16 @@ class EngineLoop:
         return q
 
     def abort_nowait(self, request_id: str) -> bool:
-        """Abort now; safe in ``finally`` blocks of cancelled tasks (no await)."""
+        """Abort now, or right after the running step; safe in ``finally`` blocks of cancelled tasks (no
+        await). Returns whether the engine knew the request (when queued behind a step: whether it knows
+        it now; the abort itself happens before the next step, so its blocks are freed by then)."""
         self.close_stream(request_id)
+        if self._stepping:
+            self._pending.append((lambda: self.engine.abort_request(request_id), None))
+            self._wakeup.set()
+            return request_id in self.engine.requests
         return self.engine.abort_request(request_id)
 
     async def abort(self, request_id: str) -> bool:
-        return self.abort_nowait(request_id)
+        self.close_stream(request_id)
+        return await self._engine_call(lambda: self.engine.abort_request(request_id))

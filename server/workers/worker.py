@@ -29,7 +29,7 @@ from server.metrics import WorkerMetrics
 from server.net import listen
 from server.wire import DeregisterRequest, HeartbeatRequest, RegisterRequest, Role
 from server.workers.app import WorkerState, create_worker_app
-from server.workers.engine_loop import EngineLoop, GcPolicy
+from server.workers.engine_loop import EngineLoop, GcPolicy, resolve_engine_thread
 
 log = logging.getLogger(__name__)
 
@@ -194,7 +194,11 @@ async def serve_worker(opts: WorkerOptions) -> int:
             stale_after_s=kvc.pull_timeout_ms / 1000.0 + 1.0,
             max_stale_slots=dc.max_stale_slots,
         ),
+        threaded=resolve_engine_thread(
+            (opts.config.prefill if opts.role == "prefill" else dc).engine_thread, str(engine.device)
+        ),
     )
+    log.info("engine steps %s", "on a dedicated thread" if engine_loop.threaded else "on the event loop")
     state = WorkerState(
         role=opts.role,
         worker_id=opts.worker_id or f"{opts.role}-{uuid.uuid4().hex[:8]}",

@@ -268,6 +268,23 @@ def test_client_disconnect_frees_kv(disagg):
     assert_no_leaks(disagg)
 
 
+def test_engine_thread_mode_serves_the_same_tokens_and_frees_everything(serve_factory, reference):
+    """``engine_thread: on`` (the CUDA default) on CPU workers: steps on the engine thread while handlers
+    stage KV, stream and abort on the event loop. Same tokens, and disconnects leave no KV behind."""
+    server = serve_factory(
+        config={
+            "prefill": {"engine_thread": "on"},
+            "decode": {"engine_thread": "on"},
+            "kv_transfer": {"transport": "shm"},
+        }
+    )
+    logs = [(server.tmp / "logs" / f"{w}.log").read_text() for w in ("prefill-0", "decode-1")]
+    assert all("engine steps on a dedicated thread" in log for log in logs)
+    assert run_concurrently(server.url, True) == reference
+    test_client_disconnect_frees_kv(server)  # streams cut mid-step: the aborts queue behind the running step
+    assert_no_leaks(server)
+
+
 # --- errors -------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "body,field",

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
 from server.engine.llm_engine import EngineConfig, LLMEngine
 from server.engine.sampling_params import SamplingParams
-from server.workers.engine_loop import EngineLoop, GcPolicy
+from server.workers.engine_loop import EngineLoop, GcPolicy, resolve_engine_thread
 
 PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
@@ -18,9 +19,15 @@ def engine():
     return LLMEngine(EngineConfig(block_size=4, num_blocks=12))
 
 
-def test_stale_reservations_are_collected(engine):
+@pytest.fixture(params=[False, True], ids=["inline", "thread"])
+def threaded(request):
+    """Every behaviour holds in both modes: steps on the event loop, and steps on the engine thread."""
+    return request.param
+
+
+def test_stale_reservations_are_collected(engine, threaded):
     async def main():
-        loop = EngineLoop(engine, GcPolicy(interval_s=0.01, stale_after_s=0.05, max_stale_slots=1))
+        loop = EngineLoop(engine, GcPolicy(interval_s=0.01, stale_after_s=0.05, max_stale_slots=1), threaded=threaded)
         loop.start()
         for i in range(3):  # granted, but the KV never arrives
             await loop.reserve(f"r{i}", [1, 2, 3, 4, 5], [6], PARAMS, timeout_s=5)
@@ -37,9 +44,9 @@ def test_stale_reservations_are_collected(engine):
     assert engine.num_used_blocks == 0 and not engine.requests
 
 
-def test_reservation_waits_for_blocks_then_times_out_cleanly(engine):
+def test_reservation_waits_for_blocks_then_times_out_cleanly(engine, threaded):
     async def main():
-        loop = EngineLoop(engine, GcPolicy(interval_s=10, stale_after_s=100))
+        loop = EngineLoop(engine, GcPolicy(interval_s=10, stale_after_s=100), threaded=threaded)
         loop.start()
         await loop.reserve("big", list(range(3, 40)), [5], PARAMS, timeout_s=5)  # 10 blocks of 12
         with pytest.raises(TimeoutError):
@@ -54,9 +61,9 @@ def test_reservation_waits_for_blocks_then_times_out_cleanly(engine):
     assert engine.num_used_blocks == 0 and not engine.requests
 
 
-def test_stream_gets_tokens_and_abort_frees(engine):
+def test_stream_gets_tokens_and_abort_frees(engine, threaded):
     async def main():
-        loop = EngineLoop(engine)
+        loop = EngineLoop(engine, threaded=threaded)
         loop.start()
         q = await loop.add_request("s", [1, 9, 8, 7], PARAMS)
         tokens = []
@@ -76,12 +83,12 @@ def test_stream_gets_tokens_and_abort_frees(engine):
     assert engine.num_used_blocks == 0
 
 
-def test_reservations_whose_pull_may_still_run_are_never_stale(engine):
+def test_reservations_whose_pull_may_still_run_are_never_stale(engine, threaded):
     """A burst holds more reservations than max_stale_slots while their pulls run (seen under load:
     "kv commit failed: has no reservation"): none is collected before it is older than stale_after_s."""
 
     async def main():
-        loop = EngineLoop(engine, GcPolicy(interval_s=0.01, stale_after_s=60, max_stale_slots=0))
+        loop = EngineLoop(engine, GcPolicy(interval_s=0.01, stale_after_s=60, max_stale_slots=0), threaded=threaded)
         loop.start()
         for i in range(3):
             await loop.reserve(f"p{i}", [1, 2, 3], [6], PARAMS, timeout_s=5)
@@ -93,3 +100,93 @@ def test_reservations_whose_pull_may_still_run_are_never_stale(engine):
 
     asyncio.run(main())
     assert engine.num_used_blocks == 0 and not engine.requests
+
+
+class _SlowSteps:
+    """Wraps a real engine's ``step`` with a wait that releases the GIL, as a GPU step's device wait does."""
+
+    def __init__(self, engine: LLMEngine, seconds: float) -> None:
+        self.engine, self.seconds, self.orig = engine, seconds, engine.step
+        self.in_step = False
+
+    def __enter__(self):
+        def step():
+            self.in_step = True
+            try:
+                time.sleep(self.seconds)
+                return self.orig()
+            finally:
+                self.in_step = False
+
+        self.engine.step = step
+        return self
+
+    def __exit__(self, *exc):
+        del self.engine.step
+
+
+def test_thread_mode_keeps_the_event_loop_serving_during_a_step(engine):
+    """The point of the engine thread: handlers run while a step runs. In inline mode the same slow
+    step blocks the loop, so the ticker below would tick about once per step instead."""
+
+    async def main(threaded: bool) -> int:
+        loop = EngineLoop(engine, threaded=threaded)
+        loop.start()
+        with _SlowSteps(engine, 0.1):
+            q = await loop.add_request("slow", [1, 9, 8, 7], SamplingParams(max_tokens=3, temperature=0.0))
+            ticks = 0
+            while True:
+                try:
+                    async with asyncio.timeout(0.005):
+                        out = await q.get()
+                    if out.finished:
+                        break
+                except TimeoutError:
+                    ticks += 1
+        loop.stop()
+        return ticks
+
+    threaded_ticks = asyncio.run(main(True))
+    inline_ticks = asyncio.run(main(False))
+    assert threaded_ticks > 3 * max(inline_ticks, 1), (threaded_ticks, inline_ticks)
+    assert engine.num_used_blocks == 0 and not engine.requests
+
+
+def test_thread_mode_queues_engine_calls_made_during_a_step(engine):
+    """add_request, abort and call() made while a step runs are applied after it, in order, never
+    concurrently with it: the engine is touched by one thread at a time."""
+
+    async def main():
+        loop = EngineLoop(engine, threaded=True)
+        loop.start()
+        with _SlowSteps(engine, 0.05) as slow:
+            long = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+            q = await loop.add_request("a", [1, 9, 8, 7], long)
+            await q.get()  # "a" is running: steps follow each other
+            while not slow.in_step:
+                await asyncio.sleep(0.001)
+            seen_in_step = []
+            q2_task = asyncio.ensure_future(loop.add_request("b", [1, 2, 3], PARAMS))
+            called = asyncio.ensure_future(loop.call(lambda: seen_in_step.append(slow.in_step) or "done"))
+            assert loop.abort_nowait("a")  # known to the engine; aborted before the next step
+            assert await called == "done" and seen_in_step == [False]
+            q2 = await q2_task
+            assert "a" not in engine.requests
+            tokens = []
+            while True:
+                out = await q2.get()
+                tokens += out.new_token_ids
+                if out.finished:
+                    break
+        loop.stop()
+        return tokens
+
+    tokens = asyncio.run(main())
+    assert tokens == engine.generate([[1, 2, 3]], PARAMS)[0]
+    assert engine.num_used_blocks == 0 and not engine.requests
+    engine.block_manager.check_invariants()
+
+
+def test_engine_thread_setting():
+    assert resolve_engine_thread("auto", "cuda:1") and resolve_engine_thread("on", "cpu")
+    assert not resolve_engine_thread("auto", "cpu") and not resolve_engine_thread("off", "cuda")
