@@ -7,13 +7,12 @@ rest = host work on the engine's thread between steps; and the per-request phase
 handler (queued+step, take_kv, stage). The compute bound is 1 / (one prefill's step time).
 
 Usage on the device (carry .whl): python3 bench/gpu_prefill_profile.py --devices cuda:0,cuda:1 --out $OUT/p.json
-CPU dry run: python bench/gpu_prefill_profile.py --devices cpu,cpu --model preset:tiny --prompt 64 --extra '{"cache": {"kv_cache_memory_mb": 64}}' --out /tmp/p.json
+CPU dry run: python bench/gpu_prefill_profile.py --devices cpu,cpu --model preset:tiny-gpu --prompt 64 --extra '{"cache": {"kv_cache_memory_mb": 64}}' --out /tmp/p.json
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import re
@@ -25,8 +24,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_serving as gs
-
-from server.engine.presets import preset_config
 
 
 def scrape(url: str) -> dict[str, float]:
@@ -72,16 +69,14 @@ def main() -> int:
             workers = srv.workers()["workers"]
             pw = next(w for w in workers if w["role"] == "prefill")["url"]
             res["decode_kv_blocks_free"] = [w["kv_blocks_free"] for w in workers if w["role"] == "decode"]
-            url = f"{srv.url}/v1/completions"
-            vocab = preset_config(a.model).vocab_size
-            asyncio.run(gs.closed_loop(url, a.model, vocab, 4, 3.0, a.prompt, a.output, seed=1))  # warm-up
+            gs.drive(srv.url, srv.token, a.prompt, a.output, seed=1, duration_s=3.0, concurrency=4)  # warm-up
             m0, t0 = scrape(pw), time.perf_counter()
-            recs, wall = asyncio.run(
-                gs.closed_loop(url, a.model, vocab, a.concurrency, a.duration_s, a.prompt, a.output, seed=2)
+            run = gs.drive(
+                srv.url, srv.token, a.prompt, a.output, seed=2, duration_s=a.duration_s, concurrency=a.concurrency
             )
             m1, wall_m = scrape(pw), time.perf_counter() - t0
             d = {k: m1[k] - m0.get(k, 0.0) for k in m1}
-            s = gs.summarize(recs, wall, {"ttft_ms": 1e9, "tpot_ms": 1e9}, False)
+            s = gs.summarize(run, {"ttft_ms": 1e9, "tpot_ms": 1e9}, False)
             n = d.get("distserve_engine_steps", 0) or 1
             done = d.get('distserve_prefill_phase_seconds_count{phase="stage"}', 0) or 1
             step_s, idle_s = d.get("distserve_engine_step_seconds", 0), d.get("distserve_engine_idle_seconds", 0)

@@ -70,8 +70,12 @@ def write_gz(path: Path, obj: dict) -> None:
 def server_config(args: argparse.Namespace) -> dict:
     return {
         "model": args.model,
-        "prefill": {"max_seq_len": args.max_seq_len},
-        "decode": {"max_batch_size": args.max_batch, "max_concurrent_requests": args.max_batch},
+        "prefill": {"max_seq_len": args.max_seq_len, "engine_thread": args.engine_thread},
+        "decode": {
+            "max_batch_size": args.max_batch,
+            "max_concurrent_requests": args.max_batch,
+            "engine_thread": args.engine_thread,
+        },
         "cache": {"gpu_memory_utilization": args.gpu_memory_utilization, "kv_cache_memory_mb": args.kv_cache_mb},
         "kv_transfer": {"transport": "auto", "cuda_ipc_pool_mb": args.pool_mb},
         "router": {"request_timeout_s": 120.0},
@@ -128,6 +132,12 @@ def main() -> int:
     ap.add_argument("--kv-cache-mb", type=int, default=512, help="KV size when --gpu-memory-utilization is 0")
     ap.add_argument("--pool-mb", type=int, default=4096)
     ap.add_argument("--startup-timeout-s", type=float, default=150.0)
+    ap.add_argument(
+        "--engine-thread",
+        default="auto",
+        choices=("auto", "on", "off"),
+        help="prefill/decode.engine_thread of every worker (default: %(default)s = on for CUDA)",
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     t0 = time.monotonic()
