@@ -1,6 +1,7 @@
 """Checks ``distserve serve``/``router`` run before starting anything, so a predictable failure is one clear
 sentence (exit status 2) instead of a child's traceback: a port already in use, CUDA asked for where there is
-none. Also the clean-up of temporary folders that a ``kill -9``'d launcher could not remove."""
+none, a model that does not exist. Also the clean-up of temporary folders that a ``kill -9``'d launcher could
+not remove."""
 
 from __future__ import annotations
 
@@ -30,6 +31,28 @@ def port_problem(host: str, port: int) -> str | None:
                 "port with --port (0 = any free port)"
             )
         return f"cannot listen on {host}:{port}: {e.strerror or e}"
+    return None
+
+
+def model_problem(model: str | None) -> str | None:
+    """The sentence every worker would die with at start-up when ``model`` cannot be found (an unknown
+    ``preset:``, a missing path, a folder without ``config.json``); None when it resolves. Loads nothing."""
+    if model is None:  # the built-in tiny model, created on first use
+        return None
+    if model.startswith("preset:"):
+        from server.engine.presets import preset_config
+
+        try:
+            preset_config(model)
+        except ValueError as e:
+            return f"--model {model}: {e}"
+        return None
+    from server.engine.loader import resolve_model_path
+
+    try:
+        resolve_model_path(model)
+    except (OSError, ValueError, ImportError) as e:
+        return f"--model: {e}"
     return None
 
 

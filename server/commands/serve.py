@@ -14,7 +14,7 @@ from server.commands.cluster import add_serve_flags
 from server.commands.common import admin_token, load_args_config, usage_error
 from server.config import ConfigError, DistServeConfig
 from server.launcher import TOKEN_ENV, Launcher, RestartPolicy, parse_devices
-from server.preflight import device_problem, port_problem
+from server.preflight import device_problem, model_problem, port_problem
 
 
 def cmd_serve(args) -> int:
@@ -35,7 +35,11 @@ def cmd_serve(args) -> int:
         from server.commands.cluster import serve_on_ray
 
         return serve_on_ray(args, cfg)
-    problem = device_problem(list(devices) or [args.device]) or port_problem(cfg.router.host, cfg.router.port)
+    problem = (
+        model_problem(cfg.model)
+        or device_problem(list(devices) or [args.device])
+        or port_problem(cfg.router.host, cfg.router.port)
+    )
     if problem:
         return usage_error(problem)
     launcher = Launcher(

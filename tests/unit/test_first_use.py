@@ -55,6 +55,32 @@ def test_cuda_without_cuda_is_one_sentence():
     assert r.returncode == 2 and "CUDA is not available" in r.stderr and "Traceback" not in r.stderr
 
 
+@pytest.mark.parametrize(
+    "model,words",
+    [
+        ("preset:nope", "unknown model preset 'nope'"),
+        ("/nonexistent/model", "does not exist"),
+        ("{tmp}", "config.json"),
+    ],
+)
+def test_a_model_that_cannot_load_is_one_sentence_before_anything_starts(tmp_path, model, words):
+    """Before: every worker died with a traceback and serve said only 'exited with status 1 during start-up'."""
+    model = model.format(tmp=tmp_path)  # an empty folder: not a Hugging Face model folder
+    assert words in preflight.model_problem(model)
+    r = subprocess.run(
+        [sys.executable, "-m", "server.cli", "serve", "--model", model, "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 2 and words in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_models_that_resolve_pass_the_model_preflight():
+    assert preflight.model_problem(None) is None and preflight.model_problem("preset:tiny-gpu") is None
+
+
 def test_orphaned_launcher_folders_are_swept(tmp_path):
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
