@@ -255,11 +255,10 @@ def test_cuda_graph_decode_tokens_equal_eager(preset, batch):
     (``tune_gemv``: a Triton config or cuBLAS per projection, by timing, so they may differ at batch 1,
     the only batch that takes the GEMV). On the random tiny model the top two logits are sometimes nearly
     tied, and comparing free-running token lists failed about one run in four on the x2 machine (batch 1,
-    a flip at token 23 of 24; after a flip the sequences part ways). So the
-    engines run in lockstep on the same tokens (the eager one is fed the graph's) and each step must give
-    (1) logits within 2e-2 relative error (a stale graph input, e.g. a position, slot or block table, is
-    off by far more), and (2) the same greedy token on every row whose eager top-2 margin is at least
-    ``TIE`` = 0.05. The logits are bf16 values cast up (std ~0.5, top logit ~2, where one bf16 step is
+    a flip at token 23 of 24; after a flip the sequences part ways). So the engines run in lockstep on
+    the same tokens (the eager one is fed the graph's) and each step must give (1) logits within 2e-2
+    relative error (a stale graph input, e.g. a position, slot or block table, is off by far more), and
+    (2) the same greedy token on every row whose eager top-2 margin is at least ``TIE`` = 0.05. The logits are bf16 values cast up (std ~0.5, top logit ~2, where one bf16 step is
     0.008-0.016), so 0.05 is three to six steps: a flip needs the two paths to disagree by several roundings
     on the top two logits at once. At least a third of all rows must be decided (on the CPU copy of this
     run, 58 and 74 of 96 and 16 and 19 of 24 were), so the token check cannot pass vacuously.
