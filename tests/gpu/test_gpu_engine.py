@@ -309,6 +309,59 @@ def test_fused_forward_close_to_plain_model(preset):
         assert _rel(a, b) < 2e-2, _rel(a, b)
 
 
+def test_gpu_runs_the_models_forward_over_triton_ops():
+    """The GPU path is ``model.py``'s forward: every op of a step, eager and while capturing decode graphs,
+    goes through ``model.ops`` (the fused ``TritonLayerOps``), in the model's order."""
+    from server.engine.cuda_graph_runner import CudaGraphRunner
+    from server.engine.cuda_ops import TritonLayerOps
+    from server.engine.sampling_params import SamplingParams
+
+    class Recording(TritonLayerOps):
+        def __init__(self) -> None:
+            self.calls: list[str] = []
+
+        def rope(self, *a):
+            self.calls.append("rope")
+            return super().rope(*a)
+
+        def rms_norm(self, x, norm, residual):
+            self.calls.append("norm" if residual is None else "add+norm")
+            return super().rms_norm(x, norm, residual)
+
+        def linear(self, x, layer):
+            self.calls.append("linear")
+            return super().linear(x, layer)
+
+        def silu_mul(self, gate_up):
+            self.calls.append("silu_mul")
+            return super().silu_mul(gate_up)
+
+        def attention(self, *a):
+            self.calls.append("attention")
+            return super().attention(*a)
+
+    eng = _engine("tiny-gpu-gqa", enforce_eager=True)
+    assert type(eng.model.ops) is TritonLayerOps
+
+    def prefill_logits() -> torch.Tensor:
+        for i, pr in enumerate(_prompts(3, [5, 64, 100], seed=5)):
+            eng.add_request(f"r{i}", pr, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+        logits = eng.runner.execute(eng.scheduler.schedule().scheduled).clone()
+        for i in range(3):
+            assert eng.abort_request(f"r{i}")
+        return logits
+
+    plain = prefill_logits()
+    rec = eng.model.ops = Recording()
+    assert torch.equal(prefill_logits(), plain)  # same kernels, same order: bit for bit
+    first = ["norm", "linear", "attention", "linear", "add+norm", "linear", "silu_mul", "linear"]
+    one_forward = ["rope", *first, *(["add+norm", *first[1:]] * (eng.model_config.num_hidden_layers - 1)), "add+norm"]
+    assert rec.calls == one_forward
+    rec.calls.clear()
+    CudaGraphRunner(eng.runner, eng.max_model_len, batch_sizes=[1])  # two warm-up forwards, one captured
+    assert rec.calls == one_forward * 3
+
+
 @pytest.mark.parametrize("n,k,bias", [(12288, 4096, False), (4096, 11008, False), (1000, 4096, True)])
 def test_triton_gemv_matches_linear(n, k, bias):
     from server.engine.cuda_ops import GEMV_CANDIDATES, gemv
