@@ -327,17 +327,21 @@ def _replay_ms(gr, bs, n=50) -> float:
 
 
 def _set_mode(eng, mode, graph_runner, backends):
-    """mode: graphs | eager_fused | eager_plain (unfused PyTorch model, SDPA backend)."""
-    from server.engine.cuda_ops import disable_fused_ops, enable_fused_ops
+    """mode: graphs | eager_fused | eager_plain (PyTorch layer ops, SDPA backend).
+
+    The op set and the attention backend are swapped together: the fused ops need ``backend.attend``.
+    The graphs were captured with the fused ops and keep them whatever ``model.ops`` says later."""
+    from server.engine.cuda_ops import TritonLayerOps
+    from server.engine.layer_ops import TorchLayerOps
 
     model = eng.model
     if mode == "eager_plain":
         model.backend = backends["sdpa"]
-        disable_fused_ops(model)
+        model.ops = TorchLayerOps()
         eng.runner.graph_runner = None
     else:
         model.backend = backends["triton"]
-        enable_fused_ops(model)
+        model.ops = TritonLayerOps()
         eng.runner.graph_runner = graph_runner if mode == "graphs" else None
 
 

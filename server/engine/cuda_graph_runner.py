@@ -189,10 +189,9 @@ class CudaGraphRunner:
 
 
 def setup_cuda_engine(engine) -> None:
-    """GPU set-up of an ``LLMEngine``: fused kernels, then decode CUDA graphs (unless ``enforce_eager``)."""
-    from server.engine.cuda_ops import enable_fused_ops
-
-    fused = enable_fused_ops(engine.model)
+    """GPU set-up of an ``LLMEngine`` whose model was built with its op set (``layer_ops.select_layer_ops``):
+    with the fused Triton ops, one-token GEMV tuning; then decode CUDA graphs (unless ``enforce_eager``)."""
+    fused = engine.model.ops.name == "triton"
     if fused and os.environ.get("DISTSERVE_GEMV_TUNE", "1") != "0":
         from server.engine.cuda_ops import tune_gemv
 
@@ -202,9 +201,9 @@ def setup_cuda_engine(engine) -> None:
         graphs = CudaGraphRunner(engine.runner, engine.max_model_len, max_batch_size=engine.config.max_num_seqs)
         engine.runner.graph_runner = graphs
     log.info(
-        "GPU engine: backend=%s fused_ops=%s cuda_graphs=%s",
+        "GPU engine: backend=%s layer_ops=%s cuda_graphs=%s",
         engine.model.backend.name,
-        fused,
+        engine.model.ops.name,
         graphs.batch_sizes if graphs else None,
     )
 

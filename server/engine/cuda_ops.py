@@ -1,30 +1,36 @@
-"""Fused Triton kernels for the GPU forward, and the fused model forward that uses them.
+"""Fused Triton kernels for the GPU forward, and ``TritonLayerOps``: the model's op set built on them.
 
-The plain-PyTorch model (``model.py``) issues ~40 kernels per layer: RMSNorm
-alone is eight elementwise passes in float32, RoPE another ten. On a GPU that
-costs twice: in prefill every pass streams the whole ``[T, hidden]`` activation
-through memory, and in decode (even inside a CUDA graph) every kernel boundary
-costs a few microseconds. ``enable_fused_ops`` swaps the model's forward for one
-that issues, per layer:
+The plain-PyTorch ops (``layer_ops.TorchLayerOps``) issue ~40 kernels per layer:
+RMSNorm alone is eight elementwise passes in float32, RoPE another ten. On a GPU
+that costs twice: in prefill every pass streams the whole ``[T, hidden]``
+activation through memory, and in decode (even inside a CUDA graph) every kernel
+boundary costs a few microseconds. With ``TritonLayerOps`` the model's forward
+(``model.py``, the same code on every device) issues, per layer:
 
     add+RMSNorm, qkv GEMM, RoPE+KV-cache write, attention, o GEMM,
     add+RMSNorm, gate_up GEMM, SiLU*mul, down GEMM
 
 The kernels round their intermediates to the model dtype exactly where the
 PyTorch ops do (``x * cos`` and ``rotate_half(x) * sin`` rounded separately,
-``silu(gate)`` rounded before ``* up``, RMSNorm cast before the weight), so the
-fused forward computes the same function as ``LlamaForCausalLM.forward`` up to
-float32 reduction order.
+``silu(gate)`` rounded before ``* up``, RMSNorm cast before the weight), so both
+op sets compute the same function up to float32 reduction order.
 
 Only for backends with an ``attend`` method (attention without the KV write:
-the RoPE kernel already stored K/V). Importable without Triton.
+the RoPE kernel already stored K/V); ``layer_ops.select_layer_ops`` checks
+``can_fuse``. Importable without Triton.
 """
 
 from __future__ import annotations
 
-import types
+from typing import TYPE_CHECKING
 
 import torch
+
+from server.engine.attention import AttentionBackend, AttentionMetadata
+from server.engine.layer_ops import RopeInputs
+
+if TYPE_CHECKING:
+    from server.engine.model import LlamaAttention, RMSNorm, RotaryEmbedding
 
 try:  # pragma: no cover - depends on the install
     import triton
@@ -430,59 +436,48 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _fused_attention(attn, h, positions, cos, sin, kv_cache, meta, backend):
-    t = h.shape[0]
-    qkv = linear(h, attn.qkv_proj)
-    q, k = rope_and_cache(
-        qkv, positions, cos, sin, kv_cache, meta.slot_mapping, attn.num_heads, attn.num_kv_heads, attn.head_dim
-    )
-    v = qkv[:, attn.q_size + attn.kv_size :].view(t, attn.num_kv_heads, attn.head_dim)
-    o = backend.attend(q, k, v, kv_cache, meta, attn.scale)
-    return linear(o.reshape(t, attn.q_size), attn.o_proj)  # (reshape copies only a non-contiguous view)
+class TritonLayerOps:
+    """``layer_ops.LayerOps`` on the fused kernels above (CUDA tensors; see ``can_fuse``)."""
+
+    name = "triton"
+
+    def rope(
+        self, rotary: RotaryEmbedding, positions: torch.Tensor, dtype: torch.dtype, max_position: int
+    ) -> RopeInputs:
+        """The whole float32 tables and the positions: the kernel picks rows and rounds them to the dtype."""
+        cos, sin = rotary.float_tables(max_position, positions.device)
+        return positions, cos, sin
+
+    def rms_norm(self, x: torch.Tensor, norm: RMSNorm, residual: torch.Tensor | None) -> torch.Tensor:
+        return rms_norm(x, norm.weight, norm.eps, residual=residual)
+
+    def linear(self, x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
+        return linear(x, layer)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return silu_mul(gate_up)
+
+    def attention(
+        self,
+        attn: LlamaAttention,
+        qkv: torch.Tensor,
+        rope: RopeInputs,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        """One kernel rotates q and k and stores K/V; the backend only attends (``attend``)."""
+        positions, cos, sin = rope
+        t = qkv.shape[0]
+        q, k = rope_and_cache(
+            qkv, positions, cos, sin, kv_cache, meta.slot_mapping, attn.num_heads, attn.num_kv_heads, attn.head_dim
+        )
+        v = qkv[:, attn.q_size + attn.kv_size :].view(t, attn.num_kv_heads, attn.head_dim)
+        o = backend.attend(q, k, v, kv_cache, meta, attn.scale)  # type: ignore[attr-defined]  # can_fuse checked
+        return o.reshape(t, attn.q_size)  # (reshape copies only a non-contiguous view)
 
 
-def fused_forward(model, input_ids, positions, kv_caches, meta, max_position: int) -> torch.Tensor:
-    """Drop-in for ``LlamaForCausalLM.forward`` (bound by ``enable_fused_ops``)."""
-    x = model.embed_tokens(input_ids)
-    rot = model.rotary
-    if max_position >= rot._cache_len or rot._cos.device != x.device:
-        rot._build(max(2 * (max_position + 1), 4096), x.device)
-    cos, sin = rot._cos, rot._sin  # float32 [L, D]; rounded to the model dtype in the kernel
-    backend = model.backend
-    residual = None
-    for layer, kv_cache in zip(model.layers, kv_caches):
-        ln1 = layer.input_layernorm
-        if residual is None:
-            residual = x
-            h = rms_norm(x, ln1.weight, ln1.eps)
-        else:
-            h = rms_norm(x, ln1.weight, ln1.eps, residual=residual)
-        h = _fused_attention(layer.self_attn, h, positions, cos, sin, kv_cache, meta, backend)
-        ln2 = layer.post_attention_layernorm
-        h = rms_norm(h, ln2.weight, ln2.eps, residual=residual)
-        mlp = layer.mlp
-        x = linear(silu_mul(linear(h, mlp.gate_up_proj)), mlp.down_proj)
-    if residual is None:  # no layers
-        return model.norm(x)
-    return rms_norm(x, model.norm.weight, model.norm.eps, residual=residual)
-
-
-def can_fuse(model) -> bool:
-    cfg = model.config
-    d = cfg.head_dim
-    return HAS_TRITON and hasattr(model.backend, "attend") and d == _next_pow2(d) and d % 2 == 0
-
-
-def enable_fused_ops(model) -> bool:
-    """Bind ``fused_forward`` as the model's forward; False (nothing changed) when not possible."""
-    if not can_fuse(model):
-        return False
-    model.forward = types.MethodType(fused_forward, model)
-    model.fused_ops = True
-    return True
-
-
-def disable_fused_ops(model) -> None:
-    if "forward" in model.__dict__:
-        del model.forward
-    model.fused_ops = False
+def can_fuse(backend: AttentionBackend, head_dim: int) -> bool:
+    """Triton importable, a backend that attends without writing K/V, and a power-of-two head size
+    (the RoPE kernel's ``tl.arange`` over a head)."""
+    return HAS_TRITON and hasattr(backend, "attend") and head_dim == _next_pow2(head_dim) and head_dim % 2 == 0

@@ -24,6 +24,7 @@ import torch
 from server.engine.attention import get_attention_backend
 from server.engine.block_manager import BlockManager
 from server.engine.kv_sizing import KVBudget, kv_blocks_from_memory
+from server.engine.layer_ops import select_layer_ops
 from server.engine.loader import load_model_config, load_state_dict, resolve_model_path
 from server.engine.model import LlamaForCausalLM
 from server.engine.model_runner import ModelRunner, kv_bytes_per_block
@@ -102,8 +103,9 @@ class LLMEngine:
         # device memory free before this engine allocates anything (for kv_sizing: what this
         # process adds outside torch's allocator, as opposed to other processes' memory)
         self._free_at_start = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else 0
+        ops = select_layer_ops(backend, self.device, self.model_config.head_dim)  # fused Triton ops on a GPU
         with torch.device("meta"):
-            model = LlamaForCausalLM(self.model_config, backend)
+            model = LlamaForCausalLM(self.model_config, backend, ops)
         model = model.to_empty(device=self.device).to(self.dtype)
         if self.model_path is None:
             init_random_weights(model)
@@ -141,7 +143,7 @@ class LLMEngine:
         self._seeds: dict[str, int] = {}
         self._rng = random.Random()
         self.eos_token_ids = set(self.model_config.eos_token_ids)
-        if self.device.type == "cuda":  # fused kernels + decode CUDA graphs
+        if self.device.type == "cuda":  # GEMV tuning + decode CUDA graphs
             from server.engine.cuda_graph_runner import setup_cuda_engine
 
             setup_cuda_engine(self)

@@ -3,9 +3,15 @@
 Tokens arrive flattened across sequences (``[num_tokens]``), as in vLLM, so one
 forward serves a mixed batch of prefills and decodes. Q/K/V and gate/up
 projections are fused at load time: fewer, larger GEMMs matter on CPU and in
-launch-bound GPU decode alike. The arithmetic follows Hugging Face's
-``LlamaForCausalLM`` bit for bit (RMSNorm in float32, RoPE equal to ``rotate_half``'s) so
-greedy tokens match it exactly.
+launch-bound GPU decode alike.
+
+The forward is written once, here, over a small op set (``layer_ops.LayerOps``:
+RMSNorm with a fused residual add, linear, SiLU×mul, rotary+KV store+attention)
+chosen when the engine builds the model: plain PyTorch on any device
+(``TorchLayerOps``, Hugging Face's ``LlamaForCausalLM`` bit for bit on the CPU, so
+greedy tokens match it exactly) or the fused Triton kernels on a GPU
+(``cuda_ops.TritonLayerOps``). Editing the structure below changes what every
+device runs, CUDA graphs included (they capture this forward).
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from server.engine.attention import AttentionBackend, AttentionMetadata
+from server.engine.layer_ops import LayerOps, RopeInputs, TorchLayerOps, rms_norm
 from server.engine.model_config import ModelConfig
 
 
@@ -28,12 +35,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        if dtype == torch.float32:  # same arithmetic, minus two no-op casts (a dispatch each, every layer)
-            return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True).add_(self.eps)))
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        """Standalone use; the model's forward goes through ``LayerOps.rms_norm``."""
+        return rms_norm(x, self.weight, self.eps)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -66,6 +69,7 @@ class RotaryEmbedding(nn.Module):
         self._cache_len = 0
         # float32 tables on the device of first use, [cache_len, head_dim]; empty until then
         self._cos = self._sin = self._sin_signed = torch.empty(0)
+        self._by_dtype: dict = {}
 
     def _build(self, length: int, device: torch.device) -> None:
         pos = torch.arange(length, device=device, dtype=torch.int64).float()
@@ -76,25 +80,28 @@ class RotaryEmbedding(nn.Module):
         # sin with its first half negated: rotate_half(x) * sin == roll(x, half) * signed_sin exactly
         # ((-a) * b and a * (-b) round identically), one roll instead of two slices, a neg and a cat
         self._sin_signed = torch.cat((-self._sin[:, :half], self._sin[:, half:]), dim=-1)
-        self._by_dtype: dict = {}
+        self._by_dtype = {}
         self._cache_len = length
 
-    def tables(self, positions: torch.Tensor, dtype: torch.dtype, max_position: int):
-        """``(cos, signed_sin)`` rows for ``positions`` as ``[T, 1, D]`` in ``dtype``, for :func:`apply_rope`."""
-        if max_position >= self._cache_len or self._cos.device != positions.device:
-            self._build(max(2 * (max_position + 1), 4096), positions.device)
+    def float_tables(self, max_position: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hugging Face's float32 ``(cos, sin)`` tables, ``[L, head_dim]`` with ``L > max_position``, on
+        ``device`` (a tensor's, so with its index): what the fused RoPE kernel reads by position, rounding
+        each value to the model dtype itself. The same tables back :meth:`tables`; they are rebuilt (at
+        least doubled, at least 4096 rows) when a position outgrows them or the device changes."""
+        if max_position >= self._cache_len or self._cos.device != device:
+            self._build(max(2 * (max_position + 1), 4096), device)
+        return self._cos, self._sin
+
+    def tables(
+        self, positions: torch.Tensor, dtype: torch.dtype, max_position: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, signed_sin)`` rows for ``positions`` as ``[T, 1, D]`` in ``dtype``, for
+        ``layer_ops.apply_rope``."""
+        self.float_tables(max_position, positions.device)
         tables = self._by_dtype.get(dtype)
         if tables is None:  # rounding the float32 table once equals rounding the rows picked from it
             tables = self._by_dtype[dtype] = (self._cos.to(dtype)[:, None, :], self._sin_signed.to(dtype)[:, None, :])
         return tables[0][positions], tables[1][positions]
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """RoPE on ``x [T, heads, D]`` with tables from ``RotaryEmbedding.tables``: Hugging Face's
-    ``x * cos + rotate_half(x) * sin``, bit for bit, in four ops (``roll`` by half a head times a sin
-    whose first half is negated; ``(-a) * b`` and ``a * (-b)`` round identically)."""
-    out = x * cos
-    return out.add_(torch.roll(x, x.shape[-1] // 2, -1).mul_(signed_sin))
 
 
 class LlamaAttention(nn.Module):
@@ -111,30 +118,27 @@ class LlamaAttention(nn.Module):
         o_bias = cfg.attention_bias and cfg.architecture != "Qwen2ForCausalLM"
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=o_bias)
 
-    def forward(self, x, cos, signed_sin, kv_cache, meta: AttentionMetadata, backend: AttentionBackend):
-        """q and k are rotated together (rotation is per head) and the linears called without the module
-        machinery: this runs per layer per step, and on a CPU a tiny model's step is mostly dispatch."""
-        t = x.shape[0]
-        qkv = F.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
-        nq = self.num_heads
-        qk = apply_rope(
-            qkv[:, : self.q_size + self.kv_size].view(t, nq + self.num_kv_heads, self.head_dim), cos, signed_sin
-        )
-        v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
-        o = backend.forward(qk[:, :nq], qk[:, nq:], v, kv_cache, meta, self.scale)
-        return F.linear(o.reshape(t, self.q_size), self.o_proj.weight, self.o_proj.bias)
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: RopeInputs,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+        ops: LayerOps,
+    ) -> torch.Tensor:
+        qkv = ops.linear(x, self.qkv_proj)
+        return ops.linear(ops.attention(self, qkv, rope, kv_cache, meta, backend), self.o_proj)
 
 
 class LlamaMLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.intermediate = cfg.intermediate_size
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
-    def forward(self, x):
-        gate, up = F.linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias).split(self.intermediate, dim=-1)
-        return F.linear(F.silu(gate).mul_(up), self.down_proj.weight, self.down_proj.bias)
+    def forward(self, x: torch.Tensor, ops: LayerOps) -> torch.Tensor:
+        return ops.linear(ops.silu_mul(ops.linear(x, self.gate_up_proj)), self.down_proj)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -145,19 +149,37 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = LlamaMLP(cfg)
 
-    def forward(self, x, cos, signed_sin, kv_cache, meta, backend):
-        """Adds in place into ``x`` (the model's own activation); submodules are called through
-        ``.forward`` to skip ``nn.Module.__call__``."""
-        x += self.self_attn.forward(self.input_layernorm.forward(x), cos, signed_sin, kv_cache, meta, backend)
-        x += self.mlp.forward(self.post_attention_layernorm.forward(x))
-        return x
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        rope: RopeInputs,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+        ops: LayerOps,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(MLP output, residual stream)``. The previous layer's output ``x`` is added into the stream by
+        this layer's first norm (in place), and this layer's MLP output by the next norm: an add+norm is one
+        kernel on a GPU and the same single ``add_`` in PyTorch. The first layer gets ``residual=None`` and
+        the embeddings as ``x``, which become the stream. Submodules are called through ``.forward`` to skip
+        ``nn.Module.__call__``."""
+        h = ops.rms_norm(x, self.input_layernorm, residual)
+        if residual is None:
+            residual = x
+        h = self.self_attn.forward(h, rope, kv_cache, meta, backend, ops)
+        h = ops.rms_norm(h, self.post_attention_layernorm, residual)
+        return self.mlp.forward(h, ops), residual
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, ops: LayerOps | None = None) -> None:
         super().__init__()
         self.config = cfg
         self.backend = backend
+        # how the forward computes (layer_ops.select_layer_ops); the engine picks it with the backend, and
+        # a benchmark may swap both (ops and backend must agree: TritonLayerOps needs backend.attend)
+        self.ops: LayerOps = ops if ops is not None else TorchLayerOps()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.rotary = RotaryEmbedding(cfg)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
@@ -169,12 +191,13 @@ class LlamaForCausalLM(nn.Module):
     def forward(
         self, input_ids, positions, kv_caches: list[torch.Tensor], meta: AttentionMetadata, max_position: int
     ) -> torch.Tensor:
+        ops, backend = self.ops, self.backend
         x = F.embedding(input_ids, self.embed_tokens.weight)
-        cos, signed_sin = self.rotary.tables(positions, x.dtype, max_position)
-        backend = self.backend
+        rope = ops.rope(self.rotary, positions, x.dtype, max_position)
+        residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer.forward(x, cos, signed_sin, kv_cache, meta, backend)
-        return self.norm.forward(x)
+            x, residual = layer.forward(x, residual, rope, kv_cache, meta, backend, ops)
+        return ops.rms_norm(x, self.norm, residual)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = F.linear(hidden, self.lm_head.weight, self.lm_head.bias)

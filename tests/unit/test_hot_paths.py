@@ -1,7 +1,7 @@
 """The per-token and per-step fast paths produce exactly what the plain versions did.
 
 Each fast path (preformatted SSE chunks and NDJSON lines, the lazily re-armed idle timeout,
-the model's fused-dispatch forward, the runner's token spans) replaced something slower on a
+the model's few-dispatch forward, the runner's token spans) replaced something slower on a
 hot path; these tests pin them to the original formulation, byte for byte and bit for bit.
 """
 
@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from server.engine import model as model_mod
+from server.engine.layer_ops import apply_rope
 from server.engine.model_config import ModelConfig
 from server.engine.model_runner import _token_span
 from server.idle import IdleTimeout
@@ -230,10 +231,11 @@ def test_rope_is_bitwise_hugging_faces_rotate_half():
         q, k = torch.randn(37, 6, 64).to(dtype), torch.randn(37, 2, 64).to(dtype)
         pos = torch.randint(0, 500, (37,))
         cos, signed_sin = rot.tables(pos, dtype, int(pos.max()))
-        # Hugging Face's form, on rows of the same float32 tables rounded to the dtype
-        want_q, want_k = apply_rotary_pos_emb(q, k, rot._cos[pos].to(dtype), rot._sin[pos].to(dtype))
-        assert torch.equal(model_mod.apply_rope(q, cos, signed_sin), want_q)
-        assert torch.equal(model_mod.apply_rope(k, cos, signed_sin), want_k)
+        # Hugging Face's form, on rows of the same float32 tables (the fused kernel's input) rounded to the dtype
+        cos32, sin32 = rot.float_tables(int(pos.max()), pos.device)
+        want_q, want_k = apply_rotary_pos_emb(q, k, cos32[pos].to(dtype), sin32[pos].to(dtype))
+        assert torch.equal(apply_rope(q, cos, signed_sin), want_q)
+        assert torch.equal(apply_rope(k, cos, signed_sin), want_k)
 
 
 def test_token_span_matches_all_token_ids():
