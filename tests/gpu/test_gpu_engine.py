@@ -276,6 +276,43 @@ def test_cuda_graph_decode_tokens_equal_eager(preset, batch):
     _check_lockstep(rec_g, rec_e, steps=24, rows=batch)
 
 
+@pytest.mark.parametrize("heads,kv_heads", [(32, 32), (32, 8)])
+def test_varlen_prefill_equals_per_sequence_flash(heads, kv_heads):
+    """All whole-new prefills of a step in one variable-length flash call == one causal SDPA per sequence
+    (lengths odd, tiny, a power of two, and one longer than the others' sum)."""
+    from server.engine.attention.base import AttentionMetadata
+    from server.engine.attention.triton_decode import (
+        full_prefill_attention,
+        varlen_prefill_attention,
+        varlen_prefill_ok,
+    )
+
+    gen = torch.Generator(device="cpu").manual_seed(5)
+    lens = [1, 7, 130, 513, 16, 2048]
+    total, d = sum(lens), 128
+    q = torch.randn(total + 3, heads, d, generator=gen).to(DEV, torch.bfloat16)  # + 3 decode rows (ignored)
+    k = torch.randn(total + 3, kv_heads, d, generator=gen).to(DEV, torch.bfloat16)
+    v = torch.randn(total + 3, kv_heads, d, generator=gen).to(DEV, torch.bfloat16)
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(total, device=DEV),
+        block_size=16,
+        prefill_query_lens=lens,
+        prefill_seq_lens=list(lens),
+        prefill_block_tables=[],
+        decode_seq_lens=None,
+        decode_block_tables=None,
+    )
+    assert varlen_prefill_ok(q, meta) and not varlen_prefill_ok(q.float(), meta)
+    got = varlen_prefill_attention(q, k, v, meta, d**-0.5)
+    assert got.shape == (total, heads, d) and meta.prefill_cu_seqlens is not None
+    start = 0
+    for n in lens:
+        ref = full_prefill_attention(q[start : start + n], k[start : start + n], v[start : start + n], d**-0.5)
+        assert _rel(got[start : start + n], ref) < 1e-2, (n, _rel(got[start : start + n], ref))
+        start += n
+    assert varlen_prefill_attention(q, k, v, meta, d**-0.5).equal(got)  # the cached lengths give the same
+
+
 @pytest.mark.parametrize("preset", ["tiny-gpu", "tiny-gpu-gqa"])
 def test_fused_forward_close_to_plain_model(preset):
     """Fused kernels + Triton decode vs the plain PyTorch model (SDPA): prefill and first decode logits.

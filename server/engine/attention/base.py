@@ -30,6 +30,9 @@ class AttentionMetadata:
     decode_seq_lens: torch.Tensor | None  # [num_decodes] int64
     decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks] int64 (padded with 0)
     decode_max_seq_len: int = 0
+    # int32 [num_prefills + 1] on the device: cumulative prefill query lengths, built on first use in a step
+    # by a backend that runs all whole-new prefills in one variable-length attention call
+    prefill_cu_seqlens: torch.Tensor | None = None
 
     @property
     def num_prefills(self) -> int:
