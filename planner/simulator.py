@@ -9,7 +9,9 @@ What it simulates, with the server's own policies (``server/engine/scheduler.py`
 - the router sends each request to the least-loaded worker of each role, charging a decode worker from
   the pick; disaggregated: prefill (token #1), then the decode worker reserves a slot (back-pressure
   while it has ``max_num_seqs`` sequences), pulls the KV (``kv_ms(bytes)``) and decodes the rest; the
-  hand-off itself (router -> decode worker request, reservation, scatter, stream back) costs ``handoff_ms``;
+  hand-off itself (router -> decode worker request, reservation, scatter, stream back) costs ``handoff_ms``
+  and then ``handoff_steps`` engine steps of a busy decode worker (its handlers resume only between steps,
+  one await per step; an idle worker runs them at once);
 - a prefill worker's reply leaves after the *next* step when it has more work (the engine step runs on the
   worker's event loop, so the handler awaiting the staged KV resumes only between steps; measured in
   docs/PERFORMANCE.md section 8);
@@ -64,6 +66,7 @@ class Worker:
     waiting: list[SimRequest] = field(default_factory=list)
     running: list[SimRequest] = field(default_factory=list)
     blocked: list[SimRequest] = field(default_factory=list)  # decode: waiting for a reservation
+    joining: list[list] = field(default_factory=list)  # decode: [request, steps left] of hand-offs in progress
     reserved: int = 0  # decode: slots reserved for KV in flight
     kv_used: int = 0  # tokens of KV held (prompt + output of every admitted sequence)
     assigned: int = 0  # router's load count
@@ -95,8 +98,10 @@ class Simulator:
         reply_after_next_step: bool = True,
         device: str = "cuda",
         handoff_ms: float = 0.0,
+        handoff_steps: int = 0,
     ) -> None:
         self.model, self.layout = model, layout
+        self.handoff_steps = handoff_steps
         self.kv_bytes_per_token = kv_bytes_per_token
         self.overhead = overhead_ttft_ms
         self.reply_after_next_step = reply_after_next_step
@@ -141,8 +146,11 @@ class Simulator:
             elif kind == "kv_done":
                 req, w = obj
                 w.reserved -= 1
-                w.running.append(req)
-                self._kick(w)
+                if w.busy and self.handoff_steps > 0:
+                    w.joining.append([req, self.handoff_steps])
+                else:
+                    w.running.append(req)
+                    self._kick(w)
         end = max((r.done_at for r in reqs), default=0.0)
         start = min((r.arrival for r in reqs), default=0.0)
         lat = tuple(r.latencies(self.overhead) for r in reqs)
@@ -189,6 +197,10 @@ class Simulator:
         if w.busy:
             return
         plan = self._schedule(w)
+        if plan is None and w.joining:  # idle: the hand-offs' handlers run at once
+            w.running += [s for s, _ in w.joining]
+            w.joining = []
+            plan = self._schedule(w)
         if plan is None:
             self._flush_replies(w)
             return
@@ -283,6 +295,10 @@ class Simulator:
                 self._admit_blocked(w)
         for s in ready:
             self._reply(s)
+        for j in w.joining:
+            j[1] -= 1
+        w.running += [s for s, left in w.joining if left <= 0]
+        w.joining = [j for j in w.joining if j[1] > 0]
         self._kick(w)
 
     def _flush_replies(self, w: Worker) -> None:
@@ -330,7 +346,11 @@ def simulate(
     overhead_ttft_ms: float = 0.0,
     seed: int = 0,
     handoff_ms: float = 0.0,
+    handoff_steps: int = 0,
 ) -> SimResult:
     arrivals = poisson_arrivals(len(lengths), rate_per_s, seed)
     reqs = [(a, p, o) for a, (p, o) in zip(arrivals, lengths, strict=True)]
-    return Simulator(model, layout, kv_bytes_per_token, overhead_ttft_ms, handoff_ms=handoff_ms).run(reqs)
+    sim = Simulator(
+        model, layout, kv_bytes_per_token, overhead_ttft_ms, handoff_ms=handoff_ms, handoff_steps=handoff_steps
+    )
+    return sim.run(reqs)
