@@ -18,9 +18,12 @@ measured
 - KV pull of 1 GiB (one 2048-token prompt) GPU 0 -> GPU 1 over cuda_ipc: 3.89 ms median, connection reused
   (``kv_transfer_gpu_x2_2026-11-29_run2.json``: ``cuda_ipc_pool.pull_s_median``).
 derived
-- prefill 1 x 128 and 1 x 512: the 2048 point split into the decode step's fixed part (4.84 ms: reading the
+- prefill 1 x 512: the 2048 point split into the decode step's fixed part (4.84 ms: reading the
   weights once), attention (quadratic in the length: flash attention at 2048 measured 178 us per layer,
-  ``prefill_parts.attn_flash``, x 32 layers) and the rest linear in tokens;
+  ``prefill_parts.attn_flash``, x 32 layers) and the rest linear in tokens; 1 x 128 and 1 x 256: that, but
+  at least the eager forward's launch floor (a prefill runs without CUDA graphs): 11.2 ms, the engine's eager
+  one-token step (``engine_7b.decode_b1.eager_fused``). The loaded prefill workers' TTFT of the shortest
+  ShareGPT prompts (P10 19 ms, of which 6 ms ``overhead_ttft_ms``) agrees;
 - KV pull of 64 MiB (128 tokens): the 1 GiB pull's control phases (connect, PULL -> reply, ACK -> DONE) plus
   the copy scaled by bytes.
 Everything beyond these (more than two prompts per step, decode batches above ~35) is an extrapolation
@@ -46,6 +49,9 @@ def _read(path: Path) -> dict:
     return json.loads(path.read_text())
 
 
+# A new request reaches a busy worker's scheduler after this many step ends: fitted to the colocated replicas'
+# TTFT P50 of the recorded SLO-study runs (0..4 tried; 3 within 15 % at every steady point: PERFORMANCE.md 10).
+ADMIT_STEPS = 3
 SERVING_RUNS = ("gpu_issue16/slo_study_1p1d*.json.gz", "gpu_issue19/slo_study_x4_*p*d.json.gz")
 
 
@@ -91,8 +97,11 @@ def build_h200_profile(results: Path) -> Profile:
     per_tok = (p2048 - d1 - attn_2048) / 2048
     per_tok2 = attn_2048 / 2048**2
 
+    eager_floor = eng["decode_b1"]["eager_fused"]["step_ms_median"]  # an eager forward of one token: launch-bound
+
     def derived_prefill(n: int) -> float:
-        return d1 + per_tok * n + per_tok2 * n * n
+        # a prefill runs eagerly (no CUDA graph): a short one costs at least the eager launch floor
+        return max(eager_floor, d1 + per_tok * n + per_tok2 * n * n)
 
     pool = kvx["cuda_ipc_pool"]
     phases = pool["phases_s_median"]
@@ -113,7 +122,8 @@ def build_h200_profile(results: Path) -> Profile:
             PrefillPoint(1, 2048, p2048, "measured", src + "gpu_issue16/kv_sizing.json step_ms_median"),
             PrefillPoint(2, 2048, 2 * in_step, "measured", src + "gpu_issue16/prefill_after_out16.json in_step x 2"),
             PrefillPoint(1, 512, derived_prefill(512), "derived", "fixed + linear + flash-attention share of 2048"),
-            PrefillPoint(1, 128, derived_prefill(128), "derived", "fixed + linear + flash-attention share of 2048"),
+            PrefillPoint(1, 256, derived_prefill(256), "derived", "eager launch floor (eager decode_b1 step)"),
+            PrefillPoint(1, 128, derived_prefill(128), "derived", "eager launch floor (eager decode_b1 step)"),
         ),
         decode=decode,
         kv_transfer=(
@@ -128,6 +138,7 @@ def build_h200_profile(results: Path) -> Profile:
         overhead_ttft_ms=6.0,
         handoff_ms=round(max(0.0, handoff_icpt - pull_2048), 1),
         handoff_steps=max(0, round(handoff_slope - 0.5)),
+        admit_steps=ADMIT_STEPS,
         notes=(
             f"engine.step() alone (not used for decode): batch 1 x 128 {d1:.2f} ms, 64 x {d64_ctx:.0f} {d64_ms:.2f} ms",
             f"hand-off: first inter-token gap = {handoff_icpt:.1f} ms + {handoff_slope:.2f} decode steps (fit over "

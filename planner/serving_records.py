@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 STEPS, STEP_S, IDLE = "distserve_engine_steps", "distserve_engine_step_seconds", "distserve_engine_idle_seconds"
+QUERIED = "distserve_prefix_cache_queried_tokens"
 
 
 @dataclass(frozen=True)
@@ -150,16 +151,39 @@ def prefill_worker_points(path: Path, skip_first_call_varied: bool = False) -> l
         varied = len({r["prompt_tokens"] for r in res["requests"]}) > 1
         if cur and (prev is not None or not doc["args"].get("prewarm")) and not (skip_first_call_varied and varied):
             reqs = res["requests"]
+            mean_prompt = sum(r["prompt_tokens"] for r in reqs) / len(reqs)
             for w, m in sorted(cur.items()):
                 base = (prev or {}).get(w, {})
+                tokens = m.get(QUERIED, 0.0) - base.get(QUERIED, 0.0)  # the prompt tokens this worker admitted
                 out.append(
                     PrefillWorkerPoint(
                         f"{path.name} {p['workload']}@{p['rate']:g} {w}",
                         m[STEPS] - base.get(STEPS, 0.0),
                         (m[STEP_S] - base.get(STEP_S, 0.0)) * 1000,
-                        len(reqs) / len(cur),
-                        sum(r["prompt_tokens"] for r in reqs) / len(cur),
+                        tokens / mean_prompt,
+                        tokens,
                     )
                 )
         prev = cur
     return out
+
+
+def stall_events(point: dict, min_gap_ms: float = 250.0, same_ms: float = 30.0) -> list[tuple[float, float]]:
+    """(start s, length ms) of the engine stalls a point's measured requests saw: inter-token gaps above
+    ``min_gap_ms``; gaps that start within ``same_ms`` of each other are one stall (one worker's batch)."""
+    gaps = []
+    for r in point["result"]["requests"]:
+        if r.get("warmup") or not r.get("itl"):
+            continue
+        t = r["start_unix"] + r["ttft"]
+        for g in r["itl"]:
+            if g * 1000 > min_gap_ms:
+                gaps.append((t, g * 1000))
+            t += g
+    events: list[tuple[float, float]] = []
+    for start, ms in sorted(gaps):
+        if events and (start - events[-1][0]) * 1000 < same_ms:
+            continue
+        events.append((start, ms))
+    t0 = point["result"]["start_unix"]
+    return [(s - t0, ms) for s, ms in events]
