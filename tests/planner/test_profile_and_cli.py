@@ -37,7 +37,7 @@ def test_h200_profile_round_trips_and_marks_origins(tmp_path):
     assert {p.origin for p in back.prefill} == {"measured", "derived"}
     m = LatencyModel.fit(back)
     # the fit reproduces the measured points it came from
-    assert abs(m.prefill_ms([2048]) - 48.3) < 2.5
+    assert abs(m.prefill_ms([2048]) / 48.3 - 1) < 0.07  # one linear fit also holds the eager-floor short points
     # decode: the loaded decode workers' own step times (serving path), each within 20 % of the fit
     assert len(back.decode) >= 10 and all("serving path" in p.note for p in back.decode)
     for p in back.decode:
