@@ -16,8 +16,9 @@ What it simulates, with the server's own policies (``server/engine/scheduler.py`
   worker's event loop, so the handler awaiting the staged KV resumes only between steps; measured in
   docs/PERFORMANCE.md section 8);
 - a fixed serving-path cost (``overhead_ttft_ms``) on every TTFT;
-- a new request reaches a busy worker's scheduler only after ``admit_steps`` step ends (its HTTP handler's
-  awaits resume between engine steps; 1 = at the next step, as an idle worker takes it at once).
+- a new request reaches a busy colocated worker's scheduler only after ``admit_steps`` step ends (its HTTP
+  handler's awaits resume between engine steps, behind the streaming of the whole batch's tokens; 1 = at the
+  next step; an idle worker takes it at once). Prefill workers stream nothing between steps: not applied.
 - KV capacity (when the config fixes it): a sequence holds prompt + output tokens from admission (decode:
   from its reservation) to its end, and waits while they do not fit.
 - (replays of recorded runs only, ``cold_mixed_steps``) a fresh colocated worker's first mixed steps each cost
@@ -197,11 +198,8 @@ class Simulator:
         self._decode_of[r.index] = d
         p = self._least(self.prefill)
         p.assigned += 1
-        if p.busy and self.admit_steps > 0:
-            p.joining.append([r, self.admit_steps, "waiting"])
-        else:
-            p.waiting.append(r)
-            self._kick(p)
+        p.waiting.append(r)
+        self._kick(p)
 
     # --- one engine step ----------------------------------------------------------------------------
     def _kick(self, w: Worker) -> None:
