@@ -7,11 +7,13 @@ measured
   (``gpu_issue16/prefill_after_out16.json``: ``per_prefill_ms.in_step`` 47.8 ms);
 - decode steps *on the serving path*: every decode worker of the recorded SLO-study runs
   (``gpu_issue16/slo_study_1p1d*.json.gz``, ``gpu_issue19/slo_study_x4_*p*d.json.gz``), per point: mean step
-  (step seconds / steps of the worker's ``/metrics``), mean batch (generated tokens / steps) and the context
-  those tokens attended to (from the requests' lengths), ``planner.serving_records``. These fit
-  8.6 ms + 0.14 us per token of context: the fixed part is 3.8 ms above ``engine.step()`` timed alone (4.84 ms
-  at batch 1, ``gpu_engine_2026-11-29_run2.json``), host work of a loaded worker that the engine bench lacks;
-  the per-context slope agrees with the engine's (0.12 us);
+  (step seconds / steps of the worker's ``/metrics``) plus the host work between steps (wall - step - idle
+  between two points of one server; a server's first point takes the median of the others, marked derived),
+  mean batch (generated tokens / steps) and the context those tokens attended to (from the requests'
+  lengths), ``planner.serving_records``. They fit 9.3 ms + 0.14 us per token of context per step cycle; in
+  the step alone 8.4 ms, where ``engine.step()`` timed alone takes 4.84 ms at batch 1
+  (``gpu_engine_2026-11-29_run2.json``): host work of a loaded worker that the engine bench lacks. The
+  per-context slope agrees with the engine's (0.12 us);
 - the disaggregated hand-off: the first inter-token gap of every disaggregated request of those runs grows
   with the decode worker's step (about 33 ms + 6.8 steps: the decode worker's handlers for the hand-off
   resume only between its engine steps), hence ``handoff_ms`` and ``handoff_steps``;
@@ -55,8 +57,8 @@ ADMIT_STEPS = 3
 SERVING_RUNS = ("gpu_issue16/slo_study_1p1d*.json.gz", "gpu_issue19/slo_study_x4_*p*d.json.gz")
 
 
-def serving_decode_points(results: Path) -> tuple[tuple[DecodePoint, ...], float, int]:
-    """(decode points of the loaded decode workers, handoff_ms, handoff_steps) from the recorded runs."""
+def serving_decode_points(results: Path) -> tuple[tuple[DecodePoint, ...], float, float]:
+    """(decode points of the loaded decode workers, hand-off intercept ms, slope in steps) from the records."""
     pts = [p for pattern in SERVING_RUNS for f in sorted(results.glob(pattern)) for p in decode_worker_points(f)]
     if not pts:
         raise FileNotFoundError(f"no recorded SLO-study runs under {results} ({', '.join(SERVING_RUNS)})")
