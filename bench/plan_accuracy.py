@@ -207,6 +207,13 @@ def main() -> None:
             + ", ".join(f"{m[k]:.0%}/{p[k]:.0%}/{c[k]:.0%}" for k in m)
             + f"  (cold stalls per worker {r['cold_stalls'][0]} x {r['cold_stalls'][1]} ms)"
         )
+    fit = records.admission_fit(prof, RESULTS / "gpu_issue16")
+    print("\ncolocated TTFT P50 (ms), warm points: measured, replayed with admit_steps 1..4 (the profile uses 3)")
+    for r in fit:
+        print(
+            f"  {r['run']:<36} {r['workload']:<8} {r['rate']:>4g}: {r['measured']:6.1f} | "
+            + " ".join(f"{r[k]:6.1f}" for k in r if k.startswith("k"))
+        )
     study = records.slo_study(prof, RESULTS / "gpu_issue16", continuous=not args.skip_continuous)
     print("\ntwo H200s, SLO study (section 9): attainment measured / predicted per point")
     for r in study["points"]:
@@ -245,7 +252,13 @@ def main() -> None:
                 f"({r['per_gpu']} per GPU)  {r['bottleneck']}"
             )
     if args.out:
-        doc = {"two_gpu_2026_11_29": rows, "four_gpu_predicted": four, "four_gpu_replay": x4, "slo_study": study}
+        doc = {
+            "two_gpu_2026_11_29": rows,
+            "four_gpu_predicted": four,
+            "four_gpu_replay": x4,
+            "slo_study": study,
+            "admission_fit": fit,
+        }
         Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
 
 

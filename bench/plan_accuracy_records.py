@@ -7,7 +7,9 @@ grid, for measured and predicted attainment alike.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import statistics
 from pathlib import Path
 
 from gpu_slo_study_report import BASE, SCALES, meets
@@ -16,7 +18,7 @@ from planner.layouts import Layout
 from planner.profile import Profile
 from planner.replay import attained, cold_start, layout_of_run, replay
 from planner.search import Planner
-from planner.serving_records import read_run
+from planner.serving_records import read_run, stall_events
 from planner.slo import SLO
 from planner.workload import Workload
 
@@ -161,3 +163,22 @@ def four_gpu(prof: Profile, folder: Path) -> list[dict]:
             }
         )
     return out
+
+
+def admission_fit(prof: Profile, folder: Path, ks: tuple[int, ...] = (1, 2, 3, 4)) -> list[dict]:
+    """The colocated TTFT P50 of every warm colocated point (no stalls), measured and replayed with each
+    ``admit_steps``: the table the profile's constant (``planner.from_results.ADMIT_STEPS``) is read from."""
+    rows = []
+    for name in SLO_STUDY_FLASH[1:] + SLO_STUDY_FIRST[1:]:
+        doc = read_run(folder / name)
+        for pt in doc["points"]:
+            if stall_events(pt) or (name in SLO_STUDY_FIRST and pt["workload"] != "long"):
+                continue
+            recs = sorted((r for r in pt["result"]["requests"] if not r.get("warmup")), key=lambda r: r["index"])
+            row = {"run": name, "workload": pt["workload"], "rate": pt["rate"]}
+            row["measured"] = round(statistics.median(r["ttft"] * 1000 for r in recs[pt["ramp"] :]), 1)
+            for k in ks:
+                lat = replay(dataclasses.replace(prof, admit_steps=k), doc, pt)
+                row[f"k{k}"] = round(statistics.median(x["ttft"] for x in lat), 1)
+            rows.append(row)
+    return rows

@@ -51,8 +51,9 @@ def _read(path: Path) -> dict:
     return json.loads(path.read_text())
 
 
-# A new request reaches a busy worker's scheduler after this many step ends: fitted to the colocated replicas'
-# TTFT P50 of the recorded SLO-study runs (0..4 tried; 3 within 15 % at every steady point: PERFORMANCE.md 10).
+# A new request reaches a busy colocated worker's scheduler after this many step ends: read off the colocated
+# replicas' TTFT P50 of the recorded SLO-study runs (1..4 replayed by bench/plan_accuracy.py; 3 is within 15 %
+# at each of the four points without a stall: docs/PERFORMANCE.md section 10).
 ADMIT_STEPS = 3
 SERVING_RUNS = ("gpu_issue16/slo_study_1p1d*.json.gz", "gpu_issue19/slo_study_x4_*p*d.json.gz")
 
