@@ -57,6 +57,8 @@ def test_h200_profile_round_trips_and_marks_origins(tmp_path):
         (lambda d: d.update(decode=[]), "decode"),
         (lambda d: d["kv_transfer"][0].update(origin="guessed"), "origin"),
         (lambda d: d["prefill"][0].update(batch=1.5), "batch"),
+        (lambda d: d.update(handoff_steps=-1), "handoff_steps"),
+        (lambda d: d.update(admit_steps=1.5), "admit_steps"),
     ],
 )
 def test_bad_profiles_are_refused_naming_the_field(mutate, words):
