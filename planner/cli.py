@@ -151,6 +151,11 @@ def cmd_plan(args) -> int:
         print(f"\nconfig ({cfg_path}{'' if args.write_config else ', not written: pass --write-config FILE'}):")
         print(text.rstrip())
     print("\ndeploy the winner:\n  " + deploy.serve_command(best.layout, prof.device, prof.model, cfg_path))
+    if best.layout.mode == "colocated" and prof.device != "cpu":
+        print(
+            "  (a steady-state figure: a fresh colocated GPU worker stalls ~0.4 s on each of its first few mixed "
+            "prefill+decode steps; warm it up before it takes load; docs/PERFORMANCE.md section 10)"
+        )
     if args.explain:
         rates = _explain_rates(evals[: args.top])
         print("\nattainment vs rate (req/s: attainment, TTFT P90 ms, TPOT P90 ms):")

@@ -5,36 +5,83 @@ measured
 - prefill 1 x 2048: 48.3 ms, the engine step alone (``gpu_issue16/kv_sizing.json``: ``step_ms_median``);
 - prefill 2 x 2048: twice the prefill worker's in-step time per prompt at two prompts per step
   (``gpu_issue16/prefill_after_out16.json``: ``per_prefill_ms.in_step`` 47.8 ms);
-- decode 1 x 128: 4.84 ms and decode 64 x ~1045: 12.84 ms, engine ``step()`` with CUDA graphs
-  (``gpu_engine_2026-11-29_run2.json``: ``engine_7b.decode_b1`` / ``decode_b64_ctx1024``);
+- decode steps *on the serving path*: every decode worker of the recorded SLO-study runs
+  (``gpu_issue16/slo_study_1p1d*.json.gz``, ``gpu_issue19/slo_study_x4_*p*d.json.gz``), per point: mean step
+  (step seconds / steps of the worker's ``/metrics``) plus the host work between steps (wall - step - idle
+  between two points of one server; a server's first point takes the median of the others, marked derived),
+  mean batch (generated tokens / steps) and the context those tokens attended to (from the requests'
+  lengths), ``planner.serving_records``. They fit 9.3 ms + 0.14 us per token of context per step cycle; in
+  the step alone 8.4 ms, where ``engine.step()`` timed alone takes 4.84 ms at batch 1
+  (``gpu_engine_2026-11-29_run2.json``): host work of a loaded worker that the engine bench lacks. The
+  per-context slope agrees with the engine's (0.12 us);
+- the disaggregated hand-off: the first inter-token gap of every disaggregated request of those runs grows
+  with the decode worker's step (about 33 ms + 6.8 steps: the decode worker's handlers for the hand-off
+  resume only between its engine steps), hence ``handoff_ms`` and ``handoff_steps``;
 - KV pull of 1 GiB (one 2048-token prompt) GPU 0 -> GPU 1 over cuda_ipc: 3.89 ms median, connection reused
   (``kv_transfer_gpu_x2_2026-11-29_run2.json``: ``cuda_ipc_pool.pull_s_median``).
 derived
-- prefill 1 x 128 and 1 x 512: the 2048 point split into the decode step's fixed part (4.84 ms: reading the
+- prefill 1 x 512: the 2048 point split into the decode step's fixed part (4.84 ms: reading the
   weights once), attention (quadratic in the length: flash attention at 2048 measured 178 us per layer,
-  ``prefill_parts.attn_flash``, x 32 layers) and the rest linear in tokens;
-- decode 64 x 128: linear in the batch's total context between the two measured decode points (the step
-  reads the weights once plus each sequence's KV);
+  ``prefill_parts.attn_flash``, x 32 layers) and the rest linear in tokens; 1 x 128 and 1 x 256: that, but
+  at least the eager forward's launch floor (a prefill runs without CUDA graphs): 11.2 ms, the engine's eager
+  one-token step (``engine_7b.decode_b1.eager_fused``). The loaded prefill workers' TTFT of the shortest
+  ShareGPT prompts (P10 19 ms, of which 6 ms ``overhead_ttft_ms``) agrees;
 - KV pull of 64 MiB (128 tokens): the 1 GiB pull's control phases (connect, PULL -> reply, ACK -> DONE) plus
   the copy scaled by bytes.
-Everything beyond these (batches above 64 x 1045, more than two prompts per step) is a linear extrapolation
-made by ``planner.latency``. Not in the profile: the serving path's host costs under load (HTTP, router,
-staging threads); ``overhead_ttft_ms`` (6 ms) is the lowest-rate TTFT P50 of the two-GPU long study minus the
-prefill step, the only calibration taken from a serving run.
+Everything beyond these (more than two prompts per step, decode batches above ~35) is an extrapolation
+made by ``planner.latency``. ``overhead_ttft_ms`` (6 ms) is the lowest-rate TTFT P50 of the two-GPU long study
+minus the prefill step. The prefill points are the engine's: the prefill workers of the same runs measured
+47.1-47.8 ms per 2 048-token prompt in their steps, the engine 48.3 ms.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import statistics
 from pathlib import Path
 
 from planner.profile import DecodePoint, PrefillPoint, Profile, TransferPoint
+from planner.serving_records import decode_worker_points, fit_handoff
 
 KV_BYTES_PER_TOKEN = 32 * 2 * 32 * 128 * 2  # layers x (K, V) x heads x head dim x bf16 = 512 KiB
 
 
 def _read(path: Path) -> dict:
     return json.loads(path.read_text())
+
+
+# A new request reaches a busy colocated worker's scheduler after this many step ends: read off the colocated
+# replicas' TTFT P50 of the recorded SLO-study runs (1..4 replayed by bench/plan_accuracy.py; 3 is within 15 %
+# at each of the four points without a stall: docs/PERFORMANCE.md section 10).
+ADMIT_STEPS = 3
+SERVING_RUNS = ("gpu_issue16/slo_study_1p1d*.json.gz", "gpu_issue19/slo_study_x4_*p*d.json.gz")
+
+
+def serving_decode_points(results: Path) -> tuple[tuple[DecodePoint, ...], float, float]:
+    """(decode points of the loaded decode workers, hand-off intercept ms, slope in steps) from the records."""
+    pts = [p for pattern in SERVING_RUNS for f in sorted(results.glob(pattern)) for p in decode_worker_points(f)]
+    if not pts:
+        raise FileNotFoundError(f"no recorded SLO-study runs under {results} ({', '.join(SERVING_RUNS)})")
+    known = [p.host_ms_per_step for p in pts if math.isfinite(p.host_ms_per_step)]
+    host_median = statistics.median(known) if known else 0.0
+    out = []
+    for p in pts:
+        batch = max(1, round(p.mean_batch))
+        host = p.host_ms_per_step if math.isfinite(p.host_ms_per_step) else host_median
+        out.append(
+            DecodePoint(
+                batch,
+                max(1, round(p.context_total / p.steps / batch)),
+                p.mean_step_ms + host,
+                "measured" if math.isfinite(p.host_ms_per_step) else "derived",
+                f"serving path, {p.source}: mean step + host work between steps ({host:.2f} ms"
+                + ("" if math.isfinite(p.host_ms_per_step) else ", the median of the other points: first point")
+                + f") of the worker's /metrics, mean batch {p.mean_batch:.1f}",
+            )
+        )
+    intercept, slope = fit_handoff(pts)
+    return tuple(out), intercept, slope
 
 
 def build_h200_profile(results: Path) -> Profile:
@@ -53,16 +100,20 @@ def build_h200_profile(results: Path) -> Profile:
     per_tok = (p2048 - d1 - attn_2048) / 2048
     per_tok2 = attn_2048 / 2048**2
 
-    def derived_prefill(n: int) -> float:
-        return d1 + per_tok * n + per_tok2 * n * n
+    eager_floor = eng["decode_b1"]["eager_fused"]["step_ms_median"]  # an eager forward of one token: launch-bound
 
-    per_ctx = (d64_ms - d1) / (64 * d64_ctx - 128)
+    def derived_prefill(n: int) -> float:
+        # a prefill runs eagerly (no CUDA graph): a short one costs at least the eager launch floor
+        return max(eager_floor, d1 + per_tok * n + per_tok2 * n * n)
+
     pool = kvx["cuda_ipc_pool"]
     phases = pool["phases_s_median"]
     control_ms = (phases["connect_s"] + phases["pull_to_header_s"] + phases["ack_to_done_s"]) * 1000
     copy_ms_per_byte = phases["copy_s"] * 1000 / kvx["nbytes"]
     small = 128 * KV_BYTES_PER_TOKEN
     src = "from bench/results: "
+    decode, handoff_icpt, handoff_slope = serving_decode_points(results)
+    pull_2048 = pool["pull_s_median"] * 1000
     return Profile(
         device="cuda",
         device_name="NVIDIA H200 (from recorded results)",
@@ -74,13 +125,10 @@ def build_h200_profile(results: Path) -> Profile:
             PrefillPoint(1, 2048, p2048, "measured", src + "gpu_issue16/kv_sizing.json step_ms_median"),
             PrefillPoint(2, 2048, 2 * in_step, "measured", src + "gpu_issue16/prefill_after_out16.json in_step x 2"),
             PrefillPoint(1, 512, derived_prefill(512), "derived", "fixed + linear + flash-attention share of 2048"),
-            PrefillPoint(1, 128, derived_prefill(128), "derived", "fixed + linear + flash-attention share of 2048"),
+            PrefillPoint(1, 256, derived_prefill(256), "derived", "eager launch floor (eager decode_b1 step)"),
+            PrefillPoint(1, 128, derived_prefill(128), "derived", "eager launch floor (eager decode_b1 step)"),
         ),
-        decode=(
-            DecodePoint(1, 128, d1, "measured", src + "gpu_engine_2026-11-29_run2.json decode_b1 graphs"),
-            DecodePoint(64, round(d64_ctx), d64_ms, "measured", src + "gpu_engine_2026-11-29_run2.json decode_b64"),
-            DecodePoint(64, 128, d1 + per_ctx * (64 * 128 - 128), "interpolated", "linear in total context"),
-        ),
+        decode=decode,
         kv_transfer=(
             TransferPoint(
                 kvx["nbytes"],
@@ -91,7 +139,13 @@ def build_h200_profile(results: Path) -> Profile:
             TransferPoint(small, control_ms + copy_ms_per_byte * small, "derived", "control phases + scaled copy"),
         ),
         overhead_ttft_ms=6.0,
+        handoff_ms=round(max(0.0, handoff_icpt - pull_2048), 1),
+        handoff_steps=max(0, round(handoff_slope - 0.5)),
+        admit_steps=ADMIT_STEPS,
         notes=(
+            f"engine.step() alone (not used for decode): batch 1 x 128 {d1:.2f} ms, 64 x {d64_ctx:.0f} {d64_ms:.2f} ms",
+            f"hand-off: first inter-token gap = {handoff_icpt:.1f} ms + {handoff_slope:.2f} decode steps (fit over "
+            f"{len(decode)} decode-worker points); simulated as handoff_ms + pull + handoff_steps busy steps + 1",
             "built by `distserve profile --from-results`; see planner/from_results.py for each point's source",
             "one GPU per worker; decode with CUDA graphs; prefill default max_num_batched_tokens 4096",
         ),

@@ -7,7 +7,10 @@ An engine step does three kinds of work, and its time is modelled as their sum:
 - attention: quadratic in each prompt's length for a prefill, linear in the total context for decode.
 Coefficients are least-squares fits over the profile's points with every coefficient kept >= 0 (a term the
 points cannot support is dropped), so the model interpolates between measured points and extrapolates
-linearly beyond them. A colocated step that mixes prefill chunks with decodes pays the fixed part once.
+linearly beyond them. The prefill and the decode fixed parts are fitted separately (on a serving path the
+decode step's fixed part can be the larger: host work per step that a long prefill hides); a colocated step
+that mixes prefill chunks with decodes pays the larger of the two once, and both variable parts (checked
+against the colocated replicas' measured step seconds in docs/PERFORMANCE.md section 10).
 """
 
 from __future__ import annotations
@@ -37,10 +40,10 @@ def _fit_nonneg(rows: list[list[float]], y: list[float]) -> list[float]:
 
 @dataclass(frozen=True)
 class LatencyModel:
-    fixed_ms: float  # shared by every step
+    fixed_ms: float  # a decode step's fixed part
     prefill_per_token_ms: float
     prefill_per_token2_ms: float  # per (prompt length)^2, summed over prompts
-    prefill_fixed_extra_ms: float  # what a prefill step costs beyond the decode step's fixed part
+    prefill_fixed_ms: float  # a prefill step's fixed part (a mixed step pays max(fixed_ms, this) once)
     decode_per_seq_ms: float
     decode_per_ctx_ms: float  # per token of context, summed over the batch
     kv_fixed_ms: float
@@ -51,9 +54,9 @@ class LatencyModel:
     def fit(cls, profile: Profile) -> LatencyModel:
         d = _fit_nonneg([[1.0, p.batch, p.batch * p.context] for p in profile.decode], [p.ms for p in profile.decode])
         fixed = d[0]
-        # prefill: the rest after the decode fixed part, as extra fixed + per token + per token^2
+        # prefill: its own fixed part + per token + per token^2
         rows = [[1.0, p.batch * p.tokens, p.batch * p.tokens**2] for p in profile.prefill]
-        pf = _fit_nonneg(rows, [max(0.0, p.ms - fixed) for p in profile.prefill])
+        pf = _fit_nonneg(rows, [p.ms for p in profile.prefill])
         if len(profile.kv_transfer) >= 2:
             kv = _fit_nonneg([[1.0, p.bytes] for p in profile.kv_transfer], [p.ms for p in profile.kv_transfer])
         else:
@@ -72,10 +75,12 @@ class LatencyModel:
     ) -> float:
         """One engine step: ``prefill_chunks`` as (new tokens, context before them) per prompt, plus a
         decode batch of ``decode_batch`` sequences holding ``decode_context`` tokens in all."""
-        t = self.fixed_ms
+        if prefill_chunks:
+            t = max(self.fixed_ms, self.prefill_fixed_ms) if decode_batch else self.prefill_fixed_ms
+        else:
+            t = self.fixed_ms
         pf = 0.0
         if prefill_chunks:
-            pf = self.prefill_fixed_extra_ms
             for new, before in prefill_chunks:
                 # attention over the chunk: (before+new)^2 - before^2 keeps a chunked prompt's total exact
                 pf += self.prefill_per_token_ms * new + self.prefill_per_token2_ms * ((before + new) ** 2 - before**2)

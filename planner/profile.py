@@ -76,6 +76,8 @@ class Profile:
     threads: tuple[ThreadPoint, ...] = ()
     overhead_ttft_ms: float = 0.0  # fixed serving-path cost on every TTFT (router, HTTP)
     handoff_ms: float = 0.0  # disaggregated: router -> decode worker -> first decode token, beyond the KV pull
+    handoff_steps: int = 0  # ... and this many engine steps of a busy decode worker (handlers run between steps)
+    admit_steps: int = 0  # a new request reaches a busy worker's scheduler after this many step ends (0, 1: next)
     notes: tuple[str, ...] = field(default_factory=tuple)
 
     def to_dict(self) -> dict[str, Any]:
@@ -194,6 +196,10 @@ def from_dict(data: Any) -> Profile:
         if "overhead_ttft_ms" in data
         else 0.0,
         handoff_ms=float(_num(data, "handoff_ms", "profile", positive=False)) if "handoff_ms" in data else 0.0,
+        handoff_steps=_num(data, "handoff_steps", "profile", positive=False, integer=True)
+        if "handoff_steps" in data
+        else 0,
+        admit_steps=_num(data, "admit_steps", "profile", positive=False, integer=True) if "admit_steps" in data else 0,
         notes=tuple(notes),
     )
 

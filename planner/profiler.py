@@ -17,6 +17,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 
@@ -36,7 +37,7 @@ class Sweep:
 
 CPU_SWEEP = Sweep(
     prefill=((1, 32), (1, 128), (1, 512), (4, 128)),
-    decode=((1, 128), (8, 128), (32, 128), (16, 512)),
+    decode=((1, 128), (8, 128), (32, 128), (8, 512)),
     kv_tokens=(16, 128, 512, 2048),
     repeats=3,
     decode_steps=8,
@@ -112,24 +113,32 @@ class EngineProbe:
         return min(out)
 
     def decode_ms(self, batch: int, context: int, steps: int, repeats: int) -> float:
+        """The fastest of ``repeats`` windows of ``steps`` decode steps, all on one batch prefilled once (the
+        prefill of the context is most of a decode point's cost on a CPU); the context grows by ``steps`` per
+        window, so the point's context is ``context`` + half the tokens decoded (``decode_context``)."""
+        self._salt += 1
+        total = steps * (repeats + 1)
+        for i in range(batch):
+            self.engine.add_request(f"d{self._salt}-{i}", _prompt(i, context, self._salt), self._params(total + 2))
+        while any(s.is_prefill for s in self.engine.requests.values()):
+            self.engine.step()
         out = []
         for r in range(repeats + 1):
-            self._salt += 1
-            for i in range(batch):
-                self.engine.add_request(f"d{self._salt}-{i}", _prompt(i, context, self._salt), self._params(steps + 2))
-            while any(s.is_prefill for s in self.engine.requests.values()):
-                self.engine.step()
             self._sync()
             t0 = time.perf_counter()
             for _ in range(steps):
                 self.engine.step()
             self._sync()
-            dt = (time.perf_counter() - t0) / steps
-            while self.engine.has_unfinished_requests():
-                self.engine.step()
-            if r:
-                out.append(dt * 1000)
+            if r:  # the first window warms up
+                out.append((time.perf_counter() - t0) / steps * 1000)
+        while self.engine.has_unfinished_requests():
+            self.engine.step()
         return min(out)
+
+
+def decode_context(context: int, sweep: Sweep) -> int:
+    """The mean context of a decode point's timed windows (see ``EngineProbe.decode_ms``)."""
+    return context + sweep.decode_steps * (sweep.repeats + 1) // 2
 
 
 def measure_kv(
@@ -166,43 +175,58 @@ def measure_kv(
 
 
 def _neighbour_main(model: str | None) -> None:
-    """A neighbour process: steps a decode batch with one thread until its stdin closes."""
+    """A neighbour process: once told "go" on stdin, steps a decode batch with one thread until stdin closes."""
     torch.set_num_threads(1)
     probe = EngineProbe(model, "cpu", threads=1)
     print("ready", flush=True)
+    if sys.stdin.readline().strip() != "go":
+        return
     import select
 
     while not select.select([sys.stdin], [], [], 0)[0]:
         probe.decode_ms(16, 128, 4, 1)
 
 
-def measure_threads(model: str | None, repeats: int, log) -> list[ThreadPoint]:
+def measure_threads(model: str | None, repeats: int, log, settle=lambda: None) -> list[ThreadPoint]:
     """Prefill (1 x 128) and decode (8 x 128) steps with T threads, alone and beside one neighbour.
 
     Ratios of minimums over the repeats: on a shared machine the minimum is the step undisturbed by other
-    users' processes, so the ratio isolates what the thread count and the neighbour do."""
+    users' processes, so the ratio isolates what the thread count and the neighbour do. The neighbour process
+    starts first and waits (its torch import overlaps ``settle``, e.g. the serving measurement's shutdown);
+    nothing is timed before ``settle()`` returned and the neighbour is ready."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    child = None
+    if cpus > 1:
+        child = subprocess.Popen(
+            [sys.executable, "-m", "planner.profiler", "--neighbour"],
+            env={**os.environ, "DISTSERVE_PROFILE_MODEL": model or ""},
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
     base: dict[str, float] = {}
     points = []
-    for neighbours in (0, 1) if cpus > 1 else (0,):
-        child = None
-        if neighbours:
-            child = subprocess.Popen(
-                [sys.executable, "-m", "planner.profiler", "--neighbour"],
-                env={**os.environ, "DISTSERVE_PROFILE_MODEL": model or ""},
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                text=True,
-            )
+    try:
+        settle()
+        if child is not None:
             assert child.stdout is not None
             if child.stdout.readline().strip() != "ready":
                 raise RuntimeError("the neighbour process of the thread-split measurement did not start")
-        try:
+        for neighbours in (0, 1) if child is not None else (0,):
+            if neighbours and child is not None:
+                assert child.stdin is not None
+                child.stdin.write("go\n")
+                child.stdin.flush()
             for threads in sorted({1, cpus - neighbours} - {0}):
                 torch.set_num_threads(threads)
                 probe = EngineProbe(model, "cpu", threads=threads)
-                pf = min(probe.prefill_ms(1, 128, 1) for _ in range(repeats + 1))
-                dc = min(probe.decode_ms(8, 128, 8, 1) for _ in range(repeats + 1))
+                pf = probe.prefill_ms(1, 128, 1)
+                # many times slower (threads spinning on cores other users hold): clear at once, and each
+                # further repeat would cost seconds, so it is not repeated
+                slow = bool(base) and pf > 3 * base["prefill"]
+                if not slow:
+                    pf = min(pf, probe.prefill_ms(1, 128, repeats))
+                dc = probe.decode_ms(8, 128, 2, 1) if slow else probe.decode_ms(8, 128, 4, repeats + 1)
                 if not base:
                     base = {"prefill": pf, "decode": dc}
                 # a neighbour cannot make a step faster: a ratio below 1 is noise in the base, kept at 1
@@ -215,61 +239,54 @@ def measure_threads(model: str | None, repeats: int, log) -> list[ThreadPoint]:
                     f"threads {threads}, neighbours {neighbours}: prefill x{pf / base['prefill']:.2f}, "
                     f"decode x{dc / base['decode']:.2f}"
                 )
-        finally:
-            if child is not None:
-                assert child.stdin is not None
-                child.stdin.close()
-                child.wait(timeout=30)
+    finally:
+        if child is not None:
+            assert child.stdin is not None
+            child.stdin.close()
+            child.wait(timeout=30)
     torch.set_num_threads(1)
     return points
 
 
 def measure_serving(
     model: str | None, device: str, prefill_128_ms: float, kv_128_ms: float, decode_1_ms: float, log
-) -> tuple[float, float]:
-    """(overhead_ttft_ms, handoff_ms) from a real ``distserve serve`` (1 prefill + 1 decode worker) sending 8
-    requests one at a time (128-token prompt, 2 output tokens): the TTFT beyond the prefill step, and the one
-    TPOT gap beyond the KV pull and a decode step (router -> decode worker, reservation, scatter, stream)."""
-    import json
+) -> tuple[float, float, threading.Thread]:
+    """(overhead_ttft_ms, handoff_ms, stopping) from a real ``distserve serve`` (1 prefill + 1 decode worker)
+    sent 8 requests one at a time (128-token prompt, 2 output tokens, distbench in this process): the TTFT
+    beyond the prefill step, and the one TPOT gap beyond the KV pull and a decode step (router -> decode
+    worker, reservation, scatter, stream). The server stops (by PID, gracefully: a few seconds) in the
+    returned thread, so the caller can overlap that wait with work that is not timed; join it."""
     import tempfile
     from pathlib import Path
 
+    from distbench.loadgen import RunSpec
+    from distbench.runner import Options, Workload
+    from distbench.runner import run as run_distbench
     from distbench.target import ServeProcess
 
-    with tempfile.TemporaryDirectory(prefix="distserve-profile-") as tmp:
-        cfg = {"router": {"port": 0}, **({"model": model} if model else {})}
-        extra = [] if device == "cpu" else ["--device", device]
-        with ServeProcess(Path(tmp) / "serve", config=cfg, extra_args=extra) as srv:
-            out = Path(tmp) / "r.json"
-            cmd = [
-                sys.executable,
-                "-m",
-                "distbench",
-                "run",
-                "--url",
-                srv.url,
-                "--prompt-len",
-                "128",
-                "--output-len",
-                "2",
-                "--concurrency",
-                "1",
-                "--num-prompts",
-                "8",
-                "--warmup",
-                "2",
-                "--no-progress",
-                "--save-result",
-                str(out),
-            ]
-            subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
-            if not out.exists():
-                log("serving measurement failed: overhead and hand-off left at 0")
-                return 0.0, 0.0
-            recs = [r for r in json.loads(out.read_text())["requests"] if not r["warmup"] and not r["error"]]
+    tmp = tempfile.TemporaryDirectory(prefix="distserve-profile-")
+    cfg = {"router": {"port": 0}, **({"model": model} if model else {})}
+    extra = [] if device == "cpu" else ["--device", device]
+    srv = ServeProcess(Path(tmp.name) / "serve", config=cfg, extra_args=extra)
+
+    def stop() -> None:
+        try:
+            srv.stop()
+        finally:
+            tmp.cleanup()
+
+    stopping = threading.Thread(target=stop, name="profile-serve-stop")
+    try:
+        spec = RunSpec(url=srv.url, strategy="closed", concurrency=1, num_prompts=8, warmup=2, timeout_s=120.0)
+        res = run_distbench(Options(spec, Workload(prompt_len="128", output_len="2"), progress=False, token=srv.token))
+        recs = [r for r in res["requests"] if not r.get("warmup") and not r.get("error")]
+    except Exception as e:  # noqa: BLE001 - the profile stays usable without the serving path
+        log(f"serving measurement failed ({type(e).__name__}: {e}): overhead and hand-off left at 0")
+        recs = []
+    stopping.start()
     if not recs:
         log("serving measurement: no request succeeded; overhead and hand-off left at 0")
-        return 0.0, 0.0
+        return 0.0, 0.0, stopping
     ttft = statistics.median(r["ttft"] * 1000 for r in recs)
     gaps = [r["tpot"] * 1000 for r in recs if r.get("tpot")]
     gap = statistics.median(gaps) if gaps else 0.0
@@ -279,7 +296,7 @@ def measure_serving(
         f"serving path: TTFT {ttft:.1f} ms (+{overhead:.1f} over the prefill step), first decode gap {gap:.1f} ms "
         f"(hand-off {handoff:.1f} ms beyond the pull and a step)"
     )
-    return overhead, handoff
+    return overhead, handoff, stopping
 
 
 def measure(
@@ -303,19 +320,30 @@ def measure(
         log(f"prefill {b} x {n}: {ms:.2f} ms")
     for b, c in sweep.decode:
         ms = probe.decode_ms(b, c, sweep.decode_steps, sweep.repeats)
-        decode.append(DecodePoint(b, c, ms))
+        decode.append(DecodePoint(b, decode_context(c, sweep), ms))
         log(f"decode {b} x {c}: {ms:.2f} ms")
     kvb = probe.kv_bytes_per_token()
     kv = measure_kv(probe.engine.runner.kv_shape, probe.engine.dtype, sweep.kv_tokens, transport, sweep.repeats)
     for p in kv:
         log(f"kv {p.bytes / 2**20:.1f} MiB: {p.ms:.2f} ms")
-    p128, kv128, d1 = probe.prefill_ms(1, 128, sweep.repeats), 0.0, decode[0].ms
-    kv128 = measure_kv(probe.engine.runner.kv_shape, probe.engine.dtype, (128,), transport, sweep.repeats)[0].ms
+    # the serving path's references: a 1 x 128 prefill, a 128-token pull and a batch-1 decode step (reused
+    # from the sweep when it has them)
+    p128 = next((p.ms for p in prefill if (p.batch, p.tokens) == (1, 128)), None)
+    if p128 is None:
+        p128 = probe.prefill_ms(1, 128, sweep.repeats)
+    kv128 = next((p.ms for p, n in zip(kv, sweep.kv_tokens, strict=True) if n == 128), None)
+    if kv128 is None:
+        kv128 = measure_kv(probe.engine.runner.kv_shape, probe.engine.dtype, (128,), transport, sweep.repeats)[0].ms
+    d1 = decode[0].ms
     del probe
-    overhead, handoff = (
-        measure_serving(model, device, p128, kv128, d1, log) if serving else (5.0 if on_cpu else 2.0, 0.0)
-    )
-    tpoints = measure_threads(model, 1, log) if (threads and on_cpu) else []
+    stopping: threading.Thread | None = None
+    if serving:
+        overhead, handoff, stopping = measure_serving(model, device, p128, kv128, d1, log)
+    else:
+        overhead, handoff = (5.0 if on_cpu else 2.0), 0.0
+    settle = stopping.join if stopping is not None else (lambda: None)
+    tpoints = measure_threads(model, 1, log, settle) if (threads and on_cpu) else []
+    settle()
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     if on_cpu:
         name = f"{cpus}-vCPU {platform.machine()}"

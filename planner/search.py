@@ -37,6 +37,8 @@ class Planner:
     device: str = "cuda"
     seed: int = 0
     handoff_ms: float = 0.0
+    handoff_steps: int = 0
+    admit_steps: int = 0
     min_duration_s: float = 30.0  # arrivals span at least this long: a burst of a few requests is no load
     max_requests: int = 6000
 
@@ -51,6 +53,8 @@ class Planner:
             prof.device,
             seed,
             handoff_ms=prof.handoff_ms,
+            handoff_steps=prof.handoff_steps,
+            admit_steps=prof.admit_steps,
         )
 
     def run(self, layout: Layout, rate: float, n: int | None = None) -> SimResult:
@@ -67,6 +71,8 @@ class Planner:
             self.overhead_ttft_ms,
             self.seed,
             self.handoff_ms,
+            self.handoff_steps,
+            self.admit_steps,
         )
 
     def ok(self, layout: Layout, rate: float) -> bool:

@@ -9,13 +9,20 @@ What it simulates, with the server's own policies (``server/engine/scheduler.py`
 - the router sends each request to the least-loaded worker of each role, charging a decode worker from
   the pick; disaggregated: prefill (token #1), then the decode worker reserves a slot (back-pressure
   while it has ``max_num_seqs`` sequences), pulls the KV (``kv_ms(bytes)``) and decodes the rest; the
-  hand-off itself (router -> decode worker request, reservation, scatter, stream back) costs ``handoff_ms``;
+  hand-off itself (router -> decode worker request, reservation, scatter, stream back) costs ``handoff_ms``
+  and then ``handoff_steps`` engine steps of a busy decode worker (its handlers resume only between steps,
+  one await per step; an idle worker runs them at once);
 - a prefill worker's reply leaves after the *next* step when it has more work (the engine step runs on the
   worker's event loop, so the handler awaiting the staged KV resumes only between steps; measured in
   docs/PERFORMANCE.md section 8);
-- a fixed serving-path cost (``overhead_ttft_ms``) on every TTFT.
+- a fixed serving-path cost (``overhead_ttft_ms``) on every TTFT;
+- a new request reaches a busy colocated worker's scheduler only after ``admit_steps`` step ends (its HTTP
+  handler's awaits resume between engine steps, behind the streaming of the whole batch's tokens; 1 = at the
+  next step; an idle worker takes it at once). Prefill workers stream nothing between steps: not applied.
 - KV capacity (when the config fixes it): a sequence holds prompt + output tokens from admission (decode:
   from its reservation) to its end, and waits while they do not fit.
+- (replays of recorded runs only, ``cold_mixed_steps``) a fresh colocated worker's first mixed steps each cost
+  a measured stall more (first-use kernel builds of its eager mixed-step path).
 It ignores: preemption (admission waits instead), prefix caching, the router's and the client's CPU, network
 jitter, contention between concurrent KV pulls, and sampling (output lengths are exact, as with ignore_eos).
 """
@@ -64,6 +71,8 @@ class Worker:
     waiting: list[SimRequest] = field(default_factory=list)
     running: list[SimRequest] = field(default_factory=list)
     blocked: list[SimRequest] = field(default_factory=list)  # decode: waiting for a reservation
+    joining: list[list] = field(default_factory=list)  # [request, steps left, "running" | "waiting"] in handlers
+    cold_left: int = 0  # colocated: mixed steps that still pay the cold-start stall
     reserved: int = 0  # decode: slots reserved for KV in flight
     kv_used: int = 0  # tokens of KV held (prompt + output of every admitted sequence)
     assigned: int = 0  # router's load count
@@ -95,8 +104,14 @@ class Simulator:
         reply_after_next_step: bool = True,
         device: str = "cuda",
         handoff_ms: float = 0.0,
+        handoff_steps: int = 0,
+        cold_mixed_steps: tuple[int, float] = (0, 0.0),
+        admit_steps: int = 0,
     ) -> None:
         self.model, self.layout = model, layout
+        self.handoff_steps = handoff_steps
+        self.admit_steps = admit_steps
+        self.cold_stall_ms = cold_mixed_steps[1]
         self.kv_bytes_per_token = kv_bytes_per_token
         self.overhead = overhead_ttft_ms
         self.reply_after_next_step = reply_after_next_step
@@ -114,6 +129,8 @@ class Simulator:
             self.decode = [
                 Worker("decode", i, layout.decode, layout.decode_threads, many) for i in range(layout.num_decode)
             ]
+        for w in self.decode if layout.mode == "colocated" else ():
+            w.cold_left = cold_mixed_steps[0]
         self._events: list[tuple[float, int, str, Any]] = []
         self._seq = 0
         self.now = 0.0
@@ -141,8 +158,11 @@ class Simulator:
             elif kind == "kv_done":
                 req, w = obj
                 w.reserved -= 1
-                w.running.append(req)
-                self._kick(w)
+                if w.busy and self.handoff_steps > 0:
+                    w.joining.append([req, self.handoff_steps, "running"])
+                else:
+                    w.running.append(req)
+                    self._kick(w)
         end = max((r.done_at for r in reqs), default=0.0)
         start = min((r.arrival for r in reqs), default=0.0)
         lat = tuple(r.latencies(self.overhead) for r in reqs)
@@ -169,8 +189,11 @@ class Simulator:
         d = self._least(self.decode)
         d.assigned += 1
         if self.layout.mode == "colocated":
-            d.waiting.append(r)
-            self._kick(d)
+            if d.busy and self.admit_steps > 0:
+                d.joining.append([r, self.admit_steps, "waiting"])
+            else:
+                d.waiting.append(r)
+                self._kick(d)
             return
         self._decode_of[r.index] = d
         p = self._least(self.prefill)
@@ -189,11 +212,17 @@ class Simulator:
         if w.busy:
             return
         plan = self._schedule(w)
+        if plan is None and w.joining:  # idle: the handlers run at once
+            self._join(w, [j for j in w.joining])
+            plan = self._schedule(w)
         if plan is None:
             self._flush_replies(w)
             return
         chunks, decodes, ctx, scheduled = plan
         dt = self.model.step_ms(chunks, len(decodes), ctx, w.threads, w.neighbours)
+        if w.cold_left and chunks and decodes:
+            w.cold_left -= 1
+            dt += self.cold_stall_ms
         w.busy = True
         w.busy_ms += dt
         w.steps += 1
@@ -283,7 +312,17 @@ class Simulator:
                 self._admit_blocked(w)
         for s in ready:
             self._reply(s)
+        for j in w.joining:
+            j[1] -= 1
+        self._join(w, [j for j in w.joining if j[1] <= 0])
         self._kick(w)
+
+    @staticmethod
+    def _join(w: Worker, done: list[list]) -> None:
+        """Requests whose handlers finished: hand-offs start decoding, arrivals queue for admission."""
+        for j in done:
+            w.joining.remove(j)
+            (w.running if j[2] == "running" else w.waiting).append(j[0])
 
     def _flush_replies(self, w: Worker) -> None:
         ready, w.replies = w.replies, []
@@ -330,7 +369,12 @@ def simulate(
     overhead_ttft_ms: float = 0.0,
     seed: int = 0,
     handoff_ms: float = 0.0,
+    handoff_steps: int = 0,
+    admit_steps: int = 0,
 ) -> SimResult:
     arrivals = poisson_arrivals(len(lengths), rate_per_s, seed)
     reqs = [(a, p, o) for a, (p, o) in zip(arrivals, lengths, strict=True)]
-    return Simulator(model, layout, kv_bytes_per_token, overhead_ttft_ms, handoff_ms=handoff_ms).run(reqs)
+    sim = Simulator(
+        model, layout, kv_bytes_per_token, overhead_ttft_ms, handoff_ms=handoff_ms, handoff_steps=handoff_steps
+    )
+    return sim.run(reqs)

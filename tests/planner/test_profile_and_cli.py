@@ -37,8 +37,13 @@ def test_h200_profile_round_trips_and_marks_origins(tmp_path):
     assert {p.origin for p in back.prefill} == {"measured", "derived"}
     m = LatencyModel.fit(back)
     # the fit reproduces the measured points it came from
-    assert abs(m.prefill_ms([2048]) - 48.3) < 2.5
-    assert abs(m.decode_ms(1, 128) - 4.84) < 0.2
+    assert abs(m.prefill_ms([2048]) / 48.3 - 1) < 0.07  # one linear fit also holds the eager-floor short points
+    # decode: the loaded decode workers' own step times (serving path), each within 20 % of the fit
+    assert len(back.decode) >= 10 and all("serving path" in p.note for p in back.decode)
+    for p in back.decode:
+        assert abs(m.decode_ms(p.batch, p.batch * p.context) / p.ms - 1) < 0.2, p
+    assert m.fixed_ms > 4.84 + 2  # the serving step's fixed part is well above engine.step() alone
+    assert back.handoff_steps >= 3  # the hand-off spans several decode steps (first ITL ~ 33 ms + 6.8 steps)
     assert abs(m.kv_ms(1 << 30) - 3.89) < 0.1
 
 
@@ -52,6 +57,8 @@ def test_h200_profile_round_trips_and_marks_origins(tmp_path):
         (lambda d: d.update(decode=[]), "decode"),
         (lambda d: d["kv_transfer"][0].update(origin="guessed"), "origin"),
         (lambda d: d["prefill"][0].update(batch=1.5), "batch"),
+        (lambda d: d.update(handoff_steps=-1), "handoff_steps"),
+        (lambda d: d.update(admit_steps=1.5), "admit_steps"),
     ],
 )
 def test_bad_profiles_are_refused_naming_the_field(mutate, words):

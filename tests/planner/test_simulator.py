@@ -11,7 +11,7 @@ from planner.simulator import Simulator, poisson_arrivals, simulate
 
 
 def model(fixed=0.0, per_tok=0.0, per_tok2=0.0, per_seq=0.0, per_ctx=0.0, kv_fixed=0.0, kv_per_byte=0.0):
-    return LatencyModel(fixed, per_tok, per_tok2, 0.0, per_seq, per_ctx, kv_fixed, kv_per_byte, {})
+    return LatencyModel(fixed, per_tok, per_tok2, fixed, per_seq, per_ctx, kv_fixed, kv_per_byte, {})
 
 
 def colocated(max_seqs=256, budget=1 << 20, replicas=1) -> Layout:

@@ -1,0 +1,184 @@
+"""Replays of the recorded SLO-study runs for ``bench/plan_accuracy.py`` (docs/PERFORMANCE.md sections 9, 10, 13).
+
+Each recorded point is simulated with the same requests and limits (``planner.replay``) and scored with the
+report's rules (``bench/gpu_slo_study_report.py``); goodput uses the measured definition on the run's rate
+grid, for measured and predicted attainment alike.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+from pathlib import Path
+
+from gpu_slo_study_report import BASE, SCALES, meets
+
+from planner.layouts import Layout
+from planner.profile import Profile
+from planner.replay import attained, cold_start, layout_of_run, replay
+from planner.search import Planner
+from planner.serving_records import read_run, stall_events
+from planner.slo import SLO
+from planner.workload import Workload
+
+SLO_STUDY_FIRST = ("slo_study_1p1d.json.gz", "slo_study_colocated2.json.gz")
+SLO_STUDY_FLASH = ("slo_study_1p1d_flash.json.gz", "slo_study_colocated2_flash.json.gz")
+X4 = (
+    "slo_study_x4_2p2d.json.gz",
+    "slo_study_x4_3p1d.json.gz",
+    "slo_study_x4_1p3d.json.gz",
+    "slo_study_x4_colocated4.json.gz",
+)
+TIE = 0.1  # continuous predictions closer than this (relative) are a tie: the model's own error is larger
+LOOSE = (200.0, 50.0)  # the four-GPU study's headline SLO: TTFT 200 ms, TPOT 50 ms
+
+
+def _score(samples: list[dict], ttft: float, tpot: float) -> float:
+    return attained(samples, lambda a, b: a <= ttft and b <= tpot)
+
+
+def _measured(point: dict, ttft: float, tpot: float) -> float:
+    recs = sorted((r for r in point["result"]["requests"] if not r.get("warmup")), key=lambda r: r["index"])
+    recs = recs[point.get("ramp", 0) :]
+    return sum(meets(r, ttft, tpot) for r in recs) / max(1, len(recs))
+
+
+def _lengths(point: dict) -> list[tuple[int, int]]:
+    return [(r["prompt_tokens"], r["output_tokens"]) for r in point["result"]["requests"] if not r.get("warmup")]
+
+
+def replay_points(prof: Profile, folder: Path, first: tuple[str, ...], reruns: tuple[str, ...]) -> list[dict]:
+    """Measured and predicted attainment of every point; a rerun's point replaces the first call's, and the
+    first call's varied-length points are left out (section 9: a cuDNN plan per new prompt length)."""
+    chosen: dict[tuple, tuple[dict, dict]] = {}
+    for name in first + reruns:
+        doc = read_run(folder / name)
+        for pt in doc["points"]:
+            if name in first and len({r["prompt_tokens"] for r in pt["result"]["requests"]}) > 1:
+                continue
+            chosen[(doc["layout"], pt["workload"], pt["rate"])] = (doc, pt)
+    rows = []
+    for (layout, wl, rate), (doc, pt) in sorted(chosen.items()):
+        steady = replay(prof, doc, pt)
+        k, stall = cold_start(doc, pt)
+        cold = replay(prof, doc, pt, cold=True) if k else steady
+        t, p = BASE[wl]
+        rows.append(
+            {
+                "layout": layout,
+                "workload": wl,
+                "rate": rate,
+                "n": len(steady),
+                "cold_stalls": [k, round(stall)],
+                "measured": {f"{s:g}": round(_measured(pt, s * t, s * p), 3) for s in SCALES},
+                "predicted": {f"{s:g}": round(_score(steady, s * t, s * p), 3) for s in SCALES},
+                "predicted_cold": {f"{s:g}": round(_score(cold, s * t, s * p), 3) for s in SCALES},
+                "measured_loose": round(_measured(pt, *LOOSE), 3),
+                "predicted_loose": round(_score(steady, *LOOSE), 3),
+                "predicted_cold_loose": round(_score(cold, *LOOSE), 3),
+                "lengths": _lengths(pt),
+            }
+        )
+    return rows
+
+
+def grid_goodput(rows: list[dict], layout: str, wl: str, key: str, scale: str, target: float = 0.9) -> float:
+    """The report's rule: the highest grid rate with attainment >= target below the first rate that misses."""
+    best = 0.0
+    for r in sorted((r for r in rows if r["layout"] == layout and r["workload"] == wl), key=lambda r: r["rate"]):
+        if r[key][scale] < target:
+            break
+        best = r["rate"]
+    return best
+
+
+def winner(a: float, b: float, names: tuple[str, str], tol: float = 0.0) -> str:
+    """The layout with the higher goodput; a tie within ``tol`` (relative) of the larger."""
+    if math.isclose(a, b) or abs(a - b) <= tol * max(a, b):
+        return "tie"
+    return names[0] if a > b else names[1]
+
+
+def slo_study(
+    prof: Profile, folder: Path, scales: tuple[float, ...] = (1.0, 1.5, 2.0), continuous: bool = True
+) -> dict:
+    """Section 9: per workload and SLO scale, grid goodput per layout measured / predicted, the winners, and
+    the continuous predicted goodput (Poisson arrivals of the recorded lengths, 30 s)."""
+    rows = replay_points(prof, folder, SLO_STUDY_FIRST, SLO_STUDY_FLASH)
+    layouts = ("1p1d", "colocated2")
+    lay_of = {d["layout"]: layout_of_run(d) for d in (read_run(folder / n) for n in SLO_STUDY_FLASH)}
+    table = []
+    for wl, (t, p) in BASE.items():
+        lengths = [x for r in rows if r["workload"] == wl for x in r["lengths"]]
+        for s in scales:
+            key = f"{s:g}"
+            line: dict = {"workload": wl, "scale": s}
+            for lay in layouts:
+                line[lay] = {
+                    "measured": grid_goodput(rows, lay, wl, "measured", key),
+                    "predicted": grid_goodput(rows, lay, wl, "predicted", key),
+                    "continuous": round(_continuous(prof, lay_of[lay], lengths, s * t, s * p), 1)
+                    if continuous
+                    else 0.0,
+                }
+            line["winner_measured"] = winner(line["1p1d"]["measured"], line["colocated2"]["measured"], layouts)
+            line["winner_predicted"] = winner(line["1p1d"]["predicted"], line["colocated2"]["predicted"], layouts)
+            line["winner_continuous"] = winner(
+                line["1p1d"]["continuous"], line["colocated2"]["continuous"], layouts, TIE
+            )
+            table.append(line)
+    for r in rows:
+        r.pop("lengths")
+    return {"points": rows, "goodput": table}
+
+
+def _continuous(prof: Profile, layout: Layout, lengths: list, ttft: float, tpot: float) -> float:
+    slo = SLO.parse(f"ttft:{ttft}ms,tpot:{tpot}ms")
+    return Planner.for_profile(prof, Workload("recorded", tuple(lengths)), slo).goodput(layout, precision=0.03)
+
+
+def four_gpu(prof: Profile, folder: Path) -> list[dict]:
+    """Section 13: the four layouts at 16 req/s, replayed (steady and with the measured cold stalls)."""
+    out = []
+    for name in X4:
+        doc = read_run(folder / name)
+        pt = doc["points"][0]
+        steady = replay(prof, doc, pt)
+        k, stall = cold_start(doc, pt)
+        cold = replay(prof, doc, pt, cold=True) if k else steady
+        t, p = BASE["long"]
+        out.append(
+            {
+                "layout": doc["layout"],
+                "rate": pt["rate"],
+                "n": len(steady),
+                "cold_stalls": [k, round(stall)],
+                "measured_loose": round(_measured(pt, *LOOSE), 3),
+                "predicted_loose": round(_score(steady, *LOOSE), 3),
+                "predicted_cold_loose": round(_score(cold, *LOOSE), 3),
+                "measured": {f"{s:g}": round(_measured(pt, s * t, s * p), 3) for s in (1.0, 1.5, 2.0)},
+                "predicted": {f"{s:g}": round(_score(steady, s * t, s * p), 3) for s in (1.0, 1.5, 2.0)},
+                "predicted_cold": {f"{s:g}": round(_score(cold, s * t, s * p), 3) for s in (1.0, 1.5, 2.0)},
+            }
+        )
+    return out
+
+
+def admission_fit(prof: Profile, folder: Path, ks: tuple[int, ...] = (1, 2, 3, 4)) -> list[dict]:
+    """The colocated TTFT P50 of every warm colocated point (no stalls), measured and replayed with each
+    ``admit_steps``: the table the profile's constant (``planner.from_results.ADMIT_STEPS``) is read from."""
+    rows = []
+    for name in SLO_STUDY_FLASH[1:] + SLO_STUDY_FIRST[1:]:
+        doc = read_run(folder / name)
+        for pt in doc["points"]:
+            if stall_events(pt) or (name in SLO_STUDY_FIRST and pt["workload"] != "long"):
+                continue
+            recs = sorted((r for r in pt["result"]["requests"] if not r.get("warmup")), key=lambda r: r["index"])
+            row = {"run": name, "workload": pt["workload"], "rate": pt["rate"]}
+            row["measured"] = round(statistics.median(r["ttft"] * 1000 for r in recs[pt["ramp"] :]), 1)
+            for k in ks:
+                lat = replay(dataclasses.replace(prof, admit_steps=k), doc, pt)
+                row[f"k{k}"] = round(statistics.median(x["ttft"] for x in lat), 1)
+            rows.append(row)
+    return rows

@@ -1,0 +1,189 @@
+"""What the recorded serving runs say about the serving path's own step times (``bench/gpu_slo_study.py``
+records: per-request TTFT/ITLs and, per point, every worker's cumulative ``/metrics``).
+
+The engine benchmarks time ``engine.step()`` alone; a worker under load does more per step (and the planner
+must predict the worker). From one run's records this module reads, per point and worker:
+- decode workers: steps, step seconds and generated tokens (deltas of the cumulative counters between
+  consecutive points of one server), and the total context those tokens attended to (from the requests'
+  prompt and output lengths: a request decodes ``output - 1`` tokens over contexts ``prompt + 1 ..``);
+- disaggregated requests: the first inter-token gap (prefill reply -> first token of the decode worker), the
+  hand-off the simulator models as ``handoff_ms`` plus ``handoff_steps`` decode-worker steps.
+Points whose counters include a pre-warm load (``--prewarm``) are skipped when they are the first of a server.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import math
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+STEPS, STEP_S, IDLE = "distserve_engine_steps", "distserve_engine_step_seconds", "distserve_engine_idle_seconds"
+QUERIED = "distserve_prefix_cache_queried_tokens"
+
+
+@dataclass(frozen=True)
+class DecodeWorkerPoint:
+    source: str  # file name, workload, rate, worker
+    steps: float
+    step_ms_total: float
+    tokens: float  # decode tokens generated (sum of batch sizes over steps)
+    context_total: float  # sum over steps of the batch's total context (tokens)
+    first_itl_ms_median: float  # the point's disaggregated hand-off gap, median over requests
+    host_ms_total: float  # wall - in steps - idle between this point's counters and the previous (nan: unknown)
+
+    @property
+    def mean_step_ms(self) -> float:
+        return self.step_ms_total / self.steps
+
+    @property
+    def host_ms_per_step(self) -> float:
+        """Host work between steps (streaming the tokens out, KV commits), per step; nan when unknown."""
+        return self.host_ms_total / self.steps
+
+    @property
+    def mean_batch(self) -> float:
+        return self.tokens / self.steps
+
+    @property
+    def mean_context_per_seq(self) -> float:
+        return self.context_total / self.tokens
+
+
+def read_run(path: Path) -> dict:
+    with gzip.open(path, "rt") as f:
+        return json.load(f)
+
+
+def decode_worker_points(path: Path) -> list[DecodeWorkerPoint]:
+    """Per point and decode worker of one recorded run (empty for colocated layouts)."""
+    doc = read_run(path)
+    out: list[DecodeWorkerPoint] = []
+    prev: dict[str, dict] | None = None
+    prev_end = math.nan
+    for p in doc["points"]:
+        res = p["result"]
+        cur = {w: m for w, m in res.get("server_metrics", {}).items() if w.startswith("decode")}
+        if cur and (prev is not None or not doc["args"].get("prewarm")):
+            reqs = res["requests"]
+            tokens = sum(r["output_tokens"] - 1 for r in reqs)
+            ctx = sum((r["output_tokens"] - 1) * (r["prompt_tokens"] + r["output_tokens"] / 2) for r in reqs)
+            measured = [r for r in reqs if not r.get("warmup") and r.get("itl")]
+            first = statistics.median(r["itl"][0] * 1000 for r in measured)
+            wall_ms = (res["end_unix"] - prev_end) * 1000  # nan for a server's first point
+            for w, m in sorted(cur.items()):
+                base = (prev or {}).get(w, {})
+                step_ms = (m[STEP_S] - base.get(STEP_S, 0.0)) * 1000
+                idle_ms = (m[IDLE] - base.get(IDLE, 0.0)) * 1000
+                out.append(
+                    DecodeWorkerPoint(
+                        f"{path.name} {p['workload']}@{p['rate']:g} {w}",
+                        m[STEPS] - base.get(STEPS, 0.0),
+                        step_ms,
+                        tokens / len(cur),
+                        ctx / len(cur),
+                        first,
+                        wall_ms - step_ms - idle_ms,
+                    )
+                )
+        prev, prev_end = cur, res["end_unix"]
+    return out
+
+
+def fit_handoff(points: list[DecodeWorkerPoint]) -> tuple[float, float]:
+    """(intercept ms, slope in decode steps) of the first inter-token gap against the decode worker's mean
+    step, least squares over the points: the hand-off's handlers resume only between engine steps."""
+    x = np.array([p.mean_step_ms for p in points])
+    y = np.array([p.first_itl_ms_median for p in points])
+    slope, intercept = np.polyfit(x, y, 1)
+    return float(intercept), float(slope)
+
+
+def run_layout(doc: dict) -> tuple[str, int, int]:
+    """(mode, prefill workers, decode workers or replicas) of a recorded run's ``layout`` (1p1d, colocated2)."""
+    name = doc["layout"]
+    if name.startswith("colocated"):
+        return "colocated", 0, int(name[len("colocated") :])
+    p, d = name.rstrip("d").split("p")
+    return "disaggregated", int(p), int(d)
+
+
+def run_kv_tokens(doc: dict, block_size: int = 16) -> int:
+    """KV capacity per worker, tokens: the blocks each worker reported free before the first point."""
+    return min(w["kv_blocks_free"] for w in doc["workers"]) * block_size
+
+
+def point_requests(point: dict) -> list[tuple[float, int, int]]:
+    """(arrival ms, prompt, output) of a point's measured requests in send order (warm-up excluded; the
+    first ``ramp`` are kept, they load the system, and are dropped when scoring)."""
+    recs = sorted((r for r in point["result"]["requests"] if not r.get("warmup")), key=lambda r: r["index"])
+    return [(r["scheduled"] * 1000.0, int(r["prompt_tokens"]), int(r["output_tokens"])) for r in recs]
+
+
+@dataclass(frozen=True)
+class PrefillWorkerPoint:
+    source: str
+    steps: float
+    step_ms_total: float
+    prompts: float  # prompts prefilled (each step's batch summed)
+    tokens: float  # prompt tokens prefilled
+
+    @property
+    def mean_step_ms(self) -> float:
+        return self.step_ms_total / self.steps
+
+
+def prefill_worker_points(path: Path, skip_first_call_varied: bool = False) -> list[PrefillWorkerPoint]:
+    """Per point and prefill worker of one recorded run: steps and step seconds (deltas of ``/metrics``), and
+    the prompts they prefilled (the point's requests, split evenly over the prefill workers).
+    ``skip_first_call_varied``: leave out workloads of varied prompt lengths (the study's first call, whose
+    prefill attention built a cuDNN plan per new length: docs/PERFORMANCE.md section 9)."""
+    doc = read_run(path)
+    out: list[PrefillWorkerPoint] = []
+    prev: dict[str, dict] | None = None
+    for p in doc["points"]:
+        res = p["result"]
+        cur = {w: m for w, m in res.get("server_metrics", {}).items() if w.startswith("prefill")}
+        varied = len({r["prompt_tokens"] for r in res["requests"]}) > 1
+        if cur and (prev is not None or not doc["args"].get("prewarm")) and not (skip_first_call_varied and varied):
+            reqs = res["requests"]
+            mean_prompt = sum(r["prompt_tokens"] for r in reqs) / len(reqs)
+            for w, m in sorted(cur.items()):
+                base = (prev or {}).get(w, {})
+                tokens = m.get(QUERIED, 0.0) - base.get(QUERIED, 0.0)  # the prompt tokens this worker admitted
+                out.append(
+                    PrefillWorkerPoint(
+                        f"{path.name} {p['workload']}@{p['rate']:g} {w}",
+                        m[STEPS] - base.get(STEPS, 0.0),
+                        (m[STEP_S] - base.get(STEP_S, 0.0)) * 1000,
+                        tokens / mean_prompt,
+                        tokens,
+                    )
+                )
+        prev = cur
+    return out
+
+
+def stall_events(point: dict, min_gap_ms: float = 250.0, same_ms: float = 30.0) -> list[tuple[float, float]]:
+    """(start s, length ms) of the engine stalls a point's measured requests saw: inter-token gaps above
+    ``min_gap_ms``; gaps that start within ``same_ms`` of each other are one stall (one worker's batch)."""
+    gaps = []
+    for r in point["result"]["requests"]:
+        if r.get("warmup") or not r.get("itl"):
+            continue
+        t = r["start_unix"] + r["ttft"]
+        for g in r["itl"]:
+            if g * 1000 > min_gap_ms:
+                gaps.append((t, g * 1000))
+            t += g
+    events: list[tuple[float, float]] = []
+    for start, ms in sorted(gaps):
+        if events and (start - events[-1][0]) * 1000 < same_ms:
+            continue
+        events.append((start, ms))
+    t0 = point["result"]["start_unix"]
+    return [(s - t0, ms) for s, ms in events]

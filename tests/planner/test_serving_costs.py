@@ -1,0 +1,118 @@
+"""The serving-path costs the simulator models beyond the engine's steps, each against a closed form, and the
+replays of recorded H200 runs (bench/results/gpu_issue16, gpu_issue19) against what those runs measured."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+
+import pytest
+
+from planner.from_results import build_h200_profile
+from planner.latency import LatencyModel
+from planner.layouts import EngineLimits, Layout
+from planner.replay import attained, replay
+from planner.serving_records import read_run
+from planner.simulator import Simulator
+
+RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
+
+
+def model(fixed_d: float, fixed_p: float, per_tok: float = 0.0, per_seq: float = 0.0) -> LatencyModel:
+    return LatencyModel(fixed_d, per_tok, 0.0, fixed_p, per_seq, 0.0, 0.0, 0.0, {})
+
+
+def test_a_mixed_step_pays_the_larger_fixed_part_once_and_both_variable_parts():
+    m = model(fixed_d=9.0, fixed_p=4.0, per_tok=0.02, per_seq=0.5)
+    pf, dc = m.prefill_ms([2048]), m.decode_ms(10, 0)
+    mixed = m.step_ms([(2048, 0)], 10, 0)
+    assert math.isclose(mixed, 9.0 + 0.02 * 2048 + 0.5 * 10)
+    assert pf < mixed < pf + dc  # decodes are not free in a mixed step, and one fixed part is shared
+
+
+def test_colocated_decodes_stall_for_the_whole_mixed_step():
+    # A decodes alone; B's prompt arrives: the step that prefills B also decodes A and takes the mixed time
+    m = model(fixed_d=9.0, fixed_p=4.0, per_tok=0.02, per_seq=0.5)
+    lim = EngineLimits(8, 4096)
+    sim = Simulator(m, Layout("colocated", 0, 1, lim, lim), kv_bytes_per_token=0)
+    res = sim.run([(0.0, 16, 40), (30.0, 2048, 2)])
+    a, b = res.latencies
+    decode_a = 9.0 + 0.5  # one decode step of A alone
+    mixed = m.step_ms([(2048, 0)], 1, 0)
+    prefill_a = m.prefill_ms([16])
+    # A: 39 decode gaps: the mixed step that prefills B, the step that also decodes B's last token, 37 alone
+    assert math.isclose(a["tpot"] * 39, 37 * decode_a + mixed + (9.0 + 2 * 0.5), rel_tol=1e-9)
+    assert b["ttft"] > mixed
+    assert prefill_a < decode_a  # sanity: the short prefill is cheaper than a decode step here
+
+
+def test_the_handoff_spans_steps_of_a_busy_decode_worker_and_none_of_an_idle_one():
+    m = LatencyModel(10.0, 0.0, 0.0, 5.0, 0.0, 0.0, 2.0, 0.0, {})  # decode step 10 ms, prefill 5, pull 2
+    lim = EngineLimits(64, 4096)
+    lay = Layout("disaggregated", 1, 1, lim, lim)
+    idle = Simulator(m, lay, 1, handoff_ms=3.0, handoff_steps=4).run([(0.0, 64, 2)]).latencies[0]
+    assert math.isclose(idle["e2el"] - idle["ttft"], 3.0 + 2.0 + 10.0)  # hand-off, pull, one step
+    # B is handed over while A keeps the decode worker busy: B joins only after 4 more step ends
+    busy = Simulator(m, lay, 1, handoff_ms=3.0, handoff_steps=4).run([(0.0, 64, 200), (103.0, 64, 2)])
+    b = busy.latencies[1]  # KV in at 113 ms, mid-step: joins at the 4th step end (150), its token at 160
+    assert math.isclose(b["e2el"] - b["ttft"], 160.0 - 108.0)
+
+
+def test_a_busy_worker_admits_a_new_request_after_admit_steps_step_ends():
+    m = model(fixed_d=10.0, fixed_p=10.0)
+    lim = EngineLimits(8, 4096)
+    lay = Layout("colocated", 0, 1, lim, lim)
+    reqs = [(0.0, 16, 100), (25.0, 16, 2)]  # B arrives 5 ms into A's third step
+    now = Simulator(m, lay, 0, admit_steps=1).run(reqs).latencies[1]
+    later = Simulator(m, lay, 0, admit_steps=3).run(reqs).latencies[1]
+    assert math.isclose(now["ttft"], 5.0 + 10.0)  # the rest of the step, then B's (mixed) step
+    assert math.isclose(later["ttft"], now["ttft"] + 2 * 10.0)
+
+
+@pytest.fixture(scope="module")
+def h200():
+    return build_h200_profile(RESULTS)
+
+
+def _measured(point: dict, ttft: float, tpot: float) -> float:
+    recs = sorted((r for r in point["result"]["requests"] if not r.get("warmup")), key=lambda r: r["index"])
+    recs = recs[point["ramp"] :]
+    return sum(r["ttft"] * 1000 <= ttft and r["tpot"] * 1000 <= tpot for r in recs) / len(recs)
+
+
+def test_four_gpu_replays_agree_with_the_recorded_runs(h200):
+    """16 req/s of 2048/128 on four H200s (PERFORMANCE.md section 13): the disaggregated layouts within 10
+    points of what they measured; the colocated replicas only once the cold-start stalls their run measured
+    are replayed too (steady state they would have held the SLO)."""
+    got = {}
+    for name in ("2p2d", "3p1d", "1p3d", "colocated4"):
+        doc = read_run(RESULTS / "gpu_issue19" / f"slo_study_x4_{name}.json.gz")
+        pt = doc["points"][0]
+        meas = _measured(pt, 200.0, 50.0)
+        steady = attained(replay(h200, doc, pt), lambda a, b: a <= 200.0 and b <= 50.0)
+        cold = attained(replay(h200, doc, pt, cold=True), lambda a, b: a <= 200.0 and b <= 50.0)
+        got[name] = (meas, steady, cold)
+        if name != "colocated4":
+            assert abs(steady - meas) <= 0.1, (name, meas, steady)
+            # TPOT 15 ms x 1.5 (the tight base): the serving decode step decides it
+            tight = attained(replay(h200, doc, pt), lambda a, b: a <= 300.0 and b <= 22.5)
+            assert abs(tight - _measured(pt, 300.0, 22.5)) <= 0.4, (name, tight)
+    meas, steady, cold = got["colocated4"]
+    assert steady >= 0.95 and abs(cold - meas) <= 0.2, got["colocated4"]
+    by = {k: v[2] for k, v in got.items()}
+    assert min(by["2p2d"], by["3p1d"]) > by["colocated4"] > by["1p3d"] - 0.05  # the measured order
+
+
+def test_colocated_ttft_needs_the_admission_steps(h200):
+    """Colocated replicas of the SLO study (summ 1024-2048 / 16-96 at 15 req/s, a warm server): the TTFT
+    P50 replayed within 15 % of the measured one; without the admission steps it is 25 % short."""
+    doc = read_run(RESULTS / "gpu_issue16" / "slo_study_colocated2_flash.json.gz")
+    pt = next(p for p in doc["points"] if p["workload"] == "summ" and p["rate"] == 15.0)
+    recs = sorted((r for r in pt["result"]["requests"] if not r.get("warmup")), key=lambda r: r["index"])
+    measured = sorted(r["ttft"] * 1000 for r in recs[pt["ramp"] :])
+    p50 = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+    with_admission = p50([x["ttft"] for x in replay(h200, doc, pt)])
+    assert abs(with_admission / p50(measured) - 1) < 0.15
+    without = p50([x["ttft"] for x in replay(dataclasses.replace(h200, admit_steps=0), doc, pt)])
+    assert without < 0.85 * p50(measured)
