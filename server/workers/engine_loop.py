@@ -222,13 +222,15 @@ class EngineLoop:
                 continue
             try:
                 result = fn()
-            except BaseException as e:
+            except Exception as e:
                 if fut is None:
                     log.exception("queued engine call failed")
-                else:
+                elif not fut.done():
                     fut.set_exception(e)
                 continue
-            if fut is not None:
+            # a caller cancelled while ``fn`` ran has its future cancelled: the effect stands, and its
+            # except path undoes it (add_request/commit abort the request)
+            if fut is not None and not fut.done():
                 fut.set_result(result)
 
     async def _engine_call(self, fn: Callable[[], Any]) -> Any:
@@ -318,8 +320,11 @@ class EngineLoop:
                     request_id, prompt, params, prefill_only=prefill_only, output_token_ids=output_token_ids
                 )
             )
-        except BaseException:
+        except ValueError:  # refused by the engine: nothing was added
             self.close_stream(request_id)
+            raise
+        except BaseException:  # cancelled: in thread mode the queued call may have run just before
+            self.abort_nowait(request_id)
             raise
         self._wakeup.set()
         return q
@@ -344,8 +349,11 @@ class EngineLoop:
         q = self.open_stream(request_id)
         try:
             await self._engine_call(lambda: self.engine.commit_prefilled(request_id, kv))
-        except BaseException:
+        except ValueError:
             self.close_stream(request_id)
+            raise
+        except BaseException:  # cancelled, maybe after the queued commit ran: free what it holds
+            self.abort_nowait(request_id)
             raise
         self._wakeup.set()
         return q
@@ -362,5 +370,5 @@ class EngineLoop:
         return self.engine.abort_request(request_id)
 
     async def abort(self, request_id: str) -> bool:
-        self.close_stream(request_id)
-        return await self._engine_call(lambda: self.engine.abort_request(request_id))
+        """As ``abort_nowait``: never waits, so a cancelled caller cannot skip the abort."""
+        return self.abort_nowait(request_id)

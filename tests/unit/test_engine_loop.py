@@ -190,3 +190,56 @@ def test_thread_mode_queues_engine_calls_made_during_a_step(engine):
 def test_engine_thread_setting():
     assert resolve_engine_thread("auto", "cuda:1") and resolve_engine_thread("on", "cpu")
     assert not resolve_engine_thread("auto", "cpu") and not resolve_engine_thread("off", "cuda")
+
+
+def test_thread_mode_a_handler_cancelled_after_its_queued_add_ran_leaves_nothing(engine):
+    """The one window thread mode opens: a handler's add_request queued behind a step runs, and the
+    handler is cancelled (client gone) before it resumes. Its request must not stay in the engine."""
+
+    async def main():
+        loop = EngineLoop(engine, threaded=True)
+        loop.start()
+        orig_add = engine.add_request
+        with _SlowSteps(engine, 0.05) as slow:
+            long = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+            q = await loop.add_request("busy", [1, 9, 8, 7], long)
+            await q.get()
+            while not slow.in_step:
+                await asyncio.sleep(0.001)
+            task: asyncio.Task | None = None
+
+            def add_then_client_leaves(*a, **kw):
+                orig_add(*a, **kw)
+                assert task is not None
+                task.cancel()  # after the add, before the handler resumes
+
+            engine.add_request = add_then_client_leaves
+            try:
+                task = asyncio.ensure_future(loop.add_request("gone", [1, 2, 3], PARAMS))
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+            finally:
+                del engine.add_request
+            for _ in range(100):  # the abort is queued behind the running step
+                if "gone" not in engine.requests:
+                    break
+                await asyncio.sleep(0.01)
+            assert "gone" not in engine.requests
+            assert loop.abort_nowait("busy")
+        q = await loop.add_request("after", [1, 2, 3], PARAMS)  # the loop survived it and still serves
+        tokens = []
+        while True:
+            out = await q.get()
+            tokens += out.new_token_ids
+            if out.finished:
+                break
+        assert len(tokens) == PARAMS.max_tokens
+        loop.stop()
+
+    asyncio.run(main())
+    for _ in range(100):
+        if not engine.requests:
+            break
+        time.sleep(0.01)
+    assert engine.num_used_blocks == 0 and not engine.requests
+    engine.block_manager.check_invariants()
