@@ -4,7 +4,8 @@ Every figure comes from the per-request records (distbench's warm-up excluded, t
 measured requests dropped): a request meets the SLO at scale s when TTFT <= s x base TTFT and TPOT <= s x
 base TPOT (both bounds scaled together, DistServe's Figure-8 form); a failed request never meets it.
 Goodput at a scale = the highest measured rate with attainment >= 90 % (``--target``) below the lowest
-rate that misses; per GPU = / 2.
+rate that misses; per GPU = / the layout's GPUs (one per worker: 1p1d and colocated2 have 2, 2p2d and
+colocated4 have 4). Ratios: each disaggregated layout over the colocated layout of the same GPU count.
 Later files override earlier ones point by point (same layout, workload and rate): give the first run,
 then reruns.
 
@@ -18,12 +19,32 @@ import argparse
 import gzip
 import json
 import math
+import re
 from pathlib import Path
 
 # Tight base SLOs (ms): TTFT, TPOT. TPOT 15 ms is ~3x a batch-1 decode step of the 7B preset on an H200.
 BASE = {"long": (200.0, 15.0), "summ": (200.0, 15.0), "sharegpt": (100.0, 15.0)}
 SCALES = (0.5, 0.75, 1.0, 1.5, 2.0, 3.0)
-LAYOUTS = ("1p1d", "colocated2")
+
+
+def layout_gpus(layout: str) -> int:
+    """GPUs of ``NpMd`` (N + M) or ``colocatedN`` (N): one per worker, as bench/gpu_slo_study.py places them."""
+    m = re.fullmatch(r"(\d+)p(\d+)d|colocated(\d+)", layout)
+    if m is None:
+        raise ValueError(f"unknown layout {layout!r}")
+    return int(m.group(3)) if m.group(3) else int(m.group(1)) + int(m.group(2))
+
+
+def layouts_of(pts: dict) -> list[str]:
+    """Layouts present, disaggregated ones first (by GPU count, then name), colocated ones last."""
+    names = {lay for (lay, _, _) in pts}
+    return sorted(names, key=lambda n: (n.startswith("colocated"), layout_gpus(n), n))
+
+
+def ratio_pairs(layouts: list[str]) -> list[tuple[str, str]]:
+    """(disaggregated, colocated) pairs of the same GPU count."""
+    col = {layout_gpus(n): n for n in layouts if n.startswith("colocated")}
+    return [(n, col[layout_gpus(n)]) for n in layouts if not n.startswith("colocated") and layout_gpus(n) in col]
 
 
 def load(paths: list[str]) -> dict:
@@ -76,7 +97,8 @@ def report(pts: dict, target: float) -> str:
             + " | run |"
         )
         lines.append("|---|---:|---:|---:|---:|" + "---:|" * len(SCALES) + "---|")
-        for lay in LAYOUTS:
+        layouts = layouts_of(pts)
+        for lay in layouts:
             for (la, w, rate), pt in sorted(pts.items()):
                 if la != lay or w != wl:
                     continue
@@ -89,18 +111,20 @@ def report(pts: dict, target: float) -> str:
                 )
         lines.append(
             "\nGoodput per GPU (highest measured rate with >= "
-            f"{100 * target:g}% attainment below the first miss, / 2 GPUs); ratio 1P1D / colocated:\n"
+            f"{100 * target:g}% attainment below the first miss, / the layout's GPUs); ratios disaggregated / "
+            "colocated:\n"
         )
         lines.append("| SLO scale | " + " | ".join(f"{s:g}x" for s in SCALES) + " |")
         lines.append("|---|" + "---:|" * len(SCALES))
-        g = {lay: [goodput(pts, lay, wl, s, target) / 2 for s in SCALES] for lay in LAYOUTS}
-        for lay in LAYOUTS:
+        g = {lay: [goodput(pts, lay, wl, s, target) / layout_gpus(lay) for s in SCALES] for lay in layouts}
+        for lay in layouts:
             lines.append(f"| {lay} | " + " | ".join(f"{x:g}" for x in g[lay]) + " |")
-        lines.append(
-            "| ratio | "
-            + " | ".join(f"{a / b:.2f}" if b else ("–" if not a else "∞") for a, b in zip(g["1p1d"], g["colocated2"]))
-            + " |"
-        )
+        for dis, col in ratio_pairs(layouts):
+            lines.append(
+                f"| ratio {dis} / {col} | "
+                + " | ".join(f"{a / b:.2f}" if b else ("–" if not a else "∞") for a, b in zip(g[dis], g[col]))
+                + " |"
+            )
     return "\n".join(lines)
 
 
@@ -112,7 +136,9 @@ def plot(pts: dict, path: str, target: float) -> None:
 
     fig, axes = plt.subplots(2, 3, figsize=(15, 8))
     for col, wl in enumerate(BASE):
-        for lay, style in (("1p1d", "o-"), ("colocated2", "s--")):
+        styles = ("o-", "^-", "v-", "D-", "x-")
+        for i, lay in enumerate(layouts_of(pts)):
+            style = "s--" if lay.startswith("colocated") else styles[i % len(styles)]
             rates = sorted(r for (la, w, r) in pts if la == lay and w == wl)
             for scale, alpha in ((1.0, 1.0), (2.0, 0.5)):
                 ys = [100 * attain(pts[(lay, wl, r)]["records"], wl, scale) for r in rates]
@@ -123,7 +149,7 @@ def plot(pts: dict, path: str, target: float) -> None:
                 axes[1, col].plot(SCALES, ys, style, label=f"{lay} @ {mid:g} req/s")
         t, p = BASE[wl]
         axes[0, col].set_title(f"{wl}: attainment vs rate (base TTFT {t:g} / TPOT {p:g} ms)")
-        axes[0, col].set_xlabel("request rate (req/s, 2 GPUs)")
+        axes[0, col].set_xlabel("request rate (req/s, all GPUs of the layout)")
         axes[1, col].set_title(f"{wl}: attainment vs SLO scale")
         axes[1, col].set_xlabel("SLO scale (TTFT and TPOT bounds x)")
         for ax in axes[:, col]:
