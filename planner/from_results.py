@@ -44,8 +44,8 @@ import statistics
 from collections.abc import Callable
 from pathlib import Path
 
-from planner.profile import DecodePoint, PrefillPoint, Profile, TransferPoint
 from planner.latency import _fit_nonneg
+from planner.profile import DecodePoint, PrefillPoint, Profile, TransferPoint
 from planner.serving_records import decode_worker_points, fit_handoff, fit_prefill_per_seq, prefill_worker_points
 
 KV_BYTES_PER_TOKEN = 32 * 2 * 32 * 128 * 2  # layers x (K, V) x heads x head dim x bf16 = 512 KiB
