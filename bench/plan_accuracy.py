@@ -219,8 +219,8 @@ def main() -> None:
     ap.add_argument(
         "--without-prefill-costs",
         action="store_true",
-        help="the profile before 2026-12-01: no prefill floor / per-sequence / chunked-continuation cost, no engine "
-        "thread (to compare)",
+        help="the profile without the prefill floor / per-sequence / chunked-continuation costs and the engine thread "
+        "(to compare; replays still follow each recorded run's engine_thread)",
     )
     ap.add_argument(
         "--prefill-per-seq-ms",
