@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 
-from planner.from_results import build_h200_profile
 from planner.latency import LatencyModel
 from planner.layouts import EngineLimits, Layout
 from planner.profile import ProfileError, from_dict
@@ -72,8 +71,8 @@ def test_with_the_engine_thread_a_reply_does_not_wait_for_the_next_step():
 
 
 @pytest.fixture(scope="module")
-def h200():
-    return build_h200_profile(RESULTS)
+def h200(h200_profile):
+    return h200_profile
 
 
 def test_h200_prefill_costs_are_fitted_and_labelled(h200):
