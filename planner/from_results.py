@@ -28,6 +28,10 @@ derived
   ShareGPT prompts (P10 19 ms, of which 6 ms ``overhead_ttft_ms``) agrees;
 - KV pull of 64 MiB (128 tokens): the 1 GiB pull's control phases (connect, PULL -> reply, ACK -> DONE) plus
   the copy scaled by bytes.
+prefill host costs (``prefill_host_costs``; each one's source is in the profile's ``cost_origins``)
+- floor: the engine-only ShareGPT-lengths run, one prompt per step (measured); per further sequence: the
+  rerun's loaded 1P1D prefill worker, its host-bound points (measured, serving records); chunked
+  continuation: the math-SDPA call time from the same run's profiler table x 32 layers (derived).
 Everything beyond these (more than two prompts per step, decode batches above ~35) is an extrapolation
 made by ``planner.latency``. ``overhead_ttft_ms`` (6 ms) is the lowest-rate TTFT P50 of the two-GPU long study
 minus the prefill step. The prefill points are the engine's: the prefill workers of the same runs measured
