@@ -32,6 +32,7 @@ and ShareGPT workloads.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -46,6 +47,7 @@ import plan_accuracy_records as records  # noqa: E402
 from planner.from_results import build_h200_profile  # noqa: E402
 from planner.latency import LatencyModel  # noqa: E402
 from planner.layouts import Layout, kv_capacity_tokens, limits_from_config  # noqa: E402
+from planner.profile import Profile  # noqa: E402
 from planner.search import Planner  # noqa: E402
 from planner.simulator import simulate  # noqa: E402
 from planner.slo import SLO, attainment  # noqa: E402
@@ -89,8 +91,7 @@ def predicted_attainment(model, layout, lengths, rate, n, prof, slo, seeds) -> f
     return statistics.mean(vals)
 
 
-def gpu_accuracy(seeds: int) -> list[dict]:
-    prof = build_h200_profile(RESULTS)
+def gpu_accuracy(prof: Profile, seeds: int) -> list[dict]:
     model = LatencyModel.fit(prof)
     rows = []
     for name, (fname, wl_name, slo_text) in STUDY_FILES.items():
@@ -105,7 +106,7 @@ def gpu_accuracy(seeds: int) -> list[dict]:
         layouts = study_layouts(cfg_over, prof.kv_bytes_per_token)
         slo = SLO.parse(slo_text)
         wl = load_workload(f"prompt={prompt},output={output}", n=50)
-        planner = Planner.for_profile(prof, wl, slo)
+        planner = Planner.for_profile(dataclasses.replace(prof, engine_thread=False), wl, slo)  # step on the loop
         for mode, lay in layouts.items():
             sweep = data["modes"].get(mode, {}).get("sweeps", {}).get(wl_name, [])
             if not sweep:
@@ -188,6 +189,26 @@ def four_gpu(num_requests: int) -> list[dict]:
     return out
 
 
+def print_study(title: str, study: dict) -> None:
+    print(f"\n{title}: attainment measured / predicted per point")
+    for r in study["points"]:
+        print(
+            f"  {r['layout']:<10} {r['workload']:<8} {r['rate']:>4g}: "
+            + ", ".join(f"x{k} {r['measured'][k]:.0%}/{r['predicted'][k]:.0%}" for k in ("1", "1.5", "2"))
+            + f";  200/50 {r['measured_loose']:.0%}/{r['predicted_loose']:.0%}"
+        )
+    print("\n  goodput at >= 90 % (grid rule) measured / predicted, continuous prediction, winners")
+    for g in study["goodput"]:
+        a, b = g["1p1d"], g["colocated2"]
+        print(
+            f"  {g['workload']:<8} x{g['scale']:g}: 1p1d {a['measured']:g}/{a['predicted']:g} ({a['continuous']}), "
+            f"colocated2 {b['measured']:g}/{b['predicted']:g} ({b['continuous']}); winner measured "
+            f"{g['winner_measured']}{'' if g['decidable'] else ' (undecidable: within one grid step)'}, "
+            f"predicted on the grid {g['winner_predicted']}, continuous {g['winner_continuous']}"
+        )
+    print("  summary:", json.dumps(study["summary"]))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seeds", type=int, default=5)
@@ -195,8 +216,26 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--skip-four-gpu", action="store_true")
     ap.add_argument("--skip-continuous", action="store_true", help="section 9 without the goodput searches")
+    ap.add_argument(
+        "--without-prefill-costs",
+        action="store_true",
+        help="the profile without the prefill floor / per-sequence / chunked-continuation costs and the engine thread "
+        "(to compare; replays still follow each recorded run's engine_thread)",
+    )
+    ap.add_argument(
+        "--prefill-per-seq-ms",
+        type=float,
+        default=None,
+        help="override the profile's per-sequence prefill cost (e.g. the engine-only 7.0 ms) to compare",
+    )
     args = ap.parse_args()
     prof = build_h200_profile(RESULTS)
+    if args.prefill_per_seq_ms is not None:
+        prof = dataclasses.replace(prof, prefill_per_seq_ms=args.prefill_per_seq_ms)
+    if args.without_prefill_costs:
+        prof = dataclasses.replace(
+            prof, prefill_floor_ms=0.0, prefill_per_seq_ms=0.0, prefill_chunk_ms=0.0, engine_thread=False
+        )
     x4 = records.four_gpu(prof, RESULTS / "gpu_issue19")
     print("four H200s, 16 req/s of 2048/128 (section 13): attainment measured / predicted steady / predicted cold")
     for r in x4:
@@ -215,22 +254,16 @@ def main() -> None:
             + " ".join(f"{r[k]:6.1f}" for k in r if k.startswith("k"))
         )
     study = records.slo_study(prof, RESULTS / "gpu_issue16", continuous=not args.skip_continuous)
-    print("\ntwo H200s, SLO study (section 9): attainment measured / predicted per point")
-    for r in study["points"]:
-        print(
-            f"  {r['layout']:<10} {r['workload']:<8} {r['rate']:>4g}: "
-            + ", ".join(f"x{k} {r['measured'][k]:.0%}/{r['predicted'][k]:.0%}" for k in ("1", "1.5", "2"))
-            + f";  200/50 {r['measured_loose']:.0%}/{r['predicted_loose']:.0%}"
-        )
-    print("\n  goodput at >= 90 % (grid rule) measured / predicted, continuous prediction, winners")
-    for g in study["goodput"]:
-        a, b = g["1p1d"], g["colocated2"]
-        print(
-            f"  {g['workload']:<8} x{g['scale']:g}: 1p1d {a['measured']:g}/{a['predicted']:g} ({a['continuous']}), "
-            f"colocated2 {b['measured']:g}/{b['predicted']:g} ({b['continuous']}); winner measured "
-            f"{g['winner_measured']}, predicted on the grid {g['winner_predicted']}, continuous {g['winner_continuous']}"
-        )
-    rows = gpu_accuracy(args.seeds)
+    print_study("two H200s, SLO study (section 9, 2026-11-30: step on the event loop)", study)
+    rerun = records.slo_study(
+        prof,
+        RESULTS / "gpu_issue16_rerun",
+        continuous=not args.skip_continuous,
+        first=(),
+        reruns=records.SLO_STUDY_RERUN,
+    )
+    print_study("two H200s, SLO study rerun (section 9b, 2026-12-01: engine thread, one call per layout)", rerun)
+    rows = gpu_accuracy(prof, args.seeds)
     print("two-GPU study (H200, 7B shape): measured vs predicted attainment per rate")
     for r in rows:
         print(
@@ -257,6 +290,11 @@ def main() -> None:
             "four_gpu_predicted": four,
             "four_gpu_replay": x4,
             "slo_study": study,
+            "slo_study_rerun": rerun,
+            "profile_prefill_costs": {
+                k: [getattr(prof, k), prof.cost_origins.get(k, "")]
+                for k in ("prefill_floor_ms", "prefill_per_seq_ms", "prefill_chunk_ms")
+            },
             "admission_fit": fit,
         }
         Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")

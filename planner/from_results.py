@@ -28,6 +28,10 @@ derived
   ShareGPT prompts (P10 19 ms, of which 6 ms ``overhead_ttft_ms``) agrees;
 - KV pull of 64 MiB (128 tokens): the 1 GiB pull's control phases (connect, PULL -> reply, ACK -> DONE) plus
   the copy scaled by bytes.
+prefill host costs (``prefill_host_costs``; each one's source is in the profile's ``cost_origins``)
+- floor: the engine-only ShareGPT-lengths run, one prompt per step (measured); per further sequence: the
+  rerun's loaded 1P1D prefill worker, its host-bound points (measured, serving records); chunked
+  continuation: the math-SDPA call time from the same run's profiler table x 32 layers (derived).
 Everything beyond these (more than two prompts per step, decode batches above ~35) is an extrapolation
 made by ``planner.latency``. ``overhead_ttft_ms`` (6 ms) is the lowest-rate TTFT P50 of the two-GPU long study
 minus the prefill step. The prefill points are the engine's: the prefill workers of the same runs measured
@@ -36,13 +40,17 @@ minus the prefill step. The prefill points are the engine's: the prefill workers
 
 from __future__ import annotations
 
+import ast
 import json
 import math
+import re
 import statistics
+from collections.abc import Callable
 from pathlib import Path
 
+from planner.latency import _fit_nonneg
 from planner.profile import DecodePoint, PrefillPoint, Profile, TransferPoint
-from planner.serving_records import decode_worker_points, fit_handoff
+from planner.serving_records import decode_worker_points, fit_handoff, fit_prefill_per_seq, prefill_worker_points
 
 KV_BYTES_PER_TOKEN = 32 * 2 * 32 * 128 * 2  # layers x (K, V) x heads x head dim x bf16 = 512 KiB
 
@@ -84,6 +92,61 @@ def serving_decode_points(results: Path) -> tuple[tuple[DecodePoint, ...], float
     return tuple(out), intercept, slope
 
 
+LENGTHS = "gpu_issue16_lengths/prefill_lengths_x2_before_varlen.txt"
+LENGTHS_K = 4  # prompts per step in the engine-only lengths run's second case
+LAYERS = 32
+
+
+SERVING_PREFILL = "gpu_issue16_rerun/slo_study_1p1d.json.gz"  # the prefill worker of today's code (engine thread)
+
+
+def prefill_host_costs(
+    results: Path, gpu_ms: Callable[[float, float], float]
+) -> tuple[float, float, float, dict[str, str]]:
+    """(floor ms, per further sequence ms, chunked continuation ms, their origins).
+
+    - floor: the engine-only run of ShareGPT lengths (``bench/gpu_prefill_lengths.py`` on the two-GPU host,
+      before the varlen attention: the code the serving records ran), median step with one prompt (mean 272
+      tokens: host-bound, its GPU work is a few ms);
+    - per further sequence: the loaded 1P1D prefill worker of the SLO-study rerun (``SERVING_PREFILL``), fitted
+      over its points (``serving_records.fit_prefill_per_seq``; ``gpu_ms(prompts, tokens)`` is the step's GPU
+      work). The engine alone shows less per sequence (the same run with 4 prompts per step); both are noted;
+    - chunked continuation: its math-SDPA call per layer (torch.profiler, same file) x layers."""
+    text = (results / LENGTHS).read_text()
+    medians: dict[int, float] = {}
+    for line in text.splitlines():
+        k, _, rest = line.partition(" ")
+        if k.isdigit():
+            medians[int(k)] = ast.literal_eval(rest)["pass2"]["median_ms"]
+    m = re.search(r"(\d+) us each: the chunked-prefill continuation", text.replace("\n# ", " "))
+    if m is None or 1 not in medians or LENGTHS_K not in medians:
+        raise ValueError(f"{LENGTHS}: expected the k=1 and k={LENGTHS_K} medians and the math-SDPA call time")
+    floor = medians[1]
+    k_tokens = LENGTHS_K * 272  # the run's mean length
+    engine_per_seq = (medians[LENGTHS_K] - floor) / (LENGTHS_K - 1)  # host-bound: GPU work of k_tokens is less
+    if gpu_ms(LENGTHS_K, k_tokens) >= medians[LENGTHS_K]:
+        raise ValueError(f"{LENGTHS}: the {LENGTHS_K}-prompt steps are not host-bound")
+    chunk = int(m.group(1)) * LAYERS / 1000
+    pts = prefill_worker_points(results / SERVING_PREFILL)
+    per_seq, used = fit_prefill_per_seq(pts, floor, gpu_ms)
+    if not used:
+        raise ValueError(f"{SERVING_PREFILL}: no loaded prefill-worker point to fit the per-sequence cost on")
+    src = f"bench/results/{LENGTHS}"
+    return (
+        floor,
+        per_seq,
+        chunk,
+        {
+            "prefill_floor_ms": f"measured: {src}, one ShareGPT prompt per step (mean 272 tokens), median step",
+            "prefill_per_seq_ms": f"measured: bench/results/{SERVING_PREFILL}, the prefill worker's /metrics, "
+            f"least squares over its {len(used)} host-bound points ("
+            + ", ".join(p.source.split(" ")[1] for p in used)
+            + f"; the engine alone, {src}: {engine_per_seq:.1f} ms)",
+            "prefill_chunk_ms": f"derived: {src}, torch.profiler math-SDPA call {m.group(1)} us x {LAYERS} layers",
+        },
+    )
+
+
 def build_h200_profile(results: Path) -> Profile:
     eng = _read(results / "gpu_engine_2026-11-29_run2.json")["engine_7b"]
     sizing = _read(results / "gpu_issue16" / "kv_sizing.json")
@@ -103,7 +166,9 @@ def build_h200_profile(results: Path) -> Profile:
     eager_floor = eng["decode_b1"]["eager_fused"]["step_ms_median"]  # an eager forward of one token: launch-bound
 
     def derived_prefill(n: int) -> float:
-        # a prefill runs eagerly (no CUDA graph): a short one costs at least the eager launch floor
+        # a prefill runs eagerly (no CUDA graph): a short one costs at least the eager launch floor (the
+        # colocated mixed steps validated in docs/PERFORMANCE.md section 10 use this line; a prefill-only
+        # step's larger host side is the profile's prefill_floor_ms / prefill_per_seq_ms)
         return max(eager_floor, d1 + per_tok * n + per_tok2 * n * n)
 
     pool = kvx["cuda_ipc_pool"]
@@ -113,6 +178,9 @@ def build_h200_profile(results: Path) -> Profile:
     small = 128 * KV_BYTES_PER_TOKEN
     src = "from bench/results: "
     decode, handoff_icpt, handoff_slope = serving_decode_points(results)
+    gpu_points = [(1, 2048, p2048), (2, 2048, 2 * in_step)] + [(1, n, derived_prefill(n)) for n in (512, 256, 128)]
+    g = _fit_nonneg([[1.0, b * t, b * t * t] for b, t, _ in gpu_points], [ms for _, _, ms in gpu_points])
+    floor, per_seq, chunk, origins = prefill_host_costs(results, lambda k, t: g[0] + g[1] * t + g[2] * t * t / k)
     pull_2048 = pool["pull_s_median"] * 1000
     return Profile(
         device="cuda",
@@ -142,6 +210,11 @@ def build_h200_profile(results: Path) -> Profile:
         handoff_ms=round(max(0.0, handoff_icpt - pull_2048), 1),
         handoff_steps=max(0, round(handoff_slope - 0.5)),
         admit_steps=ADMIT_STEPS,
+        prefill_floor_ms=round(floor, 2),
+        prefill_per_seq_ms=round(per_seq, 2),
+        prefill_chunk_ms=round(chunk, 2),
+        engine_thread=True,
+        cost_origins=origins,
         notes=(
             f"engine.step() alone (not used for decode): batch 1 x 128 {d1:.2f} ms, 64 x {d64_ctx:.0f} {d64_ms:.2f} ms",
             f"hand-off: first inter-token gap = {handoff_icpt:.1f} ms + {handoff_slope:.2f} decode steps (fit over "

@@ -11,6 +11,15 @@ linearly beyond them. The prefill and the decode fixed parts are fitted separate
 decode step's fixed part can be the larger: host work per step that a long prefill hides); a colocated step
 that mixes prefill chunks with decodes pays the larger of the two once, and both variable parts (checked
 against the colocated replicas' measured step seconds in docs/PERFORMANCE.md section 10).
+
+A prefill step also has costs no single-prompt point shows (docs/PERFORMANCE.md section 10). It runs eagerly,
+so its host side (hundreds of kernel launches and the Python around them) is at least ``prefill_floor_ms`` and
+grows by ``prefill_per_seq_ms`` per further sequence; the host runs ahead of the GPU, so the step takes the
+larger of host and GPU work. Each chunked-prefill continuation (a prompt resumed over its cached context, which
+runs a slower masked attention path) adds ``prefill_chunk_ms``:
+step = max(floor + per_seq x (sequences - 1), fixed + GPU work) + chunk x continuations. These three apply to
+steps without decodes (prefill workers, an idle colocated worker): a colocated mixed step's measured seconds
+already equal its parts within 5 % (section 10), the prefill's host side hiding behind the decode work.
 """
 
 from __future__ import annotations
@@ -49,6 +58,9 @@ class LatencyModel:
     kv_fixed_ms: float
     kv_ms_per_byte: float
     thread_scale: dict[tuple[str, int, int], float]
+    prefill_floor_ms: float = 0.0  # host side of a one-sequence prefill step (eager launches, Python)
+    prefill_per_seq_ms: float = 0.0  # ... and per further sequence in the step
+    prefill_chunk_ms: float = 0.0  # per chunked-prefill continuation (a prompt resumed over its cached context)
 
     @classmethod
     def fit(cls, profile: Profile) -> LatencyModel:
@@ -62,7 +74,20 @@ class LatencyModel:
         else:
             kv = [0.0, profile.kv_transfer[0].ms / profile.kv_transfer[0].bytes]
         scale = {(t.phase, t.threads, t.neighbours): t.scale for t in profile.threads}
-        return cls(fixed, pf[1], pf[2], pf[0], d[1], d[2], kv[0], kv[1], scale)
+        return cls(
+            fixed,
+            pf[1],
+            pf[2],
+            pf[0],
+            d[1],
+            d[2],
+            kv[0],
+            kv[1],
+            scale,
+            profile.prefill_floor_ms,
+            profile.prefill_per_seq_ms,
+            profile.prefill_chunk_ms,
+        )
 
     # --- one step -----------------------------------------------------------------------------------
     def step_ms(
@@ -86,7 +111,13 @@ class LatencyModel:
                 pf += self.prefill_per_token_ms * new + self.prefill_per_token2_ms * ((before + new) ** 2 - before**2)
         dc = self.decode_per_seq_ms * decode_batch + self.decode_per_ctx_ms * decode_context
         phase = "prefill" if prefill_chunks and pf >= dc else "decode"
-        return (t + pf + dc) * self.scale(phase, threads, neighbours)
+        step = t + pf + dc
+        if prefill_chunks and not decode_batch:
+            # an eager prefill step's host side (launches, Python: a floor + per sequence) runs ahead of its GPU
+            # work, so the step takes the larger of the two; a chunked continuation adds its slow attention path
+            host = self.prefill_floor_ms + self.prefill_per_seq_ms * (len(prefill_chunks) - 1)
+            step = max(step, host) + self.prefill_chunk_ms * sum(1 for _, before in prefill_chunks if before > 0)
+        return step * self.scale(phase, threads, neighbours)
 
     def prefill_ms(self, lengths: Sequence[int], threads: int = 1, neighbours: int = 0) -> float:
         return self.step_ms([(n, 0) for n in lengths], 0, 0, threads, neighbours)

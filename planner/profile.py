@@ -78,6 +78,15 @@ class Profile:
     handoff_ms: float = 0.0  # disaggregated: router -> decode worker -> first decode token, beyond the KV pull
     handoff_steps: int = 0  # ... and this many engine steps of a busy decode worker (handlers run between steps)
     admit_steps: int = 0  # a new request reaches a busy worker's scheduler after this many step ends (0, 1: next)
+    # A prefill step's host side (eager launches, Python): at least ``prefill_floor_ms`` for one sequence, plus
+    # ``prefill_per_seq_ms`` per further sequence; the step takes the larger of that and its GPU work (the fit
+    # of ``prefill``). A chunked-prefill continuation (a prompt resumed over its cached context) adds
+    # ``prefill_chunk_ms`` (0 = none of these three costs).
+    prefill_floor_ms: float = 0.0
+    prefill_per_seq_ms: float = 0.0
+    prefill_chunk_ms: float = 0.0
+    engine_thread: bool = False  # the step runs off the event loop: a finished prefill's reply does not wait a step
+    cost_origins: dict[str, str] = field(default_factory=dict)  # e.g. prefill_chunk_ms -> "measured: ..."
     notes: tuple[str, ...] = field(default_factory=tuple)
 
     def to_dict(self) -> dict[str, Any]:
@@ -124,6 +133,27 @@ def _points(data: dict, key: str, minimum: int) -> list[dict]:
         if not isinstance(p, dict):
             raise ProfileError(f"{key}[{i}] must be an object")
     return pts
+
+
+PREFILL_COSTS = ("prefill_floor_ms", "prefill_per_seq_ms", "prefill_chunk_ms")
+
+
+def _flag(data: dict, key: str) -> bool:
+    v = data.get(key, False)
+    if not isinstance(v, bool):
+        raise ProfileError(f"profile field {key!r} must be true or false, got {v!r}")
+    return v
+
+
+def _cost_origins(data: dict) -> dict[str, str]:
+    """``cost_origins``: which measurement each scalar cost comes from, "<origin>: <source>"."""
+    d = data.get("cost_origins", {})
+    if not isinstance(d, dict):
+        raise ProfileError("profile field 'cost_origins' must be an object")
+    for k, v in d.items():
+        if not isinstance(v, str) or v.split(":", 1)[0] not in ORIGINS:
+            raise ProfileError(f"cost_origins.{k} must be a string starting with one of {', '.join(ORIGINS)}")
+    return dict(d)
 
 
 def from_dict(data: Any) -> Profile:
@@ -200,6 +230,9 @@ def from_dict(data: Any) -> Profile:
         if "handoff_steps" in data
         else 0,
         admit_steps=_num(data, "admit_steps", "profile", positive=False, integer=True) if "admit_steps" in data else 0,
+        **{k: float(_num(data, k, "profile", positive=False)) if k in data else 0.0 for k in PREFILL_COSTS},
+        engine_thread=_flag(data, "engine_thread"),
+        cost_origins=_cost_origins(data),
         notes=tuple(notes),
     )
 

@@ -34,6 +34,13 @@ def layout_of_run(doc: dict) -> Layout:
     return Layout(mode, p, d, pf, col if mode == "colocated" else dec)
 
 
+def run_engine_thread(doc: dict) -> bool:
+    """Whether the recorded run's workers stepped the engine on their own thread (``engine_thread``: auto = on
+    for CUDA, docs/PERFORMANCE.md section 8b); runs recorded before the option stepped on the event loop."""
+    v = doc["args"].get("engine_thread")
+    return v in ("on", True) or (v == "auto" and str(doc["args"].get("device", "")).startswith("cuda"))
+
+
 def cold_start(doc: dict, point: dict) -> tuple[int, float]:
     """(stalls per colocated worker, median stall ms) seen by a point's requests; (0, 0) when none."""
     mode, _, workers = run_layout(doc)
@@ -63,8 +70,26 @@ def replay(
         handoff_steps=prof.handoff_steps,
         admit_steps=prof.admit_steps,
         cold_mixed_steps=cold_start(doc, point) if cold else (0, 0.0),
+        reply_after_next_step=not run_engine_thread(doc),
     )
     return list(sim.run(point_requests(point)).latencies[point.get("ramp", 0) :])
+
+
+def replay_result(prof: Profile, doc: dict, point: dict, model: LatencyModel | None = None):
+    """The whole simulated result of a recorded point (per-role statistics too), steady state."""
+    from planner.simulator import Simulator
+
+    sim = Simulator(
+        model or LatencyModel.fit(prof),
+        layout_of_run(doc),
+        prof.kv_bytes_per_token,
+        prof.overhead_ttft_ms,
+        handoff_ms=prof.handoff_ms,
+        handoff_steps=prof.handoff_steps,
+        admit_steps=prof.admit_steps,
+        reply_after_next_step=not run_engine_thread(doc),
+    )
+    return sim.run(point_requests(point))
 
 
 def attained(samples: list[dict[str, float]], meets: Callable[[float, float], bool]) -> float:

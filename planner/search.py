@@ -39,6 +39,7 @@ class Planner:
     handoff_ms: float = 0.0
     handoff_steps: int = 0
     admit_steps: int = 0
+    engine_thread: bool = False
     min_duration_s: float = 30.0  # arrivals span at least this long: a burst of a few requests is no load
     max_requests: int = 6000
 
@@ -55,6 +56,7 @@ class Planner:
             handoff_ms=prof.handoff_ms,
             handoff_steps=prof.handoff_steps,
             admit_steps=prof.admit_steps,
+            engine_thread=prof.engine_thread,
         )
 
     def run(self, layout: Layout, rate: float, n: int | None = None) -> SimResult:
@@ -73,6 +75,7 @@ class Planner:
             self.handoff_ms,
             self.handoff_steps,
             self.admit_steps,
+            self.engine_thread,
         )
 
     def ok(self, layout: Layout, rate: float) -> bool:

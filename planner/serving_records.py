@@ -17,6 +17,7 @@ import gzip
 import json
 import math
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -135,6 +136,33 @@ class PrefillWorkerPoint:
     @property
     def mean_step_ms(self) -> float:
         return self.step_ms_total / self.steps
+
+    @property
+    def prompts_per_step(self) -> float:
+        return self.prompts / self.steps
+
+    @property
+    def tokens_per_step(self) -> float:
+        return self.tokens / self.steps
+
+
+def fit_prefill_per_seq(
+    points: list[PrefillWorkerPoint], floor_ms: float, gpu_ms: Callable[[float, float], float]
+) -> tuple[float, list[PrefillWorkerPoint]]:
+    """(host ms per further sequence of a prefill step, the points used): least squares through the origin of
+    each host-bound point's mean step minus the host floor against prompts per step - 1. A point is host-bound
+    when its GPU work, ``gpu_ms(prompts per step, tokens per step)``, is below half its measured step (the
+    step's host side then sets its time; on GPU-bound points it runs hidden behind the GPU work)."""
+    used = [
+        p
+        for p in points
+        if p.prompts_per_step > 1.0 and gpu_ms(p.prompts_per_step, p.tokens_per_step) < p.mean_step_ms / 2
+    ]
+    x = np.array([p.prompts_per_step - 1.0 for p in used])
+    y = np.array([p.mean_step_ms - floor_ms for p in used])
+    if not used:
+        return 0.0, used
+    return max(0.0, float(x @ y / (x @ x))), used
 
 
 def prefill_worker_points(path: Path, skip_first_call_varied: bool = False) -> list[PrefillWorkerPoint]:

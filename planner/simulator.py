@@ -14,7 +14,8 @@ What it simulates, with the server's own policies (``server/engine/scheduler.py`
   one await per step; an idle worker runs them at once);
 - a prefill worker's reply leaves after the *next* step when it has more work (the engine step runs on the
   worker's event loop, so the handler awaiting the staged KV resumes only between steps; measured in
-  docs/PERFORMANCE.md section 8);
+  docs/PERFORMANCE.md section 8); with the engine on its own thread (``reply_after_next_step=False``, the
+  CUDA default since section 8b) it leaves at the end of its own step;
 - a fixed serving-path cost (``overhead_ttft_ms``) on every TTFT;
 - a new request reaches a busy colocated worker's scheduler only after ``admit_steps`` step ends (its HTTP
   handler's awaits resume between engine steps, behind the streaming of the whole batch's tokens; 1 = at the
@@ -81,6 +82,9 @@ class Worker:
     busy_ms: float = 0.0
     steps: int = 0
     seqs_in_steps: int = 0  # summed over steps: the mean batch is seqs_in_steps / steps
+    prefill_seqs: int = 0  # prefill chunks summed over steps (a prompt split over k steps counts k times)
+    continuations: int = 0  # chunked-prefill continuations (a chunk resuming a prompt over its cached context)
+    prefill_steps: int = 0  # steps with at least one prefill chunk
     replies: list[SimRequest] = field(default_factory=list)  # prefill: finished, reply after next step
 
 
@@ -92,6 +96,7 @@ class SimResult:
     mean_batch: dict[str, float]  # role -> sequences per step
     mean_ttft_ms: float
     mean_tpot_ms: float
+    prefill_stats: dict[str, float] = field(default_factory=dict)  # prefill steps, sequences and continuations
 
 
 class Simulator:
@@ -173,6 +178,13 @@ class Simulator:
                 util[name] = sum(w.busy_ms for w in ws) / len(ws) / (end - start)
                 batch[name] = sum(w.seqs_in_steps for w in ws) / max(1, sum(w.steps for w in ws))
         tpots = [x["tpot"] for x in lat if "tpot" in x]
+        pw = self.prefill or self.decode
+        stats = {
+            "steps": float(sum(w.prefill_steps for w in pw)),
+            "seqs": float(sum(w.prefill_seqs for w in pw)),
+            "continuations": float(sum(w.continuations for w in pw)),
+            "busy_ms": float(sum(w.busy_ms for w in pw)),
+        }
         return SimResult(
             lat,
             end - start,
@@ -180,6 +192,7 @@ class Simulator:
             batch,
             sum(x["ttft"] for x in lat) / max(1, len(lat)),
             sum(tpots) / max(1, len(tpots)),
+            stats,
         )
 
     def _least(self, ws: list[Worker]) -> Worker:
@@ -227,6 +240,10 @@ class Simulator:
         w.busy_ms += dt
         w.steps += 1
         w.seqs_in_steps += len(scheduled)
+        if chunks:
+            w.prefill_steps += 1
+            w.prefill_seqs += len(chunks)
+            w.continuations += sum(1 for _, before in chunks if before > 0)
         self._at(self.now + dt, "step_end", (w, scheduled))
 
     def _schedule(self, w: Worker):
@@ -371,10 +388,18 @@ def simulate(
     handoff_ms: float = 0.0,
     handoff_steps: int = 0,
     admit_steps: int = 0,
+    engine_thread: bool = False,
 ) -> SimResult:
     arrivals = poisson_arrivals(len(lengths), rate_per_s, seed)
     reqs = [(a, p, o) for a, (p, o) in zip(arrivals, lengths, strict=True)]
     sim = Simulator(
-        model, layout, kv_bytes_per_token, overhead_ttft_ms, handoff_ms=handoff_ms, handoff_steps=handoff_steps
+        model,
+        layout,
+        kv_bytes_per_token,
+        overhead_ttft_ms,
+        reply_after_next_step=not engine_thread,
+        handoff_ms=handoff_ms,
+        handoff_steps=handoff_steps,
+        admit_steps=admit_steps,
     )
     return sim.run(reqs)

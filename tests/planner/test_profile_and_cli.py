@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from planner.from_results import build_h200_profile
 from planner.latency import LatencyModel
 from planner.profile import ProfileError, from_dict, load
 from planner.slo import SLO, SLOError, meets
@@ -19,8 +18,9 @@ from planner.workload import WorkloadError, load_workload
 RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
 
 
-def h200_dict() -> dict:
-    return json.loads(json.dumps(build_h200_profile(RESULTS).to_dict()))
+@pytest.fixture
+def h200_dict(h200_profile) -> dict:
+    return json.loads(json.dumps(h200_profile.to_dict()))
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
@@ -29,8 +29,8 @@ def cli(*args: str) -> subprocess.CompletedProcess:
     )
 
 
-def test_h200_profile_round_trips_and_marks_origins(tmp_path):
-    prof = build_h200_profile(RESULTS)
+def test_h200_profile_round_trips_and_marks_origins(tmp_path, h200_profile):
+    prof = h200_profile
     prof.save(tmp_path / "p.json")
     back = load(tmp_path / "p.json")
     assert back == prof
@@ -61,8 +61,8 @@ def test_h200_profile_round_trips_and_marks_origins(tmp_path):
         (lambda d: d.update(admit_steps=1.5), "admit_steps"),
     ],
 )
-def test_bad_profiles_are_refused_naming_the_field(mutate, words):
-    d = h200_dict()
+def test_bad_profiles_are_refused_naming_the_field(mutate, words, h200_dict):
+    d = h200_dict
     mutate(d)
     with pytest.raises(ProfileError, match=words.replace("[", r"\[").replace("]", r"\]")):
         from_dict(d)
@@ -127,9 +127,9 @@ def test_plan_on_the_h200_profile_prints_layouts_and_the_serve_command(tmp_path)
         (["--write-config", "/nonexistent/dir/plan.yaml"], "--write-config"),
     ],
 )
-def test_plan_bad_input_exits_2_with_one_sentence(tmp_path, args, words):
+def test_plan_bad_input_exits_2_with_one_sentence(tmp_path, args, words, h200_dict):
     prof = tmp_path / "h200.json"
-    prof.write_text(json.dumps(h200_dict()))
+    prof.write_text(json.dumps(h200_dict))
     base = {"--profile": str(prof), "--workload": "prompt=128,output=8", "--slo": "ttft:200ms"}
     for k, v in zip(args[::2], args[1::2], strict=True):
         base[k] = v

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-from planner.from_results import build_h200_profile
 from planner.latency import LatencyModel
 from planner.layouts import EngineLimits, Layout
 from planner.replay import attained, replay
@@ -71,8 +70,8 @@ def test_a_busy_worker_admits_a_new_request_after_admit_steps_step_ends():
 
 
 @pytest.fixture(scope="module")
-def h200():
-    return build_h200_profile(RESULTS)
+def h200(h200_profile):
+    return h200_profile
 
 
 def _measured(point: dict, ttft: float, tpot: float) -> float:
