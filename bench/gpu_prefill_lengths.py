@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import time
 from pathlib import Path
 
 import torch
 
+from distbench.atomic import atomic_write
 from server.engine.llm_engine import EngineConfig, LLMEngine
 from server.engine.sampling_params import SamplingParams
 
@@ -108,10 +108,7 @@ def main() -> None:
     res["profile_cpu"] = table
     res["profile_cuda"] = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=15)
     print(table[:7000], flush=True)
-    tmp = a.out + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(res, f, indent=1)
-    os.replace(tmp, a.out)
+    atomic_write(a.out, json.dumps(res, indent=1))
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -24,6 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from distbench.atomic import atomic_write
 from server.engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
 from server.engine.sampling_params import SamplingParams  # noqa: E402
 
@@ -90,10 +90,7 @@ def main() -> None:
             "repeat_median_ms": [round(statistics.median(col), 2) for col in zip(*again, strict=True)],
         }
         print(name, res["shapes"][name], flush=True)
-    tmp = a.out + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(res, f, indent=1)
-    os.replace(tmp, a.out)
+    atomic_write(a.out, json.dumps(res, indent=1))
 
 
 if __name__ == "__main__":

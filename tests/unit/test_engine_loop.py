@@ -19,6 +19,16 @@ def engine():
     return LLMEngine(EngineConfig(block_size=4, num_blocks=12))
 
 
+async def drain(q: asyncio.Queue) -> list[int]:
+    """Every token a request's stream delivers, until it finishes."""
+    tokens: list[int] = []
+    while True:
+        out = await q.get()
+        tokens += out.new_token_ids
+        if out.finished:
+            return tokens
+
+
 @pytest.fixture(params=[False, True], ids=["inline", "thread"])
 def threaded(request):
     """Every behaviour holds in both modes: steps on the event loop, and steps on the engine thread."""
@@ -66,12 +76,7 @@ def test_stream_gets_tokens_and_abort_frees(engine, threaded):
         loop = EngineLoop(engine, threaded=threaded)
         loop.start()
         q = await loop.add_request("s", [1, 9, 8, 7], PARAMS)
-        tokens = []
-        while True:
-            out = await q.get()
-            tokens += out.new_token_ids
-            if out.finished:
-                break
+        tokens = await drain(q)
         q2 = await loop.add_request("t", [1, 9, 8, 7], SamplingParams(max_tokens=500, temperature=0.0, ignore_eos=True))
         await q2.get()
         assert loop.abort_nowait("t")
@@ -172,12 +177,7 @@ def test_thread_mode_queues_engine_calls_made_during_a_step(engine):
             assert await called == "done" and seen_in_step == [False]
             q2 = await q2_task
             assert "a" not in engine.requests
-            tokens = []
-            while True:
-                out = await q2.get()
-                tokens += out.new_token_ids
-                if out.finished:
-                    break
+            tokens = await drain(q2)
         loop.stop()
         return tokens
 
@@ -227,12 +227,7 @@ def test_thread_mode_a_handler_cancelled_after_its_queued_add_ran_leaves_nothing
             assert "gone" not in engine.requests
             assert loop.abort_nowait("busy")
         q = await loop.add_request("after", [1, 2, 3], PARAMS)  # the loop survived it and still serves
-        tokens = []
-        while True:
-            out = await q.get()
-            tokens += out.new_token_ids
-            if out.finished:
-                break
+        tokens = await drain(q)
         assert len(tokens) == PARAMS.max_tokens
         loop.stop()
 
