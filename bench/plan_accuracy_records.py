@@ -32,6 +32,14 @@ X4 = (
     "slo_study_x4_1p3d.json.gz",
     "slo_study_x4_colocated4.json.gz",
 )
+# 1P1D runs whose prefill worker is replayed step by step: the prefill-bound probes of today's code (one H200,
+# engine thread on, two servers: bench/gpu_prefill_serving.sh; the profile's prefill costs are fitted on their
+# 128-token points) and the SLO-study rerun (section 9b, two H200s, before the varlen attention)
+PREFILL_WORKER_RUNS = (
+    "gpu_issue17_prefill/run2/prefill_serving_thread_on_r1.json.gz",
+    "gpu_issue17_prefill/run2/prefill_serving_thread_on_r2.json.gz",
+    "gpu_issue16_rerun/slo_study_1p1d.json.gz",
+)
 TIE = 0.1  # continuous predictions closer than this (relative) are a tie: the model's own error is larger
 LOOSE = (200.0, 50.0)  # the four-GPU study's headline SLO: TTFT 200 ms, TPOT 50 ms
 
@@ -227,3 +235,43 @@ def admission_fit(prof: Profile, folder: Path, ks: tuple[int, ...] = (1, 2, 3, 4
                 row[f"k{k}"] = round(statistics.median(x["ttft"] for x in lat), 1)
             rows.append(row)
     return rows
+
+
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else math.nan
+
+
+def prefill_worker_replay(prof: Profile, path: Path) -> list[dict]:
+    """The 1P1D prefill worker of a recorded run, per point: ms per step and prompts per step (its ``/metrics``
+    deltas) and TTFT P50 / P90 (the point's requests after ``ramp``), measured and replayed."""
+    from planner.replay import replay_result
+    from planner.serving_records import prefill_worker_points
+
+    doc = read_run(path)
+    measured = {pw.source.split(" ")[1]: pw for pw in prefill_worker_points(path)}
+    out = []
+    for pt in doc["points"]:
+        key = f"{pt['workload']}@{pt['rate']:g}"
+        if key not in measured:
+            continue  # a server's first point whose counters include the pre-warm load
+        pw = measured[key]
+        res = replay_result(prof, doc, pt)
+        s = res.prefill_stats
+        recs = sorted((r for r in pt["result"]["requests"] if not r.get("warmup")), key=lambda r: r["index"])
+        recs = recs[pt.get("ramp", 0) :]
+        m_ttft = [r["ttft"] * 1000 for r in recs if r.get("ttft") is not None and not r.get("error")]
+        p_ttft = [x["ttft"] for x in res.latencies[pt.get("ramp", 0) :]]
+        out.append(
+            {
+                "run": f"{path.parent.name}/{path.name}",
+                "point": key,
+                "measured_ms_per_step": round(pw.mean_step_ms, 1),
+                "measured_prompts_per_step": round(pw.prompts_per_step, 2),
+                "replayed_ms_per_step": round(s["busy_ms"] / max(1.0, s["steps"]), 1),
+                "replayed_prompts_per_step": round(s["seqs"] / max(1.0, s["steps"]), 2),
+                "measured_ttft_p50_p90": [round(_pct(m_ttft, 0.5), 1), round(_pct(m_ttft, 0.9), 1)],
+                "replayed_ttft_p50_p90": [round(_pct(p_ttft, 0.5), 1), round(_pct(p_ttft, 0.9), 1)],
+            }
+        )
+    return out

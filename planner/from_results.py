@@ -50,7 +50,7 @@ from pathlib import Path
 
 from planner.latency import _fit_nonneg
 from planner.profile import DecodePoint, PrefillPoint, Profile, TransferPoint
-from planner.serving_records import decode_worker_points, fit_handoff, fit_prefill_per_seq, prefill_worker_points
+from planner.serving_records import decode_worker_points, fit_handoff, fit_prefill_host, prefill_worker_points
 
 KV_BYTES_PER_TOKEN = 32 * 2 * 32 * 128 * 2  # layers x (K, V) x heads x head dim x bf16 = 512 KiB
 
@@ -97,21 +97,30 @@ LENGTHS_K = 4  # prompts per step in the engine-only lengths run's second case
 LAYERS = 32
 
 
-SERVING_PREFILL = "gpu_issue16_rerun/slo_study_1p1d.json.gz"  # the prefill worker of today's code (engine thread)
+# the 1P1D prefill worker of today's code (engine thread, varlen prefill attention) under prefill-bound load:
+# 128-token and ShareGPT prompts with 2 output tokens, both workers on one H200, two servers
+# (bench/gpu_prefill_serving.sh, docs/PERFORMANCE.md section 10)
+SERVING_PREFILL = (
+    "gpu_issue17_prefill/run2/prefill_serving_thread_on_r1.json.gz",
+    "gpu_issue17_prefill/run2/prefill_serving_thread_on_r2.json.gz",
+)
 
 
 def prefill_host_costs(
     results: Path, gpu_ms: Callable[[float, float], float]
-) -> tuple[float, float, float, dict[str, str]]:
-    """(floor ms, per further sequence ms, chunked continuation ms, their origins).
+) -> tuple[float, float, float, float, dict[str, str]]:
+    """(floor ms, per further sequence ms, chunked continuation ms, host ms between steps per prompt, their
+    origins).
 
-    - floor: the engine-only run of ShareGPT lengths (``bench/gpu_prefill_lengths.py`` on the two-GPU host,
-      before the varlen attention: the code the serving records ran), median step with one prompt (mean 272
-      tokens: host-bound, its GPU work is a few ms);
-    - per further sequence: the loaded 1P1D prefill worker of the SLO-study rerun (``SERVING_PREFILL``), fitted
-      over its points (``serving_records.fit_prefill_per_seq``; ``gpu_ms(prompts, tokens)`` is the step's GPU
-      work). The engine alone shows less per sequence (the same run with 4 prompts per step); both are noted;
-    - chunked continuation: its math-SDPA call per layer (torch.profiler, same file) x layers."""
+    - floor and per further sequence: the loaded 1P1D prefill worker of today's code (``SERVING_PREFILL``),
+      fitted over its uniform-length (128-token) host-bound points (``serving_records.fit_prefill_host``;
+      ``gpu_ms(prompts, tokens)`` is the step's GPU work). Varied-length points are left out of the fit (their
+      mean step mixes host- and GPU-bound steps) and checked by the replays instead. Its decode worker shared
+      the GPU (one decode step per request). The engine alone, before the varlen attention (``LENGTHS``:
+      ShareGPT lengths, 1 and 4 prompts per step), is noted beside it;
+    - chunked continuation: its math-SDPA call per layer (torch.profiler, ``LENGTHS``) x layers;
+    - between steps: the same worker's wall time outside steps and idle, per prompt, median over its points
+      (KV staging, replies, the next requests' HTTP handlers on the event loop)."""
     text = (results / LENGTHS).read_text()
     medians: dict[int, float] = {}
     for line in text.splitlines():
@@ -121,28 +130,39 @@ def prefill_host_costs(
     m = re.search(r"(\d+) us each: the chunked-prefill continuation", text.replace("\n# ", " "))
     if m is None or 1 not in medians or LENGTHS_K not in medians:
         raise ValueError(f"{LENGTHS}: expected the k=1 and k={LENGTHS_K} medians and the math-SDPA call time")
-    floor = medians[1]
-    k_tokens = LENGTHS_K * 272  # the run's mean length
-    engine_per_seq = (medians[LENGTHS_K] - floor) / (LENGTHS_K - 1)  # host-bound: GPU work of k_tokens is less
-    if gpu_ms(LENGTHS_K, k_tokens) >= medians[LENGTHS_K]:
-        raise ValueError(f"{LENGTHS}: the {LENGTHS_K}-prompt steps are not host-bound")
+    engine_per_seq = (medians[LENGTHS_K] - medians[1]) / (LENGTHS_K - 1)
     chunk = int(m.group(1)) * LAYERS / 1000
-    pts = prefill_worker_points(results / SERVING_PREFILL)
-    per_seq, used = fit_prefill_per_seq(pts, floor, gpu_ms)
-    if not used:
-        raise ValueError(f"{SERVING_PREFILL}: no loaded prefill-worker point to fit the per-sequence cost on")
+    pts = [p for name in SERVING_PREFILL for p in prefill_worker_points(results / name, uniform_only=True)]
+    try:
+        floor, per_seq, used = fit_prefill_host(pts, gpu_ms)
+    except ValueError as e:
+        raise ValueError(f"{', '.join(SERVING_PREFILL)}: {e}") from None
+    posts = [
+        p.host_ms_per_prompt
+        for name in SERVING_PREFILL
+        for p in prefill_worker_points(results / name)
+        if math.isfinite(p.host_ms_per_prompt)
+    ]
+    if not posts:
+        raise ValueError(f"{', '.join(SERVING_PREFILL)}: no point with the wall time between two points")
+    post = statistics.median(posts)
     src = f"bench/results/{LENGTHS}"
+    serving = ", ".join(f"bench/results/{n}" for n in SERVING_PREFILL)
+    fitted = (
+        f"measured: {serving}, the prefill worker's /metrics, least squares with an intercept over its "
+        f"{len(used)} host-bound uniform-length points (" + ", ".join(p.source.split(" ")[1] for p in used) + ")"
+    )
     return (
         floor,
         per_seq,
         chunk,
+        post,
         {
-            "prefill_floor_ms": f"measured: {src}, one ShareGPT prompt per step (mean 272 tokens), median step",
-            "prefill_per_seq_ms": f"measured: bench/results/{SERVING_PREFILL}, the prefill worker's /metrics, "
-            f"least squares over its {len(used)} host-bound points ("
-            + ", ".join(p.source.split(" ")[1] for p in used)
-            + f"; the engine alone, {src}: {engine_per_seq:.1f} ms)",
+            "prefill_floor_ms": f"{fitted}; the engine alone before varlen, {src}: {medians[1]:.1f} ms",
+            "prefill_per_seq_ms": f"{fitted}; the engine alone before varlen, {src}: {engine_per_seq:.1f} ms",
             "prefill_chunk_ms": f"derived: {src}, torch.profiler math-SDPA call {m.group(1)} us x {LAYERS} layers",
+            "prefill_post_ms": f"measured: {serving}, the prefill worker's wall - in steps - idle per prompt, "
+            f"median of {len(posts)} points ({min(posts):.2f}-{max(posts):.2f} ms)",
         },
     )
 
@@ -180,7 +200,7 @@ def build_h200_profile(results: Path) -> Profile:
     decode, handoff_icpt, handoff_slope = serving_decode_points(results)
     gpu_points = [(1, 2048, p2048), (2, 2048, 2 * in_step)] + [(1, n, derived_prefill(n)) for n in (512, 256, 128)]
     g = _fit_nonneg([[1.0, b * t, b * t * t] for b, t, _ in gpu_points], [ms for _, _, ms in gpu_points])
-    floor, per_seq, chunk, origins = prefill_host_costs(results, lambda k, t: g[0] + g[1] * t + g[2] * t * t / k)
+    floor, per_seq, chunk, post, origins = prefill_host_costs(results, lambda k, t: g[0] + g[1] * t + g[2] * t * t / k)
     pull_2048 = pool["pull_s_median"] * 1000
     return Profile(
         device="cuda",
@@ -213,6 +233,7 @@ def build_h200_profile(results: Path) -> Profile:
         prefill_floor_ms=round(floor, 2),
         prefill_per_seq_ms=round(per_seq, 2),
         prefill_chunk_ms=round(chunk, 2),
+        prefill_post_ms=round(post, 2),
         engine_thread=True,
         cost_origins=origins,
         notes=(

@@ -81,10 +81,12 @@ class Profile:
     # A prefill step's host side (eager launches, Python): at least ``prefill_floor_ms`` for one sequence, plus
     # ``prefill_per_seq_ms`` per further sequence; the step takes the larger of that and its GPU work (the fit
     # of ``prefill``). A chunked-prefill continuation (a prompt resumed over its cached context) adds
-    # ``prefill_chunk_ms`` (0 = none of these three costs).
+    # ``prefill_chunk_ms`` (0 = none of these three costs). Between steps a prefill worker's host (KV staging,
+    # replies, the next requests' HTTP) takes ``prefill_post_ms`` per prompt the step finished.
     prefill_floor_ms: float = 0.0
     prefill_per_seq_ms: float = 0.0
     prefill_chunk_ms: float = 0.0
+    prefill_post_ms: float = 0.0
     engine_thread: bool = False  # the step runs off the event loop: a finished prefill's reply does not wait a step
     cost_origins: dict[str, str] = field(default_factory=dict)  # e.g. prefill_chunk_ms -> "measured: ..."
     notes: tuple[str, ...] = field(default_factory=tuple)
@@ -135,7 +137,7 @@ def _points(data: dict, key: str, minimum: int) -> list[dict]:
     return pts
 
 
-PREFILL_COSTS = ("prefill_floor_ms", "prefill_per_seq_ms", "prefill_chunk_ms")
+PREFILL_COSTS = ("prefill_floor_ms", "prefill_per_seq_ms", "prefill_chunk_ms", "prefill_post_ms")
 
 
 def _flag(data: dict, key: str) -> bool:

@@ -71,6 +71,7 @@ def replay(
         admit_steps=prof.admit_steps,
         cold_mixed_steps=cold_start(doc, point) if cold else (0, 0.0),
         reply_after_next_step=not run_engine_thread(doc),
+        prefill_post_ms=prof.prefill_post_ms,
     )
     return list(sim.run(point_requests(point)).latencies[point.get("ramp", 0) :])
 
@@ -88,6 +89,7 @@ def replay_result(prof: Profile, doc: dict, point: dict, model: LatencyModel | N
         handoff_steps=prof.handoff_steps,
         admit_steps=prof.admit_steps,
         reply_after_next_step=not run_engine_thread(doc),
+        prefill_post_ms=prof.prefill_post_ms,
     )
     return sim.run(point_requests(point))
 

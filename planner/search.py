@@ -40,6 +40,7 @@ class Planner:
     handoff_steps: int = 0
     admit_steps: int = 0
     engine_thread: bool = False
+    prefill_post_ms: float = 0.0
     min_duration_s: float = 30.0  # arrivals span at least this long: a burst of a few requests is no load
     max_requests: int = 6000
 
@@ -57,6 +58,7 @@ class Planner:
             handoff_steps=prof.handoff_steps,
             admit_steps=prof.admit_steps,
             engine_thread=prof.engine_thread,
+            prefill_post_ms=prof.prefill_post_ms,
         )
 
     def run(self, layout: Layout, rate: float, n: int | None = None) -> SimResult:
@@ -76,6 +78,7 @@ class Planner:
             self.handoff_steps,
             self.admit_steps,
             self.engine_thread,
+            self.prefill_post_ms,
         )
 
     def ok(self, layout: Layout, rate: float) -> bool:

@@ -8,7 +8,8 @@ must predict the worker). From one run's records this module reads, per point an
   prompt and output lengths: a request decodes ``output - 1`` tokens over contexts ``prompt + 1 ..``);
 - disaggregated requests: the first inter-token gap (prefill reply -> first token of the decode worker), the
   hand-off the simulator models as ``handoff_ms`` plus ``handoff_steps`` decode-worker steps.
-Points whose counters include a pre-warm load (``--prewarm``) are skipped when they are the first of a server.
+Points whose counters include a pre-warm load (``--prewarm``) are skipped when they are the first of a server, unless
+the run recorded the counters after the pre-warm (``prewarm_server_metrics``: they are then the baseline).
 """
 
 from __future__ import annotations
@@ -60,11 +61,18 @@ def read_run(path: Path) -> dict:
         return json.load(f)
 
 
+def _prewarm_baseline(doc: dict, role: str) -> dict[str, dict] | None:
+    """The workers' counters after the pre-warm load, when the run recorded them (the first point's deltas then
+    start there); None otherwise (a server's first point after a pre-warm is then skipped)."""
+    base = doc.get("prewarm_server_metrics")
+    return {w: m for w, m in base.items() if w.startswith(role)} if base else None
+
+
 def decode_worker_points(path: Path) -> list[DecodeWorkerPoint]:
     """Per point and decode worker of one recorded run (empty for colocated layouts)."""
     doc = read_run(path)
     out: list[DecodeWorkerPoint] = []
-    prev: dict[str, dict] | None = None
+    prev = _prewarm_baseline(doc, "decode")
     prev_end = math.nan
     for p in doc["points"]:
         res = p["result"]
@@ -132,6 +140,12 @@ class PrefillWorkerPoint:
     step_ms_total: float
     prompts: float  # prompts prefilled (each step's batch summed)
     tokens: float  # prompt tokens prefilled
+    host_ms_total: float = math.nan  # wall - in steps - idle since the previous point (nan: unknown)
+
+    @property
+    def host_ms_per_prompt(self) -> float:
+        """The worker's host work between steps (KV staging, replies, HTTP), per prompt; nan when unknown."""
+        return self.host_ms_total / self.prompts
 
     @property
     def mean_step_ms(self) -> float:
@@ -146,53 +160,60 @@ class PrefillWorkerPoint:
         return self.tokens / self.steps
 
 
-def fit_prefill_per_seq(
-    points: list[PrefillWorkerPoint], floor_ms: float, gpu_ms: Callable[[float, float], float]
-) -> tuple[float, list[PrefillWorkerPoint]]:
-    """(host ms per further sequence of a prefill step, the points used): least squares through the origin of
-    each host-bound point's mean step minus the host floor against prompts per step - 1. A point is host-bound
-    when its GPU work, ``gpu_ms(prompts per step, tokens per step)``, is below half its measured step (the
-    step's host side then sets its time; on GPU-bound points it runs hidden behind the GPU work)."""
-    used = [
-        p
-        for p in points
-        if p.prompts_per_step > 1.0 and gpu_ms(p.prompts_per_step, p.tokens_per_step) < p.mean_step_ms / 2
-    ]
+def fit_prefill_host(
+    points: list[PrefillWorkerPoint], gpu_ms: Callable[[float, float], float]
+) -> tuple[float, float, list[PrefillWorkerPoint]]:
+    """(host floor ms, host ms per further sequence, the points used) of a prefill step: least squares of each
+    host-bound point's mean step against prompts per step - 1, with an intercept (the floor: one prompt's step).
+    A point is host-bound when its GPU work, ``gpu_ms(prompts per step, tokens per step)``, is below its
+    measured step: the model takes a step as the larger of its host side and its GPU work, so the host side is
+    what such a step measured (on GPU-bound points it runs hidden behind the GPU work). ValueError when fewer
+    than 3 points are host-bound or they do not span one prompt per step."""
+    used = [p for p in points if gpu_ms(p.prompts_per_step, p.tokens_per_step) < p.mean_step_ms]
     x = np.array([p.prompts_per_step - 1.0 for p in used])
-    y = np.array([p.mean_step_ms - floor_ms for p in used])
-    if not used:
-        return 0.0, used
-    return max(0.0, float(x @ y / (x @ x))), used
+    if len(used) < 3 or float(x.max() - x.min()) < 1.0:
+        raise ValueError(
+            f"{len(used)} host-bound prefill-worker points spanning {float(np.ptp(x)) if used else 0:.2f} prompts "
+            "per step: need 3 or more, at least one prompt per step apart"
+        )
+    a = np.vstack([np.ones_like(x), x]).T
+    floor, per_seq = np.linalg.lstsq(a, np.array([p.mean_step_ms for p in used]), rcond=None)[0]
+    return float(floor), max(0.0, float(per_seq)), used
 
 
-def prefill_worker_points(path: Path, skip_first_call_varied: bool = False) -> list[PrefillWorkerPoint]:
+def prefill_worker_points(path: Path, uniform_only: bool = False) -> list[PrefillWorkerPoint]:
     """Per point and prefill worker of one recorded run: steps and step seconds (deltas of ``/metrics``), and
     the prompts they prefilled (the point's requests, split evenly over the prefill workers).
-    ``skip_first_call_varied``: leave out workloads of varied prompt lengths (the study's first call, whose
-    prefill attention built a cuDNN plan per new length: docs/PERFORMANCE.md section 9)."""
+    ``uniform_only``: leave out workloads of varied prompt lengths. Their mean step mixes host-bound steps
+    with GPU-bound ones (a long prompt's), so it says little about the host's per-sequence cost; and the
+    study's first call built a cuDNN plan per new length (docs/PERFORMANCE.md section 9)."""
     doc = read_run(path)
     out: list[PrefillWorkerPoint] = []
-    prev: dict[str, dict] | None = None
+    prev = _prewarm_baseline(doc, "prefill")
+    prev_end = math.nan
     for p in doc["points"]:
         res = p["result"]
         cur = {w: m for w, m in res.get("server_metrics", {}).items() if w.startswith("prefill")}
         varied = len({r["prompt_tokens"] for r in res["requests"]}) > 1
-        if cur and (prev is not None or not doc["args"].get("prewarm")) and not (skip_first_call_varied and varied):
+        if cur and (prev is not None or not doc["args"].get("prewarm")) and not (uniform_only and varied):
             reqs = res["requests"]
             mean_prompt = sum(r["prompt_tokens"] for r in reqs) / len(reqs)
             for w, m in sorted(cur.items()):
                 base = (prev or {}).get(w, {})
                 tokens = m.get(QUERIED, 0.0) - base.get(QUERIED, 0.0)  # the prompt tokens this worker admitted
+                step_ms = (m[STEP_S] - base.get(STEP_S, 0.0)) * 1000
+                wall_ms = (res["end_unix"] - prev_end) * 1000  # nan for a server's first point
                 out.append(
                     PrefillWorkerPoint(
                         f"{path.name} {p['workload']}@{p['rate']:g} {w}",
                         m[STEPS] - base.get(STEPS, 0.0),
-                        (m[STEP_S] - base.get(STEP_S, 0.0)) * 1000,
+                        step_ms,
                         tokens / mean_prompt,
                         tokens,
+                        wall_ms - step_ms - (m[IDLE] - base.get(IDLE, 0.0)) * 1000,
                     )
                 )
-        prev = cur
+        prev, prev_end = cur, res["end_unix"]
     return out
 
 

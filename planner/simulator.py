@@ -16,6 +16,8 @@ What it simulates, with the server's own policies (``server/engine/scheduler.py`
   worker's event loop, so the handler awaiting the staged KV resumes only between steps; measured in
   docs/PERFORMANCE.md section 8); with the engine on its own thread (``reply_after_next_step=False``, the
   CUDA default since section 8b) it leaves at the end of its own step;
+- a prefill worker's host work between steps (KV staging, replies, the next requests' HTTP handlers):
+  ``prefill_post_ms`` per prompt a step finished; the next step and those replies wait for it;
 - a fixed serving-path cost (``overhead_ttft_ms``) on every TTFT;
 - a new request reaches a busy colocated worker's scheduler only after ``admit_steps`` step ends (its HTTP
   handler's awaits resume between engine steps, behind the streaming of the whole batch's tokens; 1 = at the
@@ -85,6 +87,7 @@ class Worker:
     prefill_seqs: int = 0  # prefill chunks summed over steps (a prompt split over k steps counts k times)
     continuations: int = 0  # chunked-prefill continuations (a chunk resuming a prompt over its cached context)
     prefill_steps: int = 0  # steps with at least one prefill chunk
+    post_ms: float = 0.0  # prefill: host work between steps (``prefill_post_ms`` per finished prompt)
     replies: list[SimRequest] = field(default_factory=list)  # prefill: finished, reply after next step
 
 
@@ -112,8 +115,10 @@ class Simulator:
         handoff_steps: int = 0,
         cold_mixed_steps: tuple[int, float] = (0, 0.0),
         admit_steps: int = 0,
+        prefill_post_ms: float = 0.0,
     ) -> None:
         self.model, self.layout = model, layout
+        self.prefill_post_ms = prefill_post_ms
         self.handoff_steps = handoff_steps
         self.admit_steps = admit_steps
         self.cold_stall_ms = cold_mixed_steps[1]
@@ -160,6 +165,12 @@ class Simulator:
             elif kind == "kick":
                 obj.kick_pending = False
                 self._start_step(obj)
+            elif kind == "post_end":  # a prefill worker's host work between steps is done: replies leave
+                w, ready = obj
+                w.busy = False
+                for s in ready:
+                    self._reply(s)
+                self._kick(w)
             elif kind == "kv_done":
                 req, w = obj
                 w.reserved -= 1
@@ -184,6 +195,7 @@ class Simulator:
             "seqs": float(sum(w.prefill_seqs for w in pw)),
             "continuations": float(sum(w.continuations for w in pw)),
             "busy_ms": float(sum(w.busy_ms for w in pw)),
+            "post_ms": float(sum(w.post_ms for w in pw)),
         }
         return SimResult(
             lat,
@@ -327,11 +339,19 @@ class Simulator:
                 w.assigned -= 1
                 w.kv_used -= self._kv_need(w, s)
                 self._admit_blocked(w)
-        for s in ready:
-            self._reply(s)
         for j in w.joining:
             j[1] -= 1
         self._join(w, [j for j in w.joining if j[1] <= 0])
+        finished = sum(1 for s, n in scheduled if n and s.computed >= s.prompt)
+        if w.role == "prefill" and self.prefill_post_ms > 0 and finished:
+            # the worker's host work between steps (KV staging, replies, the next requests' HTTP) holds the
+            # next step back, and the replies leave when it is done
+            w.busy = True
+            w.post_ms += self.prefill_post_ms * finished
+            self._at(self.now + self.prefill_post_ms * finished, "post_end", (w, ready))
+            return
+        for s in ready:
+            self._reply(s)
         self._kick(w)
 
     @staticmethod
@@ -389,6 +409,7 @@ def simulate(
     handoff_steps: int = 0,
     admit_steps: int = 0,
     engine_thread: bool = False,
+    prefill_post_ms: float = 0.0,
 ) -> SimResult:
     arrivals = poisson_arrivals(len(lengths), rate_per_s, seed)
     reqs = [(a, p, o) for a, (p, o) in zip(arrivals, lengths, strict=True)]
@@ -401,5 +422,6 @@ def simulate(
         handoff_ms=handoff_ms,
         handoff_steps=handoff_steps,
         admit_steps=admit_steps,
+        prefill_post_ms=prefill_post_ms,
     )
     return sim.run(reqs)

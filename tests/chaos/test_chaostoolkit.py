@@ -14,6 +14,8 @@ import pytest
 from chaos.target import Target
 from tests.chaos.conftest import ROOT
 
+pytestmark = pytest.mark.chaos  # a whole experiment against real servers: make test-chaos
+
 
 def test_chaostoolkit_runs_the_pause_experiment(tmp_path):
     chaos_cli = shutil.which("chaos") or os.path.join(os.path.dirname(sys.executable), "chaos")

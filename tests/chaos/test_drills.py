@@ -20,6 +20,8 @@ import yaml
 
 from tests.chaos.conftest import ROOT, host_snapshot, need_root, run_drill
 
+pytestmark = pytest.mark.chaos  # whole drills: make test-chaos (CI runs it after make test)
+
 DRILLS = ROOT / "configs" / "drills"
 ALWAYS = [
     "worker_pause",

@@ -80,6 +80,9 @@ def test_jsonl_dataset_and_trace(tmp_path):
     items = jsonl_items(str(p), None, Vocab(100), None)
     assert [i.at for i in items] == [0.0, 0.5, 1.0]
     assert items[0].prompt_ids == [5, 6] and len(items[1].prompt_ids) == 8 and items[2].text == "hello there"
+    assert [i.output_len for i in items] == [2, 3, 4]
+    # --output-len replaces each line's own length (a prefill-bound probe over a dataset's prompt lengths)
+    assert [i.output_len for i in jsonl_items(str(p), None, Vocab(100), Lengths.parse("2", "--output-len"))] == [2] * 3
     vllm_custom = tmp_path / "custom.jsonl"  # vLLM's custom dataset format drives distbench too
     vllm_custom.write_text('{"prompt": "What is the capital of India?", "output_tokens": 10}\n')
     [item] = jsonl_items(str(vllm_custom), None, None, None)
