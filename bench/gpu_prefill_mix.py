@@ -7,7 +7,8 @@ model; fixed 2 048-token prompts match it (47-48 ms). What differs at those load
 over the cached context), and lengths the step has never seen. This times one engine step of each shape,
 first time and repeated (median of ``--repeats``), so the cause can be read off and put into the profile.
 
-Device (one H200, carry .whl): ``python3 bench/gpu_prefill_mix.py --out $OUT/prefill_mix.json``.
+Device (one H200, carry .whl): ``python3 bench/gpu_prefill_mix.py --out $OUT/prefill_mix.json`` (``--set probe``:
+the serving probe's uniform shapes, 128 and 512 tokens x 1-5 prompts, 1 024 and 2 048).
 CPU dry run: ``python bench/gpu_prefill_mix.py --model preset:tiny-gpu --device cpu --scale 0.0625 --out /tmp/m.json``.
 """
 
@@ -37,6 +38,13 @@ SHAPES = {
     "one_300": [300],
     "four_varied_short_120_300_450_700": [120, 300, 450, 700],
 }
+# ``--set probe``: the uniform shapes of the serving probe (bench/gpu_prefill_serving.sh), engine alone on a GPU
+# of its own, to tell the step's own cost from what sharing the GPU with a decode worker adds
+PROBE = {f"{k}x{n}": [n] * k for n in (128, 512) for k in (1, 2, 3, 4, 5)} | {
+    "1x1024": [1024],
+    "1x2048": [2048],
+    "2x2048": [2048, 2048],
+}
 
 
 def step_times(eng: LLMEngine, lengths: list[int], salt: int, sync) -> list[float]:
@@ -61,6 +69,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--scale", type=float, default=1.0, help="multiply every length (CPU dry runs)")
+    ap.add_argument("--set", default="mix", choices=("mix", "probe"), help="mix: SHAPES; probe: PROBE")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     eng = LLMEngine(
@@ -78,7 +87,7 @@ def main() -> None:
     step_times(eng, [max(8, int(2048 * a.scale))], 0, sync)  # warm-up
     res: dict = {"model": a.model, "device": a.device, "torch": torch.__version__, "shapes": {}}
     salt = 1
-    for name, lengths in SHAPES.items():
+    for name, lengths in (SHAPES if a.set == "mix" else PROBE).items():
         ls = [max(8, int(n * a.scale)) for n in lengths]
         first = step_times(eng, ls, salt, sync)
         salt += 1

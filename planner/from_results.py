@@ -19,19 +19,16 @@ measured
   resume only between its engine steps), hence ``handoff_ms`` and ``handoff_steps``;
 - KV pull of 1 GiB (one 2048-token prompt) GPU 0 -> GPU 1 over cuda_ipc: 3.89 ms median, connection reused
   (``kv_transfer_gpu_x2_2026-11-29_run2.json``: ``cuda_ipc_pool.pull_s_median``).
+- prefill steps of 128 and 512 tokens x 1-5 prompts, 1 024 and 2 048 tokens: the engine alone on a GPU of its
+  own (``gpu_issue17_prefill/engine_alone/prefill_probe_engine.json``, ``bench/gpu_prefill_mix.py --set
+  probe``), every shape of more than 384 tokens (smaller steps are the engine's own host floor, 8-9 ms);
 derived
-- prefill 1 x 512: the 2048 point split into the decode step's fixed part (4.84 ms: reading the
-  weights once), attention (quadratic in the length: flash attention at 2048 measured 178 us per layer,
-  ``prefill_parts.attn_flash``, x 32 layers) and the rest linear in tokens; 1 x 128 and 1 x 256: that, but
-  at least the eager forward's launch floor (a prefill runs without CUDA graphs): 11.2 ms, the engine's eager
-  one-token step (``engine_7b.decode_b1.eager_fused``). The loaded prefill workers' TTFT of the shortest
-  ShareGPT prompts (P10 19 ms, of which 6 ms ``overhead_ttft_ms``) agrees;
 - KV pull of 64 MiB (128 tokens): the 1 GiB pull's control phases (connect, PULL -> reply, ACK -> DONE) plus
   the copy scaled by bytes.
 prefill host costs (``prefill_host_costs``; each one's source is in the profile's ``cost_origins``)
-- floor: the engine-only ShareGPT-lengths run, one prompt per step (measured); per further sequence: the
-  rerun's loaded 1P1D prefill worker, its host-bound points (measured, serving records); chunked
-  continuation: the math-SDPA call time from the same run's profiler table x 32 layers (derived).
+- floor and per further sequence: the loaded 1P1D prefill worker of today's code, its 128-token points
+  (measured, serving records); between steps, per prompt: the same records; chunked continuation: the
+  math-SDPA call time from the engine-only ShareGPT-lengths run's profiler table x 32 layers (derived).
 Everything beyond these (more than two prompts per step, decode batches above ~35) is an extrapolation
 made by ``planner.latency``. ``overhead_ttft_ms`` (6 ms) is the lowest-rate TTFT P50 of the two-GPU long study
 minus the prefill step. The prefill points are the engine's: the prefill workers of the same runs measured
@@ -100,6 +97,7 @@ LAYERS = 32
 # the 1P1D prefill worker of today's code (engine thread, varlen prefill attention) under prefill-bound load:
 # 128-token and ShareGPT prompts with 2 output tokens, both workers on one H200, two servers
 # (bench/gpu_prefill_serving.sh, docs/PERFORMANCE.md section 10)
+ENGINE_PROBE = "gpu_issue17_prefill/engine_alone/prefill_probe_engine.json"
 SERVING_PREFILL = (
     "gpu_issue17_prefill/run2/prefill_serving_thread_on_r1.json.gz",
     "gpu_issue17_prefill/run2/prefill_serving_thread_on_r2.json.gz",
@@ -172,25 +170,12 @@ def build_h200_profile(results: Path) -> Profile:
     sizing = _read(results / "gpu_issue16" / "kv_sizing.json")
     worker = _read(results / "gpu_issue16" / "prefill_after_out16.json")
     kvx = _read(results / "kv_transfer_gpu_x2_2026-11-29_run2.json")
-    parts = _read(results / "gpu_engine_2026-11-29_run2.json")["prefill_parts"]
 
     d1 = eng["decode_b1"]["graphs"]["step_ms_median"]
     d64 = eng["decode_b64_ctx1024"]["graphs"]
     d64_ms, d64_ctx = d64["step_ms_median"], d64["mean_context"]
     p2048 = sizing["step_ms_median"]
     in_step = worker["per_prefill_ms"]["in_step"]
-    attn_2048 = parts["attn_flash"]["us"] * 32 / 1000  # ms, all layers
-    per_tok = (p2048 - d1 - attn_2048) / 2048
-    per_tok2 = attn_2048 / 2048**2
-
-    eager_floor = eng["decode_b1"]["eager_fused"]["step_ms_median"]  # an eager forward of one token: launch-bound
-
-    def derived_prefill(n: int) -> float:
-        # a prefill runs eagerly (no CUDA graph): a short one costs at least the eager launch floor (the
-        # colocated mixed steps validated in docs/PERFORMANCE.md section 10 use this line; a prefill-only
-        # step's larger host side is the profile's prefill_floor_ms / prefill_per_seq_ms)
-        return max(eager_floor, d1 + per_tok * n + per_tok2 * n * n)
-
     pool = kvx["cuda_ipc_pool"]
     phases = pool["phases_s_median"]
     control_ms = (phases["connect_s"] + phases["pull_to_header_s"] + phases["ack_to_done_s"]) * 1000
@@ -198,7 +183,16 @@ def build_h200_profile(results: Path) -> Profile:
     small = 128 * KV_BYTES_PER_TOKEN
     src = "from bench/results: "
     decode, handoff_icpt, handoff_slope = serving_decode_points(results)
-    gpu_points = [(1, 2048, p2048), (2, 2048, 2 * in_step)] + [(1, n, derived_prefill(n)) for n in (512, 256, 128)]
+    # the engine alone on a GPU of its own, one step per shape (median of 7): 128 and 512 tokens x 1-5 prompts,
+    # 1 024 and 2 048 (bench/gpu_prefill_mix.py --set probe); the steps of up to three 128-token prompts are
+    # the engine's own host floor (8-9 ms) and stay out of the GPU fit
+    probe = _read(results / ENGINE_PROBE)["shapes"]
+    engine_points = [
+        (len(v["lengths"]), v["lengths"][0], v["repeat_median_ms"][0])
+        for v in probe.values()
+        if len(set(v["lengths"])) == 1 and len(v["repeat_median_ms"]) == 1 and len(v["lengths"]) * v["lengths"][0] > 384
+    ]
+    gpu_points = [(1, 2048, p2048), (2, 2048, 2 * in_step)] + engine_points
     g = _fit_nonneg([[1.0, b * t, b * t * t] for b, t, _ in gpu_points], [ms for _, _, ms in gpu_points])
     floor, per_seq, chunk, post, origins = prefill_host_costs(results, lambda k, t: g[0] + g[1] * t + g[2] * t * t / k)
     pull_2048 = pool["pull_s_median"] * 1000
@@ -212,9 +206,10 @@ def build_h200_profile(results: Path) -> Profile:
         prefill=(
             PrefillPoint(1, 2048, p2048, "measured", src + "gpu_issue16/kv_sizing.json step_ms_median"),
             PrefillPoint(2, 2048, 2 * in_step, "measured", src + "gpu_issue16/prefill_after_out16.json in_step x 2"),
-            PrefillPoint(1, 512, derived_prefill(512), "derived", "fixed + linear + flash-attention share of 2048"),
-            PrefillPoint(1, 256, derived_prefill(256), "derived", "eager launch floor (eager decode_b1 step)"),
-            PrefillPoint(1, 128, derived_prefill(128), "derived", "eager launch floor (eager decode_b1 step)"),
+            *(
+                PrefillPoint(b, t, ms, "measured", src + f"{ENGINE_PROBE} {b}x{t}, engine alone, median of 7")
+                for b, t, ms in engine_points
+            ),
         ),
         decode=decode,
         kv_transfer=(
