@@ -45,6 +45,8 @@ PROBE = {f"{k}x{n}": [n] * k for n in (128, 512) for k in (1, 2, 3, 4, 5)} | {
     "1x2048": [2048],
     "2x2048": [2048, 2048],
 }
+# ``--set batch``: many short prompts in one step (a colocated worker at a high rate)
+BATCH = {f"{k}x{n}": [n] * k for n, ks in ((128, (1, 5, 19, 26)), (512, (3, 8))) for k in ks}
 
 
 def step_times(eng: LLMEngine, lengths: list[int], salt: int, sync) -> list[float]:
@@ -69,25 +71,63 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--scale", type=float, default=1.0, help="multiply every length (CPU dry runs)")
-    ap.add_argument("--set", default="mix", choices=("mix", "probe"), help="mix: SHAPES; probe: PROBE")
+    ap.add_argument(
+        "--set",
+        default="mix",
+        choices=("mix", "probe", "batch", "hits"),
+        help="mix: SHAPES; probe: PROBE; batch: BATCH; hits: BATCH cold, then again with every prompt a prefix-cache hit",
+    )
+    ap.add_argument("--max-num-seqs", type=int, default=32, help="the engine's max_num_seqs (CUDA graphs up to it)")
+    ap.add_argument(
+        "--masked-continuations",
+        action="store_true",
+        help="time the old continuation path (explicit boolean mask, PyTorch's math kernel) for comparison",
+    )
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
+    if a.masked_continuations:  # this process only: the engine then takes the masked SDPA path on CUDA too
+        from server.engine.attention import triton_decode
+
+        triton_decode.causal_lower_right = None
     eng = LLMEngine(
         EngineConfig(
             model=a.model,
             device=a.device,
-            max_num_seqs=32,
+            max_num_seqs=a.max_num_seqs,
             max_num_batched_tokens=max(16, int(4096 * a.scale)),
             max_model_len=max(64, int(2304 * a.scale)),
             kv_cache_memory_mb=36000 if a.device != "cpu" else 256,
-            enable_prefix_caching=False,
+            enable_prefix_caching=a.set == "hits",
         )
     )
     sync = torch.cuda.synchronize if a.device.startswith("cuda") else (lambda: None)
     step_times(eng, [max(8, int(2048 * a.scale))], 0, sync)  # warm-up
-    res: dict = {"model": a.model, "device": a.device, "torch": torch.__version__, "shapes": {}}
+    res: dict = {
+        "model": a.model,
+        "device": a.device,
+        "torch": torch.__version__,
+        "max_num_seqs": a.max_num_seqs,
+        "continuations": "masked (math kernel)" if a.masked_continuations else "fused (lower-right causal bias)",
+        "shapes": {},
+    }
     salt = 1
-    for name, lengths in (SHAPES if a.set == "mix" else PROBE).items():
+    if a.set == "hits":  # the same prompts twice: cold, then with all but their last block from the cache
+        for name, lengths in BATCH.items():
+            ls = [max(8, int(n * a.scale)) for n in lengths]
+            cold, warm = [], []
+            for _ in range(a.repeats):
+                cold.append(step_times(eng, ls, salt, sync))
+                warm.append(step_times(eng, ls, salt, sync))
+                salt += 1
+            res["shapes"][name] = {
+                "lengths": ls,
+                "cold_median_ms": [round(statistics.median(col), 2) for col in zip(*cold, strict=True)],
+                "hit_median_ms": [round(statistics.median(col), 2) for col in zip(*warm, strict=True)],
+            }
+            print(name, res["shapes"][name], flush=True)
+        atomic_write(a.out, json.dumps(res, indent=1))
+        return
+    for name, lengths in {"mix": SHAPES, "probe": PROBE, "batch": BATCH}[a.set].items():
         ls = [max(8, int(n * a.scale)) for n in lengths]
         first = step_times(eng, ls, salt, sync)
         salt += 1

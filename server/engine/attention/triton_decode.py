@@ -34,8 +34,10 @@ from server.engine.attention.base import AttentionBackend, AttentionMetadata, ga
 
 try:
     from torch.nn.attention import SDPBackend
+    from torch.nn.attention.bias import causal_lower_right
 except ImportError:  # torch < 2.3
     SDPBackend = None  # type: ignore[assignment,misc]
+    causal_lower_right = None  # type: ignore[assignment]
 
 try:  # pragma: no cover - depends on the install
     import triton
@@ -328,6 +330,23 @@ def full_prefill_attention(q, k, v, scale: float) -> torch.Tensor:
     return _causal_sdpa(qi, ki, vi, scale, gqa)[0].transpose(0, 1)
 
 
+def continuation_attention(q, k, v, scale: float) -> torch.Tensor:
+    """Attention of a prompt's new tokens over its whole context, the earlier part from the cache (a
+    prefix-cache hit, or a chunked prefill's continuation): ``q`` ``[Q, H, D]``, ``k``/``v`` ``[S, Hkv, D]``,
+    S >= Q, the new tokens last; ``[Q, H, D]`` out.
+
+    A fused kernel (flash / memory-efficient) through a lower-right causal bias on 4-D tensors, K/V repeated
+    for GQA. The explicit boolean mask over 3-D tensors that this replaces could only run PyTorch's math
+    kernel: about 0.5-0.9 ms per layer on the 7B preset, so a step of prompts that hit the prefix cache cost
+    more than computing them cold (docs/PERFORMANCE.md section 10)."""
+    qlen, slen = q.shape[0], k.shape[0]
+    qi, ki, vi = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+    if q.shape[1] != k.shape[1]:
+        rep = q.shape[1] // k.shape[1]
+        ki, vi = ki.repeat_interleave(rep, dim=1), vi.repeat_interleave(rep, dim=1)
+    return _sdpa(qi, ki, vi, attn_mask=causal_lower_right(qlen, slen), scale=scale)[0].transpose(0, 1)
+
+
 def varlen_prefill_ok(q: torch.Tensor, meta: AttentionMetadata) -> bool:
     """Several prefills, every one's whole context new, on a CUDA half-precision tensor: one flash call."""
     return (
@@ -380,7 +399,10 @@ def prefill_attention_sdpa(q, k, v, kv_cache, meta: AttentionMetadata, scale: fl
             else:
                 o = _causal_sdpa(qi, ki, vi, scale, gqa)
             out[start:end] = o[0].transpose(0, 1)
-        else:  # chunked prefill / recompute: earlier keys come from the cache
+        elif q.device.type == "cuda" and causal_lower_right is not None:  # earlier keys from the cache
+            ki, vi = gather_kv(kv_cache, meta.prefill_block_tables[i], slen, meta.block_size)
+            out[start:end] = continuation_attention(q[start:end], ki, vi, scale)
+        else:  # chunked prefill / recompute on the CPU: earlier keys come from the cache
             ki, vi = gather_kv(kv_cache, meta.prefill_block_tables[i], slen, meta.block_size)
             qpos = torch.arange(slen - qlen, slen, device=q.device)[:, None]
             mask = torch.arange(slen, device=q.device)[None, :] <= qpos
