@@ -24,6 +24,7 @@ what was measured. Device: ``bash bench/gpu_slo_study_run.sh 1p1d``. CPU dry run
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gzip
 import json
 import os
@@ -241,9 +242,9 @@ def main() -> int:
                     timeout_s=120.0,
                 )
                 ts = time.monotonic()
-                res = run_distbench(
-                    Options(spec, wls[name], percentiles=(50.0, 90.0, 99.0), progress=False, token=srv.token)
-                )
+                # new prompts at every point: the same ones again would be prefix-cache hits (a different path)
+                wl = dataclasses.replace(wls[name], seed=wls[name].seed + 1000 * (len(doc["points"]) + 1))
+                res = run_distbench(Options(spec, wl, percentiles=(50.0, 90.0, 99.0), progress=False, token=srv.token))
                 for k in DROP:
                     res.pop(k, None)
                 doc["points"].append(

@@ -207,6 +207,10 @@ def print_study(title: str, study: dict) -> None:
             f"predicted on the grid {g['winner_predicted']}, continuous {g['winner_continuous']}"
         )
     print("  summary:", json.dumps(study["summary"]))
+    if study["excluded_prefix_hits"]:
+        print(
+            "  not replayed (mostly prefix-cache hits: layout, workload, rate, share):", study["excluded_prefix_hits"]
+        )
 
 
 def main() -> None:
@@ -263,6 +267,7 @@ def main() -> None:
             f"{r['measured_ttft_p50_p90'][0]:6.1f} / {r['measured_ttft_p50_p90'][1]:6.1f} | "
             f"{r['replayed_ms_per_step']:6.1f} ({r['replayed_prompts_per_step']:.2f}) "
             f"{r['replayed_ttft_p50_p90'][0]:6.1f} / {r['replayed_ttft_p50_p90'][1]:6.1f}"
+            f"  (prefix-cache hits {r['prefix_hit_share']:.0%})"
         )
     study = records.slo_study(prof, RESULTS / "gpu_issue16", continuous=not args.skip_continuous)
     print_study("two H200s, SLO study (section 9, 2026-11-30: step on the event loop)", study)

@@ -18,7 +18,7 @@ from planner.layouts import Layout
 from planner.profile import Profile
 from planner.replay import attained, cold_start, layout_of_run, replay, run_engine_thread
 from planner.search import Planner
-from planner.serving_records import read_run, stall_events
+from planner.serving_records import prefix_hit_shares, read_run, stall_events
 from planner.slo import SLO
 from planner.workload import Workload
 
@@ -45,6 +45,9 @@ PREFILL_WORKER_RUNS = (
     "gpu_issue17_prefill/run4_long/prefill_serving_thread_on_r1.json.gz",
     "gpu_issue16_rerun/slo_study_1p1d.json.gz",
 )
+HIT_LIMIT = (
+    0.2  # points with at least this share of prompt tokens from the prefix cache are not replayed (0-5 % when new)
+)
 TIE = 0.1  # continuous predictions closer than this (relative) are a tie: the model's own error is larger
 LOOSE = (200.0, 50.0)  # the four-GPU study's headline SLO: TTFT 200 ms, TPOT 50 ms
 
@@ -63,16 +66,29 @@ def _lengths(point: dict) -> list[tuple[int, int]]:
     return [(r["prompt_tokens"], r["output_tokens"]) for r in point["result"]["requests"] if not r.get("warmup")]
 
 
-def replay_points(prof: Profile, folder: Path, first: tuple[str, ...], reruns: tuple[str, ...]) -> list[dict]:
+def replay_points(
+    prof: Profile, folder: Path, first: tuple[str, ...], reruns: tuple[str, ...], excluded: list | None = None
+) -> list[dict]:
     """Measured and predicted attainment of every point; a rerun's point replaces the first call's, and the
-    first call's varied-length points are left out (section 9: a cuDNN plan per new prompt length)."""
+    first call's varied-length points are left out (section 9: a cuDNN plan per new prompt length). Points
+    whose prompts were mostly prefix-cache hits (``HIT_LIMIT``: the study re-sent the same prompts at every
+    rate of a workload, and a hit ran a slower attention path then; the simulator has no prefix cache) are
+    left out too, and listed in ``excluded`` (layout, workload, rate, hit share)."""
     chosen: dict[tuple, tuple[dict, dict]] = {}
     for name in first + reruns:
         doc = read_run(folder / name)
+        shares = prefix_hit_shares(doc)
         for pt in doc["points"]:
+            key = (doc["layout"], pt["workload"], pt["rate"])
             if name in first and len({r["prompt_tokens"] for r in pt["result"]["requests"]}) > 1:
                 continue
-            chosen[(doc["layout"], pt["workload"], pt["rate"])] = (doc, pt)
+            share = shares.get((pt["workload"], pt["rate"]), 0.0)
+            if share >= HIT_LIMIT:
+                chosen.pop(key, None)
+                if excluded is not None:
+                    excluded.append([*key, round(share, 2)])
+                continue
+            chosen[key] = (doc, pt)
     rows = []
     for (layout, wl, rate), (doc, pt) in sorted(chosen.items()):
         steady = replay(prof, doc, pt)
@@ -128,7 +144,8 @@ def slo_study(
     which recorded runs (the first call's varied-length points are left out). A measured winner is
     *undecidable* when the two measured goodputs are within one step of the rate grid of each other (one
     point's noise; e.g. colocated summ 10 req/s 84 % but 15 req/s 89 % in the rerun)."""
-    rows = replay_points(prof, folder, first, reruns)
+    excluded: list = []
+    rows = replay_points(prof, folder, first, reruns, excluded)
     layouts = ("1p1d", "colocated2")
     docs = {d["layout"]: d for d in (read_run(folder / n) for n in reruns)}
     table = []
@@ -167,7 +184,7 @@ def slo_study(
             table.append(line)
     for r in rows:
         r.pop("lengths")
-    return {"points": rows, "goodput": table, "summary": summarize(table)}
+    return {"points": rows, "goodput": table, "summary": summarize(table), "excluded_prefix_hits": excluded}
 
 
 def _steps_apart(rows: list[dict], wl: str, a: float, b: float) -> int:
@@ -254,6 +271,7 @@ def prefill_worker_replay(prof: Profile, path: Path) -> list[dict]:
     from planner.serving_records import prefill_worker_points
 
     doc = read_run(path)
+    shares = prefix_hit_shares(doc)
     measured = {pw.source.split(" ")[1]: pw for pw in prefill_worker_points(path)}
     out = []
     for pt in doc["points"]:
@@ -271,6 +289,7 @@ def prefill_worker_replay(prof: Profile, path: Path) -> list[dict]:
             {
                 "run": f"{path.parent.name}/{path.name}",
                 "point": key,
+                "prefix_hit_share": round(shares.get((pt["workload"], pt["rate"]), float("nan")), 2),
                 "measured_ms_per_step": round(pw.mean_step_ms, 1),
                 "measured_prompts_per_step": round(pw.prompts_per_step, 2),
                 "replayed_ms_per_step": round(s["busy_ms"] / max(1.0, s["steps"]), 1),

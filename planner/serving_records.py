@@ -26,6 +26,7 @@ import numpy as np
 
 STEPS, STEP_S, IDLE = "distserve_engine_steps", "distserve_engine_step_seconds", "distserve_engine_idle_seconds"
 QUERIED = "distserve_prefix_cache_queried_tokens"
+HITS = "distserve_prefix_cache_hit_tokens"
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,26 @@ def _prewarm_baseline(doc: dict, role: str) -> dict[str, dict] | None:
     start there); None otherwise (a server's first point after a pre-warm is then skipped)."""
     base = doc.get("prewarm_server_metrics")
     return {w: m for w, m in base.items() if w.startswith(role)} if base else None
+
+
+def prefix_hit_shares(doc: dict) -> dict[tuple[str, float], float]:
+    """Per point (workload, rate): the share of its prompt tokens that the prefill-side workers (prefill or
+    colocated) found in the prefix cache, from their ``/metrics`` deltas. Only points whose counters have a
+    baseline (the previous point, the recorded pre-warm counters, or zero for a run without a pre-warm)."""
+    prev = _prewarm_baseline(doc, "") if doc.get("prewarm_server_metrics") else None
+    if prev is None and not doc["args"].get("prewarm"):
+        prev = {}
+    out: dict[tuple[str, float], float] = {}
+    for p in doc["points"]:
+        cur = p["result"].get("server_metrics", {})
+        ws = [w for w in cur if w.startswith(("prefill", "colocated"))]
+        if prev is not None and ws:
+            q = sum(cur[w].get(QUERIED, 0.0) - prev.get(w, {}).get(QUERIED, 0.0) for w in ws)
+            h = sum(cur[w].get(HITS, 0.0) - prev.get(w, {}).get(HITS, 0.0) for w in ws)
+            if q > 0:
+                out[(p["workload"], p["rate"])] = h / q
+        prev = cur
+    return out
 
 
 def decode_worker_points(path: Path) -> list[DecodeWorkerPoint]:
