@@ -153,3 +153,22 @@ def test_replayed_prefill_worker_needs_its_host_costs(h200):
     sim, measured = ms_per_step(h200, "summ", 20.0)
     no_chunk, _ = ms_per_step(dataclasses.replace(h200, prefill_chunk_ms=0.0), "summ", 20.0)
     assert sim > 0.6 * measured and sim > no_chunk + 5.0, (sim, no_chunk, measured)
+
+
+def test_prefix_cache_hit_points_are_recognised_and_not_replayed(h200, monkeypatch):
+    """The SLO study re-sent the same ShareGPT prompts at every rate: its 24 and 36 req/s points were mostly
+    prefix-cache hits (a different attention path; the simulator has no prefix cache). The shares come from the
+    prefill workers' counters; the replays leave those points out and say so."""
+    from planner.serving_records import prefix_hit_shares
+
+    shares = prefix_hit_shares(read_run(RERUN))
+    assert shares[("sharegpt", 12.0)] < 0.05 and shares[("long", 12.0)] < 0.05
+    assert shares[("sharegpt", 24.0)] > 0.9 and shares[("sharegpt", 36.0)] > 0.9
+    monkeypatch.syspath_prepend(str(RESULTS.parent))  # bench/: the replay tables of bench/plan_accuracy.py
+    import plan_accuracy_records as records
+
+    excluded: list = []
+    rows = records.replay_points(h200, RERUN.parent, (), ("slo_study_1p1d.json.gz",), excluded)
+    assert [(e[1], e[2]) for e in excluded] == [("sharegpt", 24.0), ("sharegpt", 36.0)]
+    assert {(r["workload"], r["rate"]) for r in rows} >= {("sharegpt", 12.0), ("long", 12.0), ("summ", 20.0)}
+    assert not any(r["workload"] == "sharegpt" and r["rate"] > 12 for r in rows)
