@@ -53,7 +53,7 @@ def workloads(args: argparse.Namespace) -> dict[str, Workload]:
         "sharegpt": Workload(dataset=f"jsonl:{SHAREGPT}", seed=12),
         "summ": Workload(prompt_len=args.summ_prompt, output_len=args.summ_output, seed=13),
         # prefill-bound probes: the decode side does one step per request, so the prefill worker's /metrics
-        # give its step cost against prompts per step (planner/serving_records.fit_prefill_per_seq)
+        # give its step cost against prompts per step (planner/serving_records.fit_prefill_host)
         "sharegpt_p": Workload(dataset=f"jsonl:{SHAREGPT}", output_len=probe_out, seed=15),
         "short_p": Workload(prompt_len="128", output_len=probe_out, seed=16),
         "mid_p": Workload(prompt_len="512", output_len=probe_out, seed=17),

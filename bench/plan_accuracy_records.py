@@ -19,7 +19,7 @@ from planner.profile import Profile
 from planner.replay import attained, cold_start, layout_of_run, replay, run_engine_thread
 from planner.search import Planner
 from planner.serving_records import prefix_hit_shares, read_run, stall_events
-from planner.slo import SLO
+from planner.slo import SLO, percentile
 from planner.workload import Workload
 
 SLO_STUDY_FIRST = ("slo_study_1p1d.json.gz", "slo_study_colocated2.json.gz")
@@ -259,11 +259,6 @@ def admission_fit(prof: Profile, folder: Path, ks: tuple[int, ...] = (1, 2, 3, 4
     return rows
 
 
-def _pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else math.nan
-
-
 def prefill_worker_replay(prof: Profile, path: Path) -> list[dict]:
     """The 1P1D prefill worker of a recorded run, per point: ms per step and prompts per step (its ``/metrics``
     deltas) and TTFT P50 / P90 (the point's requests after ``ramp``), measured and replayed."""
@@ -294,8 +289,8 @@ def prefill_worker_replay(prof: Profile, path: Path) -> list[dict]:
                 "measured_prompts_per_step": round(pw.prompts_per_step, 2),
                 "replayed_ms_per_step": round(s["busy_ms"] / max(1.0, s["steps"]), 1),
                 "replayed_prompts_per_step": round(s["seqs"] / max(1.0, s["steps"]), 2),
-                "measured_ttft_p50_p90": [round(_pct(m_ttft, 0.5), 1), round(_pct(m_ttft, 0.9), 1)],
-                "replayed_ttft_p50_p90": [round(_pct(p_ttft, 0.5), 1), round(_pct(p_ttft, 0.9), 1)],
+                "measured_ttft_p50_p90": [round(percentile(m_ttft, q), 1) for q in (50, 90)],
+                "replayed_ttft_p50_p90": [round(percentile(p_ttft, q), 1) for q in (50, 90)],
             }
         )
     return out

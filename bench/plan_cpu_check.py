@@ -35,12 +35,8 @@ from planner.layouts import EngineLimits, Layout  # noqa: E402
 from planner.profile import load  # noqa: E402
 from planner.search import Planner  # noqa: E402
 from planner.slo import SLO, attainment  # noqa: E402
-from planner.validate import measure_layout  # noqa: E402
+from planner.validate import ORDERING_CASES, case_rate_and_slo, measure_layout  # noqa: E402
 from planner.workload import load_workload  # noqa: E402
-
-# (prompt, output, TTFT limit in prefill steps of the prompt, TPOT limit in decode steps, prefill load of the one
-# prefill worker of 1P1D): as in tests/planner/test_plan_ordering_cpu.py
-CASES = [(512, 2, 8.0, 2.0, 0.3), (1024, 16, 5.0, 3.0, 0.5)]
 
 
 def main() -> int:
@@ -85,12 +81,8 @@ def main() -> int:
             },
             "cases": [],
         }
-        for prompt, output, ttft_steps, tpot_steps, busy in CASES:
-            prefill = model.prefill_ms([prompt])
-            rate = round(busy / prefill * 1000, 3)
-            slo_text = (
-                f"ttft:{ttft_steps * prefill:.0f}ms,tpot:{max(15.0, tpot_steps * model.decode_ms(1, prompt)):.0f}ms"
-            )
+        for prompt, output, ttft_steps, tpot_steps, busy in ORDERING_CASES:
+            rate, slo_text = case_rate_and_slo(model, prompt, ttft_steps, tpot_steps, busy)
             slo = SLO.parse(slo_text)
             planner = Planner.for_profile(prof, load_workload(f"prompt={prompt},output={output}", n=400), slo)
             case: dict = {"workload": f"{prompt}/{output}", "slo": slo_text, "rate": rate}

@@ -8,8 +8,8 @@ must predict the worker). From one run's records this module reads, per point an
   prompt and output lengths: a request decodes ``output - 1`` tokens over contexts ``prompt + 1 ..``);
 - disaggregated requests: the first inter-token gap (prefill reply -> first token of the decode worker), the
   hand-off the simulator models as ``handoff_ms`` plus ``handoff_steps`` decode-worker steps.
-Points whose counters include a pre-warm load (``--prewarm``) are skipped when they are the first of a server, unless
-the run recorded the counters after the pre-warm (``prewarm_server_metrics``: they are then the baseline).
+Every per-point figure is a difference of the workers' cumulative counters (``worker_deltas``): a server's first
+point after a pre-warm (``--prewarm``) counts only when the run recorded the counters after the pre-warm.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import gzip
 import json
 import math
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,65 +62,60 @@ def read_run(path: Path) -> dict:
         return json.load(f)
 
 
-def _prewarm_baseline(doc: dict, role: str) -> dict[str, dict] | None:
-    """The workers' counters after the pre-warm load, when the run recorded them (the first point's deltas then
-    start there); None otherwise (a server's first point after a pre-warm is then skipped)."""
-    base = doc.get("prewarm_server_metrics")
-    return {w: m for w, m in base.items() if w.startswith(role)} if base else None
+def worker_deltas(doc: dict, roles: tuple[str, ...]) -> Iterator[tuple[dict, dict[str, dict], float]]:
+    """Per point whose counters have a baseline: (point, {worker: {metric: delta}} for the workers whose id starts
+    with one of ``roles``, wall ms since the previous point's end: nan for a server's first point). The baseline
+    is the previous point's counters, the counters recorded after the pre-warm (``prewarm_server_metrics``), or
+    zero for a run without a pre-warm; a server's first point after an unrecorded pre-warm is skipped."""
+    recorded = doc.get("prewarm_server_metrics")
+    prev: dict | None
+    if recorded:
+        prev = {w: m for w, m in recorded.items() if w.startswith(roles)}
+    else:
+        prev = None if doc["args"].get("prewarm") else {}
+    prev_end = math.nan
+    for p in doc["points"]:
+        res = p["result"]
+        cur = {w: m for w, m in res.get("server_metrics", {}).items() if w.startswith(roles)}
+        if cur and prev is not None:
+            deltas = {w: {k: v - prev.get(w, {}).get(k, 0.0) for k, v in m.items()} for w, m in sorted(cur.items())}
+            yield p, deltas, (res["end_unix"] - prev_end) * 1000
+        prev, prev_end = cur, res["end_unix"]
 
 
 def prefix_hit_shares(doc: dict) -> dict[tuple[str, float], float]:
     """Per point (workload, rate): the share of its prompt tokens that the prefill-side workers (prefill or
-    colocated) found in the prefix cache, from their ``/metrics`` deltas. Only points whose counters have a
-    baseline (the previous point, the recorded pre-warm counters, or zero for a run without a pre-warm)."""
-    prev = _prewarm_baseline(doc, "") if doc.get("prewarm_server_metrics") else None
-    if prev is None and not doc["args"].get("prewarm"):
-        prev = {}
+    colocated) found in the prefix cache, from their ``/metrics`` deltas (points with a baseline only)."""
     out: dict[tuple[str, float], float] = {}
-    for p in doc["points"]:
-        cur = p["result"].get("server_metrics", {})
-        ws = [w for w in cur if w.startswith(("prefill", "colocated"))]
-        if prev is not None and ws:
-            q = sum(cur[w].get(QUERIED, 0.0) - prev.get(w, {}).get(QUERIED, 0.0) for w in ws)
-            h = sum(cur[w].get(HITS, 0.0) - prev.get(w, {}).get(HITS, 0.0) for w in ws)
-            if q > 0:
-                out[(p["workload"], p["rate"])] = h / q
-        prev = cur
+    for p, deltas, _ in worker_deltas(doc, ("prefill", "colocated")):
+        queried = sum(d.get(QUERIED, 0.0) for d in deltas.values())
+        if queried > 0:
+            out[(p["workload"], p["rate"])] = sum(d.get(HITS, 0.0) for d in deltas.values()) / queried
     return out
 
 
 def decode_worker_points(path: Path) -> list[DecodeWorkerPoint]:
     """Per point and decode worker of one recorded run (empty for colocated layouts)."""
-    doc = read_run(path)
     out: list[DecodeWorkerPoint] = []
-    prev = _prewarm_baseline(doc, "decode")
-    prev_end = math.nan
-    for p in doc["points"]:
-        res = p["result"]
-        cur = {w: m for w, m in res.get("server_metrics", {}).items() if w.startswith("decode")}
-        if cur and (prev is not None or not doc["args"].get("prewarm")):
-            reqs = res["requests"]
-            tokens = sum(r["output_tokens"] - 1 for r in reqs)
-            ctx = sum((r["output_tokens"] - 1) * (r["prompt_tokens"] + r["output_tokens"] / 2) for r in reqs)
-            measured = [r for r in reqs if not r.get("warmup") and r.get("itl")]
-            first = statistics.median(r["itl"][0] * 1000 for r in measured)
-            wall_ms = (res["end_unix"] - prev_end) * 1000  # nan for a server's first point
-            for w, m in sorted(cur.items()):
-                base = (prev or {}).get(w, {})
-                step_ms = (m[STEP_S] - base.get(STEP_S, 0.0)) * 1000
-                idle_ms = (m[IDLE] - base.get(IDLE, 0.0)) * 1000
-                out.append(
-                    DecodeWorkerPoint(
-                        f"{path.name} {p['workload']}@{p['rate']:g} {w}",
-                        m[STEPS] - base.get(STEPS, 0.0),
-                        step_ms,
-                        tokens / len(cur),
-                        ctx / len(cur),
-                        first,
-                        wall_ms - step_ms - idle_ms,
-                    )
+    for p, deltas, wall_ms in worker_deltas(read_run(path), ("decode",)):
+        reqs = p["result"]["requests"]
+        tokens = sum(r["output_tokens"] - 1 for r in reqs)
+        ctx = sum((r["output_tokens"] - 1) * (r["prompt_tokens"] + r["output_tokens"] / 2) for r in reqs)
+        measured = [r for r in reqs if not r.get("warmup") and r.get("itl")]
+        first = statistics.median(r["itl"][0] * 1000 for r in measured)
+        for w, d in deltas.items():
+            step_ms, idle_ms = d[STEP_S] * 1000, d[IDLE] * 1000
+            out.append(
+                DecodeWorkerPoint(
+                    f"{path.name} {p['workload']}@{p['rate']:g} {w}",
+                    d[STEPS],
+                    step_ms,
+                    tokens / len(deltas),
+                    ctx / len(deltas),
+                    first,
+                    wall_ms - step_ms - idle_ms,
                 )
-        prev, prev_end = cur, res["end_unix"]
+            )
     return out
 
 
@@ -208,33 +203,25 @@ def prefill_worker_points(path: Path, uniform_only: bool = False) -> list[Prefil
     ``uniform_only``: leave out workloads of varied prompt lengths. Their mean step mixes host-bound steps
     with GPU-bound ones (a long prompt's), so it says little about the host's per-sequence cost; and the
     study's first call built a cuDNN plan per new length (docs/PERFORMANCE.md section 9)."""
-    doc = read_run(path)
     out: list[PrefillWorkerPoint] = []
-    prev = _prewarm_baseline(doc, "prefill")
-    prev_end = math.nan
-    for p in doc["points"]:
-        res = p["result"]
-        cur = {w: m for w, m in res.get("server_metrics", {}).items() if w.startswith("prefill")}
-        varied = len({r["prompt_tokens"] for r in res["requests"]}) > 1
-        if cur and (prev is not None or not doc["args"].get("prewarm")) and not (uniform_only and varied):
-            reqs = res["requests"]
-            mean_prompt = sum(r["prompt_tokens"] for r in reqs) / len(reqs)
-            for w, m in sorted(cur.items()):
-                base = (prev or {}).get(w, {})
-                tokens = m.get(QUERIED, 0.0) - base.get(QUERIED, 0.0)  # the prompt tokens this worker admitted
-                step_ms = (m[STEP_S] - base.get(STEP_S, 0.0)) * 1000
-                wall_ms = (res["end_unix"] - prev_end) * 1000  # nan for a server's first point
-                out.append(
-                    PrefillWorkerPoint(
-                        f"{path.name} {p['workload']}@{p['rate']:g} {w}",
-                        m[STEPS] - base.get(STEPS, 0.0),
-                        step_ms,
-                        tokens / mean_prompt,
-                        tokens,
-                        wall_ms - step_ms - (m[IDLE] - base.get(IDLE, 0.0)) * 1000,
-                    )
+    for p, deltas, wall_ms in worker_deltas(read_run(path), ("prefill",)):
+        reqs = p["result"]["requests"]
+        if uniform_only and len({r["prompt_tokens"] for r in reqs}) > 1:
+            continue
+        mean_prompt = sum(r["prompt_tokens"] for r in reqs) / len(reqs)
+        for w, d in deltas.items():
+            tokens = d.get(QUERIED, 0.0)  # the prompt tokens this worker admitted
+            step_ms = d[STEP_S] * 1000
+            out.append(
+                PrefillWorkerPoint(
+                    f"{path.name} {p['workload']}@{p['rate']:g} {w}",
+                    d[STEPS],
+                    step_ms,
+                    tokens / mean_prompt,
+                    tokens,
+                    wall_ms - step_ms - d[IDLE] * 1000,
                 )
-        prev, prev_end = cur, res["end_unix"]
+            )
     return out
 
 

@@ -12,6 +12,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from planner.latency import LatencyModel
 from planner.layouts import Layout
 
 
@@ -23,6 +24,22 @@ class Measured:
     tpot_p90_ms: float
     completed: int
     failed: int
+
+
+# The CPU ordering check (tests/planner/test_plan_ordering_cpu.py explains why each workload ranks the layouts
+# differently): (prompt, output, TTFT limit in prefill steps of the prompt, TPOT limit in decode steps, load of
+# the one prefill worker of 1P1D). Limits and rate scale with the profile: a shared machine's speed moves 2-5x
+# with other users' load, so absolute figures would test the load, not the planner.
+ORDERING_CASES = [(512, 2, 8.0, 2.0, 0.3), (1024, 16, 5.0, 3.0, 0.5)]
+
+
+def case_rate_and_slo(
+    model: LatencyModel, prompt: int, ttft_steps: float, tpot_steps: float, busy: float
+) -> tuple[float, str]:
+    """(request rate, SLO text) of one ordering case on a profile's latency model."""
+    prefill = model.prefill_ms([prompt])
+    tpot = max(15.0, tpot_steps * model.decode_ms(1, prompt))
+    return round(busy / prefill * 1000, 3), f"ttft:{ttft_steps * prefill:.0f}ms,tpot:{tpot:.0f}ms"
 
 
 def serve_args(layout: Layout) -> tuple[str, int, int, list[str]]:

@@ -27,25 +27,13 @@ from planner.layouts import EngineLimits, Layout
 from planner.profile import load
 from planner.search import Planner
 from planner.slo import SLO, attainment
-from planner.validate import measure_layout
+from planner.validate import ORDERING_CASES, case_rate_and_slo, measure_layout
 from planner.workload import load_workload
 
-# (prompt, output, TTFT limit in prefill steps of the prompt, TPOT limit in decode steps, prefill load of the one
-# prefill worker of 1P1D, requests). Limits and rate scale with the profile: this machine's speed moves 2-5x with
-# other users' load, so absolute figures would test the load, not the planner.
-CASES = [
-    (512, 2, 8.0, 2.0, 0.3, 12),
-    (1024, 16, 5.0, 3.0, 0.5, 12),
-]
+NUM = 12  # measured requests per layout and case
 
 
 RECORDED = Path(__file__).resolve().parents[2] / "bench" / "results" / "plan_cpu_profile_2026-11-30.json"
-
-
-def _case(model: LatencyModel, prompt: int, ttft_steps: float, tpot_steps: float, busy: float) -> tuple[float, str]:
-    prefill = model.prefill_ms([prompt])
-    tpot = max(15.0, tpot_steps * model.decode_ms(1, prompt))
-    return round(busy / prefill * 1000, 3), f"ttft:{ttft_steps * prefill:.0f}ms,tpot:{tpot:.0f}ms"
 
 
 def test_recorded_cpu_profile_ranks_the_two_workloads_differently():
@@ -56,8 +44,8 @@ def test_recorded_cpu_profile_ranks_the_two_workloads_differently():
     lim = EngineLimits(64, 4096)
     col, dis = Layout("colocated", 0, 2, lim, lim), Layout("disaggregated", 1, 1, lim, lim)
     winners = []
-    for prompt, output, ttft_steps, tpot_steps, busy, _ in CASES:
-        rate, slo_text = _case(model, prompt, ttft_steps, tpot_steps, busy)
+    for prompt, output, ttft_steps, tpot_steps, busy in ORDERING_CASES:
+        rate, slo_text = case_rate_and_slo(model, prompt, ttft_steps, tpot_steps, busy)
         slo = SLO.parse(slo_text)
         planner = Planner.for_profile(prof, load_workload(f"prompt={prompt},output={output}", n=400), slo)
         g = {"colocated": planner.goodput(col), "disaggregated": planner.goodput(dis)}
@@ -105,14 +93,14 @@ def test_plan_predicts_the_measured_order_of_colocated_and_disaggregated(tmp_pat
     }
     report = []
     model = LatencyModel.fit(prof)
-    for prompt, output, ttft_steps, tpot_steps, busy, num in CASES:
-        rate, slo_text = _case(model, prompt, ttft_steps, tpot_steps, busy)
+    for prompt, output, ttft_steps, tpot_steps, busy in ORDERING_CASES:
+        rate, slo_text = case_rate_and_slo(model, prompt, ttft_steps, tpot_steps, busy)
         slo = SLO.parse(slo_text)
         planner = Planner.for_profile(prof, load_workload(f"prompt={prompt},output={output}", n=400), slo)
         predicted = {name: attainment(slo, planner.run(lay, rate).latencies) for name, lay in layouts.items()}
         measured = {
             name: measure_layout(
-                lay, str(prompt), str(output), [rate], num, slo_text, workdir=tmp_path / f"{name}{prompt}"
+                lay, str(prompt), str(output), [rate], NUM, slo_text, workdir=tmp_path / f"{name}{prompt}"
             )[0]
             for name, lay in layouts.items()
         }

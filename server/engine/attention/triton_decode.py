@@ -399,22 +399,22 @@ def prefill_attention_sdpa(q, k, v, kv_cache, meta: AttentionMetadata, scale: fl
             else:
                 o = _causal_sdpa(qi, ki, vi, scale, gqa)
             out[start:end] = o[0].transpose(0, 1)
-        elif q.device.type == "cuda" and causal_lower_right is not None:  # earlier keys from the cache
+        else:  # a continuation (prefix-cache hit, chunked prefill): earlier keys come from the cache
             ki, vi = gather_kv(kv_cache, meta.prefill_block_tables[i], slen, meta.block_size)
-            out[start:end] = continuation_attention(q[start:end], ki, vi, scale)
-        else:  # chunked prefill / recompute on the CPU: earlier keys come from the cache
-            ki, vi = gather_kv(kv_cache, meta.prefill_block_tables[i], slen, meta.block_size)
-            qpos = torch.arange(slen - qlen, slen, device=q.device)[:, None]
-            mask = torch.arange(slen, device=q.device)[None, :] <= qpos
-            o = _sdpa(
-                q[start:end].transpose(0, 1),
-                ki.transpose(0, 1),
-                vi.transpose(0, 1),
-                attn_mask=mask,
-                scale=scale,
-                enable_gqa=gqa,
-            )
-            out[start:end] = o.transpose(0, 1)
+            if q.device.type == "cuda" and causal_lower_right is not None:
+                out[start:end] = continuation_attention(q[start:end], ki, vi, scale)
+            else:  # CPU: the explicit mask (SDPA's CPU kernels take it, GQA natively)
+                qpos = torch.arange(slen - qlen, slen, device=q.device)[:, None]
+                mask = torch.arange(slen, device=q.device)[None, :] <= qpos
+                o = _sdpa(
+                    q[start:end].transpose(0, 1),
+                    ki.transpose(0, 1),
+                    vi.transpose(0, 1),
+                    attn_mask=mask,
+                    scale=scale,
+                    enable_gqa=gqa,
+                )
+                out[start:end] = o.transpose(0, 1)
         start = end
     return start
 
