@@ -298,6 +298,8 @@ class RouterConfig(_Section):
     keepalive_timeout_s: float = _opt(30.0, "float", lo=0, lo_open=True)
     # None = read env DISTSERVE_ADMIN_TOKEN, else generate one at startup.
     admin_token: str | None = _opt(None, "str", nullable=True)
+    # false: a request field the OpenAI routes do not know is a 400 naming it; true: ignored (vendor extras)
+    allow_unknown_fields: bool = _opt(False, "bool")
     breaker: BreakerConfig = _sub(BreakerConfig)
 
 

@@ -17,6 +17,14 @@ Role = Literal["prefill", "decode", "colocated"]  # a worker's job; the router r
 ROLES: tuple[Role, ...] = ("prefill", "decode", "colocated")
 
 
+class StructuredConstraint(BaseModel):
+    """The output's grammar (``server/engine/structured/grammar.py``'s ``Constraint``)."""
+
+    kind: Literal["json", "regex", "choice", "grammar"]
+    text: str = Field(max_length=4 << 20)
+    strict: bool = False
+
+
 class InternalSampling(BaseModel):
     max_tokens: int = Field(ge=1)
     temperature: float = Field(ge=0.0, le=100.0)
@@ -25,6 +33,7 @@ class InternalSampling(BaseModel):
     seed: int | None = None
     stop_token_ids: list[int] = Field(default_factory=list)
     ignore_eos: bool = False
+    structured: StructuredConstraint | None = None
 
 
 class PrefillRequest(BaseModel):
@@ -44,6 +53,7 @@ class PrefillResponse(BaseModel):
     error: str | None = None  # why the engine aborted it (finish_reason "abort")
     kv: dict[str, Any] | None = None  # KVHandle.to_dict() when not finished
     prefill_seconds: float = 0.0
+    num_cached_tokens: int | None = Field(default=None, ge=0)  # prompt tokens the prefix cache served
 
 
 class GenerateRequest(BaseModel):
@@ -66,6 +76,7 @@ class StreamLine(BaseModel):
     kv_transfer_seconds: float | None = None
     kv_transfer_bytes: int | None = None
     kv_transport: str | None = None
+    num_cached_tokens: int | None = Field(default=None, ge=0)  # first line: prompt tokens the prefix cache served
 
 
 class AbortRequest(BaseModel):

@@ -76,14 +76,17 @@ class ChatTemplate:
         specials = {"bos_token": content(tokenizer.bos_token_id), "eos_token": content(tokenizer.eos_token_id)}
         return cls(tokenizer.chat_template or PLAIN_TEMPLATE, specials)
 
-    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def render(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, tools: list[dict] | None = None
+    ) -> str:
+        """``tools``: OpenAI's tool list, passed to the template as transformers passes ``tools=``."""
         from jinja2 import TemplateError
 
         try:
             return self._template.render(
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
-                tools=None,
+                tools=tools,
                 documents=None,
                 **self.special_tokens,
             )

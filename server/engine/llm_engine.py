@@ -33,6 +33,7 @@ from server.engine.sampler import Sampler
 from server.engine.sampling_params import SamplingParams
 from server.engine.scheduler import Scheduler, SchedulerConfig
 from server.engine.sequence import Sequence, SequenceStatus
+from server.engine.structured.decoding import StructuredDecoding
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +85,7 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     error: str | None = None  # set with finish_reason "abort" when the engine failed this request
+    num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache (None: not known here)
 
 
 class LLMEngine:
@@ -112,6 +114,8 @@ class LLMEngine:
         else:
             model.load_hf_weights(load_state_dict(self.model_path, dtype=self.dtype, device=str(self.device)))
         self.model = model.eval().requires_grad_(False)
+        eos = sorted(self.model_config.eos_token_ids)
+        self.structured = StructuredDecoding(self._load_tokenizer, self.model_config.vocab_size, eos)
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         window = self.model_config.sliding_window
         if window is not None and window < self.max_model_len:
@@ -199,6 +203,13 @@ class LLMEngine:
             free_bytes=free - (peak - torch.cuda.memory_allocated(self.device)),
         )
 
+    def _load_tokenizer(self):
+        """The model's tokenizer (for grammars; loaded on the first constrained request)."""
+        from server.engine.loader import load_tokenizer
+        from server.engine.tokenizer import Tokenizer
+
+        return Tokenizer.byte_tokenizer() if self.model_path is None else load_tokenizer(self.model_path)
+
     def _resolve_dtype(self) -> torch.dtype:
         if self.config.dtype != "auto":
             return _DTYPES[self.config.dtype]
@@ -237,6 +248,7 @@ class LLMEngine:
         outputs = list(output_token_ids or [])
         self._check_new(request_id, prompt_token_ids, len(outputs))
         seq = Sequence(request_id, list(prompt_token_ids), params, prefill_only=prefill_only, output_token_ids=outputs)
+        self.structured.add(seq)  # its grammar's matcher, replaying `outputs` (GrammarError is a ValueError)
         self._register(seq)
         self.scheduler.add(seq)
 
@@ -259,6 +271,7 @@ class LLMEngine:
             self.scheduler.num_running >= self.config.max_num_seqs
         ):
             return False
+        self.structured.add(seq)  # replays token #1 (and any tokens from before a migration)
         self.block_manager.grow(seq, seq.num_tokens)
         seq.status = SequenceStatus.WAITING_FOR_REMOTE_KVS
         self._register(seq)
@@ -297,6 +310,7 @@ class LLMEngine:
         self.requests.pop(seq.request_id, None)
         self.awaiting_kv.pop(seq.request_id, None)
         self._seeds.pop(seq.request_id, None)
+        self.structured.remove(seq.request_id)
 
     def take_prefilled_kv(self, request_id: str) -> tuple[Sequence, torch.Tensor]:
         """KV of a FINISHED_PREFILLED sequence (every token but the newest) as one
@@ -333,6 +347,7 @@ class LLMEngine:
         except Exception as e:  # find whose input breaks the forward; the others go on
             scheduled, logits = self._execute_isolating(scheduled, e, outputs)
         sampling = [s.seq for s in scheduled if s.samples]
+        self.structured.mask_logits(logits, sampling)  # grammar masks of constrained rows, before sampling
         tokens = (
             self.sampler.sample(
                 logits,
@@ -352,9 +367,16 @@ class LLMEngine:
                 self.scheduler.remove(seq)
                 outputs.append(self._fail(seq, token))
                 continue
+            grammar_done = self.structured.accept(seq, token)
+            if isinstance(grammar_done, str):  # the token breaks the request's grammar
+                self.scheduler.remove(seq)
+                outputs.append(self._fail(seq, grammar_done))
+                continue
             self.stats.num_generated_tokens += 1
             seq.output_token_ids.append(token)
             self._check_stop(seq, token)
+            if grammar_done and (not seq.is_finished or seq.status == SequenceStatus.FINISHED_PREFILLED):
+                seq.status = SequenceStatus.FINISHED_STOPPED  # the grammar is complete: nothing may follow
             if seq.is_finished:
                 self.scheduler.remove(seq)
                 if seq.status != SequenceStatus.FINISHED_PREFILLED:
@@ -418,6 +440,7 @@ class LLMEngine:
             num_prompt_tokens=len(seq.prompt_token_ids),
             num_output_tokens=seq.num_output_tokens,
             error=seq.error,
+            num_cached_tokens=seq.num_cached_tokens,
         )
 
     # --- convenience -------------------------------------------------------

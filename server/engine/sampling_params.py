@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from server.engine.structured.grammar import Constraint
+
 # Below this temperature sampling is greedy (vLLM's rule): any logit gap the model can produce is
 # scaled past float32's range, so the distribution is one-hot up to exact ties.
 SAMPLING_EPS = 1e-5
@@ -21,6 +23,7 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    structured: Constraint | None = None  # the output's grammar (server/engine/structured), None = free
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
@@ -56,10 +59,13 @@ class SamplingParams:
             "seed": self.seed,
             "stop_token_ids": list(self.stop_token_ids),
             "ignore_eos": self.ignore_eos,
+            "structured": None if self.structured is None else vars(self.structured),
         }
 
     @classmethod
     def from_dict(cls, d: dict) -> SamplingParams:
         d = dict(d)
         d["stop_token_ids"] = tuple(d.get("stop_token_ids") or ())
+        if d.get("structured") is not None:
+            d["structured"] = Constraint(**d["structured"])
         return cls(**d)

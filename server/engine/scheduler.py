@@ -176,6 +176,8 @@ class Scheduler:
                 self.waiting.remove(seq)
                 bm.grow(seq, needed)
                 bm.record_lookup(seq.num_tokens, cached)
+                if seq.num_cached_tokens is None:  # usage.prompt_tokens_details.cached_tokens
+                    seq.num_cached_tokens = cached
                 seq.status = SequenceStatus.RUNNING
                 self.running.append(seq)
                 out.scheduled.append(ScheduledSeq(seq, num_new))

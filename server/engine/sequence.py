@@ -76,6 +76,9 @@ class Sequence:
     # (valid for ever: tokens are only appended), and how many blocks were offered to the cache
     block_digests: list[bytes] = field(default_factory=list)
     num_registered_blocks: int = 0
+    # prompt tokens whose KV came from the prefix cache at first admission (None: not admitted by
+    # this engine's scheduler, e.g. a decode worker's KV arrived from a prefill worker)
+    num_cached_tokens: int | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -21,15 +21,17 @@ from dataclasses import dataclass, field
 
 import aiohttp
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from server.config import DistServeConfig
 from server.engine.chat_template import ChatTemplate, ChatTemplateError, end_of_turn_ids
 from server.engine.loader import load_tokenizer, model_display_name, resolve_model_path
 from server.engine.tokenizer import Tokenizer
 from server.metrics import RouterMetrics
-from server.router import protocol
+from server.router import protocol, tool_calls
 from server.router.backup_pool import BackupOptions, BackupPool
 from server.router.failover import PoolHeaderMiddleware, maybe_backup
 from server.router.limits import BodyLimit
@@ -38,6 +40,7 @@ from server.router.protocol import InvalidRequest
 from server.router.registry import STATES, RegistrationRefused, WorkerRegistry
 from server.router.sampling_defaults import default_sampling
 from server.router.sla_live import Finished, SlaLive
+from server.router.structured_outputs import GrammarCheck, constraint_for
 from server.router.text import TextAssembler
 from server.wire import DeregisterRequest, DrainRequest, HeartbeatRequest, InternalSampling, RegisterRequest
 
@@ -57,6 +60,8 @@ class RouterState:
     pipeline: Pipeline | None = None
     sla: SlaLive | None = None  # rolling percentiles, breaker, journals (server/router/sla_live.py)
     backup: BackupPool | None = None
+    grammar_check: GrammarCheck = field(default_factory=GrammarCheck)  # structured outputs: compile verdicts
+    created: int = field(default_factory=lambda: int(time.time()))  # /v1/models `created`
 
     _tokenizer_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -314,14 +319,77 @@ def create_router_app(state: RouterState) -> FastAPI:
                 {
                     "id": state.model_name(),
                     "object": "model",
-                    "created": 0,
+                    "created": state.created,
                     "owned_by": "distserve",
                     "max_model_len": state.max_seq_len(),
                 }
             ],
         }
 
+    @app.get("/version")
+    async def version():
+        from importlib.metadata import PackageNotFoundError
+        from importlib.metadata import version as package_version
+
+        try:
+            return {"version": package_version("distserve")}
+        except PackageNotFoundError:
+            return {"version": "unknown"}
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        """vLLM's shape: ``{prompt, add_special_tokens}`` or ``{messages, add_generation_prompt}`` →
+        ``{count, max_model_len, tokens}``."""
+        body = await json_body(request)
+        req = protocol.parse_tokenize(body)
+        state.check_model(req.model)
+        state.running_pipeline().check_available()
+        await _tokenizer_ready(state)
+        tokenizer = state.get_tokenizer()
+        if req.messages is not None:
+            template = state.get_chat_template()
+            try:
+                text = template.render(
+                    [m.template_dict() for m in req.messages], add_generation_prompt=req.add_generation_prompt
+                )
+            except ChatTemplateError as e:
+                raise InvalidRequest(f"messages: {e}", "messages") from None
+            ids = await _tokenize(state, text, "messages", add_bos=tokenizer.chat_template is None)
+        else:
+            ids = await _tokenize(state, req.prompt or "", add_bos=req.add_special_tokens)
+        out: dict = {"count": len(ids), "max_model_len": state.max_seq_len(), "tokens": ids}
+        if req.return_token_strs:
+            out["token_strs"] = [tokenizer.id_to_token(t) for t in ids]
+        return out
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        """vLLM's shape: ``{tokens}`` → ``{prompt}``."""
+        body = await json_body(request)
+        req = protocol.parse_detokenize(body)
+        state.check_model(req.model)
+        state.running_pipeline().check_available()
+        await _tokenizer_ready(state)
+        vocab = _vocab_size(state)
+        if vocab is not None and any(not 0 <= t < vocab for t in req.tokens):
+            raise InvalidRequest(f"tokens: token ids must be in [0, {vocab})", "tokens")
+        return {"prompt": state.get_tokenizer().decode(req.tokens)}
+
     # --- data plane --------------------------------------------------------
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        """404 (unknown path), 405 (wrong method) and the rest in OpenAI's error shape."""
+        message = {404: f"no route {request.url.path}", 405: f"method {request.method} not allowed here"}.get(
+            exc.status_code, str(exc.detail)
+        )
+        return _error(exc.status_code, message, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError):
+        err = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+        param = ".".join(str(p) for p in err.get("loc", ()) if p != "body" and not isinstance(p, int)) or None
+        return _error(400, f"{param or 'body'}: {err.get('msg')}", param)
+
     @app.exception_handler(InvalidRequest)
     async def invalid(request: Request, exc: InvalidRequest):
         return _error(400, str(exc), exc.param)
@@ -362,17 +430,44 @@ def create_router_app(state: RouterState) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = await json_body(request)
-        req = protocol.parse(protocol.CompletionRequest, body)
+        req = protocol.parse(protocol.CompletionRequest, body, rc.allow_unknown_fields)
         state.check_model(req.model)
         if (resp := await via_backup("/v1/completions", body, req)) is not None:
             return resp
+        prompts = req.prompts()  # a batched request has several: one choice each
+        constraint = await _constraint(req)
         await _tokenizer_ready(state)
-        return await _serve(request, req, await _prompt_ids(state, req.prompt), "completion")
+        if len(prompts) == 1:
+            return await _serve(request, req, await _prompt_ids(state, prompts[0]), "completion", constraint=constraint)
+        ids = [await _prompt_ids(state, p) for p in prompts]
+        runs = [_make_run(req, p, "completion", constraint=constraint) for p in ids]
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return StreamingResponse(
+                _sse_completion_batch(runs, state.model_name(), include_usage), media_type="text/event-stream"
+            )
+        try:
+            await _until_done_or_disconnect(request, asyncio.gather(*(r.collect() for r in runs)))
+        except _ClientGone:
+            return JSONResponse({}, status_code=499)
+        failed = next((r for r in runs if r.error), None)
+        if failed is not None:
+            return _error(failed.error_status, failed.error)
+        return JSONResponse(_batch_body(runs, state.model_name()))
+
+    async def _constraint(req):
+        """The request's validated output grammar (InvalidRequest naming the field when it cannot compile)."""
+        found = constraint_for(req)
+        if found is None:
+            return None
+        c, where = found
+        await state.grammar_check.check(c, where)
+        return c
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         body = await json_body(request)
-        req = protocol.parse(protocol.ChatCompletionRequest, body)
+        req = protocol.parse(protocol.ChatCompletionRequest, body, rc.allow_unknown_fields)
         state.check_model(req.model)
         if (resp := await via_backup("/v1/chat/completions", body, req)) is not None:
             return resp
@@ -381,18 +476,31 @@ def create_router_app(state: RouterState) -> FastAPI:
         state.running_pipeline().check_available()  # 503 before touching the tokenizer when no model is known yet
         await _tokenizer_ready(state)
         tokenizer, template = state.get_tokenizer(), state.get_chat_template()
+        messages = [m.template_dict() for m in req.messages]
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+        if tools and "tools" not in template.source:  # the template ignores tools: describe them ourselves
+            messages = tool_calls.with_tools_described(messages, tools)
         try:
-            text = template.render([m.template_dict() for m in req.messages])
+            text = template.render(messages, tools=tools)
         except ChatTemplateError as e:
             raise InvalidRequest(f"messages: {e}", "messages") from None
         # the model's template writes its own bos; only the plain fallback needs one added
         ids = await _tokenize(state, text, "messages", add_bos=tokenizer.chat_template is None)
         stop_ids = [] if req.ignore_eos else end_of_turn_ids(tokenizer, template)
-        return await _serve(request, req, ids, "chat", stop_ids)
+        constraint = tool_calls.constraint(req)
+        if constraint is not None:
+            await state.grammar_check.check(constraint, "tools")
+        else:
+            constraint = await _constraint(req)
+        tool_mode = tool_calls.mode(req)
+        tools_ctx = None
+        if tool_mode is not None:
+            tools_ctx = _ToolContext(req, tool_mode, tool_calls.parser_for(template.source), set(stop_ids))
+        return await _serve(request, req, ids, "chat", stop_ids, constraint=constraint, tools=tools_ctx)
 
     @app.post("/generate")
     async def generate(request: Request):
-        req = protocol.parse(protocol.GenerateRequest, await json_body(request))
+        req = protocol.parse(protocol.GenerateRequest, await json_body(request), rc.allow_unknown_fields)
         state.check_model(req.model)
         await _tokenizer_ready(state)
         if (req.prompt is None) == (req.prompt_token_ids is None):
@@ -400,9 +508,11 @@ def create_router_app(state: RouterState) -> FastAPI:
         if req.prompt == "":
             raise InvalidRequest("prompt: must not be empty", "prompt")
         ids = await _tokenize(state, req.prompt) if req.prompt is not None else _check_ids(state, req.prompt_token_ids)
-        return await _serve(request, req, ids, "generate")
+        return await _serve(request, req, ids, "generate", constraint=await _constraint(req))
 
-    async def _serve(request: Request, req, prompt_ids: list[int], kind: str, stop_ids: list[int] | None = None):
+    def _make_run(
+        req, prompt_ids: list[int], kind: str, stop_ids: list[int] | None = None, constraint=None, tools=None
+    ):
         max_len = state.max_seq_len()
         if len(prompt_ids) >= max_len:
             raise InvalidRequest(
@@ -431,11 +541,17 @@ def create_router_app(state: RouterState) -> FastAPI:
             seed=req.seed if req.seed is not None else secrets.randbits(62),
             stop_token_ids=(req.stop_token_ids or []) + (stop_ids or []),
             ignore_eos=req.ignore_eos,
+            structured=constraint,
         )
         state.running_pipeline().check_available()  # NoWorkersError -> 503 with Retry-After
         tokenizer = state.get_tokenizer()
         ereq = EngineRequest(f"{kind[:4]}-{uuid.uuid4().hex}", prompt_ids, sampling)
         run = _Run(state, ereq, TextAssembler(tokenizer, req.stop_strings()))
+        run.tools = tools
+        return run
+
+    async def _serve(request: Request, req, prompt_ids: list[int], kind: str, stop_ids: list[int] | None = None, **kw):
+        run = _make_run(req, prompt_ids, kind, stop_ids, **kw)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             fmt = {"completion": _sse_completion, "chat": _sse_chat, "generate": _ndjson_generate}[kind]
@@ -494,10 +610,6 @@ def _check_ids(state: RouterState, ids: list[int] | None) -> list[int]:
 
 
 async def _prompt_ids(state: RouterState, prompt) -> list[int]:
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (list, str)):
-        if len(prompt) != 1:
-            raise InvalidRequest("prompt: batched prompts are not supported; send one request per prompt", "prompt")
-        prompt = prompt[0]
     if isinstance(prompt, str):
         if not prompt:
             raise InvalidRequest("prompt: must not be empty", "prompt")
@@ -540,6 +652,8 @@ class _Run:
         self.first_token_at: float | None = None
         self.last_event_at: float | None = None
         self.itl: list[float] = []
+        self.cached_tokens: int | None = None  # prompt tokens the prefilling worker's prefix cache served
+        self.tools: _ToolContext | None = None  # tool calls requested (chat with tools)
 
     async def events(self) -> AsyncIterator[tuple[TokenEvent, str]]:
         m = self.state.metrics
@@ -558,6 +672,8 @@ class _Run:
                             self.itl.append(now - self.last_event_at)
                         self.last_event_at = now
                     self.token_ids.extend(ev.token_ids)
+                    if self.cached_tokens is None and ev.num_cached_tokens is not None:
+                        self.cached_tokens = ev.num_cached_tokens  # the first prefill's (a migration re-prefills)
                     if ev.error:
                         self.error, status = ev.error, "error"
                         self.finish_reason = "error"
@@ -638,7 +754,169 @@ class _Run:
 
     def usage(self) -> dict:
         p, c = len(self.req.prompt_token_ids), len(self.token_ids)
-        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+        return {
+            "prompt_tokens": p,
+            "completion_tokens": c,
+            "total_tokens": p + c,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens or 0},
+        }
+
+
+@dataclass
+class _ToolContext:
+    """A chat request with tools: how its answer becomes ``tool_calls`` (server/router/tool_calls.py)."""
+
+    req: protocol.ChatCompletionRequest
+    mode: str  # auto | required | named
+    family: str  # the parser of the template's family (auto)
+    stop_ids: set[int]
+
+    def answer(self, run: _Run) -> tuple[str | None, list[tool_calls.ParsedCall]]:
+        """(content, calls) of a finished run."""
+        if self.mode == "auto":
+            content, calls = tool_calls.parse_auto(self.raw_text(run), self.family, self._names())
+            if not self.req.parallel_tool_calls:
+                calls = calls[:1]
+            return (content or None) if calls else run.assembler.text, calls
+        calls = tool_calls.parse_constrained(run.assembler.text, self.req)
+        return None, calls
+
+    def raw_text(self, run: _Run) -> str:
+        """The answer with special tokens (tool-call markers may be special), end-of-turn tokens left out."""
+        ids = [t for t in run.token_ids if t not in self.stop_ids]
+        return run.state.get_tokenizer().decode(ids, skip_special_tokens=False)
+
+    def _names(self) -> set[str]:
+        return {t.function.name for t in self.req.tools or ()}
+
+
+def _sum_usage(runs: list[_Run]) -> dict:
+    usages = [r.usage() for r in runs]
+    total = {k: sum(u[k] for u in usages) for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
+    total["prompt_tokens_details"] = {"cached_tokens": sum(u["prompt_tokens_details"]["cached_tokens"] for u in usages)}
+    return total
+
+
+def _batch_body(runs: list[_Run], model: str) -> dict:
+    """A batched completions answer: one choice per prompt, in prompt order, usage summed."""
+    body = _final_body("completion", runs[0], model)
+    body["choices"] = [
+        {"index": i, "text": r.assembler.text, "finish_reason": r.finish_reason, "logprobs": None}
+        for i, r in enumerate(runs)
+    ]
+    body["usage"] = _sum_usage(runs)
+    return body
+
+
+async def _sse_completion_batch(runs: list[_Run], model: str, include_usage: bool):
+    """The chunks of every prompt's run as they come, each with its choice index; usage summed at the end."""
+    rid, created = f"cmpl-{runs[0].req.request_id}", int(time.time())
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, run: _Run) -> None:
+        try:
+            async for ev, delta in run.events():
+                await queue.put((i, ev, delta))
+        finally:
+            await queue.put((i, None, None))
+
+    tasks = [asyncio.ensure_future(pump(i, r)) for i, r in enumerate(runs)]
+    try:
+        left = len(runs)
+        while left:
+            i, ev, delta = await queue.get()
+            if ev is None:
+                left -= 1
+                continue
+            if ev.error:
+                yield _sse_error(ev.error)
+                yield b"data: [DONE]\n\n"
+                return
+            choice = {"index": i, "text": delta, "logprobs": None}
+            choice["finish_reason"] = runs[i].finish_reason if ev.finished else None
+            yield _sse(
+                {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [choice]}
+            )
+        if include_usage:
+            yield _sse(
+                {
+                    "id": rid,
+                    "object": "text_completion",
+                    "created": created,
+                    "model": model,
+                    "choices": [],
+                    "usage": _sum_usage(runs),
+                }
+            )
+        yield b"data: [DONE]\n\n"
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def _sse_chat_tools(run: _Run, model: str, include_usage: bool):
+    """A chat stream with tools, as OpenAI streams it: content deltas while the answer is text; each call
+    as a first delta (index, id, type, function.name, arguments "") then its arguments; finish
+    ``tool_calls``. Named: the arguments stream as they are generated; required and auto: at the end."""
+    ctx = run.tools
+    assert ctx is not None
+    rid, created = f"chatcmpl-{run.req.request_id}", int(time.time())
+
+    def chunk(delta: dict, reason: str | None = None) -> bytes:
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+        return _sse(
+            {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [choice]}
+        )
+
+    yield chunk({"role": "assistant", "content": ""})
+    choice = ctx.req.tool_choice
+    named_call = (
+        tool_calls.ParsedCall(choice.function.name, "") if isinstance(choice, protocol.NamedToolChoice) else None
+    )
+    if named_call is not None:
+        first = {"index": 0, "id": named_call.id, "type": "function"}
+        yield chunk({"tool_calls": [{**first, "function": {"name": named_call.name, "arguments": ""}}]})
+    sent = 0  # content characters streamed (auto)
+    async for ev, delta in run.events():
+        if ev.error:
+            yield _sse_error(ev.error)
+            yield b"data: [DONE]\n\n"
+            return
+        if named_call is not None and delta:
+            yield chunk({"tool_calls": [{"index": 0, "function": {"arguments": delta}}]})
+        elif ctx.mode == "auto" and not ev.finished:
+            text = ctx.raw_text(run)
+            safe = tool_calls.safe_content_len(text, ctx.family)
+            if safe > sent:
+                yield chunk({"content": text[sent:safe]})
+                sent = safe
+    if named_call is not None:
+        calls: list[tool_calls.ParsedCall] = [named_call]
+    else:
+        content, calls = ctx.answer(run)
+        if ctx.mode == "auto":
+            text = ctx.raw_text(run) if calls else run.assembler.text
+            rest = (content or "")[sent:] if calls else text[sent:]
+            if rest:
+                yield chunk({"content": rest})
+        for i, c in enumerate(calls):
+            head = {"index": i, "id": c.id, "type": "function"}
+            yield chunk({"tool_calls": [{**head, "function": {"name": c.name, "arguments": ""}}]})
+            yield chunk({"tool_calls": [{"index": i, "function": {"arguments": c.arguments}}]})
+    reason = "tool_calls" if calls and run.finish_reason == "stop" else run.finish_reason
+    yield chunk({}, reason)
+    if include_usage and not run.error:
+        yield _sse(
+            {
+                "id": rid,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": model,
+                "choices": [],
+                "usage": run.usage(),
+            }
+        )
+    yield b"data: [DONE]\n\n"
 
 
 def _final_body(kind: str, run: _Run, model: str) -> dict:
@@ -652,6 +930,13 @@ def _final_body(kind: str, run: _Run, model: str) -> dict:
             "usage": run.usage(),
         }
     if kind == "chat":
+        message: dict = {"role": "assistant", "content": run.assembler.text}
+        reason = run.finish_reason
+        if run.tools is not None:
+            content, calls = run.tools.answer(run)
+            if calls:
+                message = {"role": "assistant", "content": content, "tool_calls": [c.to_openai() for c in calls]}
+                reason = "tool_calls" if reason == "stop" else reason
         return {
             "id": f"chatcmpl-{run.req.request_id}",
             "object": "chat.completion",
@@ -660,8 +945,8 @@ def _final_body(kind: str, run: _Run, model: str) -> dict:
             "choices": [
                 {
                     "index": 0,
-                    "message": {"role": "assistant", "content": run.assembler.text},
-                    "finish_reason": run.finish_reason,
+                    "message": message,
+                    "finish_reason": reason,
                     "logprobs": None,
                 }
             ],
@@ -725,6 +1010,10 @@ async def _sse_completion(run: _Run, model: str, include_usage: bool):
 
 
 async def _sse_chat(run: _Run, model: str, include_usage: bool):
+    if run.tools is not None:
+        async for b in _sse_chat_tools(run, model, include_usage):
+            yield b
+        return
     rid, created = f"chatcmpl-{run.req.request_id}", int(time.time())
     # `_sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices":
     # [{"index": 0, "delta": d, "logprobs": None, "finish_reason": reason}]})` with d = {"role":

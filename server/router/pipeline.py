@@ -76,6 +76,7 @@ class TokenEvent:
     finish_reason: str | None = None
     error: str | None = None
     kv_recomputed: bool = False  # the decode worker could not pull the KV and recomputed the prompt
+    num_cached_tokens: int | None = None  # prompt tokens the prefilling worker's prefix cache served
 
 
 @dataclass
@@ -184,7 +185,13 @@ class Pipeline:
             done = outputs + first.token_ids  # copy now: the caller extends `outputs` when we yield
             pulled = first.finished  # True once no staged KV can be left behind on the prefill worker
             try:
-                yield TokenEvent(first.token_ids, first.finished, first.finish_reason, first.error)
+                yield TokenEvent(
+                    first.token_ids,
+                    first.finished,
+                    first.finish_reason,
+                    first.error,
+                    num_cached_tokens=first.num_cached_tokens,
+                )
                 if first.finished:
                     return
                 if not decode.healthy:  # failed while we prefilled: pick again
@@ -305,6 +312,7 @@ class Pipeline:
                                 line.finish_reason,
                                 line.error,
                                 kv_recomputed=line.kv_transport == "recompute",
+                                num_cached_tokens=line.num_cached_tokens,
                             )
                             yield ev
                             if ev.finished:

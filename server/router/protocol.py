@@ -4,16 +4,21 @@ Every rejection is an ``InvalidRequest`` carrying a sentence that names the
 field; the app turns it into HTTP 400 with OpenAI's error shape. Fields we do
 not implement are accepted only at their neutral value (e.g.
 ``presence_penalty: 0``) so a client never silently gets something other than
-what it asked for; unknown fields are ignored, as OpenAI does.
+what it asked for; fields the models do not declare are refused by name
+(``openai_fields.py``; ``router.allow_unknown_fields`` lets unknown ones through).
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError
 
+from server.router.openai_fields import refused_field
+
 MAX_STOP_CHARS = 1024  # per stop string; the assembler scans each one at every token
+MAX_BATCH_PROMPTS = 256  # prompts in one batched completions request
 
 
 class InvalidRequest(ValueError):
@@ -44,7 +49,35 @@ def check_unicode(obj: Any, path: str = "") -> None:
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
     include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False  # vLLM's; only False (the default) is accepted
+
+    def check(self) -> None:
+        if self.continuous_usage_stats:
+            raise InvalidRequest(
+                "stream_options.continuous_usage_stats: not supported", "stream_options.continuous_usage_stats"
+            )
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's ``response_format``: ``text``, ``json_object`` or ``json_schema`` ({name, schema, strict})."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's ``structured_outputs``: exactly one of json / regex / choice / grammar."""
+
+    model_config = ConfigDict(extra="forbid")
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = Field(default=None, min_length=1)
+    grammar: str | None = None
+    json_object: StrictBool | None = None
+    whitespace_pattern: str | None = None  # refused when set (see structured_spec)
 
 
 # Strict where a lenient parse would change meaning: `max_tokens: true` is not 1 and `stream: "yes"`
@@ -69,9 +102,18 @@ class _SamplingFields(BaseModel):
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     min_p: float = 0.0
-    user: str | None = None
+    user: str | None = None  # an end-user id (abuse monitoring): accepted, no effect on the output by design
+    safety_identifier: str | None = None  # OpenAI's newer spelling of `user`
+    prompt_cache_key: str | None = None  # a cache-routing hint: the prefix cache needs none
+    service_tier: Literal["auto", "default"] | None = None  # one tier here
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     def neutral_checks(self) -> None:
+        if self.stream_options is not None:
+            if not self.stream:
+                raise InvalidRequest("stream_options: only allowed when stream is true", "stream_options")
+            self.stream_options.check()
         if self.n != 1:
             raise InvalidRequest("n: only n=1 is supported; send one request per completion", "n")
         if self.logprobs not in (None, False, 0):
@@ -103,11 +145,34 @@ class _SamplingFields(BaseModel):
 class CompletionRequest(_SamplingFields):
     prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
 
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts of a batched request (a list of strings or of token-id lists), or the one prompt."""
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], (list, str)):
+            if len(p) > MAX_BATCH_PROMPTS:
+                raise InvalidRequest(f"prompt: at most {MAX_BATCH_PROMPTS} prompts per request", "prompt")
+            return list(p)
+        return [p]  # type: ignore[list-item]
+
+
+class ToolCallFunction(BaseModel):
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCall(BaseModel):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool turn: the call it answers
 
     def text(self) -> str:
         if self.content is None:
@@ -122,13 +187,78 @@ class ChatMessage(BaseModel):
         return "".join(parts)
 
     def template_dict(self) -> dict[str, Any]:
-        """The message as chat templates see it: ``{"role", "content"}`` with the content as text."""
-        return {"role": self.role, "content": self.text()}
+        """The message as chat templates see it (transformers' shape): ``{"role", "content"}`` with the
+        content as text, plus ``tool_calls`` (arguments as objects), ``tool_call_id`` and ``name`` when set."""
+        d: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            d["name"] = self.name
+        if self.tool_call_id is not None:
+            d["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            calls = []
+            for c in self.tool_calls:
+                args: Any = c.function.arguments
+                if isinstance(args, str):
+                    try:
+                        args = json.loads(args)
+                    except ValueError:
+                        raise InvalidRequest(
+                            "messages: tool_calls[].function.arguments must be a JSON object", "messages"
+                        ) from None
+                calls.append({"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": args}})
+            d["tool_calls"] = calls
+        return d
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: StrictBool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedToolChoiceFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: NamedToolChoiceFunction
 
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
+    tools: list[Tool] | None = Field(default=None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: StrictBool = True
+    modalities: list[Literal["text"]] | None = None  # text is the only output modality
+
+    def neutral_checks(self) -> None:
+        super().neutral_checks()
+        if self.tool_choice is not None and not self.tools:
+            raise InvalidRequest("tool_choice: only allowed when tools are given", "tool_choice")
+        if isinstance(self.tool_choice, NamedToolChoice):
+            names = {t.function.name for t in self.tools or ()}
+            if self.tool_choice.function.name not in names:
+                raise InvalidRequest(
+                    f"tool_choice: names function {self.tool_choice.function.name!r}, which is not in tools",
+                    "tool_choice",
+                )
+        if self.tools and self.tool_choice not in (None, "none") and (self.response_format or self.structured_outputs):
+            raise InvalidRequest(
+                "tool_choice: tools cannot be combined with response_format or structured_outputs", "tool_choice"
+            )
+        if self.tools and len({t.function.name for t in self.tools}) != len(self.tools):
+            raise InvalidRequest("tools: function names must be unique", "tools")
 
 
 class GenerateRequest(_SamplingFields):
@@ -141,9 +271,17 @@ class GenerateRequest(_SamplingFields):
 RequestT = TypeVar("RequestT", bound=_SamplingFields)
 
 
-def parse(model: type[RequestT], body: Any) -> RequestT:
+def declared_fields(model: type[BaseModel]) -> set[str]:
+    """The top-level request fields ``model`` reads (by their JSON names)."""
+    return {f.alias or name for name, f in model.model_fields.items()}
+
+
+def parse(model: type[RequestT], body: Any, allow_unknown_fields: bool = False) -> RequestT:
     if not isinstance(body, dict):
         raise InvalidRequest("request body must be a JSON object")
+    refused = refused_field(body, declared_fields(model), allow_unknown_fields)
+    if refused is not None:
+        raise InvalidRequest(refused[1], refused[0])
     try:
         req = model.model_validate(body)
     except ValidationError as e:
@@ -153,6 +291,47 @@ def parse(model: type[RequestT], body: Any) -> RequestT:
         raise InvalidRequest(f"{field}: {err['msg']}", field) from None
     req.neutral_checks()
     return req
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's ``/tokenize``: a ``prompt`` (completions) or ``messages`` (chat, rendered with the template)."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    add_special_tokens: StrictBool = True
+    add_generation_prompt: StrictBool = True
+    return_token_strs: StrictBool = False
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    tokens: list[StrictInt] = Field(max_length=1 << 20)
+
+
+def _parse_plain(model: type[BaseModel], body: Any) -> Any:
+    if not isinstance(body, dict):
+        raise InvalidRequest("request body must be a JSON object")
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        err = e.errors()[0]
+        field = ".".join(str(p) for p in err["loc"] if not isinstance(p, int)) or "body"
+        msg = "unknown field" if err["type"] == "extra_forbidden" else err["msg"]
+        raise InvalidRequest(f"{field}: {msg}", field) from None
+
+
+def parse_tokenize(body: Any) -> TokenizeRequest:
+    req = _parse_plain(TokenizeRequest, body)
+    if (req.prompt is None) == (req.messages is None):
+        raise InvalidRequest("prompt: give exactly one of prompt or messages", "prompt")
+    return req
+
+
+def parse_detokenize(body: Any) -> DetokenizeRequest:
+    return _parse_plain(DetokenizeRequest, body)
 
 
 def render_chat(messages: list[ChatMessage]) -> str:

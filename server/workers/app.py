@@ -27,6 +27,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from server.config import DistServeConfig
 from server.engine.sampling_params import SamplingParams
+from server.engine.structured.grammar import Constraint
 from server.idle import IdleTimeout
 from server.kv_transfer import KVHandle, KVPuller, KVStagingServer, TransferStatus, cuda_ipc
 from server.kv_transfer.factory import choose_transport, host_id
@@ -64,6 +65,7 @@ class WorkerState:
 
 
 def to_sampling_params(s: InternalSampling) -> SamplingParams:
+    structured = None if s.structured is None else Constraint(s.structured.kind, s.structured.text, s.structured.strict)
     return SamplingParams(
         max_tokens=s.max_tokens,
         temperature=s.temperature,
@@ -72,7 +74,15 @@ def to_sampling_params(s: InternalSampling) -> SamplingParams:
         seed=s.seed,
         stop_token_ids=tuple(s.stop_token_ids),
         ignore_eos=s.ignore_eos,
+        structured=structured,
     )
+
+
+async def _prepare_grammar(state: WorkerState, params: SamplingParams) -> None:
+    """Compile the request's grammar (or find it in the cache) off the event loop, before the engine sees
+    the request; GrammarError (a ValueError) when it cannot be compiled."""
+    if params.structured is not None:
+        await asyncio.to_thread(state.loop.engine.structured.prepare, params.structured)
 
 
 def create_worker_app(state: WorkerState) -> FastAPI:
@@ -135,6 +145,7 @@ async def _prefill(state: WorkerState, body: PrefillRequest) -> JSONResponse:
     rid = body.request_id
     try:
         params = to_sampling_params(body.sampling)
+        await _prepare_grammar(state, params)
         q = await state.loop.add_request(
             rid, body.prompt_token_ids, params, prefill_only=True, output_token_ids=body.output_token_ids
         )
@@ -152,6 +163,7 @@ async def _prefill(state: WorkerState, body: PrefillRequest) -> JSONResponse:
                     finish_reason=out.finish_reason,
                     error=out.error,
                     prefill_seconds=time.perf_counter() - t0,
+                    num_cached_tokens=out.num_cached_tokens,
                 ).model_dump()
             )
         t1 = time.perf_counter()
@@ -187,6 +199,7 @@ async def _prefill(state: WorkerState, body: PrefillRequest) -> JSONResponse:
                 finished=False,
                 kv=handle.to_dict(),
                 prefill_seconds=time.perf_counter() - t0,
+                num_cached_tokens=out.num_cached_tokens,
             ).model_dump()
         )
     except BaseException:
@@ -246,6 +259,7 @@ async def _generate_stream(state: WorkerState, body: GenerateRequest):
     keepalive_s = state.config.router.stream_progress_timeout_s / 4
     try:
         params = to_sampling_params(body.sampling)
+        await _prepare_grammar(state, params)
         transfer: dict = {}
         if body.kv is not None:
             # Waiting for room (back-pressure) and pulling the KV send nothing: keep-alives say we are alive.
@@ -280,7 +294,15 @@ async def _generate_stream(state: WorkerState, body: GenerateRequest):
                 more = q.get_nowait()
                 tokens.extend(more.new_token_ids)
                 finished, reason, error = more.finished, more.finish_reason, more.error
-            yield _line(token_ids=tokens, finished=finished, finish_reason=reason, error=error, **transfer)
+            cached = out.num_cached_tokens
+            yield _line(
+                token_ids=tokens,
+                finished=finished,
+                finish_reason=reason,
+                error=error,
+                num_cached_tokens=cached,
+                **transfer,
+            )
             while not finished:
                 out = await idle.wait(q.get()) if q.empty() else q.get_nowait()
                 # coalesce whatever else is already queued into one line
