@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 
 MASKED = -1e30  # a disallowed token's logit: exp() underflows to 0, the row sum stays finite
 CACHE_SIZE = 256  # compiled grammars kept per engine (least recently used dropped)
+PARALLEL_FROM = 8  # constrained rows in a step from which llguidance's thread pool fills the masks
 
 
 class _TokenizerView:
@@ -129,8 +130,9 @@ class StructuredDecoding:
             self._bitmask = torch.empty((max(n, 8), words), dtype=torch.int32)
         bitmask = self._bitmask[:n]
         ptr, nbytes = bitmask.data_ptr(), words * 4
-        if n == 1:
-            rows[0][1].unsafe_compute_mask_ptr(ptr, nbytes)
+        if n < PARALLEL_FROM:  # waking the executor's threads costs more than a few rows' masks
+            for k, (_, m) in enumerate(rows):
+                m.unsafe_compute_mask_ptr(ptr + k * nbytes, nbytes)
         else:
             self._executor.unsafe_compute_mask_ptr([(m, k) for k, (_, m) in enumerate(rows)], ptr, nbytes, n)
         dev = logits.device
