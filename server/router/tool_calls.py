@@ -206,8 +206,8 @@ def safe_content_len(text: str, family: str) -> int:
     cut = len(text)
     for marker in MARKERS[family]:
         if marker == "{":
-            if text.lstrip().startswith("{") or not text.strip():
-                cut = min(cut, len(text) - len(text.lstrip()))
+            if text.lstrip().startswith("{") or not text.strip():  # all of it may be a call
+                cut = 0
             continue
         i = text.find(marker)
         if i >= 0:
