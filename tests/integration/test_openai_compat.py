@@ -435,3 +435,75 @@ def test_unknown_fields_pass_when_the_config_allows():
         parse(CompletionRequest, body)
     with pytest.raises(InvalidRequest):  # a known field we refuse stays refused
         parse(CompletionRequest, {"prompt": "hi", "suffix": "x"}, allow_unknown_fields=True)
+
+
+# --- SmolLM2: a real model writes real JSON and real tool calls ---------------------------------------
+SMOL = "smollm2-135m-instruct"
+
+
+@pytest.fixture(scope="module")
+def smol(serve_factory):
+    return serve_factory(
+        mode="colocated",
+        decode=1,
+        config={
+            "model": SMOL,
+            "cache": {"kv_cache_memory_mb": 64},
+            "prefill": {"max_seq_len": 2048},
+            # a busy 2-core machine can stall a worker's heartbeat during its first real steps
+            "router": {"heartbeat_interval_ms": 500, "heartbeat_timeout_ms": 60000},
+        },
+    )
+
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 40},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "city": {"anyOf": [{"type": "string", "maxLength": 30}, {"type": "null"}]},
+        "hobbies": {"type": "array", "items": {"type": "string", "maxLength": 20}, "maxItems": 3},
+    },
+    "required": ["name", "age", "city", "hobbies"],
+    "additionalProperties": False,
+}
+
+
+def test_smollm2_json_schema_and_json_object(smol):
+    c = openai.OpenAI(base_url=f"{smol.url}/v1", api_key="unused", max_retries=0, timeout=300)
+    msgs = [{"role": "user", "content": "Describe a person called Marie, 34, from Lyon, who likes chess, as JSON."}]
+    for schema in (PERSON, SCHEMAS[15]):
+        r = c.chat.completions.create(
+            model=SMOL, messages=msgs, max_tokens=150, temperature=0, response_format=rf(schema)
+        )
+        jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+    stream = c.chat.completions.create(
+        model=SMOL, messages=msgs, max_tokens=150, temperature=0, response_format=rf(PERSON), stream=True
+    )
+    data = json.loads("".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices))
+    jsonschema.validate(data, PERSON)
+    r = c.chat.completions.create(
+        model=SMOL, messages=msgs, max_tokens=150, response_format={"type": "json_object"}, seed=1
+    )
+    assert isinstance(json.loads(r.choices[0].message.content), dict)
+
+
+def test_smollm2_auto_tool_call_is_parsed_when_the_model_makes_one(smol):
+    c = openai.OpenAI(base_url=f"{smol.url}/v1", api_key="unused", max_retries=0, timeout=300)
+    msgs = [{"role": "user", "content": "What is the weather in Paris in C? Call the get_weather tool."}]
+    r = c.chat.completions.create(model=SMOL, messages=msgs, max_tokens=80, temperature=0, tools=TOOLS)
+    choice = r.choices[0]
+    if choice.message.tool_calls:
+        assert choice.finish_reason == "tool_calls"
+        for tc in choice.message.tool_calls:
+            assert tc.function.name in {"get_weather", "get_time"}
+            assert isinstance(json.loads(tc.function.arguments), dict)
+    else:  # the model answered in words: then nothing in its answer was a call the parser missed
+        assert "<tool_call>" not in (choice.message.content or "")
+    # required on the real model: a valid call, whatever the model would have said
+    r = c.chat.completions.create(
+        model=SMOL, messages=msgs, max_tokens=80, temperature=0, tools=TOOLS, tool_choice="required"
+    )
+    call = r.choices[0].message.tool_calls[0]
+    params = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}[call.function.name]
+    jsonschema.validate(json.loads(call.function.arguments), params)

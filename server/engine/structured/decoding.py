@@ -20,6 +20,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from server.engine.structured.grammar import Constraint, GrammarError, to_grammar
@@ -130,17 +131,23 @@ class StructuredDecoding:
             self._bitmask = torch.empty((max(n, 8), words), dtype=torch.int32)
         bitmask = self._bitmask[:n]
         ptr, nbytes = bitmask.data_ptr(), words * 4
-        if n < PARALLEL_FROM:  # waking the executor's threads costs more than a few rows' masks
+        dev = logits.device
+        # llguidance's thread pool only where host cores are otherwise idle (a GPU worker); a CPU worker owns
+        # one core, which the pool's threads would take from the forward (measured: PERFORMANCE §11)
+        if n < PARALLEL_FROM or dev.type == "cpu":
             for k, (_, m) in enumerate(rows):
                 m.unsafe_compute_mask_ptr(ptr + k * nbytes, nbytes)
         else:
             self._executor.unsafe_compute_mask_ptr([(m, k) for k, (_, m) in enumerate(rows)], ptr, nbytes, n)
-        dev = logits.device
-        shifts = self._shifts.get(dev)
-        if shifts is None:
-            shifts = self._shifts[dev] = torch.arange(32, dtype=torch.int32, device=dev)
-        bits = bitmask.to(dev, non_blocking=True)
-        allowed = ((bits.unsqueeze(-1) >> shifts) & 1).view(n, words * 32)[:, :vocab].bool()
+        if dev.type == "cpu":  # one C pass: bit i of word w is token 32 w + i (little-endian bytes and bits)
+            packed = bitmask.view(torch.uint8).numpy()
+            allowed = torch.from_numpy(np.unpackbits(packed, axis=1, bitorder="little")[:, :vocab].view(np.bool_))
+        else:
+            shifts = self._shifts.get(dev)
+            if shifts is None:
+                shifts = self._shifts[dev] = torch.arange(32, dtype=torch.int32, device=dev)
+            bits = bitmask.to(dev, non_blocking=True)
+            allowed = ((bits.unsqueeze(-1) >> shifts) & 1).view(n, words * 32)[:, :vocab].bool()
         if n == logits.shape[0]:
             logits.masked_fill_(~allowed, MASKED)
             return
