@@ -25,6 +25,19 @@ class InternalSampling(BaseModel):
     seed: int | None = None
     stop_token_ids: list[int] = Field(default_factory=list)
     ignore_eos: bool = False
+    min_p: float = Field(ge=0.0, le=1.0, default=0.0)
+    presence_penalty: float = Field(ge=-2.0, le=2.0, default=0.0)
+    frequency_penalty: float = Field(ge=-2.0, le=2.0, default=0.0)
+    repetition_penalty: float = Field(gt=0.0, le=10.0, default=1.0)
+    logit_bias: list[tuple[int, float]] = Field(default_factory=list, max_length=300)
+    logprobs: int | None = Field(ge=0, le=20, default=None)  # None: no logprobs; k: sampled + k most likely
+
+
+class TokenLogprob(BaseModel):
+    """One generated token's logprob (of the raw logits) and the k most likely ``[id, logprob]``."""
+
+    logprob: float
+    top: list[tuple[int, float]] = Field(default_factory=list, max_length=20)
 
 
 class PrefillRequest(BaseModel):
@@ -39,6 +52,7 @@ class PrefillRequest(BaseModel):
 
 class PrefillResponse(BaseModel):
     token_ids: list[int]
+    logprobs: list[TokenLogprob] | None = None  # one per token id when the request asked for logprobs
     finished: bool
     finish_reason: str | None = None
     error: str | None = None  # why the engine aborted it (finish_reason "abort")
@@ -60,6 +74,7 @@ class StreamLine(BaseModel):
     """One NDJSON line of a generate stream."""
 
     token_ids: list[int] = Field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None  # one per token id when the request asked for logprobs
     finished: bool = False
     finish_reason: str | None = None
     error: str | None = None

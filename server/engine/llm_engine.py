@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,7 +30,7 @@ from server.engine.loader import load_model_config, load_state_dict, resolve_mod
 from server.engine.model import LlamaForCausalLM
 from server.engine.model_runner import ModelRunner, kv_bytes_per_block
 from server.engine.presets import init_random_weights, is_preset, preset_config
-from server.engine.sampler import Sampler
+from server.engine.sampler import Sampler, TokenLogprobs
 from server.engine.sampling_params import SamplingParams
 from server.engine.scheduler import Scheduler, SchedulerConfig
 from server.engine.sequence import Sequence, SequenceStatus
@@ -84,6 +85,14 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     error: str | None = None  # set with finish_reason "abort" when the engine failed this request
+    # per new token when the request asked for logprobs: (its logprob, [(id, logprob)] of the k most likely)
+    logprobs: list[TokenLogprobs] | None = None
+
+
+# The structured-outputs seam: given the step's sampled sequences (one per logits row, in order), a
+# ``[rows, vocab]`` bool tensor on the engine's device (True = the token may be sampled) or None (no
+# constraint this step). Applied to the logits before penalties and sampling (sampler.py).
+LogitsMaskFn = Callable[[list[Sequence]], "torch.Tensor | None"]
 
 
 class LLMEngine:
@@ -137,6 +146,7 @@ class LLMEngine:
             )
         self._build_cache(num_blocks)
         self.sampler = Sampler()
+        self.logits_mask_fn: LogitsMaskFn | None = None  # see LogitsMaskFn
         self.stats = EngineStats()
         self.requests: dict[str, Sequence] = {}
         self.awaiting_kv: dict[str, Sequence] = {}  # WAITING_FOR_REMOTE_KVS, oldest reservation first
@@ -222,6 +232,12 @@ class LLMEngine:
         if bad:
             raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
 
+    def _check_params(self, params: SamplingParams) -> None:
+        vocab = self.model_config.vocab_size
+        bad = [t for t, _ in params.logit_bias if t >= vocab]
+        if bad:
+            raise ValueError(f"logit_bias: token id {bad[0]} is outside the vocabulary [0, {vocab})")
+
     def add_request(
         self,
         request_id: str,
@@ -236,6 +252,7 @@ class LLMEngine:
         they are prefilled with the prompt and generation continues after them."""
         outputs = list(output_token_ids or [])
         self._check_new(request_id, prompt_token_ids, len(outputs))
+        self._check_params(params)
         seq = Sequence(request_id, list(prompt_token_ids), params, prefill_only=prefill_only, output_token_ids=outputs)
         self._register(seq)
         self.scheduler.add(seq)
@@ -254,6 +271,7 @@ class LLMEngine:
         if not output_token_ids:
             raise ValueError("a prefilled request needs its first generated token")
         self._check_new(request_id, prompt_token_ids, len(output_token_ids))
+        self._check_params(params)
         seq = Sequence(request_id, list(prompt_token_ids), params, output_token_ids=list(output_token_ids))
         if not self.block_manager.can_grow(seq, seq.num_tokens) or (
             self.scheduler.num_running >= self.config.max_num_seqs
@@ -333,21 +351,28 @@ class LLMEngine:
         except Exception as e:  # find whose input breaks the forward; the others go on
             scheduled, logits = self._execute_isolating(scheduled, e, outputs)
         sampling = [s.seq for s in scheduled if s.samples]
-        tokens = (
-            self.sampler.sample(
+        tokens: list[int | str] = []
+        logprobs: list[TokenLogprobs | None] = []
+        if sampling:
+            params = [s.sampling_params for s in sampling]
+            sampled = self.sampler.sample(
                 logits,
-                [s.sampling_params for s in sampling],
+                params,
                 [self._seeds[s.request_id] for s in sampling],
                 [s.num_output_tokens for s in sampling],
+                # the penalties' counts are rebuilt from the ids each step: a request resumed elsewhere
+                # (hand-off, migration, recompute) with its outputs sees the same logits
+                [(s.prompt_token_ids, s.output_token_ids) for s in sampling]
+                if any(p.has_penalties for p in params)
+                else None,
+                self.logits_mask_fn(sampling) if self.logits_mask_fn is not None else None,
             )
-            if sampling
-            else []
-        )
+            tokens, logprobs = sampled.tokens, sampled.logprobs
         bm = self.block_manager
         for s in scheduled:
             s.seq.num_computed_tokens += s.num_new_tokens
             bm.register(s.seq)
-        for seq, token in zip(sampling, tokens):
+        for seq, token, lp in zip(sampling, tokens, logprobs):
             if isinstance(token, str):  # this row could not be sampled: fail its request alone
                 self.scheduler.remove(seq)
                 outputs.append(self._fail(seq, token))
@@ -359,7 +384,7 @@ class LLMEngine:
                 self.scheduler.remove(seq)
                 if seq.status != SequenceStatus.FINISHED_PREFILLED:
                     self._release(seq)
-            outputs.append(self._output(seq, [token]))
+            outputs.append(self._output(seq, [token], None if lp is None else [lp]))
         return outputs
 
     def _execute_isolating(self, scheduled: list, error: Exception, outputs: list[RequestOutput]):
@@ -409,7 +434,7 @@ class LLMEngine:
             seq.status = SequenceStatus.FINISHED_PREFILLED
 
     @staticmethod
-    def _output(seq: Sequence, new_tokens: list[int]) -> RequestOutput:
+    def _output(seq: Sequence, new_tokens: list[int], logprobs: list[TokenLogprobs] | None = None) -> RequestOutput:
         return RequestOutput(
             request_id=seq.request_id,
             new_token_ids=new_tokens,
@@ -418,6 +443,7 @@ class LLMEngine:
             num_prompt_tokens=len(seq.prompt_token_ids),
             num_output_tokens=seq.num_output_tokens,
             error=seq.error,
+            logprobs=logprobs,
         )
 
     # --- convenience -------------------------------------------------------

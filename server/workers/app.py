@@ -38,6 +38,7 @@ from server.wire import (
     PrefillRequest,
     PrefillResponse,
     StreamLine,
+    TokenLogprob,
     WorkerStatus,
 )
 from server.workers.engine_loop import EngineLoop
@@ -72,7 +73,20 @@ def to_sampling_params(s: InternalSampling) -> SamplingParams:
         seed=s.seed,
         stop_token_ids=tuple(s.stop_token_ids),
         ignore_eos=s.ignore_eos,
+        min_p=s.min_p,
+        presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty,
+        repetition_penalty=s.repetition_penalty,
+        logit_bias=tuple((int(t), float(b)) for t, b in s.logit_bias),
+        logprobs=s.logprobs,
     )
+
+
+def wire_logprobs(lps) -> list[TokenLogprob] | None:
+    """The engine's per-token logprobs as wire models (None when the request asked for none)."""
+    if lps is None:
+        return None
+    return [TokenLogprob(logprob=lp, top=top) for lp, top in lps]
 
 
 def create_worker_app(state: WorkerState) -> FastAPI:
@@ -148,6 +162,7 @@ async def _prefill(state: WorkerState, body: PrefillRequest) -> JSONResponse:
             return JSONResponse(
                 PrefillResponse(
                     token_ids=out.new_token_ids,
+                    logprobs=wire_logprobs(out.logprobs),
                     finished=True,
                     finish_reason=out.finish_reason,
                     error=out.error,
@@ -184,6 +199,7 @@ async def _prefill(state: WorkerState, body: PrefillRequest) -> JSONResponse:
         return JSONResponse(
             PrefillResponse(
                 token_ids=out.new_token_ids,
+                logprobs=wire_logprobs(out.logprobs),
                 finished=False,
                 kv=handle.to_dict(),
                 prefill_seconds=time.perf_counter() - t0,
@@ -274,28 +290,45 @@ async def _generate_stream(state: WorkerState, body: GenerateRequest):
         # completed — with a token every step, that is almost always, and a disconnected client
         # would never be noticed. IdleTimeout cancels only a waiting q.get() and re-raises the rest;
         # unlike asyncio.timeout per q.get() it does not create and cancel a timer per token.
+        with_lp = params.logprobs is not None  # then every token line carries its logprobs
         with IdleTimeout(state.config.router.request_timeout_s) as idle:
             tokens, finished, reason, error = list(out.new_token_ids), out.finished, out.finish_reason, out.error
+            lps = list(out.logprobs or ()) if with_lp else None
             while not finished and not q.empty():
                 more = q.get_nowait()
                 tokens.extend(more.new_token_ids)
+                if lps is not None:
+                    lps.extend(more.logprobs or ())
                 finished, reason, error = more.finished, more.finish_reason, more.error
-            yield _line(token_ids=tokens, finished=finished, finish_reason=reason, error=error, **transfer)
+            yield _line(
+                token_ids=tokens,
+                logprobs=wire_logprobs(lps),
+                finished=finished,
+                finish_reason=reason,
+                error=error,
+                **transfer,
+            )
             while not finished:
                 out = await idle.wait(q.get()) if q.empty() else q.get_nowait()
                 # coalesce whatever else is already queued into one line
                 tokens, finished, reason = out.new_token_ids, out.finished, out.finish_reason
                 error = out.error
+                lps = list(out.logprobs or ()) if with_lp else None
                 if not finished and not q.empty():
                     tokens = list(tokens)
                     while not finished and not q.empty():
                         more = q.get_nowait()
                         tokens.extend(more.new_token_ids)
+                        if lps is not None:
+                            lps.extend(more.logprobs or ())
                         finished, reason, error = more.finished, more.finish_reason, more.error
                 if error is not None:  # the engine failed this request: say why
                     yield _line(token_ids=tokens, finished=True, finish_reason=reason, error=error)
                     break
-                yield _token_line(tokens, finished, reason)
+                if lps is not None:
+                    yield _line(token_ids=tokens, logprobs=wire_logprobs(lps), finished=finished, finish_reason=reason)
+                else:
+                    yield _token_line(tokens, finished, reason)
     except ValueError as e:  # invalid request (engine validation)
         yield _line(finished=True, finish_reason="error", error=str(e))
     except TimeoutError:
