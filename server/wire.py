@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 
 Role = Literal["prefill", "decode", "colocated"]  # a worker's job; the router routes by it
 ROLES: tuple[Role, ...] = ("prefill", "decode", "colocated")
@@ -40,6 +40,19 @@ class TokenLogprob(BaseModel):
     top: list[tuple[int, float]] = Field(default_factory=list, max_length=20)
 
 
+class _WithLogprobs(BaseModel):
+    """A message of token ids that may carry one ``TokenLogprob`` per id."""
+
+    token_ids: list[int] = Field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None  # one per token id when the request asked for logprobs
+
+    @model_validator(mode="after")
+    def _one_per_token(self):
+        if self.logprobs is not None and len(self.logprobs) != len(self.token_ids):
+            raise ValueError(f"{len(self.logprobs)} logprobs for {len(self.token_ids)} token ids")
+        return self
+
+
 class PrefillRequest(BaseModel):
     request_id: str = Field(min_length=1, max_length=256)
     prompt_token_ids: list[int] = Field(min_length=1)
@@ -50,9 +63,7 @@ class PrefillRequest(BaseModel):
     peer_cuda_uuids: list[str] | None = Field(default=None, max_length=64)
 
 
-class PrefillResponse(BaseModel):
-    token_ids: list[int]
-    logprobs: list[TokenLogprob] | None = None  # one per token id when the request asked for logprobs
+class PrefillResponse(_WithLogprobs):
     finished: bool
     finish_reason: str | None = None
     error: str | None = None  # why the engine aborted it (finish_reason "abort")
@@ -70,11 +81,9 @@ class GenerateRequest(BaseModel):
     kv: dict[str, Any] | None = None
 
 
-class StreamLine(BaseModel):
+class StreamLine(_WithLogprobs):
     """One NDJSON line of a generate stream."""
 
-    token_ids: list[int] = Field(default_factory=list)
-    logprobs: list[TokenLogprob] | None = None  # one per token id when the request asked for logprobs
     finished: bool = False
     finish_reason: str | None = None
     error: str | None = None

@@ -31,8 +31,10 @@ from server.engine.tokenizer import Tokenizer
 from server.metrics import RouterMetrics
 from server.router import protocol
 from server.router.backup_pool import BackupOptions, BackupPool
+from server.router.choices import Choices, choice_seed
 from server.router.failover import PoolHeaderMiddleware, maybe_backup
 from server.router.limits import BodyLimit
+from server.router.logprobs import TokenTexts, chat_logprobs, completion_logprobs
 from server.router.pipeline import EngineRequest, NoWorkersError, Pipeline, PipelineOptions, TokenEvent
 from server.router.protocol import InvalidRequest
 from server.router.registry import STATES, RegistrationRefused, WorkerRegistry
@@ -367,7 +369,13 @@ def create_router_app(state: RouterState) -> FastAPI:
         if (resp := await via_backup("/v1/completions", body, req)) is not None:
             return resp
         await _tokenizer_ready(state)
-        return await _serve(request, req, await _prompt_ids(state, req.prompt), "completion")
+        ids = await _prompt_ids(state, req.prompt)
+        echo = None
+        if req.echo:  # the prompt as the client sent it (text), or the decoding of its ids
+            echo = _single_prompt(req.prompt)
+            if not isinstance(echo, str):
+                echo = state.get_tokenizer().decode(ids)
+        return await _serve(request, req, ids, "completion", echo=echo)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
@@ -394,6 +402,8 @@ def create_router_app(state: RouterState) -> FastAPI:
     async def generate(request: Request):
         req = protocol.parse(protocol.GenerateRequest, await json_body(request))
         state.check_model(req.model)
+        if req.n != 1:
+            raise InvalidRequest("n: /generate returns one completion; use /v1/completions for n > 1", "n")
         await _tokenizer_ready(state)
         if (req.prompt is None) == (req.prompt_token_ids is None):
             raise InvalidRequest("prompt: give exactly one of prompt or prompt_token_ids", "prompt")
@@ -402,7 +412,14 @@ def create_router_app(state: RouterState) -> FastAPI:
         ids = await _tokenize(state, req.prompt) if req.prompt is not None else _check_ids(state, req.prompt_token_ids)
         return await _serve(request, req, ids, "generate")
 
-    async def _serve(request: Request, req, prompt_ids: list[int], kind: str, stop_ids: list[int] | None = None):
+    async def _serve(
+        request: Request,
+        req,
+        prompt_ids: list[int],
+        kind: str,
+        stop_ids: list[int] | None = None,
+        echo: str | None = None,
+    ):
         max_len = state.max_seq_len()
         if len(prompt_ids) >= max_len:
             raise InvalidRequest(
@@ -422,7 +439,12 @@ def create_router_app(state: RouterState) -> FastAPI:
         vocab = _vocab_size(state)
         if vocab is not None and any(t >= vocab for t in req.stop_token_ids or ()):
             raise InvalidRequest(f"stop_token_ids: token ids must be in [0, {vocab})", "stop_token_ids")
+        bias = req.logit_bias_items()
+        if vocab is not None and any(t >= vocab for t, _ in bias):
+            raise InvalidRequest(f"logit_bias: token ids must be in [0, {vocab})", "logit_bias")
         temperature, top_p = default_sampling(req, state.config.decode)
+        k = req.logprobs_k()
+        best_of = getattr(req, "best_of", None) or req.n
         sampling = InternalSampling(
             max_tokens=max_tokens,
             temperature=temperature,
@@ -431,23 +453,43 @@ def create_router_app(state: RouterState) -> FastAPI:
             seed=req.seed if req.seed is not None else secrets.randbits(62),
             stop_token_ids=(req.stop_token_ids or []) + (stop_ids or []),
             ignore_eos=req.ignore_eos,
+            min_p=req.min_p,
+            presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty,
+            repetition_penalty=req.repetition_penalty,
+            logit_bias=bias,
+            logprobs=k if k is not None or best_of == req.n else 0,  # best_of ranks by logprob
         )
         state.running_pipeline().check_available()  # NoWorkersError -> 503 with Retry-After
         tokenizer = state.get_tokenizer()
-        ereq = EngineRequest(f"{kind[:4]}-{uuid.uuid4().hex}", prompt_ids, sampling)
-        run = _Run(state, ereq, TextAssembler(tokenizer, req.stop_strings()))
+        rid = f"{kind[:4]}-{uuid.uuid4().hex}"
+        seed = sampling.seed or 0
+        runs = [
+            _Run(
+                state,
+                EngineRequest(
+                    rid if i == 0 else f"{rid}-{i}",
+                    prompt_ids,
+                    sampling if i == 0 else sampling.model_copy(update={"seed": choice_seed(seed, i)}),
+                ),
+                TextAssembler(tokenizer, req.stop_strings()),
+            )
+            for i in range(best_of)
+        ]
+        group = Choices(runs, req.n)
+        shape = _Shape(k, TokenTexts(tokenizer), echo)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             fmt = {"completion": _sse_completion, "chat": _sse_chat, "generate": _ndjson_generate}[kind]
             media = "application/x-ndjson" if kind == "generate" else "text/event-stream"
-            return StreamingResponse(fmt(run, state.model_name(), include_usage), media_type=media)
+            return StreamingResponse(fmt(group, state.model_name(), include_usage, shape), media_type=media)
         try:
-            await _until_done_or_disconnect(request, run.collect())
+            await _until_done_or_disconnect(request, group.collect())
         except _ClientGone:
             return JSONResponse({}, status_code=499)
-        if run.error:
-            return _error(run.error_status, run.error)
-        return JSONResponse(_final_body(kind, run, state.model_name()))
+        if group.error:
+            return _error(group.error_status, group.error)
+        return JSONResponse(_final_body(kind, group, state.model_name(), shape))
 
     return app
 
@@ -491,6 +533,22 @@ def _check_ids(state: RouterState, ids: list[int] | None) -> list[int]:
     if vocab is not None and any(not 0 <= t < vocab for t in ids):
         raise InvalidRequest(f"prompt: token ids must be in [0, {vocab})", "prompt")
     return ids
+
+
+def _single_prompt(prompt):
+    """The one prompt of a completions request (a list of one prompt is that prompt)."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (list, str)):
+        return prompt[0]
+    return prompt
+
+
+@dataclass
+class _Shape:
+    """How a response shows its choices: logprobs (None: not asked; k: k alternatives), echo text."""
+
+    logprobs: int | None = None
+    texts: TokenTexts | None = None
+    echo: str | None = None
 
 
 async def _prompt_ids(state: RouterState, prompt) -> list[int]:
@@ -540,6 +598,8 @@ class _Run:
         self.first_token_at: float | None = None
         self.last_event_at: float | None = None
         self.itl: list[float] = []
+        self.logprobs: list = []  # wire TokenLogprob per token, when the request asked for logprobs
+        self.started = asyncio.Event()  # set at the first event (choices.py starts the other choices then)
 
     async def events(self) -> AsyncIterator[tuple[TokenEvent, str]]:
         m = self.state.metrics
@@ -548,6 +608,7 @@ class _Run:
         try:
             async with aclosing(self.state.running_pipeline().generate(self.req)) as stream:
                 async for ev in stream:
+                    self.started.set()
                     now = time.perf_counter()
                     if ev.token_ids:
                         if self.first_token_at is None:
@@ -558,6 +619,8 @@ class _Run:
                             self.itl.append(now - self.last_event_at)
                         self.last_event_at = now
                     self.token_ids.extend(ev.token_ids)
+                    if ev.logprobs:
+                        self.logprobs.extend(ev.logprobs)
                     if ev.error:
                         self.error, status = ev.error, "error"
                         self.finish_reason = "error"
@@ -567,7 +630,7 @@ class _Run:
                     if self.assembler.stopped:
                         self.finish_reason = "stop"
                         status = "ok"
-                        yield TokenEvent(ev.token_ids, True, "stop"), delta
+                        yield TokenEvent(ev.token_ids, True, "stop", logprobs=ev.logprobs), delta
                         return  # closing the pipeline closes the worker stream: it aborts and frees KV
                     if ev.finished:
                         if ev.finish_reason not in ("stop", "length"):  # a worker aborted it without saying why
@@ -594,6 +657,7 @@ class _Run:
             self.error, status, self.finish_reason = f"internal error: {type(e).__name__}: {e}", "error", "error"
             yield TokenEvent([], True, "error", self.error), ""
         finally:
+            self.started.set()
             m.running.dec()
             m.requests.labels(status).inc()
             if status == "ok":
@@ -641,40 +705,69 @@ class _Run:
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
-def _final_body(kind: str, run: _Run, model: str) -> dict:
+def _final_body(kind: str, group: Choices, model: str, shape: _Shape | None = None) -> dict:
+    shape = shape or _Shape()
     created = int(time.time())
+    k, texts = shape.logprobs, shape.texts
+    runs = group.chosen()
     if kind == "generate":
-        return {
+        run = runs[0]
+        body = {
             "id": run.req.request_id,
             "text": run.assembler.text,
             "token_ids": run.token_ids,
             "finish_reason": run.finish_reason,
-            "usage": run.usage(),
+            "usage": group.usage(),
         }
+        if k is not None:
+            body["logprobs"] = _generate_logprobs(run.logprobs)
+        return body
     if kind == "chat":
         return {
-            "id": f"chatcmpl-{run.req.request_id}",
+            "id": f"chatcmpl-{group.req.request_id}",
             "object": "chat.completion",
             "created": created,
             "model": model,
             "choices": [
                 {
-                    "index": 0,
+                    "index": i,
                     "message": {"role": "assistant", "content": run.assembler.text},
                     "finish_reason": run.finish_reason,
-                    "logprobs": None,
+                    "logprobs": None
+                    if k is None or texts is None
+                    else chat_logprobs(run.token_ids, run.logprobs, texts),
                 }
+                for i, run in enumerate(runs)
             ],
-            "usage": run.usage(),
+            "usage": group.usage(),
         }
     return {
-        "id": f"cmpl-{run.req.request_id}",
+        "id": f"cmpl-{group.req.request_id}",
         "object": "text_completion",
         "created": created,
         "model": model,
-        "choices": [{"index": 0, "text": run.assembler.text, "finish_reason": run.finish_reason, "logprobs": None}],
-        "usage": run.usage(),
+        "choices": [
+            {
+                "index": i,
+                "text": (shape.echo or "") + run.assembler.text,
+                "finish_reason": run.finish_reason,
+                "logprobs": None
+                if k is None or texts is None
+                else completion_logprobs(run.token_ids, run.logprobs, texts)[0],
+            }
+            for i, run in enumerate(runs)
+        ],
+        "usage": group.usage(),
     }
+
+
+def _generate_logprobs(logprobs) -> list[dict]:
+    """/generate's logprobs: per token its logprob and ``[id, logprob]`` of the k most likely."""
+    return [{"logprob": lp.logprob, "top_logprobs": [list(t) for t in lp.top]} for lp in logprobs]
+
+
+def _as_group(run) -> Choices:
+    return run if isinstance(run, Choices) else Choices([run], 1)
 
 
 _JSON = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)  # json.dumps(..., **kw) builds one per call
@@ -694,23 +787,33 @@ def _reason(finish_reason: str | None) -> str:
     return "null" if finish_reason is None else _JSON.encode(finish_reason)
 
 
-async def _sse_completion(run: _Run, model: str, include_usage: bool):
-    rid, created = f"cmpl-{run.req.request_id}", int(time.time())
+async def _sse_completion(run, model: str, include_usage: bool, shape: _Shape | None = None):
+    group, shape = _as_group(run), shape or _Shape()
+    rid, created = f"cmpl-{group.req.request_id}", int(time.time())
     # Each chunk is `_sse({"id": rid, "object": "text_completion", "created": created, "model": model,
-    # "choices": [{"index": 0, "text": delta, "logprobs": None, "finish_reason": reason}]})`, byte for
-    # byte; all but the text is formatted once per request, not once per token.
-    head = (
+    # "choices": [{"index": i, "text": delta, "logprobs": lp, "finish_reason": reason}]})`, byte for
+    # byte; all but the text (and the logprobs, when asked) is formatted once per request, not per token.
+    heads = [
         f'data: {{"id":{_JSON.encode(rid)},"object":"text_completion","created":{created},'
-        f'"model":{_JSON.encode(model)},"choices":[{{"index":0,"text":'
-    )
+        f'"model":{_JSON.encode(model)},"choices":[{{"index":{i},"text":'
+        for i in range(len(group.runs))
+    ]
     tail = "}]}\n\n"
-    async for ev, delta in run.events():
+    offsets = [len(shape.echo or "")] * len(heads)  # text_offset continues across chunks
+    if shape.echo:  # echo: the prompt first, as its own chunk per choice
+        for head in heads:
+            yield f'{head}{_json_str(shape.echo)},"logprobs":null,"finish_reason":null{tail}'.encode()
+    async for i, ev, delta in group.events():
         if ev.error:
             yield _sse_error(ev.error)
             break
-        reason = run.finish_reason if ev.finished else None
-        yield f'{head}{_json_str(delta)},"logprobs":null,"finish_reason":{_reason(reason)}{tail}'.encode()
-    if include_usage and not run.error:
+        reason = group.runs[i].finish_reason if ev.finished else None
+        lp = "null"
+        if shape.logprobs is not None and shape.texts is not None:
+            obj, offsets[i] = completion_logprobs(ev.token_ids, ev.logprobs or [], shape.texts, offsets[i])
+            lp = _JSON.encode(obj)
+        yield f'{heads[i]}{_json_str(delta)},"logprobs":{lp},"finish_reason":{_reason(reason)}{tail}'.encode()
+    if include_usage and not group.error:
         yield _sse(
             {
                 "id": rid,
@@ -718,34 +821,39 @@ async def _sse_completion(run: _Run, model: str, include_usage: bool):
                 "created": created,
                 "model": model,
                 "choices": [],
-                "usage": run.usage(),
+                "usage": group.usage(),
             }
         )
     yield b"data: [DONE]\n\n"
 
 
-async def _sse_chat(run: _Run, model: str, include_usage: bool):
-    rid, created = f"chatcmpl-{run.req.request_id}", int(time.time())
+async def _sse_chat(run, model: str, include_usage: bool, shape: _Shape | None = None):
+    group, shape = _as_group(run), shape or _Shape()
+    rid, created = f"chatcmpl-{group.req.request_id}", int(time.time())
     # `_sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices":
-    # [{"index": 0, "delta": d, "logprobs": None, "finish_reason": reason}]})` with d = {"role":
-    # "assistant", "content": delta} in the first chunk, else {"content": delta}: formatted as in
+    # [{"index": i, "delta": d, "logprobs": lp, "finish_reason": reason}]})` with d = {"role":
+    # "assistant", "content": delta} in a choice's first chunk, else {"content": delta}: formatted as in
     # _sse_completion, byte for byte.
-    head = (
+    heads = [
         f'data: {{"id":{_JSON.encode(rid)},"object":"chat.completion.chunk","created":{created},'
-        f'"model":{_JSON.encode(model)},"choices":[{{"index":0,"delta":{{'
-    )
-    first = True
-    async for ev, delta in run.events():
+        f'"model":{_JSON.encode(model)},"choices":[{{"index":{i},"delta":{{'
+        for i in range(len(group.runs))
+    ]
+    first = [True] * len(heads)
+    async for i, ev, delta in group.events():
         if ev.error:
             yield _sse_error(ev.error)
             break
-        role = '"role":"assistant",' if first else ""
-        first = False
-        reason = run.finish_reason if ev.finished else None
+        role = '"role":"assistant",' if first[i] else ""
+        first[i] = False
+        reason = group.runs[i].finish_reason if ev.finished else None
+        lp = "null"
+        if shape.logprobs is not None and shape.texts is not None:
+            lp = _JSON.encode(chat_logprobs(ev.token_ids, ev.logprobs or [], shape.texts))
         yield (
-            f'{head}{role}"content":{_json_str(delta)}}},"logprobs":null,"finish_reason":{_reason(reason)}}}]}}\n\n'
+            f'{heads[i]}{role}"content":{_json_str(delta)}}},"logprobs":{lp},"finish_reason":{_reason(reason)}}}]}}\n\n'
         ).encode()
-    if include_usage and not run.error:
+    if include_usage and not group.error:
         yield _sse(
             {
                 "id": rid,
@@ -753,18 +861,21 @@ async def _sse_chat(run: _Run, model: str, include_usage: bool):
                 "created": created,
                 "model": model,
                 "choices": [],
-                "usage": run.usage(),
+                "usage": group.usage(),
             }
         )
     yield b"data: [DONE]\n\n"
 
 
-async def _ndjson_generate(run: _Run, model: str, include_usage: bool):
-    async for ev, delta in run.events():
+async def _ndjson_generate(run, model: str, include_usage: bool, shape: _Shape | None = None):
+    group, shape = _as_group(run), shape or _Shape()
+    async for _, ev, delta in group.events():
         line = {"text": delta, "token_ids": ev.token_ids, "finished": ev.finished}
+        if shape.logprobs is not None:
+            line["logprobs"] = _generate_logprobs(ev.logprobs or [])
         if ev.finished:
-            line["finish_reason"] = run.finish_reason
-            line["usage"] = run.usage()
+            line["finish_reason"] = group.runs[0].finish_reason
+            line["usage"] = group.usage()
         if ev.error:
             line["error"] = ev.error
         yield (_JSON_NDJSON.encode(line) + "\n").encode()

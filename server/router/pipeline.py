@@ -25,7 +25,7 @@ from pydantic import ValidationError
 from server.idle import IdleTimeout
 from server.metrics import RouterMetrics
 from server.router.registry import WorkerInfo, WorkerRegistry
-from server.wire import InternalSampling, PrefillResponse, StreamLine
+from server.wire import InternalSampling, PrefillResponse, StreamLine, TokenLogprob
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +41,12 @@ def _routed(worker: WorkerInfo):
 
 
 _STREAM_TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=5)  # reads: IdleTimeout in _stream
+
+
+def _check_logprobs(worker: WorkerInfo, req: EngineRequest, token_ids: list[int], logprobs) -> None:
+    """A request that asked for logprobs gets them with every token (the count is the wire model's check)."""
+    if req.sampling.logprobs is not None and token_ids and logprobs is None:
+        raise WorkerFailed(worker, "answer lacks the logprobs the request asked for")
 
 
 class NoWorkersError(Exception):
@@ -76,6 +82,7 @@ class TokenEvent:
     finish_reason: str | None = None
     error: str | None = None
     kv_recomputed: bool = False  # the decode worker could not pull the KV and recomputed the prompt
+    logprobs: list[TokenLogprob] | None = None  # one per token id when the request asked for logprobs
 
 
 @dataclass
@@ -184,7 +191,10 @@ class Pipeline:
             done = outputs + first.token_ids  # copy now: the caller extends `outputs` when we yield
             pulled = first.finished  # True once no staged KV can be left behind on the prefill worker
             try:
-                yield TokenEvent(first.token_ids, first.finished, first.finish_reason, first.error)
+                _check_logprobs(prefill, req, first.token_ids, first.logprobs)
+                yield TokenEvent(
+                    first.token_ids, first.finished, first.finish_reason, first.error, logprobs=first.logprobs
+                )
                 if first.finished:
                     return
                 if not decode.healthy:  # failed while we prefilled: pick again
@@ -299,12 +309,14 @@ class Pipeline:
                                 transport = line.kv_transport or "?"
                                 self.metrics.kv_transfer_seconds.labels(transport).observe(line.kv_transfer_seconds)
                                 self.metrics.kv_transfer_bytes.labels(transport).inc(line.kv_transfer_bytes or 0)
+                            _check_logprobs(worker, req, line.token_ids, line.logprobs)
                             ev = TokenEvent(
                                 line.token_ids,
                                 line.finished,
                                 line.finish_reason,
                                 line.error,
                                 kv_recomputed=line.kv_transport == "recompute",
+                                logprobs=line.logprobs,
                             )
                             yield ev
                             if ev.finished:

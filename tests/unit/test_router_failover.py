@@ -133,7 +133,7 @@ def test_backup_serves_when_primary_has_no_workers(tmp_path):
         assert text.count("data: {") == 3 and text.endswith("data: [DONE]\n\n")
         assert all(s["auth"] == "Bearer k3y" and s["body"]["model"] == "vllm-model" for s in stub.seen)
         # a bad request is still the router's 400, never forwarded
-        assert c.post("/v1/completions", json={"prompt": "hi", "n": 2}).status_code == 400
+        assert c.post("/v1/completions", json={"prompt": "hi", "logprobs": 99}).status_code == 400
         assert len(stub.seen) == 2
         m = c.get("/metrics").text
         assert 'distserve_pool_requests_total{pool="backup"} 2.0' in m
