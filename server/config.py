@@ -277,6 +277,27 @@ class BreakerConfig(_Section):
 
 
 @dataclass(frozen=True)
+class AdmissionConfig(_Section):
+    """Bounded queues and SLO-aware admission (server/router/admission.py). 0 = no bound of that kind."""
+
+    _section: ClassVar[str] = "router.admission"
+    max_inflight_requests: int = _opt(1024, "int", lo=0, hi=10_000_000)  # admitted and not finished
+    max_queued_requests: int = _opt(512, "int", lo=0, hi=10_000_000)  # admitted, first token not yet sent
+    max_queued_prefill_tokens: int = _opt(0, "int", lo=0, hi=1 << 40)  # 0 = 64 x prefill.max_num_batched_tokens
+    # a request predicted to wait longer than this for its first token is refused even without an SLO
+    # (0 = half of request_timeout_s): no admitted request waits without bound
+    max_predicted_ttft_s: float = _opt(0.0, "float", lo=0)
+    slo_ttft_ms: float = _opt(0.0, "float", lo=0)  # default of header x-slo-ttft-ms; 0 = no TTFT SLO
+    slo_tpot_ms: float = _opt(0.0, "float", lo=0)  # default of header x-slo-tpot-ms; 0 = no TPOT SLO
+    on_slo_miss: str = _opt("shed", "enum", choices=("shed", "queue", "backup"))  # predicted TTFT > SLO
+    on_full: str = _opt("shed", "enum", choices=("shed", "backup"))  # a queue bound reached
+    retry_after_s: int = _opt(1, "int", lo=1, hi=3600)  # the least Retry-After of a 429
+    # client connections: 0 = from RLIMIT_NOFILE less reserved_fds (server/router/fdlimit.py)
+    max_connections: int = _opt(0, "int", lo=0, hi=10_000_000)
+    reserved_fds: int = _opt(128, "int", lo=16, hi=1_000_000)  # kept for /health, /metrics, workers, files
+
+
+@dataclass(frozen=True)
 class RouterConfig(_Section):
     _section: ClassVar[str] = "router"
     host: str = _opt("127.0.0.1", "str")
@@ -299,6 +320,7 @@ class RouterConfig(_Section):
     # None = read env DISTSERVE_ADMIN_TOKEN, else generate one at startup.
     admin_token: str | None = _opt(None, "str", nullable=True)
     breaker: BreakerConfig = _sub(BreakerConfig)
+    admission: AdmissionConfig = _sub(AdmissionConfig)
 
 
 @dataclass(frozen=True)

@@ -28,11 +28,14 @@ from server.config import DistServeConfig
 from server.engine.chat_template import ChatTemplate, ChatTemplateError, end_of_turn_ids
 from server.engine.loader import load_tokenizer, model_display_name, resolve_model_path
 from server.engine.tokenizer import Tokenizer
+from server.lograte import RateLimitedLog
 from server.metrics import RouterMetrics
 from server.router import protocol
+from server.router.admission import Admission, InvalidSlo, Ticket, parse_slo
 from server.router.backup_pool import BackupOptions, BackupPool
 from server.router.choices import Choices, choice_seed
 from server.router.failover import PoolHeaderMiddleware, maybe_backup
+from server.router.fdlimit import ConnectionCounter, ConnectionLimit
 from server.router.limits import BodyLimit
 from server.router.logprobs import TokenTexts, chat_logprobs, completion_logprobs
 from server.router.pipeline import EngineRequest, NoWorkersError, Pipeline, PipelineOptions, TokenEvent
@@ -59,6 +62,8 @@ class RouterState:
     pipeline: Pipeline | None = None
     sla: SlaLive | None = None  # rolling percentiles, breaker, journals (server/router/sla_live.py)
     backup: BackupPool | None = None
+    admission: Admission | None = None  # bounded queues, SLO-aware admission (server/router/admission.py)
+    connections: ConnectionCounter | None = None  # open client connections vs the fd budget (fdlimit.py)
 
     _tokenizer_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -140,8 +145,25 @@ def _unavailable(message: str) -> JSONResponse:
     return _error(503, message, headers={"Retry-After": "1"})
 
 
+def _rate_limited(message: str, reason: str, retry_after_s: int) -> JSONResponse:
+    """OpenAI's rate-limit answer: 429, ``rate_limit_exceeded``, Retry-After (whole seconds)."""
+    kind = "tokens" if "tokens" in reason or reason.startswith("slo") or "ttft" in reason else "requests"
+    return JSONResponse(
+        {"error": {"message": message, "type": kind, "param": None, "code": "rate_limit_exceeded"}},
+        status_code=429,
+        headers={"Retry-After": str(retry_after_s), "x-distserve-admission": reason},
+    )
+
+
+def _serving_workers(state: RouterState) -> int:
+    """How many workers share the prefill queue: healthy prefill workers, else healthy colocated ones."""
+    reg = state.registry
+    return len(reg.healthy("prefill")) if reg.mode() == "disaggregated" else len(reg.healthy("colocated"))
+
+
 def create_router_app(state: RouterState) -> FastAPI:
     rc = state.config.router
+    overload_log = RateLimitedLog(log)  # one line per admission cause per period
 
     async def sweep_registry() -> None:
         """Age worker states on a clock of their own, so the waits on a worker that froze fail
@@ -149,6 +171,8 @@ def create_router_app(state: RouterState) -> FastAPI:
         period = max(0.05, min(rc.heartbeat_interval_ms, rc.heartbeat_timeout_ms) / 2000.0)
         while True:
             state.registry.sweep()
+            if state.pipeline is not None:
+                state.pipeline.request_log.flush()  # the summaries of held-back per-request warnings
             await asyncio.sleep(period)
 
     @asynccontextmanager
@@ -167,6 +191,9 @@ def create_router_app(state: RouterState) -> FastAPI:
             )
             state.backup = BackupPool(BackupOptions(rc.backup_pool, rc.backup_model, rc.backup_api_key), http)
             state.sla = SlaLive(rc, state.metrics.registry, backup_configured=state.backup.configured)
+            if state.admission is None:  # one per state: its metrics live in the state's registry
+                state.admission = Admission(state.config, state.metrics.registry, lambda: _serving_workers(state))
+            state.admission.journal = state.sla.events_journal.append
             ticker = asyncio.ensure_future(state.sla.run())
             sweeper = asyncio.create_task(sweep_registry(), name="registry-sweep")
             try:
@@ -180,6 +207,8 @@ def create_router_app(state: RouterState) -> FastAPI:
     app.add_middleware(BodyLimit, max_bytes=rc.max_request_body_bytes, body_timeout_s=rc.body_timeout_s)
     app.state.router = state
     app.add_middleware(PoolHeaderMiddleware)
+    if state.connections is not None:  # outermost: refuses before the body is read
+        app.add_middleware(ConnectionLimit, counter=state.connections, retry_after_s=rc.admission.retry_after_s)
 
     def authorized(request: Request) -> bool:
         got = request.headers.get("authorization", "")
@@ -194,6 +223,7 @@ def create_router_app(state: RouterState) -> FastAPI:
         except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError, or an integer of > 4300 digits
             raise InvalidRequest(f"request body is not valid JSON: {e}") from None
         protocol.check_unicode(body)
+        request.state.json_body = body  # the request as sent, should admission send it to the backup pool
         return body
 
     # --- control plane -----------------------------------------------------
@@ -237,10 +267,7 @@ def create_router_app(state: RouterState) -> FastAPI:
         except (InvalidRequest, ValueError) as e:
             return _error(400, f"invalid deregistration: {e}")
         if req.reason is not None:  # the launcher saw the process exit: keep it listed, as dead
-            marked = state.registry.mark_dead(req.worker_id, req.reason)
-            if marked:
-                log.warning("worker %s marked dead: %s", req.worker_id, req.reason)
-            return {"deregistered": marked}
+            return {"deregistered": state.registry.mark_dead(req.worker_id, req.reason)}  # it logs the transition
         return {"deregistered": state.registry.deregister(req.worker_id, req.pid)}
 
     @app.post("/drain")
@@ -254,7 +281,6 @@ def create_router_app(state: RouterState) -> FastAPI:
             return _error(400, f"invalid drain request: {e}")
         if not state.registry.drain(req.worker_id):
             return _error(404, f"worker_id: no live worker {req.worker_id!r} is registered")
-        log.info("worker %s draining: out of rotation, its requests in flight continue", req.worker_id)
         return {"draining": req.worker_id}
 
     @app.get("/v1/workers")
@@ -264,6 +290,13 @@ def create_router_app(state: RouterState) -> FastAPI:
         state.registry.sweep()
         now = time.monotonic()
         return {"mode": state.registry.mode(), "workers": [w.to_dict(now) for w in state.registry.workers.values()]}
+
+    @app.get("/v1/admission")
+    async def admission_status(request: Request):
+        """Admission counts, bounds, the live TTFT model and its measured prediction error."""
+        if not authorized(request):
+            return _error(401, "missing or wrong bearer token")
+        return state.admission.status() if state.admission else _unavailable("starting up")
 
     @app.get("/health")
     async def health():
@@ -412,6 +445,34 @@ def create_router_app(state: RouterState) -> FastAPI:
         ids = await _tokenize(state, req.prompt) if req.prompt is not None else _check_ids(state, req.prompt_token_ids)
         return await _serve(request, req, ids, "generate")
 
+    async def _admit(request: Request, req, kind: str, n_tokens: int) -> tuple[Ticket | None, Response | None]:
+        """(ticket, None) when admitted; (None, response) when shed (429 + Retry-After) or served by the backup."""
+        adm = state.admission
+        if adm is None:
+            return None, None
+        ac = rc.admission
+        try:
+            slo = parse_slo(request.headers, ac.slo_ttft_ms, ac.slo_tpot_ms, ac.on_slo_miss)
+        except InvalidSlo as e:
+            raise InvalidRequest(str(e), e.header) from None
+        d = adm.decide(n_tokens, slo)
+        if d.route == "primary":
+            return adm.admit(n_tokens, d), None
+        if d.route == "backup" and state.sla is not None and state.backup is not None and state.backup.configured:
+            body = getattr(request.state, "json_body", None)
+            path = {"completion": "/v1/completions", "chat": "/v1/chat/completions"}.get(kind)
+            if body is not None and path is not None:
+                resp = await maybe_backup(
+                    state.sla, state.backup, lambda: True, path, body, req.stream, time.perf_counter(), d.reason
+                )
+                if resp is not None:
+                    adm.refused(d, n_tokens, "backup")
+                    return None, resp
+        adm.refused(d, n_tokens, "shed")
+        state.metrics.requests.labels("rate_limited").inc()
+        overload_log.warning(f"admission: {d.reason}", "429 (%s): %s", d.reason, d.message)
+        return None, _rate_limited(d.message, d.reason, d.retry_after_s)
+
     async def _serve(
         request: Request,
         req,
@@ -463,6 +524,9 @@ def create_router_app(state: RouterState) -> FastAPI:
         state.running_pipeline().check_available()  # NoWorkersError -> 503 with Retry-After
         tokenizer = state.get_tokenizer()
         rid = f"{kind[:4]}-{uuid.uuid4().hex}"
+        ticket, refusal = await _admit(request, req, kind, len(prompt_ids))
+        if refusal is not None:
+            return refusal
         seed = sampling.seed or 0
         runs = [
             _Run(
@@ -473,6 +537,7 @@ def create_router_app(state: RouterState) -> FastAPI:
                     sampling if i == 0 else sampling.model_copy(update={"seed": choice_seed(seed, i)}),
                 ),
                 TextAssembler(tokenizer, req.stop_strings()),
+                ticket if i == 0 else None,  # admission counts the prompt once: the first choice holds its place
             )
             for i in range(best_of)
         ]
@@ -589,8 +654,11 @@ async def _until_done_or_disconnect(request: Request, coro) -> None:
 class _Run:
     """One request's progress: tokens, text, timings; records metrics when it ends."""
 
-    def __init__(self, state: RouterState, req: EngineRequest, text: TextAssembler) -> None:
+    def __init__(
+        self, state: RouterState, req: EngineRequest, text: TextAssembler, ticket: Ticket | None = None
+    ) -> None:
         self.state, self.req, self.assembler = state, req, text
+        self.ticket = ticket  # its place in admission's counts: released at token #1 and at the end
         self.token_ids: list[int] = []
         self.finish_reason: str | None = None
         self.error: str | None = None
@@ -614,6 +682,8 @@ class _Run:
                         if self.first_token_at is None:
                             self.first_token_at = now
                             m.ttft.observe(now - self.req.arrival)
+                            if self.ticket is not None:
+                                self.ticket.first_token(now - self.req.arrival)
                         elif self.last_event_at is not None:
                             m.itl.observe(now - self.last_event_at)
                             self.itl.append(now - self.last_event_at)
@@ -660,6 +730,11 @@ class _Run:
             self.started.set()
             m.running.dec()
             m.requests.labels(status).inc()
+            if self.ticket is not None:
+                n = len(self.token_ids)
+                first = self.first_token_at
+                tpot = (time.perf_counter() - first) / (n - 1) if status == "ok" and first and n > 1 else None
+                self.ticket.done(tpot)
             if status == "ok":
                 e2e = time.perf_counter() - self.req.arrival
                 m.e2e.observe(e2e)
@@ -693,6 +768,7 @@ class _Run:
                 prompt_tokens=len(self.req.prompt_token_ids),
                 output_tokens=n,
                 error=None if ok else (self.error or status),
+                predicted_ttft=self.ticket.predicted_ttft_s if self.ticket is not None else None,
             )
         )
 

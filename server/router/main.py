@@ -14,6 +14,7 @@ import uvicorn
 from server.config import DistServeConfig
 from server.net import listen
 from server.router.app import RouterState, create_router_app
+from server.router.fdlimit import ConnectionCounter, raise_nofile_limit
 from server.router.limits import guarded_http_protocol
 from server.router.registry import WorkerRegistry
 
@@ -44,6 +45,9 @@ async def serve_router(
     state = RouterState(
         config=config, token=token, registry=registry, served_model_name=served_model_name, model_path=model_path
     )
+    soft, _ = raise_nofile_limit()  # then refuse client work before running out (server/router/fdlimit.py)
+    ac = rc.admission
+    state.connections = ConnectionCounter.for_limit(soft, ac.max_connections, ac.reserved_fds)
     app = create_router_app(state)
     sock = listen(rc.host, rc.port, backlog=2048)
     host, port = sock.getsockname()[:2]
@@ -53,7 +57,7 @@ async def serve_router(
             app,
             log_level="warning",
             access_log=False,
-            http=guarded_http_protocol(rc.header_timeout_s),
+            http=guarded_http_protocol(rc.header_timeout_s, state.connections),
             timeout_graceful_shutdown=5,
             timeout_keep_alive=max(1, round(rc.keepalive_timeout_s)),
         )

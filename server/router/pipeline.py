@@ -23,6 +23,7 @@ import aiohttp
 from pydantic import ValidationError
 
 from server.idle import IdleTimeout
+from server.lograte import RateLimitedLog, describe
 from server.metrics import RouterMetrics
 from server.router.registry import WorkerInfo, WorkerRegistry
 from server.wire import InternalSampling, PrefillResponse, StreamLine, TokenLogprob
@@ -57,6 +58,7 @@ class WorkerFailed(Exception):
     def __init__(self, worker: WorkerInfo, reason: str, dead: bool = False) -> None:
         super().__init__(f"{worker.role} worker {worker.worker_id}: {reason}")
         self.worker = worker
+        self.reason = reason
         self.dead = dead  # nothing listens at its address any more: the process is gone
 
 
@@ -64,7 +66,7 @@ def _call_failed(worker: WorkerInfo, what: str, e: BaseException, idle: IdleTime
     if isinstance(e, asyncio.TimeoutError) and idle.reason:
         return WorkerFailed(worker, f"{what}: {idle.reason}")
     refused = isinstance(e, aiohttp.ClientConnectorError) and isinstance(e.os_error, ConnectionRefusedError)
-    return WorkerFailed(worker, f"{what}: {type(e).__name__}: {e}", dead=refused)
+    return WorkerFailed(worker, f"{what}: {describe(e)}", dead=refused)
 
 
 @dataclass
@@ -95,6 +97,7 @@ class PipelineOptions:
     progress_timeout_s: float = 10.0
     worker_wait_s: float = 10.0  # how long a started stream waits for a live worker after a failure
     max_migrations: int = 3
+    log_period_s: float = 5.0  # per-request warnings: one line per cause per period (server/lograte.py)
 
 
 class Pipeline:
@@ -106,6 +109,7 @@ class Pipeline:
         self.metrics = metrics
         self.options = options
         self.headers = {"Authorization": f"Bearer {options.token}"}
+        self.request_log = RateLimitedLog(log, options.log_period_s)
 
     def check_available(self) -> str:
         mode = self.registry.mode()
@@ -155,10 +159,12 @@ class Pipeline:
                 if e.dead:
                     self.registry.mark_dead(e.worker.worker_id, "connection refused")
                 else:
-                    self.registry.mark_suspect(e.worker.worker_id)
+                    self.registry.mark_suspect(e.worker.worker_id, e.reason)
                 if outputs:
                     self.metrics.migrations.inc()
-                log.warning(
+                # one line per worker and kind of failure per period, not one per request (server/lograte.py)
+                self.request_log.warning(
+                    f"requests failing on {e.worker.role} worker {e.worker.worker_id} ({e.reason.split(':')[0]})",
                     "request %s: %s; %s (attempt %d)",
                     req.request_id,
                     e,

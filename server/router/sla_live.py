@@ -56,6 +56,7 @@ class Finished:
     prompt_tokens: int = 0
     output_tokens: int = 0
     error: str | None = None
+    predicted_ttft: float | None = None  # admission's prediction (server/router/admission.py)
 
     def journal_line(self) -> dict:
         return {
@@ -69,6 +70,7 @@ class Finished:
             "prompt_tokens": self.prompt_tokens,
             "output_tokens": self.output_tokens,
             "error": self.error,
+            "predicted_ttft": self.predicted_ttft,
         }
 
 

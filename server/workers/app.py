@@ -133,7 +133,7 @@ def create_worker_app(state: WorkerState) -> FastAPI:
     @app.post("/internal/prefill", dependencies=[Depends(require_token)])
     async def prefill(body: PrefillRequest, request: Request):
         require_role("prefill")
-        return await _prefill(state, body)
+        return await _unless_disconnected(request, _prefill(state, body))
 
     @app.post("/internal/generate", dependencies=[Depends(require_token)])
     async def generate(body: GenerateRequest):
@@ -210,6 +210,30 @@ async def _prefill(state: WorkerState, body: PrefillRequest) -> JSONResponse:
         raise
     finally:
         state.loop.close_stream(rid)
+
+
+async def _unless_disconnected(request: Request, coro):
+    """Await ``coro`` unless the caller (the router) disconnects first: then cancel it, which aborts the
+    request and frees its blocks (a plain handler is not cancelled by a disconnect; it would wait for its
+    prefill, and hold it, until its timeout)."""
+    task = asyncio.ensure_future(coro)
+
+    async def gone() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(gone())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # this handler cancelled (shutdown): so is the prefill
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if not task.done():
+        task.cancel()
+        return JSONResponse({"error": "caller disconnected"}, status_code=499)
+    return task.result()
 
 
 def _take_kv(state: WorkerState, rid: str):

@@ -105,6 +105,9 @@ class EngineLoop:
         self._step_cpu_seconds = 0.0
         self.fault = StepDelays()  # set by POST /admin/fault (server/workers/fault.py)
         self._idle_seconds = 0.0
+        # monotonic start of the inline step running now (0: none): a long step blocks the event loop,
+        # and the heartbeat thread tells it from a wedged loop by this (server/workers/heartbeat.py)
+        self.step_started = 0.0
 
     def start(self) -> None:
         if self.threaded and self._executor is None:
@@ -189,7 +192,11 @@ class EngineLoop:
                     finally:
                         self._stepping = False
                 else:
-                    outputs, cpu = self._step()
+                    self.step_started = time.monotonic()  # the heartbeat thread reads it (wedged?)
+                    try:
+                        outputs, cpu = self._step()
+                    finally:
+                        self.step_started = 0.0
             except Exception as e:  # a bug, not a request's fault (those are failed inside the step)
                 log.exception("engine step failed; aborting every request in it")
                 outputs, cpu = self._abort_all(f"internal engine error: {type(e).__name__}: {e}"), 0.0
@@ -211,6 +218,8 @@ class EngineLoop:
     def _step(self) -> tuple[list[RequestOutput], float]:
         """One engine step and the CPU time of the thread that ran it."""
         c0 = time.thread_time()
+        if self.fault.block_s:
+            time.sleep(self.fault.block_s)  # the fault hook's long step (server/workers/fault.py)
         outputs = self.engine.step()
         return outputs, time.thread_time() - c0
 
@@ -361,8 +370,12 @@ class EngineLoop:
     def abort_nowait(self, request_id: str) -> bool:
         """Abort now, or right after the running step; safe in ``finally`` blocks of cancelled tasks (no
         await). Returns whether the engine knew the request (when queued behind a step: whether it knows
-        it now; the abort itself happens before the next step, so its blocks are freed by then)."""
-        self.close_stream(request_id)
+        it now; the abort itself happens before the next step, so its blocks are freed by then).
+        A handler still waiting on the request's stream gets a final "abort" output: it is released now,
+        not at its timeout (POST /internal/abort of a request whose caller gave up)."""
+        q = self._streams.pop(request_id, None)
+        if q is not None:
+            q.put_nowait(RequestOutput(request_id, [], True, "abort", 0, 0, error="request was aborted"))
         if self._stepping:
             self._pending.append((lambda: self.engine.abort_request(request_id), None))
             self._wakeup.set()

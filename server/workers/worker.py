@@ -3,7 +3,9 @@
 Start order does not matter: the worker keeps trying to register until the
 router answers, re-registers when the router forgets it (restart), and
 heartbeats its load (queue depth, KV blocks) so the router can route by load
-and take it out of rotation when the heartbeats stop (dead or frozen).
+and take it out of rotation when the heartbeats stop (dead or frozen). The
+heartbeats come from their own thread (``server/workers/heartbeat.py``), so a
+long engine step on the event loop cannot make a busy worker look dead.
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
 import torch
 import uvicorn
 
@@ -27,9 +28,10 @@ from server.kv_transfer import KVPuller, KVStagingServer, cuda_ipc
 from server.kv_transfer.factory import choose_transport, host_id
 from server.metrics import WorkerMetrics
 from server.net import listen
-from server.wire import DeregisterRequest, HeartbeatRequest, RegisterRequest, Role
+from server.wire import RegisterRequest, Role
 from server.workers.app import WorkerState, create_worker_app
 from server.workers.engine_loop import EngineLoop, GcPolicy, resolve_engine_thread
+from server.workers.heartbeat import HeartbeatOptions, HeartbeatThread, Liveness
 
 log = logging.getLogger(__name__)
 
@@ -126,51 +128,6 @@ def fingerprint(engine: LLMEngine) -> dict:
     }
 
 
-async def _registration_loop(
-    state: WorkerState, opts: WorkerOptions, reg: RegisterRequest, server: uvicorn.Server
-) -> None:
-    interval = opts.config.router.heartbeat_interval_ms / 1000.0
-    headers = {"Authorization": f"Bearer {opts.token}"}
-    registered = False
-    timeout = aiohttp.ClientTimeout(total=max(2.0, 2 * interval))
-    async with aiohttp.ClientSession(timeout=timeout, headers=headers) as http:
-        while not server.should_exit:
-            try:
-                if not registered:
-                    reg.status = state.status()
-                    async with http.post(f"{opts.router_url}/register", json=reg.model_dump()) as r:
-                        if r.status in (401, 403, 409, 422):
-                            try:
-                                detail = (await r.json())["error"]["message"]
-                            except (ValueError, KeyError, TypeError, aiohttp.ContentTypeError):
-                                detail = r.reason
-                            log.error("router refused registration (%s): %s", r.status, detail)
-                            state.fatal_error = f"router refused registration: {detail}"
-                            server.should_exit = True
-                            return
-                        registered = r.status == 200
-                        if registered:
-                            log.info("registered with router %s as %s %s", opts.router_url, opts.role, reg.worker_id)
-                else:
-                    hb = HeartbeatRequest(worker_id=reg.worker_id, status=state.status())
-                    async with http.post(f"{opts.router_url}/heartbeat", json=hb.model_dump()) as r:
-                        if r.status == 404:  # the router restarted and forgot us
-                            registered = False
-                            continue
-            except (TimeoutError, aiohttp.ClientError, OSError) as e:
-                if registered:
-                    log.warning("router unreachable (%s); will re-register", e)
-                registered = False
-            await asyncio.sleep(interval)
-        if registered:
-            try:
-                bye = DeregisterRequest(worker_id=reg.worker_id, pid=reg.pid)
-                async with http.post(f"{opts.router_url}/deregister", json=bye.model_dump(exclude_none=True)):
-                    pass
-            except (TimeoutError, aiohttp.ClientError, OSError):
-                pass
-
-
 async def serve_worker(opts: WorkerOptions) -> int:
     if opts.cpus:
         os.sched_setaffinity(0, opts.cpus)
@@ -254,16 +211,30 @@ async def serve_worker(opts: WorkerOptions) -> int:
     engine_loop.start()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))
-    reg_task = asyncio.create_task(_registration_loop(state, opts, reg, server))
+    rc = opts.config.router
+
+    def refused(reason: str) -> None:
+        state.fatal_error = reason
+        server.should_exit = True
+
+    liveness = Liveness(engine_loop, wedged_after_s=rc.stream_progress_timeout_s, max_step_s=rc.request_timeout_s)
+    ticker = asyncio.create_task(liveness.tick(), name="liveness-tick")
+    beats = HeartbeatThread(
+        HeartbeatOptions(opts.router_url, opts.token, rc.heartbeat_interval_ms / 1000.0, opts.role),
+        reg,
+        state.status,
+        lambda: server.should_exit,
+        refused,
+        liveness,
+    )
+    beats.start()
     log.info("%s worker %s listening on %s (pid %d)", opts.role, state.worker_id, url, os.getpid())
     try:
         await server.serve(sockets=[sock])
     finally:
         server.should_exit = True
-        try:
-            await asyncio.wait_for(reg_task, 3)
-        except (TimeoutError, Exception):
-            reg_task.cancel()
+        ticker.cancel()
+        await asyncio.to_thread(beats.join, 3.0)  # it deregisters on its way out
         engine_loop.stop()
         if state.sender is not None:
             state.sender.close()
