@@ -27,7 +27,7 @@ from server.kv_transfer import KVPuller, KVStagingServer, cuda_ipc
 from server.kv_transfer.factory import choose_transport, host_id
 from server.metrics import WorkerMetrics
 from server.net import listen
-from server.wire import DeregisterRequest, HeartbeatRequest, RegisterRequest, Role
+from server.wire import CREDENTIAL_HEADER, DeregisterRequest, HeartbeatRequest, RegisterRequest, Role
 from server.workers.app import WorkerState, create_worker_app
 from server.workers.engine_loop import EngineLoop, GcPolicy, resolve_engine_thread
 
@@ -132,30 +132,51 @@ async def _registration_loop(
     interval = opts.config.router.heartbeat_interval_ms / 1000.0
     headers = {"Authorization": f"Bearer {opts.token}"}
     registered = False
+    credential: str | None = None  # issued by the router at registration; every later call carries it
     timeout = aiohttp.ClientTimeout(total=max(2.0, 2 * interval))
+
+    def mine() -> dict[str, str]:
+        return {CREDENTIAL_HEADER: credential} if credential else {}
+
+    async def refusal(r: aiohttp.ClientResponse) -> tuple[str, str | None]:
+        try:
+            err = (await r.json())["error"]
+            return str(err["message"]), err.get("param")
+        except (ValueError, KeyError, TypeError, aiohttp.ContentTypeError):
+            return str(r.reason), None
+
     async with aiohttp.ClientSession(timeout=timeout, headers=headers) as http:
         while not server.should_exit:
             try:
                 if not registered:
                     reg.status = state.status()
-                    async with http.post(f"{opts.router_url}/register", json=reg.model_dump()) as r:
-                        if r.status in (401, 403, 409, 422):
-                            try:
-                                detail = (await r.json())["error"]["message"]
-                            except (ValueError, KeyError, TypeError, aiohttp.ContentTypeError):
-                                detail = r.reason
+                    async with http.post(f"{opts.router_url}/register", json=reg.model_dump(), headers=mine()) as r:
+                        if r.status in (400, 401, 403, 409, 422):
+                            detail, param = await refusal(r)
+                            if r.status == 409 and param == "worker_id":
+                                # The id is still held by a process the router believes live (its death not
+                                # reported yet): wait until it is reported dead or its heartbeats time out.
+                                log.warning("registration deferred: %s", detail)
+                                await asyncio.sleep(interval)
+                                continue
                             log.error("router refused registration (%s): %s", r.status, detail)
                             state.fatal_error = f"router refused registration: {detail}"
                             server.should_exit = True
                             return
                         registered = r.status == 200
                         if registered:
+                            credential = str((await r.json()).get("credential") or "") or None
                             log.info("registered with router %s as %s %s", opts.router_url, opts.role, reg.worker_id)
                 else:
                     hb = HeartbeatRequest(worker_id=reg.worker_id, status=state.status())
-                    async with http.post(f"{opts.router_url}/heartbeat", json=hb.model_dump()) as r:
+                    async with http.post(f"{opts.router_url}/heartbeat", json=hb.model_dump(), headers=mine()) as r:
                         if r.status == 404:  # the router restarted and forgot us
-                            registered = False
+                            registered, credential = False, None
+                            continue
+                        if r.status == 403:  # another process took our id while we were silent: register
+                            detail, _ = await refusal(r)  # again (409 until that one is gone, see above)
+                            log.error("router refused our heartbeat: %s", detail)
+                            registered, credential = False, None
                             continue
             except (TimeoutError, aiohttp.ClientError, OSError) as e:
                 if registered:
@@ -165,7 +186,9 @@ async def _registration_loop(
         if registered:
             try:
                 bye = DeregisterRequest(worker_id=reg.worker_id, pid=reg.pid)
-                async with http.post(f"{opts.router_url}/deregister", json=bye.model_dump(exclude_none=True)):
+                async with http.post(
+                    f"{opts.router_url}/deregister", json=bye.model_dump(exclude_none=True), headers=mine()
+                ):
                     pass
             except (TimeoutError, aiohttp.ClientError, OSError):
                 pass
