@@ -39,6 +39,7 @@ import yaml
 
 from server.config import DistServeConfig
 from server.preflight import launcher_tmp_prefix, sweep_orphan_tmp
+from server.private_files import write_private
 from server.wire import DeregisterRequest
 
 TOKEN_ENV = "DISTSERVE_ADMIN_TOKEN"
@@ -138,7 +139,7 @@ class Launcher:
         sweep_orphan_tmp()  # folders of launchers killed with SIGKILL
         self._tmp = tempfile.TemporaryDirectory(prefix=launcher_tmp_prefix())
         self.config_path = Path(self._tmp.name) / "config.yaml"
-        self.config_path.write_text(yaml.safe_dump(self.config.to_dict()))
+        write_private(self.config_path, yaml.safe_dump(self.config.to_dict()))  # may carry the admin token
 
     def _spawn(
         self, argv: list[str], name: str, cpus: list[int] | None = None, threads: int | None = None

@@ -13,6 +13,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, model_validator
 
+CREDENTIAL_HEADER = "x-worker-credential"  # a worker's own credential, issued at registration (router/identity.py)
+
 Role = Literal["prefill", "decode", "colocated"]  # a worker's job; the router routes by it
 ROLES: tuple[Role, ...] = ("prefill", "decode", "colocated")
 
@@ -110,13 +112,18 @@ class DrainRequest(BaseModel):
     worker_id: str = Field(min_length=1, max_length=128)
 
 
+MAX_LOAD_FIGURE = 2**31 - 1  # a load figure above this is a bug or an attack, never a real count
+
+
 class WorkerStatus(BaseModel):
-    num_waiting: int = 0
-    num_running: int = 0
-    num_reserving: int = 0
-    kv_blocks_used: int = 0
-    kv_blocks_free: int = 0
-    num_staged_kv: int = 0
+    """A worker's load, as it heartbeats it: counts, each in [0, MAX_LOAD_FIGURE] (else 400 naming it)."""
+
+    num_waiting: int = Field(default=0, ge=0, le=MAX_LOAD_FIGURE, strict=True)
+    num_running: int = Field(default=0, ge=0, le=MAX_LOAD_FIGURE, strict=True)
+    num_reserving: int = Field(default=0, ge=0, le=MAX_LOAD_FIGURE, strict=True)
+    kv_blocks_used: int = Field(default=0, ge=0, le=MAX_LOAD_FIGURE, strict=True)
+    kv_blocks_free: int = Field(default=0, ge=0, le=MAX_LOAD_FIGURE, strict=True)
+    num_staged_kv: int = Field(default=0, ge=0, le=MAX_LOAD_FIGURE, strict=True)
 
 
 class RegisterRequest(BaseModel):
@@ -135,5 +142,5 @@ class RegisterRequest(BaseModel):
 
 
 class HeartbeatRequest(BaseModel):
-    worker_id: str
+    worker_id: str = Field(min_length=1, max_length=128)
     status: WorkerStatus = Field(default_factory=WorkerStatus)

@@ -6,7 +6,9 @@ samples), the sample count, the violations (samples above the threshold,
 counted exactly from the raw values), the violations the objective allows
 (``(1 - p/100) × samples``), the share of that error budget used, and
 pass/fail (observed percentile <= threshold). Availability is one more
-objective per window: successes / requests against ``spec.availability``.
+objective per window: successes / requests against ``spec.availability``; where the
+router's journal records a gap (lines it could not write) the availability of the
+windows it touches, and overall, is ``incomplete``, never ``pass``.
 
 The result is plain data (``AuditReport.to_dict()``) whose ``rows`` follow
 ``COLUMNS``: the renderers in ``reports/`` write it as JSON, CSV, Parquet,
@@ -19,9 +21,9 @@ import datetime as dt
 import math
 import uuid
 from collections import defaultdict
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 
-from sla.records import Record, RecordSet
+from sla.records import Gap, Record, RecordSet
 from sla.spec import Objective, SlaSpec
 from sla.window import LatencyHistogram
 
@@ -49,7 +51,7 @@ class WindowRow:
     violations: int
     allowed_violations: float
     budget_used: float | None  # violations / allowed_violations; None when the budget is 0 and exceeded
-    status: str  # pass | fail | no_data
+    status: str  # pass | fail | no_data | incomplete (availability of a window with dropped journal records)
 
     @property
     def passed(self) -> bool:
@@ -141,9 +143,18 @@ class AuditReport:
     rows: list[WindowRow]
     overall: list[dict]
 
+    gaps: tuple[Gap, ...] = ()
+    client_errors: int = 0
+
     @property
     def verdict(self) -> str:
-        return "pass" if all(r.passed for r in self.rows) else "fail"
+        """``fail`` if any objective failed in any window; else ``incomplete`` if records are missing
+        (journal gaps: availability cannot be judged); else ``pass``."""
+        if not all(r.passed for r in self.rows):
+            return "fail"
+        if any(o["status"] == "incomplete" for o in self.overall):
+            return "incomplete"
+        return "pass"
 
     def worst(self, n: int = WORST_N) -> list[WindowRow]:
         """The failed windows that overspent their budget most (then the closest to failing)."""
@@ -165,6 +176,12 @@ class AuditReport:
             "sources": list(self.sources),
             "num_requests": self.num_requests,
             "num_windows": len({r.window_index for r in self.rows}),
+            "client_errors": self.client_errors,
+            "journal_gaps": [
+                {"since_unix": g.since, "until_unix": g.until, "dropped": g.dropped, "source": g.source}
+                for g in self.gaps
+            ],
+            "dropped_records": sum(g.dropped or 0 for g in self.gaps),
             "overall": self.overall,
             "worst_windows": [asdict(r) for r in self.worst()],
             "columns": [list(c) for c in COLUMNS],
@@ -196,7 +213,10 @@ def audit(spec: SlaSpec, data: RecordSet, audit_id: str | None = None, now: dt.d
             totals[o.name].extend(values)
             rows.append(_latency_row(base, o, values))
         if spec.availability is not None:
-            rows.append(_availability_row(base, spec.availability, recs))
+            row = _availability_row(base, spec.availability, recs)
+            if row.status == "pass" and any(g.overlaps(start, start + spec.window_s) for g in data.gaps):
+                row = replace(row, status="incomplete")  # records of this window were lost: cannot pass
+            rows.append(row)
     overall = []
     for o in spec.objectives:
         mine = [r for r in rows if r.objective == o.name]
@@ -229,8 +249,19 @@ def audit(spec: SlaSpec, data: RecordSet, audit_id: str | None = None, now: dt.d
                 "samples": n,
                 "windows": len(mine),
                 "windows_failed": sum(r.status == "fail" for r in mine),
-                "status": "fail" if any(r.status == "fail" for r in mine) else "pass",
+                "status": "fail" if any(r.status == "fail" for r in mine) else ("incomplete" if data.gaps else "pass"),
             }
         )
     audited_at = (now or dt.datetime.now(dt.UTC)).isoformat().replace("+00:00", "Z")
-    return AuditReport(audit_id, audited_at, spec, data.clock, data.sources, len(data.records), rows, overall)
+    return AuditReport(
+        audit_id,
+        audited_at,
+        spec,
+        data.clock,
+        data.sources,
+        len(data.records),
+        rows,
+        overall,
+        gaps=data.gaps,
+        client_errors=data.client_errors,
+    )

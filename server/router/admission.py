@@ -161,7 +161,7 @@ class Admission:
         cfg: DistServeConfig,
         registry: CollectorRegistry,
         workers: Callable[[], int],
-        journal: Callable[[dict], None] = lambda _: None,
+        journal: Callable[[dict], object] = lambda _: None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         a = cfg.router.admission

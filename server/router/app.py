@@ -23,6 +23,7 @@ import aiohttp
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import ValidationError
 
 from server.config import DistServeConfig
 from server.engine.chat_template import ChatTemplate, ChatTemplateError, end_of_turn_ids
@@ -36,11 +37,13 @@ from server.router.backup_pool import BackupOptions, BackupPool
 from server.router.choices import Choices, choice_seed
 from server.router.failover import PoolHeaderMiddleware, maybe_backup
 from server.router.fdlimit import ConnectionCounter, ConnectionLimit
+from server.router.identity import CREDENTIAL_HEADER, IdInUse, WorkerIdentities
 from server.router.limits import BodyLimit
 from server.router.logprobs import TokenTexts, chat_logprobs, completion_logprobs
 from server.router.pipeline import EngineRequest, NoWorkersError, Pipeline, PipelineOptions, TokenEvent
 from server.router.protocol import InvalidRequest
 from server.router.registry import STATES, RegistrationRefused, WorkerRegistry
+from server.router.request_journal import JournalEveryRequest
 from server.router.sampling_defaults import default_sampling
 from server.router.sla_live import Finished, SlaLive
 from server.router.text import TextAssembler
@@ -64,6 +67,12 @@ class RouterState:
     backup: BackupPool | None = None
     admission: Admission | None = None  # bounded queues, SLO-aware admission (server/router/admission.py)
     connections: ConnectionCounter | None = None  # open client connections vs the fd budget (fdlimit.py)
+    identities: WorkerIdentities | None = None  # per-worker credentials (server/router/identity.py)
+
+    def ids(self) -> WorkerIdentities:
+        if self.identities is None:
+            self.identities = WorkerIdentities(self.token)
+        return self.identities
 
     _tokenizer_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -141,6 +150,16 @@ def _error(status: int, message: str, param: str | None = None, headers: dict | 
     )
 
 
+def _first_error(e: ValidationError) -> str:
+    """A pydantic error as one sentence naming the field (``status.num_waiting: ...``)."""
+    err = e.errors()[0]
+    return f"{_first_error_field(e)}: {err['msg']}"
+
+
+def _first_error_field(e: ValidationError) -> str:
+    return ".".join(str(p) for p in e.errors()[0]["loc"]) or "body"
+
+
 def _unavailable(message: str) -> JSONResponse:
     return _error(503, message, headers={"Retry-After": "1"})
 
@@ -207,8 +226,9 @@ def create_router_app(state: RouterState) -> FastAPI:
     app.add_middleware(BodyLimit, max_bytes=rc.max_request_body_bytes, body_timeout_s=rc.body_timeout_s)
     app.state.router = state
     app.add_middleware(PoolHeaderMiddleware)
-    if state.connections is not None:  # outermost: refuses before the body is read
+    if state.connections is not None:  # refuses before the body is read (journaled by the next one)
         app.add_middleware(ConnectionLimit, counter=state.connections, retry_after_s=rc.admission.retry_after_s)
+    app.add_middleware(JournalEveryRequest, live=lambda: state.sla)  # outermost: sees 408/413 answers too
 
     def authorized(request: Request) -> bool:
         got = request.headers.get("authorization", "")
@@ -233,18 +253,24 @@ def create_router_app(state: RouterState) -> FastAPI:
             return _error(401, "missing or wrong bearer token")
         try:
             req = RegisterRequest.model_validate(await json_body(request))
+            state.ids().admit(state.registry, req.worker_id, request.headers.get(CREDENTIAL_HEADER))
             info = state.registry.register(req)
         except InvalidRequest as e:
             return _error(400, str(e))
+        except IdInUse as e:
+            log.warning("registration refused: %s", e)
+            return _error(409, str(e), "worker_id")
         except RegistrationRefused as e:
             log.error("%s", e)
             return _error(409, str(e))
+        except ValidationError as e:
+            return _error(400, f"invalid registration: {_first_error(e)}", _first_error_field(e))
         except ValueError as e:
             return _error(422, f"invalid registration: {e}")
         log.info("worker %s (%s, pid %d) registered at %s", info.worker_id, info.role, info.pid, info.url)
         if state.tokenizer is None:  # build it off the event loop now, not inside the first request
             asyncio.get_running_loop().run_in_executor(None, state.warm_tokenizer)
-        return {"registered": info.worker_id}
+        return {"registered": info.worker_id, "credential": state.ids().issue(info.worker_id)}
 
     @app.post("/heartbeat")
     async def heartbeat(request: Request):
@@ -252,8 +278,14 @@ def create_router_app(state: RouterState) -> FastAPI:
             return _error(401, "missing or wrong bearer token")
         try:
             hb = HeartbeatRequest.model_validate(await json_body(request))
+        except ValidationError as e:
+            return _error(400, f"invalid heartbeat: {_first_error(e)}", _first_error_field(e))
         except (InvalidRequest, ValueError) as e:
             return _error(400, f"invalid heartbeat: {e}")
+        if hb.worker_id in state.registry.workers and not state.ids().holds(
+            hb.worker_id, request.headers.get(CREDENTIAL_HEADER)
+        ):
+            return _error(403, f"wrong or missing worker credential for {hb.worker_id!r}", CREDENTIAL_HEADER)
         if not state.registry.heartbeat(hb.worker_id, hb.status):
             return _error(404, f"unknown worker {hb.worker_id}; register first")
         return {"ok": True}
@@ -268,7 +300,15 @@ def create_router_app(state: RouterState) -> FastAPI:
             return _error(400, f"invalid deregistration: {e}")
         if req.reason is not None:  # the launcher saw the process exit: keep it listed, as dead
             return {"deregistered": state.registry.mark_dead(req.worker_id, req.reason)}  # it logs the transition
-        return {"deregistered": state.registry.deregister(req.worker_id, req.pid)}
+        # A worker's own goodbye: only the holder of the id's credential may remove it.
+        if req.worker_id in state.registry.workers and not state.ids().holds(
+            req.worker_id, request.headers.get(CREDENTIAL_HEADER)
+        ):
+            return _error(403, f"wrong or missing worker credential for {req.worker_id!r}", CREDENTIAL_HEADER)
+        gone = state.registry.deregister(req.worker_id, req.pid)
+        if gone:
+            state.ids().forget(req.worker_id)
+        return {"deregistered": gone}
 
     @app.post("/drain")
     async def drain(request: Request):
@@ -323,7 +363,11 @@ def create_router_app(state: RouterState) -> FastAPI:
                 headers={"Retry-After": "1"},
             )
         lost = sum(n for c in counts.values() for st, n in c.items() if st not in ("healthy", "draining"))
-        return {"status": "degraded" if lost else "ok", "mode": mode, "workers": workers}
+        journal = state.sla.journal_problem() if state.sla is not None else None
+        out = {"status": "degraded" if lost or journal else "ok", "mode": mode, "workers": workers}
+        if journal:
+            out["reasons"] = [journal]  # a journal write failed: requests are served, records are being lost
+        return out
 
     @app.get("/metrics")
     async def metrics():
@@ -651,6 +695,9 @@ async def _until_done_or_disconnect(request: Request, coro) -> None:
     raise _ClientGone()
 
 
+_OUTCOME_STATUS = {"ok": 200, "rejected": 400, "aborted": 499, "unavailable": 503}  # journal's "status"
+
+
 class _Run:
     """One request's progress: tokens, text, timings; records metrics when it ends."""
 
@@ -742,8 +789,9 @@ class _Run:
                 m.generation_tokens.inc(len(self.token_ids))
                 if self.first_token_at is not None and len(self.token_ids) > 1:
                     m.tpot.observe((time.perf_counter() - self.first_token_at) / (len(self.token_ids) - 1))
-            # a client that left, or a request the worker refused as invalid, is not a server failure
-            if self.state.sla is not None and status not in ("aborted", "rejected"):
+            # journaled whatever the outcome; a client that left (499) or a request the worker refused as
+            # invalid (400) is not a server failure: the audit leaves them out of availability
+            if self.state.sla is not None:
                 self._record_sla(status)
 
     def _record_sla(self, status: str) -> None:
@@ -767,7 +815,8 @@ class _Run:
                 itl=tuple(self.itl) if ok else (),
                 prompt_tokens=len(self.req.prompt_token_ids),
                 output_tokens=n,
-                error=None if ok else (self.error or status),
+                error=None if ok else (self.error or ("client disconnected" if status == "aborted" else status)),
+                http_status=_OUTCOME_STATUS.get(status, 500),
                 predicted_ttft=self.ticket.predicted_ttft_s if self.ticket is not None else None,
             )
         )

@@ -7,12 +7,12 @@ import json
 import logging
 import os
 import signal
-from pathlib import Path
 
 import uvicorn
 
 from server.config import DistServeConfig
 from server.net import listen
+from server.private_files import write_private
 from server.router.app import RouterState, create_router_app
 from server.router.fdlimit import ConnectionCounter, raise_nofile_limit
 from server.router.limits import guarded_http_protocol
@@ -22,12 +22,11 @@ log = logging.getLogger(__name__)
 
 
 def write_ready_file(path: str | None, payload: dict) -> None:
-    """Atomically publish ``payload`` (tmp file + rename): a reader never sees half a file."""
+    """Atomically publish ``payload`` (tmp file + rename): a reader never sees half a file. Mode 0600
+    from the first byte: ``distserve serve``'s ready file holds the admin token."""
     if not path:
         return
-    tmp = Path(f"{path}.tmp.{os.getpid()}")
-    tmp.write_text(json.dumps(payload))
-    os.replace(tmp, path)
+    write_private(path, json.dumps(payload))
 
 
 async def serve_router(

@@ -6,9 +6,9 @@
   the primary's requests that started after the breaker entered its current state
   (probes alone in half-open; nothing from before a trip after it closes). A tick
   task evaluates it every ``TICK_S``; the routing decision reads its state.
-- Journals (JSON lines, appended, flushed per line): finished requests
-  (``router.journal_path``, read by ``distserve sla audit``) and breaker transitions
-  (``router.event_journal_path``).
+- Journals (JSON lines, ``server/router/journal.py``: a failed write is dropped, counted and
+  marked, never raised): every request that reached the router (``router.journal_path``, read by
+  ``distserve sla audit``) and breaker transitions (``router.event_journal_path``).
 - Metrics are computed at scrape time by a collector on the router's registry.
 
 This module and ``sla.window``/``sla.breaker`` are the only SLA code in the server; the
@@ -18,18 +18,17 @@ This module and ``sla.window``/``sla.breaker`` are the only SLA code in the serv
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
-from typing import IO
 
 from prometheus_client import CollectorRegistry, Counter
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from server.config import RouterConfig
+from server.router.journal import Journal
+from server.router.request_journal import mark as request_journal_mark
 from sla.breaker import BreakerSettings, BreakerState, CircuitBreaker, Transition
 from sla.window import RollingWindow
 
@@ -57,10 +56,12 @@ class Finished:
     output_tokens: int = 0
     error: str | None = None
     predicted_ttft: float | None = None  # admission's prediction (server/router/admission.py)
+    http_status: int | None = None  # what the client was answered (499: it left or stopped reading)
 
     def journal_line(self) -> dict:
         return {
             "kind": "request",
+            "status": self.http_status if self.http_status is not None else (200 if self.ok else 500),
             "start_unix": round(self.start_unix, 6),
             "pool": self.pool,
             "ttft": self.ttft,
@@ -72,25 +73,6 @@ class Finished:
             "error": self.error,
             "predicted_ttft": self.predicted_ttft,
         }
-
-
-class _Journal:
-    def __init__(self, path: str | None) -> None:
-        self.path = path
-        self._f: IO[str] | None = None
-        if path:
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
-            self._f = open(path, "a", encoding="utf-8")
-
-    def append(self, obj: dict) -> None:
-        if self._f is not None:
-            self._f.write(json.dumps(obj, separators=(",", ":")) + "\n")
-            self._f.flush()
-
-    def close(self) -> None:
-        if self._f is not None:
-            self._f.close()
-            self._f = None
 
 
 def breaker_settings(cfg: RouterConfig) -> BreakerSettings:
@@ -124,8 +106,8 @@ class SlaLive:
         self.breaker = CircuitBreaker(breaker_settings(cfg), clock) if cfg.breaker.enabled else None
         self.backup_configured = backup_configured
         self._judge = RollingWindow(cfg.sla_window_s, clock, (cfg.breaker.metric,))
-        self.requests_journal = _Journal(cfg.journal_path)
-        self.events_journal = _Journal(cfg.event_journal_path)
+        self.requests_journal = Journal(cfg.journal_path)
+        self.events_journal = Journal(cfg.event_journal_path)
         self.registry = registry
         self.pool_requests = Counter(
             "distserve_pool_requests", "Requests answered, by pool.", ["pool"], registry=registry
@@ -177,6 +159,7 @@ class SlaLive:
                         self._judge.record(metric, getattr(f, metric))
         self.pool_requests.labels(f.pool).inc()
         self.requests_journal.append(f.journal_line())
+        request_journal_mark()
 
     # --- the breaker's clock ---------------------------------------------------
     def tick(self) -> Transition | None:
@@ -246,6 +229,11 @@ class SlaLive:
             )
         return out
 
+    def journal_problem(self) -> str | None:
+        """Why ``/health`` must say degraded because of a journal (a write failed recently), or None."""
+        reasons = [r for r in (self.requests_journal.reason(), self.events_journal.reason()) if r]
+        return "; ".join(reasons) or None
+
     def close(self) -> None:
         self.requests_journal.close()
         self.events_journal.close()
@@ -290,6 +278,14 @@ class _Collector:
         yield GaugeMetricFamily(
             "distserve_breaker_state", "Latency circuit breaker: 0 closed, 1 open, 2 half-open.", value=live.state.gauge
         )
+        dropped = CounterMetricFamily(
+            "distserve_journal_dropped",
+            "Journal lines lost to a failed write (full disk, I/O error): each request was still served.",
+            labels=["journal"],
+        )
+        dropped.add_metric(["requests"], live.requests_journal.dropped)
+        dropped.add_metric(["events"], live.events_journal.dropped)
+        yield dropped
         yield GaugeMetricFamily(
             "distserve_breaker_enabled",
             "1 when the breaker is on and a backup pool is set.",

@@ -43,6 +43,7 @@ from server.wire import (
 )
 from server.workers.engine_loop import EngineLoop
 from server.workers.fault import FaultRequest, StepDelays
+from server.workers.guard import AuthFirst, internal_body_limit
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +93,12 @@ def wire_logprobs(lps) -> list[TokenLogprob] | None:
 def create_worker_app(state: WorkerState) -> FastAPI:
     app = FastAPI(title=f"distserve {state.role} worker", docs_url=None, redoc_url=None)
     app.state.worker = state
+    app.add_middleware(
+        AuthFirst,
+        token=state.token,
+        max_body_bytes=internal_body_limit(state.config.prefill.max_seq_len),
+        body_timeout_s=state.config.router.body_timeout_s,
+    )
 
     async def require_token(request: Request) -> None:  # async: FastAPI runs a sync dependency in a thread
         got = request.headers.get("authorization", "")

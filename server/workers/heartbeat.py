@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import aiohttp
 
 from server.lograte import describe
-from server.wire import DeregisterRequest, HeartbeatRequest, RegisterRequest, WorkerStatus
+from server.wire import CREDENTIAL_HEADER, DeregisterRequest, HeartbeatRequest, RegisterRequest, WorkerStatus
 from server.workers.engine_loop import EngineLoop
 
 log = logging.getLogger(__name__)
@@ -88,6 +88,7 @@ class HeartbeatThread:
         self.opts, self.reg, self.status = opts, reg, status
         self.should_exit, self.refused, self.liveness = should_exit, refused, liveness
         self.registered = False
+        self.credential: str | None = None  # issued by the router at registration; every later call carries it
         self.num_sent = 0
         self._thread = threading.Thread(target=self._main, name="heartbeat", daemon=True)
         self._last_report = 0.0
@@ -104,6 +105,17 @@ class HeartbeatThread:
             asyncio.run(self._run())
         except Exception:
             log.exception("heartbeat thread failed")
+
+    def _mine(self) -> dict[str, str]:
+        return {CREDENTIAL_HEADER: self.credential} if self.credential else {}
+
+    @staticmethod
+    async def _refusal(r: aiohttp.ClientResponse) -> tuple[str, str | None]:
+        try:
+            err = (await r.json())["error"]
+            return str(err["message"]), err.get("param")
+        except (ValueError, KeyError, TypeError, aiohttp.ContentTypeError):
+            return str(r.reason), None
 
     def _report(self, msg: str, *args: object) -> None:
         now = time.monotonic()
@@ -132,7 +144,9 @@ class HeartbeatThread:
             if self.registered:
                 try:
                     bye = DeregisterRequest(worker_id=self.reg.worker_id, pid=self.reg.pid)
-                    async with http.post(f"{o.router_url}/deregister", json=bye.model_dump(exclude_none=True)):
+                    async with http.post(
+                        f"{o.router_url}/deregister", json=bye.model_dump(exclude_none=True), headers=self._mine()
+                    ):
                         pass
                 except (TimeoutError, aiohttp.ClientError, OSError):
                     pass
@@ -150,26 +164,33 @@ class HeartbeatThread:
             self._held_back = None
         if not self.registered:
             reg.status = self.status()
-            async with http.post(f"{o.router_url}/register", json=reg.model_dump()) as r:
-                if r.status in (401, 403, 409, 422):
-                    try:
-                        detail = (await r.json())["error"]["message"]
-                    except (ValueError, KeyError, TypeError, aiohttp.ContentTypeError):
-                        detail = r.reason
+            async with http.post(f"{o.router_url}/register", json=reg.model_dump(), headers=self._mine()) as r:
+                if r.status in (400, 401, 403, 409, 422):
+                    detail, param = await self._refusal(r)
+                    if r.status == 409 and param == "worker_id":
+                        # The id is still held by a process the router believes live (its death not reported
+                        # yet): try again next interval, until it is reported dead or its heartbeats time out.
+                        self._report("registration deferred: %s", detail)
+                        return
                     log.error("router refused registration (%s): %s", r.status, detail)
                     self.refused(f"router refused registration: {detail}")
                     return
                 self.registered = r.status == 200
                 if self.registered:
+                    self.credential = str((await r.json()).get("credential") or "") or None
                     log.info("registered with router %s as %s %s", o.router_url, o.role, reg.worker_id)
                 else:
                     self._report("cannot register with %s: HTTP %d; retrying", o.router_url, r.status)
             return
         hb = HeartbeatRequest(worker_id=reg.worker_id, status=self.status())
-        async with http.post(f"{o.router_url}/heartbeat", json=hb.model_dump()) as r:
+        async with http.post(f"{o.router_url}/heartbeat", json=hb.model_dump(), headers=self._mine()) as r:
             if r.status == 404:  # the router restarted and forgot us
                 log.warning("router %s does not know this worker (restarted?); registering again", o.router_url)
-                self.registered = False
+                self.registered, self.credential = False, None
+            elif r.status == 403:  # another process took our id while we were silent: register again
+                detail, _ = await self._refusal(r)  # (409 until that one is gone, see above)
+                log.error("router refused our heartbeat: %s", detail)
+                self.registered, self.credential = False, None
             elif r.status == 200:
                 self.num_sent += 1
             else:
