@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+import time
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -105,3 +106,33 @@ def test_liveness_tells_a_long_step_from_a_wedged_loop():
     loop.step_started = 101.0  # inside one long step: alive, however long the loop has not ticked
     assert live.wedged(400.0) is None
     assert "step has run for" in (live.wedged(702.0) or "")
+
+
+def test_a_worker_that_cannot_reach_its_router_says_so_with_the_error(caplog):
+    import socket
+    import threading
+
+    from server.wire import RegisterRequest, WorkerStatus
+    from server.workers.heartbeat import HeartbeatOptions, HeartbeatThread
+
+    with socket.socket() as s:  # a port nothing listens on: a typo in --router
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    reg = RegisterRequest(
+        worker_id="p0", role="prefill", url="http://127.0.0.1:1", pid=1, fingerprint={}, max_model_len=8
+    )
+    stop = threading.Event()
+    hb = HeartbeatThread(
+        HeartbeatOptions(f"http://127.0.0.1:{port}", "t", 0.05, "prefill"), reg, WorkerStatus, stop.is_set, print
+    )
+    with caplog.at_level(logging.WARNING, "server.workers.heartbeat"):
+        hb.start()
+        deadline = time.monotonic() + 10
+        while not any("cannot register" in r.getMessage() for r in caplog.records) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        stop.set()
+        hb.join(5)
+    lines = [r.getMessage() for r in caplog.records if "cannot register" in r.getMessage()]
+    assert lines and f"127.0.0.1:{port}" in lines[0] and "retrying" in lines[0]
+    assert "Error" in lines[0]  # the error's type is named: ClientConnectorError ..., never an empty reason
+    assert len(lines) == 1  # repeated every 5 s, not every 50 ms attempt
