@@ -230,10 +230,10 @@ class Admission:
             )
         miss = None
         if slo.ttft_s is not None and ttft is not None and ttft > slo.ttft_s:
-            what = f"predicted TTFT {ttft * 1000:.0f} ms > SLO {slo.ttft_s * 1000:.0f} ms"
+            what = f"predicted TTFT {ttft * 1000:.0f} ms > SLO {slo.ttft_s * 1000:g} ms"
             miss = ("slo_ttft", what, ttft - slo.ttft_s)
         elif slo.tpot_s is not None and tpot is not None and tpot > slo.tpot_s:
-            miss = ("slo_tpot", f"predicted TPOT {tpot * 1000:.0f} ms > SLO {slo.tpot_s * 1000:.0f} ms", 0.0)
+            miss = ("slo_tpot", f"predicted TPOT {tpot * 1000:.1f} ms > SLO {slo.tpot_s * 1000:g} ms", 0.0)
         if miss is not None and slo.on_miss != "queue":
             reason, what, over = miss
             retry = self._retry_after(over)
