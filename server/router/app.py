@@ -434,7 +434,8 @@ def create_router_app(state: RouterState) -> FastAPI:
         )
         state.running_pipeline().check_available()  # NoWorkersError -> 503 with Retry-After
         tokenizer = state.get_tokenizer()
-        ereq = EngineRequest(f"{kind[:4]}-{uuid.uuid4().hex}", prompt_ids, sampling)
+        # OpenAI bodies prefix the id themselves (cmpl-, chatcmpl-); /generate's id is "gen-" + hex
+        ereq = EngineRequest(f"{'gen-' if kind == 'generate' else ''}{uuid.uuid4().hex}", prompt_ids, sampling)
         run = _Run(state, ereq, TextAssembler(tokenizer, req.stop_strings()))
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)

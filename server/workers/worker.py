@@ -150,7 +150,7 @@ async def _registration_loop(
                             return
                         registered = r.status == 200
                         if registered:
-                            log.info("registered with router %s as %s %s", opts.router_url, opts.role, reg.worker_id)
+                            log.info("Registered with router %s as %s %s", opts.router_url, opts.role, reg.worker_id)
                 else:
                     hb = HeartbeatRequest(worker_id=reg.worker_id, status=state.status())
                     async with http.post(f"{opts.router_url}/heartbeat", json=hb.model_dump()) as r:

@@ -130,3 +130,123 @@ def test_tiny_model_files_share_one_mode(tmp_path):
     out = make_tiny_model(tmp_path / "m", layers=1, hidden=64, heads=2, kv_heads=2)
     modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in out.iterdir()}
     assert len(set(modes.values())) == 1, modes
+
+
+# --- round 2 (issue 29): the source article's forms, typos, exit codes ----------------------------------------
+
+ARTICLE_CONFIG = """\
+prefill:
+  max_batch_size: 32
+  max_seq_len: 2048
+  attention_backend: "flash_attn_v2"
+decode:
+  max_batch_size: 128
+  max_concurrent_requests: 64
+  sampling_strategy: "top_p"
+  top_p: 0.95
+  gc_interval_ms: 500
+  max_stale_slots: 16
+rdma:
+  zero_copy_threshold: 16
+"""
+
+
+def _cli(*argv: str, env: dict | None = None, timeout: int = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "server.cli", *argv],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def test_the_articles_config_loads_with_a_warning_naming_the_new_key(tmp_path, caplog):
+    from server.config import load_config
+
+    path = tmp_path / "distserve_config.yaml"
+    path.write_text(ARTICLE_CONFIG.replace('"flash_attn_v2"', '"sdpa"'))
+    cfg = load_config(path)
+    assert cfg.kv_transfer.zero_copy_threshold_mb == 16.0 and cfg.decode.max_stale_slots == 16
+    assert "rdma.zero_copy_threshold is spelled kv_transfer.zero_copy_threshold_mb" in caplog.text
+
+
+def test_a_key_in_the_wrong_section_gets_a_did_you_mean(tmp_path):
+    from server.config import ConfigError, load_config
+
+    path = tmp_path / "c.yaml"
+    path.write_text("prefill:\n  gc_interval_ms: 500\n")
+    with pytest.raises(ConfigError, match="did you mean 'decode.gc_interval_ms'"):
+        load_config(path)
+
+
+def test_flash_attn_v2_on_the_cpu_is_one_sentence_exit_2(tmp_path):
+    """Before: a worker's 30-line traceback and exit 1. The article's config, as written, on a CPU box."""
+    path = tmp_path / "distserve_config.yaml"
+    path.write_text(ARTICLE_CONFIG)
+    r = _cli("serve", "--config", str(path), "--port", "0")
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    errors = [line for line in r.stderr.splitlines() if "error" in line]
+    assert len(errors) == 1 and "'flash_attn_v2' needs a CUDA device" in errors[0]
+    assert "kv_transfer.zero_copy_threshold_mb" in r.stderr  # the alias warning came first
+
+
+def test_a_model_too_big_for_this_machines_memory_is_refused_before_the_oom_killer(monkeypatch):
+    monkeypatch.setattr(preflight, "_mem_available_bytes", lambda: 8 << 30)
+    msg = preflight.memory_problem("preset:llama-2-7b", ["cpu", "cpu"], 2)
+    assert msg and "6.74 B parameters" in msg and "8.0 GiB available" in msg
+    assert preflight.memory_problem("preset:llama-2-7b", ["cuda:0", "cuda:1"], 0) is None
+    assert preflight.memory_problem(None, ["cpu", "cpu"], 2) is None  # the tiny model fits anywhere
+
+
+def test_serve_typo_names_the_flag_it_meant():
+    r = _cli("serve", "--modle", "x")
+    assert r.returncode == 2 and "did you mean --model?" in r.stderr and "usage: distserve serve" in r.stderr
+
+
+def test_the_articles_worker_flags_map_or_explain():
+    args = build_parser().parse_args(["worker", "--role", "prefill", "--router", "http://r", "--model-path", "/m"])
+    assert args.model == "/m"
+    r = _cli("worker", "--role", "prefill", "--router", "http://r", "--num-gpus", "2")
+    assert r.returncode == 2 and "--devices cuda:0,cuda:1" in r.stderr
+
+
+def test_router_without_a_token_is_one_sentence_exit_2():
+    r = _cli("router", "--port", "0", env={"DISTSERVE_ADMIN_TOKEN": ""})
+    assert r.returncode == 2 and "only `distserve serve` generates one" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_chaos_inject_without_a_token_is_bad_input_exit_2():
+    r = _cli(
+        "chaos", "inject", "pause", "router_url=http://127.0.0.1:9", "role=decode", env={"DISTSERVE_ADMIN_TOKEN": ""}
+    )
+    assert r.returncode == 2 and "token" in r.stderr, r.stderr
+
+
+def test_max_seq_len_above_the_models_context_warns(tmp_path):
+    with socket.socket() as s:  # a busy port stops serve right after its checks: nothing is started
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        path = tmp_path / "c.yaml"
+        path.write_text("prefill:\n  max_seq_len: 4096\n")
+        r = _cli("serve", "--config", str(path), "--port", str(s.getsockname()[1]))
+    assert r.returncode == 2 and "warning: prefill.max_seq_len 4096 is above the model's context length" in r.stderr
+
+
+def test_breaker_transitions_carry_wall_clock_times():
+    from prometheus_client import CollectorRegistry
+
+    from server.config import RouterConfig
+    from server.router.sla_live import SlaLive
+    from sla.breaker import BreakerState, Transition
+
+    mono = {"t": 100.0}
+    cfg = RouterConfig.from_dict({"breaker": {"enabled": True}})
+    live = SlaLive(cfg, CollectorRegistry(), backup_configured=True, clock=lambda: mono["t"], wall=lambda: 1.8e9)
+    assert live.breaker is not None
+    live.breaker.transitions.append(
+        Transition(at=90.0, from_state=BreakerState.CLOSED, to_state=BreakerState.OPEN, reason="x")
+    )
+    [t] = live.status()["breaker"]["transitions"]
+    assert t["at_unix"] == 1.8e9 - 10 and t["at_iso"] == "2027-01-15T07:59:50.000+00:00"
