@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import socket
 import stat
@@ -250,3 +251,77 @@ def test_breaker_transitions_carry_wall_clock_times():
     )
     [t] = live.status()["breaker"]["transitions"]
     assert t["at_unix"] == 1.8e9 - 10 and t["at_iso"] == "2027-01-15T07:59:50.000+00:00"
+
+
+# --- against one real server (the tiny model, one colocated worker) ---------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    from distbench.target import ServeProcess
+
+    with ServeProcess(tmp_path_factory.mktemp("serve"), mode="colocated", decode=1, token="first-use-token") as s:
+        yield s
+
+
+def _distbench(*argv: str, cwd=None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "distbench", *argv], capture_output=True, text=True, timeout=300, cwd=cwd
+    )
+
+
+def test_the_articles_generate_url_is_understood(served, tmp_path):
+    """Before: `--url .../generate` became the base URL and the run died on a misleading vocabulary error."""
+    out = tmp_path / "r.json"
+    r = _distbench(
+        "run", "--url", f"{served.url}/generate", "--concurrency", "2", "--num-prompts", "4", "--prompt-len", "16",
+        "--output-len", "4", "--no-progress", "--save-result", str(out),
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    res = json.loads(out.read_text())
+    assert res["endpoint"] == "/generate" and res["completed"] == 4
+    assert res["TTFT_P99"] == res["p99_ttft_ms"] > 0  # the article's key
+    clash = _distbench("run", "--url", f"{served.url}/generate", "--endpoint", "/v1/completions", "--concurrency", "1")
+    assert clash.returncode == 2 and "--url ends in /generate" in clash.stderr
+
+
+def test_sharegpt_prompts_longer_than_the_server_allows_are_dropped_and_counted(served, tmp_path):
+    """Before: 21 of 100 README ShareGPT requests failed with a 400, listed as 21 separate '1 ×' lines."""
+    convs = [
+        {"conversations": [{"from": "human", "value": f"question {i} " * (400 if i % 3 == 0 else 3)},
+                           {"from": "gpt", "value": "an answer of a few words " * 2}]}
+        for i in range(9)
+    ]  # fmt: skip
+    data = tmp_path / "sharegpt.json"
+    data.write_text(json.dumps(convs))  # every third prompt is ~4400 bytes: over the tiny model's 2048
+    out = tmp_path / "r.json"
+    r = _distbench(
+        "run", "--url", served.url, "--request-rate", "20", "--dataset", f"sharegpt:{data}",
+        "--endpoint", "/v1/chat/completions", "--num-prompts", "9", "--no-progress", "--save-result", str(out),
+    )  # fmt: skip
+    res = json.loads(out.read_text())
+    assert res["dataset_fit"] == {"max_model_len": 2048, "considered": 9, "dropped": 3}, r.stderr
+    assert res["failed"] == 0 and r.returncode == 0, r.stdout
+    assert "dropped 3 of 9 prompts longer than the server's max_model_len 2048" in r.stdout
+
+
+def test_failures_are_grouped_by_reason_with_numbers_masked():
+    from distbench.metrics import failure_reasons
+    from distbench.records import RequestRecord
+
+    errors = [f"HTTP 400: prompt: {n} tokens is longer than max_seq_len allows (2048 tokens)" for n in (3468, 2100)]
+    records = [RequestRecord(i, 0.0, error=e) for i, e in enumerate([*errors, "HTTP 503: overloaded"])]
+    assert failure_reasons(records) == {
+        "HTTP 400: prompt: N tokens is longer than max_seq_len allows (N tokens)": 2,
+        "HTTP 503: overloaded": 1,
+    }
+
+
+def test_response_ids_carry_one_prefix(served):
+    import urllib.request
+
+    body = json.dumps({"prompt": "hi", "max_tokens": 2}).encode()
+    req = urllib.request.Request(f"{served.url}/v1/completions", body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        rid = json.loads(r.read())["id"]
+    assert rid.startswith("cmpl-") and not rid.startswith("cmpl-comp-"), rid
