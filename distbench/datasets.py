@@ -228,14 +228,16 @@ def sharegpt_items(
         prompt, reply = d["conversations"][0]["value"], d["conversations"][1]["value"]
         plen = count(prompt)
         olen = output.draw(rng) if output else count(reply)
-        if plen < 4 or olen < 4 or plen + olen > max_len:
+        if plen < 4 or olen < 4:
             continue
+        too_long = plen + olen > max_len
         if fit is not None:
             fit.considered += 1
             bound = plen if tok else len(prompt.encode("utf-8")) + 1
-            if bound + olen + fit.reserve >= fit.max_model_len:
-                fit.dropped += 1
-                continue
+            too_long = too_long or bound + olen + fit.reserve >= fit.max_model_len
+            fit.dropped += too_long
+        if too_long:
+            continue
         items.append(Item(None, prompt, olen, plen))
         if len(items) == n:
             break

@@ -256,11 +256,16 @@ def test_breaker_transitions_carry_wall_clock_times():
 # --- against one real server (the tiny model, one colocated worker) ---------------------------------------------
 
 
+TOKEN = "first-use-token"
+
+
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     from distbench.target import ServeProcess
 
-    with ServeProcess(tmp_path_factory.mktemp("serve"), mode="colocated", decode=1, token="first-use-token") as s:
+    # max_seq_len 1024, below the tiny model's 2048 context: what doctor should see on the served model
+    cfg = {"prefill": {"max_seq_len": 1024}}
+    with ServeProcess(tmp_path_factory.mktemp("serve"), "colocated", decode=1, config=cfg, token=TOKEN) as s:
         yield s
 
 
@@ -293,16 +298,16 @@ def test_sharegpt_prompts_longer_than_the_server_allows_are_dropped_and_counted(
         for i in range(9)
     ]  # fmt: skip
     data = tmp_path / "sharegpt.json"
-    data.write_text(json.dumps(convs))  # every third prompt is ~4400 bytes: over the tiny model's 2048
+    data.write_text(json.dumps(convs))  # every third prompt is ~4400 bytes: over the server's 1024
     out = tmp_path / "r.json"
     r = _distbench(
         "run", "--url", served.url, "--request-rate", "20", "--dataset", f"sharegpt:{data}",
         "--endpoint", "/v1/chat/completions", "--num-prompts", "9", "--no-progress", "--save-result", str(out),
     )  # fmt: skip
     res = json.loads(out.read_text())
-    assert res["dataset_fit"] == {"max_model_len": 2048, "considered": 9, "dropped": 3}, r.stderr
+    assert res["dataset_fit"] == {"max_model_len": 1024, "considered": 9, "dropped": 3}, r.stderr
     assert res["failed"] == 0 and r.returncode == 0, r.stdout
-    assert "dropped 3 of 9 prompts longer than the server's max_model_len 2048" in r.stdout
+    assert "dropped 3 of 9 prompts longer than the server's max_model_len 1024" in r.stdout
 
 
 def test_failures_are_grouped_by_reason_with_numbers_masked():
@@ -325,3 +330,28 @@ def test_response_ids_carry_one_prefix(served):
     with urllib.request.urlopen(req, timeout=60) as r:
         rid = json.loads(r.read())["id"]
     assert rid.startswith("cmpl-") and not rid.startswith("cmpl-comp-"), rid
+
+
+def test_doctor_checks_the_served_models_context_not_the_built_in_one(served):
+    r = _cli("doctor", "--router", served.url, "--only", "router,model", env={"DISTSERVE_ADMIN_TOKEN": TOKEN})
+    assert "[DRIFT] served max_model_len vs the context of" in r.stdout and ": 1024 (want 2048)" in r.stdout
+    assert "prefill.max_seq_len vs model context length" not in r.stdout  # the built-in model's check: not run
+    assert "prefill first" not in r.stdout and r.returncode == 1
+
+
+def test_doctor_says_connection_refused():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # bound, not listening: connections are refused
+        r = _cli("doctor", "--router", f"http://127.0.0.1:{port}", "--only", "router")
+    assert r.returncode == 1 and "router /health: connection refused" in r.stdout and "(want 200)" in r.stdout
+    assert ": 0 " not in r.stdout
+
+
+def test_doctor_never_lowers_a_larger_buffer():
+    from chaos.doctor import _at_least, _raised
+
+    host, baseline = "4096 131072 33554432", "4096 262144 16777216"
+    assert not _at_least(host, baseline)  # the default size is below the baseline's: drift
+    assert _raised(host, baseline) == "4096 262144 33554432"  # the fix raises it and keeps the 32 MiB max
+    assert _at_least("4096 262144 33554432", baseline) and _raised("33554432", "16777216") == "33554432"
