@@ -41,10 +41,21 @@ def _percentiles(text: str) -> tuple[float, ...]:
     return qs
 
 
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/generate")
+
+
 def add_load_args(r: argparse.ArgumentParser, sweep: bool = False) -> None:
-    r.add_argument("--url", required=True, help="server base URL, with or without a trailing /v1")
     r.add_argument(
-        "--endpoint", default="/v1/completions", choices=["/v1/completions", "/v1/chat/completions", "/generate"]
+        "--url",
+        required=True,
+        help="server base URL, with or without a trailing /v1; a URL ending in an endpoint "
+        "(http://h:8080/generate) also sets --endpoint",
+    )
+    r.add_argument(
+        "--endpoint",
+        default=None,
+        choices=list(ENDPOINTS),
+        help="the API to load (default: the one --url ends in, else /v1/completions)",
     )
     if not sweep:
         r.add_argument(
@@ -146,7 +157,7 @@ def options_from(args, **spec_overrides):
         raise UsageError("--turns must be >= 1 and --prefix-len >= 0")
     kw = {
         "url": _base(args.url),
-        "endpoint": args.endpoint,
+        "endpoint": _endpoint(args.url, args.endpoint),
         "strategy": strategy,
         "request_rate": rate,
         "burstiness": args.burstiness,
@@ -180,11 +191,23 @@ def options_from(args, **spec_overrides):
 
 
 def _base(url: str) -> str:
-    from distbench.client import base_url
+    from distbench.client import base_url, split_endpoint
 
     if not url.startswith(("http://", "https://")):
         raise UsageError(f"--url must start with http:// or https://, got {url!r}")
-    return base_url(url)
+    return base_url(split_endpoint(url)[0])
+
+
+def _endpoint(url: str, given: str | None) -> str:
+    """--endpoint, or the endpoint --url ends in (the source article's --url http://h:8080/generate)."""
+    from distbench.client import split_endpoint
+
+    in_url = split_endpoint(url)[1]
+    if given and in_url and given != in_url:
+        raise UsageError(
+            f"--url ends in {in_url} but --endpoint is {given}: give the server's base URL with --endpoint"
+        )
+    return given or in_url or "/v1/completions"
 
 
 def cmd_run(args) -> int:

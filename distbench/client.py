@@ -19,6 +19,16 @@ from distbench.records import RequestRecord, short_error
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/generate")
 
 
+def split_endpoint(url: str) -> tuple[str, str | None]:
+    """``http://h:8080/generate`` -> (``http://h:8080``, ``/generate``); a URL without an endpoint is
+    returned as it is, with None."""
+    url = url.strip().rstrip("/")
+    for ep in ("/v1/chat/completions", "/v1/completions", "/generate"):
+        if url.endswith(ep):
+            return url[: -len(ep)], ep
+    return url, None
+
+
 def base_url(url: str) -> str:
     """'http://h:8080/v1/' and 'http://h:8080' both mean the server at http://h:8080."""
     url = url.strip().rstrip("/")

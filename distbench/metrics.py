@@ -18,6 +18,7 @@ it is counted in ``failed``, listed by reason in ``failures``, and counts as a m
 from __future__ import annotations
 
 import math
+import re
 from collections import Counter
 
 import numpy as np
@@ -171,7 +172,17 @@ def meets(r: RequestRecord, slo: dict[str, float]) -> bool:
 
 
 def failure_reasons(records: list[RequestRecord]) -> dict[str, int]:
-    return dict(Counter(r.error or "no tokens received" for r in records if not r.warmup and not r.ok).most_common())
+    """Failures by reason: the status and message with every number masked (``N``), so 21 prompts that are
+    each too long by a different count are one reason, not 21."""
+    return dict(
+        Counter(
+            _NUMBER.sub("N", r.error or "no tokens received") for r in records if not r.warmup and not r.ok
+        ).most_common()
+    )
+
+
+# numbers in a failure message, but not the HTTP status that leads it ("HTTP 400: ... 3468 tokens ...")
+_NUMBER = re.compile(r"(?<!HTTP )(?<![\w.])\d+(?:\.\d+)?")
 
 
 def summarize(

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field, replace
 import aiohttp
 
 from distbench import promscrape, result
-from distbench.datasets import Item, Lengths, Vocab, jsonl_items, random_items, sharegpt_items
+from distbench.datasets import FitToServer, Item, Lengths, Vocab, jsonl_items, random_items, sharegpt_items
 from distbench.loadgen import RunSpec, run_load
 from distbench.metrics import DEFAULT_PERCENTILES, parse_goodput, parse_slo
 from distbench.progress import Monitor, watch
@@ -78,7 +78,10 @@ async def probe(base: str, token: str | None) -> dict:
     return info
 
 
-def build_items(w: Workload, n: int, info: dict) -> tuple[list[Item], Vocab | None]:
+CHAT_TEMPLATE_RESERVE = 64  # tokens kept free for a chat template's role markers and default system prompt
+
+
+def build_items(w: Workload, n: int, info: dict, chat: bool = False) -> tuple[list[Item], Vocab | None]:
     try:
         prompt = Lengths.parse(w.prompt_len, "--prompt-len")
         given = Lengths.parse(w.output_len, "--output-len") if w.output_len is not None else None
@@ -98,9 +101,10 @@ def build_items(w: Workload, n: int, info: dict) -> tuple[list[Item], Vocab | No
                 )
             return random_items(pool, prompt, output, vocab, w.seed, w.prefix_len, w.turns), vocab
         if kind == "sharegpt":
-            return sharegpt_items(
-                pool, path or None, vocab, given, w.seed, int(info.get("max_model_len") or 2048)
-            ), vocab
+            limit = int(info.get("max_model_len") or 2048)
+            fit = FitToServer(limit, reserve=CHAT_TEMPLATE_RESERVE if chat else 0)
+            info["dataset_fit"] = fit
+            return sharegpt_items(pool, path or None, vocab, given, w.seed, limit, fit=fit), vocab
         if kind == "jsonl" and path:
             return jsonl_items(path, None, vocab, given, w.seed), vocab
         raise UsageError(f"--dataset {w.dataset!r}: use random, sharegpt, sharegpt:PATH or jsonl:PATH")
@@ -128,7 +132,10 @@ async def run_async(opts: Options, stop: asyncio.Event | None = None) -> dict:
     info = await probe(spec.url, opts.token)
     if spec.model is None and info.get("model"):
         spec = replace(spec, model=info["model"])
-    items, vocab = build_items(opts.workload, spec.num_prompts, info)
+    items, vocab = build_items(opts.workload, spec.num_prompts, info, chat=spec.endpoint == "/v1/chat/completions")
+    fit = info.pop("dataset_fit", None)
+    if fit is not None and fit.dropped:
+        print(fit.line(), file=sys.stderr)
     if spec.strategy == "trace":
         if any(i.at is None for i in items):
             raise UsageError("--strategy trace needs --dataset jsonl:PATH with a timestamp on every line")
@@ -164,6 +171,9 @@ async def run_async(opts: Options, stop: asyncio.Event | None = None) -> dict:
         records, duration, start, config, opts.percentiles, slo, gp, promscrape.deltas(before, after), interrupted
     )
     res["slo_target"] = opts.slo_target
+    if fit is not None:
+        res["dataset_fit"] = {"max_model_len": fit.max_model_len, "considered": fit.considered, "dropped": fit.dropped}
+    res["TTFT_P99"] = res.get("p99_ttft_ms")  # the source article's key: the same figure, milliseconds
     res["verdict"] = verdict(res)
     return res
 

@@ -30,6 +30,12 @@ def format_summary(s: dict) -> str:
     ]
     if s.get("interrupted"):
         lines.append(f"partial result: {s['interrupted']}")
+    fit = s.get("dataset_fit") or {}
+    if fit.get("dropped"):
+        lines.append(
+            f"dataset: dropped {fit['dropped']} of {fit['considered']} prompts longer than the server's "
+            f"max_model_len {fit['max_model_len']} minus the output length"
+        )
     if s["completed"]:
         qs = s["percentiles"]
         lines.append(f"{'ms':<10}{'mean':>9}{'std':>9}" + "".join(f"{pkey(q).upper():>9}" for q in qs))

@@ -186,9 +186,12 @@ class _Section:
         for k in d:
             if k not in valid:
                 close = difflib.get_close_matches(str(k), valid, n=1)
+                elsewhere = _close_key_elsewhere(str(k), cls._key(str(k))) if not close else None
                 hint = (
                     f"did you mean {cls._key(close[0])!r}?"
                     if close
+                    else f"did you mean {elsewhere!r}?"
+                    if elsewhere
                     else f"valid keys{' of ' + repr(cls._section) if cls._section else ''}: {', '.join(valid)}"
                 )
                 raise ConfigError(f"unknown key {cls._key(str(k))!r}; {hint}")
@@ -317,7 +320,7 @@ class RouterConfig(_Section):
     header_timeout_s: float = _opt(10.0, "float", lo=0, lo_open=True)
     body_timeout_s: float = _opt(30.0, "float", lo=0, lo_open=True)
     keepalive_timeout_s: float = _opt(30.0, "float", lo=0, lo_open=True)
-    # None = read env DISTSERVE_ADMIN_TOKEN, else generate one at startup.
+    # None = read env DISTSERVE_ADMIN_TOKEN, else `serve` generates one (a router or worker started alone needs it).
     admin_token: str | None = _opt(None, "str", nullable=True)
     breaker: BreakerConfig = _sub(BreakerConfig)
     admission: AdmissionConfig = _sub(AdmissionConfig)
@@ -378,6 +381,27 @@ class DistServeConfig(_Section):
 # -------------------------------------------------------------------------- loading
 
 
+def _all_keys(cls: type = DistServeConfig, prefix: str = "") -> list[str]:
+    """Every dotted leaf key of the configuration (``kv_transfer.zero_copy_threshold_mb``, ...)."""
+    out = []
+    for f in fields(cls):
+        sub = f.metadata.get("section")
+        out.extend(_all_keys(sub, f"{prefix}{f.name}.") if sub else [f"{prefix}{f.name}"])
+    return out
+
+
+def _close_key_elsewhere(name: str, dotted: str) -> str | None:
+    """A key in another section whose name is close to ``name`` (a key put in the wrong section, or a
+    section name that is a key elsewhere, e.g. ``rdma`` → nothing, ``zero_copy_threshold`` → kv_transfer's)."""
+    keys = _all_keys()
+    leaves = {k.rsplit(".", 1)[-1]: k for k in keys}
+    close = difflib.get_close_matches(name, list(leaves), n=1, cutoff=0.75)
+    if close:
+        return leaves[close[0]]
+    close = difflib.get_close_matches(dotted, keys, n=1, cutoff=0.75)
+    return close[0] if close else None
+
+
 def _merge(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
     """Recursive merge; a mapping merges into a mapping, anything else replaces."""
     out = dict(base)
@@ -408,8 +432,10 @@ def load_config(path: str | Path | None = None, overrides: Mapping[str, Any] | N
     """
     cfg = DistServeConfig()
     if path is not None:
+        from server.config_aliases import apply_aliases
+
         try:
-            cfg = DistServeConfig.from_dict(_read_yaml(Path(path)))
+            cfg = DistServeConfig.from_dict(apply_aliases(_read_yaml(Path(path)), str(path))[0])
         except ConfigError as e:
             msg = str(e)
             raise ConfigError(msg if msg.startswith(str(path)) else f"{path}: {msg}") from None

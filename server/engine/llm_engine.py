@@ -132,6 +132,7 @@ class LLMEngine:
                 window,
             )
             self.max_model_len = window
+        self._cap_max_model_len_for_rope()
         self.kv_budget: KVBudget | None = None
         if not config.num_blocks and self.device.type == "cuda" and config.gpu_memory_utilization > 0:
             self.kv_budget = self._profile_kv_blocks()
@@ -208,6 +209,19 @@ class LLMEngine:
             kv_bytes_per_block(self.model_config, bs, self.dtype),
             free_bytes=free - (peak - torch.cuda.memory_allocated(self.device)),
         )
+
+    def _cap_max_model_len_for_rope(self) -> None:
+        """Dynamic NTK RoPE equals plain RoPE up to max_position_embeddings; past it transformers re-derives
+        the frequencies from the batch's length, which a KV cache cannot follow: cap there, as for a window."""
+        mc = self.model_config
+        if mc.rope_scaling.rope_type == "dynamic" and self.max_model_len > mc.max_position_embeddings:
+            log.warning(
+                "model uses dynamic NTK RoPE; max_seq_len capped from %d to max_position_embeddings %d "
+                "so the rotary math stays exact",
+                self.max_model_len,
+                mc.max_position_embeddings,
+            )
+            self.max_model_len = mc.max_position_embeddings
 
     def _resolve_dtype(self) -> torch.dtype:
         if self.config.dtype != "auto":

@@ -567,7 +567,8 @@ def create_router_app(state: RouterState) -> FastAPI:
         )
         state.running_pipeline().check_available()  # NoWorkersError -> 503 with Retry-After
         tokenizer = state.get_tokenizer()
-        rid = f"{kind[:4]}-{uuid.uuid4().hex}"
+        # OpenAI bodies prefix the id themselves (cmpl-, chatcmpl-); /generate's id is "gen-" + hex
+        rid = f"{'gen-' if kind == 'generate' else ''}{uuid.uuid4().hex}"
         ticket, refusal = await _admit(request, req, kind, len(prompt_ids))
         if refusal is not None:
             return refusal

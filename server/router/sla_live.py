@@ -22,6 +22,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import UTC, datetime
 
 from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -224,7 +225,7 @@ class SlaLive:
                     "threshold_ms": s.threshold_ms,
                     "in_state_s": round(self.clock() - b.entered_at, 3),
                     "judged": {"value_ms": stats.value_ms, "samples": stats.samples},
-                    "transitions": [t.to_dict() for t in b.transitions][-20:],
+                    "transitions": [self._wall_clock(t) for t in b.transitions][-20:],
                 }
             )
         return out
@@ -233,6 +234,13 @@ class SlaLive:
         """Why ``/health`` must say degraded because of a journal (a write failed recently), or None."""
         reasons = [r for r in (self.requests_journal.reason(), self.events_journal.reason()) if r]
         return "; ".join(reasons) or None
+
+    def _wall_clock(self, t: Transition) -> dict:
+        """A transition with its time as wall clock (``at_unix``, ``at_iso``, UTC) beside the breaker's
+        monotonic ``at``, so it lines up with logs and the event journal."""
+        at_unix = round(self.wall() - (self.clock() - t.at), 6)
+        iso = datetime.fromtimestamp(at_unix, tz=UTC).isoformat(timespec="milliseconds")
+        return {**t.to_dict(), "at_unix": at_unix, "at_iso": iso}
 
     def close(self) -> None:
         self.requests_journal.close()

@@ -178,7 +178,7 @@ class HeartbeatThread:
                 self.registered = r.status == 200
                 if self.registered:
                     self.credential = str((await r.json()).get("credential") or "") or None
-                    log.info("registered with router %s as %s %s", o.router_url, o.role, reg.worker_id)
+                    log.info("Registered with router %s as %s %s", o.router_url, o.role, reg.worker_id)
                 else:
                     self._report("cannot register with %s: HTTP %d; retrying", o.router_url, r.status)
             return

@@ -125,6 +125,7 @@ def fingerprint(engine: LLMEngine) -> dict:
         "num_kv_heads": c.num_key_value_heads,
         "head_dim": c.head_dim,
         "vocab_size": c.vocab_size,
+        "max_position_embeddings": c.max_position_embeddings,  # the model's context, for `distserve doctor`
     }
 
 
