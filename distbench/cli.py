@@ -116,6 +116,20 @@ def add_load_args(r: argparse.ArgumentParser, sweep: bool = False) -> None:
         "--token", default=None, help="admin token (default $DISTSERVE_ADMIN_TOKEN): scrape the workers' /metrics too"
     )
     r.add_argument("--no-progress", action="store_true", help="no live progress line")
+    r.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="after --duration: seconds the requests in flight may finish (after Ctrl-C: at most 5); "
+        "the rest are recorded as cancelled",
+    )
+    r.add_argument(
+        "--backoff",
+        default="0.05:2",
+        metavar="BASE:MAX",
+        help="closed loop: after a request failed within MAX s its user waits a jittered back-off "
+        "doubling from BASE up to MAX seconds before the next one (0 = none)",
+    )
 
 
 def options_from(args, **spec_overrides):
@@ -160,6 +174,9 @@ def options_from(args, **spec_overrides):
         "timeout_s": args.timeout,
         "time_scale": getattr(args, "time_scale", 1.0),
     }
+    kw.update(_backoff(args.backoff))
+    kw["drain_s"] = args.drain_timeout
+    kw["grace_s"] = min(5.0, max(0.0, args.drain_timeout))  # Ctrl-C: at most 5 s, never more than the drain
     kw.update(spec_overrides)
     try:
         spec = RunSpec(**kw)
@@ -177,6 +194,18 @@ def options_from(args, **spec_overrides):
         not args.no_progress,
         admin_token(args.token),
     )
+
+
+def _backoff(text: str) -> dict:
+    base, _, top = str(text).partition(":")
+    try:
+        b = float(base)
+        m = float(top) if top else max(b, 2.0)
+    except ValueError:
+        raise UsageError(f"--backoff must be BASE:MAX seconds like 0.05:2 (or 0), got {text!r}") from None
+    if b == 0:
+        return {"backoff_s": 0.0, "backoff_max_s": max(m, 0.0)}
+    return {"backoff_s": b, "backoff_max_s": m}
 
 
 def _base(url: str) -> str:

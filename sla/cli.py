@@ -5,7 +5,8 @@
         --out sla-report/ --export-db sqlite:///compliance.db
 
 Exit status: 0 every objective passed in every window, 1 some failed, 2 bad input
-(unreadable spec or results, unknown format, missing optional dependency).
+(unreadable spec or results, unknown format, missing optional dependency), 3 none failed but
+some could not be judged (insufficient data: too few samples for the percentile).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from sla.audit import audit
 from sla.records import RecordsError, load_records
 from sla.spec import SpecError, load_spec
 
-EXIT_PASS, EXIT_FAIL, EXIT_BAD_INPUT = 0, 1, 2
+EXIT_PASS, EXIT_FAIL, EXIT_BAD_INPUT, EXIT_INSUFFICIENT = 0, 1, 2, 3
 DEFAULT_FORMATS = ("json", "csv", "parquet", "html", "markdown", "prom")
 
 
@@ -108,13 +109,41 @@ def cmd_audit(args) -> int:
         except Exception as e:  # SQLAlchemy's errors (bad URL, driver missing, refused): one sentence
             return _bad(f"--export-db {args.export_db}: {type(e).__name__}: {str(e).splitlines()[0]}")
         print(f"appended {n} rows to table {args.table} at {args.export_db}")
-    for o in report["overall"]:
-        print(f"{o['objective']:<16} {o['status']:<5} windows failed {o['windows_failed']}/{o['windows']}")
+    for line in overall_lines(report):
+        print(line)
+    nw = report["num_windows"]
     print(
-        f"verdict: {report['verdict']} ({report['num_requests']} requests, {report['num_windows']} windows); "
-        f"wrote {', '.join(str(p) for p in written)}"
+        f"verdict: {report['verdict'].replace('_', ' ')} ({report['num_requests']} requests, "
+        f"{nw} window{'' if nw == 1 else 's'}); wrote {', '.join(str(p) for p in written)}"
     )
-    return EXIT_PASS if report["verdict"] == "pass" else EXIT_FAIL
+    return {"pass": EXIT_PASS, "insufficient_data": EXIT_INSUFFICIENT}.get(report["verdict"], EXIT_FAIL)
+
+
+def overall_lines(report: dict) -> list[str]:
+    """One line per objective, then cautions: thin tails (with the samples a verdict needs), partial windows."""
+    width = max([len(o["objective"]) for o in report["overall"]] + [9])
+    lines = []
+    for o in report["overall"]:
+        w = o["windows"]
+        line = (
+            f"{o['objective']:<{width}}  {o['status'].replace('_', ' '):<17}  windows failed {o['windows_failed']}/{w}"
+        )
+        if o.get("windows_insufficient"):
+            line += (
+                f"; {o['windows_insufficient']} window{'' if o['windows_insufficient'] == 1 else 's'} with too few "
+                f"samples (P{o['percentile']:g} needs {o['samples_needed']:,} per window for 10 above it; "
+                f"{o['samples']:,} in all)"
+            )
+        lines.append(line)
+    spec_w = report["spec"]["window_s"]
+    nw = report["num_windows"]
+    if nw and report.get("covered_s", spec_w * nw) < 0.5 * spec_w * nw:
+        share = 100 * report["covered_s"] / (spec_w * nw)
+        lines.append(
+            f"note: the records span {report['covered_s']:.1f} s of {nw} window{'' if nw == 1 else 's'} of "
+            f"{spec_w:g} s ({share:.2g} % covered): the verdict speaks for that span only"
+        )
+    return lines
 
 
 def _bad(sentence: str) -> int:
