@@ -4,7 +4,8 @@
         --save-result r.json
     distbench run --url http://127.0.0.1:8080 --concurrency 100 --prompt-len 128 --output-len 64 --duration 300
     distbench sweep --url URL --slo ttft:250ms,tpot:50ms --out-dir sweep/
-    distbench compare A.json B.json
+    distbench compare A1.json A2.json A3.json vs B1.json B2.json B3.json
+    distbench repeat 3 --variant A='--url U --request-rate 8' --variant B='--url V --request-rate 8'
     distbench plot A.json B.json --out-dir plots/
     distbench merge part1.json part2.json -o all.json
 

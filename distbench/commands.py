@@ -179,6 +179,7 @@ def add_parsers(sub, formatter, add_load_args) -> None:
     m.set_defaults(handler=cmd_merge)
 
     demo.add_parser(sub, formatter)
-    from distbench import locust_cmd
+    from distbench import locust_cmd, repeat
 
+    repeat.add_parser(sub, formatter)
     locust_cmd.add_parser(sub, formatter)

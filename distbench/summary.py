@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from distbench.metrics import MIN_TAIL_SAMPLES, pkey, samples_needed, tail_samples, thin_tail
+from distbench.metrics import MIN_TAIL_SAMPLES, pkey, samples_needed, thin_tail
 from distbench.table import render
 
 ROWS = (
@@ -39,7 +39,7 @@ def latency_table(s: dict) -> tuple[str, list[str]]:
     qs = s["percentiles"]
     header = ["ms", "n", "mean", "std", *(pkey(q).upper() for q in qs)]
     rows: list[list[str]] = []
-    thin: dict[float, list[tuple[str, int]]] = {}
+    thin: set[float] = set()
     for label, key in ROWS:
         if key in ("ttft_service", "e2el_service", "send_lag") and s.get("strategy") == "closed":
             continue
@@ -49,16 +49,15 @@ def latency_table(s: dict) -> tuple[str, list[str]]:
             v = _f(s[f"{pkey(q)}_{key}_ms"])
             if n is not None and n and v != "-" and thin_tail(n, q):
                 v += "*"
-                thin.setdefault(q, []).append((label, n))
+                thin.add(q)
             cells.append(v)
         rows.append(cells)
     notes = []
-    for q, where in thin.items():
-        n = min(c for _, c in where)
+    if thin:
+        need = ", ".join(f"{pkey(q).upper()} {samples_needed(q):,}" for q in sorted(thin))
         notes.append(
-            f"* {pkey(q).upper()} of {n} samples has {tail_samples(n, q):g} above it (fewer than {MIN_TAIL_SAMPLES}): "
-            f"it is the largest value or near it, not a tail estimate; {samples_needed(q):,} samples give "
-            f"{MIN_TAIL_SAMPLES}"
+            f"* fewer than {MIN_TAIL_SAMPLES} samples above this percentile (column n): the value is the largest "
+            f"or near it, not a tail estimate (samples needed: {need})"
         )
     return render(header, rows), notes
 

@@ -147,7 +147,7 @@ def sweep(
 
 
 def format_table(s: dict) -> str:
-    header = ["rate", "sent", "achieved", "attain %", "±", "P99 TTFT", "P99 TPOT", "failed", "verdict"]
+    header = ["rate", "sent", "offered", "achieved", "attain %", "±", "P99 TTFT", "P99 TPOT", "failed", "verdict"]
     rows = []
     for p in s["points"]:
         word = "saturated" if p.get("saturated") else ("pass" if p["pass"] else "FAIL")
@@ -155,6 +155,7 @@ def format_table(s: dict) -> str:
             [
                 f"{p['rate']:.3g}",
                 str(p.get("sent", "-")),
+                f"{p.get('offered_rate', p['rate']):.3g}",
                 f"{p.get('achieved_rate', p['request_throughput']):.3g}",
                 f"{100 * p['slo_attainment']:.1f}",
                 f"{100 * p.get('attainment_ci95', 0.0):.1f}",
@@ -164,7 +165,11 @@ def format_table(s: dict) -> str:
                 word,
             ]
         )
-    lines = [render(header, rows, left=0), "(rate, achieved: req/s; P99: ms; ±: 95 % sampling error of the attainment)"]
+    lines = [
+        render(header, rows, left=0),
+        "(rate: target, offered: sent per second of sending, achieved: completed per second of the run, all req/s; "
+        "P99: ms; ±: 95 % sampling error of the attainment)",
+    ]
     for note in s.get("non_monotonic") or []:
         lines.append(f"non-monotonic: {note}: treated as noise (goodput = highest pass below the lowest failure)")
     if any(p.get("saturated") for p in s["points"]):
@@ -174,7 +179,11 @@ def format_table(s: dict) -> str:
         )
     if s["goodput_rate"]:
         edge = "" if s["bracketed"] else " (no failing rate found: at least this)"
-        lines.append(f"goodput: {s['goodput_rate']:.3g} req/s at SLO attainment >= {100 * s['slo_target']:g}%{edge}")
+        at: dict = next((p for p in s["points"] if p["rate"] == s["goodput_rate"]), {})
+        got = f" (achieved {at['achieved_rate']:.3g} req/s there)" if "achieved_rate" in at else ""
+        lines.append(
+            f"goodput: {s['goodput_rate']:.3g} req/s{got} at SLO attainment >= {100 * s['slo_target']:g}%{edge}"
+        )
     else:
         lines.append("goodput: no rate tried met the SLO")
     return "\n".join(lines)
