@@ -118,6 +118,13 @@ def add_load_args(r: argparse.ArgumentParser, sweep: bool = False) -> None:
     )
     r.add_argument("--no-progress", action="store_true", help="no live progress line")
     r.add_argument(
+        "--compat",
+        choices=["vllm"],
+        default=None,
+        help="compute the figures under vllm bench serve's definitions: TTFT/E2EL from the actual send, "
+        "the clock from one mean gap before the first send (docs/DISTBENCH.md)",
+    )
+    r.add_argument(
         "--drain-timeout",
         type=float,
         default=30.0,
@@ -194,6 +201,7 @@ def options_from(args, **spec_overrides):
         getattr(args, "stop_on_saturation", False),
         not args.no_progress,
         admin_token(args.token),
+        compat=getattr(args, "compat", None),
     )
 
 

@@ -50,6 +50,7 @@ class Options:
     stop_on_saturation: bool = False
     progress: bool = True
     token: str | None = None  # admin token: worker /metrics and the vocabulary from /v1/workers
+    compat: str | None = None  # "vllm": the figures under vllm bench serve's definitions (vllm_compat.py)
 
 
 async def probe(base: str, token: str | None) -> dict:
@@ -157,6 +158,7 @@ async def run_async(opts: Options, stop: asyncio.Event | None = None) -> dict:
         "slo": opts.slo,
         "goodput": list(opts.goodput),
         "slo_target": opts.slo_target,
+        "compat": opts.compat,
         "vocab_size": vocab.size if vocab else None,
         "server": info,
     }

@@ -218,3 +218,23 @@ def test_sweep_goodput_is_below_every_failure_and_non_monotonic_points_are_named
     assert goodput_of(pts) == 16
     assert non_monotonic(pts) == ["36 req/s attained 2.0% but 40 req/s 47.0%"]
     assert goodput_of([p(8, True, 0.99), p(12, False, 0.5), p(16, True, 0.95)]) == 8  # a pass above a failure: noise
+
+
+def test_compat_vllm_takes_ttft_from_the_actual_send_and_starts_the_clock_a_gap_early():
+    from distbench import result as result_mod
+
+    recs = [
+        RequestRecord(
+            i, i * 0.25, i * 0.25 + 0.1, ttft=0.15, ttft_service=0.05, e2e=0.5, output_tokens=8, itl=[0.05] * 7
+        )
+        for i in range(40)
+    ]
+    config = {"strategy": "poisson", "request_rate": 4.0}
+    ours = result_mod.build(recs, 10.0, 0.0, config, (50.0, 99.0), {}, {})
+    theirs = result_mod.build(recs, 10.0, 0.0, {**config, "compat": "vllm"}, (50.0, 99.0), {}, {})
+    assert ours["mean_ttft_ms"] == pytest.approx(150, rel=1e-3) and ours["late_sends"] == 40
+    assert theirs["mean_ttft_ms"] == pytest.approx(50, rel=1e-3) and theirs["late_sends"] == 0
+    assert theirs["mean_e2el_ms"] == pytest.approx(400, rel=1e-3)
+    assert theirs["mean_tpot_ms"] == pytest.approx(ours["mean_tpot_ms"])  # the same definition in both
+    assert theirs["request_throughput"] == pytest.approx(40 / 10.25)
+    assert theirs["requests"][0]["ttft"] == 0.15 and theirs["compat"] == "vllm"  # the raw records are kept
