@@ -26,6 +26,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from distbench import result
+from distbench.metrics import samples_needed, thin_tail
 from distbench.runner import Options, run
 from distbench.table import render
 
@@ -170,6 +171,12 @@ def format_table(s: dict) -> str:
         "(rate: target, offered: sent per second of sending, achieved: completed per second of the run, all req/s; "
         "P99: ms; ±: 95 % sampling error of the attainment)",
     ]
+    thin = [p for p in s["points"] if p.get("p99_samples") is not None and thin_tail(p["p99_samples"], 99.0)]
+    if thin:
+        lines.append(
+            f"P99 of {len(thin)} point{'s' * (len(thin) != 1)} from fewer than {samples_needed(99.0):,} samples: the "
+            f"largest value or near it (raise --min-duration for a P99 estimate); attainment is unaffected"
+        )
     for note in s.get("non_monotonic") or []:
         lines.append(f"non-monotonic: {note}: treated as noise (goodput = highest pass below the lowest failure)")
     if any(p.get("saturated") for p in s["points"]):
