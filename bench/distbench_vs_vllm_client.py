@@ -126,7 +126,9 @@ def main() -> None:
         "pairs": pairs,
         "median_ratio_compat": {k: statistics.median(p["ratio_compat"][k] for p in pairs) for k in FIGURES},
         "median_ratio_own": {k: statistics.median(p["ratio_own"][k] for p in pairs) for k in FIGURES},
-        "input_tokens_equal": all(p["vllm"]["total_input_tokens"] == p["distbench"]["total_input_tokens"] for p in pairs),
+        "input_tokens_equal": all(
+            p["vllm"]["total_input_tokens"] == p["distbench"]["total_input_tokens"] for p in pairs
+        ),
     }
     print(json.dumps({k: summary[k] for k in ("median_ratio_compat", "median_ratio_own", "input_tokens_equal")}))
     if args.out:
