@@ -124,7 +124,9 @@ async def send(http: aiohttp.ClientSession, url: str, endpoint: str, body: dict,
         if usage and usage.get("prompt_tokens"):
             rec.prompt_tokens = int(usage["prompt_tokens"])
     except asyncio.CancelledError:
-        rec.error = rec.error or "cancelled: run stopped before the response finished"
+        if rec.error is None:
+            rec.error = "cancelled: in flight when the run stopped"
+            rec.cancelled_after = time.perf_counter() - sched_abs
         raise
     except (TimeoutError, aiohttp.ClientError, json.JSONDecodeError, ValueError, KeyError) as e:
         rec.error = short_error(None, exc=e)

@@ -50,6 +50,7 @@ class Options:
     stop_on_saturation: bool = False
     progress: bool = True
     token: str | None = None  # admin token: worker /metrics and the vocabulary from /v1/workers
+    compat: str | None = None  # "vllm": the figures under vllm bench serve's definitions (vllm_compat.py)
 
 
 async def probe(base: str, token: str | None) -> dict:
@@ -148,7 +149,7 @@ async def run_async(opts: Options, stop: asyncio.Event | None = None) -> dict:
     mon = Monitor(planned, slo, opts.slo_target)
     watcher = asyncio.create_task(watch(mon, stop, opts.stop_on_saturation, opts.progress and sys.stderr.isatty()))
     try:
-        records, duration, start = await run_load(spec, items, vocab, mon.on_done, mon.on_sent, stop)
+        records, duration, start = await run_load(spec, items, vocab, mon.on_done, mon.on_sent, stop, _drain_line)
     finally:
         watcher.cancel()
         await asyncio.gather(watcher, return_exceptions=True)
@@ -164,6 +165,7 @@ async def run_async(opts: Options, stop: asyncio.Event | None = None) -> dict:
         "slo": opts.slo,
         "goodput": list(opts.goodput),
         "slo_target": opts.slo_target,
+        "compat": opts.compat,
         "vocab_size": vocab.size if vocab else None,
         "server": info,
     }
@@ -178,23 +180,41 @@ async def run_async(opts: Options, stop: asyncio.Event | None = None) -> dict:
     return res
 
 
+def _drain_line(reason: str, n: int, up_to_s: float) -> None:
+    if n:
+        print(f"{reason}: draining {n} requests, up to {up_to_s:g} s", file=sys.stderr, flush=True)
+
+
 def verdict(res: dict) -> dict:
-    """pass/fail and one line saying why (failed requests count as misses)."""
-    n, failed = res["num_prompts"], res["failed"]
+    """pass/fail and one line saying why (failed requests count as misses). A run that was stopped, or
+    whose drain ran out with requests in flight (``cancelled``), is PARTIAL: never a pass."""
+    n, failed, cancelled = res["num_prompts"], res["failed"], res.get("cancelled", 0)
     if n == 0:
         return {"pass": False, "line": "FAIL: no request was sent"}
     if "slo_attainment" in res:
         att, target = res["slo_attainment"], res["slo_target"]
         ok = att >= target
         slo = ", ".join(f"{k} <= {v:g} ms" for k, v in res["slo"].items())
-        line = (
-            f"{'PASS' if ok else 'FAIL'}: SLO attainment {100 * att:.1f}% "
-            f"{'>=' if ok else '<'} target {100 * target:g}% ({slo}; {failed} of {n} requests failed)"
+        word, body = (
+            "PASS" if ok else "FAIL",
+            f"SLO attainment {100 * att:.1f}% {'>=' if ok else '<'} target {100 * target:g}% "
+            f"({slo}; {failed} of {n} requests failed)",
         )
-        return {"pass": ok, "line": line}
-    if failed:
-        return {"pass": False, "line": f"FAIL: {failed} of {n} requests failed"}
-    return {"pass": True, "line": f"PASS: all {n} requests completed"}
+    elif failed:
+        ok, word, body = False, "FAIL", f"{failed} of {n} requests failed"
+    else:
+        ok, word, body = True, "PASS", f"all {n - cancelled} requests completed"
+    stopped = res.get("interrupted")
+    if stopped and stopped.startswith("saturated"):
+        return {"pass": False, "line": f"FAIL: {body} (stopped early: {stopped})"}
+    if stopped or cancelled:
+        why = stopped or "duration reached"
+        return {
+            "pass": False,
+            "partial": True,
+            "line": f"PARTIAL ({why}; {cancelled} of {n} requests cancelled in flight): {body}",
+        }
+    return {"pass": ok, "line": f"{word}: {body}"}
 
 
 def run(opts: Options) -> dict:
