@@ -288,7 +288,12 @@ def create_router_app(state: RouterState) -> FastAPI:
                 headers={"Retry-After": "1"},
             )
         lost = sum(n for c in counts.values() for st, n in c.items() if st not in ("healthy", "draining"))
-        return {"status": "degraded" if lost else "ok", "mode": mode, "workers": workers}
+        # workers whose engine steps fail for lack of device memory (their heartbeats say so)
+        pressure = sorted(w.worker_id for w in reg.workers.values() if w.healthy and w.status.memory_errors_recent)
+        body = {"status": "degraded" if lost or pressure else "ok", "mode": mode, "workers": workers}
+        if pressure:
+            body["memory_pressure"] = pressure
+        return body
 
     @app.get("/metrics")
     async def metrics():
