@@ -221,6 +221,8 @@ class PrefillConfig(_Section):
     torch_threads: int = _opt(0, "int", lo=0, hi=1024)  # 0 = leave torch's default
     # engine.step() on its own thread (on) or on the event loop (off); auto = on for CUDA devices
     engine_thread: str = _opt("auto", "enum", choices=("auto", "on", "off"))
+    # weight of each prefill worker in the budget of a GPU it shares (server/memory_budget.py)
+    memory_share: float = _opt(0.3, "float", lo=0, hi=1, lo_open=True)
 
 
 @dataclass(frozen=True)
@@ -235,6 +237,8 @@ class DecodeConfig(_Section):
     max_stale_slots: int = _opt(16, "int", lo=0, hi=1_000_000)
     torch_threads: int = _opt(0, "int", lo=0, hi=1024)
     engine_thread: str = _opt("auto", "enum", choices=("auto", "on", "off"))  # decode and colocated workers
+    # weight of each decode (or colocated) worker in the budget of a GPU it shares
+    memory_share: float = _opt(0.7, "float", lo=0, hi=1, lo_open=True)
 
 
 @dataclass(frozen=True)
@@ -243,9 +247,12 @@ class CacheConfig(_Section):
     block_size: int = _opt(16, "int", lo=1, hi=256, pow2=True)
     num_gpu_blocks: int = _opt(0, "int", lo=0, hi=10_000_000)  # 0 = size automatically
     kv_cache_memory_mb: int = _opt(512, "int", lo=1, hi=10_000_000)
-    # CUDA: share of the device this worker may use; KV gets what weights + a profiling forward leave;
-    # 0 = size from kv_cache_memory_mb as on CPU. Workers sharing one GPU split it (e.g. 0.45 each).
+    # CUDA: share of each device that its workers together may use, split among workers sharing a GPU by
+    # prefill.memory_share / decode.memory_share; KV gets what weights, a profiling forward, staging pool,
+    # receive buffers, CUDA graphs and the headroom leave; 0 = size from kv_cache_memory_mb as on CPU.
     gpu_memory_utilization: float = _opt(0.9, "float", lo=0, hi=1)
+    # CUDA: memory each worker leaves free inside its share (cuBLAS handles of new threads, allocator slack)
+    gpu_memory_headroom_mb: int = _opt(1024, "int", lo=0, hi=1_000_000)
     dtype: str = _opt("auto", "enum", choices=("auto", "float32", "float16", "bfloat16"))
     enable_prefix_caching: bool = _opt(True, "bool")
 

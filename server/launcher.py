@@ -38,6 +38,7 @@ from typing import cast
 import yaml
 
 from server.config import DistServeConfig
+from server.memory_budget import device_key, plan_memory_shares, shared_devices
 from server.preflight import launcher_tmp_prefix, sweep_orphan_tmp
 from server.private_files import write_private
 from server.wire import DeregisterRequest
@@ -134,6 +135,7 @@ class Launcher:
     procs: list[subprocess.Popen] = field(default_factory=list)
     url: str | None = None
     supervised: dict[str, _Worker] = field(default_factory=dict)
+    memory_shares: dict[str, float] = field(default_factory=dict)  # worker id -> its share of its GPU
 
     def __post_init__(self) -> None:
         sweep_orphan_tmp()  # folders of launchers killed with SIGKILL
@@ -187,7 +189,10 @@ class Launcher:
             time.sleep(0.05)
         self.url = json.loads(ready.read_text())["url"]
         plan = plan_workers(self.mode, self.num_prefill, self.num_decode, self.device, self.devices)
-        for role, worker_id, device in plan:
+        shares = plan_memory_shares(plan, self.config)
+        shared = shared_devices(plan)
+        self.memory_shares = shares
+        for n, (role, worker_id, device) in enumerate(plan):
             cpus = placement.get(role)
             argv = [
                 "worker",
@@ -206,6 +211,13 @@ class Launcher:
             ]
             if cpus:
                 argv += ["--cpus", ",".join(map(str, cpus))]
+            if worker_id in shares:
+                argv += ["--gpu-memory-utilization", str(shares[worker_id])]
+            if device_key(device) in shared and n > 0:
+                # workers sharing a GPU size their memory one after another: each measures its own use,
+                # not a neighbour's start-up (the worker registers after its last allocation)
+                self.wait_healthy(n, deadline)
+                deadline = time.monotonic() + timeout_s  # each such start gets the whole time
             proc = self._spawn(argv, worker_id, cpus, threads[role])
             self.supervised[worker_id] = _Worker(worker_id, argv, cpus, threads[role], proc)
         self.wait_healthy(len(plan), deadline)

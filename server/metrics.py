@@ -159,6 +159,16 @@ class WorkerMetrics:
             "distserve_prefix_cache_hit_tokens", "Tokens whose KV came from the prefix cache so far.", registry=r
         )
         self.preemptions = Gauge("distserve_num_preemptions", "Preemptions by recompute so far.", registry=r)
+        self.memory_errors = Gauge(
+            "distserve_memory_errors",
+            "Engine steps (or their one-by-one retries) that failed for lack of device memory so far.",
+            registry=r,
+        )
+        self.memory_errors_recent = Gauge(
+            "distserve_memory_errors_recent",
+            "Of those, the ones in the last 30 s (non-zero: /health says degraded).",
+            registry=r,
+        )
         self.prefill_seconds = Histogram(
             "distserve_prefill_seconds", "Prefill request time in this worker.", buckets=LATENCY_BUCKETS, registry=r
         )
@@ -189,3 +199,5 @@ class WorkerMetrics:
         self.prefix_queried.set(loop_stats.prefix_cache_queried_tokens)
         self.prefix_hits.set(loop_stats.prefix_cache_hit_tokens)
         self.preemptions.set(loop_stats.num_preemptions)
+        self.memory_errors.set(loop_stats.num_memory_errors)
+        self.memory_errors_recent.set(status.memory_errors_recent)

@@ -124,6 +124,8 @@ class WorkerStatus(BaseModel):
     kv_blocks_used: int = Field(default=0, ge=0, le=MAX_LOAD_FIGURE, strict=True)
     kv_blocks_free: int = Field(default=0, ge=0, le=MAX_LOAD_FIGURE, strict=True)
     num_staged_kv: int = Field(default=0, ge=0, le=MAX_LOAD_FIGURE, strict=True)
+    # engine steps that failed for lack of device memory in the last MEMORY_PRESSURE_WINDOW_S (health: degraded)
+    memory_errors_recent: int = Field(default=0, ge=0, le=MAX_LOAD_FIGURE, strict=True)
 
 
 class RegisterRequest(BaseModel):
@@ -138,6 +140,7 @@ class RegisterRequest(BaseModel):
     # GPUs this worker can open CUDA IPC handles of; empty unless it runs on CUDA (cuda_ipc)
     cuda_uuids: list[str] = Field(default_factory=list, max_length=64)
     restart_count: int = Field(default=0, ge=0)  # times the launcher restarted this worker id
+    memory: dict[str, Any] | None = None  # how it sized its device memory (kv_sizing.KVBudget.to_dict), GPU only
     status: WorkerStatus = Field(default_factory=WorkerStatus)
 
 

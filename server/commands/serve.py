@@ -202,6 +202,8 @@ def cmd_worker(args) -> int:
         parse_devices(args.device)
     except ValueError as e:
         return usage_error(str(e))
+    if args.gpu_memory_utilization is not None and not 0 < args.gpu_memory_utilization <= 1:
+        return usage_error(f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}")
     problem = (
         device_problem([args.device])
         or model_problem(cfg.model)
@@ -221,6 +223,7 @@ def cmd_worker(args) -> int:
         worker_id=args.worker_id or "",
         cpus=cpus,
         restart_count=args.restart_count,
+        gpu_memory_utilization=args.gpu_memory_utilization,
     )
 
     async def main():
@@ -348,4 +351,11 @@ def add_parsers(sub) -> None:
     p.add_argument("--worker-id", default=None, help="name in /v1/workers (default: role + random suffix)")
     p.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--restart-count", type=int, default=0, help=argparse.SUPPRESS)  # set by the launcher
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=None,
+        help="this worker's share of its GPU's memory (default: cache.gpu_memory_utilization; `distserve serve` "
+        "sets it for workers that share a GPU, splitting the budget by prefill/decode memory_share)",
+    )
     p.set_defaults(handler=cmd_worker)

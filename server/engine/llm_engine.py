@@ -27,6 +27,7 @@ from server.engine.block_manager import BlockManager
 from server.engine.kv_sizing import KVBudget, kv_blocks_from_memory
 from server.engine.layer_ops import select_layer_ops
 from server.engine.loader import load_model_config, load_state_dict, resolve_model_path
+from server.engine.memory_pressure import MemoryPressure, is_memory_error, relieve
 from server.engine.model import LlamaForCausalLM
 from server.engine.model_runner import ModelRunner, kv_bytes_per_block
 from server.engine.presets import init_random_weights, is_preset, preset_config
@@ -38,6 +39,9 @@ from server.engine.sequence import Sequence, SequenceStatus
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# decode CUDA graphs are captured after the KV cache is allocated: reserved for them in the sizing
+# (the capture's real cost is measured and logged: engine.cuda_graph_bytes)
+CUDA_GRAPH_RESERVE_BYTES = 512 * 2**20
 
 
 @dataclass(frozen=True)
@@ -51,6 +55,11 @@ class EngineConfig:
     # CUDA, num_blocks 0: share of the device; KV gets what is left. 0 here (direct engine users, tests that
     # build several engines in one process); the worker passes cache.gpu_memory_utilization (0.9 default)
     gpu_memory_utilization: float = 0.0
+    # CUDA sizing (kv_sizing): bytes the owner allocates after the engine (a KV staging pool), tokens of
+    # pulled KV in flight (decode receive buffers), and memory to leave free inside the share
+    gpu_memory_reserved_bytes: int = 0
+    kv_receive_tokens: int = 0
+    gpu_memory_headroom_bytes: int = 0
     max_model_len: int = 0  # 0 = the model's max_position_embeddings
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
@@ -98,6 +107,7 @@ LogitsMaskFn = Callable[[list[Sequence]], "torch.Tensor | None"]
 class LLMEngine:
     def __init__(self, config: EngineConfig = EngineConfig()) -> None:
         self.config = config
+        self.memory_pressure = MemoryPressure()  # steps that failed for lack of device memory
         if config.torch_threads > 0:
             torch.set_num_threads(config.torch_threads)
         self.model_path: Path | None = None  # None: "preset:NAME", random weights made on the device, no files
@@ -154,10 +164,15 @@ class LLMEngine:
         self._seeds: dict[str, int] = {}
         self._rng = random.Random()
         self.eos_token_ids = set(self.model_config.eos_token_ids)
+        self.cuda_graph_bytes = 0  # measured: what GEMV tuning and graph capture kept reserved
         if self.device.type == "cuda":  # GEMV tuning + decode CUDA graphs
             from server.engine.cuda_graph_runner import setup_cuda_engine
 
+            before = torch.cuda.memory_reserved(self.device)
             setup_cuda_engine(self)
+            self.cuda_graph_bytes = max(0, torch.cuda.memory_reserved(self.device) - before)
+            if self.kv_budget is not None:
+                log.info("CUDA graphs and tuning kept %.2f GiB", self.cuda_graph_bytes / 2**30)
 
     def _build_cache(self, num_blocks: int) -> None:
         config = self.config
@@ -201,13 +216,19 @@ class LLMEngine:
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         non_torch = max(0, self._free_at_start - free - torch.cuda.memory_reserved(self.device))
+        block_bytes = kv_bytes_per_block(self.model_config, bs, self.dtype)
+        graphs = 0 if config.enforce_eager else CUDA_GRAPH_RESERVE_BYTES
+        reserved = config.gpu_memory_reserved_bytes + graphs + config.kv_receive_tokens * block_bytes // bs
         return kv_blocks_from_memory(
             total,
             config.gpu_memory_utilization,
             peak,
             non_torch,
-            kv_bytes_per_block(self.model_config, bs, self.dtype),
+            block_bytes,
             free_bytes=free - (peak - torch.cuda.memory_allocated(self.device)),
+            reserved_bytes=reserved,
+            headroom_bytes=config.gpu_memory_headroom_bytes,
+            min_blocks=-(-self.max_model_len // bs),
         )
 
     def _cap_max_model_len_for_rope(self) -> None:
@@ -363,25 +384,40 @@ class LLMEngine:
         try:
             logits = self.runner.execute(scheduled)
         except Exception as e:  # find whose input breaks the forward; the others go on
+            if is_memory_error(e):  # free the allocator's cache first: alone, each may fit
+                self.memory_pressure.record()
+                relieve(self.device)
             scheduled, logits = self._execute_isolating(scheduled, e, outputs)
         sampling = [s.seq for s in scheduled if s.samples]
         tokens: list[int | str] = []
         logprobs: list[TokenLogprobs | None] = []
         if sampling:
-            params = [s.sampling_params for s in sampling]
-            sampled = self.sampler.sample(
-                logits,
-                params,
-                [self._seeds[s.request_id] for s in sampling],
-                [s.num_output_tokens for s in sampling],
-                # the penalties' counts are rebuilt from the ids each step: a request resumed elsewhere
-                # (hand-off, migration, recompute) with its outputs sees the same logits
-                [(s.prompt_token_ids, s.output_token_ids) for s in sampling]
-                if any(p.has_penalties for p in params)
-                else None,
-                self.logits_mask_fn(sampling) if self.logits_mask_fn is not None else None,
-            )
-            tokens, logprobs = sampled.tokens, sampled.logprobs
+            try:
+                params = [s.sampling_params for s in sampling]
+                sampled = self.sampler.sample(
+                    logits,
+                    params,
+                    [self._seeds[s.request_id] for s in sampling],
+                    [s.num_output_tokens for s in sampling],
+                    # the penalties' counts are rebuilt from the ids each step: a request resumed elsewhere
+                    # (hand-off, migration, recompute) with its outputs sees the same logits
+                    [(s.prompt_token_ids, s.output_token_ids) for s in sampling]
+                    if any(p.has_penalties for p in params)
+                    else None,
+                    self.logits_mask_fn(sampling) if self.logits_mask_fn is not None else None,
+                )
+                tokens, logprobs = sampled.tokens, sampled.logprobs
+            except Exception as e:
+                if not is_memory_error(e):
+                    raise
+                # out of memory while sampling: this step's sampled requests fail, nothing else
+                self.memory_pressure.record()
+                relieve(self.device)
+                for seq in sampling:
+                    self.scheduler.remove(seq)
+                    outputs.append(self._fail(seq, f"out of device memory while sampling: {e}"))
+                scheduled = [s for s in scheduled if not s.samples]
+                sampling, tokens, logprobs = [], [], []
         bm = self.block_manager
         for s in scheduled:
             s.seq.num_computed_tokens += s.num_new_tokens
@@ -418,6 +454,9 @@ class LLMEngine:
                 if logits is None:
                     raise error
             except Exception as e:
+                if is_memory_error(e):
+                    self.memory_pressure.record()
+                    relieve(self.device)
                 log.warning("request %s fails the model forward: %s: %s", s.seq.request_id, type(e).__name__, e)
                 self.scheduler.remove(s.seq)
                 outputs.append(self._fail(s.seq, f"the model forward failed on this request: {type(e).__name__}: {e}"))

@@ -364,9 +364,13 @@ def create_router_app(state: RouterState) -> FastAPI:
             )
         lost = sum(n for c in counts.values() for st, n in c.items() if st not in ("healthy", "draining"))
         journal = state.sla.journal_problem() if state.sla is not None else None
-        out = {"status": "degraded" if lost or journal else "ok", "mode": mode, "workers": workers}
+        # workers whose engine steps fail for lack of device memory (their heartbeats say so)
+        pressure = sorted(w.worker_id for w in reg.workers.values() if w.healthy and w.status.memory_errors_recent)
+        out = {"status": "degraded" if lost or journal or pressure else "ok", "mode": mode, "workers": workers}
         if journal:
             out["reasons"] = [journal]  # a journal write failed: requests are served, records are being lost
+        if pressure:
+            out["memory_pressure"] = pressure
         return out
 
     @app.get("/metrics")

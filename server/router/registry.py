@@ -83,6 +83,7 @@ class WorkerInfo:
     status: WorkerStatus
     cuda_uuids: list[str] = field(default_factory=list)  # GPUs it can open IPC handles of
     restart_count: int = 0  # times the launcher restarted this worker id
+    memory: dict | None = None  # its device-memory sizing (GPU workers)
     last_seen: float = field(default_factory=time.monotonic)
     registered_at: float = field(default_factory=time.time)
     state: str = HEALTHY
@@ -146,6 +147,8 @@ class WorkerInfo:
             "kv_blocks_used": s.kv_blocks_used if live else None,
             "kv_blocks_free": s.kv_blocks_free if live else None,
             "num_staged_kv": s.num_staged_kv if live else None,
+            "memory_errors_recent": s.memory_errors_recent if live else None,
+            "memory": self.memory,
             "fingerprint": self.fingerprint,
             "model_path": self.model_path,
             "max_model_len": self.max_model_len,
@@ -194,6 +197,7 @@ class WorkerRegistry:
             status=req.status,
             cuda_uuids=list(req.cuda_uuids),
             restart_count=req.restart_count,
+            memory=req.memory,
         )
         old = self.workers.get(req.worker_id)
         if old is not None:

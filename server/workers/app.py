@@ -42,7 +42,7 @@ from server.wire import (
     WorkerStatus,
 )
 from server.workers.engine_loop import EngineLoop
-from server.workers.fault import FaultRequest, StepDelays
+from server.workers.fault import FaultRequest, StepDelays, arm_oom
 from server.workers.guard import AuthFirst, internal_body_limit
 
 log = logging.getLogger(__name__)
@@ -113,6 +113,15 @@ def create_worker_app(state: WorkerState) -> FastAPI:
 
     @app.get("/health")
     async def health():
+        recent = state.loop.engine.memory_pressure.recent()
+        if recent:  # serving, but steps fail for lack of device memory
+            return {
+                "status": "degraded",
+                "role": state.role,
+                "worker_id": state.worker_id,
+                "reason": f"{recent} engine steps failed for lack of device memory in the last "
+                f"{state.loop.engine.memory_pressure.window_s:g} s",
+            }
         return {"status": "ok", "role": state.role, "worker_id": state.worker_id}
 
     @app.get("/metrics")
@@ -124,7 +133,12 @@ def create_worker_app(state: WorkerState) -> FastAPI:
     async def fault(body: FaultRequest):
         state.loop.fault = StepDelays.from_request(body)
         log.warning("fault hook: engine step delays now %s", state.loop.fault.to_dict())
-        return state.loop.fault.to_dict()
+        out = state.loop.fault.to_dict()
+        if body.oom_forwards:
+            await state.loop.call(lambda: arm_oom(state.loop.engine, body.oom_forwards))
+            log.warning("fault hook: the next %d model forwards raise OutOfMemoryError", body.oom_forwards)
+            out["oom_forwards"] = body.oom_forwards
+        return out
 
     @app.get("/internal/status", dependencies=[Depends(require_token)])
     async def status():

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from server.engine.llm_engine import LLMEngine, RequestOutput
+from server.engine.memory_pressure import is_memory_error, relieve
 from server.engine.sampling_params import SamplingParams
 from server.wire import WorkerStatus
 from server.workers.fault import StepDelays
@@ -61,6 +62,7 @@ class LoopStats:
     prefix_cache_queried_tokens: int = 0  # tokens of admitted sequences looked up in the prefix cache
     prefix_cache_hit_tokens: int = 0  # of those, tokens whose KV came from the cache
     idle_seconds_total: float = 0.0  # loop waiting with no unfinished request (the rest is host work)
+    num_memory_errors: int = 0  # engine steps (or their retries) that failed for lack of device memory
 
 
 @dataclass(frozen=True)
@@ -112,6 +114,9 @@ class EngineLoop:
     def start(self) -> None:
         if self.threaded and self._executor is None:
             self._executor = ThreadPoolExecutor(1, "engine-step", initializer=self._init_engine_thread)
+            # start the thread now: its cuBLAS handle and workspace are made at start, not by the first
+            # step (which may come when the device is full: CUBLAS_STATUS_ALLOC_FAILED at cublasCreate)
+            self._executor.submit(lambda: None)
         self._task = asyncio.get_running_loop().create_task(self._run(), name="engine-loop")
 
     def stop(self) -> None:
@@ -128,6 +133,11 @@ class EngineLoop:
             import torch
 
             torch.cuda.set_device(dev)
+        if dev is not None and getattr(dev, "type", "") == "cuda":
+            import torch
+
+            a = torch.ones(8, 8, device=dev, dtype=getattr(self.engine, "dtype", torch.float32))
+            (a @ a).sum().item()  # this thread's cuBLAS handle and workspace, made while there is room
 
     @property
     def stats(self) -> LoopStats:
@@ -141,6 +151,7 @@ class EngineLoop:
             prefix_cache_queried_tokens=e.block_manager.num_cache_queries,
             prefix_cache_hit_tokens=e.block_manager.num_cache_hits,
             idle_seconds_total=self._idle_seconds,
+            num_memory_errors=e.memory_pressure.total,
         )
 
     def status(self, num_staged_kv: int = 0) -> WorkerStatus:
@@ -153,6 +164,7 @@ class EngineLoop:
             kv_blocks_used=e.num_used_blocks,
             kv_blocks_free=e.num_free_blocks,
             num_staged_kv=num_staged_kv,
+            memory_errors_recent=e.memory_pressure.recent(),
         )
 
     # --- the loop ------------------------------------------------------------
@@ -198,6 +210,9 @@ class EngineLoop:
                     finally:
                         self.step_started = 0.0
             except Exception as e:  # a bug, not a request's fault (those are failed inside the step)
+                if is_memory_error(e):
+                    engine.memory_pressure.record()
+                    relieve(engine.device)
                 log.exception("engine step failed; aborting every request in it")
                 outputs, cpu = self._abort_all(f"internal engine error: {type(e).__name__}: {e}"), 0.0
             self._step_seconds += time.perf_counter() - t0

@@ -1,6 +1,8 @@
 """Fault hook for tests and chaos drills: extra delay before engine steps (``POST /admin/fault``).
 
-``{"prefill_delay_ms": X, "decode_delay_ms": Y}`` sets the delays, ``{}`` clears them.
+``{"prefill_delay_ms": X, "decode_delay_ms": Y}`` sets the delays, ``{}`` clears them;
+``{"oom_forwards": N}`` makes the next N model forwards raise ``torch.cuda.OutOfMemoryError``
+(:func:`arm_oom`), on CPU too, to drill what an out-of-memory step costs.
 A step that will admit waiting requests (a prefill step; every step of a prefill
 worker) waits ``prefill_delay_ms`` first, any other step ``decode_delay_ms``. The
 wait is an ``asyncio.sleep`` on the engine loop, so HTTP handlers (health, metrics,
@@ -27,6 +29,8 @@ class FaultRequest(BaseModel):
     prefill_delay_ms: float = Field(default=0.0, ge=0.0, le=MAX_DELAY_MS)
     decode_delay_ms: float = Field(default=0.0, ge=0.0, le=MAX_DELAY_MS)
     block_step_ms: float = Field(default=0.0, ge=0.0, le=MAX_DELAY_MS)
+    # the next N model forwards raise torch.cuda.OutOfMemoryError (what a full device does to a step)
+    oom_forwards: int = Field(default=0, ge=0, le=1_000_000)
 
 
 @dataclass(frozen=True)
@@ -48,3 +52,29 @@ class StepDelays:
             "decode_delay_ms": self.decode_s * 1000.0,
             "block_step_ms": self.block_s * 1000.0,
         }
+
+
+class OomForwards:
+    """Wraps one engine's ``runner.execute`` (instance-local): the next ``remaining`` calls raise
+    ``torch.cuda.OutOfMemoryError`` before running; then the real forward runs again."""
+
+    def __init__(self, runner) -> None:
+        self.remaining = 0
+        self._execute = runner.execute
+
+    def __call__(self, scheduled):
+        if self.remaining > 0:
+            import torch
+
+            self.remaining -= 1
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB (fault hook)")
+        return self._execute(scheduled)
+
+
+def arm_oom(engine, n: int) -> OomForwards:
+    hook = engine.runner.execute
+    if not isinstance(hook, OomForwards):
+        hook = OomForwards(engine.runner)
+        engine.runner.execute = hook
+    hook.remaining = n
+    return hook

@@ -23,6 +23,7 @@ import torch
 import uvicorn
 
 from server.config import DistServeConfig
+from server.engine.kv_sizing import MemoryBudgetError
 from server.engine.llm_engine import EngineConfig, LLMEngine
 from server.kv_transfer import KVPuller, KVStagingServer, cuda_ipc
 from server.kv_transfer.factory import choose_transport, host_id
@@ -50,9 +51,14 @@ class WorkerOptions:
     worker_id: str = ""
     cpus: tuple[int, ...] = ()
     restart_count: int = 0  # times the launcher restarted this worker id (reported at registration)
+    # this worker's own share of its GPU (the launcher's split of cache.gpu_memory_utilization among the
+    # workers sharing it, server/memory_budget.py); None = cache.gpu_memory_utilization
+    gpu_memory_utilization: float | None = None
 
 
-def engine_config_for(role: str, cfg: DistServeConfig, device: str) -> EngineConfig:
+def engine_config_for(
+    role: str, cfg: DistServeConfig, device: str, gpu_memory_utilization: float | None = None
+) -> EngineConfig:
     """Map the config onto one role's engine (the one place that does).
 
     Shared by every role: ``model``, ``cache``, and ``prefill.max_seq_len`` — the serving limit (the
@@ -61,6 +67,7 @@ def engine_config_for(role: str, cfg: DistServeConfig, device: str) -> EngineCon
     workers, ``decode.*`` for decode and colocated ones).
     """
     pf, dc, cache = cfg.prefill, cfg.decode, cfg.cache
+    on_cuda = device.startswith("cuda")
     common: dict[str, Any] = dict(
         model=cfg.model,
         device=device,
@@ -68,7 +75,14 @@ def engine_config_for(role: str, cfg: DistServeConfig, device: str) -> EngineCon
         block_size=cache.block_size,
         num_blocks=cache.num_gpu_blocks,
         kv_cache_memory_mb=cache.kv_cache_memory_mb,
-        gpu_memory_utilization=cache.gpu_memory_utilization,
+        gpu_memory_utilization=cache.gpu_memory_utilization
+        if gpu_memory_utilization is None
+        else gpu_memory_utilization,
+        gpu_memory_headroom_bytes=cache.gpu_memory_headroom_mb << 20,
+        # allocated after the engine: the prefill worker's cuda_ipc staging pool; a decode worker's pulled KV
+        # lands in a buffer of its own before the commit: two prefill batches' worth in flight
+        gpu_memory_reserved_bytes=(cfg.kv_transfer.cuda_ipc_pool_mb << 20) if role == "prefill" and on_cuda else 0,
+        kv_receive_tokens=2 * pf.max_num_batched_tokens if role == "decode" else 0,
         max_model_len=pf.max_seq_len,
         max_num_batched_tokens=pf.max_num_batched_tokens,
         enable_prefix_caching=cache.enable_prefix_caching,
@@ -129,6 +143,19 @@ def fingerprint(engine: LLMEngine) -> dict:
     }
 
 
+def memory_report(engine: LLMEngine, sender: KVStagingServer | None) -> dict | None:
+    """The sizing (kv_sizing.KVBudget) plus what was measured after it, for /v1/workers; None off CUDA."""
+    budget = engine.kv_budget
+    if budget is None:
+        return None
+    out = budget.to_dict()
+    out["cuda_graphs_mib"] = engine.cuda_graph_bytes >> 20
+    out["staging_pool_mib"] = (sender.cuda_ipc_pool_bytes if sender is not None else 0) >> 20
+    free, _ = torch.cuda.mem_get_info(engine.device)
+    out["device_free_after_start_mib"] = free >> 20
+    return out
+
+
 async def serve_worker(opts: WorkerOptions) -> int:
     if opts.cpus:
         os.sched_setaffinity(0, opts.cpus)
@@ -142,7 +169,11 @@ async def serve_worker(opts: WorkerOptions) -> int:
         # The current device is per thread and defaults to 0: without this, eager Triton kernels of a
         # worker on cuda:1 launch on GPU 0 (seen on 2 GPUs: pointer errors, then an illegal address).
         torch.cuda.set_device(torch.device(opts.device))
-    engine = LLMEngine(engine_config_for(opts.role, opts.config, opts.device))
+    try:
+        engine = LLMEngine(engine_config_for(opts.role, opts.config, opts.device, opts.gpu_memory_utilization))
+    except MemoryBudgetError as e:  # its share cannot hold what it needs: say so, and stay stopped (exit 2)
+        print(f"distserve worker: error: {opts.worker_id or opts.role}: {e}", flush=True)
+        return 2
     loop = asyncio.get_running_loop()
     kvc, dc = opts.config.kv_transfer, opts.config.decode
     engine_loop = EngineLoop(
@@ -178,6 +209,8 @@ async def serve_worker(opts: WorkerOptions) -> int:
             max_connections_per_peer=kvc.max_connections_per_peer or None,
             cuda_ipc_pool_bytes=(kvc.cuda_ipc_pool_mb << 20) if on_cuda else 0,
         )
+        if on_cuda:  # allocate the staging pool now, inside this worker's budget
+            state.sender.ipc_pool(engine.device)
     if opts.role == "decode":
         state.puller = KVPuller(cuda_device=engine.device if on_cuda else None)
     sock = listen(opts.host, opts.port)
@@ -208,7 +241,10 @@ async def serve_worker(opts: WorkerOptions) -> int:
         host_id=host_id(),
         cuda_uuids=cuda_ipc.visible_gpu_uuids() if on_cuda else [],
         restart_count=opts.restart_count,
+        memory=memory_report(engine, state.sender),
     )
+    if reg.memory is not None:
+        log.info("device memory: %s", reg.memory)
     engine_loop.start()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))
