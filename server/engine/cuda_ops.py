@@ -493,19 +493,11 @@ class TritonLayerOps:
         """One kernel rotates q and k and stores K/V; the backend only attends (``attend``)."""
         positions, cos, sin = rope
         t = qkv.shape[0]
-        q, k = rope_and_cache(
-            qkv,
-            positions,
-            cos,
-            sin,
-            kv_cache,
-            meta.slot_mapping,
-            attn.num_heads,
-            attn.num_kv_heads,
-            attn.head_dim,
-            attn.kv_scale,
-            attn.kv_amax,
-        )
+        args = (qkv, positions, cos, sin, kv_cache, meta.slot_mapping, attn.num_heads, attn.num_kv_heads, attn.head_dim)
+        if attn.kv_scale is None:
+            q, k = rope_and_cache(*args)
+        else:  # an e4m3 cache: quantised on write with the layer's scales, amax recorded (fp8.py)
+            q, k = rope_and_cache(*args, attn.kv_scale, attn.kv_amax)
         v = qkv[:, attn.q_size + attn.kv_size :].view(t, attn.num_kv_heads, attn.head_dim)
         if attn.kv_scale is None:
             o = backend.attend(q, k, v, kv_cache, meta, attn.scale)  # type: ignore[attr-defined]  # can_fuse checked
