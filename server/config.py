@@ -33,6 +33,7 @@ __all__ = [
     "RayConfig",
     "RouterConfig",
     "load_config",
+    "role_dtype",
 ]
 
 
@@ -75,6 +76,8 @@ _KIND_NAMES = {
 }
 
 _MS_MAX = 3_600_000  # one hour, in milliseconds
+_DTYPE_CHOICES = ("auto", "float32", "float16", "bfloat16")
+_KV_DTYPE_CHOICES = ("auto", "bf16", "fp8_e4m3")
 
 
 def _num(x: float | None) -> str:
@@ -223,6 +226,10 @@ class PrefillConfig(_Section):
     engine_thread: str = _opt("auto", "enum", choices=("auto", "on", "off"))
     # weight of each prefill worker in the budget of a GPU it shares (server/memory_budget.py)
     memory_share: float = _opt(0.3, "float", lo=0, hi=1, lo_open=True)
+    # precision of the prefill role (docs/FP8.md): compute dtype (auto = cache.dtype) and its own KV cache
+    # dtype (auto = the compute dtype: the seed's bf16 prefill; fp8_e4m3 ships FP8 KV + scales to decode)
+    dtype: str = _opt("auto", "enum", choices=_DTYPE_CHOICES)
+    kv_dtype: str = _opt("auto", "enum", choices=_KV_DTYPE_CHOICES)
 
 
 @dataclass(frozen=True)
@@ -239,6 +246,10 @@ class DecodeConfig(_Section):
     engine_thread: str = _opt("auto", "enum", choices=("auto", "on", "off"))  # decode and colocated workers
     # weight of each decode (or colocated) worker in the budget of a GPU it shares
     memory_share: float = _opt(0.7, "float", lo=0, hi=1, lo_open=True)
+    # precision of decode and colocated workers (docs/FP8.md): compute dtype (auto = cache.dtype), and the
+    # decoder linears' weights: bf16 = as loaded (the compute dtype), fp8 = e4m3 with per-output-channel scales
+    dtype: str = _opt("auto", "enum", choices=_DTYPE_CHOICES)
+    weight_dtype: str = _opt("bf16", "enum", choices=("bf16", "fp8"))
 
 
 @dataclass(frozen=True)
@@ -255,6 +266,12 @@ class CacheConfig(_Section):
     gpu_memory_headroom_mb: int = _opt(1024, "int", lo=0, hi=1_000_000)
     dtype: str = _opt("auto", "enum", choices=("auto", "float32", "float16", "bfloat16"))
     enable_prefix_caching: bool = _opt(True, "bool")
+    # KV cache of decode and colocated workers (the prefill role's is prefill.kv_dtype): auto/bf16 = the
+    # compute dtype; fp8_e4m3 = one byte per value with per-layer K and V scales calibrated online
+    kv_dtype: str = _opt("auto", "enum", choices=_KV_DTYPE_CHOICES)
+    kv_scale_init: float = _opt(1.0, "float", lo=0, hi=1e6, lo_open=True)  # FP8 scale until calibrated
+    # FP8 KV scales are calibrated from the K/V amax of the first N finished requests (0 = keep kv_scale_init)
+    kv_calibration_requests: int = _opt(1000, "int", lo=0, hi=100_000_000)
 
 
 @dataclass(frozen=True)
@@ -383,6 +400,38 @@ class DistServeConfig(_Section):
     kv_transfer: KVTransferConfig = _sub(KVTransferConfig)
     router: RouterConfig = _sub(RouterConfig)
     ray: RayConfig = _sub(RayConfig)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_precision(self)
+
+
+# Attention backends that read an FP8 KV cache (the C++ CPU kernel and flash-attn read the compute dtype only).
+_FP8_KV_BACKENDS = ("auto", "sdpa", "triton")
+
+
+def _check_precision(cfg: DistServeConfig) -> None:
+    """Cross-key rules of per-role precision, checked once with the rest of the configuration."""
+    roles = (("prefill", "prefill.kv_dtype", cfg.prefill.kv_dtype), ("decode", "cache.kv_dtype", cfg.cache.kv_dtype))
+    for role, kv_key, kv in roles:
+        backend = getattr(cfg, role).attention_backend
+        if kv == "fp8_e4m3" and backend not in _FP8_KV_BACKENDS:
+            raise ConfigError(
+                f"{kv_key!r} fp8_e4m3 needs {role}.attention_backend one of {', '.join(_FP8_KV_BACKENDS)}; "
+                f"got {backend!r}"
+            )
+    pf, dc = role_dtype(cfg, "prefill"), role_dtype(cfg, "decode")
+    if pf != dc:
+        raise ConfigError(
+            f"'prefill.dtype' ({pf}) and 'decode.dtype' ({dc}) must resolve to one compute dtype: the KV a prefill "
+            "worker makes is read by decode workers (FP8 storage is chosen by decode.weight_dtype and cache.kv_dtype)"
+        )
+
+
+def role_dtype(cfg: DistServeConfig, role: str) -> str:
+    """A role's compute dtype: ``prefill.dtype`` / ``decode.dtype``, ``auto`` meaning ``cache.dtype``."""
+    own = cfg.prefill.dtype if role == "prefill" else cfg.decode.dtype
+    return own if own != "auto" else cfg.cache.dtype
 
 
 # -------------------------------------------------------------------------- loading

@@ -180,6 +180,40 @@ class WorkerMetrics:
             "distserve_kv_transfer_failures", "Failed KV pulls.", ["transport"], registry=r
         )
 
+    def set_kv_calibration(self, report: dict | None) -> None:
+        """FP8 KV cache (engine.kv_calibration_report): per-layer scales and amax, calibration progress.
+        The gauges are created on first use, so a worker without an FP8 cache exports none of them."""
+        if report is None:
+            return
+        r = self.registry
+        if not hasattr(self, "kv_scale"):
+            self.kv_scale = Gauge(
+                "distserve_kv_cache_scale",
+                "FP8 KV cache scale per layer (x = q * scale).",
+                ["layer", "kind"],
+                registry=r,
+            )
+            self.kv_amax = Gauge(
+                "distserve_kv_cache_amax",
+                "Largest |K| or |V| written to the FP8 KV cache.",
+                ["layer", "kind"],
+                registry=r,
+            )
+            self.kv_calibrated = Gauge(
+                "distserve_kv_cache_calibrated", "1 once the FP8 KV scales are calibrated, else 0.", registry=r
+            )
+            self.kv_calibration_requests = Gauge(
+                "distserve_kv_cache_calibration_requests",
+                "Finished requests counted for FP8 KV calibration.",
+                registry=r,
+            )
+        for i, (scales, amax) in enumerate(zip(report["scales"], report["amax"])):
+            for kind, sc, am in (("k", scales[0], amax[0]), ("v", scales[1], amax[1])):
+                self.kv_scale.labels(str(i), kind).set(sc)
+                self.kv_amax.labels(str(i), kind).set(am)
+        self.kv_calibrated.set(1 if report["state"] == "calibrated" else 0)
+        self.kv_calibration_requests.set(report["requests_seen"])
+
     def set_kv_cache(self, kv_bytes: int, gpu_memory_utilization: float) -> None:
         """Set once at startup: what the KV sizing decided (kv_sizing.KVBudget)."""
         self.kv_cache_bytes.set(kv_bytes)

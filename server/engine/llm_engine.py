@@ -24,6 +24,7 @@ import torch
 
 from server.engine.attention import get_attention_backend
 from server.engine.block_manager import BlockManager
+from server.engine.fp8 import FP8_DTYPE, check_scales, is_fp8, quantize_model_weights, with_fp8_linears
 from server.engine.kv_sizing import KVBudget, kv_blocks_from_memory
 from server.engine.layer_ops import select_layer_ops
 from server.engine.loader import load_model_config, load_state_dict, resolve_model_path
@@ -42,6 +43,23 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 # decode CUDA graphs are captured after the KV cache is allocated: reserved for them in the sizing
 # (the capture's real cost is measured and logged: engine.cuda_graph_bytes)
 CUDA_GRAPH_RESERVE_BYTES = 512 * 2**20
+
+
+def check_fp8_device(device: torch.device, uses_fp8: bool) -> None:
+    """FP8 storage needs e4m3 support: CUDA compute capability 8.9+ (Ada, Hopper), or the CPU's emulated
+    path (values widened before each op: correct, slower than float32; for tests and accuracy runs)."""
+    if not uses_fp8:
+        return
+    if device.type == "cuda":
+        cap = torch.cuda.get_device_capability(device)
+        if cap < (8, 9):
+            raise ValueError(
+                f"FP8 weights or KV need a GPU of compute capability 8.9 or newer; {device} has {cap[0]}.{cap[1]}"
+            )
+    elif device.type == "cpu":
+        log.warning("FP8 on the CPU runs the emulated path (e4m3 storage, widened per op): slower than float32")
+    else:
+        raise ValueError(f"FP8 weights or KV are not supported on {device.type}; use cuda or cpu")
 
 
 @dataclass(frozen=True)
@@ -69,12 +87,22 @@ class EngineConfig:
     torch_threads: int = 0  # 0 = leave torch's default
     enable_prefix_caching: bool = True  # reuse the KV of full blocks whose whole prefix matches
     enforce_eager: bool = False  # CUDA only: no CUDA graphs for decode steps
+    # FP8 storage (fp8.py, docs/FP8.md): decoder linears in e4m3 with per-channel scales ("bf16" = as
+    # loaded, the compute dtype); the KV cache in e4m3 with per-layer scales calibrated online
+    weight_dtype: str = "bf16"
+    kv_cache_dtype: str = "auto"  # auto | bf16 (= the compute dtype) | fp8_e4m3
+    kv_scale_init: float = 1.0
+    kv_calibration_requests: int = 1000  # finished requests before the FP8 KV scales are set; 0 = never
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be auto or one of {', '.join(_DTYPES)}, got {self.dtype!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.weight_dtype not in ("bf16", "fp8"):
+            raise ValueError(f"weight_dtype must be bf16 or fp8, got {self.weight_dtype!r}")
+        if self.kv_cache_dtype not in ("auto", "bf16", "fp8_e4m3"):
+            raise ValueError(f"kv_cache_dtype must be auto, bf16 or fp8_e4m3, got {self.kv_cache_dtype!r}")
 
 
 @dataclass
@@ -118,11 +146,21 @@ class LLMEngine:
             self.model_config = load_model_config(self.model_path)
         self.device = torch.device(config.device)
         self.dtype = self._resolve_dtype()
-        backend = get_attention_backend(config.attention_backend, self.device)
+        self.kv_dtype = FP8_DTYPE if config.kv_cache_dtype == "fp8_e4m3" else self.dtype
+        uses_fp8 = config.weight_dtype == "fp8" or is_fp8(self.kv_dtype)
+        check_fp8_device(self.device, uses_fp8)
+        backend_name = config.attention_backend
+        if is_fp8(self.kv_dtype) and backend_name == "auto" and self.device.type == "cpu":
+            backend_name = "sdpa"  # the C++ paged kernel reads float32 caches only
+        backend = get_attention_backend(backend_name, self.device)
+        if is_fp8(self.kv_dtype) and not getattr(backend, "supports_fp8_kv", False):
+            raise ValueError(f"attention backend {backend.name!r} cannot read an FP8 KV cache; use sdpa or triton")
         # device memory free before this engine allocates anything (for kv_sizing: what this
         # process adds outside torch's allocator, as opposed to other processes' memory)
         self._free_at_start = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else 0
         ops = select_layer_ops(backend, self.device, self.model_config.head_dim)  # fused Triton ops on a GPU
+        if config.weight_dtype == "fp8":
+            ops = with_fp8_linears(ops)
         with torch.device("meta"):
             model = LlamaForCausalLM(self.model_config, backend, ops)
         model = model.to_empty(device=self.device).to(self.dtype)
@@ -130,6 +168,10 @@ class LLMEngine:
             init_random_weights(model)
         else:
             model.load_hf_weights(load_state_dict(self.model_path, dtype=self.dtype, device=str(self.device)))
+        self.weight_report: dict | None = None
+        if config.weight_dtype == "fp8":
+            self.weight_report = quantize_model_weights(model)
+            log.info("FP8 weights: %s", self.weight_report)
         self.model = model.eval().requires_grad_(False)
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         window = self.model_config.sliding_window
@@ -153,7 +195,7 @@ class LLMEngine:
                 1,
                 config.kv_cache_memory_mb
                 * 2**20
-                // kv_bytes_per_block(self.model_config, config.block_size, self.dtype),
+                // kv_bytes_per_block(self.model_config, config.block_size, self.kv_dtype),
             )
         self._build_cache(num_blocks)
         self.sampler = Sampler()
@@ -186,7 +228,16 @@ class LLMEngine:
             ),
             self.block_manager,
         )
-        self.runner = ModelRunner(self.model, num_blocks, config.block_size, self.dtype, self.device)
+        self.runner = ModelRunner(
+            self.model,
+            num_blocks,
+            config.block_size,
+            self.dtype,
+            self.device,
+            kv_dtype=self.kv_dtype,
+            kv_scale_init=config.kv_scale_init,
+            kv_calibration_requests=config.kv_calibration_requests,
+        )
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -216,7 +267,7 @@ class LLMEngine:
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         non_torch = max(0, self._free_at_start - free - torch.cuda.memory_reserved(self.device))
-        block_bytes = kv_bytes_per_block(self.model_config, bs, self.dtype)
+        block_bytes = kv_bytes_per_block(self.model_config, bs, self.kv_dtype)
         graphs = 0 if config.enforce_eager else CUDA_GRAPH_RESERVE_BYTES
         reserved = config.gpu_memory_reserved_bytes + graphs + config.kv_receive_tokens * block_bytes // bs
         return kv_blocks_from_memory(
@@ -318,14 +369,19 @@ class LLMEngine:
         self.awaiting_kv[request_id] = seq
         return True
 
-    def commit_prefilled(self, request_id: str, kv: torch.Tensor) -> None:
+    def commit_prefilled(self, request_id: str, kv: torch.Tensor, kv_scales: list[list[float]] | None = None) -> None:
+        """Write the pulled KV into the reserved blocks; FP8 KV comes with its per-layer [K, V] scales and is
+        re-quantised to this engine's scales if they differ; KV in a compute dtype going into an FP8 cache is
+        quantised here, once (``ModelRunner.scatter_kv``)."""
         seq = self.awaiting_kv.get(request_id)
         if seq is None:
             raise KeyError(f"request {request_id!r} has no reservation")
         expected = self.runner.kv_shape(seq.num_tokens - 1)
         if tuple(kv.shape) != expected:
             raise ValueError(f"KV for {request_id!r} has shape {tuple(kv.shape)}, expected {expected}")
-        self.runner.scatter_kv(seq.block_table, kv)
+        if kv_scales is not None:
+            kv_scales = check_scales(kv_scales, self.model_config.num_hidden_layers)
+        self.runner.scatter_kv(seq.block_table, kv, kv_scales)
         seq.num_computed_tokens = seq.num_tokens - 1
         del self.awaiting_kv[request_id]
         self.scheduler.add_running(seq)
@@ -419,6 +475,7 @@ class LLMEngine:
                 scheduled = [s for s in scheduled if not s.samples]
                 sampling, tokens, logprobs = [], [], []
         bm = self.block_manager
+        finished = 0
         for s in scheduled:
             s.seq.num_computed_tokens += s.num_new_tokens
             bm.register(s.seq)
@@ -431,11 +488,23 @@ class LLMEngine:
             seq.output_token_ids.append(token)
             self._check_stop(seq, token)
             if seq.is_finished:
+                finished += 1
                 self.scheduler.remove(seq)
                 if seq.status != SequenceStatus.FINISHED_PREFILLED:
                     self._release(seq)
             outputs.append(self._output(seq, [token], None if lp is None else [lp]))
+        cal = self.runner.kv_calibration
+        if finished and cal is not None:
+            cal.on_finished(finished, self.runner.kv_caches)  # at the target: set the scales, re-quantise once
         return outputs
+
+    def kv_calibration_report(self) -> dict | None:
+        """FP8 KV cache: calibration state, per-layer scales and amax (a device sync); None otherwise."""
+        cal = self.runner.kv_calibration
+        if cal is None:
+            return None
+        cal.refresh_host()
+        return cal.report()
 
     def _execute_isolating(self, scheduled: list, error: Exception, outputs: list[RequestOutput]):
         """The batch forward raised: run each entry alone, fail the ones that still raise (with the

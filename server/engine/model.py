@@ -154,6 +154,10 @@ class LlamaAttention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
+        # FP8 KV cache only (fp8.py): this layer's [K, V] scales and running amax, float32 views into the
+        # runner's [num_layers, 2] tensors; None for a cache in the compute dtype
+        self.kv_scale: torch.Tensor | None = None
+        self.kv_amax: torch.Tensor | None = None
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         # Llama's attention_bias covers o_proj too; Qwen2 biases q/k/v only.
         o_bias = cfg.attention_bias and cfg.architecture != "Qwen2ForCausalLM"

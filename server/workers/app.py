@@ -15,6 +15,7 @@ cancelled and the request is aborted in the engine: its blocks are freed at once
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import logging
@@ -127,6 +128,8 @@ def create_worker_app(state: WorkerState) -> FastAPI:
     @app.get("/metrics")
     async def metrics():
         state.metrics.refresh(state.status(), state.loop.stats)
+        if state.loop.engine.runner.kv_calibration is not None:  # FP8 KV: scales and calibration state
+            state.metrics.set_kv_calibration(await state.loop.call(state.loop.engine.kv_calibration_report))
         return PlainTextResponse(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/admin/fault", dependencies=[Depends(require_token)])
@@ -194,7 +197,7 @@ async def _prefill(state: WorkerState, body: PrefillRequest) -> JSONResponse:
         phases = state.metrics.prefill_phase_seconds
         phases.labels("queued_and_step").observe(t1 - t0)
         try:
-            kv, ready = await state.loop.call(lambda: _take_kv(state, rid))
+            kv, ready, kv_scales = await state.loop.call(lambda: _take_kv(state, rid))
         except KeyError:  # aborted (POST /internal/abort) between its last step and now: nothing to stage
             return JSONResponse(
                 PrefillResponse(
@@ -215,6 +218,8 @@ async def _prefill(state: WorkerState, body: PrefillRequest) -> JSONResponse:
         t2 = time.perf_counter()
         phases.labels("take_kv").observe(t2 - t1)
         handle = await asyncio.to_thread(_stage, state, rid, kv, ready, transport)
+        if kv_scales is not None:  # an FP8 cache's bytes travel with the scales they were quantised with
+            handle = dataclasses.replace(handle, kv_scales=tuple((k, v) for k, v in kv_scales))
         phases.labels("stage").observe(time.perf_counter() - t2)
         state.metrics.prefill_seconds.observe(time.perf_counter() - t0)
         return JSONResponse(
@@ -258,9 +263,10 @@ async def _unless_disconnected(request: Request, coro):
 
 
 def _take_kv(state: WorkerState, rid: str):
-    """(KV, CUDA event after its gather or None); on the engine's thread, between steps."""
-    _, kv = state.loop.engine.take_prefilled_kv(rid)
-    return kv, cuda_ipc.record_ready(kv)
+    """(KV, CUDA event after its gather or None, FP8 scales or None); on the engine's thread, between steps."""
+    engine = state.loop.engine
+    _, kv = engine.take_prefilled_kv(rid)
+    return kv, cuda_ipc.record_ready(kv), engine.runner.kv_scales()
 
 
 def _stage(state: WorkerState, rid: str, kv, ready, transport: str):
@@ -403,7 +409,7 @@ async def _admit_with_kv(state: WorkerState, body: GenerateRequest, params: Samp
         state.metrics.kv_transfer_seconds.labels(handle.transport).observe(elapsed)
         state.metrics.kv_transfer_bytes.labels(handle.transport).inc(result.nbytes)
         try:
-            q = await loop.commit(rid, result.tensor)
+            q = await loop.commit(rid, result.tensor, [list(p) for p in handle.kv_scales] or None)
         except (KeyError, ValueError) as e:
             await loop.abort(rid)
             return None, {"error": f"kv commit failed: {e}"}

@@ -369,10 +369,10 @@ class EngineLoop:
             self.abort_nowait(request_id)  # it may have been granted meanwhile
             raise
 
-    async def commit(self, request_id: str, kv) -> asyncio.Queue:
+    async def commit(self, request_id: str, kv, kv_scales=None) -> asyncio.Queue:
         q = self.open_stream(request_id)
         try:
-            await self._engine_call(lambda: self.engine.commit_prefilled(request_id, kv))
+            await self._engine_call(lambda: self.engine.commit_prefilled(request_id, kv, kv_scales))
         except ValueError:
             self.close_stream(request_id)
             raise

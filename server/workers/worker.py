@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import uvicorn
 
-from server.config import DistServeConfig
+from server.config import DistServeConfig, role_dtype
 from server.engine.kv_sizing import MemoryBudgetError
 from server.engine.llm_engine import EngineConfig, LLMEngine
 from server.kv_transfer import KVPuller, KVStagingServer, cuda_ipc
@@ -71,7 +71,9 @@ def engine_config_for(
     common: dict[str, Any] = dict(
         model=cfg.model,
         device=device,
-        dtype=cache.dtype,
+        dtype=role_dtype(cfg, "prefill" if role == "prefill" else "decode"),
+        kv_scale_init=cache.kv_scale_init,
+        kv_calibration_requests=cache.kv_calibration_requests,
         block_size=cache.block_size,
         num_blocks=cache.num_gpu_blocks,
         kv_cache_memory_mb=cache.kv_cache_memory_mb,
@@ -94,6 +96,7 @@ def engine_config_for(
             prefill_policy="wfs",
             torch_threads=pf.torch_threads,
             attention_backend=pf.attention_backend,
+            kv_cache_dtype=pf.kv_dtype,  # the prefill role keeps its weights as loaded (the seed's bf16 prefill)
         )
     if role == "decode":
         return EngineConfig(
@@ -102,9 +105,16 @@ def engine_config_for(
             decode_policy="fewest_remaining",
             torch_threads=dc.torch_threads,
             attention_backend=dc.attention_backend,
+            weight_dtype=dc.weight_dtype,
+            kv_cache_dtype=cache.kv_dtype,
         )
     return EngineConfig(
-        **common, max_num_seqs=dc.max_batch_size, torch_threads=dc.torch_threads, attention_backend=dc.attention_backend
+        **common,
+        max_num_seqs=dc.max_batch_size,
+        torch_threads=dc.torch_threads,
+        attention_backend=dc.attention_backend,
+        weight_dtype=dc.weight_dtype,
+        kv_cache_dtype=cache.kv_dtype,
     )
 
 
@@ -117,12 +127,16 @@ def fingerprint(engine: LLMEngine) -> dict:
     """
     c = engine.model_config
     m: Any = engine.model  # torch types submodules loosely
+    qkv = m.layers[0].self_attn.qkv_proj
+    # FP8 weights (decode.weight_dtype fp8) keep these rows as loaded, so an FP8 decode worker matches a
+    # bf16 prefill worker of the same checkpoint
+    qkv_rows = getattr(qkv, "fingerprint_rows", None)
     sample = (
         torch.cat(
             [
                 m.embed_tokens.weight[:8].flatten(),
                 m.norm.weight.flatten(),
-                m.layers[0].self_attn.qkv_proj.weight[:4].flatten(),
+                (qkv_rows if qkv_rows is not None else qkv.weight[:4]).flatten(),
             ]
         )
         .detach()
