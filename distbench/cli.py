@@ -4,7 +4,8 @@
         --save-result r.json
     distbench run --url http://127.0.0.1:8080 --concurrency 100 --prompt-len 128 --output-len 64 --duration 300
     distbench sweep --url URL --slo ttft:250ms,tpot:50ms --out-dir sweep/
-    distbench compare A.json B.json
+    distbench compare A1.json A2.json A3.json vs B1.json B2.json B3.json
+    distbench repeat 3 --variant A='--url U --request-rate 8' --variant B='--url V --request-rate 8'
     distbench plot A.json B.json --out-dir plots/
     distbench merge part1.json part2.json -o all.json
 
@@ -41,10 +42,21 @@ def _percentiles(text: str) -> tuple[float, ...]:
     return qs
 
 
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/generate")
+
+
 def add_load_args(r: argparse.ArgumentParser, sweep: bool = False) -> None:
-    r.add_argument("--url", required=True, help="server base URL, with or without a trailing /v1")
     r.add_argument(
-        "--endpoint", default="/v1/completions", choices=["/v1/completions", "/v1/chat/completions", "/generate"]
+        "--url",
+        required=True,
+        help="server base URL, with or without a trailing /v1; a URL ending in an endpoint "
+        "(http://h:8080/generate) also sets --endpoint",
+    )
+    r.add_argument(
+        "--endpoint",
+        default=None,
+        choices=list(ENDPOINTS),
+        help="the API to load (default: the one --url ends in, else /v1/completions)",
     )
     if not sweep:
         r.add_argument(
@@ -116,6 +128,27 @@ def add_load_args(r: argparse.ArgumentParser, sweep: bool = False) -> None:
         "--token", default=None, help="admin token (default $DISTSERVE_ADMIN_TOKEN): scrape the workers' /metrics too"
     )
     r.add_argument("--no-progress", action="store_true", help="no live progress line")
+    r.add_argument(
+        "--compat",
+        choices=["vllm"],
+        default=None,
+        help="compute the figures under vllm bench serve's definitions: TTFT/E2EL from the actual send, "
+        "the clock from one mean gap before the first send (docs/DISTBENCH.md)",
+    )
+    r.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="after --duration: seconds the requests in flight may finish (after Ctrl-C: at most 5); "
+        "the rest are recorded as cancelled",
+    )
+    r.add_argument(
+        "--backoff",
+        default="0.05:2",
+        metavar="BASE:MAX",
+        help="closed loop: after a request failed within MAX s its user waits a jittered back-off "
+        "doubling from BASE up to MAX seconds before the next one (0 = none)",
+    )
 
 
 def options_from(args, **spec_overrides):
@@ -146,7 +179,7 @@ def options_from(args, **spec_overrides):
         raise UsageError("--turns must be >= 1 and --prefix-len >= 0")
     kw = {
         "url": _base(args.url),
-        "endpoint": args.endpoint,
+        "endpoint": _endpoint(args.url, args.endpoint),
         "strategy": strategy,
         "request_rate": rate,
         "burstiness": args.burstiness,
@@ -160,6 +193,9 @@ def options_from(args, **spec_overrides):
         "timeout_s": args.timeout,
         "time_scale": getattr(args, "time_scale", 1.0),
     }
+    kw.update(_backoff(args.backoff))
+    kw["drain_s"] = args.drain_timeout
+    kw["grace_s"] = min(5.0, max(0.0, args.drain_timeout))  # Ctrl-C: at most 5 s, never more than the drain
     kw.update(spec_overrides)
     try:
         spec = RunSpec(**kw)
@@ -176,15 +212,40 @@ def options_from(args, **spec_overrides):
         getattr(args, "stop_on_saturation", False),
         not args.no_progress,
         admin_token(args.token),
+        compat=getattr(args, "compat", None),
     )
 
 
+def _backoff(text: str) -> dict:
+    base, _, top = str(text).partition(":")
+    try:
+        b = float(base)
+        m = float(top) if top else max(b, 2.0)
+    except ValueError:
+        raise UsageError(f"--backoff must be BASE:MAX seconds like 0.05:2 (or 0), got {text!r}") from None
+    if b == 0:
+        return {"backoff_s": 0.0, "backoff_max_s": max(m, 0.0)}
+    return {"backoff_s": b, "backoff_max_s": m}
+
+
 def _base(url: str) -> str:
-    from distbench.client import base_url
+    from distbench.client import base_url, split_endpoint
 
     if not url.startswith(("http://", "https://")):
         raise UsageError(f"--url must start with http:// or https://, got {url!r}")
-    return base_url(url)
+    return base_url(split_endpoint(url)[0])
+
+
+def _endpoint(url: str, given: str | None) -> str:
+    """--endpoint, or the endpoint --url ends in (the source article's --url http://h:8080/generate)."""
+    from distbench.client import split_endpoint
+
+    in_url = split_endpoint(url)[1]
+    if given and in_url and given != in_url:
+        raise UsageError(
+            f"--url ends in {in_url} but --endpoint is {given}: give the server's base URL with --endpoint"
+        )
+    return given or in_url or "/v1/completions"
 
 
 def cmd_run(args) -> int:

@@ -19,6 +19,16 @@ from distbench.records import RequestRecord, short_error
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/generate")
 
 
+def split_endpoint(url: str) -> tuple[str, str | None]:
+    """``http://h:8080/generate`` -> (``http://h:8080``, ``/generate``); a URL without an endpoint is
+    returned as it is, with None."""
+    url = url.strip().rstrip("/")
+    for ep in ("/v1/chat/completions", "/v1/completions", "/generate"):
+        if url.endswith(ep):
+            return url[: -len(ep)], ep
+    return url, None
+
+
 def base_url(url: str) -> str:
     """'http://h:8080/v1/' and 'http://h:8080' both mean the server at http://h:8080."""
     url = url.strip().rstrip("/")
@@ -114,7 +124,9 @@ async def send(http: aiohttp.ClientSession, url: str, endpoint: str, body: dict,
         if usage and usage.get("prompt_tokens"):
             rec.prompt_tokens = int(usage["prompt_tokens"])
     except asyncio.CancelledError:
-        rec.error = rec.error or "cancelled: run stopped before the response finished"
+        if rec.error is None:
+            rec.error = "cancelled: in flight when the run stopped"
+            rec.cancelled_after = time.perf_counter() - sched_abs
         raise
     except (TimeoutError, aiohttp.ClientError, json.JSONDecodeError, ValueError, KeyError) as e:
         rec.error = short_error(None, exc=e)

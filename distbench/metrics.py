@@ -13,11 +13,18 @@ Failed-request rule: a failed request (HTTP error, error event in the stream, co
 timeout, no token) has no latency, so it is not in the latency histograms (as in ``vllm bench serve``);
 it is counted in ``failed``, listed by reason in ``failures``, and counts as a miss in
 ``slo_attainment`` and in ``request_goodput``. It is never silently dropped.
+
+Cancelled-request rule: a request still in flight when the run stopped (Ctrl-C, the end of
+``--duration``'s drain) is neither: it is counted in ``cancelled``. It counts as a miss in
+``slo_attainment`` when it had already broken a limit (no first token after the TTFT limit, or longer
+than the E2EL limit, or a gap over the ITL limit); otherwise its outcome is unknown and it is left out of
+the attainment's denominator (``slo_judged``). A result with cancelled requests never passes (PARTIAL).
 """
 
 from __future__ import annotations
 
 import math
+import re
 from collections import Counter
 
 import numpy as np
@@ -32,6 +39,21 @@ SERVICE = {"ttft_service": "ttft_service", "e2el_service": "e2e_service"}
 SLO_NAMES = ("ttft", "tpot", "itl", "e2el")
 LATE_S = 0.001  # a send more than 1 ms behind its schedule is "late"
 DEFAULT_PERCENTILES = (50.0, 90.0, 95.0, 99.0, 99.9)
+MIN_TAIL_SAMPLES = 10  # a pNN needs this many samples above it to be an estimate rather than the maximum
+
+
+def tail_samples(n: int, q: float) -> float:
+    """Samples above the pNN of n samples: n × (1 − q/100); P99.9 of 200 samples has 0.2 (it is the maximum)."""
+    return round(n * (1.0 - q / 100.0), 9)
+
+
+def thin_tail(n: int, q: float) -> bool:
+    """Too few samples in the tail for the pNN to be an estimate: P99 below 1 000 samples, P99.9 below 10 000."""
+    return tail_samples(n, q) < MIN_TAIL_SAMPLES
+
+
+def samples_needed(q: float) -> int:
+    return int(round(MIN_TAIL_SAMPLES / (1.0 - q / 100.0)))
 
 
 class Histogram(HdrHistogram):
@@ -170,8 +192,30 @@ def meets(r: RequestRecord, slo: dict[str, float]) -> bool:
     return True
 
 
+def missed_before_cancel(r: RequestRecord, slo: dict[str, float]) -> bool:
+    """A cancelled request that had already broken one of the limits when it was cancelled."""
+    waited = r.cancelled_after or 0.0
+    if "ttft" in slo and (r.ttft > slo["ttft"] if r.ttft is not None else waited > slo["ttft"]):
+        return True
+    if "e2el" in slo and waited > slo["e2el"]:
+        return True
+    return "itl" in slo and bool(r.itl) and max(r.itl) > slo["itl"]
+
+
 def failure_reasons(records: list[RequestRecord]) -> dict[str, int]:
-    return dict(Counter(r.error or "no tokens received" for r in records if not r.warmup and not r.ok).most_common())
+    """Failures by reason: the status and message with every number masked (``N``), so 21 prompts that are
+    each too long by a different count are one reason, not 21."""
+    return dict(
+        Counter(
+            _NUMBER.sub("N", r.error or "no tokens received")
+            for r in records
+            if not r.warmup and not r.ok and not r.cancelled
+        ).most_common()
+    )
+
+
+# numbers in a failure message, but not the HTTP status that leads it ("HTTP 400: ... 3468 tokens ...")
+_NUMBER = re.compile(r"(?<!HTTP )(?<![\w.])\d+(?:\.\d+)?")
 
 
 def summarize(
@@ -189,10 +233,12 @@ def summarize(
     dur = duration_s if duration_s > 0 else math.nan
     out_tokens = sum(r.output_tokens for r in ok)
     in_tokens = sum(r.prompt_tokens for r in ok)
+    cancelled = [r for r in measured if r.cancelled]
     s: dict = {
         "num_prompts": len(measured),
         "completed": len(ok),
-        "failed": len(measured) - len(ok),
+        "failed": len(measured) - len(ok) - len(cancelled),
+        "cancelled": len(cancelled),
         "duration": duration_s,
         "total_input_tokens": in_tokens,
         "total_output_tokens": out_tokens,
@@ -207,10 +253,15 @@ def summarize(
     s["late_sends"] = sum(1 for r in measured if r.late > LATE_S)
     s["late_threshold_ms"] = LATE_S * 1000
     s.update(hist_stats(lag, "send_lag", percentiles))
+    delayed = [r.backoff for r in measured if r.backoff > 0]
+    s["backoff_delays"], s["backoff_total_s"] = len(delayed), float(sum(delayed))
+    s["sample_counts"] = {name: hs[name].get_total_count() for name in (*METRICS, *SERVICE)}
     if slo:
         s["slo"] = {k: v * 1000 for k, v in slo.items()}
         s["slo_met"] = sum(meets(r, slo) for r in measured)
-        s["slo_attainment"] = s["slo_met"] / len(measured) if measured else 0.0
+        unknown = sum(1 for r in cancelled if not missed_before_cancel(r, slo))
+        s["slo_judged"] = len(measured) - unknown
+        s["slo_attainment"] = s["slo_met"] / s["slo_judged"] if s["slo_judged"] else 0.0
     gp = goodput or slo
     s["request_goodput"] = (
         sum(meets(r, {k: v for k, v in gp.items() if k != "itl"}) for r in measured) / dur if gp else None

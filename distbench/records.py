@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 
 SCHEMA_VERSION = 1
+CANCELLED = "cancelled"  # the prefix of a cancelled request's `error`
 
 
 @dataclass
@@ -29,6 +30,13 @@ class RequestRecord:
     warmup: bool = False  # excluded from every figure
     session: int | None = None  # multi-turn: conversation id
     turn: int | None = None
+    backoff: float = 0.0  # closed loop: seconds this user waited after a fast failure before sending it
+    cancelled_after: float | None = None  # cancelled at the stop: seconds from `scheduled` to the cancel
+
+    @property
+    def cancelled(self) -> bool:
+        """In flight when the run stopped (Ctrl-C, --duration's drain ran out): neither a success nor a failure."""
+        return self.error is not None and self.error.startswith(CANCELLED)
 
     @property
     def ok(self) -> bool:

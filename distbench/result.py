@@ -43,7 +43,14 @@ def build(
     server_metrics: dict | None = None,
     interrupted: str | None = None,
 ) -> dict:
-    s = summarize(records, duration_s, percentiles, slo, goodput)
+    figures_of, figures_duration = records, duration_s
+    if config.get("compat") == "vllm":  # vLLM's definitions (distbench/vllm_compat.py); raw records kept
+        from distbench.vllm_compat import vllm_view
+
+        figures_of = vllm_view(records)
+        if config.get("strategy") != "closed" and config.get("request_rate"):
+            figures_duration = duration_s + 1.0 / config["request_rate"]
+    s = summarize(figures_of, figures_duration, percentiles, slo, goodput)
     measured = [r for r in records if not r.warmup]
     return {
         "distbench_schema": SCHEMA_VERSION,
@@ -59,6 +66,7 @@ def build(
         "strategy": config.get("strategy"),
         "percentiles": list(percentiles),
         "interrupted": interrupted,
+        "compat": config.get("compat"),
         **s,
         # vLLM's per-request arrays (seconds), in send order, measured requests only
         "ttfts": [r.ttft if r.ok else 0.0 for r in measured],

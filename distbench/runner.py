@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field, replace
 import aiohttp
 
 from distbench import promscrape, result
-from distbench.datasets import Item, Lengths, Vocab, jsonl_items, random_items, sharegpt_items
+from distbench.datasets import FitToServer, Item, Lengths, Vocab, jsonl_items, random_items, sharegpt_items
 from distbench.loadgen import RunSpec, run_load
 from distbench.metrics import DEFAULT_PERCENTILES, parse_goodput, parse_slo
 from distbench.progress import Monitor, watch
@@ -50,6 +50,7 @@ class Options:
     stop_on_saturation: bool = False
     progress: bool = True
     token: str | None = None  # admin token: worker /metrics and the vocabulary from /v1/workers
+    compat: str | None = None  # "vllm": the figures under vllm bench serve's definitions (vllm_compat.py)
 
 
 async def probe(base: str, token: str | None) -> dict:
@@ -78,7 +79,10 @@ async def probe(base: str, token: str | None) -> dict:
     return info
 
 
-def build_items(w: Workload, n: int, info: dict) -> tuple[list[Item], Vocab | None]:
+CHAT_TEMPLATE_RESERVE = 64  # tokens kept free for a chat template's role markers and default system prompt
+
+
+def build_items(w: Workload, n: int, info: dict, chat: bool = False) -> tuple[list[Item], Vocab | None]:
     try:
         prompt = Lengths.parse(w.prompt_len, "--prompt-len")
         given = Lengths.parse(w.output_len, "--output-len") if w.output_len is not None else None
@@ -98,9 +102,10 @@ def build_items(w: Workload, n: int, info: dict) -> tuple[list[Item], Vocab | No
                 )
             return random_items(pool, prompt, output, vocab, w.seed, w.prefix_len, w.turns), vocab
         if kind == "sharegpt":
-            return sharegpt_items(
-                pool, path or None, vocab, given, w.seed, int(info.get("max_model_len") or 2048)
-            ), vocab
+            limit = int(info.get("max_model_len") or 2048)
+            fit = FitToServer(limit, reserve=CHAT_TEMPLATE_RESERVE if chat else 0)
+            info["dataset_fit"] = fit
+            return sharegpt_items(pool, path or None, vocab, given, w.seed, limit, fit=fit), vocab
         if kind == "jsonl" and path:
             return jsonl_items(path, None, vocab, given, w.seed), vocab
         raise UsageError(f"--dataset {w.dataset!r}: use random, sharegpt, sharegpt:PATH or jsonl:PATH")
@@ -128,7 +133,10 @@ async def run_async(opts: Options, stop: asyncio.Event | None = None) -> dict:
     info = await probe(spec.url, opts.token)
     if spec.model is None and info.get("model"):
         spec = replace(spec, model=info["model"])
-    items, vocab = build_items(opts.workload, spec.num_prompts, info)
+    items, vocab = build_items(opts.workload, spec.num_prompts, info, chat=spec.endpoint == "/v1/chat/completions")
+    fit = info.pop("dataset_fit", None)
+    if fit is not None and fit.dropped:
+        print(fit.line(), file=sys.stderr)
     if spec.strategy == "trace":
         if any(i.at is None for i in items):
             raise UsageError("--strategy trace needs --dataset jsonl:PATH with a timestamp on every line")
@@ -141,7 +149,7 @@ async def run_async(opts: Options, stop: asyncio.Event | None = None) -> dict:
     mon = Monitor(planned, slo, opts.slo_target)
     watcher = asyncio.create_task(watch(mon, stop, opts.stop_on_saturation, opts.progress and sys.stderr.isatty()))
     try:
-        records, duration, start = await run_load(spec, items, vocab, mon.on_done, mon.on_sent, stop)
+        records, duration, start = await run_load(spec, items, vocab, mon.on_done, mon.on_sent, stop, _drain_line)
     finally:
         watcher.cancel()
         await asyncio.gather(watcher, return_exceptions=True)
@@ -157,6 +165,7 @@ async def run_async(opts: Options, stop: asyncio.Event | None = None) -> dict:
         "slo": opts.slo,
         "goodput": list(opts.goodput),
         "slo_target": opts.slo_target,
+        "compat": opts.compat,
         "vocab_size": vocab.size if vocab else None,
         "server": info,
     }
@@ -164,27 +173,48 @@ async def run_async(opts: Options, stop: asyncio.Event | None = None) -> dict:
         records, duration, start, config, opts.percentiles, slo, gp, promscrape.deltas(before, after), interrupted
     )
     res["slo_target"] = opts.slo_target
+    if fit is not None:
+        res["dataset_fit"] = {"max_model_len": fit.max_model_len, "considered": fit.considered, "dropped": fit.dropped}
+    res["TTFT_P99"] = res.get("p99_ttft_ms")  # the source article's key: the same figure, milliseconds
     res["verdict"] = verdict(res)
     return res
 
 
+def _drain_line(reason: str, n: int, up_to_s: float) -> None:
+    if n:
+        print(f"{reason}: draining {n} requests, up to {up_to_s:g} s", file=sys.stderr, flush=True)
+
+
 def verdict(res: dict) -> dict:
-    """pass/fail and one line saying why (failed requests count as misses)."""
-    n, failed = res["num_prompts"], res["failed"]
+    """pass/fail and one line saying why (failed requests count as misses). A run that was stopped, or
+    whose drain ran out with requests in flight (``cancelled``), is PARTIAL: never a pass."""
+    n, failed, cancelled = res["num_prompts"], res["failed"], res.get("cancelled", 0)
     if n == 0:
         return {"pass": False, "line": "FAIL: no request was sent"}
     if "slo_attainment" in res:
         att, target = res["slo_attainment"], res["slo_target"]
         ok = att >= target
         slo = ", ".join(f"{k} <= {v:g} ms" for k, v in res["slo"].items())
-        line = (
-            f"{'PASS' if ok else 'FAIL'}: SLO attainment {100 * att:.1f}% "
-            f"{'>=' if ok else '<'} target {100 * target:g}% ({slo}; {failed} of {n} requests failed)"
+        word, body = (
+            "PASS" if ok else "FAIL",
+            f"SLO attainment {100 * att:.1f}% {'>=' if ok else '<'} target {100 * target:g}% "
+            f"({slo}; {failed} of {n} requests failed)",
         )
-        return {"pass": ok, "line": line}
-    if failed:
-        return {"pass": False, "line": f"FAIL: {failed} of {n} requests failed"}
-    return {"pass": True, "line": f"PASS: all {n} requests completed"}
+    elif failed:
+        ok, word, body = False, "FAIL", f"{failed} of {n} requests failed"
+    else:
+        ok, word, body = True, "PASS", f"all {n - cancelled} requests completed"
+    stopped = res.get("interrupted")
+    if stopped and stopped.startswith("saturated"):
+        return {"pass": False, "line": f"FAIL: {body} (stopped early: {stopped})"}
+    if stopped or cancelled:
+        why = stopped or "duration reached"
+        return {
+            "pass": False,
+            "partial": True,
+            "line": f"PARTIAL ({why}; {cancelled} of {n} requests cancelled in flight): {body}",
+        }
+    return {"pass": ok, "line": f"{word}: {body}"}
 
 
 def run(opts: Options) -> dict:

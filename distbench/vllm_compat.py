@@ -1,13 +1,49 @@
-"""Read ``vllm bench serve`` result files (``--save-detailed``) as distbench records.
+"""vLLM's definitions: read ``vllm bench serve`` result files as distbench records, and ``--compat vllm``.
 
 vLLM saves per-request arrays in seconds: ``ttfts`` (from the actual send), ``latencies``, ``output_lens``,
 ``errors``; TPOT is (latency - ttft) / (output_len - 1) in both tools. With these records the one statistics
 module (``distbench.metrics``) answers for vLLM's runs too.
+
+``--compat vllm`` (``vllm_view``): the figures of a run computed the way ``vllm bench serve`` computes them.
+Where the two tools' definitions differ (docs/DISTBENCH.md, "Agreement with vllm bench serve"):
+
+- TTFT and E2EL from the *actual* send, not the scheduled one (vLLM does not know the schedule): each
+  record's ``ttft``/``e2e`` become its service times and its send is taken as on time;
+- the run's clock starts one mean inter-arrival gap before the first send, as vLLM's does (its request
+  generator waits a gap before the first request): ``duration`` + 1/rate in open loop.
+
+What both tools already share: TPOT = (last token − first token) / (output tokens − 1) with the output
+tokens from the final ``usage``; ITL = gaps between token-carrying chunks; a completions chunk with a
+choice is a token (first token = the first such chunk); failed requests out of the latency figures.
+Percentiles stay nearest rank from HDR histograms (vLLM interpolates between ranks); means do not
+depend on that rule.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from distbench.records import RequestRecord
+
+COMPAT = ("vllm",)
+
+
+def vllm_view(records: list[RequestRecord]) -> list[RequestRecord]:
+    """Copies of the records with vLLM's TTFT/E2E (from the actual send); the originals are untouched."""
+    out = []
+    for r in records:
+        lag = r.sent - r.scheduled
+        out.append(
+            replace(
+                r,
+                itl=list(r.itl),
+                scheduled=r.sent,
+                start_unix=r.start_unix + lag,
+                ttft=r.ttft_service,
+                e2e=None if r.e2e is None else r.e2e - lag,
+            )
+        )
+    return out
 
 
 def records_from_vllm(d: dict) -> list[RequestRecord] | None:

@@ -144,11 +144,11 @@ def cmd_plan(args) -> int:
     overrides = deploy.config_overrides(best.layout, base_batch, prof.device)
     cfg_path = None
     if overrides:
+        # written by default: the deploy line below names it (a command that points at a missing file fails)
         cfg_path = args.write_config or "plan.yaml"
         text = deploy.to_yaml(overrides, prof.model)
-        if args.write_config:
-            Path(cfg_path).write_text(text)
-        print(f"\nconfig ({cfg_path}{'' if args.write_config else ', not written: pass --write-config FILE'}):")
+        Path(cfg_path).write_text(text)
+        print(f"\nconfig (written to {cfg_path}; --write-config FILE to put it elsewhere):")
         print(text.rstrip())
     print("\ndeploy the winner:\n  " + deploy.serve_command(best.layout, prof.device, prof.model, cfg_path))
     if best.layout.mode == "colocated" and prof.device != "cpu":

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from planner.profile import Profile
+from server.latency_model import prefill_work_ms
 
 
 def _fit_nonneg(rows: list[list[float]], y: list[float]) -> list[float]:
@@ -104,11 +105,8 @@ class LatencyModel:
             t = max(self.fixed_ms, self.prefill_fixed_ms) if decode_batch else self.prefill_fixed_ms
         else:
             t = self.fixed_ms
-        pf = 0.0
-        if prefill_chunks:
-            for new, before in prefill_chunks:
-                # attention over the chunk: (before+new)^2 - before^2 keeps a chunked prompt's total exact
-                pf += self.prefill_per_token_ms * new + self.prefill_per_token2_ms * ((before + new) ** 2 - before**2)
+        # the one prefill formula (server/latency_model.py), also the router's TTFT prediction
+        pf = prefill_work_ms(prefill_chunks, self.prefill_per_token_ms, self.prefill_per_token2_ms)
         dc = self.decode_per_seq_ms * decode_batch + self.decode_per_ctx_ms * decode_context
         phase = "prefill" if prefill_chunks and pf >= dc else "decode"
         step = t + pf + dc

@@ -97,8 +97,8 @@ def load_workload(spec: str, n: int = 400, seed: int = 0) -> Workload:
             raise WorkloadError("the sharegpt workload needs the distbench package") from None
         try:
             items = sharegpt_items(n, path, None, None, seed=seed)
-        except ValueError as e:
-            raise WorkloadError(str(e)) from None
+        except ValueError as e:  # distbench names its own flag; here it is --workload
+            raise WorkloadError(str(e).replace("--dataset sharegpt", "--workload sharegpt")) from None
         over = parse_lengths(out, "output") if out else None
         return Workload(spec, tuple((it.prompt_len, over.draw(rng) if over else it.output_len) for it in items))
     if spec.startswith("result:"):

@@ -63,7 +63,7 @@ def svg_plot(rows: list[dict], title: str) -> str:
             )
         if r["observed"] is None:
             continue
-        color = "#cf222e" if r["status"] == "fail" else "#1a7f37"
+        color = {"fail": "#cf222e", "insufficient_data": "#9a6700"}.get(r["status"], "#1a7f37")
         out.append(
             f'<circle cx="{x(i):.1f}" cy="{y(r["observed"] * scale):.1f}" r="3.5" fill="{color}">'
             f"<title>{_e(r['window_start'])}: {r['observed'] * scale:.4g} {unit} "

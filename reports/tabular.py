@@ -54,10 +54,13 @@ def _target(r: dict) -> str:
 
 
 def _budget(r: dict) -> str:
+    """Share of the error budget used; '12× budget' beyond 10×; no % when the budget is under 10 samples."""
     b = r.get("budget_used")
+    if r.get("status") == "insufficient_data":
+        return f"— (budget {r['allowed_violations']:.3g} samples: too few)"
     if b is None:
         return "exceeded (budget 0)" if r.get("status") == "fail" else "—"
-    return f"{100 * b:.0f}%"
+    return f"{b:.0f}× budget" if b >= 10 else f"{100 * b:.0f}%"
 
 
 def markdown_summary(report: dict) -> str:

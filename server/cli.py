@@ -12,7 +12,7 @@ import os
 import sys
 
 from server.commands import cluster, harness, planner, serve, tools
-from server.commands.common import LOG_LEVEL_ENV, Parser
+from server.commands.common import LOG_LEVEL_ENV, Parser, unrecognized
 
 __all__ = ["LOG_LEVEL_ENV", "build_parser", "main"]
 
@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "sla":  # `distserve sla --help` and options go to sla's own parser
         args.sla_args = extra + args.sla_args
     elif extra:
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        unrecognized(parser, args.command, extra)
     level = (
         args.log_level
         or os.environ.get(LOG_LEVEL_ENV)

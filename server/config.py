@@ -33,6 +33,7 @@ __all__ = [
     "RayConfig",
     "RouterConfig",
     "load_config",
+    "role_dtype",
 ]
 
 
@@ -75,6 +76,8 @@ _KIND_NAMES = {
 }
 
 _MS_MAX = 3_600_000  # one hour, in milliseconds
+_DTYPE_CHOICES = ("auto", "float32", "float16", "bfloat16")
+_KV_DTYPE_CHOICES = ("auto", "bf16", "fp8_e4m3")
 
 
 def _num(x: float | None) -> str:
@@ -186,9 +189,12 @@ class _Section:
         for k in d:
             if k not in valid:
                 close = difflib.get_close_matches(str(k), valid, n=1)
+                elsewhere = _close_key_elsewhere(str(k), cls._key(str(k))) if not close else None
                 hint = (
                     f"did you mean {cls._key(close[0])!r}?"
                     if close
+                    else f"did you mean {elsewhere!r}?"
+                    if elsewhere
                     else f"valid keys{' of ' + repr(cls._section) if cls._section else ''}: {', '.join(valid)}"
                 )
                 raise ConfigError(f"unknown key {cls._key(str(k))!r}; {hint}")
@@ -218,6 +224,12 @@ class PrefillConfig(_Section):
     torch_threads: int = _opt(0, "int", lo=0, hi=1024)  # 0 = leave torch's default
     # engine.step() on its own thread (on) or on the event loop (off); auto = on for CUDA devices
     engine_thread: str = _opt("auto", "enum", choices=("auto", "on", "off"))
+    # weight of each prefill worker in the budget of a GPU it shares (server/memory_budget.py)
+    memory_share: float = _opt(0.3, "float", lo=0, hi=1, lo_open=True)
+    # precision of the prefill role (docs/FP8.md): compute dtype (auto = cache.dtype) and its own KV cache
+    # dtype (auto = the compute dtype: the seed's bf16 prefill; fp8_e4m3 ships FP8 KV + scales to decode)
+    dtype: str = _opt("auto", "enum", choices=_DTYPE_CHOICES)
+    kv_dtype: str = _opt("auto", "enum", choices=_KV_DTYPE_CHOICES)
 
 
 @dataclass(frozen=True)
@@ -232,6 +244,12 @@ class DecodeConfig(_Section):
     max_stale_slots: int = _opt(16, "int", lo=0, hi=1_000_000)
     torch_threads: int = _opt(0, "int", lo=0, hi=1024)
     engine_thread: str = _opt("auto", "enum", choices=("auto", "on", "off"))  # decode and colocated workers
+    # weight of each decode (or colocated) worker in the budget of a GPU it shares
+    memory_share: float = _opt(0.7, "float", lo=0, hi=1, lo_open=True)
+    # precision of decode and colocated workers (docs/FP8.md): compute dtype (auto = cache.dtype), and the
+    # decoder linears' weights: bf16 = as loaded (the compute dtype), fp8 = e4m3 with per-output-channel scales
+    dtype: str = _opt("auto", "enum", choices=_DTYPE_CHOICES)
+    weight_dtype: str = _opt("bf16", "enum", choices=("bf16", "fp8"))
 
 
 @dataclass(frozen=True)
@@ -240,11 +258,20 @@ class CacheConfig(_Section):
     block_size: int = _opt(16, "int", lo=1, hi=256, pow2=True)
     num_gpu_blocks: int = _opt(0, "int", lo=0, hi=10_000_000)  # 0 = size automatically
     kv_cache_memory_mb: int = _opt(512, "int", lo=1, hi=10_000_000)
-    # CUDA: share of the device this worker may use; KV gets what weights + a profiling forward leave;
-    # 0 = size from kv_cache_memory_mb as on CPU. Workers sharing one GPU split it (e.g. 0.45 each).
+    # CUDA: share of each device that its workers together may use, split among workers sharing a GPU by
+    # prefill.memory_share / decode.memory_share; KV gets what weights, a profiling forward, staging pool,
+    # receive buffers, CUDA graphs and the headroom leave; 0 = size from kv_cache_memory_mb as on CPU.
     gpu_memory_utilization: float = _opt(0.9, "float", lo=0, hi=1)
+    # CUDA: memory each worker leaves free inside its share (cuBLAS handles of new threads, allocator slack)
+    gpu_memory_headroom_mb: int = _opt(1024, "int", lo=0, hi=1_000_000)
     dtype: str = _opt("auto", "enum", choices=("auto", "float32", "float16", "bfloat16"))
     enable_prefix_caching: bool = _opt(True, "bool")
+    # KV cache of decode and colocated workers (the prefill role's is prefill.kv_dtype): auto/bf16 = the
+    # compute dtype; fp8_e4m3 = one byte per value with per-layer K and V scales calibrated online
+    kv_dtype: str = _opt("auto", "enum", choices=_KV_DTYPE_CHOICES)
+    kv_scale_init: float = _opt(1.0, "float", lo=0, hi=1e6, lo_open=True)  # FP8 scale until calibrated
+    # FP8 KV scales are calibrated from the K/V amax of the first N finished requests (0 = keep kv_scale_init)
+    kv_calibration_requests: int = _opt(1000, "int", lo=0, hi=100_000_000)
 
 
 @dataclass(frozen=True)
@@ -277,6 +304,27 @@ class BreakerConfig(_Section):
 
 
 @dataclass(frozen=True)
+class AdmissionConfig(_Section):
+    """Bounded queues and SLO-aware admission (server/router/admission.py). 0 = no bound of that kind."""
+
+    _section: ClassVar[str] = "router.admission"
+    max_inflight_requests: int = _opt(1024, "int", lo=0, hi=10_000_000)  # admitted and not finished
+    max_queued_requests: int = _opt(512, "int", lo=0, hi=10_000_000)  # admitted, first token not yet sent
+    max_queued_prefill_tokens: int = _opt(0, "int", lo=0, hi=1 << 40)  # 0 = 64 x prefill.max_num_batched_tokens
+    # a request predicted to wait longer than this for its first token is refused even without an SLO
+    # (0 = half of request_timeout_s): no admitted request waits without bound
+    max_predicted_ttft_s: float = _opt(0.0, "float", lo=0)
+    slo_ttft_ms: float = _opt(0.0, "float", lo=0)  # default of header x-slo-ttft-ms; 0 = no TTFT SLO
+    slo_tpot_ms: float = _opt(0.0, "float", lo=0)  # default of header x-slo-tpot-ms; 0 = no TPOT SLO
+    on_slo_miss: str = _opt("shed", "enum", choices=("shed", "queue", "backup"))  # predicted TTFT > SLO
+    on_full: str = _opt("shed", "enum", choices=("shed", "backup"))  # a queue bound reached
+    retry_after_s: int = _opt(1, "int", lo=1, hi=3600)  # the least Retry-After of a 429
+    # client connections: 0 = from RLIMIT_NOFILE less reserved_fds (server/router/fdlimit.py)
+    max_connections: int = _opt(0, "int", lo=0, hi=10_000_000)
+    reserved_fds: int = _opt(128, "int", lo=16, hi=1_000_000)  # kept for /health, /metrics, workers, files
+
+
+@dataclass(frozen=True)
 class RouterConfig(_Section):
     _section: ClassVar[str] = "router"
     host: str = _opt("127.0.0.1", "str")
@@ -296,11 +344,12 @@ class RouterConfig(_Section):
     header_timeout_s: float = _opt(10.0, "float", lo=0, lo_open=True)
     body_timeout_s: float = _opt(30.0, "float", lo=0, lo_open=True)
     keepalive_timeout_s: float = _opt(30.0, "float", lo=0, lo_open=True)
-    # None = read env DISTSERVE_ADMIN_TOKEN, else generate one at startup.
+    # None = read env DISTSERVE_ADMIN_TOKEN, else `serve` generates one (a router or worker started alone needs it).
     admin_token: str | None = _opt(None, "str", nullable=True)
     # false: a request field the OpenAI routes do not know is a 400 naming it; true: ignored (vendor extras)
     allow_unknown_fields: bool = _opt(False, "bool")
     breaker: BreakerConfig = _sub(BreakerConfig)
+    admission: AdmissionConfig = _sub(AdmissionConfig)
 
 
 @dataclass(frozen=True)
@@ -354,8 +403,61 @@ class DistServeConfig(_Section):
     router: RouterConfig = _sub(RouterConfig)
     ray: RayConfig = _sub(RayConfig)
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_precision(self)
+
+
+# Attention backends that read an FP8 KV cache (the C++ CPU kernel and flash-attn read the compute dtype only).
+_FP8_KV_BACKENDS = ("auto", "sdpa", "triton")
+
+
+def _check_precision(cfg: DistServeConfig) -> None:
+    """Cross-key rules of per-role precision, checked once with the rest of the configuration."""
+    roles = (("prefill", "prefill.kv_dtype", cfg.prefill.kv_dtype), ("decode", "cache.kv_dtype", cfg.cache.kv_dtype))
+    for role, kv_key, kv in roles:
+        backend = getattr(cfg, role).attention_backend
+        if kv == "fp8_e4m3" and backend not in _FP8_KV_BACKENDS:
+            raise ConfigError(
+                f"{kv_key!r} fp8_e4m3 needs {role}.attention_backend one of {', '.join(_FP8_KV_BACKENDS)}; "
+                f"got {backend!r}"
+            )
+    pf, dc = role_dtype(cfg, "prefill"), role_dtype(cfg, "decode")
+    if pf != dc:
+        raise ConfigError(
+            f"'prefill.dtype' ({pf}) and 'decode.dtype' ({dc}) must resolve to one compute dtype: the KV a prefill "
+            "worker makes is read by decode workers (FP8 storage is chosen by decode.weight_dtype and cache.kv_dtype)"
+        )
+
+
+def role_dtype(cfg: DistServeConfig, role: str) -> str:
+    """A role's compute dtype: ``prefill.dtype`` / ``decode.dtype``, ``auto`` meaning ``cache.dtype``."""
+    own = cfg.prefill.dtype if role == "prefill" else cfg.decode.dtype
+    return own if own != "auto" else cfg.cache.dtype
+
 
 # -------------------------------------------------------------------------- loading
+
+
+def _all_keys(cls: type = DistServeConfig, prefix: str = "") -> list[str]:
+    """Every dotted leaf key of the configuration (``kv_transfer.zero_copy_threshold_mb``, ...)."""
+    out = []
+    for f in fields(cls):
+        sub = f.metadata.get("section")
+        out.extend(_all_keys(sub, f"{prefix}{f.name}.") if sub else [f"{prefix}{f.name}"])
+    return out
+
+
+def _close_key_elsewhere(name: str, dotted: str) -> str | None:
+    """A key in another section whose name is close to ``name`` (a key put in the wrong section, or a
+    section name that is a key elsewhere, e.g. ``rdma`` → nothing, ``zero_copy_threshold`` → kv_transfer's)."""
+    keys = _all_keys()
+    leaves = {k.rsplit(".", 1)[-1]: k for k in keys}
+    close = difflib.get_close_matches(name, list(leaves), n=1, cutoff=0.75)
+    if close:
+        return leaves[close[0]]
+    close = difflib.get_close_matches(dotted, keys, n=1, cutoff=0.75)
+    return close[0] if close else None
 
 
 def _merge(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
@@ -388,8 +490,10 @@ def load_config(path: str | Path | None = None, overrides: Mapping[str, Any] | N
     """
     cfg = DistServeConfig()
     if path is not None:
+        from server.config_aliases import apply_aliases
+
         try:
-            cfg = DistServeConfig.from_dict(_read_yaml(Path(path)))
+            cfg = DistServeConfig.from_dict(apply_aliases(_read_yaml(Path(path)), str(path))[0])
         except ConfigError as e:
             msg = str(e)
             raise ConfigError(msg if msg.startswith(str(path)) else f"{path}: {msg}") from None

@@ -38,7 +38,9 @@ from typing import cast
 import yaml
 
 from server.config import DistServeConfig
+from server.memory_budget import device_key, plan_memory_shares, shared_devices
 from server.preflight import launcher_tmp_prefix, sweep_orphan_tmp
+from server.private_files import write_private
 from server.wire import DeregisterRequest
 
 TOKEN_ENV = "DISTSERVE_ADMIN_TOKEN"
@@ -133,12 +135,13 @@ class Launcher:
     procs: list[subprocess.Popen] = field(default_factory=list)
     url: str | None = None
     supervised: dict[str, _Worker] = field(default_factory=dict)
+    memory_shares: dict[str, float] = field(default_factory=dict)  # worker id -> its share of its GPU
 
     def __post_init__(self) -> None:
         sweep_orphan_tmp()  # folders of launchers killed with SIGKILL
         self._tmp = tempfile.TemporaryDirectory(prefix=launcher_tmp_prefix())
         self.config_path = Path(self._tmp.name) / "config.yaml"
-        self.config_path.write_text(yaml.safe_dump(self.config.to_dict()))
+        write_private(self.config_path, yaml.safe_dump(self.config.to_dict()))  # may carry the admin token
 
     def _spawn(
         self, argv: list[str], name: str, cpus: list[int] | None = None, threads: int | None = None
@@ -186,7 +189,10 @@ class Launcher:
             time.sleep(0.05)
         self.url = json.loads(ready.read_text())["url"]
         plan = plan_workers(self.mode, self.num_prefill, self.num_decode, self.device, self.devices)
-        for role, worker_id, device in plan:
+        shares = plan_memory_shares(plan, self.config)
+        shared = shared_devices(plan)
+        self.memory_shares = shares
+        for n, (role, worker_id, device) in enumerate(plan):
             cpus = placement.get(role)
             argv = [
                 "worker",
@@ -205,6 +211,13 @@ class Launcher:
             ]
             if cpus:
                 argv += ["--cpus", ",".join(map(str, cpus))]
+            if worker_id in shares:
+                argv += ["--gpu-memory-utilization", str(shares[worker_id])]
+            if device_key(device) in shared and n > 0:
+                # workers sharing a GPU size their memory one after another: each measures its own use,
+                # not a neighbour's start-up (the worker registers after its last allocation)
+                self.wait_healthy(n, deadline)
+                deadline = time.monotonic() + timeout_s  # each such start gets the whole time
             proc = self._spawn(argv, worker_id, cpus, threads[role])
             self.supervised[worker_id] = _Worker(worker_id, argv, cpus, threads[role], proc)
         self.wait_healthy(len(plan), deadline)
@@ -274,8 +287,19 @@ class Launcher:
         while True:
             for p in self.procs:
                 if p.poll() is not None:
-                    what = " ".join(map(str, cast(list, p.args)[3:5]))  # e.g. "worker --role"
-                    raise RuntimeError(f"process {p.pid} ({what}) exited with status {p.returncode} during start-up")
+                    args = [str(a) for a in cast(list, p.args)]
+                    # the worker's name (prefill-0), else the subcommand (router)
+                    what = args[args.index("--worker-id") + 1] if "--worker-id" in args[:-1] else " ".join(args[3:4])
+                    why = (
+                        " (SIGKILL: most likely the kernel's out-of-memory killer; see `dmesg`)"
+                        if p.returncode == -9
+                        else f" (killed by signal {-p.returncode})"
+                        if p.returncode < 0
+                        else ""
+                    )
+                    raise RuntimeError(
+                        f"process {p.pid} ({what}) exited with status {p.returncode} during start-up{why}"
+                    )
             try:
                 ws = self.workers()["workers"]
                 if sum(w["healthy"] for w in ws) >= expected:

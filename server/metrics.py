@@ -159,6 +159,16 @@ class WorkerMetrics:
             "distserve_prefix_cache_hit_tokens", "Tokens whose KV came from the prefix cache so far.", registry=r
         )
         self.preemptions = Gauge("distserve_num_preemptions", "Preemptions by recompute so far.", registry=r)
+        self.memory_errors = Gauge(
+            "distserve_memory_errors",
+            "Engine steps (or their one-by-one retries) that failed for lack of device memory so far.",
+            registry=r,
+        )
+        self.memory_errors_recent = Gauge(
+            "distserve_memory_errors_recent",
+            "Of those, the ones in the last 30 s (non-zero: /health says degraded).",
+            registry=r,
+        )
         self.prefill_seconds = Histogram(
             "distserve_prefill_seconds", "Prefill request time in this worker.", buckets=LATENCY_BUCKETS, registry=r
         )
@@ -169,6 +179,40 @@ class WorkerMetrics:
         self.kv_transfer_failures = Counter(
             "distserve_kv_transfer_failures", "Failed KV pulls.", ["transport"], registry=r
         )
+
+    def set_kv_calibration(self, report: dict | None) -> None:
+        """FP8 KV cache (engine.kv_calibration_report): per-layer scales and amax, calibration progress.
+        The gauges are created on first use, so a worker without an FP8 cache exports none of them."""
+        if report is None:
+            return
+        r = self.registry
+        if not hasattr(self, "kv_scale"):
+            self.kv_scale = Gauge(
+                "distserve_kv_cache_scale",
+                "FP8 KV cache scale per layer (x = q * scale).",
+                ["layer", "kind"],
+                registry=r,
+            )
+            self.kv_amax = Gauge(
+                "distserve_kv_cache_amax",
+                "Largest |K| or |V| written to the FP8 KV cache.",
+                ["layer", "kind"],
+                registry=r,
+            )
+            self.kv_calibrated = Gauge(
+                "distserve_kv_cache_calibrated", "1 once the FP8 KV scales are calibrated, else 0.", registry=r
+            )
+            self.kv_calibration_requests = Gauge(
+                "distserve_kv_cache_calibration_requests",
+                "Finished requests counted for FP8 KV calibration.",
+                registry=r,
+            )
+        for i, (scales, amax) in enumerate(zip(report["scales"], report["amax"])):
+            for kind, sc, am in (("k", scales[0], amax[0]), ("v", scales[1], amax[1])):
+                self.kv_scale.labels(str(i), kind).set(sc)
+                self.kv_amax.labels(str(i), kind).set(am)
+        self.kv_calibrated.set(1 if report["state"] == "calibrated" else 0)
+        self.kv_calibration_requests.set(report["requests_seen"])
 
     def set_kv_cache(self, kv_bytes: int, gpu_memory_utilization: float) -> None:
         """Set once at startup: what the KV sizing decided (kv_sizing.KVBudget)."""
@@ -189,3 +233,5 @@ class WorkerMetrics:
         self.prefix_queried.set(loop_stats.prefix_cache_queried_tokens)
         self.prefix_hits.set(loop_stats.prefix_cache_hit_tokens)
         self.preemptions.set(loop_stats.num_preemptions)
+        self.memory_errors.set(loop_stats.num_memory_errors)
+        self.memory_errors_recent.set(status.memory_errors_recent)

@@ -47,12 +47,90 @@ def model_problem(model: str | None) -> str | None:
         except ValueError as e:
             return f"--model {model}: {e}"
         return None
-    from server.engine.loader import resolve_model_path
+    from server.engine.loader import load_model_config, resolve_model_path
 
     try:
-        resolve_model_path(model)
+        load_model_config(resolve_model_path(model))  # config.json only: a field we cannot follow is refused here
     except (OSError, ValueError, ImportError) as e:
         return f"--model: {e}"
+    return None
+
+
+def backend_problem(backends: dict[str, str], devices: list[str]) -> str | None:
+    """A sentence when a section asks for a CUDA-only attention backend and a worker runs on the CPU."""
+    if not any(not d.startswith("cuda") for d in devices):
+        return None
+    for section, name in backends.items():
+        if name in ("flash_attn_v2", "triton"):
+            return (
+                f"{section}.attention_backend {name!r} needs a CUDA device and this worker runs on the CPU; "
+                "use 'auto' or 'sdpa' there (or --device cuda)"
+            )
+    return None
+
+
+def memory_problem(model: str | None, devices: list[str], num_workers: int, dtype: str = "auto") -> str | None:
+    """A sentence when CPU workers would need more memory for their weights than this machine has available
+    (each worker loads its own copy), so the kernel's OOM killer does not end the start-up with a bare -9."""
+    if not any(not d.startswith("cuda") for d in devices):
+        return None
+    try:
+        from server.engine.loader import load_model_config, resolve_model_path
+        from server.engine.presets import is_preset, preset_config
+
+        mc = preset_config(model) if is_preset(model) else load_model_config(resolve_model_path(model))
+    except (OSError, ValueError, ImportError):
+        return None  # model_problem says what is wrong with it
+    available = _mem_available_bytes()
+    if available is None:
+        return None
+    bytes_per = {"float16": 2, "bfloat16": 2}.get(dtype, 4)  # CPU workers compute in float32 unless told
+    need = mc_param_count(mc) * bytes_per * num_workers
+    if need <= available:
+        return None
+    gib = 1 << 30
+    return (
+        f"--model {model}: {num_workers} CPU worker(s) need about {need / gib:.1f} GiB for the weights "
+        f"({mc_param_count(mc) / 1e9:.2f} B parameters x {bytes_per} bytes each, one copy per worker) and this "
+        f"machine has {available / gib:.1f} GiB available; use a smaller model, fewer workers or --device cuda"
+    )
+
+
+def mc_param_count(mc) -> int:
+    """Parameters of a Llama-family model config (embeddings, layers, head unless tied)."""
+    h, kv = mc.hidden_size, mc.num_key_value_heads * mc.head_dim
+    attn = h * mc.num_attention_heads * mc.head_dim * 2 + h * kv * 2
+    mlp = 3 * h * mc.intermediate_size
+    head = 0 if mc.tie_word_embeddings else mc.vocab_size * h
+    return mc.vocab_size * h + mc.num_hidden_layers * (attn + mlp + 2 * h) + h + head
+
+
+def context_warning(model: str | None, max_seq_len: int) -> str | None:
+    """A sentence when ``prefill.max_seq_len`` is above the model's context (positions it was not trained on)."""
+    try:
+        from server.engine.loader import load_model_config, resolve_model_path
+        from server.engine.presets import is_preset, preset_config
+
+        mc = preset_config(model) if is_preset(model) else load_model_config(resolve_model_path(model))
+    except (OSError, ValueError, ImportError):
+        return None
+    if max_seq_len <= mc.max_position_embeddings:
+        return None
+    return (
+        f"prefill.max_seq_len {max_seq_len} is above the model's context length "
+        f"(max_position_embeddings {mc.max_position_embeddings}); positions past it were never trained and "
+        "the output degrades there: set prefill.max_seq_len to the context length"
+    )
+
+
+def _mem_available_bytes() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
     return None
 
 

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
+
+CREDENTIAL_HEADER = "x-worker-credential"  # a worker's own credential, issued at registration (router/identity.py)
 
 Role = Literal["prefill", "decode", "colocated"]  # a worker's job; the router routes by it
 ROLES: tuple[Role, ...] = ("prefill", "decode", "colocated")
@@ -33,7 +35,33 @@ class InternalSampling(BaseModel):
     seed: int | None = None
     stop_token_ids: list[int] = Field(default_factory=list)
     ignore_eos: bool = False
+    min_p: float = Field(ge=0.0, le=1.0, default=0.0)
+    presence_penalty: float = Field(ge=-2.0, le=2.0, default=0.0)
+    frequency_penalty: float = Field(ge=-2.0, le=2.0, default=0.0)
+    repetition_penalty: float = Field(gt=0.0, le=10.0, default=1.0)
+    logit_bias: list[tuple[int, float]] = Field(default_factory=list, max_length=300)
+    logprobs: int | None = Field(ge=0, le=20, default=None)  # None: no logprobs; k: sampled + k most likely
     structured: StructuredConstraint | None = None
+
+
+class TokenLogprob(BaseModel):
+    """One generated token's logprob (of the raw logits) and the k most likely ``[id, logprob]``."""
+
+    logprob: float
+    top: list[tuple[int, float]] = Field(default_factory=list, max_length=20)
+
+
+class _WithLogprobs(BaseModel):
+    """A message of token ids that may carry one ``TokenLogprob`` per id."""
+
+    token_ids: list[int] = Field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None  # one per token id when the request asked for logprobs
+
+    @model_validator(mode="after")
+    def _one_per_token(self):
+        if self.logprobs is not None and len(self.logprobs) != len(self.token_ids):
+            raise ValueError(f"{len(self.logprobs)} logprobs for {len(self.token_ids)} token ids")
+        return self
 
 
 class PrefillRequest(BaseModel):
@@ -46,8 +74,7 @@ class PrefillRequest(BaseModel):
     peer_cuda_uuids: list[str] | None = Field(default=None, max_length=64)
 
 
-class PrefillResponse(BaseModel):
-    token_ids: list[int]
+class PrefillResponse(_WithLogprobs):
     finished: bool
     finish_reason: str | None = None
     error: str | None = None  # why the engine aborted it (finish_reason "abort")
@@ -66,10 +93,9 @@ class GenerateRequest(BaseModel):
     kv: dict[str, Any] | None = None
 
 
-class StreamLine(BaseModel):
+class StreamLine(_WithLogprobs):
     """One NDJSON line of a generate stream."""
 
-    token_ids: list[int] = Field(default_factory=list)
     finished: bool = False
     finish_reason: str | None = None
     error: str | None = None
@@ -97,13 +123,20 @@ class DrainRequest(BaseModel):
     worker_id: str = Field(min_length=1, max_length=128)
 
 
+MAX_LOAD_FIGURE = 2**31 - 1  # a load figure above this is a bug or an attack, never a real count
+
+
 class WorkerStatus(BaseModel):
-    num_waiting: int = 0
-    num_running: int = 0
-    num_reserving: int = 0
-    kv_blocks_used: int = 0
-    kv_blocks_free: int = 0
-    num_staged_kv: int = 0
+    """A worker's load, as it heartbeats it: counts, each in [0, MAX_LOAD_FIGURE] (else 400 naming it)."""
+
+    num_waiting: int = Field(default=0, ge=0, le=MAX_LOAD_FIGURE, strict=True)
+    num_running: int = Field(default=0, ge=0, le=MAX_LOAD_FIGURE, strict=True)
+    num_reserving: int = Field(default=0, ge=0, le=MAX_LOAD_FIGURE, strict=True)
+    kv_blocks_used: int = Field(default=0, ge=0, le=MAX_LOAD_FIGURE, strict=True)
+    kv_blocks_free: int = Field(default=0, ge=0, le=MAX_LOAD_FIGURE, strict=True)
+    num_staged_kv: int = Field(default=0, ge=0, le=MAX_LOAD_FIGURE, strict=True)
+    # engine steps that failed for lack of device memory in the last MEMORY_PRESSURE_WINDOW_S (health: degraded)
+    memory_errors_recent: int = Field(default=0, ge=0, le=MAX_LOAD_FIGURE, strict=True)
 
 
 class RegisterRequest(BaseModel):
@@ -118,9 +151,10 @@ class RegisterRequest(BaseModel):
     # GPUs this worker can open CUDA IPC handles of; empty unless it runs on CUDA (cuda_ipc)
     cuda_uuids: list[str] = Field(default_factory=list, max_length=64)
     restart_count: int = Field(default=0, ge=0)  # times the launcher restarted this worker id
+    memory: dict[str, Any] | None = None  # how it sized its device memory (kv_sizing.KVBudget.to_dict), GPU only
     status: WorkerStatus = Field(default_factory=WorkerStatus)
 
 
 class HeartbeatRequest(BaseModel):
-    worker_id: str
+    worker_id: str = Field(min_length=1, max_length=128)
     status: WorkerStatus = Field(default_factory=WorkerStatus)

@@ -6,7 +6,17 @@ samples), the sample count, the violations (samples above the threshold,
 counted exactly from the raw values), the violations the objective allows
 (``(1 - p/100) × samples``), the share of that error budget used, and
 pass/fail (observed percentile <= threshold). Availability is one more
-objective per window: successes / requests against ``spec.availability``.
+objective per window: successes / requests against ``spec.availability``; where the
+router's journal records a gap (lines it could not write) the availability of the
+windows it touches, and overall, is ``incomplete``, never ``pass``.
+
+Thin tails: a percentile whose tail holds fewer than ``MIN_TAIL_SAMPLES``
+samples (``(1 - p/100) × samples < 10``: P99 under 1 000 samples, P99.9
+under 10 000) is the window's maximum or near it, not an estimate; such a
+window's objective is ``insufficient_data``, never pass (it is ``fail`` only
+when at least ``MIN_TAIL_SAMPLES`` samples broke the threshold, a violation
+share far above any budget it could have). The overall verdict is ``fail``
+if any window failed, else ``insufficient_data`` if any could not be judged.
 
 The result is plain data (``AuditReport.to_dict()``) whose ``rows`` follow
 ``COLUMNS``: the renderers in ``reports/`` write it as JSON, CSV, Parquet,
@@ -19,11 +29,13 @@ import datetime as dt
 import math
 import uuid
 from collections import defaultdict
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 
-from sla.records import Record, RecordSet
+from sla.records import Gap, Record, RecordSet
 from sla.spec import Objective, SlaSpec
 from sla.window import LatencyHistogram
+
+MIN_TAIL_SAMPLES = 10  # as distbench.metrics: a pNN needs this many samples above it
 
 __all__ = ["COLUMNS", "AuditReport", "WindowRow", "audit"]
 
@@ -49,7 +61,7 @@ class WindowRow:
     violations: int
     allowed_violations: float
     budget_used: float | None  # violations / allowed_violations; None when the budget is 0 and exceeded
-    status: str  # pass | fail | no_data
+    status: str  # pass | fail | insufficient_data | no_data | incomplete (availability, journal gaps)
 
     @property
     def passed(self) -> bool:
@@ -64,8 +76,13 @@ COLUMNS: tuple[tuple[str, str], ...] = tuple(
 
 def _budget(violations: int, allowed: float) -> float | None:
     if allowed > 0:
-        return violations / allowed
+        return round(violations / allowed, 9)
     return 0.0 if violations == 0 else None
+
+
+def _allowed(share: float, n: int) -> float:
+    """The error budget in samples, without float noise (1 - 0.999 is 0.0010000000000000009)."""
+    return round(share * n, 9)
 
 
 def _latency_row(base: dict, o: Objective, values: list[float]) -> WindowRow:
@@ -88,7 +105,10 @@ def _latency_row(base: dict, o: Objective, values: list[float]) -> WindowRow:
     h.record_all(values)
     observed = h.percentile_ms(o.percentile)
     violations = sum(v * 1000.0 > o.threshold_ms for v in values)
-    allowed = o.allowed_share * n
+    allowed = _allowed(o.allowed_share, n)
+    status = "pass" if observed is not None and observed <= o.threshold_ms else "fail"
+    if allowed < MIN_TAIL_SAMPLES and violations < MIN_TAIL_SAMPLES:
+        status = "insufficient_data"
     return WindowRow(
         **base,
         objective=o.name,
@@ -100,14 +120,14 @@ def _latency_row(base: dict, o: Objective, values: list[float]) -> WindowRow:
         violations=violations,
         allowed_violations=allowed,
         budget_used=_budget(violations, allowed),
-        status="pass" if observed is not None and observed <= o.threshold_ms else "fail",
+        status=status,
     )
 
 
 def _availability_row(base: dict, target: float, recs: list[Record]) -> WindowRow:
     n = len(recs)
     failed = sum(not r.ok for r in recs)
-    allowed = (1.0 - target) * n
+    allowed = _allowed(1.0 - target, n)
     share = (n - failed) / n
     return WindowRow(
         **base,
@@ -122,6 +142,14 @@ def _availability_row(base: dict, target: float, recs: list[Record]) -> WindowRo
         budget_used=_budget(failed, allowed),
         status="pass" if share >= target else "fail",
     )
+
+
+_SEVERITY = ("fail", "incomplete", "insufficient_data")  # worst first; anything else (pass, no_data) is a pass
+
+
+def _worst_status(statuses) -> str:
+    seen = set(statuses)
+    return next((s for s in _SEVERITY if s in seen), "pass")
 
 
 def _window_label(start: float, clock: str) -> str:
@@ -140,10 +168,17 @@ class AuditReport:
     num_requests: int
     rows: list[WindowRow]
     overall: list[dict]
+    covered_s: float = 0.0  # seconds between the first and last request of each window, summed
+
+    gaps: tuple[Gap, ...] = ()
+    client_errors: int = 0
 
     @property
     def verdict(self) -> str:
-        return "pass" if all(r.passed for r in self.rows) else "fail"
+        """``fail`` if any objective failed in any window; else ``incomplete`` if records are missing
+        (journal gaps: availability cannot be judged); else ``insufficient_data`` if a percentile could
+        not be judged (too few samples); else ``pass``."""
+        return _worst_status([r.status for r in self.rows] + [o["status"] for o in self.overall])
 
     def worst(self, n: int = WORST_N) -> list[WindowRow]:
         """The failed windows that overspent their budget most (then the closest to failing)."""
@@ -165,6 +200,13 @@ class AuditReport:
             "sources": list(self.sources),
             "num_requests": self.num_requests,
             "num_windows": len({r.window_index for r in self.rows}),
+            "client_errors": self.client_errors,
+            "journal_gaps": [
+                {"since_unix": g.since, "until_unix": g.until, "dropped": g.dropped, "source": g.source}
+                for g in self.gaps
+            ],
+            "dropped_records": sum(g.dropped or 0 for g in self.gaps),
+            "covered_s": self.covered_s,
             "overall": self.overall,
             "worst_windows": [asdict(r) for r in self.worst()],
             "columns": [list(c) for c in COLUMNS],
@@ -196,7 +238,10 @@ def audit(spec: SlaSpec, data: RecordSet, audit_id: str | None = None, now: dt.d
             totals[o.name].extend(values)
             rows.append(_latency_row(base, o, values))
         if spec.availability is not None:
-            rows.append(_availability_row(base, spec.availability, recs))
+            row = _availability_row(base, spec.availability, recs)
+            if row.status == "pass" and any(g.overlaps(start, start + spec.window_s) for g in data.gaps):
+                row = replace(row, status="incomplete")  # records of this window were lost: cannot pass
+            rows.append(row)
     overall = []
     for o in spec.objectives:
         mine = [r for r in rows if r.objective == o.name]
@@ -212,7 +257,9 @@ def audit(spec: SlaSpec, data: RecordSet, audit_id: str | None = None, now: dt.d
                 "samples": len(totals[o.name]),
                 "windows": len(mine),
                 "windows_failed": sum(r.status == "fail" for r in mine),
-                "status": "fail" if any(r.status == "fail" for r in mine) else "pass",
+                "windows_insufficient": sum(r.status == "insufficient_data" for r in mine),
+                "samples_needed": math.ceil(round(MIN_TAIL_SAMPLES / o.allowed_share, 6)),
+                "status": _worst_status(r.status for r in mine),
             }
         )
     if spec.availability is not None:
@@ -229,8 +276,22 @@ def audit(spec: SlaSpec, data: RecordSet, audit_id: str | None = None, now: dt.d
                 "samples": n,
                 "windows": len(mine),
                 "windows_failed": sum(r.status == "fail" for r in mine),
-                "status": "fail" if any(r.status == "fail" for r in mine) else "pass",
+                "windows_insufficient": 0,
+                "status": _worst_status([r.status for r in mine] + (["incomplete"] if data.gaps else [])),
             }
         )
     audited_at = (now or dt.datetime.now(dt.UTC)).isoformat().replace("+00:00", "Z")
-    return AuditReport(audit_id, audited_at, spec, data.clock, data.sources, len(data.records), rows, overall)
+    spans = [max(r.start for r in recs) - min(r.start for r in recs) for recs in by_window.values()]
+    return AuditReport(
+        audit_id,
+        audited_at,
+        spec,
+        data.clock,
+        data.sources,
+        len(data.records),
+        rows,
+        overall,
+        covered_s=round(sum(spans), 6),
+        gaps=data.gaps,
+        client_errors=data.client_errors,
+    )

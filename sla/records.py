@@ -8,8 +8,12 @@ Two sources, one shape (``Record``):
   time of the scheduled send) and ``warmup`` (warm-up requests are left out, as distbench
   leaves them out of its own figures);
 - the router's request journal (JSON lines, ``router.journal_path``): one object per
-  finished request with ``start_unix``, the same latency fields and ``pool``.
-  Lines of another ``kind`` (e.g. breaker events) are skipped.
+  request that reached the router with ``start_unix``, the same latency fields, ``pool`` and
+  ``status`` (the outcome: 200, 5xx, 429, or a client fault: other 4xx, 499 client gone or too slow
+  to read). Client faults are counted (``RecordSet.client_errors``) and left out of the audit: they
+  say nothing about the server's availability. ``journal_gap`` lines (the router could not write
+  some records: ``server/router/journal.py``) become ``RecordSet.gaps``; other kinds (e.g. breaker
+  events) are skipped.
 
 A change of either format is an edit here and nowhere else. Records are windowed
 by ``start_unix`` when every record has it (windows then align to the clock),
@@ -24,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Record", "RecordsError", "RecordSet", "load_records"]
+__all__ = ["Gap", "Record", "RecordsError", "RecordSet", "load_records"]
 
 
 class RecordsError(ValueError):
@@ -53,10 +57,29 @@ class Record:
 
 
 @dataclass(frozen=True)
+class Gap:
+    """A period in which the router dropped journal records (``until`` None: never closed)."""
+
+    since: float
+    until: float | None
+    dropped: int | None  # None: unknown (the gap was never closed)
+    source: str
+
+    def overlaps(self, start: float, end: float) -> bool:
+        return self.since < end and (self.until is None or self.until >= start)
+
+
+@dataclass(frozen=True)
 class RecordSet:
     records: tuple[Record, ...]
     clock: str  # "unix" | "relative"
     sources: tuple[str, ...]
+    gaps: tuple[Gap, ...] = ()
+    client_errors: int = 0  # journaled requests refused for the client's own fault (4xx but 429, 499)
+
+
+def _is_client_error(status: Any) -> bool:
+    return isinstance(status, int) and not isinstance(status, bool) and 400 <= status < 500 and status != 429
 
 
 def _num(path: Path, i: int, d: dict, key: str) -> float | None:
@@ -75,8 +98,10 @@ def _record(path: Path, i: int, d: Any, start_key: str) -> Record:
     if start is None:
         raise RecordsError(f"{path}: request {i} has no {start_key!r}")
     itl = d.get("itl") or []
-    if not isinstance(itl, list) or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in itl):
-        raise RecordsError(f"{path}: request {i}: 'itl' must be a list of numbers")
+    if not isinstance(itl, list) or not all(
+        isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0 for x in itl
+    ):
+        raise RecordsError(f"{path}: request {i}: 'itl' must be a list of finite non-negative numbers")
     error = d.get("error")
     ttft = _num(path, i, d, "ttft")
     return Record(
@@ -101,8 +126,11 @@ def _distbench(path: Path, doc: dict) -> tuple[list[Record], str]:
     return [_record(path, i, r, key) for i, r in enumerate(reqs)], "unix" if unix else "relative"
 
 
-def _journal(path: Path, text: str) -> tuple[list[Record], str]:
-    out = []
+def _journal(path: Path, text: str) -> tuple[list[Record], list[Gap], int]:
+    out: list[Record] = []
+    gaps: list[Gap] = []
+    open_since: float | None = None
+    client_errors = 0
     for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
@@ -112,13 +140,32 @@ def _journal(path: Path, text: str) -> tuple[list[Record], str]:
             raise RecordsError(f"{path}:{n}: not a JSON line: {e.msg}") from None
         if not isinstance(d, dict):
             raise RecordsError(f"{path}:{n}: not a JSON object")
-        if d.get("kind", "request") != "request":
+        kind = d.get("kind", "request")
+        if kind == "journal_gap":
+            since = _num(path, n, d, "since_unix")
+            if since is None:
+                raise RecordsError(f"{path}:{n}: journal_gap has no 'since_unix'")
+            if d.get("open"):
+                open_since = since if open_since is None else open_since
+                continue
+            until = _num(path, n, d, "until_unix")
+            dropped = _num(path, n, d, "dropped")
+            gaps.append(Gap(since, until, None if dropped is None else int(dropped), str(path)))
+            open_since = None
             continue
-        out.append(_record(path, n, d, "start_unix"))
-    return out, "unix"
+        if kind != "request":
+            continue
+        rec = _record(path, n, d, "start_unix")
+        if _is_client_error(d.get("status")):
+            client_errors += 1
+            continue
+        out.append(rec)
+    if open_since is not None:  # the router never wrote again after the drops began
+        gaps.append(Gap(open_since, None, None, str(path)))
+    return out, gaps, client_errors
 
 
-def _load_one(path: Path) -> tuple[list[Record], str]:
+def _load_one(path: Path) -> tuple[list[Record], str, list[Gap], int]:
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
@@ -128,15 +175,17 @@ def _load_one(path: Path) -> tuple[list[Record], str]:
     except json.JSONDecodeError:
         doc = None  # maybe JSON lines
     if isinstance(doc, dict) and "requests" in doc:
-        return _distbench(path, doc)
-    if isinstance(doc, dict) and "start_unix" not in doc:
+        recs, clock = _distbench(path, doc)
+        return recs, clock, [], 0
+    if isinstance(doc, dict) and "start_unix" not in doc and doc.get("kind") != "journal_gap":
         raise RecordsError(f"{path}: a JSON object without 'requests': not a distbench result file")
     if doc is not None and not isinstance(doc, dict):
         raise RecordsError(
             f"{path}: expected a distbench result (JSON object) or a request journal "
             f"(JSON lines), got a JSON {type(doc).__name__}"
         )
-    return _journal(path, text)
+    recs, gaps, client_errors = _journal(path, text)
+    return recs, "unix", gaps, client_errors
 
 
 def load_records(paths: list[str | Path]) -> RecordSet:
@@ -144,10 +193,14 @@ def load_records(paths: list[str | Path]) -> RecordSet:
     if not paths:
         raise RecordsError("no results files given")
     records: list[Record] = []
+    gaps: list[Gap] = []
+    client_errors = 0
     clocks = {}
     for p in paths:
-        recs, clock = _load_one(Path(p))
+        recs, clock, file_gaps, n_client = _load_one(Path(p))
         records.extend(recs)
+        gaps.extend(file_gaps)
+        client_errors += n_client
         clocks[str(p)] = clock
     if len(set(clocks.values())) > 1:
         rel = [p for p, c in clocks.items() if c == "relative"]
@@ -157,4 +210,4 @@ def load_records(paths: list[str | Path]) -> RecordSet:
         )
     if not records:
         raise RecordsError(f"no request records in {', '.join(map(str, paths))}")
-    return RecordSet(tuple(records), next(iter(clocks.values())), tuple(map(str, paths)))
+    return RecordSet(tuple(records), next(iter(clocks.values())), tuple(map(str, paths)), tuple(gaps), client_errors)

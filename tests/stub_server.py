@@ -4,6 +4,8 @@
 ``stall_at=K``: when the K-th request arrives the server stalls for ``stall_s`` — every request waits
 until the stall ends before its first token (a GC pause / a stuck scheduler at a known moment).
 ``fail_every=N``: every N-th request gets ``HTTP 503 {"error": "overloaded, retry"}``.
+``max_active=K``: at most K requests stream at once, the others queue for a slot before their first
+token: a server of known capacity, ``K / ((max_tokens - 1) × token_delay_s)`` requests per second.
 """
 
 from __future__ import annotations
@@ -23,8 +25,10 @@ class StubServer:
         stall_at: int | None = None,
         stall_s: float = 1.0,
         fail_every: int | None = None,
+        max_active: int | None = None,
     ) -> None:
         self.token_delay_s, self.stall_at, self.stall_s, self.fail_every = token_delay_s, stall_at, stall_s, fail_every
+        self.max_active = max_active
         self.count = 0
         self.url = ""
         self._ready = threading.Event()
@@ -49,6 +53,7 @@ class StubServer:
         self._stop = asyncio.Event()
         self._open = asyncio.Event()
         self._open.set()
+        self._slots = asyncio.Semaphore(self.max_active) if self.max_active else None
         app = web.Application()
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/metrics", self._metrics)
@@ -83,6 +88,12 @@ class StubServer:
             self._open.clear()
             asyncio.get_running_loop().create_task(self._reopen())
         await self._open.wait()
+        if self._slots is None:
+            return await self._stream(request, body)
+        async with self._slots:
+            return await self._stream(request, body)
+
+    async def _stream(self, request: web.Request, body: dict) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         tokens = int(body.get("max_tokens") or 16)

@@ -4,6 +4,7 @@ sentence on stderr), the config of ``--config`` plus flags, and the admin token.
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 import secrets
 import sys
@@ -34,6 +35,60 @@ class Parser(argparse.ArgumentParser):
     def __init__(self, *args, **kwargs) -> None:
         kwargs.setdefault("formatter_class", HelpWithDefaults)
         super().__init__(*args, **kwargs)
+
+
+# Flags of the source article's commands (prefill_worker, decode_worker, router.py) that have no one-to-one
+# counterpart here: what to do instead (docs/FROM_THE_ARTICLE.md has the whole mapping).
+ARTICLE_FLAGS = {
+    "--num-gpus": "one worker per GPU here: `serve --devices cuda:0,cuda:1 --prefill 1 --decode 1`, "
+    "or one `distserve worker --device cuda:N` per GPU",
+    "--prefill-host": "workers register with the router themselves: start each with "
+    "`distserve worker --role prefill --router http://ROUTER:8080`",
+    "--decode-host": "workers register with the router themselves: start each with "
+    "`distserve worker --role decode --router http://ROUTER:8080`",
+}
+
+
+def unrecognized(parser: argparse.ArgumentParser, command: str | None, extra: list[str]) -> None:
+    """Exit 2 with the subcommand's usage, naming the unknown option and the one it most likely meant."""
+    sub = parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction) and command in action.choices:
+            sub = action.choices[command]
+    known = [o for a in sub._actions for o in a.option_strings if o.startswith("--")]
+    hints = []
+    for word in extra:
+        flag = word.split("=", 1)[0]
+        if not flag.startswith("-"):
+            continue
+        if flag in ARTICLE_FLAGS:
+            hints.append(f"{flag}: {ARTICLE_FLAGS[flag]}")
+            continue
+        close = closest_option(flag, known)
+        if close:
+            hints.append(f"did you mean {close}?")
+    sub.error(f"unrecognized arguments: {' '.join(extra)}" + (f" ({'; '.join(hints)})" if hints else ""))
+
+
+def closest_option(word: str, options: list[str]) -> str | None:
+    """The option ``word`` is most likely a typo of: fewest edits (a swap of two neighbours is one edit, so
+    --modle is --model, not --mode), then the same length, then difflib's similarity; None when far."""
+
+    def edits(a: str, b: str) -> int:  # optimal string alignment distance
+        d = [[i + j if i * j == 0 else 0 for j in range(len(b) + 1)] for i in range(len(a) + 1)]
+        for i in range(1, len(a) + 1):
+            for j in range(1, len(b) + 1):
+                d[i][j] = min(d[i - 1][j] + 1, d[i][j - 1] + 1, d[i - 1][j - 1] + (a[i - 1] != b[j - 1]))
+                if i > 1 and j > 1 and a[i - 1] == b[j - 2] and a[i - 2] == b[j - 1]:
+                    d[i][j] = min(d[i][j], d[i - 2][j - 2] + 1)
+        return d[-1][-1]
+
+    scored = sorted(
+        (edits(word, o), abs(len(o) - len(word)), -difflib.SequenceMatcher(None, word, o).ratio(), o) for o in options
+    )
+    if not scored or scored[0][0] > max(2, len(word) // 3):
+        return None
+    return scored[0][3]
 
 
 def usage_error(sentence: str) -> int:

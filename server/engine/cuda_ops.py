@@ -88,6 +88,8 @@ if HAS_TRITON:
         k_out_ptr,
         cache_k_ptr,
         cache_v_ptr,
+        kv_scale_ptr,
+        kv_amax_ptr,
         stride_qkv,
         stride_cos,
         stride_ct,
@@ -96,6 +98,8 @@ if HAS_TRITON:
         NUM_KV_HEADS: tl.constexpr,
         HEAD_DIM: tl.constexpr,
         HB: tl.constexpr,
+        KV_FP8: tl.constexpr = False,
+        FP8_LIMIT: tl.constexpr = 448.0,
     ):
         t = tl.program_id(0).to(tl.int64)
         hh = tl.program_id(1) * HB + tl.arange(0, HB)  # head index over [q heads | k heads]
@@ -126,9 +130,19 @@ if HAS_TRITON:
         tl.store(k_out_ptr + t * (NUM_KV_HEADS * HEAD_DIM) + kh[:, None] * HEAD_DIM + offs_d[None, :], y, mask=km)
         cm = km & (slot >= 0)
         dst = slot * stride_ct + kh[:, None] * stride_ch + offs_d[None, :]
-        tl.store(cache_k_ptr + dst, y, mask=cm)
         v = tl.load(row + (hh[:, None] + NUM_KV_HEADS) * HEAD_DIM + offs_d[None, :], mask=cm, other=0.0)
-        tl.store(cache_v_ptr + dst, v, mask=cm)
+        if KV_FP8:  # e4m3 cache (fp8.py): amax of what is written, then quantised with the layer's scales
+            yf = y.to(tl.float32)
+            vf = v.to(tl.float32)
+            tl.atomic_max(kv_amax_ptr, tl.max(tl.max(tl.where(cm, tl.abs(yf), 0.0), 1), 0))
+            tl.atomic_max(kv_amax_ptr + 1, tl.max(tl.max(tl.where(cm, tl.abs(vf), 0.0), 1), 0))
+            kq = tl.minimum(tl.maximum(yf / tl.load(kv_scale_ptr), -FP8_LIMIT), FP8_LIMIT)
+            vq = tl.minimum(tl.maximum(vf / tl.load(kv_scale_ptr + 1), -FP8_LIMIT), FP8_LIMIT)
+            tl.store(cache_k_ptr + dst, kq.to(cache_k_ptr.dtype.element_ty), mask=cm)
+            tl.store(cache_v_ptr + dst, vq.to(cache_v_ptr.dtype.element_ty), mask=cm)
+        else:
+            tl.store(cache_k_ptr + dst, y, mask=cm)
+            tl.store(cache_v_ptr + dst, v, mask=cm)
 
     @triton.jit
     def _silu_mul_kernel(gu_ptr, out_ptr, stride_gu, stride_o, n_cols, BLOCK: tl.constexpr):
@@ -390,8 +404,11 @@ def rope_and_cache(
     num_heads: int,
     num_kv_heads: int,
     head_dim: int,
+    kv_scale: torch.Tensor | None = None,
+    kv_amax: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """RoPE on q and k of a fused qkv projection; K/V stored at ``slot_mapping`` (negative: skipped).
+    An e4m3 cache is written quantised with ``kv_scale`` ([K, V]); the amax written goes into ``kv_amax``.
 
     Returns ``q [T, H, D]`` and ``k [T, Hkv, D]`` (rotated, contiguous).
     """
@@ -402,6 +419,9 @@ def rope_and_cache(
         return q, k
     hb = 8
     ck, cv = kv_cache[0], kv_cache[1]
+    kv_fp8 = kv_cache.dtype == torch.float8_e4m3fn
+    if kv_fp8 and (kv_scale is None or kv_amax is None):
+        raise ValueError("an FP8 KV cache needs kv_scale and kv_amax")
     _rope_cache_kernel[(t, -(-(num_heads + num_kv_heads) // hb))](
         qkv,
         positions,
@@ -412,6 +432,8 @@ def rope_and_cache(
         k,
         ck,
         cv,
+        kv_scale if kv_fp8 else q,
+        kv_amax if kv_fp8 else q,
         qkv.stride(0),
         cos.stride(0),
         ck.stride(0),
@@ -420,6 +442,8 @@ def rope_and_cache(
         NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim,
         HB=hb,
+        KV_FP8=kv_fp8,
+        FP8_LIMIT=448.0,
         num_warps=4,
     )
     return q, k
@@ -469,11 +493,16 @@ class TritonLayerOps:
         """One kernel rotates q and k and stores K/V; the backend only attends (``attend``)."""
         positions, cos, sin = rope
         t = qkv.shape[0]
-        q, k = rope_and_cache(
-            qkv, positions, cos, sin, kv_cache, meta.slot_mapping, attn.num_heads, attn.num_kv_heads, attn.head_dim
-        )
+        args = (qkv, positions, cos, sin, kv_cache, meta.slot_mapping, attn.num_heads, attn.num_kv_heads, attn.head_dim)
+        if attn.kv_scale is None:
+            q, k = rope_and_cache(*args)
+        else:  # an e4m3 cache: quantised on write with the layer's scales, amax recorded (fp8.py)
+            q, k = rope_and_cache(*args, attn.kv_scale, attn.kv_amax)
         v = qkv[:, attn.q_size + attn.kv_size :].view(t, attn.num_kv_heads, attn.head_dim)
-        o = backend.attend(q, k, v, kv_cache, meta, attn.scale)  # type: ignore[attr-defined]  # can_fuse checked
+        if attn.kv_scale is None:
+            o = backend.attend(q, k, v, kv_cache, meta, attn.scale)  # type: ignore[attr-defined]  # can_fuse checked
+        else:
+            o = backend.attend(q, k, v, kv_cache, meta, attn.scale, kv_scale=attn.kv_scale)  # type: ignore[attr-defined]
         return o.reshape(t, attn.q_size)  # (reshape copies only a non-contiguous view)
 
 

@@ -126,7 +126,13 @@ class TorchLayerOps:
         t, nq, nkv, d = qkv.shape[0], attn.num_heads, attn.num_kv_heads, attn.head_dim
         qk = apply_rope(qkv[:, : attn.q_size + attn.kv_size].view(t, nq + nkv, d), cos, signed_sin)
         v = qkv[:, attn.q_size + attn.kv_size :].view(t, nkv, d)
-        return backend.forward(qk[:, :nq], qk[:, nq:], v, kv_cache, meta, attn.scale).reshape(t, attn.q_size)
+        if attn.kv_scale is None:
+            return backend.forward(qk[:, :nq], qk[:, nq:], v, kv_cache, meta, attn.scale).reshape(t, attn.q_size)
+        # an FP8 cache (fp8.py): the backend quantises on write and dequantises on read with these scales
+        o = backend.forward(  # type: ignore[call-arg]  # FP8-capable backends only (engine checks)
+            qk[:, :nq], qk[:, nq:], v, kv_cache, meta, attn.scale, kv_scale=attn.kv_scale, kv_amax=attn.kv_amax
+        )
+        return o.reshape(t, attn.q_size)
 
 
 def select_layer_ops(backend: AttentionBackend, device: torch.device, head_dim: int) -> LayerOps:

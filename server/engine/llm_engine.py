@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,13 +24,15 @@ import torch
 
 from server.engine.attention import get_attention_backend
 from server.engine.block_manager import BlockManager
+from server.engine.fp8 import FP8_DTYPE, check_scales, is_fp8, quantize_model_weights, with_fp8_linears
 from server.engine.kv_sizing import KVBudget, kv_blocks_from_memory
 from server.engine.layer_ops import select_layer_ops
 from server.engine.loader import load_model_config, load_state_dict, resolve_model_path
+from server.engine.memory_pressure import MemoryPressure, is_memory_error, relieve
 from server.engine.model import LlamaForCausalLM
 from server.engine.model_runner import ModelRunner, kv_bytes_per_block
 from server.engine.presets import init_random_weights, is_preset, preset_config
-from server.engine.sampler import Sampler
+from server.engine.sampler import Sampler, TokenLogprobs
 from server.engine.sampling_params import SamplingParams
 from server.engine.scheduler import Scheduler, SchedulerConfig
 from server.engine.sequence import Sequence, SequenceStatus
@@ -38,6 +41,26 @@ from server.engine.structured.decoding import StructuredDecoding
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# decode CUDA graphs are captured after the KV cache is allocated: reserved for them in the sizing
+# (the capture's real cost is measured and logged: engine.cuda_graph_bytes)
+CUDA_GRAPH_RESERVE_BYTES = 512 * 2**20
+
+
+def check_fp8_device(device: torch.device, uses_fp8: bool) -> None:
+    """FP8 storage needs e4m3 support: CUDA compute capability 8.9+ (Ada, Hopper), or the CPU's emulated
+    path (values widened before each op: correct, slower than float32; for tests and accuracy runs)."""
+    if not uses_fp8:
+        return
+    if device.type == "cuda":
+        cap = torch.cuda.get_device_capability(device)
+        if cap < (8, 9):
+            raise ValueError(
+                f"FP8 weights or KV need a GPU of compute capability 8.9 or newer; {device} has {cap[0]}.{cap[1]}"
+            )
+    elif device.type == "cpu":
+        log.warning("FP8 on the CPU runs the emulated path (e4m3 storage, widened per op): slower than float32")
+    else:
+        raise ValueError(f"FP8 weights or KV are not supported on {device.type}; use cuda or cpu")
 
 
 @dataclass(frozen=True)
@@ -51,6 +74,11 @@ class EngineConfig:
     # CUDA, num_blocks 0: share of the device; KV gets what is left. 0 here (direct engine users, tests that
     # build several engines in one process); the worker passes cache.gpu_memory_utilization (0.9 default)
     gpu_memory_utilization: float = 0.0
+    # CUDA sizing (kv_sizing): bytes the owner allocates after the engine (a KV staging pool), tokens of
+    # pulled KV in flight (decode receive buffers), and memory to leave free inside the share
+    gpu_memory_reserved_bytes: int = 0
+    kv_receive_tokens: int = 0
+    gpu_memory_headroom_bytes: int = 0
     max_model_len: int = 0  # 0 = the model's max_position_embeddings
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
@@ -60,12 +88,22 @@ class EngineConfig:
     torch_threads: int = 0  # 0 = leave torch's default
     enable_prefix_caching: bool = True  # reuse the KV of full blocks whose whole prefix matches
     enforce_eager: bool = False  # CUDA only: no CUDA graphs for decode steps
+    # FP8 storage (fp8.py, docs/FP8.md): decoder linears in e4m3 with per-channel scales ("bf16" = as
+    # loaded, the compute dtype); the KV cache in e4m3 with per-layer scales calibrated online
+    weight_dtype: str = "bf16"
+    kv_cache_dtype: str = "auto"  # auto | bf16 (= the compute dtype) | fp8_e4m3
+    kv_scale_init: float = 1.0
+    kv_calibration_requests: int = 1000  # finished requests before the FP8 KV scales are set; 0 = never
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be auto or one of {', '.join(_DTYPES)}, got {self.dtype!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.weight_dtype not in ("bf16", "fp8"):
+            raise ValueError(f"weight_dtype must be bf16 or fp8, got {self.weight_dtype!r}")
+        if self.kv_cache_dtype not in ("auto", "bf16", "fp8_e4m3"):
+            raise ValueError(f"kv_cache_dtype must be auto, bf16 or fp8_e4m3, got {self.kv_cache_dtype!r}")
 
 
 @dataclass
@@ -86,11 +124,20 @@ class RequestOutput:
     num_output_tokens: int
     error: str | None = None  # set with finish_reason "abort" when the engine failed this request
     num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache (None: not known here)
+    # per new token when the request asked for logprobs: (its logprob, [(id, logprob)] of the k most likely)
+    logprobs: list[TokenLogprobs] | None = None
+
+
+# The structured-outputs seam: given the step's sampled sequences (one per logits row, in order), a
+# ``[rows, vocab]`` bool tensor on the engine's device (True = the token may be sampled) or None (no
+# constraint this step). Applied to the logits before penalties and sampling (sampler.py).
+LogitsMaskFn = Callable[[list[Sequence]], "torch.Tensor | None"]
 
 
 class LLMEngine:
     def __init__(self, config: EngineConfig = EngineConfig()) -> None:
         self.config = config
+        self.memory_pressure = MemoryPressure()  # steps that failed for lack of device memory
         if config.torch_threads > 0:
             torch.set_num_threads(config.torch_threads)
         self.model_path: Path | None = None  # None: "preset:NAME", random weights made on the device, no files
@@ -101,11 +148,21 @@ class LLMEngine:
             self.model_config = load_model_config(self.model_path)
         self.device = torch.device(config.device)
         self.dtype = self._resolve_dtype()
-        backend = get_attention_backend(config.attention_backend, self.device)
+        self.kv_dtype = FP8_DTYPE if config.kv_cache_dtype == "fp8_e4m3" else self.dtype
+        uses_fp8 = config.weight_dtype == "fp8" or is_fp8(self.kv_dtype)
+        check_fp8_device(self.device, uses_fp8)
+        backend_name = config.attention_backend
+        if is_fp8(self.kv_dtype) and backend_name == "auto" and self.device.type == "cpu":
+            backend_name = "sdpa"  # the C++ paged kernel reads float32 caches only
+        backend = get_attention_backend(backend_name, self.device)
+        if is_fp8(self.kv_dtype) and not getattr(backend, "supports_fp8_kv", False):
+            raise ValueError(f"attention backend {backend.name!r} cannot read an FP8 KV cache; use sdpa or triton")
         # device memory free before this engine allocates anything (for kv_sizing: what this
         # process adds outside torch's allocator, as opposed to other processes' memory)
         self._free_at_start = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else 0
         ops = select_layer_ops(backend, self.device, self.model_config.head_dim)  # fused Triton ops on a GPU
+        if config.weight_dtype == "fp8":
+            ops = with_fp8_linears(ops)
         with torch.device("meta"):
             model = LlamaForCausalLM(self.model_config, backend, ops)
         model = model.to_empty(device=self.device).to(self.dtype)
@@ -113,6 +170,10 @@ class LLMEngine:
             init_random_weights(model)
         else:
             model.load_hf_weights(load_state_dict(self.model_path, dtype=self.dtype, device=str(self.device)))
+        self.weight_report: dict | None = None
+        if config.weight_dtype == "fp8":
+            self.weight_report = quantize_model_weights(model)
+            log.info("FP8 weights: %s", self.weight_report)
         self.model = model.eval().requires_grad_(False)
         eos = sorted(self.model_config.eos_token_ids)
         self.structured = StructuredDecoding(self._load_tokenizer, self.model_config.vocab_size, eos)
@@ -127,6 +188,7 @@ class LLMEngine:
                 window,
             )
             self.max_model_len = window
+        self._cap_max_model_len_for_rope()
         self.kv_budget: KVBudget | None = None
         if not config.num_blocks and self.device.type == "cuda" and config.gpu_memory_utilization > 0:
             self.kv_budget = self._profile_kv_blocks()
@@ -137,20 +199,26 @@ class LLMEngine:
                 1,
                 config.kv_cache_memory_mb
                 * 2**20
-                // kv_bytes_per_block(self.model_config, config.block_size, self.dtype),
+                // kv_bytes_per_block(self.model_config, config.block_size, self.kv_dtype),
             )
         self._build_cache(num_blocks)
         self.sampler = Sampler()
+        self.logits_mask_fn: LogitsMaskFn | None = None  # see LogitsMaskFn
         self.stats = EngineStats()
         self.requests: dict[str, Sequence] = {}
         self.awaiting_kv: dict[str, Sequence] = {}  # WAITING_FOR_REMOTE_KVS, oldest reservation first
         self._seeds: dict[str, int] = {}
         self._rng = random.Random()
         self.eos_token_ids = set(self.model_config.eos_token_ids)
+        self.cuda_graph_bytes = 0  # measured: what GEMV tuning and graph capture kept reserved
         if self.device.type == "cuda":  # GEMV tuning + decode CUDA graphs
             from server.engine.cuda_graph_runner import setup_cuda_engine
 
+            before = torch.cuda.memory_reserved(self.device)
             setup_cuda_engine(self)
+            self.cuda_graph_bytes = max(0, torch.cuda.memory_reserved(self.device) - before)
+            if self.kv_budget is not None:
+                log.info("CUDA graphs and tuning kept %.2f GiB", self.cuda_graph_bytes / 2**30)
 
     def _build_cache(self, num_blocks: int) -> None:
         config = self.config
@@ -164,7 +232,16 @@ class LLMEngine:
             ),
             self.block_manager,
         )
-        self.runner = ModelRunner(self.model, num_blocks, config.block_size, self.dtype, self.device)
+        self.runner = ModelRunner(
+            self.model,
+            num_blocks,
+            config.block_size,
+            self.dtype,
+            self.device,
+            kv_dtype=self.kv_dtype,
+            kv_scale_init=config.kv_scale_init,
+            kv_calibration_requests=config.kv_calibration_requests,
+        )
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -194,13 +271,19 @@ class LLMEngine:
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         non_torch = max(0, self._free_at_start - free - torch.cuda.memory_reserved(self.device))
+        block_bytes = kv_bytes_per_block(self.model_config, bs, self.kv_dtype)
+        graphs = 0 if config.enforce_eager else CUDA_GRAPH_RESERVE_BYTES
+        reserved = config.gpu_memory_reserved_bytes + graphs + config.kv_receive_tokens * block_bytes // bs
         return kv_blocks_from_memory(
             total,
             config.gpu_memory_utilization,
             peak,
             non_torch,
-            kv_bytes_per_block(self.model_config, bs, self.dtype),
+            block_bytes,
             free_bytes=free - (peak - torch.cuda.memory_allocated(self.device)),
+            reserved_bytes=reserved,
+            headroom_bytes=config.gpu_memory_headroom_bytes,
+            min_blocks=-(-self.max_model_len // bs),
         )
 
     def _load_tokenizer(self):
@@ -209,6 +292,19 @@ class LLMEngine:
         from server.engine.tokenizer import Tokenizer
 
         return Tokenizer.byte_tokenizer() if self.model_path is None else load_tokenizer(self.model_path)
+
+    def _cap_max_model_len_for_rope(self) -> None:
+        """Dynamic NTK RoPE equals plain RoPE up to max_position_embeddings; past it transformers re-derives
+        the frequencies from the batch's length, which a KV cache cannot follow: cap there, as for a window."""
+        mc = self.model_config
+        if mc.rope_scaling.rope_type == "dynamic" and self.max_model_len > mc.max_position_embeddings:
+            log.warning(
+                "model uses dynamic NTK RoPE; max_seq_len capped from %d to max_position_embeddings %d "
+                "so the rotary math stays exact",
+                self.max_model_len,
+                mc.max_position_embeddings,
+            )
+            self.max_model_len = mc.max_position_embeddings
 
     def _resolve_dtype(self) -> torch.dtype:
         if self.config.dtype != "auto":
@@ -233,6 +329,12 @@ class LLMEngine:
         if bad:
             raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
 
+    def _check_params(self, params: SamplingParams) -> None:
+        vocab = self.model_config.vocab_size
+        bad = [t for t, _ in params.logit_bias if t >= vocab]
+        if bad:
+            raise ValueError(f"logit_bias: token id {bad[0]} is outside the vocabulary [0, {vocab})")
+
     def add_request(
         self,
         request_id: str,
@@ -247,6 +349,7 @@ class LLMEngine:
         they are prefilled with the prompt and generation continues after them."""
         outputs = list(output_token_ids or [])
         self._check_new(request_id, prompt_token_ids, len(outputs))
+        self._check_params(params)
         seq = Sequence(request_id, list(prompt_token_ids), params, prefill_only=prefill_only, output_token_ids=outputs)
         self.structured.add(seq)  # its grammar's matcher, replaying `outputs` (GrammarError is a ValueError)
         self._register(seq)
@@ -266,6 +369,7 @@ class LLMEngine:
         if not output_token_ids:
             raise ValueError("a prefilled request needs its first generated token")
         self._check_new(request_id, prompt_token_ids, len(output_token_ids))
+        self._check_params(params)
         seq = Sequence(request_id, list(prompt_token_ids), params, output_token_ids=list(output_token_ids))
         if not self.block_manager.can_grow(seq, seq.num_tokens) or (
             self.scheduler.num_running >= self.config.max_num_seqs
@@ -278,14 +382,19 @@ class LLMEngine:
         self.awaiting_kv[request_id] = seq
         return True
 
-    def commit_prefilled(self, request_id: str, kv: torch.Tensor) -> None:
+    def commit_prefilled(self, request_id: str, kv: torch.Tensor, kv_scales: list[list[float]] | None = None) -> None:
+        """Write the pulled KV into the reserved blocks; FP8 KV comes with its per-layer [K, V] scales and is
+        re-quantised to this engine's scales if they differ; KV in a compute dtype going into an FP8 cache is
+        quantised here, once (``ModelRunner.scatter_kv``)."""
         seq = self.awaiting_kv.get(request_id)
         if seq is None:
             raise KeyError(f"request {request_id!r} has no reservation")
         expected = self.runner.kv_shape(seq.num_tokens - 1)
         if tuple(kv.shape) != expected:
             raise ValueError(f"KV for {request_id!r} has shape {tuple(kv.shape)}, expected {expected}")
-        self.runner.scatter_kv(seq.block_table, kv)
+        if kv_scales is not None:
+            kv_scales = check_scales(kv_scales, self.model_config.num_hidden_layers)
+        self.runner.scatter_kv(seq.block_table, kv, kv_scales)
         seq.num_computed_tokens = seq.num_tokens - 1
         del self.awaiting_kv[request_id]
         self.scheduler.add_running(seq)
@@ -345,24 +454,47 @@ class LLMEngine:
         try:
             logits = self.runner.execute(scheduled)
         except Exception as e:  # find whose input breaks the forward; the others go on
+            if is_memory_error(e):  # free the allocator's cache first: alone, each may fit
+                self.memory_pressure.record()
+                relieve(self.device)
             scheduled, logits = self._execute_isolating(scheduled, e, outputs)
         sampling = [s.seq for s in scheduled if s.samples]
         self.structured.mask_logits(logits, sampling)  # grammar masks of constrained rows, before sampling
-        tokens = (
-            self.sampler.sample(
-                logits,
-                [s.sampling_params for s in sampling],
-                [self._seeds[s.request_id] for s in sampling],
-                [s.num_output_tokens for s in sampling],
-            )
-            if sampling
-            else []
-        )
+        tokens: list[int | str] = []
+        logprobs: list[TokenLogprobs | None] = []
+        if sampling:
+            try:
+                params = [s.sampling_params for s in sampling]
+                sampled = self.sampler.sample(
+                    logits,
+                    params,
+                    [self._seeds[s.request_id] for s in sampling],
+                    [s.num_output_tokens for s in sampling],
+                    # the penalties' counts are rebuilt from the ids each step: a request resumed elsewhere
+                    # (hand-off, migration, recompute) with its outputs sees the same logits
+                    [(s.prompt_token_ids, s.output_token_ids) for s in sampling]
+                    if any(p.has_penalties for p in params)
+                    else None,
+                    self.logits_mask_fn(sampling) if self.logits_mask_fn is not None else None,
+                )
+                tokens, logprobs = sampled.tokens, sampled.logprobs
+            except Exception as e:
+                if not is_memory_error(e):
+                    raise
+                # out of memory while sampling: this step's sampled requests fail, nothing else
+                self.memory_pressure.record()
+                relieve(self.device)
+                for seq in sampling:
+                    self.scheduler.remove(seq)
+                    outputs.append(self._fail(seq, f"out of device memory while sampling: {e}"))
+                scheduled = [s for s in scheduled if not s.samples]
+                sampling, tokens, logprobs = [], [], []
         bm = self.block_manager
+        finished = 0
         for s in scheduled:
             s.seq.num_computed_tokens += s.num_new_tokens
             bm.register(s.seq)
-        for seq, token in zip(sampling, tokens):
+        for seq, token, lp in zip(sampling, tokens, logprobs):
             if isinstance(token, str):  # this row could not be sampled: fail its request alone
                 self.scheduler.remove(seq)
                 outputs.append(self._fail(seq, token))
@@ -378,11 +510,23 @@ class LLMEngine:
             if grammar_done and (not seq.is_finished or seq.status == SequenceStatus.FINISHED_PREFILLED):
                 seq.status = SequenceStatus.FINISHED_STOPPED  # the grammar is complete: nothing may follow
             if seq.is_finished:
+                finished += 1
                 self.scheduler.remove(seq)
                 if seq.status != SequenceStatus.FINISHED_PREFILLED:
                     self._release(seq)
-            outputs.append(self._output(seq, [token]))
+            outputs.append(self._output(seq, [token], None if lp is None else [lp]))
+        cal = self.runner.kv_calibration
+        if finished and cal is not None:
+            cal.on_finished(finished, self.runner.kv_caches)  # at the target: set the scales, re-quantise once
         return outputs
+
+    def kv_calibration_report(self) -> dict | None:
+        """FP8 KV cache: calibration state, per-layer scales and amax (a device sync); None otherwise."""
+        cal = self.runner.kv_calibration
+        if cal is None:
+            return None
+        cal.refresh_host()
+        return cal.report()
 
     def _execute_isolating(self, scheduled: list, error: Exception, outputs: list[RequestOutput]):
         """The batch forward raised: run each entry alone, fail the ones that still raise (with the
@@ -401,6 +545,9 @@ class LLMEngine:
                 if logits is None:
                     raise error
             except Exception as e:
+                if is_memory_error(e):
+                    self.memory_pressure.record()
+                    relieve(self.device)
                 log.warning("request %s fails the model forward: %s: %s", s.seq.request_id, type(e).__name__, e)
                 self.scheduler.remove(s.seq)
                 outputs.append(self._fail(s.seq, f"the model forward failed on this request: {type(e).__name__}: {e}"))
@@ -431,7 +578,7 @@ class LLMEngine:
             seq.status = SequenceStatus.FINISHED_PREFILLED
 
     @staticmethod
-    def _output(seq: Sequence, new_tokens: list[int]) -> RequestOutput:
+    def _output(seq: Sequence, new_tokens: list[int], logprobs: list[TokenLogprobs] | None = None) -> RequestOutput:
         return RequestOutput(
             request_id=seq.request_id,
             new_token_ids=new_tokens,
@@ -441,6 +588,7 @@ class LLMEngine:
             num_output_tokens=seq.num_output_tokens,
             error=seq.error,
             num_cached_tokens=seq.num_cached_tokens,
+            logprobs=logprobs,
         )
 
     # --- convenience -------------------------------------------------------

@@ -45,6 +45,8 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     rs = cfg.rope_scaling
     if rs.rope_type == "linear":
         inv_freq = inv_freq / rs.factor
+    elif rs.rope_type == "yarn":
+        inv_freq = _yarn_inv_freq(cfg, dim)
     elif rs.rope_type == "llama3":
         old_ctx = rs.original_max_position_embeddings
         low_wavelen = old_ctx / rs.low_freq_factor
@@ -58,6 +60,42 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     return inv_freq
 
 
+def _yarn_inv_freq(cfg: ModelConfig, dim: int) -> torch.Tensor:
+    """YaRN's blend of interpolated and extrapolated frequencies, as transformers computes it."""
+    rs, base = cfg.rope_scaling, cfg.rope_theta
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(rs.original_max_position_embeddings / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(rs.beta_fast), correction_dim(rs.beta_slow)
+    if rs.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    # device="cpu": the model is built under torch.device("meta"), and these are real tables
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low), 0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2, device="cpu").to(dtype=torch.float) / dim)
+    extrapolation = 1 - ramp
+    return (1.0 / (rs.factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+
+
+def rope_attention_factor(cfg: ModelConfig) -> float:
+    """The factor YaRN scales cos and sin by (1.0 for every other RoPE type)."""
+    rs = cfg.rope_scaling
+    if rs.rope_type != "yarn":
+        return 1.0
+    if rs.attention_factor is not None:
+        return rs.attention_factor
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if rs.mscale and rs.mscale_all_dim:
+        return float(mscale(rs.factor, rs.mscale) / mscale(rs.factor, rs.mscale_all_dim))
+    return mscale(rs.factor)
+
+
 class RotaryEmbedding(nn.Module):
     """cos/sin tables indexed by absolute position; grown on demand."""
 
@@ -66,6 +104,7 @@ class RotaryEmbedding(nn.Module):
         # Plain attributes, not buffers: the model is built on the meta device and
         # these tables are (re)computed on the real one at first use.
         self.inv_freq = rope_inv_freq(cfg)
+        self.attention_factor = rope_attention_factor(cfg)
         self._cache_len = 0
         # float32 tables on the device of first use, [cache_len, head_dim]; empty until then
         self._cos = self._sin = self._sin_signed = torch.empty(0)
@@ -76,6 +115,8 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(pos, self.inv_freq.to(device))
         emb = torch.cat((freqs, freqs), dim=-1)
         self._cos, self._sin = emb.cos(), emb.sin()
+        if self.attention_factor != 1.0:
+            self._cos, self._sin = self._cos * self.attention_factor, self._sin * self.attention_factor
         half = self._sin.shape[-1] // 2
         # sin with its first half negated: rotate_half(x) * sin == roll(x, half) * signed_sin exactly
         # ((-a) * b and a * (-b) round identically), one roll instead of two slices, a neg and a cat
@@ -113,6 +154,10 @@ class LlamaAttention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
+        # FP8 KV cache only (fp8.py): this layer's [K, V] scales and running amax, float32 views into the
+        # runner's [num_layers, 2] tensors; None for a cache in the compute dtype
+        self.kv_scale: torch.Tensor | None = None
+        self.kv_amax: torch.Tensor | None = None
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         # Llama's attention_bias covers o_proj too; Qwen2 biases q/k/v only.
         o_bias = cfg.attention_bias and cfg.architecture != "Qwen2ForCausalLM"

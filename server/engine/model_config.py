@@ -14,7 +14,46 @@ from pathlib import Path
 from typing import Any
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
+# The keys each RoPE type reads (both the 4.x ``rope_scaling`` dict and the 5.x ``rope_parameters`` dict, which
+# also carries ``rope_theta``). A key outside its type's set changes the rotary math in a way we do not follow,
+# so it is refused, never ignored.
+_ROPE_COMMON = {"rope_type", "type", "rope_theta", "partial_rotary_factor"}
+_ROPE_KEYS = {
+    "default": set(),
+    "linear": {"factor"},
+    "dynamic": {"factor", "original_max_position_embeddings"},
+    "yarn": {
+        "factor",
+        "original_max_position_embeddings",
+        "attention_factor",
+        "beta_fast",
+        "beta_slow",
+        "mscale",
+        "mscale_all_dim",
+        "truncate",
+    },
+    "llama3": {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"},
+}
+# Top-level config.json keys that change a Llama-family model's math in transformers, with the one value
+# this engine implements. Keys transformers' Llama/Mistral/Qwen2 classes do not read change nothing there
+# either and are ignored; these are refused when set to anything else.
+_NEUTRAL = {
+    "hidden_act": ("silu",),
+    "partial_rotary_factor": (1, 1.0),
+    "attn_logit_softcapping": (None,),
+    "final_logit_softcapping": (None,),
+    "query_pre_attn_scalar": (None,),
+    "logit_scale": (None, 1, 1.0),
+    "logits_scaling": (None, 1, 1.0),
+    "embedding_multiplier": (None, 1, 1.0),
+    "residual_multiplier": (None, 1, 1.0),
+    "attention_multiplier": (None,),
+    "use_qk_norm": (None, False),
+    "qk_layernorm": (None, False),
+    "no_rope_layers": (None,),
+    "quantization_config": (None,),
+}
 
 
 @dataclass(frozen=True)
@@ -24,6 +63,13 @@ class RopeScaling:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # yarn only (transformers' defaults; attention_factor None = derived from factor and mscale)
+    attention_factor: float | None = None
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
 
 
 @dataclass(frozen=True)
@@ -66,6 +112,7 @@ class ModelConfig:
                 raise ValueError(f"config.json: missing required key '{key}'")
             return d[key]
 
+        _refuse_unsupported_math(d)
         archs = d.get("architectures") or ["LlamaForCausalLM"]
         arch = archs[0]
         if arch not in SUPPORTED_ARCHITECTURES:
@@ -96,14 +143,14 @@ class ModelConfig:
             head_dim=head_dim,
             max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(d.get("rope_theta", 10000.0)),
-            rope_scaling=_parse_rope_scaling(d.get("rope_scaling")),
+            rope_theta=_rope_theta(d),
+            rope_scaling=_parse_rope_scaling(_rope_dict(d), int(d.get("max_position_embeddings", 2048))),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=attention_bias,
             mlp_bias=bool(d.get("mlp_bias", False)),
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=tuple(int(e) for e in eos_ids),
-            torch_dtype=str(d.get("torch_dtype") or d.get("dtype") or "float32"),
+            torch_dtype=_dtype_name(d.get("torch_dtype") or d.get("dtype") or "float32"),
             sliding_window=(
                 int(d["sliding_window"]) if d.get("sliding_window") and d.get("use_sliding_window", True) else None
             ),
@@ -117,19 +164,99 @@ class ModelConfig:
         return cls.from_hf_dict(json.loads(p.read_text()))
 
 
-def _parse_rope_scaling(rs: dict[str, Any] | None) -> RopeScaling:
+def _refuse_unsupported_math(d: dict[str, Any]) -> None:
+    for key, neutral in _NEUTRAL.items():
+        if key in d and d[key] not in neutral:
+            raise ValueError(
+                f"config.json: {key}={d[key]!r} changes the model's math and this engine does not implement it "
+                f"(it supports {neutral[0]!r} only)"
+            )
+    layer_types = d.get("layer_types")
+    if layer_types is not None:
+        odd = sorted({t for t in layer_types} - {"full_attention", "sliding_attention"})
+        if odd:
+            raise ValueError(f"config.json: layer_types {odd} are not supported (full and sliding attention only)")
+
+
+def _rope_dict(d: dict[str, Any]) -> dict[str, Any] | None:
+    """The RoPE parameters in either form: transformers 4.x's ``rope_scaling`` (``rope_theta`` beside it) or
+    transformers 5's ``rope_parameters`` (``rope_theta`` inside). Both present and different: refused."""
+    old, new = d.get("rope_scaling"), d.get("rope_parameters")
+    if new is not None and not isinstance(new, dict):
+        raise ValueError(f"config.json: rope_parameters must be an object, got {new!r}")
+    if isinstance(new, dict) and new and all(isinstance(v, dict) for v in new.values()):
+        raise ValueError(
+            f"config.json: rope_parameters per layer type ({', '.join(sorted(new))}) is not supported; "
+            "one set of RoPE parameters for every layer only"
+        )
+    if old and new:
+        merged = {k: v for k, v in new.items() if k != "rope_theta"}
+        plain = {k: v for k, v in old.items() if k != "rope_theta"}
+        if _rope_type(merged) != _rope_type(plain) or {
+            k: v for k, v in merged.items() if k not in ("type", "rope_type")
+        } != {k: v for k, v in plain.items() if k not in ("type", "rope_type")}:
+            raise ValueError("config.json: rope_scaling and rope_parameters are both given and disagree; keep one")
+    return new or old
+
+
+def _rope_type(rs: dict[str, Any]) -> str:
+    return str(rs.get("rope_type") or rs.get("type") or "default")
+
+
+def _rope_theta(d: dict[str, Any]) -> float:
+    new = d.get("rope_parameters") or {}
+    theta_new = new.get("rope_theta") if isinstance(new, dict) else None
+    theta_old = d.get("rope_theta")
+    if theta_new is not None and theta_old is not None and float(theta_new) != float(theta_old):
+        raise ValueError(
+            f"config.json: rope_theta={theta_old} and rope_parameters.rope_theta={theta_new} disagree; keep one"
+        )
+    theta = theta_new if theta_new is not None else theta_old
+    return float(theta if theta is not None else 10000.0)
+
+
+def _dtype_name(value: Any) -> str:
+    """``torch_dtype`` (4.x) or ``dtype`` (5.x): "bfloat16", or "torch.bfloat16" as some tools write it."""
+    return str(value).removeprefix("torch.")
+
+
+def _parse_rope_scaling(rs: dict[str, Any] | None, max_position_embeddings: int = 2048) -> RopeScaling:
     if not rs:
         return RopeScaling()
-    rope_type = rs.get("rope_type") or rs.get("type") or "default"
+    rope_type = _rope_type(rs)
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(
-            f"config.json: rope_scaling.rope_type={rope_type!r} is not supported; "
-            f"expected one of {', '.join(SUPPORTED_ROPE_TYPES)}"
+            f"config.json: rope type {rope_type!r} is not supported; expected one of {', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
+    unknown = sorted(set(rs) - _ROPE_COMMON - _ROPE_KEYS[rope_type])
+    if unknown:
+        raise ValueError(
+            f"config.json: rope key(s) {', '.join(unknown)} are not understood for rope type {rope_type!r}; "
+            "refusing to guess the rotary math"
+        )
+    if float(rs.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ValueError("config.json: partial_rotary_factor != 1 (partial RoPE) is not supported")
+    if rope_type == "default":
+        return RopeScaling()
+    if "factor" not in rs:
+        raise ValueError(f"config.json: rope type {rope_type!r} needs 'factor'")
+    omp = rs.get("original_max_position_embeddings")
+    if rope_type == "yarn":
+        return RopeScaling(
+            rope_type=rope_type,
+            factor=float(rs["factor"]),
+            original_max_position_embeddings=int(omp or max_position_embeddings),
+            attention_factor=None if rs.get("attention_factor") is None else float(rs["attention_factor"]),
+            beta_fast=float(rs.get("beta_fast") or 32.0),
+            beta_slow=float(rs.get("beta_slow") or 1.0),
+            mscale=None if rs.get("mscale") is None else float(rs["mscale"]),
+            mscale_all_dim=None if rs.get("mscale_all_dim") is None else float(rs["mscale_all_dim"]),
+            truncate=bool(rs.get("truncate", True)),
         )
     return RopeScaling(
         rope_type=rope_type,
         factor=float(rs.get("factor", 1.0)),
         low_freq_factor=float(rs.get("low_freq_factor", 1.0)),
         high_freq_factor=float(rs.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=int(rs.get("original_max_position_embeddings", 8192)),
+        original_max_position_embeddings=int(omp or (8192 if rope_type == "llama3" else max_position_embeddings)),
     )

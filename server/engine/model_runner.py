@@ -8,9 +8,12 @@ disaggregated serving: ``gather_kv`` (prefill side, blocks → contiguous) and
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from server.engine.attention import AttentionMetadata
+from server.engine.fp8 import KVCalibration, as_bytes, dequantize, is_fp8, quantize
 from server.engine.model import LlamaForCausalLM
 from server.engine.model_config import ModelConfig
 from server.engine.scheduler import ScheduledSeq
@@ -33,7 +36,15 @@ def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) ->
 
 class ModelRunner:
     def __init__(
-        self, model: LlamaForCausalLM, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+        self,
+        model: LlamaForCausalLM,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        kv_dtype: torch.dtype | None = None,
+        kv_scale_init: float = 1.0,
+        kv_calibration_requests: int = 0,
     ) -> None:
         cfg = model.config
         self.model = model
@@ -41,11 +52,25 @@ class ModelRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.device = device
-        self.dtype = dtype
+        self.dtype = dtype  # compute dtype (what gather_kv hands out for a cache in it)
+        self.kv_dtype = kv_dtype or dtype  # the cache's storage dtype
         self.kv_caches = [
-            torch.zeros(2, num_blocks * block_size, cfg.num_key_value_heads, cfg.head_dim, dtype=dtype, device=device)
+            torch.zeros(
+                2, num_blocks * block_size, cfg.num_key_value_heads, cfg.head_dim, dtype=self.kv_dtype, device=device
+            )
             for _ in range(cfg.num_hidden_layers)
         ]
+        # FP8 cache: per-layer [K, V] scales and running amax, read and updated by the attention kernels
+        self.kv_calibration: KVCalibration | None = None
+        layers: Any = model.layers
+        if is_fp8(self.kv_dtype):
+            cal = KVCalibration.create(cfg.num_hidden_layers, device, kv_scale_init, kv_calibration_requests)
+            self.kv_calibration = cal
+            for i, layer in enumerate(layers):
+                layer.self_attn.kv_scale, layer.self_attn.kv_amax = cal.scales[i], cal.amax[i]
+        else:
+            for layer in layers:
+                layer.self_attn.kv_scale = layer.self_attn.kv_amax = None
         self.graph_runner = None  # CudaGraphRunner for all-decode steps on CUDA (cuda_graph_runner.py)
 
     def _slots(self, block_table: list[int], start: int, end: int) -> list[int]:
@@ -139,17 +164,47 @@ class ModelRunner:
         out = torch.empty(
             (len(self.kv_caches), 2, num_tokens, *first.shape[2:]), dtype=first.dtype, device=first.device
         )
+        raw = as_bytes(out)  # an e4m3 cache is copied as its bytes (the scales travel beside it: kv_scales)
         for layer, c in enumerate(self.kv_caches):
-            torch.index_select(c, 1, slots, out=out[layer])
+            torch.index_select(as_bytes(c), 1, slots, out=raw[layer])
         return out
 
+    def kv_scales(self) -> list[list[float]] | None:
+        """The FP8 cache's per-layer [K, V] scales (a device sync), or None for a cache in the compute dtype."""
+        cal = self.kv_calibration
+        return None if cal is None else cal.scales.tolist()
+
     @torch.inference_mode()
-    def scatter_kv(self, block_table: list[int], kv: torch.Tensor) -> None:
+    def scatter_kv(self, block_table: list[int], kv: torch.Tensor, kv_scales: list[list[float]] | None = None) -> None:
+        """Write a hand-off's KV (``gather_kv``'s layout) into this runner's blocks, converting once:
+        an e4m3 payload needs its ``kv_scales``; into an e4m3 cache, values are quantised with this
+        cache's scales (bytes copied as they are when the scales are equal), and count towards its
+        calibration amax."""
         num_tokens = kv.shape[2]
         slots = torch.tensor(self._slots(block_table, 0, num_tokens), dtype=torch.long, device=self.device)
-        kv = kv.to(device=self.device, dtype=self.dtype)
+        kv = kv.to(device=self.device)
+        src_scales = None
+        if is_fp8(kv.dtype):
+            if kv_scales is None:
+                raise ValueError("FP8 KV arrived without its kv_scales")
+            src_scales = torch.tensor(kv_scales, dtype=torch.float32, device=self.device)
+        cal = self.kv_calibration
+        if cal is not None and src_scales is not None and torch.equal(src_scales, cal.scales):
+            for layer, cache in enumerate(self.kv_caches):  # same scales: the bytes as they came
+                as_bytes(cache).index_copy_(1, slots, as_bytes(kv[layer]))
+            torch.maximum(cal.amax, kv.float().abs().amax(dim=(2, 3, 4)) * src_scales, out=cal.amax)
+            return
         for layer, cache in enumerate(self.kv_caches):
-            cache.index_copy_(1, slots, kv[layer])
+            x = kv[layer]
+            if src_scales is not None:  # widen the e4m3 payload with its own scales
+                x = dequantize(x, src_scales[layer].view(2, 1, 1, 1), torch.float32)
+            if cal is None:
+                cache.index_copy_(1, slots, x.to(self.dtype))
+                continue
+            amax = x.float().abs().amax(dim=(1, 2, 3))
+            torch.maximum(cal.amax[layer], amax, out=cal.amax[layer])
+            q = quantize(x, cal.scales[layer].view(2, 1, 1, 1))
+            as_bytes(cache).index_copy_(1, slots, as_bytes(q))
 
     def kv_shape(self, num_tokens: int) -> tuple[int, ...]:
         c = self.config

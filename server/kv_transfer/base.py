@@ -73,6 +73,25 @@ def parse_address(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+MAX_KV_SCALE_LAYERS = 1024
+
+
+def _check_kv_scales(scales: Any, dtype: str, shape: tuple[int, ...]) -> None:
+    """FP8 payloads carry one finite, positive [K, V] scale pair per layer; other dtypes carry none."""
+    if dtype != "float8_e4m3fn":
+        if scales:
+            raise ValueError(f"KVHandle.kv_scales is only for dtype float8_e4m3fn, not {dtype}")
+        return
+    if not isinstance(scales, tuple) or not shape or len(scales) != shape[0]:
+        raise ValueError(f"KVHandle.kv_scales must hold one [k, v] pair per layer ({shape[0] if shape else 0})")
+    for pair in scales:
+        if not isinstance(pair, tuple) or len(pair) != 2:
+            raise ValueError("KVHandle.kv_scales entries must be [k, v] pairs")
+        for x in pair:
+            if type(x) not in (int, float) or not math.isfinite(x) or x <= 0:
+                raise ValueError(f"KVHandle.kv_scales values must be finite numbers > 0, got {x!r}")
+
+
 @dataclass(frozen=True)
 class KVHandle:
     """Everything a receiver needs to pull one request's KV; JSON-safe via to_dict/from_dict.
@@ -93,6 +112,9 @@ class KVHandle:
     # cuda_ipc from a staging pool: the sender's IPC description of the staged bytes, so the
     # receiver can start its copy before the PULL's reply arrives (receiver.py); "" otherwise
     ipc: str = ""
+    # FP8 KV (dtype float8_e4m3fn) only, and then required: per layer the [K, V] scales it was quantised
+    # with (x = q * scale), one pair per shape[0] layer, each finite and > 0
+    kv_scales: tuple[tuple[float, float], ...] = ()
 
     def __post_init__(self) -> None:
         self.validate(_HARD_MAX_NBYTES)
@@ -123,6 +145,7 @@ class KVHandle:
             raise ValueError(f"KVHandle.ipc must be a string of at most {MAX_IPC_CHARS} chars")
         if self.ipc and self.transport != "cuda_ipc":
             raise ValueError("KVHandle.ipc is only for transport cuda_ipc")
+        _check_kv_scales(self.kv_scales, self.dtype, self.shape)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -140,6 +163,7 @@ class KVHandle:
             "checksum": self.checksum,
             "host_id": self.host_id,
             **({"ipc": self.ipc} if self.ipc else {}),
+            **({"kv_scales": [list(p) for p in self.kv_scales]} if self.kv_scales else {}),
         }
 
     @classmethod
@@ -148,13 +172,18 @@ class KVHandle:
         if not isinstance(data, dict):
             raise ValueError(f"KV handle must be a JSON object, got {type(data).__name__}")
         expected = {"request_id", "transport", "address", "secret", "nbytes", "shape", "dtype", "checksum", "host_id"}
-        if set(data) - {"ipc"} != expected:
+        if set(data) - {"ipc", "kv_scales"} != expected:
             missing, extra = sorted(expected - set(data)), sorted(set(data) - expected)
             raise ValueError(f"KV handle keys: missing {missing}, unexpected {extra}")
         shape = data["shape"]
         if not isinstance(shape, (list, tuple)) or len(shape) > MAX_NDIM:
             raise ValueError(f"KVHandle.shape must be a list of at most {MAX_NDIM} ints")
-        handle = cls(**dict(data, shape=tuple(shape)))
+        scales = data.get("kv_scales", ())
+        if not isinstance(scales, (list, tuple)) or len(scales) > MAX_KV_SCALE_LAYERS:
+            raise ValueError(f"KVHandle.kv_scales must be a list of at most {MAX_KV_SCALE_LAYERS} [k, v] pairs")
+        if not all(isinstance(p, (list, tuple)) for p in scales):
+            raise ValueError("KVHandle.kv_scales entries must be [k, v] pairs")
+        handle = cls(**dict(data, shape=tuple(shape), kv_scales=tuple(tuple(p) for p in scales)))
         handle.validate(max_nbytes)
         return handle
 

@@ -73,6 +73,7 @@ DTYPE_CODES: dict[torch.dtype, int] = {
     torch.bfloat16: 3,
     torch.int8: 4,
     torch.uint8: 5,
+    torch.float8_e4m3fn: 6,  # an FP8 KV cache's bytes; its scales travel in the handle (KVHandle.kv_scales)
 }
 _CODE_TO_DTYPE = {code: dtype for dtype, code in DTYPE_CODES.items()}
 DTYPE_NAMES: dict[str, torch.dtype] = {
@@ -81,6 +82,7 @@ DTYPE_NAMES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
     "int8": torch.int8,
     "uint8": torch.uint8,
+    "float8_e4m3fn": torch.float8_e4m3fn,
 }
 
 

@@ -264,27 +264,38 @@ class KVStagingServer(KVSender):
         )
         return self._register(entry)
 
+    def ipc_pool(self, device: torch.device):
+        """The cuda_ipc staging pool of ``device``, allocated on first use (a worker calls this at start,
+        so the pool is part of its memory budget instead of a first transfer's surprise); None when
+        there is none (disabled, or it could not be allocated: each KV tensor is then exported itself)."""
+        from . import cuda_ipc
+
+        if self.cuda_ipc_pool_bytes <= 0:
+            return None
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        with self._lock:
+            pool = self._ipc_pools.get(index)
+        if pool is None:
+            try:
+                pool = cuda_ipc.IpcPool(torch.device("cuda", index), self.cuda_ipc_pool_bytes)
+            except Exception as exc:  # out of memory, or memory that cannot be exported
+                logger.warning(
+                    "cuda_ipc staging pool of %d bytes unavailable (%s); exporting each KV tensor itself",
+                    self.cuda_ipc_pool_bytes,
+                    exc,
+                )
+                self.cuda_ipc_pool_bytes = 0
+                return None
+            with self._lock:
+                pool = self._ipc_pools.setdefault(index, pool)
+        return pool
+
     def _stage_ipc(self, request_id: str, tensor: torch.Tensor, nbytes: int, lease_ms: float, ready_event) -> KVHandle:
         from . import cuda_ipc
 
         pool = None
         if self.cuda_ipc_pool_bytes > 0 and nbytes <= self.cuda_ipc_pool_bytes:
-            index = tensor.device.index if tensor.device.index is not None else torch.cuda.current_device()
-            with self._lock:
-                pool = self._ipc_pools.get(index)
-            if pool is None:
-                try:
-                    pool = cuda_ipc.IpcPool(torch.device("cuda", index), self.cuda_ipc_pool_bytes)
-                except Exception as exc:  # out of memory, or memory that cannot be exported
-                    logger.warning(
-                        "cuda_ipc staging pool of %d bytes unavailable (%s); exporting each KV tensor itself",
-                        self.cuda_ipc_pool_bytes,
-                        exc,
-                    )
-                    self.cuda_ipc_pool_bytes = 0
-                else:
-                    with self._lock:
-                        pool = self._ipc_pools.setdefault(index, pool)
+            pool = self.ipc_pool(tensor.device)
         dtype, shape = tensor.dtype, tuple(tensor.shape)
         export = cuda_ipc.export(tensor, ready_event, pool)
         del tensor  # a pooled export copied it; an own export holds it

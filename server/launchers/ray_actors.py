@@ -23,6 +23,8 @@ from pathlib import Path
 
 import ray
 
+from server.private_files import write_private
+
 
 class ProcessActor:
     """One distserve process under a Ray actor: start it, report where it runs, wait for it, stop it."""
@@ -35,7 +37,7 @@ class ProcessActor:
         """Spawn ``python -m server.cli ARGV``. ``{config}``, ``{node_ip}`` and ``{ready_file}`` in ARGV are
         replaced by this node's copy of the configuration, its Ray IP address and a ready-file path."""
         config = self.tmp / "config.yaml"
-        config.write_text(config_yaml)
+        write_private(config, config_yaml)  # may carry the admin token; the folder is 0700 (mkdtemp)
         node_ip = ray.util.get_node_ip_address()
         subst = {"{config}": str(config), "{node_ip}": node_ip, "{ready_file}": str(self.tmp / "ready.json")}
         cmd = [sys.executable, "-m", "server.cli", *(subst.get(a, a) for a in argv), "--parent-pid", str(os.getpid())]

@@ -24,20 +24,28 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from server.config import DistServeConfig
 from server.engine.chat_template import ChatTemplate, ChatTemplateError, end_of_turn_ids
 from server.engine.loader import load_tokenizer, model_display_name, resolve_model_path
 from server.engine.tokenizer import Tokenizer
+from server.lograte import RateLimitedLog
 from server.metrics import RouterMetrics
 from server.router import protocol, tool_calls
+from server.router.admission import Admission, InvalidSlo, Ticket, parse_slo
 from server.router.backup_pool import BackupOptions, BackupPool
+from server.router.choices import Choices, choice_seed
 from server.router.failover import PoolHeaderMiddleware, maybe_backup
+from server.router.fdlimit import ConnectionCounter, ConnectionLimit
+from server.router.identity import CREDENTIAL_HEADER, IdInUse, WorkerIdentities
 from server.router.limits import BodyLimit
+from server.router.logprobs import TokenTexts, chat_logprobs, completion_logprobs
 from server.router.pipeline import EngineRequest, NoWorkersError, Pipeline, PipelineOptions, TokenEvent
 from server.router.protocol import InvalidRequest
 from server.router.registry import STATES, RegistrationRefused, WorkerRegistry
+from server.router.request_journal import JournalEveryRequest
 from server.router.sampling_defaults import default_sampling
 from server.router.sla_live import Finished, SlaLive
 from server.router.structured_outputs import GrammarCheck, constraint_for
@@ -62,6 +70,14 @@ class RouterState:
     backup: BackupPool | None = None
     grammar_check: GrammarCheck = field(default_factory=GrammarCheck)  # structured outputs: compile verdicts
     created: int = field(default_factory=lambda: int(time.time()))  # /v1/models `created`
+    admission: Admission | None = None  # bounded queues, SLO-aware admission (server/router/admission.py)
+    connections: ConnectionCounter | None = None  # open client connections vs the fd budget (fdlimit.py)
+    identities: WorkerIdentities | None = None  # per-worker credentials (server/router/identity.py)
+
+    def ids(self) -> WorkerIdentities:
+        if self.identities is None:
+            self.identities = WorkerIdentities(self.token)
+        return self.identities
 
     _tokenizer_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -139,12 +155,39 @@ def _error(status: int, message: str, param: str | None = None, headers: dict | 
     )
 
 
+def _first_error(e: ValidationError) -> str:
+    """A pydantic error as one sentence naming the field (``status.num_waiting: ...``)."""
+    err = e.errors()[0]
+    return f"{_first_error_field(e)}: {err['msg']}"
+
+
+def _first_error_field(e: ValidationError) -> str:
+    return ".".join(str(p) for p in e.errors()[0]["loc"]) or "body"
+
+
 def _unavailable(message: str) -> JSONResponse:
     return _error(503, message, headers={"Retry-After": "1"})
 
 
+def _rate_limited(message: str, reason: str, retry_after_s: int) -> JSONResponse:
+    """OpenAI's rate-limit answer: 429, ``rate_limit_exceeded``, Retry-After (whole seconds)."""
+    kind = "tokens" if "tokens" in reason or reason.startswith("slo") or "ttft" in reason else "requests"
+    return JSONResponse(
+        {"error": {"message": message, "type": kind, "param": None, "code": "rate_limit_exceeded"}},
+        status_code=429,
+        headers={"Retry-After": str(retry_after_s), "x-distserve-admission": reason},
+    )
+
+
+def _serving_workers(state: RouterState) -> int:
+    """How many workers share the prefill queue: healthy prefill workers, else healthy colocated ones."""
+    reg = state.registry
+    return len(reg.healthy("prefill")) if reg.mode() == "disaggregated" else len(reg.healthy("colocated"))
+
+
 def create_router_app(state: RouterState) -> FastAPI:
     rc = state.config.router
+    overload_log = RateLimitedLog(log)  # one line per admission cause per period
 
     async def sweep_registry() -> None:
         """Age worker states on a clock of their own, so the waits on a worker that froze fail
@@ -152,6 +195,8 @@ def create_router_app(state: RouterState) -> FastAPI:
         period = max(0.05, min(rc.heartbeat_interval_ms, rc.heartbeat_timeout_ms) / 2000.0)
         while True:
             state.registry.sweep()
+            if state.pipeline is not None:
+                state.pipeline.request_log.flush()  # the summaries of held-back per-request warnings
             await asyncio.sleep(period)
 
     @asynccontextmanager
@@ -170,6 +215,9 @@ def create_router_app(state: RouterState) -> FastAPI:
             )
             state.backup = BackupPool(BackupOptions(rc.backup_pool, rc.backup_model, rc.backup_api_key), http)
             state.sla = SlaLive(rc, state.metrics.registry, backup_configured=state.backup.configured)
+            if state.admission is None:  # one per state: its metrics live in the state's registry
+                state.admission = Admission(state.config, state.metrics.registry, lambda: _serving_workers(state))
+            state.admission.journal = state.sla.events_journal.append
             ticker = asyncio.ensure_future(state.sla.run())
             sweeper = asyncio.create_task(sweep_registry(), name="registry-sweep")
             try:
@@ -183,6 +231,9 @@ def create_router_app(state: RouterState) -> FastAPI:
     app.add_middleware(BodyLimit, max_bytes=rc.max_request_body_bytes, body_timeout_s=rc.body_timeout_s)
     app.state.router = state
     app.add_middleware(PoolHeaderMiddleware)
+    if state.connections is not None:  # refuses before the body is read (journaled by the next one)
+        app.add_middleware(ConnectionLimit, counter=state.connections, retry_after_s=rc.admission.retry_after_s)
+    app.add_middleware(JournalEveryRequest, live=lambda: state.sla)  # outermost: sees 408/413 answers too
 
     def authorized(request: Request) -> bool:
         got = request.headers.get("authorization", "")
@@ -197,6 +248,7 @@ def create_router_app(state: RouterState) -> FastAPI:
         except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError, or an integer of > 4300 digits
             raise InvalidRequest(f"request body is not valid JSON: {e}") from None
         protocol.check_unicode(body)
+        request.state.json_body = body  # the request as sent, should admission send it to the backup pool
         return body
 
     # --- control plane -----------------------------------------------------
@@ -206,18 +258,24 @@ def create_router_app(state: RouterState) -> FastAPI:
             return _error(401, "missing or wrong bearer token")
         try:
             req = RegisterRequest.model_validate(await json_body(request))
+            state.ids().admit(state.registry, req.worker_id, request.headers.get(CREDENTIAL_HEADER))
             info = state.registry.register(req)
         except InvalidRequest as e:
             return _error(400, str(e))
+        except IdInUse as e:
+            log.warning("registration refused: %s", e)
+            return _error(409, str(e), "worker_id")
         except RegistrationRefused as e:
             log.error("%s", e)
             return _error(409, str(e))
+        except ValidationError as e:
+            return _error(400, f"invalid registration: {_first_error(e)}", _first_error_field(e))
         except ValueError as e:
             return _error(422, f"invalid registration: {e}")
         log.info("worker %s (%s, pid %d) registered at %s", info.worker_id, info.role, info.pid, info.url)
         if state.tokenizer is None:  # build it off the event loop now, not inside the first request
             asyncio.get_running_loop().run_in_executor(None, state.warm_tokenizer)
-        return {"registered": info.worker_id}
+        return {"registered": info.worker_id, "credential": state.ids().issue(info.worker_id)}
 
     @app.post("/heartbeat")
     async def heartbeat(request: Request):
@@ -225,8 +283,14 @@ def create_router_app(state: RouterState) -> FastAPI:
             return _error(401, "missing or wrong bearer token")
         try:
             hb = HeartbeatRequest.model_validate(await json_body(request))
+        except ValidationError as e:
+            return _error(400, f"invalid heartbeat: {_first_error(e)}", _first_error_field(e))
         except (InvalidRequest, ValueError) as e:
             return _error(400, f"invalid heartbeat: {e}")
+        if hb.worker_id in state.registry.workers and not state.ids().holds(
+            hb.worker_id, request.headers.get(CREDENTIAL_HEADER)
+        ):
+            return _error(403, f"wrong or missing worker credential for {hb.worker_id!r}", CREDENTIAL_HEADER)
         if not state.registry.heartbeat(hb.worker_id, hb.status):
             return _error(404, f"unknown worker {hb.worker_id}; register first")
         return {"ok": True}
@@ -240,11 +304,16 @@ def create_router_app(state: RouterState) -> FastAPI:
         except (InvalidRequest, ValueError) as e:
             return _error(400, f"invalid deregistration: {e}")
         if req.reason is not None:  # the launcher saw the process exit: keep it listed, as dead
-            marked = state.registry.mark_dead(req.worker_id, req.reason)
-            if marked:
-                log.warning("worker %s marked dead: %s", req.worker_id, req.reason)
-            return {"deregistered": marked}
-        return {"deregistered": state.registry.deregister(req.worker_id, req.pid)}
+            return {"deregistered": state.registry.mark_dead(req.worker_id, req.reason)}  # it logs the transition
+        # A worker's own goodbye: only the holder of the id's credential may remove it.
+        if req.worker_id in state.registry.workers and not state.ids().holds(
+            req.worker_id, request.headers.get(CREDENTIAL_HEADER)
+        ):
+            return _error(403, f"wrong or missing worker credential for {req.worker_id!r}", CREDENTIAL_HEADER)
+        gone = state.registry.deregister(req.worker_id, req.pid)
+        if gone:
+            state.ids().forget(req.worker_id)
+        return {"deregistered": gone}
 
     @app.post("/drain")
     async def drain(request: Request):
@@ -257,7 +326,6 @@ def create_router_app(state: RouterState) -> FastAPI:
             return _error(400, f"invalid drain request: {e}")
         if not state.registry.drain(req.worker_id):
             return _error(404, f"worker_id: no live worker {req.worker_id!r} is registered")
-        log.info("worker %s draining: out of rotation, its requests in flight continue", req.worker_id)
         return {"draining": req.worker_id}
 
     @app.get("/v1/workers")
@@ -267,6 +335,13 @@ def create_router_app(state: RouterState) -> FastAPI:
         state.registry.sweep()
         now = time.monotonic()
         return {"mode": state.registry.mode(), "workers": [w.to_dict(now) for w in state.registry.workers.values()]}
+
+    @app.get("/v1/admission")
+    async def admission_status(request: Request):
+        """Admission counts, bounds, the live TTFT model and its measured prediction error."""
+        if not authorized(request):
+            return _error(401, "missing or wrong bearer token")
+        return state.admission.status() if state.admission else _unavailable("starting up")
 
     @app.get("/health")
     async def health():
@@ -293,7 +368,15 @@ def create_router_app(state: RouterState) -> FastAPI:
                 headers={"Retry-After": "1"},
             )
         lost = sum(n for c in counts.values() for st, n in c.items() if st not in ("healthy", "draining"))
-        return {"status": "degraded" if lost else "ok", "mode": mode, "workers": workers}
+        journal = state.sla.journal_problem() if state.sla is not None else None
+        # workers whose engine steps fail for lack of device memory (their heartbeats say so)
+        pressure = sorted(w.worker_id for w in reg.workers.values() if w.healthy and w.status.memory_errors_recent)
+        out = {"status": "degraded" if lost or journal or pressure else "ok", "mode": mode, "workers": workers}
+        if journal:
+            out["reasons"] = [journal]  # a journal write failed: requests are served, records are being lost
+        if pressure:
+            out["memory_pressure"] = pressure
+        return out
 
     @app.get("/metrics")
     async def metrics():
@@ -437,23 +520,18 @@ def create_router_app(state: RouterState) -> FastAPI:
         prompts = req.prompts()  # a batched request has several: one choice each
         constraint = await _constraint(req)
         await _tokenizer_ready(state)
-        if len(prompts) == 1:
-            return await _serve(request, req, await _prompt_ids(state, prompts[0]), "completion", constraint=constraint)
-        ids = [await _prompt_ids(state, p) for p in prompts]
-        runs = [_make_run(req, p, "completion", constraint=constraint) for p in ids]
-        if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(
-                _sse_completion_batch(runs, state.model_name(), include_usage), media_type="text/event-stream"
-            )
-        try:
-            await _until_done_or_disconnect(request, asyncio.gather(*(r.collect() for r in runs)))
-        except _ClientGone:
-            return JSONResponse({}, status_code=499)
-        failed = next((r for r in runs if r.error), None)
-        if failed is not None:
-            return _error(failed.error_status, failed.error)
-        return JSONResponse(_batch_body(runs, state.model_name()))
+        if len(prompts) > 1:  # a batch: one choice per prompt, in order
+            if req.n != 1 or req.best_of not in (None, 1) or req.echo:
+                raise InvalidRequest("prompt: a batch of prompts takes neither n, best_of nor echo", "prompt")
+            batch = [await _prompt_ids(state, p) for p in prompts]
+            return await _serve(request, req, batch[0], "completion", constraint=constraint, batch=batch)
+        ids = await _prompt_ids(state, prompts[0])
+        echo = None
+        if req.echo:  # the prompt as the client sent it (text), or the decoding of its ids
+            echo = _single_prompt(req.prompt)
+            if not isinstance(echo, str):
+                echo = state.get_tokenizer().decode(ids)
+        return await _serve(request, req, ids, "completion", echo=echo, constraint=constraint)
 
     async def _constraint(req):
         """The request's validated output grammar (InvalidRequest naming the field when it cannot compile)."""
@@ -502,6 +580,8 @@ def create_router_app(state: RouterState) -> FastAPI:
     async def generate(request: Request):
         req = protocol.parse(protocol.GenerateRequest, await json_body(request), rc.allow_unknown_fields)
         state.check_model(req.model)
+        if req.n != 1:
+            raise InvalidRequest("n: /generate returns one completion; use /v1/completions for n > 1", "n")
         await _tokenizer_ready(state)
         if (req.prompt is None) == (req.prompt_token_ids is None):
             raise InvalidRequest("prompt: give exactly one of prompt or prompt_token_ids", "prompt")
@@ -510,8 +590,44 @@ def create_router_app(state: RouterState) -> FastAPI:
         ids = await _tokenize(state, req.prompt) if req.prompt is not None else _check_ids(state, req.prompt_token_ids)
         return await _serve(request, req, ids, "generate", constraint=await _constraint(req))
 
-    def _make_run(
-        req, prompt_ids: list[int], kind: str, stop_ids: list[int] | None = None, constraint=None, tools=None
+    async def _admit(request: Request, req, kind: str, n_tokens: int) -> tuple[Ticket | None, Response | None]:
+        """(ticket, None) when admitted; (None, response) when shed (429 + Retry-After) or served by the backup."""
+        adm = state.admission
+        if adm is None:
+            return None, None
+        ac = rc.admission
+        try:
+            slo = parse_slo(request.headers, ac.slo_ttft_ms, ac.slo_tpot_ms, ac.on_slo_miss)
+        except InvalidSlo as e:
+            raise InvalidRequest(str(e), e.header) from None
+        d = adm.decide(n_tokens, slo)
+        if d.route == "primary":
+            return adm.admit(n_tokens, d), None
+        if d.route == "backup" and state.sla is not None and state.backup is not None and state.backup.configured:
+            body = getattr(request.state, "json_body", None)
+            path = {"completion": "/v1/completions", "chat": "/v1/chat/completions"}.get(kind)
+            if body is not None and path is not None:
+                resp = await maybe_backup(
+                    state.sla, state.backup, lambda: True, path, body, req.stream, time.perf_counter(), d.reason
+                )
+                if resp is not None:
+                    adm.refused(d, n_tokens, "backup")
+                    return None, resp
+        adm.refused(d, n_tokens, "shed")
+        state.metrics.requests.labels("rate_limited").inc()
+        overload_log.warning(f"admission: {d.reason}", "429 (%s): %s", d.reason, d.message)
+        return None, _rate_limited(d.message, d.reason, d.retry_after_s)
+
+    async def _serve(
+        request: Request,
+        req,
+        prompt_ids: list[int],
+        kind: str,
+        stop_ids: list[int] | None = None,
+        echo: str | None = None,
+        constraint=None,
+        tools=None,
+        batch: list[list[int]] | None = None,
     ):
         max_len = state.max_seq_len()
         if len(prompt_ids) >= max_len:
@@ -532,7 +648,12 @@ def create_router_app(state: RouterState) -> FastAPI:
         vocab = _vocab_size(state)
         if vocab is not None and any(t >= vocab for t in req.stop_token_ids or ()):
             raise InvalidRequest(f"stop_token_ids: token ids must be in [0, {vocab})", "stop_token_ids")
+        bias = req.logit_bias_items()
+        if vocab is not None and any(t >= vocab for t, _ in bias):
+            raise InvalidRequest(f"logit_bias: token ids must be in [0, {vocab})", "logit_bias")
         temperature, top_p = default_sampling(req, state.config.decode)
+        k = req.logprobs_k()
+        best_of = getattr(req, "best_of", None) or req.n
         sampling = InternalSampling(
             max_tokens=max_tokens,
             temperature=temperature,
@@ -541,29 +662,58 @@ def create_router_app(state: RouterState) -> FastAPI:
             seed=req.seed if req.seed is not None else secrets.randbits(62),
             stop_token_ids=(req.stop_token_ids or []) + (stop_ids or []),
             ignore_eos=req.ignore_eos,
+            min_p=req.min_p,
+            presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty,
+            repetition_penalty=req.repetition_penalty,
+            logit_bias=bias,
+            logprobs=k if k is not None or best_of == req.n else 0,  # best_of ranks by logprob
             structured=constraint,
         )
         state.running_pipeline().check_available()  # NoWorkersError -> 503 with Retry-After
         tokenizer = state.get_tokenizer()
-        ereq = EngineRequest(f"{kind[:4]}-{uuid.uuid4().hex}", prompt_ids, sampling)
-        run = _Run(state, ereq, TextAssembler(tokenizer, req.stop_strings()))
-        run.tools = tools
-        return run
-
-    async def _serve(request: Request, req, prompt_ids: list[int], kind: str, stop_ids: list[int] | None = None, **kw):
-        run = _make_run(req, prompt_ids, kind, stop_ids, **kw)
+        # OpenAI bodies prefix the id themselves (cmpl-, chatcmpl-); /generate's id is "gen-" + hex
+        rid = f"{'gen-' if kind == 'generate' else ''}{uuid.uuid4().hex}"
+        ticket, refusal = await _admit(request, req, kind, len(prompt_ids))
+        if refusal is not None:
+            return refusal
+        seed = sampling.seed or 0
+        runs = [
+            _Run(
+                state,
+                EngineRequest(
+                    rid if i == 0 else f"{rid}-{i}",
+                    prompt_ids,
+                    sampling if i == 0 else sampling.model_copy(update={"seed": choice_seed(seed, i)}),
+                ),
+                TextAssembler(tokenizer, req.stop_strings()),
+                ticket if i == 0 else None,  # admission counts the prompt once: the first choice holds its place
+            )
+            for i in range(best_of)
+        ]
+        if batch is not None:  # batched prompts: one run per prompt, the same sampling, each its own id
+            runs += [
+                _Run(state, EngineRequest(f"{rid}-p{i}", ids, sampling), TextAssembler(tokenizer, req.stop_strings()))
+                for i, ids in enumerate(batch[1:], 1)
+            ]
+            for ids in batch[1:]:
+                _check_prompt_fits(state, ids, max_tokens)
+        for r in runs:
+            r.tools = tools
+        group = Choices(runs, len(runs) if batch is not None else req.n, batched=batch is not None)
+        shape = _Shape(k, TokenTexts(tokenizer), echo)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             fmt = {"completion": _sse_completion, "chat": _sse_chat, "generate": _ndjson_generate}[kind]
             media = "application/x-ndjson" if kind == "generate" else "text/event-stream"
-            return StreamingResponse(fmt(run, state.model_name(), include_usage), media_type=media)
+            return StreamingResponse(fmt(group, state.model_name(), include_usage, shape), media_type=media)
         try:
-            await _until_done_or_disconnect(request, run.collect())
+            await _until_done_or_disconnect(request, group.collect())
         except _ClientGone:
             return JSONResponse({}, status_code=499)
-        if run.error:
-            return _error(run.error_status, run.error)
-        return JSONResponse(_final_body(kind, run, state.model_name()))
+        if group.error:
+            return _error(group.error_status, group.error)
+        return JSONResponse(_final_body(kind, group, state.model_name(), shape))
 
     return app
 
@@ -594,6 +744,16 @@ async def _tokenize(state: RouterState, text: str, field: str = "prompt", **kw) 
     return await asyncio.to_thread(lambda: tokenizer.encode(text, **kw))
 
 
+def _check_prompt_fits(state: RouterState, prompt_ids: list[int], max_tokens: int) -> None:
+    """A batched request's other prompts: the length checks the first one had."""
+    max_len = state.max_seq_len()
+    if len(prompt_ids) + max_tokens > max_len:
+        raise InvalidRequest(
+            f"prompt: a prompt of {len(prompt_ids)} tokens + max_tokens ({max_tokens}) exceeds max_seq_len ({max_len})",
+            "prompt",
+        )
+
+
 def _vocab_size(state: RouterState) -> int | None:
     # every worker shares one fingerprint (registration enforces it), so any one tells the vocabulary
     first = next(iter(state.registry.workers.values()), None)
@@ -607,6 +767,22 @@ def _check_ids(state: RouterState, ids: list[int] | None) -> list[int]:
     if vocab is not None and any(not 0 <= t < vocab for t in ids):
         raise InvalidRequest(f"prompt: token ids must be in [0, {vocab})", "prompt")
     return ids
+
+
+def _single_prompt(prompt):
+    """The one prompt of a completions request (a list of one prompt is that prompt)."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (list, str)):
+        return prompt[0]
+    return prompt
+
+
+@dataclass
+class _Shape:
+    """How a response shows its choices: logprobs (None: not asked; k: k alternatives), echo text."""
+
+    logprobs: int | None = None
+    texts: TokenTexts | None = None
+    echo: str | None = None
 
 
 async def _prompt_ids(state: RouterState, prompt) -> list[int]:
@@ -640,11 +816,17 @@ async def _until_done_or_disconnect(request: Request, coro) -> None:
     raise _ClientGone()
 
 
+_OUTCOME_STATUS = {"ok": 200, "rejected": 400, "aborted": 499, "unavailable": 503}  # journal's "status"
+
+
 class _Run:
     """One request's progress: tokens, text, timings; records metrics when it ends."""
 
-    def __init__(self, state: RouterState, req: EngineRequest, text: TextAssembler) -> None:
+    def __init__(
+        self, state: RouterState, req: EngineRequest, text: TextAssembler, ticket: Ticket | None = None
+    ) -> None:
         self.state, self.req, self.assembler = state, req, text
+        self.ticket = ticket  # its place in admission's counts: released at token #1 and at the end
         self.token_ids: list[int] = []
         self.finish_reason: str | None = None
         self.error: str | None = None
@@ -654,6 +836,8 @@ class _Run:
         self.itl: list[float] = []
         self.cached_tokens: int | None = None  # prompt tokens the prefilling worker's prefix cache served
         self.tools: _ToolContext | None = None  # tool calls requested (chat with tools)
+        self.logprobs: list = []  # wire TokenLogprob per token, when the request asked for logprobs
+        self.started = asyncio.Event()  # set at the first event (choices.py starts the other choices then)
 
     async def events(self) -> AsyncIterator[tuple[TokenEvent, str]]:
         m = self.state.metrics
@@ -662,11 +846,14 @@ class _Run:
         try:
             async with aclosing(self.state.running_pipeline().generate(self.req)) as stream:
                 async for ev in stream:
+                    self.started.set()
                     now = time.perf_counter()
                     if ev.token_ids:
                         if self.first_token_at is None:
                             self.first_token_at = now
                             m.ttft.observe(now - self.req.arrival)
+                            if self.ticket is not None:
+                                self.ticket.first_token(now - self.req.arrival)
                         elif self.last_event_at is not None:
                             m.itl.observe(now - self.last_event_at)
                             self.itl.append(now - self.last_event_at)
@@ -674,6 +861,8 @@ class _Run:
                     self.token_ids.extend(ev.token_ids)
                     if self.cached_tokens is None and ev.num_cached_tokens is not None:
                         self.cached_tokens = ev.num_cached_tokens  # the first prefill's (a migration re-prefills)
+                    if ev.logprobs:
+                        self.logprobs.extend(ev.logprobs)
                     if ev.error:
                         self.error, status = ev.error, "error"
                         self.finish_reason = "error"
@@ -683,7 +872,7 @@ class _Run:
                     if self.assembler.stopped:
                         self.finish_reason = "stop"
                         status = "ok"
-                        yield TokenEvent(ev.token_ids, True, "stop"), delta
+                        yield TokenEvent(ev.token_ids, True, "stop", logprobs=ev.logprobs), delta
                         return  # closing the pipeline closes the worker stream: it aborts and frees KV
                     if ev.finished:
                         if ev.finish_reason not in ("stop", "length"):  # a worker aborted it without saying why
@@ -710,8 +899,14 @@ class _Run:
             self.error, status, self.finish_reason = f"internal error: {type(e).__name__}: {e}", "error", "error"
             yield TokenEvent([], True, "error", self.error), ""
         finally:
+            self.started.set()
             m.running.dec()
             m.requests.labels(status).inc()
+            if self.ticket is not None:
+                n = len(self.token_ids)
+                first = self.first_token_at
+                tpot = (time.perf_counter() - first) / (n - 1) if status == "ok" and first and n > 1 else None
+                self.ticket.done(tpot)
             if status == "ok":
                 e2e = time.perf_counter() - self.req.arrival
                 m.e2e.observe(e2e)
@@ -719,8 +914,9 @@ class _Run:
                 m.generation_tokens.inc(len(self.token_ids))
                 if self.first_token_at is not None and len(self.token_ids) > 1:
                     m.tpot.observe((time.perf_counter() - self.first_token_at) / (len(self.token_ids) - 1))
-            # a client that left, or a request the worker refused as invalid, is not a server failure
-            if self.state.sla is not None and status not in ("aborted", "rejected"):
+            # journaled whatever the outcome; a client that left (499) or a request the worker refused as
+            # invalid (400) is not a server failure: the audit leaves them out of availability
+            if self.state.sla is not None:
                 self._record_sla(status)
 
     def _record_sla(self, status: str) -> None:
@@ -744,7 +940,9 @@ class _Run:
                 itl=tuple(self.itl) if ok else (),
                 prompt_tokens=len(self.req.prompt_token_ids),
                 output_tokens=n,
-                error=None if ok else (self.error or status),
+                error=None if ok else (self.error or ("client disconnected" if status == "aborted" else status)),
+                http_status=_OUTCOME_STATUS.get(status, 500),
+                predicted_ttft=self.ticket.predicted_ttft_s if self.ticket is not None else None,
             )
         )
 
@@ -788,70 +986,6 @@ class _ToolContext:
 
     def _names(self) -> set[str]:
         return {t.function.name for t in self.req.tools or ()}
-
-
-def _sum_usage(runs: list[_Run]) -> dict:
-    usages = [r.usage() for r in runs]
-    total = {k: sum(u[k] for u in usages) for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
-    total["prompt_tokens_details"] = {"cached_tokens": sum(u["prompt_tokens_details"]["cached_tokens"] for u in usages)}
-    return total
-
-
-def _batch_body(runs: list[_Run], model: str) -> dict:
-    """A batched completions answer: one choice per prompt, in prompt order, usage summed."""
-    body = _final_body("completion", runs[0], model)
-    body["choices"] = [
-        {"index": i, "text": r.assembler.text, "finish_reason": r.finish_reason, "logprobs": None}
-        for i, r in enumerate(runs)
-    ]
-    body["usage"] = _sum_usage(runs)
-    return body
-
-
-async def _sse_completion_batch(runs: list[_Run], model: str, include_usage: bool):
-    """The chunks of every prompt's run as they come, each with its choice index; usage summed at the end."""
-    rid, created = f"cmpl-{runs[0].req.request_id}", int(time.time())
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(i: int, run: _Run) -> None:
-        try:
-            async for ev, delta in run.events():
-                await queue.put((i, ev, delta))
-        finally:
-            await queue.put((i, None, None))
-
-    tasks = [asyncio.ensure_future(pump(i, r)) for i, r in enumerate(runs)]
-    try:
-        left = len(runs)
-        while left:
-            i, ev, delta = await queue.get()
-            if ev is None:
-                left -= 1
-                continue
-            if ev.error:
-                yield _sse_error(ev.error)
-                yield b"data: [DONE]\n\n"
-                return
-            choice = {"index": i, "text": delta, "logprobs": None}
-            choice["finish_reason"] = runs[i].finish_reason if ev.finished else None
-            yield _sse(
-                {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [choice]}
-            )
-        if include_usage:
-            yield _sse(
-                {
-                    "id": rid,
-                    "object": "text_completion",
-                    "created": created,
-                    "model": model,
-                    "choices": [],
-                    "usage": _sum_usage(runs),
-                }
-            )
-        yield b"data: [DONE]\n\n"
-    finally:
-        for t in tasks:
-            t.cancel()
 
 
 async def _sse_chat_tools(run: _Run, model: str, include_usage: bool):
@@ -919,47 +1053,81 @@ async def _sse_chat_tools(run: _Run, model: str, include_usage: bool):
     yield b"data: [DONE]\n\n"
 
 
-def _final_body(kind: str, run: _Run, model: str) -> dict:
+def _chat_message(run: _Run) -> dict:
+    """A chat choice's ``message`` and ``finish_reason`` (tool calls parsed when the request has tools)."""
+    message: dict = {"role": "assistant", "content": run.assembler.text}
+    reason = run.finish_reason
+    tools = getattr(run, "tools", None)
+    if tools is not None:
+        content, calls = tools.answer(run)
+        if calls:
+            message = {"role": "assistant", "content": content, "tool_calls": [c.to_openai() for c in calls]}
+            reason = "tool_calls" if reason == "stop" else reason
+    return {"message": message, "finish_reason": reason}
+
+
+def _final_body(kind: str, group: Choices, model: str, shape: _Shape | None = None) -> dict:
+    shape = shape or _Shape()
     created = int(time.time())
+    k, texts = shape.logprobs, shape.texts
+    runs = group.chosen()
     if kind == "generate":
-        return {
+        run = runs[0]
+        body = {
             "id": run.req.request_id,
             "text": run.assembler.text,
             "token_ids": run.token_ids,
             "finish_reason": run.finish_reason,
-            "usage": run.usage(),
+            "usage": group.usage(),
         }
+        if k is not None:
+            body["logprobs"] = _generate_logprobs(run.logprobs)
+        return body
     if kind == "chat":
-        message: dict = {"role": "assistant", "content": run.assembler.text}
-        reason = run.finish_reason
-        if run.tools is not None:
-            content, calls = run.tools.answer(run)
-            if calls:
-                message = {"role": "assistant", "content": content, "tool_calls": [c.to_openai() for c in calls]}
-                reason = "tool_calls" if reason == "stop" else reason
         return {
-            "id": f"chatcmpl-{run.req.request_id}",
+            "id": f"chatcmpl-{group.req.request_id}",
             "object": "chat.completion",
             "created": created,
             "model": model,
             "choices": [
                 {
-                    "index": 0,
-                    "message": message,
-                    "finish_reason": reason,
-                    "logprobs": None,
+                    "index": i,
+                    **_chat_message(run),
+                    "logprobs": None
+                    if k is None or texts is None
+                    else chat_logprobs(run.token_ids, run.logprobs, texts),
                 }
+                for i, run in enumerate(runs)
             ],
-            "usage": run.usage(),
+            "usage": group.usage(),
         }
     return {
-        "id": f"cmpl-{run.req.request_id}",
+        "id": f"cmpl-{group.req.request_id}",
         "object": "text_completion",
         "created": created,
         "model": model,
-        "choices": [{"index": 0, "text": run.assembler.text, "finish_reason": run.finish_reason, "logprobs": None}],
-        "usage": run.usage(),
+        "choices": [
+            {
+                "index": i,
+                "text": (shape.echo or "") + run.assembler.text,
+                "finish_reason": run.finish_reason,
+                "logprobs": None
+                if k is None or texts is None
+                else completion_logprobs(run.token_ids, run.logprobs, texts)[0],
+            }
+            for i, run in enumerate(runs)
+        ],
+        "usage": group.usage(),
     }
+
+
+def _generate_logprobs(logprobs) -> list[dict]:
+    """/generate's logprobs: per token its logprob and ``[id, logprob]`` of the k most likely."""
+    return [{"logprob": lp.logprob, "top_logprobs": [list(t) for t in lp.top]} for lp in logprobs]
+
+
+def _as_group(run) -> Choices:
+    return run if isinstance(run, Choices) else Choices([run], 1)
 
 
 _JSON = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)  # json.dumps(..., **kw) builds one per call
@@ -979,23 +1147,33 @@ def _reason(finish_reason: str | None) -> str:
     return "null" if finish_reason is None else _JSON.encode(finish_reason)
 
 
-async def _sse_completion(run: _Run, model: str, include_usage: bool):
-    rid, created = f"cmpl-{run.req.request_id}", int(time.time())
+async def _sse_completion(run, model: str, include_usage: bool, shape: _Shape | None = None):
+    group, shape = _as_group(run), shape or _Shape()
+    rid, created = f"cmpl-{group.req.request_id}", int(time.time())
     # Each chunk is `_sse({"id": rid, "object": "text_completion", "created": created, "model": model,
-    # "choices": [{"index": 0, "text": delta, "logprobs": None, "finish_reason": reason}]})`, byte for
-    # byte; all but the text is formatted once per request, not once per token.
-    head = (
+    # "choices": [{"index": i, "text": delta, "logprobs": lp, "finish_reason": reason}]})`, byte for
+    # byte; all but the text (and the logprobs, when asked) is formatted once per request, not per token.
+    heads = [
         f'data: {{"id":{_JSON.encode(rid)},"object":"text_completion","created":{created},'
-        f'"model":{_JSON.encode(model)},"choices":[{{"index":0,"text":'
-    )
+        f'"model":{_JSON.encode(model)},"choices":[{{"index":{i},"text":'
+        for i in range(len(group.runs))
+    ]
     tail = "}]}\n\n"
-    async for ev, delta in run.events():
+    offsets = [len(shape.echo or "")] * len(heads)  # text_offset continues across chunks
+    if shape.echo:  # echo: the prompt first, as its own chunk per choice
+        for head in heads:
+            yield f'{head}{_json_str(shape.echo)},"logprobs":null,"finish_reason":null{tail}'.encode()
+    async for i, ev, delta in group.events():
         if ev.error:
             yield _sse_error(ev.error)
             break
-        reason = run.finish_reason if ev.finished else None
-        yield f'{head}{_json_str(delta)},"logprobs":null,"finish_reason":{_reason(reason)}{tail}'.encode()
-    if include_usage and not run.error:
+        reason = group.runs[i].finish_reason if ev.finished else None
+        lp = "null"
+        if shape.logprobs is not None and shape.texts is not None:
+            obj, offsets[i] = completion_logprobs(ev.token_ids, ev.logprobs or [], shape.texts, offsets[i])
+            lp = _JSON.encode(obj)
+        yield f'{heads[i]}{_json_str(delta)},"logprobs":{lp},"finish_reason":{_reason(reason)}{tail}'.encode()
+    if include_usage and not group.error:
         yield _sse(
             {
                 "id": rid,
@@ -1003,38 +1181,44 @@ async def _sse_completion(run: _Run, model: str, include_usage: bool):
                 "created": created,
                 "model": model,
                 "choices": [],
-                "usage": run.usage(),
+                "usage": group.usage(),
             }
         )
     yield b"data: [DONE]\n\n"
 
 
-async def _sse_chat(run: _Run, model: str, include_usage: bool):
-    if run.tools is not None:
-        async for b in _sse_chat_tools(run, model, include_usage):
+async def _sse_chat(run, model: str, include_usage: bool, shape: _Shape | None = None):
+    group, shape = _as_group(run), shape or _Shape()
+    # tool calls; with n > 1 each choice streams its text
+    if len(group.runs) == 1 and getattr(group.runs[0], "tools", None) is not None:
+        async for b in _sse_chat_tools(group.runs[0], model, include_usage):
             yield b
         return
-    rid, created = f"chatcmpl-{run.req.request_id}", int(time.time())
+    rid, created = f"chatcmpl-{group.req.request_id}", int(time.time())
     # `_sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices":
-    # [{"index": 0, "delta": d, "logprobs": None, "finish_reason": reason}]})` with d = {"role":
-    # "assistant", "content": delta} in the first chunk, else {"content": delta}: formatted as in
+    # [{"index": i, "delta": d, "logprobs": lp, "finish_reason": reason}]})` with d = {"role":
+    # "assistant", "content": delta} in a choice's first chunk, else {"content": delta}: formatted as in
     # _sse_completion, byte for byte.
-    head = (
+    heads = [
         f'data: {{"id":{_JSON.encode(rid)},"object":"chat.completion.chunk","created":{created},'
-        f'"model":{_JSON.encode(model)},"choices":[{{"index":0,"delta":{{'
-    )
-    first = True
-    async for ev, delta in run.events():
+        f'"model":{_JSON.encode(model)},"choices":[{{"index":{i},"delta":{{'
+        for i in range(len(group.runs))
+    ]
+    first = [True] * len(heads)
+    async for i, ev, delta in group.events():
         if ev.error:
             yield _sse_error(ev.error)
             break
-        role = '"role":"assistant",' if first else ""
-        first = False
-        reason = run.finish_reason if ev.finished else None
+        role = '"role":"assistant",' if first[i] else ""
+        first[i] = False
+        reason = group.runs[i].finish_reason if ev.finished else None
+        lp = "null"
+        if shape.logprobs is not None and shape.texts is not None:
+            lp = _JSON.encode(chat_logprobs(ev.token_ids, ev.logprobs or [], shape.texts))
         yield (
-            f'{head}{role}"content":{_json_str(delta)}}},"logprobs":null,"finish_reason":{_reason(reason)}}}]}}\n\n'
+            f'{heads[i]}{role}"content":{_json_str(delta)}}},"logprobs":{lp},"finish_reason":{_reason(reason)}}}]}}\n\n'
         ).encode()
-    if include_usage and not run.error:
+    if include_usage and not group.error:
         yield _sse(
             {
                 "id": rid,
@@ -1042,18 +1226,21 @@ async def _sse_chat(run: _Run, model: str, include_usage: bool):
                 "created": created,
                 "model": model,
                 "choices": [],
-                "usage": run.usage(),
+                "usage": group.usage(),
             }
         )
     yield b"data: [DONE]\n\n"
 
 
-async def _ndjson_generate(run: _Run, model: str, include_usage: bool):
-    async for ev, delta in run.events():
+async def _ndjson_generate(run, model: str, include_usage: bool, shape: _Shape | None = None):
+    group, shape = _as_group(run), shape or _Shape()
+    async for _, ev, delta in group.events():
         line = {"text": delta, "token_ids": ev.token_ids, "finished": ev.finished}
+        if shape.logprobs is not None:
+            line["logprobs"] = _generate_logprobs(ev.logprobs or [])
         if ev.finished:
-            line["finish_reason"] = run.finish_reason
-            line["usage"] = run.usage()
+            line["finish_reason"] = group.runs[0].finish_reason
+            line["usage"] = group.usage()
         if ev.error:
             line["error"] = ev.error
         yield (_JSON_NDJSON.encode(line) + "\n").encode()

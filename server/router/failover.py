@@ -37,9 +37,14 @@ async def maybe_backup(
     body: dict,
     stream: bool,
     arrival: float,
+    force_reason: str | None = None,
 ) -> Response | None:
-    pool = live.choose_pool()
-    if pool == "primary":
+    """``force_reason``: admission sends this request to the backup whatever the breaker says (counted
+    under that reason)."""
+    pool = "backup" if force_reason else live.choose_pool()
+    if force_reason:
+        reason: str | None = f"admission_{force_reason}"
+    elif pool == "primary":
         if primary_available() or not backup.configured:
             return None
         reason = "primary_unavailable"

@@ -21,7 +21,9 @@ import json
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 
-def guarded_http_protocol(header_timeout_s: float) -> type[HttpToolsProtocol]:
+def guarded_http_protocol(header_timeout_s: float, counter=None) -> type[HttpToolsProtocol]:
+    """``counter``: a ``ConnectionCounter`` (server/router/fdlimit.py) told of every connect and disconnect."""
+
     class GuardedHttpToolsProtocol(HttpToolsProtocol):
         _head_timer: asyncio.TimerHandle | None = None
 
@@ -43,6 +45,8 @@ def guarded_http_protocol(header_timeout_s: float) -> type[HttpToolsProtocol]:
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
+            if counter is not None:
+                counter.connected()
             self._arm()
 
         def on_message_begin(self) -> None:
@@ -55,6 +59,8 @@ def guarded_http_protocol(header_timeout_s: float) -> type[HttpToolsProtocol]:
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
+            if counter is not None:
+                counter.disconnected()
             super().connection_lost(exc)
 
     return GuardedHttpToolsProtocol

@@ -7,13 +7,14 @@ import json
 import logging
 import os
 import signal
-from pathlib import Path
 
 import uvicorn
 
 from server.config import DistServeConfig
 from server.net import listen
+from server.private_files import write_private
 from server.router.app import RouterState, create_router_app
+from server.router.fdlimit import ConnectionCounter, raise_nofile_limit
 from server.router.limits import guarded_http_protocol
 from server.router.registry import WorkerRegistry
 
@@ -21,12 +22,11 @@ log = logging.getLogger(__name__)
 
 
 def write_ready_file(path: str | None, payload: dict) -> None:
-    """Atomically publish ``payload`` (tmp file + rename): a reader never sees half a file."""
+    """Atomically publish ``payload`` (tmp file + rename): a reader never sees half a file. Mode 0600
+    from the first byte: ``distserve serve``'s ready file holds the admin token."""
     if not path:
         return
-    tmp = Path(f"{path}.tmp.{os.getpid()}")
-    tmp.write_text(json.dumps(payload))
-    os.replace(tmp, path)
+    write_private(path, json.dumps(payload))
 
 
 async def serve_router(
@@ -44,6 +44,9 @@ async def serve_router(
     state = RouterState(
         config=config, token=token, registry=registry, served_model_name=served_model_name, model_path=model_path
     )
+    soft, _ = raise_nofile_limit()  # then refuse client work before running out (server/router/fdlimit.py)
+    ac = rc.admission
+    state.connections = ConnectionCounter.for_limit(soft, ac.max_connections, ac.reserved_fds)
     app = create_router_app(state)
     sock = listen(rc.host, rc.port, backlog=2048)
     host, port = sock.getsockname()[:2]
@@ -53,7 +56,7 @@ async def serve_router(
             app,
             log_level="warning",
             access_log=False,
-            http=guarded_http_protocol(rc.header_timeout_s),
+            http=guarded_http_protocol(rc.header_timeout_s, state.connections),
             timeout_graceful_shutdown=5,
             timeout_keep_alive=max(1, round(rc.keepalive_timeout_s)),
         )

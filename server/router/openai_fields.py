@@ -9,15 +9,8 @@ a behaviour we do not have). docs/OPENAI_COMPAT.md lists every field with the te
 
 from __future__ import annotations
 
-_SAMPLING_WORK = "not supported by this server yet"  # owned by the sampling work (batched sampler)
-
 # OpenAI (and vLLM) request fields this server knows and refuses, with the sentence sent back.
 REFUSED: dict[str, str] = {
-    # sampling parameters the batched sampler does not have yet
-    "logit_bias": _SAMPLING_WORK,
-    "top_logprobs": _SAMPLING_WORK,
-    "best_of": _SAMPLING_WORK,
-    "echo": _SAMPLING_WORK,
     # OpenAI platform features a self-hosted server does not have
     "suffix": "insertion (suffix) is not supported",
     "store": "stored completions are not supported",

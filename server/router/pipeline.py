@@ -23,9 +23,10 @@ import aiohttp
 from pydantic import ValidationError
 
 from server.idle import IdleTimeout
+from server.lograte import RateLimitedLog, describe
 from server.metrics import RouterMetrics
 from server.router.registry import WorkerInfo, WorkerRegistry
-from server.wire import InternalSampling, PrefillResponse, StreamLine
+from server.wire import InternalSampling, PrefillResponse, StreamLine, TokenLogprob
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +44,12 @@ def _routed(worker: WorkerInfo):
 _STREAM_TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=5)  # reads: IdleTimeout in _stream
 
 
+def _check_logprobs(worker: WorkerInfo, req: EngineRequest, token_ids: list[int], logprobs) -> None:
+    """A request that asked for logprobs gets them with every token (the count is the wire model's check)."""
+    if req.sampling.logprobs is not None and token_ids and logprobs is None:
+        raise WorkerFailed(worker, "answer lacks the logprobs the request asked for")
+
+
 class NoWorkersError(Exception):
     """No healthy worker can take the request (HTTP 503 before streaming starts)."""
 
@@ -51,6 +58,7 @@ class WorkerFailed(Exception):
     def __init__(self, worker: WorkerInfo, reason: str, dead: bool = False) -> None:
         super().__init__(f"{worker.role} worker {worker.worker_id}: {reason}")
         self.worker = worker
+        self.reason = reason
         self.dead = dead  # nothing listens at its address any more: the process is gone
 
 
@@ -58,7 +66,7 @@ def _call_failed(worker: WorkerInfo, what: str, e: BaseException, idle: IdleTime
     if isinstance(e, asyncio.TimeoutError) and idle.reason:
         return WorkerFailed(worker, f"{what}: {idle.reason}")
     refused = isinstance(e, aiohttp.ClientConnectorError) and isinstance(e.os_error, ConnectionRefusedError)
-    return WorkerFailed(worker, f"{what}: {type(e).__name__}: {e}", dead=refused)
+    return WorkerFailed(worker, f"{what}: {describe(e)}", dead=refused)
 
 
 @dataclass
@@ -77,6 +85,7 @@ class TokenEvent:
     error: str | None = None
     kv_recomputed: bool = False  # the decode worker could not pull the KV and recomputed the prompt
     num_cached_tokens: int | None = None  # prompt tokens the prefilling worker's prefix cache served
+    logprobs: list[TokenLogprob] | None = None  # one per token id when the request asked for logprobs
 
 
 @dataclass
@@ -89,6 +98,7 @@ class PipelineOptions:
     progress_timeout_s: float = 10.0
     worker_wait_s: float = 10.0  # how long a started stream waits for a live worker after a failure
     max_migrations: int = 3
+    log_period_s: float = 5.0  # per-request warnings: one line per cause per period (server/lograte.py)
 
 
 class Pipeline:
@@ -100,6 +110,7 @@ class Pipeline:
         self.metrics = metrics
         self.options = options
         self.headers = {"Authorization": f"Bearer {options.token}"}
+        self.request_log = RateLimitedLog(log, options.log_period_s)
 
     def check_available(self) -> str:
         mode = self.registry.mode()
@@ -149,10 +160,12 @@ class Pipeline:
                 if e.dead:
                     self.registry.mark_dead(e.worker.worker_id, "connection refused")
                 else:
-                    self.registry.mark_suspect(e.worker.worker_id)
+                    self.registry.mark_suspect(e.worker.worker_id, e.reason)
                 if outputs:
                     self.metrics.migrations.inc()
-                log.warning(
+                # one line per worker and kind of failure per period, not one per request (server/lograte.py)
+                self.request_log.warning(
+                    f"requests failing on {e.worker.role} worker {e.worker.worker_id} ({e.reason.split(':')[0]})",
                     "request %s: %s; %s (attempt %d)",
                     req.request_id,
                     e,
@@ -185,11 +198,13 @@ class Pipeline:
             done = outputs + first.token_ids  # copy now: the caller extends `outputs` when we yield
             pulled = first.finished  # True once no staged KV can be left behind on the prefill worker
             try:
+                _check_logprobs(prefill, req, first.token_ids, first.logprobs)
                 yield TokenEvent(
                     first.token_ids,
                     first.finished,
                     first.finish_reason,
                     first.error,
+                    logprobs=first.logprobs,
                     num_cached_tokens=first.num_cached_tokens,
                 )
                 if first.finished:
@@ -306,6 +321,7 @@ class Pipeline:
                                 transport = line.kv_transport or "?"
                                 self.metrics.kv_transfer_seconds.labels(transport).observe(line.kv_transfer_seconds)
                                 self.metrics.kv_transfer_bytes.labels(transport).inc(line.kv_transfer_bytes or 0)
+                            _check_logprobs(worker, req, line.token_ids, line.logprobs)
                             ev = TokenEvent(
                                 line.token_ids,
                                 line.finished,
@@ -313,6 +329,7 @@ class Pipeline:
                                 line.error,
                                 kv_recomputed=line.kv_transport == "recompute",
                                 num_cached_tokens=line.num_cached_tokens,
+                                logprobs=line.logprobs,
                             )
                             yield ev
                             if ev.finished:

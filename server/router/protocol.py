@@ -19,6 +19,9 @@ from server.router.openai_fields import refused_field
 
 MAX_STOP_CHARS = 1024  # per stop string; the assembler scans each one at every token
 MAX_BATCH_PROMPTS = 256  # prompts in one batched completions request
+MAX_CHOICES = 16  # n and best_of: each choice is a request of its own on the workers
+MAX_LOGPROBS = 20  # top_logprobs / completions logprobs (OpenAI's bound)
+MAX_LOGIT_BIAS = 300  # entries (OpenAI's own limit)
 
 
 class InvalidRequest(ValueError):
@@ -96,12 +99,13 @@ class _SamplingFields(BaseModel):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     ignore_eos: StrictBool = False
-    n: StrictInt = Field(default=1, ge=1)
-    logprobs: Any = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    min_p: float = 0.0
+    n: StrictInt = Field(default=1, ge=1, le=MAX_CHOICES)
+    logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # completions' and /generate's form
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=10.0)
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    logit_bias: dict[str, float] | None = None
     user: str | None = None  # an end-user id (abuse monitoring): accepted, no effect on the output by design
     safety_identifier: str | None = None  # OpenAI's newer spelling of `user`
     prompt_cache_key: str | None = None  # a cache-routing hint: the prefix cache needs none
@@ -109,23 +113,33 @@ class _SamplingFields(BaseModel):
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
 
+    def logprobs_k(self) -> int | None:
+        """How many most-likely alternatives per token the client asked for (None: no logprobs)."""
+        return self.logprobs
+
+    def logit_bias_items(self) -> list[tuple[int, float]]:
+        """``logit_bias`` as (token id, bias), checked; ids against the vocabulary by the caller."""
+        items = []
+        for key, bias in (self.logit_bias or {}).items():
+            try:
+                tok = int(key)
+            except ValueError:
+                raise InvalidRequest(f"logit_bias: key {key!r} is not a token id", "logit_bias") from None
+            if tok < 0:
+                raise InvalidRequest(f"logit_bias: token id {tok} must be >= 0", "logit_bias")
+            if not -100.0 <= bias <= 100.0:
+                raise InvalidRequest(f"logit_bias: the bias of token {tok} must be in [-100, 100]", "logit_bias")
+            items.append((tok, float(bias)))
+        return items
+
     def neutral_checks(self) -> None:
         if self.stream_options is not None:
             if not self.stream:
                 raise InvalidRequest("stream_options: only allowed when stream is true", "stream_options")
             self.stream_options.check()
-        if self.n != 1:
-            raise InvalidRequest("n: only n=1 is supported; send one request per completion", "n")
-        if self.logprobs not in (None, False, 0):
-            raise InvalidRequest("logprobs: not supported by this server", "logprobs")
-        for name, neutral in (
-            ("presence_penalty", 0.0),
-            ("frequency_penalty", 0.0),
-            ("repetition_penalty", 1.0),
-            ("min_p", 0.0),
-        ):
-            if getattr(self, name) != neutral:
-                raise InvalidRequest(f"{name}: only {neutral} is supported", name)
+        if self.logit_bias is not None and len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise InvalidRequest(f"logit_bias: at most {MAX_LOGIT_BIAS} entries", "logit_bias")
+        self.logit_bias_items()
         stops = self.stop_strings()
         if any(not s for s in stops):
             raise InvalidRequest("stop: stop strings must be non-empty", "stop")
@@ -144,6 +158,21 @@ class _SamplingFields(BaseModel):
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
+    echo: StrictBool = False
+    best_of: StrictInt | None = Field(default=None, ge=1, le=MAX_CHOICES)
+
+    def neutral_checks(self) -> None:
+        super().neutral_checks()
+        if self.best_of is not None and self.best_of < self.n:
+            raise InvalidRequest(f"best_of: must be >= n ({self.n})", "best_of")
+        if self.best_of is not None and self.best_of > self.n and self.stream:
+            raise InvalidRequest("best_of: cannot be used with stream (OpenAI's rule)", "best_of")
+        if self.echo and self.logprobs is not None:
+            raise InvalidRequest(
+                "echo: echo together with logprobs (the prompt's logprobs) is not supported; "
+                "drop one of echo or logprobs",
+                "echo",
+            )
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts of a batched request (a list of strings or of token-id lists), or the one prompt."""
@@ -242,8 +271,16 @@ class ChatCompletionRequest(_SamplingFields):
     parallel_tool_calls: StrictBool = True
     modalities: list[Literal["text"]] | None = None  # text is the only output modality
 
+    logprobs: StrictBool | None = None  # chat's form: a flag plus top_logprobs
+    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    def logprobs_k(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
     def neutral_checks(self) -> None:
         super().neutral_checks()
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidRequest("top_logprobs: needs logprobs set to true", "top_logprobs")
         if self.tool_choice is not None and not self.tools:
             raise InvalidRequest("tool_choice: only allowed when tools are given", "tool_choice")
         if isinstance(self.tool_choice, NamedToolChoice):

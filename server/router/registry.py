@@ -24,6 +24,7 @@ model fingerprint: KV from one prefill worker has to be readable by any decode w
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -34,6 +35,31 @@ from server.wire import RegisterRequest, WorkerStatus
 
 HEALTHY, STALE, SUSPECT, DEAD, DRAINING = "healthy", "stale", "suspect", "dead", "draining"
 STATES = (HEALTHY, STALE, SUSPECT, DEAD, DRAINING)
+
+log = logging.getLogger(__name__)
+
+
+def transition(info: WorkerInfo, new: str, reason: str) -> None:
+    """Move ``info`` to state ``new`` and write the one operator line of that transition (with its reason
+    and figure: "no heartbeat for 3.1 s"). No line when the state does not change."""
+    old = info.state
+    info.state = new
+    if old == new:
+        return
+    now = time.monotonic()
+    if new == HEALTHY:
+        log.info(
+            "worker %s (%s) healthy again after %.1f s %s: %s",
+            info.worker_id,
+            info.role,
+            now - info.state_since,
+            old,
+            reason,
+        )
+    else:
+        level = logging.INFO if new == DRAINING else logging.WARNING
+        log.log(level, "worker %s (%s) %s (was %s): %s", info.worker_id, info.role, new, old, reason)
+    info.state_since = now
 
 
 class Waiter(Protocol):
@@ -57,9 +83,11 @@ class WorkerInfo:
     status: WorkerStatus
     cuda_uuids: list[str] = field(default_factory=list)  # GPUs it can open IPC handles of
     restart_count: int = 0  # times the launcher restarted this worker id
+    memory: dict | None = None  # its device-memory sizing (GPU workers)
     last_seen: float = field(default_factory=time.monotonic)
     registered_at: float = field(default_factory=time.time)
     state: str = HEALTHY
+    state_since: float = field(default_factory=time.monotonic)  # when it entered `state` (transition logs)
     dead_reason: str | None = None
     inflight: int = 0  # requests routed here and not finished, counted from the moment of the pick
     joined_at: float = field(default_factory=time.monotonic)  # when this process registered
@@ -119,6 +147,8 @@ class WorkerInfo:
             "kv_blocks_used": s.kv_blocks_used if live else None,
             "kv_blocks_free": s.kv_blocks_free if live else None,
             "num_staged_kv": s.num_staged_kv if live else None,
+            "memory_errors_recent": s.memory_errors_recent if live else None,
+            "memory": self.memory,
             "fingerprint": self.fingerprint,
             "model_path": self.model_path,
             "max_model_len": self.max_model_len,
@@ -167,11 +197,13 @@ class WorkerRegistry:
             status=req.status,
             cuda_uuids=list(req.cuda_uuids),
             restart_count=req.restart_count,
+            memory=req.memory,
         )
         old = self.workers.get(req.worker_id)
         if old is not None:
             if old.state == DEAD or old.pid != req.pid:  # a new process under the old id: the old one's
-                old.state, old.dead_reason = DEAD, old.dead_reason or "replaced"  # calls cannot succeed
+                old.dead_reason = old.dead_reason or "replaced"  # calls cannot succeed
+                transition(old, DEAD, f"replaced by pid {req.pid}")
                 old.expire_waiters()
             else:
                 info.inflight, info.waiters = old.inflight, old.waiters
@@ -179,6 +211,9 @@ class WorkerRegistry:
                 info.last_pick_at = old.last_pick_at
                 if old.state == DRAINING:  # the same process registering again (router restarted) still leaves
                     info.state = DRAINING
+                elif old.state != HEALTHY:
+                    info.state, info.state_since = old.state, old.state_since
+                    transition(info, HEALTHY, "registered again")
         self.workers[req.worker_id] = info
         return info
 
@@ -187,9 +222,11 @@ class WorkerRegistry:
         if info is None or info.state == DEAD:
             return False  # a dead worker that still heartbeats must register again
         info.status = status
-        info.last_seen = time.monotonic()
-        if info.state != DRAINING:
-            info.state = HEALTHY
+        now = time.monotonic()
+        gap = now - info.last_seen
+        info.last_seen = now
+        if info.state != DRAINING and info.state != HEALTHY:
+            transition(info, HEALTHY, f"heartbeat after {gap:.1f} s")
         return True
 
     def deregister(self, worker_id: str, pid: int | None = None) -> bool:
@@ -208,7 +245,7 @@ class WorkerRegistry:
         info = self.workers.get(worker_id)
         if info is None or info.state == DEAD:
             return False
-        info.state = DRAINING
+        transition(info, DRAINING, "drain requested: out of rotation, its requests in flight continue")
         return True
 
     def mark_dead(self, worker_id: str, reason: str) -> bool:
@@ -216,15 +253,16 @@ class WorkerRegistry:
         info = self.workers.get(worker_id)
         if info is None:
             return False
-        info.state, info.dead_reason = DEAD, reason
+        info.dead_reason = reason
+        transition(info, DEAD, reason)
         info.expire_waiters()
         return True
 
-    def mark_suspect(self, worker_id: str) -> None:
+    def mark_suspect(self, worker_id: str, reason: str = "a call to it failed") -> None:
         """Take a worker out of rotation after a failed call; its next heartbeat restores it."""
         info = self.workers.get(worker_id)
         if info is not None and info.state == HEALTHY:
-            info.state = SUSPECT
+            transition(info, SUSPECT, reason)
 
     def sweep(self) -> None:
         """Age the states; fail the waits on workers silent for ``fail_waits_after_s`` (frozen)."""
@@ -232,11 +270,13 @@ class WorkerRegistry:
         for wid, info in list(self.workers.items()):
             age = now - info.last_seen
             if age > self.forget_after_s and info.state != DEAD:
+                log.warning("worker %s (%s) forgotten: no heartbeat for %.1f s", wid, info.role, age)
                 del self.workers[wid]
                 info.expire_waiters()
                 continue
             if age > self.heartbeat_timeout_s and info.state in (HEALTHY, SUSPECT):
-                info.state = STALE  # a draining worker stays draining: it never returns to rotation
+                # a draining worker stays draining: it never returns to rotation
+                transition(info, STALE, f"no heartbeat for {age:.1f} s (timeout {self.heartbeat_timeout_s:.1f} s)")
             if info.state in (STALE, DRAINING) and age > self.fail_waits_after_s:
                 info.expire_waiters()
 

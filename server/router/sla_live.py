@@ -6,9 +6,9 @@
   the primary's requests that started after the breaker entered its current state
   (probes alone in half-open; nothing from before a trip after it closes). A tick
   task evaluates it every ``TICK_S``; the routing decision reads its state.
-- Journals (JSON lines, appended, flushed per line): finished requests
-  (``router.journal_path``, read by ``distserve sla audit``) and breaker transitions
-  (``router.event_journal_path``).
+- Journals (JSON lines, ``server/router/journal.py``: a failed write is dropped, counted and
+  marked, never raised): every request that reached the router (``router.journal_path``, read by
+  ``distserve sla audit``) and breaker transitions (``router.event_journal_path``).
 - Metrics are computed at scrape time by a collector on the router's registry.
 
 This module and ``sla.window``/``sla.breaker`` are the only SLA code in the server; the
@@ -18,18 +18,18 @@ This module and ``sla.window``/``sla.breaker`` are the only SLA code in the serv
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
-from typing import IO
+from datetime import UTC, datetime
 
 from prometheus_client import CollectorRegistry, Counter
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from server.config import RouterConfig
+from server.router.journal import Journal
+from server.router.request_journal import mark as request_journal_mark
 from sla.breaker import BreakerSettings, BreakerState, CircuitBreaker, Transition
 from sla.window import RollingWindow
 
@@ -56,10 +56,13 @@ class Finished:
     prompt_tokens: int = 0
     output_tokens: int = 0
     error: str | None = None
+    predicted_ttft: float | None = None  # admission's prediction (server/router/admission.py)
+    http_status: int | None = None  # what the client was answered (499: it left or stopped reading)
 
     def journal_line(self) -> dict:
         return {
             "kind": "request",
+            "status": self.http_status if self.http_status is not None else (200 if self.ok else 500),
             "start_unix": round(self.start_unix, 6),
             "pool": self.pool,
             "ttft": self.ttft,
@@ -69,26 +72,8 @@ class Finished:
             "prompt_tokens": self.prompt_tokens,
             "output_tokens": self.output_tokens,
             "error": self.error,
+            "predicted_ttft": self.predicted_ttft,
         }
-
-
-class _Journal:
-    def __init__(self, path: str | None) -> None:
-        self.path = path
-        self._f: IO[str] | None = None
-        if path:
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
-            self._f = open(path, "a", encoding="utf-8")
-
-    def append(self, obj: dict) -> None:
-        if self._f is not None:
-            self._f.write(json.dumps(obj, separators=(",", ":")) + "\n")
-            self._f.flush()
-
-    def close(self) -> None:
-        if self._f is not None:
-            self._f.close()
-            self._f = None
 
 
 def breaker_settings(cfg: RouterConfig) -> BreakerSettings:
@@ -122,8 +107,8 @@ class SlaLive:
         self.breaker = CircuitBreaker(breaker_settings(cfg), clock) if cfg.breaker.enabled else None
         self.backup_configured = backup_configured
         self._judge = RollingWindow(cfg.sla_window_s, clock, (cfg.breaker.metric,))
-        self.requests_journal = _Journal(cfg.journal_path)
-        self.events_journal = _Journal(cfg.event_journal_path)
+        self.requests_journal = Journal(cfg.journal_path)
+        self.events_journal = Journal(cfg.event_journal_path)
         self.registry = registry
         self.pool_requests = Counter(
             "distserve_pool_requests", "Requests answered, by pool.", ["pool"], registry=registry
@@ -175,6 +160,7 @@ class SlaLive:
                         self._judge.record(metric, getattr(f, metric))
         self.pool_requests.labels(f.pool).inc()
         self.requests_journal.append(f.journal_line())
+        request_journal_mark()
 
     # --- the breaker's clock ---------------------------------------------------
     def tick(self) -> Transition | None:
@@ -239,10 +225,22 @@ class SlaLive:
                     "threshold_ms": s.threshold_ms,
                     "in_state_s": round(self.clock() - b.entered_at, 3),
                     "judged": {"value_ms": stats.value_ms, "samples": stats.samples},
-                    "transitions": [t.to_dict() for t in b.transitions][-20:],
+                    "transitions": [self._wall_clock(t) for t in b.transitions][-20:],
                 }
             )
         return out
+
+    def journal_problem(self) -> str | None:
+        """Why ``/health`` must say degraded because of a journal (a write failed recently), or None."""
+        reasons = [r for r in (self.requests_journal.reason(), self.events_journal.reason()) if r]
+        return "; ".join(reasons) or None
+
+    def _wall_clock(self, t: Transition) -> dict:
+        """A transition with its time as wall clock (``at_unix``, ``at_iso``, UTC) beside the breaker's
+        monotonic ``at``, so it lines up with logs and the event journal."""
+        at_unix = round(self.wall() - (self.clock() - t.at), 6)
+        iso = datetime.fromtimestamp(at_unix, tz=UTC).isoformat(timespec="milliseconds")
+        return {**t.to_dict(), "at_unix": at_unix, "at_iso": iso}
 
     def close(self) -> None:
         self.requests_journal.close()
@@ -288,6 +286,14 @@ class _Collector:
         yield GaugeMetricFamily(
             "distserve_breaker_state", "Latency circuit breaker: 0 closed, 1 open, 2 half-open.", value=live.state.gauge
         )
+        dropped = CounterMetricFamily(
+            "distserve_journal_dropped",
+            "Journal lines lost to a failed write (full disk, I/O error): each request was still served.",
+            labels=["journal"],
+        )
+        dropped.add_metric(["requests"], live.requests_journal.dropped)
+        dropped.add_metric(["events"], live.events_journal.dropped)
+        yield dropped
         yield GaugeMetricFamily(
             "distserve_breaker_enabled",
             "1 when the breaker is on and a backup pool is set.",

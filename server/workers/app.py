@@ -15,6 +15,7 @@ cancelled and the request is aborted in the engine: its blocks are freed at once
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import logging
@@ -39,10 +40,12 @@ from server.wire import (
     PrefillRequest,
     PrefillResponse,
     StreamLine,
+    TokenLogprob,
     WorkerStatus,
 )
 from server.workers.engine_loop import EngineLoop
-from server.workers.fault import FaultRequest, StepDelays
+from server.workers.fault import FaultRequest, StepDelays, arm_oom
+from server.workers.guard import AuthFirst, internal_body_limit
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +78,20 @@ def to_sampling_params(s: InternalSampling) -> SamplingParams:
         stop_token_ids=tuple(s.stop_token_ids),
         ignore_eos=s.ignore_eos,
         structured=structured,
+        min_p=s.min_p,
+        presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty,
+        repetition_penalty=s.repetition_penalty,
+        logit_bias=tuple((int(t), float(b)) for t, b in s.logit_bias),
+        logprobs=s.logprobs,
     )
+
+
+def wire_logprobs(lps) -> list[TokenLogprob] | None:
+    """The engine's per-token logprobs as wire models (None when the request asked for none)."""
+    if lps is None:
+        return None
+    return [TokenLogprob(logprob=lp, top=top) for lp, top in lps]
 
 
 async def _prepare_grammar(state: WorkerState, params: SamplingParams) -> None:
@@ -88,6 +104,12 @@ async def _prepare_grammar(state: WorkerState, params: SamplingParams) -> None:
 def create_worker_app(state: WorkerState) -> FastAPI:
     app = FastAPI(title=f"distserve {state.role} worker", docs_url=None, redoc_url=None)
     app.state.worker = state
+    app.add_middleware(
+        AuthFirst,
+        token=state.token,
+        max_body_bytes=internal_body_limit(state.config.prefill.max_seq_len),
+        body_timeout_s=state.config.router.body_timeout_s,
+    )
 
     async def require_token(request: Request) -> None:  # async: FastAPI runs a sync dependency in a thread
         got = request.headers.get("authorization", "")
@@ -102,18 +124,34 @@ def create_worker_app(state: WorkerState) -> FastAPI:
 
     @app.get("/health")
     async def health():
+        recent = state.loop.engine.memory_pressure.recent()
+        if recent:  # serving, but steps fail for lack of device memory
+            return {
+                "status": "degraded",
+                "role": state.role,
+                "worker_id": state.worker_id,
+                "reason": f"{recent} engine steps failed for lack of device memory in the last "
+                f"{state.loop.engine.memory_pressure.window_s:g} s",
+            }
         return {"status": "ok", "role": state.role, "worker_id": state.worker_id}
 
     @app.get("/metrics")
     async def metrics():
         state.metrics.refresh(state.status(), state.loop.stats)
+        if state.loop.engine.runner.kv_calibration is not None:  # FP8 KV: scales and calibration state
+            state.metrics.set_kv_calibration(await state.loop.call(state.loop.engine.kv_calibration_report))
         return PlainTextResponse(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/admin/fault", dependencies=[Depends(require_token)])
     async def fault(body: FaultRequest):
         state.loop.fault = StepDelays.from_request(body)
         log.warning("fault hook: engine step delays now %s", state.loop.fault.to_dict())
-        return state.loop.fault.to_dict()
+        out = state.loop.fault.to_dict()
+        if body.oom_forwards:
+            await state.loop.call(lambda: arm_oom(state.loop.engine, body.oom_forwards))
+            log.warning("fault hook: the next %d model forwards raise OutOfMemoryError", body.oom_forwards)
+            out["oom_forwards"] = body.oom_forwards
+        return out
 
     @app.get("/internal/status", dependencies=[Depends(require_token)])
     async def status():
@@ -129,7 +167,7 @@ def create_worker_app(state: WorkerState) -> FastAPI:
     @app.post("/internal/prefill", dependencies=[Depends(require_token)])
     async def prefill(body: PrefillRequest, request: Request):
         require_role("prefill")
-        return await _prefill(state, body)
+        return await _unless_disconnected(request, _prefill(state, body))
 
     @app.post("/internal/generate", dependencies=[Depends(require_token)])
     async def generate(body: GenerateRequest):
@@ -159,6 +197,7 @@ async def _prefill(state: WorkerState, body: PrefillRequest) -> JSONResponse:
             return JSONResponse(
                 PrefillResponse(
                     token_ids=out.new_token_ids,
+                    logprobs=wire_logprobs(out.logprobs),
                     finished=True,
                     finish_reason=out.finish_reason,
                     error=out.error,
@@ -170,7 +209,7 @@ async def _prefill(state: WorkerState, body: PrefillRequest) -> JSONResponse:
         phases = state.metrics.prefill_phase_seconds
         phases.labels("queued_and_step").observe(t1 - t0)
         try:
-            kv, ready = await state.loop.call(lambda: _take_kv(state, rid))
+            kv, ready, kv_scales = await state.loop.call(lambda: _take_kv(state, rid))
         except KeyError:  # aborted (POST /internal/abort) between its last step and now: nothing to stage
             return JSONResponse(
                 PrefillResponse(
@@ -191,11 +230,14 @@ async def _prefill(state: WorkerState, body: PrefillRequest) -> JSONResponse:
         t2 = time.perf_counter()
         phases.labels("take_kv").observe(t2 - t1)
         handle = await asyncio.to_thread(_stage, state, rid, kv, ready, transport)
+        if kv_scales is not None:  # an FP8 cache's bytes travel with the scales they were quantised with
+            handle = dataclasses.replace(handle, kv_scales=tuple((k, v) for k, v in kv_scales))
         phases.labels("stage").observe(time.perf_counter() - t2)
         state.metrics.prefill_seconds.observe(time.perf_counter() - t0)
         return JSONResponse(
             PrefillResponse(
                 token_ids=out.new_token_ids,
+                logprobs=wire_logprobs(out.logprobs),
                 finished=False,
                 kv=handle.to_dict(),
                 prefill_seconds=time.perf_counter() - t0,
@@ -209,10 +251,35 @@ async def _prefill(state: WorkerState, body: PrefillRequest) -> JSONResponse:
         state.loop.close_stream(rid)
 
 
+async def _unless_disconnected(request: Request, coro):
+    """Await ``coro`` unless the caller (the router) disconnects first: then cancel it, which aborts the
+    request and frees its blocks (a plain handler is not cancelled by a disconnect; it would wait for its
+    prefill, and hold it, until its timeout)."""
+    task = asyncio.ensure_future(coro)
+
+    async def gone() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(gone())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # this handler cancelled (shutdown): so is the prefill
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if not task.done():
+        task.cancel()
+        return JSONResponse({"error": "caller disconnected"}, status_code=499)
+    return task.result()
+
+
 def _take_kv(state: WorkerState, rid: str):
-    """(KV, CUDA event after its gather or None); on the engine's thread, between steps."""
-    _, kv = state.loop.engine.take_prefilled_kv(rid)
-    return kv, cuda_ipc.record_ready(kv)
+    """(KV, CUDA event after its gather or None, FP8 scales or None); on the engine's thread, between steps."""
+    engine = state.loop.engine
+    _, kv = engine.take_prefilled_kv(rid)
+    return kv, cuda_ipc.record_ready(kv), engine.runner.kv_scales()
 
 
 def _stage(state: WorkerState, rid: str, kv, ready, transport: str):
@@ -288,19 +355,23 @@ async def _generate_stream(state: WorkerState, body: GenerateRequest):
         # completed — with a token every step, that is almost always, and a disconnected client
         # would never be noticed. IdleTimeout cancels only a waiting q.get() and re-raises the rest;
         # unlike asyncio.timeout per q.get() it does not create and cancel a timer per token.
+        with_lp = params.logprobs is not None  # then every token line carries its logprobs
         with IdleTimeout(state.config.router.request_timeout_s) as idle:
             tokens, finished, reason, error = list(out.new_token_ids), out.finished, out.finish_reason, out.error
+            lps = list(out.logprobs or ()) if with_lp else None
             while not finished and not q.empty():
                 more = q.get_nowait()
                 tokens.extend(more.new_token_ids)
+                if lps is not None:
+                    lps.extend(more.logprobs or ())
                 finished, reason, error = more.finished, more.finish_reason, more.error
-            cached = out.num_cached_tokens
             yield _line(
                 token_ids=tokens,
+                logprobs=wire_logprobs(lps),
                 finished=finished,
                 finish_reason=reason,
                 error=error,
-                num_cached_tokens=cached,
+                num_cached_tokens=out.num_cached_tokens,
                 **transfer,
             )
             while not finished:
@@ -308,16 +379,22 @@ async def _generate_stream(state: WorkerState, body: GenerateRequest):
                 # coalesce whatever else is already queued into one line
                 tokens, finished, reason = out.new_token_ids, out.finished, out.finish_reason
                 error = out.error
+                lps = list(out.logprobs or ()) if with_lp else None
                 if not finished and not q.empty():
                     tokens = list(tokens)
                     while not finished and not q.empty():
                         more = q.get_nowait()
                         tokens.extend(more.new_token_ids)
+                        if lps is not None:
+                            lps.extend(more.logprobs or ())
                         finished, reason, error = more.finished, more.finish_reason, more.error
                 if error is not None:  # the engine failed this request: say why
                     yield _line(token_ids=tokens, finished=True, finish_reason=reason, error=error)
                     break
-                yield _token_line(tokens, finished, reason)
+                if lps is not None:
+                    yield _line(token_ids=tokens, logprobs=wire_logprobs(lps), finished=finished, finish_reason=reason)
+                else:
+                    yield _token_line(tokens, finished, reason)
     except ValueError as e:  # invalid request (engine validation)
         yield _line(finished=True, finish_reason="error", error=str(e))
     except TimeoutError:
@@ -347,7 +424,7 @@ async def _admit_with_kv(state: WorkerState, body: GenerateRequest, params: Samp
         state.metrics.kv_transfer_seconds.labels(handle.transport).observe(elapsed)
         state.metrics.kv_transfer_bytes.labels(handle.transport).inc(result.nbytes)
         try:
-            q = await loop.commit(rid, result.tensor)
+            q = await loop.commit(rid, result.tensor, [list(p) for p in handle.kv_scales] or None)
         except (KeyError, ValueError) as e:
             await loop.abort(rid)
             return None, {"error": f"kv commit failed: {e}"}

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from server.engine.llm_engine import LLMEngine, RequestOutput
+from server.engine.memory_pressure import is_memory_error, relieve
 from server.engine.sampling_params import SamplingParams
 from server.wire import WorkerStatus
 from server.workers.fault import StepDelays
@@ -61,6 +62,7 @@ class LoopStats:
     prefix_cache_queried_tokens: int = 0  # tokens of admitted sequences looked up in the prefix cache
     prefix_cache_hit_tokens: int = 0  # of those, tokens whose KV came from the cache
     idle_seconds_total: float = 0.0  # loop waiting with no unfinished request (the rest is host work)
+    num_memory_errors: int = 0  # engine steps (or their retries) that failed for lack of device memory
 
 
 @dataclass(frozen=True)
@@ -105,10 +107,16 @@ class EngineLoop:
         self._step_cpu_seconds = 0.0
         self.fault = StepDelays()  # set by POST /admin/fault (server/workers/fault.py)
         self._idle_seconds = 0.0
+        # monotonic start of the inline step running now (0: none): a long step blocks the event loop,
+        # and the heartbeat thread tells it from a wedged loop by this (server/workers/heartbeat.py)
+        self.step_started = 0.0
 
     def start(self) -> None:
         if self.threaded and self._executor is None:
             self._executor = ThreadPoolExecutor(1, "engine-step", initializer=self._init_engine_thread)
+            # start the thread now: its cuBLAS handle and workspace are made at start, not by the first
+            # step (which may come when the device is full: CUBLAS_STATUS_ALLOC_FAILED at cublasCreate)
+            self._executor.submit(lambda: None)
         self._task = asyncio.get_running_loop().create_task(self._run(), name="engine-loop")
 
     def stop(self) -> None:
@@ -125,6 +133,11 @@ class EngineLoop:
             import torch
 
             torch.cuda.set_device(dev)
+        if dev is not None and getattr(dev, "type", "") == "cuda":
+            import torch
+
+            a = torch.ones(8, 8, device=dev, dtype=getattr(self.engine, "dtype", torch.float32))
+            (a @ a).sum().item()  # this thread's cuBLAS handle and workspace, made while there is room
 
     @property
     def stats(self) -> LoopStats:
@@ -138,6 +151,7 @@ class EngineLoop:
             prefix_cache_queried_tokens=e.block_manager.num_cache_queries,
             prefix_cache_hit_tokens=e.block_manager.num_cache_hits,
             idle_seconds_total=self._idle_seconds,
+            num_memory_errors=e.memory_pressure.total,
         )
 
     def status(self, num_staged_kv: int = 0) -> WorkerStatus:
@@ -150,6 +164,7 @@ class EngineLoop:
             kv_blocks_used=e.num_used_blocks,
             kv_blocks_free=e.num_free_blocks,
             num_staged_kv=num_staged_kv,
+            memory_errors_recent=e.memory_pressure.recent(),
         )
 
     # --- the loop ------------------------------------------------------------
@@ -189,8 +204,15 @@ class EngineLoop:
                     finally:
                         self._stepping = False
                 else:
-                    outputs, cpu = self._step()
+                    self.step_started = time.monotonic()  # the heartbeat thread reads it (wedged?)
+                    try:
+                        outputs, cpu = self._step()
+                    finally:
+                        self.step_started = 0.0
             except Exception as e:  # a bug, not a request's fault (those are failed inside the step)
+                if is_memory_error(e):
+                    engine.memory_pressure.record()
+                    relieve(engine.device)
                 log.exception("engine step failed; aborting every request in it")
                 outputs, cpu = self._abort_all(f"internal engine error: {type(e).__name__}: {e}"), 0.0
             self._step_seconds += time.perf_counter() - t0
@@ -211,6 +233,8 @@ class EngineLoop:
     def _step(self) -> tuple[list[RequestOutput], float]:
         """One engine step and the CPU time of the thread that ran it."""
         c0 = time.thread_time()
+        if self.fault.block_s:
+            time.sleep(self.fault.block_s)  # the fault hook's long step (server/workers/fault.py)
         outputs = self.engine.step()
         return outputs, time.thread_time() - c0
 
@@ -345,10 +369,10 @@ class EngineLoop:
             self.abort_nowait(request_id)  # it may have been granted meanwhile
             raise
 
-    async def commit(self, request_id: str, kv) -> asyncio.Queue:
+    async def commit(self, request_id: str, kv, kv_scales=None) -> asyncio.Queue:
         q = self.open_stream(request_id)
         try:
-            await self._engine_call(lambda: self.engine.commit_prefilled(request_id, kv))
+            await self._engine_call(lambda: self.engine.commit_prefilled(request_id, kv, kv_scales))
         except ValueError:
             self.close_stream(request_id)
             raise
@@ -361,8 +385,12 @@ class EngineLoop:
     def abort_nowait(self, request_id: str) -> bool:
         """Abort now, or right after the running step; safe in ``finally`` blocks of cancelled tasks (no
         await). Returns whether the engine knew the request (when queued behind a step: whether it knows
-        it now; the abort itself happens before the next step, so its blocks are freed by then)."""
-        self.close_stream(request_id)
+        it now; the abort itself happens before the next step, so its blocks are freed by then).
+        A handler still waiting on the request's stream gets a final "abort" output: it is released now,
+        not at its timeout (POST /internal/abort of a request whose caller gave up)."""
+        q = self._streams.pop(request_id, None)
+        if q is not None:
+            q.put_nowait(RequestOutput(request_id, [], True, "abort", 0, 0, error="request was aborted"))
         if self._stepping:
             self._pending.append((lambda: self.engine.abort_request(request_id), None))
             self._wakeup.set()

@@ -3,7 +3,9 @@
 Start order does not matter: the worker keeps trying to register until the
 router answers, re-registers when the router forgets it (restart), and
 heartbeats its load (queue depth, KV blocks) so the router can route by load
-and take it out of rotation when the heartbeats stop (dead or frozen).
+and take it out of rotation when the heartbeats stop (dead or frozen). The
+heartbeats come from their own thread (``server/workers/heartbeat.py``), so a
+long engine step on the event loop cannot make a busy worker look dead.
 """
 
 from __future__ import annotations
@@ -17,19 +19,20 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
 import torch
 import uvicorn
 
-from server.config import DistServeConfig
+from server.config import DistServeConfig, role_dtype
+from server.engine.kv_sizing import MemoryBudgetError
 from server.engine.llm_engine import EngineConfig, LLMEngine
 from server.kv_transfer import KVPuller, KVStagingServer, cuda_ipc
 from server.kv_transfer.factory import choose_transport, host_id
 from server.metrics import WorkerMetrics
 from server.net import listen
-from server.wire import DeregisterRequest, HeartbeatRequest, RegisterRequest, Role
+from server.wire import RegisterRequest, Role
 from server.workers.app import WorkerState, create_worker_app
 from server.workers.engine_loop import EngineLoop, GcPolicy, resolve_engine_thread
+from server.workers.heartbeat import HeartbeatOptions, HeartbeatThread, Liveness
 
 log = logging.getLogger(__name__)
 
@@ -48,9 +51,14 @@ class WorkerOptions:
     worker_id: str = ""
     cpus: tuple[int, ...] = ()
     restart_count: int = 0  # times the launcher restarted this worker id (reported at registration)
+    # this worker's own share of its GPU (the launcher's split of cache.gpu_memory_utilization among the
+    # workers sharing it, server/memory_budget.py); None = cache.gpu_memory_utilization
+    gpu_memory_utilization: float | None = None
 
 
-def engine_config_for(role: str, cfg: DistServeConfig, device: str) -> EngineConfig:
+def engine_config_for(
+    role: str, cfg: DistServeConfig, device: str, gpu_memory_utilization: float | None = None
+) -> EngineConfig:
     """Map the config onto one role's engine (the one place that does).
 
     Shared by every role: ``model``, ``cache``, and ``prefill.max_seq_len`` — the serving limit (the
@@ -59,14 +67,24 @@ def engine_config_for(role: str, cfg: DistServeConfig, device: str) -> EngineCon
     workers, ``decode.*`` for decode and colocated ones).
     """
     pf, dc, cache = cfg.prefill, cfg.decode, cfg.cache
+    on_cuda = device.startswith("cuda")
     common: dict[str, Any] = dict(
         model=cfg.model,
         device=device,
-        dtype=cache.dtype,
+        dtype=role_dtype(cfg, "prefill" if role == "prefill" else "decode"),
+        kv_scale_init=cache.kv_scale_init,
+        kv_calibration_requests=cache.kv_calibration_requests,
         block_size=cache.block_size,
         num_blocks=cache.num_gpu_blocks,
         kv_cache_memory_mb=cache.kv_cache_memory_mb,
-        gpu_memory_utilization=cache.gpu_memory_utilization,
+        gpu_memory_utilization=cache.gpu_memory_utilization
+        if gpu_memory_utilization is None
+        else gpu_memory_utilization,
+        gpu_memory_headroom_bytes=cache.gpu_memory_headroom_mb << 20,
+        # allocated after the engine: the prefill worker's cuda_ipc staging pool; a decode worker's pulled KV
+        # lands in a buffer of its own before the commit: two prefill batches' worth in flight
+        gpu_memory_reserved_bytes=(cfg.kv_transfer.cuda_ipc_pool_mb << 20) if role == "prefill" and on_cuda else 0,
+        kv_receive_tokens=2 * pf.max_num_batched_tokens if role == "decode" else 0,
         max_model_len=pf.max_seq_len,
         max_num_batched_tokens=pf.max_num_batched_tokens,
         enable_prefix_caching=cache.enable_prefix_caching,
@@ -78,6 +96,7 @@ def engine_config_for(role: str, cfg: DistServeConfig, device: str) -> EngineCon
             prefill_policy="wfs",
             torch_threads=pf.torch_threads,
             attention_backend=pf.attention_backend,
+            kv_cache_dtype=pf.kv_dtype,  # the prefill role keeps its weights as loaded (the seed's bf16 prefill)
         )
     if role == "decode":
         return EngineConfig(
@@ -86,9 +105,16 @@ def engine_config_for(role: str, cfg: DistServeConfig, device: str) -> EngineCon
             decode_policy="fewest_remaining",
             torch_threads=dc.torch_threads,
             attention_backend=dc.attention_backend,
+            weight_dtype=dc.weight_dtype,
+            kv_cache_dtype=cache.kv_dtype,
         )
     return EngineConfig(
-        **common, max_num_seqs=dc.max_batch_size, torch_threads=dc.torch_threads, attention_backend=dc.attention_backend
+        **common,
+        max_num_seqs=dc.max_batch_size,
+        torch_threads=dc.torch_threads,
+        attention_backend=dc.attention_backend,
+        weight_dtype=dc.weight_dtype,
+        kv_cache_dtype=cache.kv_dtype,
     )
 
 
@@ -101,12 +127,16 @@ def fingerprint(engine: LLMEngine) -> dict:
     """
     c = engine.model_config
     m: Any = engine.model  # torch types submodules loosely
+    qkv = m.layers[0].self_attn.qkv_proj
+    # FP8 weights (decode.weight_dtype fp8) keep these rows as loaded, so an FP8 decode worker matches a
+    # bf16 prefill worker of the same checkpoint
+    qkv_rows = getattr(qkv, "fingerprint_rows", None)
     sample = (
         torch.cat(
             [
                 m.embed_tokens.weight[:8].flatten(),
                 m.norm.weight.flatten(),
-                m.layers[0].self_attn.qkv_proj.weight[:4].flatten(),
+                (qkv_rows if qkv_rows is not None else qkv.weight[:4]).flatten(),
             ]
         )
         .detach()
@@ -123,52 +153,21 @@ def fingerprint(engine: LLMEngine) -> dict:
         "num_kv_heads": c.num_key_value_heads,
         "head_dim": c.head_dim,
         "vocab_size": c.vocab_size,
+        "max_position_embeddings": c.max_position_embeddings,  # the model's context, for `distserve doctor`
     }
 
 
-async def _registration_loop(
-    state: WorkerState, opts: WorkerOptions, reg: RegisterRequest, server: uvicorn.Server
-) -> None:
-    interval = opts.config.router.heartbeat_interval_ms / 1000.0
-    headers = {"Authorization": f"Bearer {opts.token}"}
-    registered = False
-    timeout = aiohttp.ClientTimeout(total=max(2.0, 2 * interval))
-    async with aiohttp.ClientSession(timeout=timeout, headers=headers) as http:
-        while not server.should_exit:
-            try:
-                if not registered:
-                    reg.status = state.status()
-                    async with http.post(f"{opts.router_url}/register", json=reg.model_dump()) as r:
-                        if r.status in (401, 403, 409, 422):
-                            try:
-                                detail = (await r.json())["error"]["message"]
-                            except (ValueError, KeyError, TypeError, aiohttp.ContentTypeError):
-                                detail = r.reason
-                            log.error("router refused registration (%s): %s", r.status, detail)
-                            state.fatal_error = f"router refused registration: {detail}"
-                            server.should_exit = True
-                            return
-                        registered = r.status == 200
-                        if registered:
-                            log.info("registered with router %s as %s %s", opts.router_url, opts.role, reg.worker_id)
-                else:
-                    hb = HeartbeatRequest(worker_id=reg.worker_id, status=state.status())
-                    async with http.post(f"{opts.router_url}/heartbeat", json=hb.model_dump()) as r:
-                        if r.status == 404:  # the router restarted and forgot us
-                            registered = False
-                            continue
-            except (TimeoutError, aiohttp.ClientError, OSError) as e:
-                if registered:
-                    log.warning("router unreachable (%s); will re-register", e)
-                registered = False
-            await asyncio.sleep(interval)
-        if registered:
-            try:
-                bye = DeregisterRequest(worker_id=reg.worker_id, pid=reg.pid)
-                async with http.post(f"{opts.router_url}/deregister", json=bye.model_dump(exclude_none=True)):
-                    pass
-            except (TimeoutError, aiohttp.ClientError, OSError):
-                pass
+def memory_report(engine: LLMEngine, sender: KVStagingServer | None) -> dict | None:
+    """The sizing (kv_sizing.KVBudget) plus what was measured after it, for /v1/workers; None off CUDA."""
+    budget = engine.kv_budget
+    if budget is None:
+        return None
+    out = budget.to_dict()
+    out["cuda_graphs_mib"] = engine.cuda_graph_bytes >> 20
+    out["staging_pool_mib"] = (sender.cuda_ipc_pool_bytes if sender is not None else 0) >> 20
+    free, _ = torch.cuda.mem_get_info(engine.device)
+    out["device_free_after_start_mib"] = free >> 20
+    return out
 
 
 async def serve_worker(opts: WorkerOptions) -> int:
@@ -184,7 +183,11 @@ async def serve_worker(opts: WorkerOptions) -> int:
         # The current device is per thread and defaults to 0: without this, eager Triton kernels of a
         # worker on cuda:1 launch on GPU 0 (seen on 2 GPUs: pointer errors, then an illegal address).
         torch.cuda.set_device(torch.device(opts.device))
-    engine = LLMEngine(engine_config_for(opts.role, opts.config, opts.device))
+    try:
+        engine = LLMEngine(engine_config_for(opts.role, opts.config, opts.device, opts.gpu_memory_utilization))
+    except MemoryBudgetError as e:  # its share cannot hold what it needs: say so, and stay stopped (exit 2)
+        print(f"distserve worker: error: {opts.worker_id or opts.role}: {e}", flush=True)
+        return 2
     loop = asyncio.get_running_loop()
     kvc, dc = opts.config.kv_transfer, opts.config.decode
     engine_loop = EngineLoop(
@@ -220,6 +223,8 @@ async def serve_worker(opts: WorkerOptions) -> int:
             max_connections_per_peer=kvc.max_connections_per_peer or None,
             cuda_ipc_pool_bytes=(kvc.cuda_ipc_pool_mb << 20) if on_cuda else 0,
         )
+        if on_cuda:  # allocate the staging pool now, inside this worker's budget
+            state.sender.ipc_pool(engine.device)
     if opts.role == "decode":
         state.puller = KVPuller(cuda_device=engine.device if on_cuda else None)
     sock = listen(opts.host, opts.port)
@@ -250,20 +255,37 @@ async def serve_worker(opts: WorkerOptions) -> int:
         host_id=host_id(),
         cuda_uuids=cuda_ipc.visible_gpu_uuids() if on_cuda else [],
         restart_count=opts.restart_count,
+        memory=memory_report(engine, state.sender),
     )
+    if reg.memory is not None:
+        log.info("device memory: %s", reg.memory)
     engine_loop.start()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))
-    reg_task = asyncio.create_task(_registration_loop(state, opts, reg, server))
+    rc = opts.config.router
+
+    def refused(reason: str) -> None:
+        state.fatal_error = reason
+        server.should_exit = True
+
+    liveness = Liveness(engine_loop, wedged_after_s=rc.stream_progress_timeout_s, max_step_s=rc.request_timeout_s)
+    ticker = asyncio.create_task(liveness.tick(), name="liveness-tick")
+    beats = HeartbeatThread(
+        HeartbeatOptions(opts.router_url, opts.token, rc.heartbeat_interval_ms / 1000.0, opts.role),
+        reg,
+        state.status,
+        lambda: server.should_exit,
+        refused,
+        liveness,
+    )
+    beats.start()
     log.info("%s worker %s listening on %s (pid %d)", opts.role, state.worker_id, url, os.getpid())
     try:
         await server.serve(sockets=[sock])
     finally:
         server.should_exit = True
-        try:
-            await asyncio.wait_for(reg_task, 3)
-        except (TimeoutError, Exception):
-            reg_task.cancel()
+        ticker.cancel()
+        await asyncio.to_thread(beats.join, 3.0)  # it deregisters on its way out
         engine_loop.stop()
         if state.sender is not None:
             state.sender.close()

@@ -205,12 +205,17 @@ class _Recorder:
         self.logits: list[torch.Tensor] = []
         self.tokens: list[list] = []
 
-    def sample(self, logits, params, seeds, indices):
+    def sample(self, logits, params, seeds, indices, *rest):
+        from server.engine.sampler import SamplerOutput
+
         step = len(self.logits)
         self.logits.append(logits.float().cpu())  # (graph logits are a view of a buffer the next replay reuses)
-        out = self.greedy.sample(logits, params, seeds, indices) if self.forced is None else self.forced.tokens[step]
-        assert len(out) == logits.shape[0]
-        self.tokens.append(list(out))
+        if self.forced is None:
+            out = self.greedy.sample(logits, params, seeds, indices, *rest)
+        else:
+            out = SamplerOutput(list(self.forced.tokens[step]), [None] * len(params))
+        assert len(out.tokens) == logits.shape[0]
+        self.tokens.append(list(out.tokens))
         return out
 
 

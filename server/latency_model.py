@@ -1,0 +1,30 @@
+"""The one prefill-cost formula, shared by the planner (fitted offline to a profile) and the router's
+admission (fitted live to the TTFTs it observes).
+
+A prefill of prompts given as (new tokens, tokens of context before them) costs, beyond a step's fixed part,
+``per_token x new + per_token2 x ((before + new)^2 - before^2)`` each: the GEMMs are linear in the tokens
+computed, attention quadratic in the prompt (the difference of squares keeps a chunked prompt's total exact).
+A request queued behind others waits for their prefills and then its own, so its time to first token is
+``fixed + prefill_work(queued prompts + its own)``: ``queued_ttft_ms``. planner/latency.py builds its step
+model on ``prefill_work_ms``; server/router/admission.py predicts TTFT with ``queued_ttft_ms``. Pure, no I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+
+def prefill_work_ms(chunks: Iterable[tuple[int, int]], per_token_ms: float, per_token2_ms: float = 0.0) -> float:
+    """The variable part of prefilling ``chunks`` ((new tokens, context before them) per prompt), in ms."""
+    total = 0.0
+    for new, before in chunks:
+        total += per_token_ms * new + per_token2_ms * ((before + new) ** 2 - before**2)
+    return total
+
+
+def queued_ttft_ms(
+    tokens_ahead: float, own_tokens: int, fixed_ms: float, per_token_ms: float, per_token2_ms: float = 0.0
+) -> float:
+    """Predicted time to first token of a prompt of ``own_tokens`` queued behind ``tokens_ahead`` prompt
+    tokens (on the worker it will wait for): the fixed part plus the prefill work of both."""
+    return fixed_ms + prefill_work_ms([(int(tokens_ahead), 0), (own_tokens, 0)], per_token_ms, per_token2_ms)

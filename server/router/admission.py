@@ -1,0 +1,323 @@
+"""Admission: bounded queues and SLO-aware admission, decided per request before it reaches a worker.
+
+The router counts what it has admitted (``router.admission``): requests in flight, requests still waiting
+for their first token (*queued*), and those requests' prompt tokens (*queued prefill tokens*). A request
+that would push a count past its bound is not admitted: it gets **429 with Retry-After** in OpenAI's
+rate-limit shape, or goes to the backup pool (``on_full: backup``). Overload therefore never becomes an
+unbounded wait, a silent drop or a 5xx.
+
+SLO-aware: each request may carry ``x-slo-ttft-ms`` / ``x-slo-tpot-ms`` (llm-d's names; defaults
+``slo_ttft_ms``/``slo_tpot_ms``). The router predicts its TTFT from the live queue with the one prefill
+formula (server/latency_model.py): ``fixed + per_token x (queued prefill tokens per worker + its own)``.
+The two coefficients are fitted live, by least squares over the last ``FIT_WINDOW`` admitted requests'
+(tokens, measured TTFT) pairs, so they follow the machine as it is now (threads, neighbours, the model).
+TPOT is predicted as the recent measured TPOT (an EWMA). When a prediction misses the SLO the request is
+shed (429), queued anyway (``on_slo_miss: queue``, or the client's ``x-slo-on-miss: queue``), or sent to
+the backup pool. Without any SLO a request predicted to wait longer than ``max_predicted_ttft_s`` is still
+refused: no admitted request waits without bound. Until ``MIN_SAMPLES`` TTFTs are measured there is no
+prediction and only the queue bounds apply.
+
+Every decision is counted in ``/metrics`` (``distserve_admission_total{decision,reason}``), sheds and
+backups are journaled with their reason (``router.event_journal_path``), and each admitted request keeps
+its predicted TTFT, so the prediction error is measured (``GET /v1/admission``: median and P90).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from server.config import DistServeConfig
+from server.latency_model import queued_ttft_ms
+
+FIT_WINDOW = 256
+MIN_SAMPLES = 8
+SLO_HEADERS = ("x-slo-ttft-ms", "x-slo-tpot-ms")
+ON_MISS_HEADER = "x-slo-on-miss"
+MAX_RETRY_AFTER_S = 60
+
+
+class InvalidSlo(ValueError):
+    def __init__(self, header: str, message: str) -> None:
+        super().__init__(f"{header}: {message}")
+        self.header = header
+
+
+@dataclass(frozen=True)
+class Slo:
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+    on_miss: str = "shed"
+
+
+def parse_slo(headers, defaults_ttft_ms: float, defaults_tpot_ms: float, on_miss: str) -> Slo:
+    """The request's SLO from its headers (milliseconds, > 0) over the config defaults (0 = none)."""
+    values = []
+    for name, default in zip(SLO_HEADERS, (defaults_ttft_ms, defaults_tpot_ms), strict=True):
+        raw = headers.get(name)
+        if raw is None:
+            values.append(default / 1000.0 if default > 0 else None)
+            continue
+        try:
+            v = float(raw)
+        except ValueError:
+            raise InvalidSlo(name, f"must be a number of milliseconds, got {raw[:40]!r}") from None
+        if not math.isfinite(v) or v <= 0:
+            raise InvalidSlo(name, f"must be a positive number of milliseconds, got {raw[:40]!r}")
+        values.append(v / 1000.0)
+    miss = headers.get(ON_MISS_HEADER)
+    if miss is not None:
+        if miss not in ("shed", "queue", "backup"):
+            raise InvalidSlo(ON_MISS_HEADER, f"must be shed, queue or backup, got {miss[:40]!r}")
+        on_miss = miss
+    return Slo(values[0], values[1], on_miss)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """``route``: ``primary`` (admitted), ``backup`` or ``shed`` (429). ``reason`` names the bound or SLO."""
+
+    route: str
+    reason: str
+    predicted_ttft_s: float | None = None
+    predicted_tpot_s: float | None = None
+    retry_after_s: int = 1
+    message: str = ""
+
+
+class TtftModel:
+    """``ttft = fixed + per_token x tokens`` (server/latency_model.py), fitted to recent measurements."""
+
+    def __init__(self) -> None:
+        self.samples: deque[tuple[float, float]] = deque(maxlen=FIT_WINDOW)  # (tokens, ttft seconds)
+        self.fixed_ms = 0.0
+        self.per_token_ms = 0.0
+
+    @property
+    def ready(self) -> bool:
+        return len(self.samples) >= MIN_SAMPLES
+
+    def observe(self, tokens: float, ttft_s: float) -> None:
+        self.samples.append((tokens, ttft_s * 1000.0))
+        if self.ready:
+            self._fit()
+
+    def _fit(self) -> None:
+        xs = [x for x, _ in self.samples]
+        ys = [y for _, y in self.samples]
+        mx, my = statistics.fmean(xs), statistics.fmean(ys)
+        sxx = sum((x - mx) ** 2 for x in xs)
+        b = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx if sxx > 0 else 0.0
+        a = my - b * mx
+        if b <= 0 or a < 0:  # keep both terms >= 0 (as the planner's fit): refit with the one that holds
+            if b > 0:
+                a, b = 0.0, sum(x * y for x, y in zip(xs, ys, strict=True)) / max(1e-9, sum(x * x for x in xs))
+            else:
+                a, b = max(0.0, my), 0.0
+        self.fixed_ms, self.per_token_ms = a, b
+
+    def predict_s(self, tokens_ahead: float, own: int) -> float | None:
+        if not self.ready:
+            return None
+        return queued_ttft_ms(tokens_ahead, own, self.fixed_ms, self.per_token_ms) / 1000.0
+
+
+class Ticket:
+    """One admitted request's place in the counts; released once, whatever way the request ends."""
+
+    def __init__(self, adm: Admission, tokens: int, tokens_ahead: float, predicted_ttft_s: float | None) -> None:
+        self.adm, self.tokens, self.tokens_ahead = adm, tokens, tokens_ahead
+        self.predicted_ttft_s = predicted_ttft_s
+        self.queued, self.open = True, True
+
+    def first_token(self, ttft_s: float) -> None:
+        if not self.queued:
+            return
+        self.queued = False
+        self.adm._dequeue(self)
+        self.adm._measured(self, ttft_s)
+
+    def done(self, tpot_s: float | None = None) -> None:
+        if not self.open:
+            return
+        if self.queued:
+            self.queued = False
+            self.adm._dequeue(self)
+        self.open = False
+        self.adm.inflight -= 1
+        if tpot_s is not None:
+            self.adm._tpot(tpot_s)
+
+
+class Admission:
+    def __init__(
+        self,
+        cfg: DistServeConfig,
+        registry: CollectorRegistry,
+        workers: Callable[[], int],
+        journal: Callable[[dict], object] = lambda _: None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        a = cfg.router.admission
+        self.cfg = a
+        self.max_tokens = a.max_queued_prefill_tokens or 64 * cfg.prefill.max_num_batched_tokens
+        self.max_ttft_s = a.max_predicted_ttft_s or cfg.router.request_timeout_s / 2
+        self.workers, self.journal, self.clock = workers, journal, clock
+        self.inflight = 0
+        self.queued_requests = 0
+        self.queued_tokens = 0
+        self.model = TtftModel()
+        self.tpot_ewma_s: float | None = None
+        self.errors: deque[float] = deque(maxlen=4096)  # |measured - predicted| / measured
+        self.decisions = Counter(
+            "distserve_admission", "Admission decisions", ["decision", "reason"], registry=registry
+        )
+        self.error_ratio = Histogram(
+            "distserve_ttft_prediction_error_ratio",
+            "|measured - predicted| / measured TTFT of admitted requests",
+            buckets=(0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0),
+            registry=registry,
+        )
+        g = Gauge("distserve_admission_queue", "Admitted requests by stage", ["what"], registry=registry)
+        g.labels("inflight_requests").set_function(lambda: self.inflight)
+        g.labels("queued_requests").set_function(lambda: self.queued_requests)
+        g.labels("queued_prefill_tokens").set_function(lambda: self.queued_tokens)
+
+    # --- the decision -------------------------------------------------------------------------------
+    def tokens_ahead(self) -> float:
+        return self.queued_tokens / max(1, self.workers())
+
+    def decide(self, prompt_tokens: int, slo: Slo) -> Decision:
+        a = self.cfg
+        ahead = self.tokens_ahead()
+        ttft = self.model.predict_s(ahead, prompt_tokens)
+        tpot = self.tpot_ewma_s
+        full = None
+        if a.max_inflight_requests and self.inflight >= a.max_inflight_requests:
+            full = ("requests", "max_inflight_requests", f"{self.inflight} requests in flight")
+        elif a.max_queued_requests and self.queued_requests >= a.max_queued_requests:
+            full = ("requests", "max_queued_requests", f"{self.queued_requests} requests queued")
+        elif self.queued_tokens and self.queued_tokens + prompt_tokens > self.max_tokens:
+            full = ("tokens", "max_queued_prefill_tokens", f"{self.queued_tokens} prompt tokens queued")
+        if full is not None:
+            kind, reason, what = full
+            retry = self._retry_after(ttft)
+            return Decision(
+                "backup" if a.on_full == "backup" else "shed",
+                reason,
+                ttft,
+                tpot,
+                retry,
+                f"Rate limit reached: the server is at capacity ({what}; bound router.admission.{reason}). "
+                f"Please retry after {retry} s.",
+            )
+        if ttft is not None and ttft > self.max_ttft_s:
+            retry = self._retry_after(ttft - self.max_ttft_s)
+            return Decision(
+                "shed",
+                "max_predicted_ttft_s",
+                ttft,
+                tpot,
+                retry,
+                f"Rate limit reached: predicted time to first token {ttft:.1f} s is more than this server "
+                f"lets a request wait ({self.max_ttft_s:.0f} s). Please retry after {retry} s.",
+            )
+        miss = None
+        if slo.ttft_s is not None and ttft is not None and ttft > slo.ttft_s:
+            what = f"predicted TTFT {ttft * 1000:.0f} ms > SLO {slo.ttft_s * 1000:g} ms"
+            miss = ("slo_ttft", what, ttft - slo.ttft_s)
+        elif slo.tpot_s is not None and tpot is not None and tpot > slo.tpot_s:
+            miss = ("slo_tpot", f"predicted TPOT {tpot * 1000:.1f} ms > SLO {slo.tpot_s * 1000:g} ms", 0.0)
+        if miss is not None and slo.on_miss != "queue":
+            reason, what, over = miss
+            retry = self._retry_after(over)
+            return Decision(
+                slo.on_miss,
+                reason,
+                ttft,
+                tpot,
+                retry,
+                f"Rate limit reached: {what} (x-slo-* headers). Please retry after {retry} s.",
+            )
+        return Decision("primary", miss[0] + "_queued" if miss else "ok", ttft, tpot)
+
+    def _retry_after(self, seconds: float | None) -> int:
+        s = self.cfg.retry_after_s
+        if seconds is not None and seconds > s:
+            s = math.ceil(seconds)
+        return min(MAX_RETRY_AFTER_S, s)
+
+    def admit(self, prompt_tokens: int, d: Decision) -> Ticket:
+        t = Ticket(self, prompt_tokens, self.tokens_ahead(), d.predicted_ttft_s)
+        self.inflight += 1
+        self.queued_requests += 1
+        self.queued_tokens += prompt_tokens
+        self.decisions.labels("admitted", d.reason).inc()
+        return t
+
+    def refused(self, d: Decision, prompt_tokens: int, route: str) -> None:
+        """Count and journal a request that was not admitted (``route``: shed or backup)."""
+        self.decisions.labels(route, d.reason).inc()
+        self.journal(
+            {
+                "kind": "admission",
+                "at_unix": round(self.clock(), 6),
+                "decision": route,
+                "reason": d.reason,
+                "prompt_tokens": prompt_tokens,
+                "predicted_ttft": None if d.predicted_ttft_s is None else round(d.predicted_ttft_s, 6),
+                "predicted_tpot": None if d.predicted_tpot_s is None else round(d.predicted_tpot_s, 6),
+                "queued_requests": self.queued_requests,
+                "queued_prefill_tokens": self.queued_tokens,
+                "inflight_requests": self.inflight,
+                "retry_after_s": d.retry_after_s,
+            }
+        )
+
+    # --- ticket callbacks ---------------------------------------------------------------------------
+    def _dequeue(self, t: Ticket) -> None:
+        self.queued_requests -= 1
+        self.queued_tokens -= t.tokens
+
+    def _measured(self, t: Ticket, ttft_s: float) -> None:
+        if t.predicted_ttft_s is not None and ttft_s > 0:
+            err = abs(ttft_s - t.predicted_ttft_s) / ttft_s
+            self.errors.append(err)
+            self.error_ratio.observe(err)
+        self.model.observe(t.tokens_ahead + t.tokens, ttft_s)
+
+    def _tpot(self, tpot_s: float) -> None:
+        self.tpot_ewma_s = tpot_s if self.tpot_ewma_s is None else 0.9 * self.tpot_ewma_s + 0.1 * tpot_s
+
+    # --- view ---------------------------------------------------------------------------------------
+    def status(self) -> dict:
+        errs = sorted(self.errors)
+
+        def q(p: float) -> float | None:
+            return round(errs[min(len(errs) - 1, math.ceil(p * len(errs)) - 1)], 4) if errs else None
+
+        return {
+            "inflight_requests": self.inflight,
+            "queued_requests": self.queued_requests,
+            "queued_prefill_tokens": self.queued_tokens,
+            "bounds": {
+                "max_inflight_requests": self.cfg.max_inflight_requests,
+                "max_queued_requests": self.cfg.max_queued_requests,
+                "max_queued_prefill_tokens": self.max_tokens,
+                "max_predicted_ttft_s": self.max_ttft_s,
+            },
+            "model": {
+                "ready": self.model.ready,
+                "samples": len(self.model.samples),
+                "fixed_ms": round(self.model.fixed_ms, 3),
+                "per_token_ms": round(self.model.per_token_ms, 5),
+            },
+            "tpot_ewma_s": self.tpot_ewma_s,
+            "prediction_error": {"samples": len(errs), "median": q(0.5), "p90": q(0.9)},
+        }

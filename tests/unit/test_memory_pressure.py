@@ -1,0 +1,158 @@
+"""Out-of-memory in a step (issue 36): only that step's requests pay, the worker stays up, /metrics
+counts it and /health says degraded while it lasts — driven through the fault hook that makes the
+model forward raise torch.cuda.OutOfMemoryError, on the real tiny engine and the real worker app."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+import torch
+
+from server.config import DistServeConfig
+from server.engine.llm_engine import EngineConfig, LLMEngine
+from server.engine.memory_pressure import MemoryPressure, is_memory_error
+from server.engine.sampling_params import SamplingParams
+from server.metrics import WorkerMetrics
+from server.workers.app import WorkerState, create_worker_app
+from server.workers.engine_loop import EngineLoop
+from server.workers.fault import arm_oom
+
+PARAMS = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture()
+def engine():
+    return LLMEngine(EngineConfig(block_size=4, num_blocks=64, enable_prefix_caching=False))
+
+
+def test_memory_errors_are_recognised():
+    assert is_memory_error(torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB"))
+    assert is_memory_error(RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"))
+    assert not is_memory_error(RuntimeError("CUDA error: an illegal memory access was encountered"))
+    assert not is_memory_error(ValueError("out of memory"))
+    p = MemoryPressure(window_s=30)
+    p.record(now=100.0)
+    p.record(now=120.0)
+    assert (p.recent(now=125.0), p.recent(now=140.0), p.recent(now=151.0), p.total) == (2, 1, 0, 2)
+
+
+def test_one_oom_batch_is_retried_one_by_one_and_every_request_finishes(engine):
+    want = {f"r{i}": engine.generate([[3 + i, 9, 8, 7, 6]], PARAMS)[0] for i in range(3)}
+    for i in range(3):
+        engine.add_request(f"r{i}", [3 + i, 9, 8, 7, 6], PARAMS)
+    arm_oom(engine, 1)  # the batched forward fails; each sequence alone fits
+    got: dict[str, list[int]] = {f"r{i}": [] for i in range(3)}
+    errors = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            got[out.request_id] += out.new_token_ids
+            errors += [out.error] if out.error else []
+    assert not errors and got == want
+    assert engine.memory_pressure.total == 1 and engine.memory_pressure.recent() == 1
+    engine.block_manager.check_invariants()
+    assert engine.num_used_blocks == 0
+
+
+def test_oom_fails_only_the_requests_of_that_step(engine):
+    engine.add_request("in-step-a", [3, 9, 8, 7], PARAMS)
+    engine.add_request("in-step-b", [4, 9, 8, 7], PARAMS)
+    arm_oom(engine, 3)  # the batch and both retries alone
+    outs = engine.step()
+    failed = {o.request_id: o.error for o in outs if o.finished}
+    assert set(failed) == {"in-step-a", "in-step-b"}
+    assert all("OutOfMemoryError" in e and "out of memory" in e.lower() for e in failed.values())
+    assert engine.num_used_blocks == 0  # their blocks came back
+    engine.add_request("after", [5, 9, 8, 7], PARAMS)  # the engine goes on
+    tokens, finished = [], None
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            tokens += o.new_token_ids
+            finished = o
+    assert finished is not None and finished.error is None and len(tokens) == PARAMS.max_tokens
+    assert engine.memory_pressure.total == 3
+
+
+def test_worker_reports_oom_on_metrics_and_health_and_keeps_serving(engine):
+    async def main():
+        loop = EngineLoop(engine, threaded=True)
+        state = WorkerState(
+            role="colocated",
+            worker_id="c0",
+            config=DistServeConfig(),
+            token="t",
+            loop=loop,
+            metrics=WorkerMetrics("colocated"),
+        )
+        app = create_worker_app(state)
+        loop.start()
+        auth = {"Authorization": "Bearer t"}
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://w") as http:
+            assert (await http.get("/health")).json()["status"] == "ok"
+            r = await http.post("/admin/fault", json={"oom_forwards": 2}, headers=auth)
+            assert r.status_code == 200 and r.json()["oom_forwards"] == 2
+            qs = [await loop.add_request(f"x{i}", [3 + i, 9, 8, 7], PARAMS) for i in range(2)]
+            outs = []
+            for q in qs:
+                while True:
+                    o = await q.get()
+                    if o.finished:
+                        outs.append(o)
+                        break
+            health = (await http.get("/health")).json()
+            metrics = (await http.get("/metrics")).text
+            status = state.status()
+            # a later request is served normally
+            q = await loop.add_request("later", [7, 9, 8, 7], PARAMS)
+            while not (o := await q.get()).finished:
+                pass
+        loop.stop()
+        return outs, health, metrics, status, o
+
+    outs, health, metrics, status, later = asyncio.run(main())
+    assert health["status"] == "degraded" and "lack of device memory" in health["reason"]
+    assert "distserve_memory_errors 2.0" in metrics and "distserve_memory_errors_recent 2.0" in metrics
+    assert status.memory_errors_recent == 2
+    assert later.error is None
+    # the batch of two failed, then the first retried alone failed: that request alone is lost
+    assert sorted(o.error is None for o in outs) == [False, True]
+    engine.block_manager.check_invariants()
+    assert engine.num_used_blocks == 0
+
+
+def test_router_health_is_degraded_while_a_worker_reports_memory_errors_and_workers_show_sizing():
+    from server.router.app import RouterState, create_router_app
+    from server.router.registry import WorkerRegistry
+    from server.wire import RegisterRequest, WorkerStatus
+
+    reg = WorkerRegistry(heartbeat_timeout_s=30)
+    fp = {"architecture": "llama"}
+    sizing = {"gpu_memory_utilization": 0.63, "kv_cache_mib": 70000, "headroom_mib": 1024}
+    for role in ("prefill", "decode"):
+        reg.register(
+            RegisterRequest(
+                worker_id=f"{role}-0",
+                role=role,
+                url="http://127.0.0.1:1",
+                pid=1,
+                fingerprint=fp,
+                max_model_len=64,
+                memory=sizing if role == "decode" else None,
+            )
+        )
+    app = create_router_app(RouterState(config=DistServeConfig(), token="t", registry=reg))
+
+    async def get(path):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://r") as http:
+            return (await http.get(path, headers={"Authorization": "Bearer t"})).json()
+
+    assert asyncio.run(get("/health"))["status"] == "ok"
+    reg.heartbeat("decode-0", WorkerStatus(memory_errors_recent=3))
+    h = asyncio.run(get("/health"))
+    assert h["status"] == "degraded" and h["memory_pressure"] == ["decode-0"]
+    ws = {w["worker_id"]: w for w in asyncio.run(get("/v1/workers"))["workers"]}
+    assert ws["decode-0"]["memory"] == sizing and ws["decode-0"]["memory_errors_recent"] == 3
+    assert ws["prefill-0"]["memory"] is None
+    reg.heartbeat("decode-0", WorkerStatus())  # the errors aged out of the worker's window
+    assert asyncio.run(get("/health"))["status"] == "ok"
