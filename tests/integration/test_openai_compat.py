@@ -55,7 +55,7 @@ def coloc(serve_factory):
 
 @pytest.fixture(scope="module")
 def disagg(serve_factory):
-    return serve_factory(mode="disaggregated")
+    return serve_factory(mode="disaggregated", prefill=1, decode=2)  # two decode workers: a migration target
 
 
 def client(s) -> openai.OpenAI:
@@ -507,3 +507,68 @@ def test_smollm2_auto_tool_call_is_parsed_when_the_model_makes_one(smol):
     call = r.choices[0].message.tool_calls[0]
     params = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}[call.function.name]
     jsonschema.validate(json.loads(call.function.arguments), params)
+
+
+# --- last: it kills a decode worker of `disagg` -----------------------------------------------------------
+LONG = {"type": "array", "items": {"type": "string", "maxLength": 6}, "minItems": 40, "maxItems": 40}
+
+
+def test_sigkill_decode_mid_constrained_stream_migrates_with_the_same_tokens(disagg):
+    import asyncio
+    import os
+    import signal
+
+    import aiohttp
+
+    from server.engine.llm_engine import EngineConfig, LLMEngine
+    from server.engine.sampling_params import SamplingParams
+    from server.engine.structured.grammar import Constraint
+
+    n, max_tokens = 6, 120
+    prompts = [[1, 40 + i, 41, 42] for i in range(n)]
+    c = Constraint("json", json.dumps(LONG))
+    engine = LLMEngine(EngineConfig())
+    params = [SamplingParams(max_tokens=max_tokens, temperature=0.7, seed=900 + i, structured=c) for i in range(n)]
+    reference = [engine.generate([p], [sp])[0] for p, sp in zip(prompts, params)]
+    progress = [0] * n
+    killed: dict = {}
+    decodes = [w for w in disagg.workers() if w["role"] == "decode" and w["state"] == "healthy"]
+
+    async def one(s: aiohttp.ClientSession, i: int) -> list[int]:
+        body = {
+            "prompt_token_ids": prompts[i],
+            "max_tokens": max_tokens,
+            "temperature": 0.7,
+            "top_p": 1.0,
+            "seed": 900 + i,
+            "stream": True,
+            "structured_outputs": {"json": LONG},
+        }
+        ids: list[int] = []
+        async with s.post(f"{disagg.url}/generate", json=body) as r:
+            assert r.status == 200
+            async for raw in r.content:
+                line = json.loads(raw)
+                assert "error" not in line, line
+                ids.extend(line["token_ids"])
+                progress[i] = len(ids)
+        return ids
+
+    async def killer() -> None:
+        while sum(1 for p in progress if p >= 3) < n // 2:
+            await asyncio.sleep(0.005)
+        status = await asyncio.to_thread(disagg.workers)
+        load = {w["worker_id"]: w["inflight"] + w["num_running"] for w in status}
+        victim = max(decodes, key=lambda w: load.get(w["worker_id"], 0))
+        os.kill(victim["pid"], signal.SIGKILL)
+        killed.update(victim, progress_at_kill=list(progress))
+
+    async def main():
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as s:
+            results = asyncio.gather(*(one(s, i) for i in range(n)))
+            await killer()
+            return await results
+
+    got = asyncio.run(main())
+    assert killed and any(p < len(r) for p, r in zip(killed["progress_at_kill"], reference)), "nothing was mid-stream"
+    assert got == reference
