@@ -1,7 +1,11 @@
 """Agreement: distbench and ``vllm bench serve`` against one ``distserve serve``, interleaved A B A B A B.
 
     .venv/bin/python bench/distbench_vs_vllm_client.py --vllm-python /tmp/vllmcpu/bin/python \\
-        [--rate 4] [--num-prompts 80] [--repeats 3] [--out bench/results/distbench_vs_vllm_DATE.json]
+        [--rate 4] [--num-prompts 80] [--repeats 3] [--concurrent] [--out bench/results/distbench_vs_vllm_DATE.json]
+
+One after the other (default: vLLM, distbench, vLLM, ...; the router's request journal gives the server's own
+mean TTFT/TPOT of each run, the referee) or ``--concurrent`` (both at once, each at rate / 2: the same server
+state for both, which on a shared machine is the only way to compare the clients rather than the moments).
 
 Both clients send the same prompts: one ShareGPT-format file (vLLM ``--dataset-name sharegpt``,
 distbench ``--dataset sharegpt:PATH``) of random letters, so no prefix-cache hits; the tiny model's byte
@@ -83,6 +87,10 @@ def distbench_run(args, url: str, data: Path, seed: int, num: int, tmp: str) -> 
     return {"own": mine, "compat": {k: res[k] for k in FIGURES}}
 
 
+def _lines(path: Path) -> int:
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
 def router_view(journal: Path, t0: float, t1: float) -> dict:
     """Mean TTFT/TPOT (ms) the router measured for the requests that arrived in [t0, t1)."""
     rows = [json.loads(ln) for ln in journal.read_text().splitlines() if ln.strip()] if journal.exists() else []
@@ -107,6 +115,11 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--mode", default="disaggregated")
     ap.add_argument("--out", default=None)
+    ap.add_argument(
+        "--concurrent",
+        action="store_true",
+        help="run the two clients at the same time, each at --rate / 2, instead of one after the other",
+    )
     ap.add_argument(
         "--model-dir",
         default="/tmp/distserve_peer_model",
@@ -139,16 +152,30 @@ def main() -> None:
             host, port = srv.url.removeprefix("http://").split(":")
             distbench_run(args, srv.url, data, 99, 20, tmp)  # warm-up, not recorded
             for i in range(args.repeats):
-                t0 = time.time()
-                v = vllm_run(args, host, port, model, data, i, tmp)
-                t1 = time.time()
-                d = distbench_run(args, srv.url, data, i, args.num_prompts, tmp)
-                t2 = time.time()
+                if args.concurrent:  # both at once, each at half the rate: the same server state for both
+                    from concurrent.futures import ThreadPoolExecutor
+
+                    half = argparse.Namespace(**{**vars(args), "rate": args.rate / 2})
+                    t0 = time.time()
+                    with ThreadPoolExecutor(2) as pool:
+                        fv = pool.submit(vllm_run, half, host, port, model, data, i, tmp)
+                        seen = _lines(journal)  # vLLM's client imports for a while before it sends: start
+                        deadline = time.time() + 180  # distbench once the router has finished vLLM's first one
+                        while _lines(journal) == seen and time.time() < deadline and not fv.done():
+                            time.sleep(0.2)
+                        fd = pool.submit(distbench_run, half, srv.url, data, i, args.num_prompts, tmp)
+                        v, d = fv.result(), fd.result()
+                    t1 = t2 = time.time()
+                else:
+                    t0 = time.time()
+                    v = vllm_run(args, host, port, model, data, i, tmp)
+                    t1 = time.time()
+                    d = distbench_run(args, srv.url, data, i, args.num_prompts, tmp)
+                    t2 = time.time()
                 pair = {"repeat": i, "vllm": v, "distbench": d["own"], "distbench_compat_vllm": d["compat"]}
-                pair["router_vllm"], pair["router_distbench"] = (
-                    router_view(journal, t0, t1),
-                    router_view(journal, t1, t2),
-                )
+                if not args.concurrent:
+                    pair["router_vllm"] = router_view(journal, t0, t1)
+                    pair["router_distbench"] = router_view(journal, t1, t2)
                 pair["ratio_compat"] = {k: d["compat"][k] / v[k] for k in FIGURES}
                 pair["ratio_own"] = {k: d["own"][k] / v[k] for k in FIGURES}
                 pairs.append(pair)
