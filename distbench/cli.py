@@ -132,8 +132,8 @@ def add_load_args(r: argparse.ArgumentParser, sweep: bool = False) -> None:
         "--compat",
         choices=["vllm"],
         default=None,
-        help="compute the figures under vllm bench serve's definitions: TTFT/E2EL from the actual send, "
-        "the clock from one mean gap before the first send (docs/DISTBENCH.md)",
+        help="vllm bench serve's definitions: TTFT/E2EL from the actual send, and its arrival schedule "
+        "(first request one gap in, the n-th at exactly n/rate) (docs/DISTBENCH.md)",
     )
     r.add_argument(
         "--drain-timeout",
@@ -194,6 +194,7 @@ def options_from(args, **spec_overrides):
         "time_scale": getattr(args, "time_scale", 1.0),
     }
     kw.update(_backoff(args.backoff))
+    kw["vllm_schedule"] = getattr(args, "compat", None) == "vllm"
     kw["drain_s"] = args.drain_timeout
     kw["grace_s"] = min(5.0, max(0.0, args.drain_timeout))  # Ctrl-C: at most 5 s, never more than the drain
     kw.update(spec_overrides)

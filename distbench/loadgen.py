@@ -52,6 +52,7 @@ class RunSpec:
     drain_s: float = 30.0  # after --duration: how long requests in flight may finish
     backoff_s: float = 0.05  # closed loop: first back-off after a fast failure (0: none)
     backoff_max_s: float = 2.0  # ... doubling up to this; a failure slower than this is not "fast"
+    vllm_schedule: bool = False  # --compat vllm: vLLM's normalized arrival times (vllm_compat.vllm_offsets)
 
     def __post_init__(self) -> None:
         if self.strategy == "closed":
@@ -187,7 +188,13 @@ async def run_load(
                 offsets = [(items[job[0] % len(items)].at or 0.0) / spec.time_scale for job in job_list]
             else:
                 assert spec.request_rate is not None  # RunSpec.__post_init__: open-loop strategies have a rate
-                offsets = schedule(spec.strategy, len(job_list), spec.request_rate, spec.burstiness, spec.seed)
+                if spec.vllm_schedule:  # --compat vllm: the first after one gap, the n-th at n / rate
+                    from distbench.vllm_compat import vllm_offsets
+
+                    raw = schedule(spec.strategy, len(job_list) + 1, spec.request_rate, spec.burstiness, spec.seed)
+                    offsets = vllm_offsets(raw, spec.request_rate)
+                else:
+                    offsets = schedule(spec.strategy, len(job_list), spec.request_rate, spec.burstiness, spec.seed)
             for job, off in zip(job_list, offsets):
                 due = t0 + off
                 if deadline is not None and due >= deadline:
