@@ -10,6 +10,7 @@ import socket
 import stat
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -355,3 +356,13 @@ def test_doctor_never_lowers_a_larger_buffer():
     assert not _at_least(host, baseline)  # the default size is below the baseline's: drift
     assert _raised(host, baseline) == "4096 262144 33554432"  # the fix raises it and keeps the 32 MiB max
     assert _at_least("4096 262144 33554432", baseline) and _raised("33554432", "16777216") == "33554432"
+
+
+def test_the_demos_pass_names_its_thresholds_and_the_seed_is_explained():
+    from chaos.journal import Journal, markdown
+    from distbench.demo import _thresholds
+
+    line = _thresholds(str(Path(__file__).resolve().parents[2] / "configs/sla/demo_smollm2.yaml"))
+    assert "TTFT P90 <= 10000 ms" in line and "availability >= 100%" in line
+    report = markdown(Journal(drill="worker_kill", title="t", incident="A worker dies (seed §4: worker death)"))
+    assert "is section N of the source article this project was built from" in report
