@@ -366,3 +366,23 @@ def test_the_demos_pass_names_its_thresholds_and_the_seed_is_explained():
     assert "TTFT P90 <= 10000 ms" in line and "availability >= 100%" in line
     report = markdown(Journal(drill="worker_kill", title="t", incident="A worker dies (seed §4: worker death)"))
     assert "is section N of the source article this project was built from" in report
+
+
+def test_the_commands_of_from_the_article_parse_as_written():
+    """docs/FROM_THE_ARTICLE.md gives a command for each of the article's; each must be a valid command line."""
+    import re
+    import shlex
+
+    from distbench.cli import build_parser as distbench_parser
+    from distbench.cli import options_from
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "FROM_THE_ARTICLE.md").read_text()
+    ours = re.findall(r"`(?:[A-Z_]+=\S+ )?(distserve (?:serve|router|worker|doctor|chaos|gate)[^`]*)`", text)
+    benches = re.findall(r"`(distbench run [^`]+)`", text)
+    assert len(ours) >= 8 and benches
+    for cmd in (c for c in ours if len(shlex.split(c)) > 2):  # "what `distserve worker` does" names, not runs
+        args, extra = build_parser().parse_known_args(shlex.split(cmd)[1:])
+        assert not extra, cmd
+    for cmd in benches:
+        opts = options_from(distbench_parser().parse_args(shlex.split(cmd)[1:]))
+        assert opts.spec.endpoint == "/generate" and opts.spec.url == "http://localhost:8080", cmd
