@@ -191,6 +191,11 @@ def test_flash_attn_v2_on_the_cpu_is_one_sentence_exit_2(tmp_path):
     errors = [line for line in r.stderr.splitlines() if "error" in line]
     assert len(errors) == 1 and "'flash_attn_v2' needs a CUDA device" in errors[0]
     assert "kv_transfer.zero_copy_threshold_mb" in r.stderr  # the alias warning came first
+    import importlib.util
+
+    if importlib.util.find_spec("flash_attn") is None:  # on a GPU box without the package: one sentence too
+        assert "flash-attn package" in preflight.backend_problem({"prefill": "flash_attn_v2"}, ["cuda:0"])
+    assert preflight.backend_problem({"prefill": "sdpa", "decode": "auto"}, ["cpu"]) is None
 
 
 def test_a_model_too_big_for_this_machines_memory_is_refused_before_the_oom_killer(monkeypatch):
