@@ -391,3 +391,26 @@ def test_the_commands_of_from_the_article_parse_as_written():
     for cmd in benches:
         opts = options_from(distbench_parser().parse_args(shlex.split(cmd)[1:]))
         assert opts.spec.endpoint == "/generate" and opts.spec.url == "http://localhost:8080", cmd
+
+
+def test_every_command_line_of_the_readme_parses_as_written():
+    """Each `distserve ...` / `distbench ...` line of the README's shell blocks is a valid command line."""
+    import re
+    import shlex
+
+    from distbench.cli import build_parser as distbench_parser
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    lines = [
+        ln.split(" #")[0].strip().rstrip("&\\ ")
+        for b in re.findall(r"```bash\n(.*?)```", readme, re.S)
+        for ln in b.splitlines()
+    ]
+    commands = [shlex.split(ln) for ln in lines if ln.startswith(("distserve ", "distbench "))]
+    assert len(commands) > 30
+    for argv in commands:
+        if argv[0] == "distbench":
+            distbench_parser().parse_args(argv[1:])  # exits 2 on anything it does not know
+        elif argv[1] != "sla":  # `distserve sla ...` goes to sla's own parser
+            _, extra = build_parser().parse_known_args(argv[1:])
+            assert not extra, argv
