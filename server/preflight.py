@@ -57,7 +57,17 @@ def model_problem(model: str | None) -> str | None:
 
 
 def backend_problem(backends: dict[str, str], devices: list[str]) -> str | None:
-    """A sentence when a section asks for a CUDA-only attention backend and a worker runs on the CPU."""
+    """A sentence when a section asks for a CUDA-only attention backend and a worker runs on the CPU, or for
+    flash_attn_v2 where the flash-attn package is not installed."""
+    import importlib.util
+
+    for section, name in backends.items():
+        if name == "flash_attn_v2" and importlib.util.find_spec("flash_attn") is None and devices:
+            if all(d.startswith("cuda") for d in devices):
+                return (
+                    f"{section}.attention_backend 'flash_attn_v2' needs the flash-attn package, which is not "
+                    "installed: pip install -e '.[gpu]' in this checkout, or use 'auto' (Triton) instead"
+                )
     if not any(not d.startswith("cuda") for d in devices):
         return None
     for section, name in backends.items():

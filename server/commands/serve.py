@@ -262,7 +262,7 @@ def add_parsers(sub) -> None:
         default="disaggregated",
         help="separate prefill and decode workers, or workers that do both (the vLLM-style baseline)",
     )
-    p.add_argument("--port", type=int, default=None, help="router port (default: config router.port; 0 = any)")
+    p.add_argument("--port", type=int, default=None, help="router port (default: config router.port, 8080; 0 = any)")
     p.add_argument("--host", default=None, help="router bind address (default 127.0.0.1)")
     p.add_argument("--device", default="cpu", help="device of every worker: cpu, cuda, cuda:N")
     p.add_argument(
