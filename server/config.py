@@ -220,6 +220,8 @@ class PrefillConfig(_Section):
     engine_thread: str = _opt("auto", "enum", choices=("auto", "on", "off"))
     # weight of each prefill worker in the budget of a GPU it shares (server/memory_budget.py)
     memory_share: float = _opt(0.3, "float", lo=0, hi=1, lo_open=True)
+    # percent of the SMs of a GPU it shares with other workers, through CUDA MPS (server/mps.py); 0 = no split
+    sm_share: int = _opt(0, "int", lo=0, hi=100)
 
 
 @dataclass(frozen=True)
@@ -236,6 +238,7 @@ class DecodeConfig(_Section):
     engine_thread: str = _opt("auto", "enum", choices=("auto", "on", "off"))  # decode and colocated workers
     # weight of each decode (or colocated) worker in the budget of a GPU it shares
     memory_share: float = _opt(0.7, "float", lo=0, hi=1, lo_open=True)
+    sm_share: int = _opt(0, "int", lo=0, hi=100)  # as prefill.sm_share, for decode and colocated workers
 
 
 @dataclass(frozen=True)
