@@ -105,6 +105,20 @@ def device_total_mib(index: int) -> int | None:
         return None
 
 
+def mps_memory_limit_mib(role: str, share: float | None, total_mib: int | None, cfg: DistServeConfig) -> int | None:
+    """``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`` of one worker: its memory share plus the CUDA context, and for a
+    decode (or colocated) worker the memory it maps from prefill workers too — MPS counts an opened CUDA
+    IPC handle against the importer's limit (measured: at the share + 1 GiB, opening the prefill worker's
+    2 GiB staging pool failed with out of memory), so the peer's staging pool and per-transfer exports
+    (slack) are allowed on top. None: no limit (the share is unknown)."""
+    if not share or not total_mib:
+        return None
+    limit = int(share * total_mib) + 1024
+    if role != "prefill":
+        limit += cfg.kv_transfer.cuda_ipc_pool_mb + 4096
+    return limit
+
+
 @dataclass(frozen=True)
 class RestartPolicy:
     enabled: bool = True
@@ -267,8 +281,7 @@ class Launcher:
             if index not in sm_totals:
                 sm_totals[index] = device_sm_count(index)
             total = device_total_mib(index)
-            # the limit MPS enforces: its memory share, plus room for the CUDA context
-            limit = int(shares[worker_id] * total) + 1024 if total and worker_id in shares else None
+            limit = mps_memory_limit_mib(role, shares.get(worker_id), total, self.config)
             env = self.mps.env(pct[role], limit, index)
             if total:
                 env["DISTSERVE_DEVICE_TOTAL_MIB"] = str(total)  # its share is of the whole device, not the limit
