@@ -230,6 +230,8 @@ class PrefillConfig(_Section):
     # dtype (auto = the compute dtype: the seed's bf16 prefill; fp8_e4m3 ships FP8 KV + scales to decode)
     dtype: str = _opt("auto", "enum", choices=_DTYPE_CHOICES)
     kv_dtype: str = _opt("auto", "enum", choices=_KV_DTYPE_CHOICES)
+    # percent of the SMs of a GPU it shares with other workers, through CUDA MPS (server/mps.py); 0 = no split
+    sm_share: int = _opt(0, "int", lo=0, hi=100)
 
 
 @dataclass(frozen=True)
@@ -250,6 +252,7 @@ class DecodeConfig(_Section):
     # decoder linears' weights: bf16 = as loaded (the compute dtype), fp8 = e4m3 with per-output-channel scales
     dtype: str = _opt("auto", "enum", choices=_DTYPE_CHOICES)
     weight_dtype: str = _opt("bf16", "enum", choices=("bf16", "fp8"))
+    sm_share: int = _opt(0, "int", lo=0, hi=100)  # as prefill.sm_share, for decode and colocated workers
 
 
 @dataclass(frozen=True)

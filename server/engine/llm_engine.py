@@ -78,6 +78,9 @@ class EngineConfig:
     gpu_memory_reserved_bytes: int = 0
     kv_receive_tokens: int = 0
     gpu_memory_headroom_bytes: int = 0
+    # the device's memory when the process sees less (an MPS client under CUDA_MPS_PINNED_DEVICE_MEM_LIMIT):
+    # gpu_memory_utilization is a share of the whole device; 0 = what CUDA reports
+    gpu_device_total_bytes: int = 0
     max_model_len: int = 0  # 0 = the model's max_position_embeddings
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
@@ -266,6 +269,7 @@ class LLMEngine:
         del self.runner, self.block_manager, self.scheduler
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
+        total = max(total, config.gpu_device_total_bytes)
         non_torch = max(0, self._free_at_start - free - torch.cuda.memory_reserved(self.device))
         block_bytes = kv_bytes_per_block(self.model_config, bs, self.kv_dtype)
         graphs = 0 if config.enforce_eager else CUDA_GRAPH_RESERVE_BYTES
