@@ -116,6 +116,12 @@ def add_load_args(r: argparse.ArgumentParser, sweep: bool = False) -> None:
         "--token", default=None, help="admin token (default $DISTSERVE_ADMIN_TOKEN): scrape the workers' /metrics too"
     )
     r.add_argument("--no-progress", action="store_true", help="no live progress line")
+    r.add_argument(
+        "--sampling",
+        default="openai-default",
+        help="greedy | openai-default (send no temperature/top_p, as the OpenAI SDK does: the server's "
+        "defaults apply) | T,top_p[,top_k] (default: openai-default; recorded in the result)",
+    )
 
 
 def options_from(args, **spec_overrides):
@@ -159,6 +165,7 @@ def options_from(args, **spec_overrides):
         "model": args.model,
         "timeout_s": args.timeout,
         "time_scale": getattr(args, "time_scale", 1.0),
+        "sampling": getattr(args, "sampling", "openai-default"),
     }
     kw.update(spec_overrides)
     try:

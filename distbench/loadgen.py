@@ -22,6 +22,8 @@ import aiohttp
 from distbench.client import body_for, send
 from distbench.datasets import Item, Vocab
 from distbench.records import RequestRecord
+from distbench.sampling import DEFAULT as DEFAULT_SAMPLING
+from distbench.sampling import sampling_fields
 from distbench.strategies import schedule
 
 
@@ -42,8 +44,10 @@ class RunSpec:
     timeout_s: float = 600.0
     time_scale: float = 1.0  # trace replay: 2.0 = twice as fast
     grace_s: float = 5.0
+    sampling: str = DEFAULT_SAMPLING  # --sampling: greedy | openai-default | T,top_p[,top_k]
 
     def __post_init__(self) -> None:
+        sampling_fields(self.sampling)  # ValueError naming --sampling
         if self.strategy == "closed":
             if not self.concurrency or self.concurrency < 1:
                 raise ValueError("--concurrency must be >= 1 for the closed loop")
@@ -85,6 +89,7 @@ async def run_load(
 ) -> tuple[list[RequestRecord], float, float]:
     """Returns (records in send order incl. warm-up, measured duration s, unix time of the start)."""
     stop = stop or asyncio.Event()
+    sampling = sampling_fields(spec.sampling)
     timeout = aiohttp.ClientTimeout(total=spec.timeout_s)
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as http:
         records: list[RequestRecord] = []
@@ -97,7 +102,9 @@ async def run_load(
             if on_sent:
                 on_sent(rec)
             async with gate:  # waiting here makes the send late: recorded, never hidden
-                await send(http, spec.url, spec.endpoint, body_for(spec.endpoint, it, spec.model, vocab), rec, t0)
+                await send(
+                    http, spec.url, spec.endpoint, body_for(spec.endpoint, it, spec.model, vocab, sampling), rec, t0
+                )
             if on_done:
                 on_done(rec)
 

@@ -164,6 +164,7 @@ async def run_async(opts: Options, stop: asyncio.Event | None = None) -> dict:
         records, duration, start, config, opts.percentiles, slo, gp, promscrape.deltas(before, after), interrupted
     )
     res["slo_target"] = opts.slo_target
+    res["sampling"] = spec.sampling  # how the tokens were chosen (--sampling), beside every figure
     res["verdict"] = verdict(res)
     return res
 
