@@ -120,54 +120,113 @@ def _draw(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int], 
     ranked = [i for i, s in enumerate(sorts) if s]
     if ranked:  # sorted order: top_k, softmax, top_p, min_p, draw
         rows = torch.tensor(ranked, dtype=torch.int64, device=dev) if len(ranked) < len(params) else None
-        xs, order = torch.sort(x if rows is None else x.index_select(0, rows), dim=-1, descending=True, stable=True)
-        top_k = torch.tensor(
-            [params[i].top_k if 0 < params[i].top_k < vocab else vocab for i in ranked], dtype=torch.int64, device=dev
-        ).unsqueeze(1)
-        xs = xs.masked_fill(torch.arange(vocab, device=dev).unsqueeze(0) >= top_k, float("-inf"))
-        probs = torch.softmax(xs, dim=-1)
-        top_p = torch.tensor([params[i].top_p for i in ranked], dtype=torch.float32, device=dev).unsqueeze(1)
-        drop = (torch.cumsum(probs, dim=-1) - probs) >= top_p  # mass before this token already reaches top_p
-        if any(params[i].min_p > 0.0 for i in ranked):
-            min_p = torch.tensor([params[i].min_p for i in ranked], dtype=torch.float32, device=dev).unsqueeze(1)
-            drop |= probs < min_p * probs[:, :1]
-        drop[:, 0] = False  # the top token always stays
-        pos = _inverse_cdf(probs.masked_fill(drop, 0.0), u if rows is None else u.index_select(0, rows))
-        tok = order.gather(1, pos.unsqueeze(1)).squeeze(1)
+        tok = _ranked_draw(
+            x if rows is None else x.index_select(0, rows),
+            [params[i] for i in ranked],
+            u if rows is None else u.index_select(0, rows),
+            CPU_CANDIDATES if dev.type == "cpu" else None,
+        )
         if rows is None:
             return tok
         out.index_copy_(0, rows, tok)
     return out
 
 
-def _apply_penalties(
-    logits: torch.Tensor,
-    params: list[SamplingParams],
-    rows: list[int],
-    histories: Sequence[tuple[Sequence[int], Sequence[int]]],
-) -> None:
+# On a CPU a full-vocabulary sort is the one costly op of a step (32 x 49152 floats: ~0.2-0.5 s on a
+# busy 2-vCPU VM); the most likely CPU_CANDIDATES (torch.topk) hold the top-p nucleus of almost every
+# real row, and a row whose candidates do not reach its top_p is sorted in full. A GPU sorts in full.
+CPU_CANDIDATES = 256
+
+
+def _ranked_draw(
+    x: torch.Tensor, params: list[SamplingParams], u: torch.Tensor, candidates: int | None
+) -> torch.Tensor:
+    """Rows with top_k or top_p, in order of likelihood. A row's probabilities are those of its own
+    top_k tokens (renormalised, vLLM), else of the whole vocabulary (the log-normaliser over all of
+    ``x`` whichever way the row is ranked, so the candidates path and the full sort draw alike)."""
+    dev, vocab = x.device, x.shape[-1]
+    ks = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
+    need = max(ks) if all(ks) else max(max(ks), candidates or vocab)
+    n = min(vocab, need)
+    if n < vocab:
+        vals, order = torch.topk(x, n, dim=-1)  # sorted, most likely first
+    else:
+        vals, order = torch.sort(x, dim=-1, descending=True, stable=True)
+    has_k = torch.tensor([k > 0 for k in ks], device=dev)
+    kt = torch.tensor([k or n for k in ks], dtype=torch.int64, device=dev).unsqueeze(1)
+    vals = vals.masked_fill(torch.arange(n, device=dev).unsqueeze(0) >= kt, float("-inf"))
+    lse = torch.where(has_k, torch.logsumexp(vals, dim=-1), torch.logsumexp(x, dim=-1)).unsqueeze(1)
+    probs = torch.exp(vals - lse)
+    cum = torch.cumsum(probs, dim=-1)
+    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev).unsqueeze(1)
+    drop = (cum - probs) >= top_p  # the mass before this token already reaches top_p
+    if any(p.min_p > 0.0 for p in params):
+        min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=dev).unsqueeze(1)
+        drop |= probs < min_p * probs[:, :1]
+    drop[:, 0] = False  # the top token always stays
+    pos = _inverse_cdf(probs.masked_fill(drop, 0.0), u)
+    tok = order.gather(1, pos.unsqueeze(1)).squeeze(1)
+    if n < vocab:  # rows whose nucleus reaches past the candidates: ranked in full
+        short = (~has_k & (cum[:, -1] < top_p.squeeze(1))).nonzero().squeeze(1).tolist()  # CPU: no device sync
+        if short:
+            rows = torch.tensor(short, dtype=torch.int64, device=dev)
+            full = _ranked_draw(x.index_select(0, rows), [params[i] for i in short], u.index_select(0, rows), None)
+            tok.index_copy_(0, rows, full)
+    return tok
+
+
+class PenaltyState:
+    """A sequence's token counts for the penalties, kept on the device between steps (``Sequence.
+    sampler_state``): ``counts`` of each output token, ``seen`` = in the prompt or the output, after the
+    first ``n`` outputs. Built from the ids the first time, so a request resumed elsewhere (hand-off,
+    migration) with its outputs gets the same counts; then only each step's new tokens are added."""
+
+    __slots__ = ("counts", "seen", "n")
+
+    def __init__(self, counts: torch.Tensor, seen: torch.Tensor, n: int) -> None:
+        self.counts, self.seen, self.n = counts, seen, n
+
+
+def _flat(rows: list[int], lists: list[Sequence[int]], dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row index, token id) of every id in ``lists`` (list j belongs to ``rows[j]``), two int64 tensors."""
+    ids = torch.tensor(list(chain.from_iterable(lists)), dtype=torch.int64, device=dev)
+    lens = torch.tensor([len(x) for x in lists], dtype=torch.int64, device=dev)
+    return torch.repeat_interleave(torch.tensor(rows, dtype=torch.int64, device=dev), lens), ids
+
+
+def _apply_penalties(logits: torch.Tensor, params: list[SamplingParams], rows: list[int], histories) -> None:
     """In place, on ``rows`` of ``logits``: repetition penalty over prompt + output tokens, then
-    frequency and presence penalties over output tokens (the counts rebuilt from the token ids, so a
-    request resumed elsewhere with its outputs gets the same logits)."""
+    frequency and presence penalties over output tokens. ``histories[i]``: a ``(prompt ids, output
+    ids)`` pair, or an object with ``prompt_token_ids``, ``output_token_ids`` and ``sampler_state``
+    (a ``Sequence``: its counts are kept there and only the new tokens are added each step)."""
     dev, vocab, n = logits.device, logits.shape[-1], len(rows)
+    hs = [histories[i] for i in rows]
+    pairs = [(h[0], h[1]) if isinstance(h, tuple) else (h.prompt_token_ids, h.output_token_ids) for h in hs]
+    states = [None if isinstance(h, tuple) else h.sampler_state for h in hs]
+    if all(st is None for st in states):  # one allocation instead of a stack of empty rows
+        counts = torch.zeros(n, vocab, dtype=torch.float32, device=dev)
+        seen = torch.zeros(n, vocab, dtype=torch.bool, device=dev)
+    else:
+        zc = torch.zeros(vocab, dtype=torch.float32, device=dev)
+        zs = torch.zeros(vocab, dtype=torch.bool, device=dev)
+        counts = torch.stack([zc if st is None else st.counts for st in states])
+        seen = torch.stack([zs if st is None else st.seen for st in states])
+    fresh = [j for j, st in enumerate(states) if st is None]
+    if fresh:  # the prompt is seen once, when a sequence's state is built
+        pr, pi = _flat(fresh, [pairs[j][0] for j in fresh], dev)
+        seen[pr, pi] = True
+    new = [pairs[j][1][0 if st is None else st.n :] for j, st in enumerate(states)]
+    if any(new):
+        orow, oid = _flat(list(range(n)), new, dev)
+        counts.index_put_((orow, oid), torch.ones_like(oid, dtype=torch.float32), accumulate=True)
+        seen[orow, oid] = True
+    for j, h in enumerate(hs):
+        if not isinstance(h, tuple):
+            h.sampler_state = PenaltyState(counts[j], seen[j], len(pairs[j][1]))
     row_t = torch.tensor(rows, dtype=torch.int64, device=dev)
     sub = logits.index_select(0, row_t)
-    outs = [histories[i][1] for i in rows]
-    out_ids = torch.tensor(list(chain.from_iterable(outs)), dtype=torch.int64, device=dev)
-    out_rows = torch.repeat_interleave(
-        torch.arange(n, device=dev), torch.tensor([len(o) for o in outs], dtype=torch.int64, device=dev)
-    )
-    counts = torch.zeros(n, vocab, dtype=torch.float32, device=dev)
-    counts.index_put_((out_rows, out_ids), torch.ones_like(out_ids, dtype=torch.float32), accumulate=True)
     rep = [params[i].repetition_penalty for i in rows]
     if any(r != 1.0 for r in rep):
-        prompts = [histories[i][0] for i in rows]
-        p_ids = torch.tensor(list(chain.from_iterable(prompts)), dtype=torch.int64, device=dev)
-        p_rows = torch.repeat_interleave(
-            torch.arange(n, device=dev), torch.tensor([len(p) for p in prompts], dtype=torch.int64, device=dev)
-        )
-        seen = counts > 0
-        seen[p_rows, p_ids] = True
         r = torch.tensor(rep, dtype=torch.float32, device=dev).unsqueeze(1)
         sub = torch.where(seen, torch.where(sub > 0, sub / r, sub * r), sub)
     freq = torch.tensor([params[i].frequency_penalty for i in rows], dtype=torch.float32, device=dev).unsqueeze(1)
@@ -225,11 +284,12 @@ class Sampler:
         params: list[SamplingParams],
         seeds: list[int],
         indices: list[int],
-        histories: Sequence[tuple[Sequence[int], Sequence[int]]] | None = None,
+        histories: Sequence | None = None,
         allowed: torch.Tensor | None = None,
     ) -> SamplerOutput:
-        """``logits``: [rows, vocab] float32; ``histories``: per row (prompt ids, output ids), read for
-        rows with penalties; ``allowed``: optional [rows, vocab] bool mask (True = may be sampled)."""
+        """``logits``: [rows, vocab] float32; ``histories``: per row a (prompt ids, output ids) pair or a
+        ``Sequence`` (which then keeps its penalty counts between steps), read for rows with penalties;
+        ``allowed``: optional [rows, vocab] bool mask (True = may be sampled)."""
         # A row sum is non-finite iff the row holds a NaN or an Inf: one reduction, no extra sync
         # (it travels with the tokens in the same .tolist()).
         finite = torch.isfinite(logits.sum(dim=-1))

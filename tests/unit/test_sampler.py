@@ -205,3 +205,17 @@ def test_penalised_sampling_resumes_identically_from_the_token_ids():
         [prompt], SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, seed=99, ignore_eos=True)
     )[0]
     assert plain != full  # the penalties did change the tokens
+
+
+def test_cpu_candidates_draw_as_the_full_sort_does():
+    """On a CPU top-p ranks only the most likely CPU_CANDIDATES tokens, and a row whose nucleus reaches past
+    them in full: the tokens equal the full sort's, peaked rows and flat ones (the fallback) alike."""
+    from server.engine.sampler import CPU_CANDIDATES, _ranked_draw
+
+    g = torch.Generator().manual_seed(11)
+    vocab = 4 * CPU_CANDIDATES
+    x = torch.randn(12, vocab, generator=g) * torch.tensor([8.0] * 6 + [0.3] * 6).unsqueeze(1)  # peaked, flat
+    x = x - x.amax(dim=-1, keepdim=True)
+    ps = [SamplingParams(top_p=tp, top_k=k, min_p=m) for tp, k, m in [(0.9, 0, 0), (0.5, 0, 0.01), (0.95, 40, 0)] * 4]
+    u = uniforms(torch.arange(12), torch.full((12,), 5))
+    assert _ranked_draw(x, ps, u, CPU_CANDIDATES).tolist() == _ranked_draw(x, ps, u, None).tolist()
