@@ -94,85 +94,113 @@ def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 
 def _draw(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int], indices: list[int]) -> torch.Tensor:
-    """Sample rows of processed ``logits`` (none greedy); returns token ids ``[rows]`` (int64)."""
+    """Sample rows of processed ``logits`` (none greedy); returns token ids ``[rows]`` (int64).
+
+    Each row goes one of three ways, chosen by its own parameters and the device only: neither top_k
+    nor top_p → vocabulary order; top_p without top_k on a CPU → vocabulary order inside the nucleus
+    (``_nucleus_cpu``: a CPU full-vocabulary sort costs more than the model's step); else → in order of
+    likelihood (``_ranked_draw``: a full sort, or ``torch.topk`` when every row has a top_k)."""
     dev, vocab = logits.device, logits.shape[-1]
-    temp = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev).unsqueeze(1)
     u = uniforms(
         torch.tensor(seeds, dtype=torch.int64, device=dev), torch.tensor(indices, dtype=torch.int64, device=dev)
     )
-    # Shift so the largest logit is 0 before dividing: with a tiny temperature, logits / t alone
-    # overflows float32 to inf and softmax turns inf - inf into NaN.
-    x = (logits - logits.amax(dim=-1, keepdim=True)) / temp
-    sorts = [0 < p.top_k < vocab or p.top_p < 1.0 for p in params]
+    # No shift by the row's max first: every op below is shift-invariant or shifts itself (softmax), and
+    # a temperature is >= SAMPLING_EPS here (below it a row is greedy), so logits / T stays finite.
+    x = logits
+    if any(p.temperature != 1.0 for p in params):
+        inv = torch.tensor([1.0 / p.temperature for p in params], dtype=torch.float32, device=dev).unsqueeze(1)
+        x = logits * inv
+    cpu = dev.type == "cpu"
+
+    def way(p: SamplingParams) -> int:
+        has_k = 0 < p.top_k < vocab
+        if not has_k and p.top_p >= 1.0:
+            return 0
+        return 1 if cpu and not has_k else 2
+
+    ways = [way(p) for p in params]
     out = torch.empty(len(params), dtype=torch.int64, device=dev)
-    plain = [i for i, s in enumerate(sorts) if not s]
-    if plain:  # vocabulary order: softmax, min_p, draw
-        rows = torch.tensor(plain, dtype=torch.int64, device=dev) if len(plain) < len(params) else None
-        xp = x if rows is None else x.index_select(0, rows)
-        probs = torch.softmax(xp, dim=-1)
-        if any(params[i].min_p > 0.0 for i in plain):
-            min_p = torch.tensor([params[i].min_p for i in plain], dtype=torch.float32, device=dev).unsqueeze(1)
-            probs = probs.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0)
-        tok = _inverse_cdf(probs, u if rows is None else u.index_select(0, rows))
-        if rows is None:
-            return tok
-        out.index_copy_(0, rows, tok)
-    ranked = [i for i, s in enumerate(sorts) if s]
-    if ranked:  # sorted order: top_k, softmax, top_p, min_p, draw
-        rows = torch.tensor(ranked, dtype=torch.int64, device=dev) if len(ranked) < len(params) else None
-        tok = _ranked_draw(
-            x if rows is None else x.index_select(0, rows),
-            [params[i] for i in ranked],
-            u if rows is None else u.index_select(0, rows),
-            CPU_CANDIDATES if dev.type == "cpu" else None,
+    for w in (0, 1, 2):
+        idx = [i for i, v in enumerate(ways) if v == w]
+        if not idx:
+            continue
+        rows = torch.tensor(idx, dtype=torch.int64, device=dev) if len(idx) < len(params) else None
+        xs, us, ps = (
+            (x, u, params)
+            if rows is None
+            else (x.index_select(0, rows), u.index_select(0, rows), [params[i] for i in idx])
         )
+        tok = _ranked_draw(xs, ps, us) if w == 2 else _vocab_draw(xs, ps, us, nucleus=w == 1)
         if rows is None:
             return tok
         out.index_copy_(0, rows, tok)
     return out
 
 
-# On a CPU a full-vocabulary sort is the one costly op of a step (32 x 49152 floats: ~0.2-0.5 s on a
-# busy 2-vCPU VM); the most likely CPU_CANDIDATES (torch.topk) hold the top-p nucleus of almost every
-# real row, and a row whose candidates do not reach its top_p is sorted in full. A GPU sorts in full.
-CPU_CANDIDATES = 256
+def _vocab_draw(x: torch.Tensor, params: list[SamplingParams], u: torch.Tensor, nucleus: bool) -> torch.Tensor:
+    """softmax, the top_p nucleus (when asked), min_p, then the draw, all in vocabulary order."""
+    dev = x.device
+    probs = torch.softmax(x, dim=-1)
+    if nucleus:
+        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev)
+        probs = probs.masked_fill(~_nucleus_cpu(probs, top_p), 0.0)
+    if any(p.min_p > 0.0 for p in params):
+        min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=dev).unsqueeze(1)
+        probs = probs.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0)
+    return _inverse_cdf(probs, u)
 
 
-def _ranked_draw(
-    x: torch.Tensor, params: list[SamplingParams], u: torch.Tensor, candidates: int | None
-) -> torch.Tensor:
-    """Rows with top_k or top_p, in order of likelihood. A row's probabilities are those of its own
-    top_k tokens (renormalised, vLLM), else of the whole vocabulary (the log-normaliser over all of
-    ``x`` whichever way the row is ranked, so the candidates path and the full sort draw alike)."""
+def _nucleus_cpu(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """The top_p nucleus of each row without sorting the vocabulary (bool ``[rows, vocab]``): the same set
+    as the sorted rule (keep a token while the mass of the tokens before it is below top_p, ties in
+    vocabulary order). A float32 probability's bits order like the value, so a 1024-bin histogram of the
+    top 10 bits finds the bin where the mass crosses top_p; only that bin's few tokens are sorted."""
+    rows, vocab = probs.shape
+    bits = probs.view(torch.int32)  # probabilities are >= 0 and < 2: bit 30 is clear, bits >> 20 < 1024
+    bins = (bits >> 20).clamp_(0, 1023)  # (a NaN row's bits are not: it fails anyway, but must not index out)
+    offsets = torch.arange(rows, dtype=torch.int32).unsqueeze(1) * 1024
+    hist = torch.zeros(rows * 1024, dtype=torch.float32).index_add_(0, (bins + offsets).view(-1), probs.view(-1))
+    above = hist.view(rows, 1024).flip(1).cumsum(1).flip(1)  # above[r, j] = mass of row r's bins >= j
+    # the boundary bin: the highest whose mass, with every bin above it, reaches top_p
+    edge = ((above >= top_p.unsqueeze(1)).sum(1) - 1).clamp(min=0)
+    before = torch.where(edge < 1023, above.gather(1, (edge + 1).clamp(max=1023).unsqueeze(1)).squeeze(1), 0.0)
+    keep = bins > edge.to(torch.int32).unsqueeze(1)
+    r, c = (bins == edge.to(torch.int32).unsqueeze(1)).nonzero(as_tuple=True)
+    v = probs[r, c]
+    # within the boundary bin: by row, then value descending, then vocabulary order (stable sorts)
+    o = torch.sort(v, descending=True, stable=True).indices
+    o = o[torch.sort(r[o], stable=True).indices]
+    r, c, v = r[o], c[o], v[o]
+    cum = torch.cumsum(v, 0)
+    starts = torch.searchsorted(r, torch.arange(rows))  # each row's first entry (r is sorted)
+    base = torch.where(starts > 0, cum[(starts - 1).clamp(min=0)], 0.0)
+    excl = cum - v - base[r]  # mass of the same-bin tokens before this one, within its row
+    keep[r, c] = (before[r] + excl) < top_p[r]
+    keep[:, 0] |= ~keep.any(dim=1)  # never empty (a row whose mass is all NaN fails anyway)
+    return keep
+
+
+def _ranked_draw(x: torch.Tensor, params: list[SamplingParams], u: torch.Tensor) -> torch.Tensor:
+    """Rows with top_k or top_p, in order of likelihood: top_k (renormalised, vLLM), softmax, top_p,
+    min_p, draw. ``torch.topk`` when every row has a top_k, else a full stable sort."""
     dev, vocab = x.device, x.shape[-1]
     ks = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
-    need = max(ks) if all(ks) else max(max(ks), candidates or vocab)
-    n = min(vocab, need)
+    n = max(ks) if all(ks) else vocab
     if n < vocab:
         vals, order = torch.topk(x, n, dim=-1)  # sorted, most likely first
     else:
         vals, order = torch.sort(x, dim=-1, descending=True, stable=True)
-    has_k = torch.tensor([k > 0 for k in ks], device=dev)
     kt = torch.tensor([k or n for k in ks], dtype=torch.int64, device=dev).unsqueeze(1)
     vals = vals.masked_fill(torch.arange(n, device=dev).unsqueeze(0) >= kt, float("-inf"))
-    lse = torch.where(has_k, torch.logsumexp(vals, dim=-1), torch.logsumexp(x, dim=-1)).unsqueeze(1)
-    probs = torch.exp(vals - lse)
-    cum = torch.cumsum(probs, dim=-1)
+    probs = torch.softmax(vals, dim=-1)
     top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev).unsqueeze(1)
-    drop = (cum - probs) >= top_p  # the mass before this token already reaches top_p
+    drop = (torch.cumsum(probs, dim=-1) - probs) >= top_p  # the mass before this token already reaches top_p
     if any(p.min_p > 0.0 for p in params):
         min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=dev).unsqueeze(1)
         drop |= probs < min_p * probs[:, :1]
     drop[:, 0] = False  # the top token always stays
     pos = _inverse_cdf(probs.masked_fill(drop, 0.0), u)
-    tok = order.gather(1, pos.unsqueeze(1)).squeeze(1)
-    if n < vocab:  # rows whose nucleus reaches past the candidates: ranked in full
-        short = (~has_k & (cum[:, -1] < top_p.squeeze(1))).nonzero().squeeze(1).tolist()  # CPU: no device sync
-        if short:
-            rows = torch.tensor(short, dtype=torch.int64, device=dev)
-            full = _ranked_draw(x.index_select(0, rows), [params[i] for i in short], u.index_select(0, rows), None)
-            tok.index_copy_(0, rows, full)
-    return tok
+    return order.gather(1, pos.unsqueeze(1)).squeeze(1)
 
 
 class PenaltyState:
@@ -223,16 +251,24 @@ def _apply_penalties(logits: torch.Tensor, params: list[SamplingParams], rows: l
     for j, h in enumerate(hs):
         if not isinstance(h, tuple):
             h.sampler_state = PenaltyState(counts[j], seen[j], len(pairs[j][1]))
-    row_t = torch.tensor(rows, dtype=torch.int64, device=dev)
-    sub = logits.index_select(0, row_t)
-    rep = [params[i].repetition_penalty for i in rows]
-    if any(r != 1.0 for r in rep):
-        r = torch.tensor(rep, dtype=torch.float32, device=dev).unsqueeze(1)
-        sub = torch.where(seen, torch.where(sub > 0, sub / r, sub * r), sub)
-    freq = torch.tensor([params[i].frequency_penalty for i in rows], dtype=torch.float32, device=dev).unsqueeze(1)
-    pres = torch.tensor([params[i].presence_penalty for i in rows], dtype=torch.float32, device=dev).unsqueeze(1)
-    sub = sub - counts * freq - (counts > 0).to(torch.float32) * pres
-    logits.index_copy_(0, row_t, sub)
+    every = n == logits.shape[0]
+    row_t = None if every else torch.tensor(rows, dtype=torch.int64, device=dev)
+    sub = logits if row_t is None else logits.index_select(0, row_t)
+
+    def column(name: str) -> torch.Tensor:
+        return torch.tensor([getattr(params[i], name) for i in rows], dtype=torch.float32, device=dev).unsqueeze(1)
+
+    if any(params[i].repetition_penalty != 1.0 for i in rows):
+        r = column("repetition_penalty")
+        sub = torch.where(seen, sub * torch.where(sub > 0, 1.0 / r, r), sub)
+    if any(params[i].frequency_penalty != 0.0 for i in rows):
+        sub = sub - counts * column("frequency_penalty")
+    if any(params[i].presence_penalty != 0.0 for i in rows):
+        sub = sub - (counts > 0) * column("presence_penalty")
+    if row_t is None:
+        logits.copy_(sub)
+    else:
+        logits.index_copy_(0, row_t, sub)
 
 
 def _apply_logit_bias(logits: torch.Tensor, params: list[SamplingParams], rows: list[int]) -> None:

@@ -207,15 +207,28 @@ def test_penalised_sampling_resumes_identically_from_the_token_ids():
     assert plain != full  # the penalties did change the tokens
 
 
-def test_cpu_candidates_draw_as_the_full_sort_does():
-    """On a CPU top-p ranks only the most likely CPU_CANDIDATES tokens, and a row whose nucleus reaches past
-    them in full: the tokens equal the full sort's, peaked rows and flat ones (the fallback) alike."""
-    from server.engine.sampler import CPU_CANDIDATES, _ranked_draw
+def test_cpu_nucleus_is_the_sorted_rule():
+    """On a CPU top_p ranks no vocabulary: the histogram nucleus keeps exactly the tokens the sorted
+    rule keeps (peaked rows and flat ones, a few ties), and its draws follow the reference."""
+    from server.engine.sampler import _nucleus_cpu
 
     g = torch.Generator().manual_seed(11)
-    vocab = 4 * CPU_CANDIDATES
-    x = torch.randn(12, vocab, generator=g) * torch.tensor([8.0] * 6 + [0.3] * 6).unsqueeze(1)  # peaked, flat
-    x = x - x.amax(dim=-1, keepdim=True)
-    ps = [SamplingParams(top_p=tp, top_k=k, min_p=m) for tp, k, m in [(0.9, 0, 0), (0.5, 0, 0.01), (0.95, 40, 0)] * 4]
-    u = uniforms(torch.arange(12), torch.full((12,), 5))
-    assert _ranked_draw(x, ps, u, CPU_CANDIDATES).tolist() == _ranked_draw(x, ps, u, None).tolist()
+    x = torch.randn(12, 3000, generator=g) * torch.tensor([9.0, 3.0, 0.3] * 4).unsqueeze(1)
+    x[3, 10:20] = x[3, 5]  # ties
+    probs = torch.softmax(x, dim=-1)
+    top_p = torch.tensor([0.9, 0.5, 0.95, 0.3] * 3)
+    sp, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+    want = torch.zeros_like(probs, dtype=torch.bool).scatter_(1, order, (torch.cumsum(sp, -1) - sp) < top_p[:, None])
+    got = _nucleus_cpu(probs, top_p)
+    assert (got == want).all(), (got.sum(1), want.sum(1))
+
+
+def test_the_gpu_way_of_top_p_follows_the_reference_too():
+    """A GPU ranks top_p rows by a full sort (``_ranked_draw``); on the same row it draws as the reference."""
+    from server.engine.sampler import _ranked_draw
+
+    logits = _row()
+    p = SamplingParams(temperature=1.0, top_p=0.7, min_p=0.05)
+    u = uniforms(torch.arange(1000, 1000 + DRAWS), torch.full((DRAWS,), 3))
+    tok = _ranked_draw(logits.expand(DRAWS, VOCAB) - logits.max(), [p] * DRAWS, u)
+    _check_chi2(torch.bincount(tok, minlength=VOCAB).double(), _reference(logits, p))
