@@ -95,7 +95,7 @@ def measure_batch(eng: LLMEngine, b: int, args, rng: random.Random) -> dict:
     # the sampler alone on one step's logits (the same rows, each variant)
     logits = torch.randn(b, vocab, device=dev, dtype=torch.float32) * 3
     seeds, idx = list(range(b)), [s.num_output_tokens for s in seqs]
-    hist = [(s.prompt_token_ids, s.output_token_ids) for s in seqs]
+    hist = seqs  # their penalty counts cached on the device, as in the engine
     alone: dict[str, float] = {}
     for name, p in params.items():
         ts = []
@@ -138,7 +138,9 @@ def main() -> None:
     t0 = time.perf_counter()
     eng = build(args)
     res = {
-        "device": torch.cuda.get_device_name(0) if args.device == "cuda" else platform.processor() or platform.machine(),
+        "device": torch.cuda.get_device_name(0)
+        if args.device == "cuda"
+        else platform.processor() or platform.machine(),
         "model": args.model or "tiny",
         "torch_threads": torch.get_num_threads(),
         "vocab": eng.model_config.vocab_size,
