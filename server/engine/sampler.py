@@ -166,16 +166,22 @@ def _nucleus_cpu(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     before = torch.where(edge < 1023, above.gather(1, (edge + 1).clamp(max=1023).unsqueeze(1)).squeeze(1), 0.0)
     keep = bins > edge.to(torch.int32).unsqueeze(1)
     r, c = (bins == edge.to(torch.int32).unsqueeze(1)).nonzero(as_tuple=True)
-    v = probs[r, c]
+    v = probs[r, c]  # the boundary bin's tokens: few
     # within the boundary bin: by row, then value descending, then vocabulary order (stable sorts)
     o = torch.sort(v, descending=True, stable=True).indices
     o = o[torch.sort(r[o], stable=True).indices]
     r, c, v = r[o], c[o], v[o]
-    cum = torch.cumsum(v, 0)
+    # One cumulative sum over every row's entries, kept exact so that no row's answer depends on the rows
+    # before it: a bin's values share one float32 exponent, so each is its integer significand times the
+    # bin's power of two, and integer sums are exact.
+    vb = bits[r, c].to(torch.int64)
+    expo = vb >> 23
+    mant = torch.where(expo > 0, (vb & 0x7FFFFF) | 0x800000, vb & 0x7FFFFF)
+    cum = torch.cumsum(mant, 0)
     starts = torch.searchsorted(r, torch.arange(rows))  # each row's first entry (r is sorted)
-    base = torch.where(starts > 0, cum[(starts - 1).clamp(min=0)], 0.0)
-    excl = cum - v - base[r]  # mass of the same-bin tokens before this one, within its row
-    keep[r, c] = (before[r] + excl) < top_p[r]
+    base = torch.where(starts > 0, cum[(starts - 1).clamp(min=0)], 0)
+    excl = (cum - mant - base[r]).to(torch.float64) * torch.pow(2.0, (expo.clamp(min=1) - 150).to(torch.float64))
+    keep[r, c] = (before[r].to(torch.float64) + excl) < top_p[r].to(torch.float64)
     keep[:, 0] |= ~keep.any(dim=1)  # never empty (a row whose mass is all NaN fails anyway)
     return keep
 

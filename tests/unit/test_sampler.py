@@ -232,3 +232,15 @@ def test_the_gpu_way_of_top_p_follows_the_reference_too():
     u = uniforms(torch.arange(1000, 1000 + DRAWS), torch.full((DRAWS,), 3))
     tok = _ranked_draw(logits.expand(DRAWS, VOCAB) - logits.max(), [p] * DRAWS, u)
     _check_chi2(torch.bincount(tok, minlength=VOCAB).double(), _reference(logits, p))
+
+
+def test_cpu_nucleus_of_a_row_does_not_depend_on_its_batch():
+    from server.engine.sampler import _nucleus_cpu
+
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(9, 5000, generator=g) * torch.tensor([0.2, 1.0, 4.0] * 3).unsqueeze(1)
+    probs = torch.softmax(x, dim=-1)
+    top_p = torch.tensor([0.9, 0.95, 0.5] * 3)
+    whole = _nucleus_cpu(probs, top_p)
+    for i in range(9):
+        assert torch.equal(_nucleus_cpu(probs[i : i + 1], top_p[i : i + 1])[0], whole[i])
