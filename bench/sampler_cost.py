@@ -50,7 +50,7 @@ def sync(dev: torch.device) -> None:
 
 
 def build(args) -> LLMEngine:
-    cfg = dict(max_num_seqs=max(args.batches), max_num_batched_tokens=8192, max_model_len=args.context + 4096)
+    cfg = dict(max_num_seqs=max(args.batches), max_num_batched_tokens=8192, max_model_len=args.context + 1024)
     if args.device == "cuda":
         eng = LLMEngine(
             EngineConfig(
