@@ -149,6 +149,12 @@ def add_load_args(r: argparse.ArgumentParser, sweep: bool = False) -> None:
         help="closed loop: after a request failed within MAX s its user waits a jittered back-off "
         "doubling from BASE up to MAX seconds before the next one (0 = none)",
     )
+    r.add_argument(
+        "--sampling",
+        default="openai-default",
+        help="greedy | openai-default (send no temperature/top_p, as the OpenAI SDK does: the server's "
+        "defaults apply) | T,top_p[,top_k] (default: openai-default; recorded in the result)",
+    )
 
 
 def options_from(args, **spec_overrides):
@@ -192,6 +198,7 @@ def options_from(args, **spec_overrides):
         "model": args.model,
         "timeout_s": args.timeout,
         "time_scale": getattr(args, "time_scale", 1.0),
+        "sampling": getattr(args, "sampling", "openai-default"),
     }
     kw.update(_backoff(args.backoff))
     kw["vllm_schedule"] = getattr(args, "compat", None) == "vllm"

@@ -461,9 +461,7 @@ class LLMEngine:
                     [s.num_output_tokens for s in sampling],
                     # the penalties' counts are rebuilt from the ids each step: a request resumed elsewhere
                     # (hand-off, migration, recompute) with its outputs sees the same logits
-                    [(s.prompt_token_ids, s.output_token_ids) for s in sampling]
-                    if any(p.has_penalties for p in params)
-                    else None,
+                    sampling if any(p.has_penalties for p in params) else None,
                     self.logits_mask_fn(sampling) if self.logits_mask_fn is not None else None,
                 )
                 tokens, logprobs = sampled.tokens, sampled.logprobs

@@ -27,6 +27,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from server.engine.sampling_params import SamplingParams
 
@@ -76,6 +77,8 @@ class Sequence:
     # (valid for ever: tokens are only appended), and how many blocks were offered to the cache
     block_digests: list[bytes] = field(default_factory=list)
     num_registered_blocks: int = 0
+    # the sampler's penalty counts on the device (sampler.PenaltyState), rebuilt from the ids when None
+    sampler_state: Any = None
 
     @property
     def num_tokens(self) -> int:
