@@ -162,7 +162,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
         default="disaggregated",
         help="router + 1 prefill + 1 decode worker, or 1 colocated worker",
     )
-    p.add_argument("--requests", type=int, default=32, help="streaming completions to send")
+    p.add_argument(
+        "--requests", type=int, default=100, help="streaming completions to send (100: enough to judge a P90)"
+    )
     p.add_argument("--concurrency", type=int, default=8, help="closed-loop users")
     p.add_argument("--max-tokens", type=int, default=32, help="output tokens per request")
     p.add_argument("--model", default=None, help="Hugging Face model folder (default: the built-in tiny model)")
