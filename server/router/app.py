@@ -38,7 +38,7 @@ from server.router.limits import BodyLimit
 from server.router.pipeline import EngineRequest, NoWorkersError, Pipeline, PipelineOptions, TokenEvent
 from server.router.protocol import InvalidRequest
 from server.router.registry import STATES, RegistrationRefused, WorkerRegistry
-from server.router.request_journal import JournalEveryRequest
+from server.router.request_journal import JournalEveryRequest, client_fault
 from server.router.sampling_defaults import default_sampling
 from server.router.sla_live import Finished, SlaLive
 from server.router.text import TextAssembler
@@ -197,7 +197,8 @@ def create_router_app(state: RouterState) -> FastAPI:
     app.add_middleware(BodyLimit, max_bytes=rc.max_request_body_bytes, body_timeout_s=rc.body_timeout_s)
     app.state.router = state
     app.add_middleware(PoolHeaderMiddleware)
-    app.add_middleware(JournalEveryRequest, live=lambda: state.sla)  # outermost: sees 408/413 answers too
+    # outermost: sees 408/413 answers too; bounds the whole request (a client reading slowly)
+    app.add_middleware(JournalEveryRequest, live=lambda: state.sla, request_timeout_s=rc.request_timeout_s)
 
     def authorized(request: Request) -> bool:
         got = request.headers.get("authorization", "")
@@ -676,7 +677,9 @@ class _Run:
                 itl=tuple(self.itl) if ok else (),
                 prompt_tokens=len(self.req.prompt_token_ids),
                 output_tokens=n,
-                error=None if ok else (self.error or ("client disconnected" if status == "aborted" else status)),
+                error=None
+                if ok
+                else (self.error or ((client_fault() or "client disconnected") if status == "aborted" else status)),
                 http_status=_OUTCOME_STATUS.get(status, 500),
             )
         )

@@ -44,7 +44,10 @@ def deployment():
     try:
         srv = ServeProcess(
             top / "serve",
-            config={"router": {"journal_path": str(journal_fs / "requests.jsonl")}},
+            config={
+                "router": {"journal_path": str(journal_fs / "requests.jsonl"), "stream_write_timeout_s": 1.0},
+                "cache": {"num_gpu_blocks": 512},
+            },
         )
         (top / "serve").chmod(0o755)
         yield srv, journal_fs
@@ -231,6 +234,40 @@ def test_a_worker_answers_an_unauthenticated_400_mb_post_401_before_reading_it(d
     assert sent < 64 << 20
     status, body, _ = http("POST", f"{srv.url}/v1/completions", {"prompt": "hi", "max_tokens": 2}, token=None)
     assert status == 200, body
+
+
+def test_a_client_that_never_reads_its_stream_is_disconnected_and_journaled_as_a_client_timeout(deployment):
+    srv, fs = deployment
+    u = urllib.parse.urlsplit(srv.url)
+    body = json.dumps({"prompt": "hi", "max_tokens": 1900, "ignore_eos": True, "stream": True}).encode()
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a small window, then never read
+    s.connect((u.hostname, u.port))
+    s.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
+    deadline = time.monotonic() + 120
+    journal = fs / "requests.jsonl"
+    try:
+        while True:  # the router cuts it off after stream_write_timeout_s (1 s) of no progress
+            lines = [json.loads(x) for x in journal.read_text().splitlines()]
+            cut = [x for x in lines if x["kind"] == "request" and "client timeout" in (x.get("error") or "")]
+            if cut:
+                break
+            assert time.monotonic() < deadline, lines[-3:]
+            time.sleep(0.5)
+        assert cut[-1]["status"] == 499 and cut[-1]["ttft"] is None, cut[-1]
+        s.settimeout(10)
+        try:  # the connection is gone: reading drains what was buffered, then EOF or reset
+            while s.recv(1 << 16):
+                pass
+        except ConnectionResetError:
+            pass
+    finally:
+        s.close()
+    assert srv.wait_kv_free()["used"] == {w["worker_id"]: 0 for w in srv.workers() if w["healthy"]}
 
 
 def _fill(fs: Path) -> Path:
