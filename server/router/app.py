@@ -182,7 +182,16 @@ def create_router_app(state: RouterState) -> FastAPI:
                     progress_timeout_s=rc.stream_progress_timeout_s,
                 ),
             )
-            state.backup = BackupPool(BackupOptions(rc.backup_pool, rc.backup_model, rc.backup_api_key), http)
+            state.backup = BackupPool(
+                BackupOptions(
+                    rc.backup_pool,
+                    rc.backup_model,
+                    rc.backup_api_key,
+                    first_byte_timeout_s=rc.stream_progress_timeout_s,
+                    progress_timeout_s=rc.stream_progress_timeout_s,
+                ),
+                http,
+            )
             state.sla = SlaLive(rc, state.metrics.registry, backup_configured=state.backup.configured)
             ticker = asyncio.ensure_future(state.sla.run())
             sweeper = asyncio.create_task(sweep_registry(), name="registry-sweep")
