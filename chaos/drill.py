@@ -214,7 +214,9 @@ def run_drill(path: str, out_dir: Path | None = None, url: str | None = None) ->
         for s in previous:
             signal.signal(s, on_signal)
     status = "aborted"
-    state_dir = out_dir / "state"  # this drill's injector state, so "all rolled back" is checkable
+    # this drill's injector state, in a sub-folder of the user's private state folder: "all rolled back"
+    # is checkable, and `distserve chaos rollback --all` finds it if this process is killed
+    state_dir = chaos_state.state_root() / "drills" / f"{out_dir.name}-{os.getpid()}"
     old_state_env = os.environ.get(chaos_state.ENV)
     os.environ[chaos_state.ENV] = str(state_dir)
     try:
