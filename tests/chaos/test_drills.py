@@ -144,7 +144,7 @@ def test_sigkill_mid_drill_then_rollback_all_leaves_the_host_exactly_as_before(t
     """SIGKILL runs no rollback: the host keeps the drifted global sysctls, the drill's namespace and veth.
     ``distserve chaos rollback --all`` restores them from the recorded state, says what it restored, and
     a second run finds nothing."""
-    need_root("ip", "sysctl", "nft")
+    need_root("ip", "sysctl")
     before = host_snapshot()
     out = tmp_path / "kill"
     proc = subprocess.Popen(
