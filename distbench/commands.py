@@ -7,6 +7,7 @@ import math
 from pathlib import Path
 
 from distbench.runner import UsageError
+from distbench.validate import load_checked
 
 
 def _load_all(paths: list[str]) -> list[dict]:
@@ -59,7 +60,7 @@ def cmd_sweep(args) -> int:
 def cmd_compare(args) -> int:
     from distbench.compare import compare, format_table
 
-    a, b = _load_all([args.a, args.b])
+    a, b = load_checked([args.a, args.b])
     rows = compare(a, b, args.resamples, args.seed)
     if not rows:
         raise UsageError("no completed requests to compare in one of the results")
@@ -89,7 +90,7 @@ def cmd_merge(args) -> int:
     from distbench.merge import merge
     from distbench.summary import format_summary
 
-    merged = merge(_load_all(args.results))
+    merged = merge(load_checked(args.results))
     print(f"saved {result.save(merged, args.output)}")
     print(format_summary(merged))
     return 0
