@@ -341,3 +341,30 @@ def test_a_restarted_worker_gets_its_id_back(deployment):
     _wait_state(srv, decode["worker_id"], lambda w: w["pid"] != decode["pid"] and w["state"] == "healthy", 60)
     status, body, _ = http("POST", f"{srv.url}/v1/completions", {"prompt": "hi", "max_tokens": 2}, token=None)
     assert status == 200, body
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        out += [int(x) for x in (task / "children").read_text().split()]
+    return out
+
+
+def test_serve_restarts_a_frozen_router_on_the_same_port(deployment):
+    srv, _ = deployment
+    [router] = [p for p in _children(srv.pid) if b"router" in Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")]
+    os.kill(router, signal.SIGSTOP)  # frozen: its socket accepts, nothing answers
+    deadline = time.monotonic() + 90
+    while True:
+        try:
+            status, health, _ = http("GET", f"{srv.url}/health", token=None, timeout=2)
+            if status == 200 and health["mode"] == "disaggregated":
+                break
+        except OSError:
+            pass
+        assert time.monotonic() < deadline, srv.read_log()
+        time.sleep(0.5)
+    assert not Path(f"/proc/{router}").exists() or Path(f"/proc/{router}/status").read_text().find("zombie") >= 0
+    assert "restarted on the same port" in (srv.tmp / "serve.log").read_text()
+    status, body, _ = http("POST", f"{srv.url}/v1/completions", {"prompt": "hi", "max_tokens": 2}, token=None)
+    assert status == 200, body
