@@ -38,7 +38,7 @@ from typing import cast
 import yaml
 
 from server.config import DistServeConfig
-from server.preflight import launcher_tmp_prefix, sweep_orphan_tmp
+from server.preflight import launcher_tmp_prefix, sweep_orphan_segments, sweep_orphan_tmp
 from server.private_files import write_private
 from server.wire import DeregisterRequest
 
@@ -174,6 +174,7 @@ class Launcher:
 
     def __post_init__(self) -> None:
         sweep_orphan_tmp()  # folders of launchers killed with SIGKILL
+        sweep_orphan_segments()  # KV segments of prefill workers killed together with their tracker
         self._tmp = tempfile.TemporaryDirectory(prefix=launcher_tmp_prefix())
         self.config_path = Path(self._tmp.name) / "config.yaml"
         write_private(self.config_path, yaml.safe_dump(self.config.to_dict()))  # may carry the admin token
