@@ -288,6 +288,10 @@ def run_drill(path: str, out_dir: Path | None = None, url: str | None = None) ->
             _rollback_all(undo, journal)
             target.stop()
         finally:
+            try:
+                state_dir.rmdir()  # empty once everything was rolled back; else kept for rollback --all
+            except OSError:
+                pass
             if old_state_env is None:
                 os.environ.pop(chaos_state.ENV, None)
             else:
