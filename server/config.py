@@ -347,6 +347,8 @@ class RouterConfig(_Section):
     header_timeout_s: float = _opt(10.0, "float", lo=0, lo_open=True)
     body_timeout_s: float = _opt(30.0, "float", lo=0, lo_open=True)
     keepalive_timeout_s: float = _opt(30.0, "float", lo=0, lo_open=True)
+    # a client that reads nothing of its answer for this long is disconnected (server/router/limits.py)
+    stream_write_timeout_s: float = _opt(30.0, "float", lo=0, lo_open=True)
     # None = read env DISTSERVE_ADMIN_TOKEN, else `serve` generates one (a router or worker started alone needs it).
     admin_token: str | None = _opt(None, "str", nullable=True)
     breaker: BreakerConfig = _sub(BreakerConfig)

@@ -40,7 +40,7 @@ import yaml
 from server.config import DistServeConfig
 from server.memory_budget import device_key, plan_memory_shares, shared_devices
 from server.mps import MpsDaemon, device_sm_count
-from server.preflight import launcher_tmp_prefix, sweep_orphan_tmp
+from server.preflight import launcher_tmp_prefix, sweep_orphan_segments, sweep_orphan_tmp
 from server.private_files import write_private
 from server.wire import DeregisterRequest
 
@@ -136,6 +136,40 @@ PERMANENT_EXITS = {2: "bad usage or configuration", 3: "the router refused its r
 
 
 @dataclass
+class RouterProbe:
+    """The launcher's view of its router: when it last answered ``GET /health`` (any HTTP status)."""
+
+    interval_s: float = 1.0
+    timeout_s: float = 1.0
+    frozen_after_s: float = 5.0
+    last_ok: float = field(default_factory=time.monotonic)
+    last_probe: float = 0.0
+
+    def due(self, now: float) -> bool:
+        if now - self.last_probe < self.interval_s:
+            return False
+        self.last_probe = now
+        return True
+
+    def answered(self, url: str, now: float) -> bool:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=self.timeout_s):
+                pass
+        except urllib.error.HTTPError:
+            pass  # 503 "down" is an answer: the router lives
+        except (urllib.error.URLError, OSError):
+            return False
+        self.last_ok = now
+        return True
+
+    def frozen(self, now: float) -> bool:
+        return now - self.last_ok >= self.frozen_after_s
+
+    def reset(self, now: float) -> None:
+        self.last_ok = self.last_probe = now
+
+
+@dataclass
 class _Worker:
     """One supervised worker: how to start it, its current process, its restart history."""
 
@@ -169,9 +203,13 @@ class Launcher:
     memory_shares: dict[str, float] = field(default_factory=dict)  # worker id -> its share of its GPU
     mps: MpsDaemon | None = None  # the MPS control daemon of an SM split (prefill/decode.sm_share)
     mps_root: str | None = None  # where its private folder goes (default: the temp folder; tests)
+    router_probe: RouterProbe = field(default_factory=lambda: RouterProbe())
+    _router_argv: list[str] = field(default_factory=list)
+    _router_threads: int | None = None
 
     def __post_init__(self) -> None:
         sweep_orphan_tmp()  # folders of launchers killed with SIGKILL
+        sweep_orphan_segments()  # KV segments of prefill workers killed together with their tracker
         self._tmp = tempfile.TemporaryDirectory(prefix=launcher_tmp_prefix())
         self.config_path = Path(self._tmp.name) / "config.yaml"
         write_private(self.config_path, yaml.safe_dump(self.config.to_dict()))  # may carry the admin token
@@ -218,15 +256,9 @@ class Launcher:
         placement, threads = plan_cpus(self.mode, self.pinning)
         if placement.get("router"):
             argv += ["--cpus", ",".join(map(str, placement["router"]))]
-        router = self._spawn(argv, "router", threads=threads["router"])
+        self._router_argv, self._router_threads = argv, threads["router"]
         deadline = time.monotonic() + timeout_s
-        while not ready.exists():
-            if router.poll() is not None:
-                raise RuntimeError(f"router exited with status {router.returncode} before it was ready")
-            if time.monotonic() > deadline:
-                raise RuntimeError("router did not start in time")
-            time.sleep(0.05)
-        self.url = json.loads(ready.read_text())["url"]
+        url = self._start_router(deadline)
         plan = plan_workers(self.mode, self.num_prefill, self.num_decode, self.device, self.devices)
         shares = plan_memory_shares(plan, self.config)
         shared = shared_devices(plan)
@@ -239,7 +271,7 @@ class Launcher:
                 "--role",
                 role,
                 "--router",
-                self.url,
+                url,
                 "--config",
                 str(self.config_path),
                 "--device",
@@ -262,7 +294,52 @@ class Launcher:
             proc = self._spawn(argv, worker_id, cpus, threads[role], env)
             self.supervised[worker_id] = _Worker(worker_id, argv, cpus, threads[role], proc, env)
         self.wait_healthy(len(plan), deadline)
-        return self.url
+        return url
+
+    def _start_router(self, deadline: float, port: int | None = None) -> str:
+        ready = Path(self._tmp.name) / "router.json"
+        ready.unlink(missing_ok=True)
+        argv = [*self._router_argv, *(["--port", str(port)] if port is not None else [])]
+        router = self._spawn(argv, "router", threads=self._router_threads)
+        self.procs.remove(router)
+        self.procs.insert(0, router)  # procs[0] is the router; stop() ends it last
+        while not ready.exists():
+            if router.poll() is not None:
+                raise RuntimeError(f"router exited with status {router.returncode} before it was ready")
+            if time.monotonic() > deadline:
+                raise RuntimeError("router did not start in time")
+            time.sleep(0.05)
+        url: str = json.loads(ready.read_text())["url"]
+        self.url = url
+        return url
+
+    def supervise_router(self, now: float | None = None) -> str | None:
+        """Probe the router's /health (at most every ``RouterProbe.interval_s``); a router that answers
+        nothing for ``RouterProbe.frozen_after_s`` while its process lives is frozen (SIGSTOP, a
+        deadlock): SIGKILL it and start a new one on the same port, so the workers (which retry their
+        registration) and clients find it where it was. One sentence when it acted, else None."""
+        now = time.monotonic() if now is None else now
+        router = self.procs[0] if self.procs else None
+        if router is None or self.url is None or not self.router_probe.due(now):
+            return None
+        if router.poll() is None and self.router_probe.answered(self.url, now):
+            return None
+        frozen = router.poll() is None
+        if frozen and not self.router_probe.frozen(now):
+            return None
+        why = (
+            f"answered no health probe for {self.router_probe.frozen_after_s:g} s"
+            if frozen
+            else f"exited with status {router.returncode}"
+        )
+        if frozen:
+            router.kill()
+        router.wait()
+        self.procs.remove(router)
+        port = int(self.url.rsplit(":", 1)[1])
+        self._start_router(time.monotonic() + 60.0, port=port)
+        self.router_probe.reset(time.monotonic())
+        return f"router {why}; restarted on the same port (pid {self.procs[0].pid})"
 
     def _sm_split_env(self, plan: list[tuple[str, str, str]], shares: dict[str, float]) -> dict[str, dict[str, str]]:
         """{worker id: MPS client variables} for the workers of a GPU split by ``sm_share`` (started here:

@@ -106,9 +106,9 @@ def cmd_serve(args) -> int:
             write_ready_file(args.ready_file, {"url": url, "pid": os.getpid(), "token": launcher.token})
         print(f"distserve ready: {url} ({args.mode}, {n} workers)", flush=True)
         while not stop["flag"]:
-            if launcher.procs[0].poll() is not None:
-                print("distserve: router exited; shutting down", file=sys.stderr)
-                return 1
+            router_event = launcher.supervise_router()  # frozen or exited: restarted on the same port
+            if router_event:
+                print(f"distserve: {router_event}", file=sys.stderr, flush=True)
             for event in launcher.supervise():
                 print(f"distserve: {event}", file=sys.stderr, flush=True)
             time.sleep(0.2)

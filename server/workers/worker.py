@@ -30,6 +30,7 @@ from server.kv_transfer import KVPuller, KVStagingServer, cuda_ipc
 from server.kv_transfer.factory import choose_transport, host_id
 from server.metrics import WorkerMetrics
 from server.net import listen
+from server.preflight import sweep_orphan_segments
 from server.wire import RegisterRequest, Role
 from server.workers.app import WorkerState, create_worker_app
 from server.workers.engine_loop import EngineLoop, GcPolicy, resolve_engine_thread
@@ -220,6 +221,7 @@ async def serve_worker(opts: WorkerOptions) -> int:
     budget = engine.kv_budget
     state.metrics.set_kv_cache(engine.kv_cache_bytes, budget.utilization if budget else 0.0)
     if opts.role == "prefill":
+        sweep_orphan_segments()  # KV segments of an earlier prefill worker killed with its tracker
         state.sender = KVStagingServer(
             opts.host,
             0,
