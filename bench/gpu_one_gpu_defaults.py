@@ -3,7 +3,7 @@
 For each layout — ``1p1d`` (``distserve serve --device cuda``: 1 prefill + 1 decode worker on cuda:0),
 ``colocated`` (``--mode colocated``), ``1p2d`` (``--prefill 1 --decode 2``) — one ``distserve serve`` with
 no config file but the model, then distbench's closed loop (``--concurrency`` users, 128/64 tokens,
-``--duration`` s, OpenAI-default sampling, goodput at TTFT <= 250 ms and TPOT <= 50 ms), while a thread
+``--duration`` s, greedy (distbench sends temperature 0), goodput at TTFT <= 250 ms and TPOT <= 50 ms), while a thread
 reads the router's ``/health`` every 0.5 s. Recorded per layout: start-up time, each worker's memory
 sizing (``/v1/workers`` ``memory``), completed / failed, goodput, TTFT P50/P99, the /health statuses seen,
 the workers' memory-error counters after the run. Then ``distserve chaos nan-check`` of the model at

@@ -58,11 +58,14 @@ def add_parser(sub) -> None:
     i.add_argument("args", nargs="*", help="key=value (values parsed as JSON when they parse)")
     r = cs.add_parser(
         "rollback",
-        help="run one injector's rollback(key=value ...)",
-        description="Example: distserve chaos rollback pause role=decode",
+        help="run one injector's rollback(key=value ...), or every recorded one (--all)",
+        description="Example: distserve chaos rollback pause role=decode; distserve chaos rollback --all "
+        "(after a killed drill: restores every injection still recorded, reports what it restored, "
+        "exits 1 when something recorded was not restored)",
     )
-    r.add_argument("injector")
+    r.add_argument("injector", nargs="?")
     r.add_argument("args", nargs="*")
+    r.add_argument("--all", action="store_true", help="roll back every injection still recorded")
     n = cs.add_parser(
         "nan-check",
         help="logits finite at prompt lengths 2^k-1, 2^k, 2^k+1 on every backend",
@@ -78,6 +81,30 @@ def add_parser(sub) -> None:
     n.add_argument("--device", default="cpu")
     n.add_argument("--json", default=None, help="also write the table as JSON here")
     p.set_defaults(handler=main)
+
+
+def _recorded(kind: str) -> list[str]:
+    from chaos.rollback_all import _found
+
+    return [str(p) for p in _found() if p.name.startswith(f"{kind}--")]
+
+
+def _rollback_all(args) -> int:
+    if args.injector is not None or args.args:
+        print("distserve: error: rollback takes an injector or --all, not both", file=sys.stderr)
+        return 2
+    from chaos.rollback_all import rollback_all
+    from chaos.state import StateRefused
+
+    try:
+        report = rollback_all()
+    except StateRefused as e:
+        print(f"distserve: error: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps(report, indent=1, default=str))
+    if not (report["restored"] or report["failed"] or report["refused"]):
+        print("distserve chaos: nothing recorded, nothing to roll back", file=sys.stderr)
+    return 0 if report["ok"] else 1
 
 
 def main(args) -> int:
@@ -97,8 +124,11 @@ def main(args) -> int:
         print(f"drill {journal.drill}: {journal.status}" + (f" ({journal.error})" if journal.error else ""))
         print(f"journal: {out / 'journal.json'}  report: {out / 'report.md'}")
         return EXIT[journal.status]
+    if args.chaos_command == "rollback" and (args.all or args.injector is None):
+        return _rollback_all(args)
     if args.chaos_command in ("inject", "rollback"):
         from chaos import injectors
+        from chaos.state import StateRefused
 
         try:
             mod = injectors.get(args.injector)
@@ -110,13 +140,26 @@ def main(args) -> int:
 
         fn = mod.inject if args.chaos_command == "inject" else mod.rollback
         try:
-            print(json.dumps(fn(**kw), indent=1, default=str))
+            out = fn(**kw)
+        except StateRefused as e:
+            print(f"distserve: error: {args.injector} {args.chaos_command}: {e}", file=sys.stderr)
+            return 1
         except (ValueError, TypeError) as e:  # bad input (a missing token, a bad argument): exit 2, as the README says
             print(f"distserve: error: {args.injector} {args.chaos_command}: {e}", file=sys.stderr)
             return 2
         except (HostError, RuntimeError, OSError) as e:
             print(f"distserve: error: {args.injector} {args.chaos_command}: {e}", file=sys.stderr)
             return 1
+        print(json.dumps(out, indent=1, default=str))
+        if args.chaos_command == "rollback" and not out.get("rolled_back"):
+            others = _recorded(getattr(mod, "KIND", args.injector))
+            if others:  # something is recorded, but not under these arguments
+                print(
+                    f"distserve: error: {args.injector} rollback restored nothing, yet state is recorded in "
+                    f"{', '.join(others)}; pass its key (netns=, key=) or use --all",
+                    file=sys.stderr,
+                )
+                return 1
         return 0
     if args.chaos_command == "nan-check":
         from chaos.nan_check import cli_main

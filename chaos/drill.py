@@ -217,7 +217,9 @@ def run_drill(path: str, out_dir: Path | None = None, url: str | None = None) ->
         for s in previous:
             signal.signal(s, on_signal)
     status = "aborted"
-    state_dir = out_dir / "state"  # this drill's injector state, so "all rolled back" is checkable
+    # this drill's injector state, in a sub-folder of the user's private state folder: "all rolled back"
+    # is checkable, and `distserve chaos rollback --all` finds it if this process is killed
+    state_dir = chaos_state.state_root() / "drills" / f"{out_dir.name}-{os.getpid()}"
     old_state_env = os.environ.get(chaos_state.ENV)
     os.environ[chaos_state.ENV] = str(state_dir)
     try:
@@ -289,6 +291,10 @@ def run_drill(path: str, out_dir: Path | None = None, url: str | None = None) ->
             _rollback_all(undo, journal)
             target.stop()
         finally:
+            try:
+                state_dir.rmdir()  # empty once everything was rolled back; else kept for rollback --all
+            except OSError:
+                pass
             if old_state_env is None:
                 os.environ.pop(chaos_state.ENV, None)
             else:

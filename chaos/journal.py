@@ -15,6 +15,13 @@ from pathlib import Path
 
 from distbench.atomic import atomic_write
 
+# "seed" in drill and gate texts: one sentence wherever it is named
+SEED_NOTE = (
+    '"seed §N" is section N of the source article this project was built from (a Chinese write-up of '
+    "DistServe-style prefill/decode disaggregation: its config, deployment steps and troubleshooting table); "
+    "docs/FROM_THE_ARTICLE.md maps each of its commands and keys onto this project"
+)
+
 STATUSES = ("completed", "failed", "aborted", "interrupted")
 
 
@@ -68,6 +75,8 @@ def markdown(j: Journal) -> str:
     ]
     if j.incident:
         lines += [f"Incident: {j.incident}", ""]
+        if "seed" in j.incident:
+            lines += [f"({SEED_NOTE}.)", ""]
     if j.error:
         lines += [f"Error: `{j.error}`", ""]
     if j.mechanisms:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import yaml
 
+from chaos.journal import SEED_NOTE
 from distbench.atomic import atomic_write
 
 KINDS = ("command", "load", "drill")
@@ -187,6 +188,9 @@ def run_gate(checklist: str, out: Path, quick: bool, only: set[str] | None = Non
         "|---|---|---:|---|",
     ]
     md += [f"| {r['title']} | {r['status']} | {r['seconds']} s | {r['detail'].replace('|', '/')} |" for r in results]
+    seed = any("seed" in r["title"] for r in results)
+    if seed:
+        md += ["", f"({SEED_NOTE}.)"]
     atomic_write(out / "gate.md", "\n".join(md) + "\n")
     print(
         f"gate: {verdict.upper()} — {sum(r['status'] == 'passed' for r in results)} passed, "
@@ -194,15 +198,29 @@ def run_gate(checklist: str, out: Path, quick: bool, only: set[str] | None = Non
         f"skipped; report {out / 'gate.md'}",
         file=stream,
     )
+    if seed:
+        print(f"({SEED_NOTE}.)", file=stream)
     return report
 
 
+DEFAULT_CHECKLIST = "ci/release_gate.yaml"
+
+
 def main(args) -> int:
-    if not Path(args.checklist).is_file():
-        print(f"distserve: error: checklist {args.checklist} does not exist", file=sys.stderr)
+    out = Path(args.out).resolve()  # before a change of folder below: --out is relative to where it was typed
+    checklist = args.checklist
+    checkout = Path(__file__).resolve().parents[1]  # the checkout this (editable) install runs from
+    if checklist == DEFAULT_CHECKLIST and not Path(checklist).is_file() and (checkout / checklist).is_file():
+        os.chdir(checkout)  # the items name tests/, configs/ and drills relative to the checkout's root
+    if not Path(checklist).is_file():
+        print(
+            f"distserve: error: checklist {checklist} does not exist here; run `distserve gate` from the root "
+            "of a distserve checkout (its items run the tests, configs/ and drills there)",
+            file=sys.stderr,
+        )
         return 2
     try:
-        report = run_gate(args.checklist, Path(args.out), args.quick, set(args.only.split(",")) if args.only else None)
+        report = run_gate(checklist, out, args.quick, set(args.only.split(",")) if args.only else None)
     except (ValueError, KeyError, yaml.YAMLError) as e:
         print(f"distserve: error: {e}", file=sys.stderr)
         return 2

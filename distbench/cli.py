@@ -132,8 +132,8 @@ def add_load_args(r: argparse.ArgumentParser, sweep: bool = False) -> None:
         "--compat",
         choices=["vllm"],
         default=None,
-        help="compute the figures under vllm bench serve's definitions: TTFT/E2EL from the actual send, "
-        "the clock from one mean gap before the first send (docs/DISTBENCH.md)",
+        help="vllm bench serve's definitions: TTFT/E2EL from the actual send, and its arrival schedule "
+        "(first request one gap in, the n-th at exactly n/rate) (docs/DISTBENCH.md)",
     )
     r.add_argument(
         "--drain-timeout",
@@ -148,6 +148,12 @@ def add_load_args(r: argparse.ArgumentParser, sweep: bool = False) -> None:
         metavar="BASE:MAX",
         help="closed loop: after a request failed within MAX s its user waits a jittered back-off "
         "doubling from BASE up to MAX seconds before the next one (0 = none)",
+    )
+    r.add_argument(
+        "--sampling",
+        default="openai-default",
+        help="greedy | openai-default (send no temperature/top_p, as the OpenAI SDK does: the server's "
+        "defaults apply) | T,top_p[,top_k] (default: openai-default; recorded in the result)",
     )
 
 
@@ -192,8 +198,10 @@ def options_from(args, **spec_overrides):
         "model": args.model,
         "timeout_s": args.timeout,
         "time_scale": getattr(args, "time_scale", 1.0),
+        "sampling": getattr(args, "sampling", "openai-default"),
     }
     kw.update(_backoff(args.backoff))
+    kw["vllm_schedule"] = getattr(args, "compat", None) == "vllm"
     kw["drain_s"] = args.drain_timeout
     kw["grace_s"] = min(5.0, max(0.0, args.drain_timeout))  # Ctrl-C: at most 5 s, never more than the drain
     kw.update(spec_overrides)

@@ -44,8 +44,9 @@ def _text(item: Item, vocab: Vocab | None) -> str:
     return text if text is not None else " ".join(f"w{t}" for t in ids)
 
 
-def body_for(endpoint: str, item: Item, model: str | None, vocab: Vocab | None) -> dict:
-    body: dict = {"max_tokens": item.output_len, "temperature": 0.0, "ignore_eos": True, "stream": True}
+def body_for(endpoint: str, item: Item, model: str | None, vocab: Vocab | None, sampling: dict | None = None) -> dict:
+    """``sampling``: the fields of ``--sampling`` (distbench/sampling.py); None sends none (OpenAI's default)."""
+    body: dict = {"max_tokens": item.output_len, **(sampling or {}), "ignore_eos": True, "stream": True}
     if endpoint == "/v1/chat/completions":
         body["messages"] = [{"role": "user", "content": _text(item, vocab)}]
         body["stream_options"] = {"include_usage": True}

@@ -7,6 +7,7 @@ import math
 from pathlib import Path
 
 from distbench.runner import UsageError
+from distbench.validate import load_checked
 
 
 def _load_all(paths: list[str]) -> list[dict]:
@@ -75,7 +76,7 @@ def cmd_compare(args) -> int:
         pa, pb = split_sides(args.results)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    a, b = _load_all(pa), _load_all(pb)
+    a, b = load_checked(pa), load_checked(pb)
     rep = compare(a, b, args.resamples, args.seed)
     if not rep["rows"]:
         raise UsageError("no completed requests to compare in one of the results")
@@ -105,7 +106,7 @@ def cmd_merge(args) -> int:
     from distbench.merge import merge
     from distbench.summary import format_summary
 
-    merged = merge(_load_all(args.results))
+    merged = merge(load_checked(args.results))
     print(f"saved {result.save(merged, args.output)}")
     print(format_summary(merged))
     return 0

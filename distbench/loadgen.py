@@ -29,6 +29,8 @@ import aiohttp
 from distbench.client import body_for, send
 from distbench.datasets import Item, Vocab
 from distbench.records import RequestRecord
+from distbench.sampling import DEFAULT as DEFAULT_SAMPLING
+from distbench.sampling import sampling_fields
 from distbench.strategies import schedule
 
 
@@ -52,8 +54,11 @@ class RunSpec:
     drain_s: float = 30.0  # after --duration: how long requests in flight may finish
     backoff_s: float = 0.05  # closed loop: first back-off after a fast failure (0: none)
     backoff_max_s: float = 2.0  # ... doubling up to this; a failure slower than this is not "fast"
+    vllm_schedule: bool = False  # --compat vllm: vLLM's normalized arrival times (vllm_compat.vllm_offsets)
+    sampling: str = DEFAULT_SAMPLING  # --sampling: greedy | openai-default | T,top_p[,top_k]
 
     def __post_init__(self) -> None:
+        sampling_fields(self.sampling)  # ValueError naming --sampling
         if self.strategy == "closed":
             if not self.concurrency or self.concurrency < 1:
                 raise ValueError("--concurrency must be >= 1 for the closed loop")
@@ -101,6 +106,7 @@ async def run_load(
     """Returns (records in send order incl. warm-up, measured duration s, unix time of the start)."""
     stop = stop or asyncio.Event()
     in_flight, over = [0], [False]  # requests in flight; the drain ran out
+    sampling = sampling_fields(spec.sampling)
     timeout = aiohttp.ClientTimeout(total=spec.timeout_s)
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as http:
         records: list[RequestRecord] = []
@@ -115,7 +121,9 @@ async def run_load(
             in_flight[0] += 1
             try:
                 async with gate:  # waiting here makes the send late: recorded, never hidden
-                    await send(http, spec.url, spec.endpoint, body_for(spec.endpoint, it, spec.model, vocab), rec, t0)
+                    await send(
+                        http, spec.url, spec.endpoint, body_for(spec.endpoint, it, spec.model, vocab, sampling), rec, t0
+                    )
             except asyncio.CancelledError:
                 if rec.error is None:  # still waiting for a --max-concurrency slot
                     rec.error = "cancelled: waiting for a send slot when the run stopped"
@@ -187,7 +195,13 @@ async def run_load(
                 offsets = [(items[job[0] % len(items)].at or 0.0) / spec.time_scale for job in job_list]
             else:
                 assert spec.request_rate is not None  # RunSpec.__post_init__: open-loop strategies have a rate
-                offsets = schedule(spec.strategy, len(job_list), spec.request_rate, spec.burstiness, spec.seed)
+                if spec.vllm_schedule:  # --compat vllm: the first after one gap, the n-th at n / rate
+                    from distbench.vllm_compat import vllm_offsets
+
+                    raw = schedule(spec.strategy, len(job_list) + 1, spec.request_rate, spec.burstiness, spec.seed)
+                    offsets = vllm_offsets(raw, spec.request_rate)
+                else:
+                    offsets = schedule(spec.strategy, len(job_list), spec.request_rate, spec.burstiness, spec.seed)
             for job, off in zip(job_list, offsets):
                 due = t0 + off
                 if deadline is not None and due >= deadline:

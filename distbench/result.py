@@ -43,14 +43,12 @@ def build(
     server_metrics: dict | None = None,
     interrupted: str | None = None,
 ) -> dict:
-    figures_of, figures_duration = records, duration_s
+    figures_of = records
     if config.get("compat") == "vllm":  # vLLM's definitions (distbench/vllm_compat.py); raw records kept
         from distbench.vllm_compat import vllm_view
 
         figures_of = vllm_view(records)
-        if config.get("strategy") != "closed" and config.get("request_rate"):
-            figures_duration = duration_s + 1.0 / config["request_rate"]
-    s = summarize(figures_of, figures_duration, percentiles, slo, goodput)
+    s = summarize(figures_of, duration_s, percentiles, slo, goodput)
     measured = [r for r in records if not r.warmup]
     return {
         "distbench_schema": SCHEMA_VERSION,

@@ -176,6 +176,7 @@ async def run_async(opts: Options, stop: asyncio.Event | None = None) -> dict:
     if fit is not None:
         res["dataset_fit"] = {"max_model_len": fit.max_model_len, "considered": fit.considered, "dropped": fit.dropped}
     res["TTFT_P99"] = res.get("p99_ttft_ms")  # the source article's key: the same figure, milliseconds
+    res["sampling"] = spec.sampling  # how the tokens were chosen (--sampling), beside every figure
     res["verdict"] = verdict(res)
     return res
 

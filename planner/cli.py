@@ -142,11 +142,11 @@ def cmd_plan(args) -> int:
         print("no layout meets the SLO at any rate on these devices")
         return 1
     overrides = deploy.config_overrides(best.layout, base_batch, prof.device)
-    cfg_path = None
+    cfg_path = args.config  # the deployment keeps the config the plan was made for
     if overrides:
         # written by default: the deploy line below names it (a command that points at a missing file fails)
         cfg_path = args.write_config or "plan.yaml"
-        text = deploy.to_yaml(overrides, prof.model)
+        text = deploy.to_yaml(overrides, prof.model, base=args.config)
         Path(cfg_path).write_text(text)
         print(f"\nconfig (written to {cfg_path}; --write-config FILE to put it elsewhere):")
         print(text.rstrip())

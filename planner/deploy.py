@@ -22,7 +22,21 @@ def config_overrides(layout: Layout, base_decode_max_batch: int, device: str) ->
     return out
 
 
-def to_yaml(overrides: dict[str, dict[str, int]], model: str) -> str:
+def to_yaml(overrides: dict[str, dict[str, int]], model: str, base: str | None = None) -> str:
+    """The winner's config: what differs from the defaults, or, given ``base`` (the plan's --config), that
+    file with the winner's settings merged in, so `serve --config` with it keeps the rest of ``base``."""
+    if base:
+        import yaml
+
+        with open(base) as f:
+            merged = yaml.safe_load(f) or {}
+        for section, keys in overrides.items():
+            merged[section] = {**(merged.get(section) or {}), **keys}
+        if model and not merged.get("model"):
+            merged = {"model": model, **merged}
+        return f"# written by `distserve plan`: {base} with the winner's settings\n" + yaml.safe_dump(
+            merged, sort_keys=False
+        )
     lines = ["# written by `distserve plan`: only what differs from the defaults"]
     if model:
         lines.append(f"model: {model}")

@@ -230,6 +230,8 @@ class PrefillConfig(_Section):
     # dtype (auto = the compute dtype: the seed's bf16 prefill; fp8_e4m3 ships FP8 KV + scales to decode)
     dtype: str = _opt("auto", "enum", choices=_DTYPE_CHOICES)
     kv_dtype: str = _opt("auto", "enum", choices=_KV_DTYPE_CHOICES)
+    # percent of the SMs of a GPU it shares with other workers, through CUDA MPS (server/mps.py); 0 = no split
+    sm_share: int = _opt(0, "int", lo=0, hi=100)
 
 
 @dataclass(frozen=True)
@@ -250,6 +252,7 @@ class DecodeConfig(_Section):
     # decoder linears' weights: bf16 = as loaded (the compute dtype), fp8 = e4m3 with per-output-channel scales
     dtype: str = _opt("auto", "enum", choices=_DTYPE_CHOICES)
     weight_dtype: str = _opt("bf16", "enum", choices=("bf16", "fp8"))
+    sm_share: int = _opt(0, "int", lo=0, hi=100)  # as prefill.sm_share, for decode and colocated workers
 
 
 @dataclass(frozen=True)
@@ -344,6 +347,8 @@ class RouterConfig(_Section):
     header_timeout_s: float = _opt(10.0, "float", lo=0, lo_open=True)
     body_timeout_s: float = _opt(30.0, "float", lo=0, lo_open=True)
     keepalive_timeout_s: float = _opt(30.0, "float", lo=0, lo_open=True)
+    # a client that reads nothing of its answer for this long is disconnected (server/router/limits.py)
+    stream_write_timeout_s: float = _opt(30.0, "float", lo=0, lo_open=True)
     # None = read env DISTSERVE_ADMIN_TOKEN, else `serve` generates one (a router or worker started alone needs it).
     admin_token: str | None = _opt(None, "str", nullable=True)
     # false: a request field the OpenAI routes do not know is a 400 naming it; true: ignored (vendor extras)

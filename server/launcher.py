@@ -39,7 +39,8 @@ import yaml
 
 from server.config import DistServeConfig
 from server.memory_budget import device_key, plan_memory_shares, shared_devices
-from server.preflight import launcher_tmp_prefix, sweep_orphan_tmp
+from server.mps import MpsDaemon, device_sm_count
+from server.preflight import launcher_tmp_prefix, sweep_orphan_segments, sweep_orphan_tmp
 from server.private_files import write_private
 from server.wire import DeregisterRequest
 
@@ -90,6 +91,35 @@ def plan_workers(
     return [(role, f"{role}-{i}", devices[i % len(devices)] if devices else device) for i, role in enumerate(roles)]
 
 
+def device_total_mib(index: int) -> int | None:
+    """The GPU's memory in MiB, read with nvidia-smi (the launcher never initialises CUDA itself)."""
+    try:
+        p = subprocess.run(
+            ["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits", "-i", str(index)],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=False,
+        )
+        return int(p.stdout.strip().splitlines()[0]) if p.returncode == 0 else None
+    except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
+        return None
+
+
+def mps_memory_limit_mib(role: str, share: float | None, total_mib: int | None, cfg: DistServeConfig) -> int | None:
+    """``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`` of one worker: its memory share plus the CUDA context, and for a
+    decode (or colocated) worker the memory it maps from prefill workers too — MPS counts an opened CUDA
+    IPC handle against the importer's limit (measured: at the share + 1 GiB, opening the prefill worker's
+    2 GiB staging pool failed with out of memory), so the peer's staging pool and per-transfer exports
+    (slack) are allowed on top. None: no limit (the share is unknown)."""
+    if not share or not total_mib:
+        return None
+    limit = int(share * total_mib) + 1024
+    if role != "prefill":
+        limit += cfg.kv_transfer.cuda_ipc_pool_mb + 4096
+    return limit
+
+
 @dataclass(frozen=True)
 class RestartPolicy:
     enabled: bool = True
@@ -106,6 +136,40 @@ PERMANENT_EXITS = {2: "bad usage or configuration", 3: "the router refused its r
 
 
 @dataclass
+class RouterProbe:
+    """The launcher's view of its router: when it last answered ``GET /health`` (any HTTP status)."""
+
+    interval_s: float = 1.0
+    timeout_s: float = 1.0
+    frozen_after_s: float = 5.0
+    last_ok: float = field(default_factory=time.monotonic)
+    last_probe: float = 0.0
+
+    def due(self, now: float) -> bool:
+        if now - self.last_probe < self.interval_s:
+            return False
+        self.last_probe = now
+        return True
+
+    def answered(self, url: str, now: float) -> bool:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=self.timeout_s):
+                pass
+        except urllib.error.HTTPError:
+            pass  # 503 "down" is an answer: the router lives
+        except (urllib.error.URLError, OSError):
+            return False
+        self.last_ok = now
+        return True
+
+    def frozen(self, now: float) -> bool:
+        return now - self.last_ok >= self.frozen_after_s
+
+    def reset(self, now: float) -> None:
+        self.last_ok = self.last_probe = now
+
+
+@dataclass
 class _Worker:
     """One supervised worker: how to start it, its current process, its restart history."""
 
@@ -114,6 +178,7 @@ class _Worker:
     cpus: list[int] | None
     threads: int | None
     proc: subprocess.Popen
+    env: dict[str, str] = field(default_factory=dict)  # its own variables (MPS client settings)
     restarts: list[float] = field(default_factory=list)  # monotonic times of restarts
     restart_at: float | None = None  # a restart is scheduled for then
     given_up: bool = False
@@ -136,17 +201,29 @@ class Launcher:
     url: str | None = None
     supervised: dict[str, _Worker] = field(default_factory=dict)
     memory_shares: dict[str, float] = field(default_factory=dict)  # worker id -> its share of its GPU
+    mps: MpsDaemon | None = None  # the MPS control daemon of an SM split (prefill/decode.sm_share)
+    mps_root: str | None = None  # where its private folder goes (default: the temp folder; tests)
+    router_probe: RouterProbe = field(default_factory=lambda: RouterProbe())
+    _router_argv: list[str] = field(default_factory=list)
+    _router_threads: int | None = None
 
     def __post_init__(self) -> None:
         sweep_orphan_tmp()  # folders of launchers killed with SIGKILL
+        sweep_orphan_segments()  # KV segments of prefill workers killed together with their tracker
         self._tmp = tempfile.TemporaryDirectory(prefix=launcher_tmp_prefix())
         self.config_path = Path(self._tmp.name) / "config.yaml"
         write_private(self.config_path, yaml.safe_dump(self.config.to_dict()))  # may carry the admin token
 
     def _spawn(
-        self, argv: list[str], name: str, cpus: list[int] | None = None, threads: int | None = None
+        self,
+        argv: list[str],
+        name: str,
+        cpus: list[int] | None = None,
+        threads: int | None = None,
+        extra_env: dict[str, str] | None = None,
     ) -> subprocess.Popen:
         env = dict(os.environ)
+        env.update(extra_env or {})
         env[TOKEN_ENV] = self.token
         if threads:
             env["OMP_NUM_THREADS"] = str(threads)
@@ -179,19 +256,14 @@ class Launcher:
         placement, threads = plan_cpus(self.mode, self.pinning)
         if placement.get("router"):
             argv += ["--cpus", ",".join(map(str, placement["router"]))]
-        router = self._spawn(argv, "router", threads=threads["router"])
+        self._router_argv, self._router_threads = argv, threads["router"]
         deadline = time.monotonic() + timeout_s
-        while not ready.exists():
-            if router.poll() is not None:
-                raise RuntimeError(f"router exited with status {router.returncode} before it was ready")
-            if time.monotonic() > deadline:
-                raise RuntimeError("router did not start in time")
-            time.sleep(0.05)
-        self.url = json.loads(ready.read_text())["url"]
+        url = self._start_router(deadline)
         plan = plan_workers(self.mode, self.num_prefill, self.num_decode, self.device, self.devices)
         shares = plan_memory_shares(plan, self.config)
         shared = shared_devices(plan)
         self.memory_shares = shares
+        sm_env = self._sm_split_env(plan, shares)  # starts the MPS daemon when a GPU is split
         for n, (role, worker_id, device) in enumerate(plan):
             cpus = placement.get(role)
             argv = [
@@ -199,7 +271,7 @@ class Launcher:
                 "--role",
                 role,
                 "--router",
-                self.url,
+                url,
                 "--config",
                 str(self.config_path),
                 "--device",
@@ -218,10 +290,83 @@ class Launcher:
                 # not a neighbour's start-up (the worker registers after its last allocation)
                 self.wait_healthy(n, deadline)
                 deadline = time.monotonic() + timeout_s  # each such start gets the whole time
-            proc = self._spawn(argv, worker_id, cpus, threads[role])
-            self.supervised[worker_id] = _Worker(worker_id, argv, cpus, threads[role], proc)
+            env = sm_env.get(worker_id, {})
+            proc = self._spawn(argv, worker_id, cpus, threads[role], env)
+            self.supervised[worker_id] = _Worker(worker_id, argv, cpus, threads[role], proc, env)
         self.wait_healthy(len(plan), deadline)
-        return self.url
+        return url
+
+    def _start_router(self, deadline: float, port: int | None = None) -> str:
+        ready = Path(self._tmp.name) / "router.json"
+        ready.unlink(missing_ok=True)
+        argv = [*self._router_argv, *(["--port", str(port)] if port is not None else [])]
+        router = self._spawn(argv, "router", threads=self._router_threads)
+        self.procs.remove(router)
+        self.procs.insert(0, router)  # procs[0] is the router; stop() ends it last
+        while not ready.exists():
+            if router.poll() is not None:
+                raise RuntimeError(f"router exited with status {router.returncode} before it was ready")
+            if time.monotonic() > deadline:
+                raise RuntimeError("router did not start in time")
+            time.sleep(0.05)
+        url: str = json.loads(ready.read_text())["url"]
+        self.url = url
+        return url
+
+    def supervise_router(self, now: float | None = None) -> str | None:
+        """Probe the router's /health (at most every ``RouterProbe.interval_s``); a router that answers
+        nothing for ``RouterProbe.frozen_after_s`` while its process lives is frozen (SIGSTOP, a
+        deadlock): SIGKILL it and start a new one on the same port, so the workers (which retry their
+        registration) and clients find it where it was. One sentence when it acted, else None."""
+        now = time.monotonic() if now is None else now
+        router = self.procs[0] if self.procs else None
+        if router is None or self.url is None or not self.router_probe.due(now):
+            return None
+        if router.poll() is None and self.router_probe.answered(self.url, now):
+            return None
+        frozen = router.poll() is None
+        if frozen and not self.router_probe.frozen(now):
+            return None
+        why = (
+            f"answered no health probe for {self.router_probe.frozen_after_s:g} s"
+            if frozen
+            else f"exited with status {router.returncode}"
+        )
+        if frozen:
+            router.kill()
+        router.wait()
+        self.procs.remove(router)
+        port = int(self.url.rsplit(":", 1)[1])
+        self._start_router(time.monotonic() + 60.0, port=port)
+        self.router_probe.reset(time.monotonic())
+        return f"router {why}; restarted on the same port (pid {self.procs[0].pid})"
+
+    def _sm_split_env(self, plan: list[tuple[str, str, str]], shares: dict[str, float]) -> dict[str, dict[str, str]]:
+        """{worker id: MPS client variables} for the workers of a GPU split by ``sm_share`` (started here:
+        the MPS daemon, once). Empty when no role has a share or no worker is on a GPU."""
+        pct = {"prefill": self.config.prefill.sm_share}
+        pct["decode"] = pct["colocated"] = self.config.decode.sm_share
+        split = [(r, w, d) for r, w, d in plan if device_key(d) is not None and pct[r] > 0]
+        if not split:
+            return {}
+        self.mps = MpsDaemon(root=self.mps_root).start()
+        for event in self.mps.events:
+            print(f"distserve: {event}", file=sys.stderr, flush=True)
+        out = {}
+        sm_totals: dict[int, int | None] = {}
+        for role, worker_id, device in split:
+            index = int(str(device_key(device)).split(":")[1])
+            if index not in sm_totals:
+                sm_totals[index] = device_sm_count(index)
+            total = device_total_mib(index)
+            limit = mps_memory_limit_mib(role, shares.get(worker_id), total, self.config)
+            env = self.mps.env(pct[role], limit, index)
+            if total:
+                env["DISTSERVE_DEVICE_TOTAL_MIB"] = str(total)  # its share is of the whole device, not the limit
+            if sm_totals[index]:
+                env["DISTSERVE_DEVICE_SM_COUNT"] = str(sm_totals[index])  # for the worker's start-up probe
+            out[worker_id] = env
+        return out
 
     # --- supervision -----------------------------------------------------------
     def supervise(self, now: float | None = None) -> list[str]:
@@ -238,7 +383,9 @@ class Launcher:
                 w.restarts.append(now)
                 w.restart_at = None
                 self.procs.remove(w.proc)
-                w.proc = self._spawn([*w.argv, "--restart-count", str(len(w.restarts))], w.worker_id, w.cpus, w.threads)
+                w.proc = self._spawn(
+                    [*w.argv, "--restart-count", str(len(w.restarts))], w.worker_id, w.cpus, w.threads, w.env
+                )
                 events.append(f"worker {w.worker_id} restarted (pid {w.proc.pid}, restart {len(w.restarts)})")
         return events
 
@@ -326,4 +473,7 @@ class Launcher:
                 p.kill()
                 p.wait()
         self.procs.clear()
+        if self.mps is not None:  # after its clients exited
+            self.mps.stop()
+            self.mps = None
         self._tmp.cleanup()

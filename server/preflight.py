@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import shutil
 import socket
 import tempfile
 from pathlib import Path
 
 TMP_PREFIX = "distserve-"
+SHM_PREFIX = "dskv_"  # KV segments (server/kv_transfer/shm.py): dskv_<creator pid>_<32 hex>
 
 
 def port_problem(host: str, port: int) -> str | None:
@@ -57,7 +59,17 @@ def model_problem(model: str | None) -> str | None:
 
 
 def backend_problem(backends: dict[str, str], devices: list[str]) -> str | None:
-    """A sentence when a section asks for a CUDA-only attention backend and a worker runs on the CPU."""
+    """A sentence when a section asks for a CUDA-only attention backend and a worker runs on the CPU, or for
+    flash_attn_v2 where the flash-attn package is not installed."""
+    import importlib.util
+
+    for section, name in backends.items():
+        if name == "flash_attn_v2" and importlib.util.find_spec("flash_attn") is None and devices:
+            if all(d.startswith("cuda") for d in devices):
+                return (
+                    f"{section}.attention_backend 'flash_attn_v2' needs the flash-attn package, which is not "
+                    "installed: pip install -e '.[gpu]' in this checkout, or use 'auto' (Triton) instead"
+                )
     if not any(not d.startswith("cuda") for d in devices):
         return None
     for section, name in backends.items():
@@ -178,3 +190,38 @@ def _me() -> str:
     import pwd
 
     return pwd.getpwuid(os.getuid()).pw_name
+
+
+def sweep_orphan_segments(prefix: str = SHM_PREFIX, root: str = "/dev/shm") -> list[str]:
+    """Unlink this user's KV segments whose creating process is gone; the names unlinked.
+
+    A sender's segments are unlinked by the sender, or by its resource tracker when it dies; when both
+    die together (SIGKILL of the process group) they stay in /dev/shm until reboot. Each name carries
+    its creator's pid, so the next start (the launcher, a prefill worker) removes the ones whose creator
+    no longer exists. Only segments owned by the running user; a pid that exists (alive, or reused by
+    another process) keeps its segments: never remove what might be in use."""
+    pattern = re.compile(re.escape(prefix) + r"([0-9]{1,10})_[0-9a-f]{32}")
+    removed: list[str] = []
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return removed
+    for name in names:
+        m = pattern.fullmatch(name)
+        if m is None:
+            continue
+        try:
+            if os.lstat(os.path.join(root, name)).st_uid != os.geteuid():
+                continue
+            os.kill(int(m.group(1)), 0)
+            continue  # the creator (or a process with its pid) lives
+        except ProcessLookupError:
+            pass
+        except OSError:  # gone already, or the pid is someone else's process: leave it
+            continue
+        try:
+            os.unlink(os.path.join(root, name))
+            removed.append(name)
+        except OSError:
+            pass
+    return removed

@@ -154,6 +154,8 @@ def inject(
     out: dict = {"fault": fault, "kv_ports": ports}
     if fault == "bandwidth":
         rate = str(kw.get("rate", "8mbit"))
+        saved["qdisc"] = True  # recorded before the change: a kill midway still rolls it back
+        state.save(KIND, netns, saved)
         run(
             [
                 "tc",
@@ -171,7 +173,6 @@ def inject(
                 str(kw.get("queue_latency", "400ms")),
             ]
         )
-        saved["qdisc"] = True
         out.update(mechanism="tc tbf", rate=rate)
     elif netem:
         args = (
@@ -179,14 +180,17 @@ def inject(
             if fault == "latency"
             else ["loss", f"{kw.get('percent', 10)}%"]
         )
-        run(["tc", "qdisc", "replace", "dev", host_if, "root", "netem", *args])
         saved["qdisc"] = True
+        state.save(KIND, netns, saved)
+        run(["tc", "qdisc", "replace", "dev", host_if, "root", "netem", *args])
         out.update(mechanism="tc netem " + " ".join(args))
     elif fault == "loss":
         pct = int(kw.get("percent", 10))
         if not 0 < pct <= 100:
             raise ValueError(f"percent must be in 1..100, got {pct}")
         sports = ", ".join(map(str, ports))
+        saved["tables"].append(["inet", FILTER_TABLE])
+        state.save(KIND, netns, saved)
         _nft_table(
             netns,
             "inet",
@@ -198,7 +202,6 @@ def inject(
                 )
             },
         )
-        saved["tables"].append(["inet", FILTER_TABLE])
         out.update(mechanism=f"nftables numgen random drop {pct}% (no netem)", percent=pct)
     elif fault == "partition":
         scope = kw.get("scope", "kv")
@@ -208,6 +211,8 @@ def inject(
             ps = ", ".join(map(str, ports))
             rules_in = f"ip saddr {host_ip} tcp sport {{ {ps} }} drop"
             rules_out = f"ip daddr {host_ip} tcp dport {{ {ps} }} drop"
+        saved["tables"].append(["inet", FILTER_TABLE])
+        state.save(KIND, netns, saved)
         _nft_table(
             netns,
             "inet",
@@ -217,7 +222,6 @@ def inject(
                 "out": ("type filter hook output priority 0", [rules_out]),
             },
         )
-        saved["tables"].append(["inet", FILTER_TABLE])
         out.update(mechanism="nftables drop", scope=scope)
     else:  # the userspace proxy
         toxic_type = "latency" if fault in ("latency", "jitter") else fault
@@ -229,8 +233,9 @@ def inject(
         saved["proxies"] = procs
         state.save(KIND, netns, saved)
         rules = [f"ip daddr {host_ip} tcp dport {p['upstream_port']} dnat to {host_ip}:{p['port']}" for p in procs]
-        _nft_table(netns, "ip", NAT_TABLE, {"out": ("type nat hook output priority -100", rules)})
         saved["tables"].append(["ip", NAT_TABLE])
+        state.save(KIND, netns, saved)
+        _nft_table(netns, "ip", NAT_TABLE, {"out": ("type nat hook output priority -100", rules)})
         out.update(
             mechanism=f"userspace proxy (chaos.proxy) toxic {toxic}" + ("" if mechanism == "proxy" else " (no netem)"),
             proxies=procs,
@@ -241,16 +246,38 @@ def inject(
     return out
 
 
+def _is_proxy(pid: object) -> bool:
+    """Whether ``pid`` is a chaos proxy (``python -m chaos.proxy``): the only processes rollback stops."""
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 1:
+        return False
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"chaos.proxy" in f.read()
+    except OSError:
+        return False
+
+
 def rollback(netns: str, **_: object) -> dict:
     saved = state.load(KIND, netns)
     if not saved:
         return {"rolled_back": False}
-    if saved["qdisc"] and os.path.exists(f"/sys/class/net/{saved['host_if']}"):
-        run(["tc", "qdisc", "del", "dev", saved["host_if"], "root"], check=False)
+    host_if = state.check_name("veth link", saved.get("host_if"), r"dsc[0-9a-f]{6}h")
+    tables = [tuple(t) for t in saved.get("tables") or []]
+    for t in tables:  # only the tables this injector creates
+        if t not in (("inet", FILTER_TABLE), ("ip", NAT_TABLE)):
+            raise state.StateRefused(f"chaos state refused: nft table {t!r} is not one kv_link makes")
+    restored = []
+    if saved.get("qdisc") and os.path.exists(f"/sys/class/net/{host_if}"):
+        run(["tc", "qdisc", "del", "dev", host_if, "root"], check=False)
+        restored.append(f"qdisc on {host_if}")
     if netns_exists(netns):
-        for family, table in saved["tables"]:
+        for family, table in tables:
             run(["nft", "delete", "table", family, table], netns=netns, check=False)
-    for p in saved["proxies"]:
+            restored.append(f"nft table {family} {table} in {netns}")
+    for p in saved.get("proxies") or []:
+        if not isinstance(p, dict) or not _is_proxy(p.get("pid")):
+            continue  # gone, or not a proxy of ours: never signal it
+        restored.append(f"proxy pid {p['pid']}")
         try:
             os.kill(p["pid"], signal.SIGTERM)
         except ProcessLookupError:
@@ -273,4 +300,4 @@ def rollback(netns: str, **_: object) -> dict:
     if netns_exists(netns) and saved.get("ports"):
         _reset_kv_connections(netns, saved["host_ip"], saved["ports"])
     state.clear(KIND, netns)
-    return {"rolled_back": True}
+    return {"rolled_back": True, "restored": restored}

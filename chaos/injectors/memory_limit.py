@@ -122,7 +122,17 @@ def rollback(
     saved = state.load(KIND, k)
     if not saved:
         return {"rolled_back": False}
-    cg, flavour = saved["cgroup"], saved["flavour"]
+    cg, flavour = saved.get("cgroup"), saved.get("flavour")
+    fl = cgroup_flavour()
+    root = fl[1] if fl else ""
+    # only the cgroup this injector makes for this key, and a move back inside the same hierarchy
+    if fl is None or flavour != fl[0] or cg != f"{root}/distserve-chaos-{k}" or ".." in k:
+        raise state.StateRefused(f"chaos state refused: cgroup {cg!r} is not the one memory_limit makes for {k!r}")
+    prev = saved.get("previous")
+    if not isinstance(prev, str) or not (prev == root or prev.startswith(root + "/")) or "/.." in prev:
+        raise state.StateRefused(f"chaos state refused: previous cgroup {prev!r} is outside {root}")
+    if not isinstance(saved.get("pid"), int):
+        raise state.StateRefused(f"chaos state refused: pid {saved.get('pid')!r}")
     seen = counters(cg, flavour)
     alive = pid_alive(saved["pid"])
     if alive:
@@ -141,4 +151,4 @@ def rollback(
     else:
         raise HostError(f"could not remove cgroup {cg}")
     state.clear(KIND, k)
-    return {"rolled_back": True, "worker_alive": alive, "counters": seen}
+    return {"rolled_back": True, "worker_alive": alive, "counters": seen, "removed": [f"cgroup {cg}"]}

@@ -18,6 +18,8 @@ from chaos import state
 from chaos.sysutil import HostError, netns_exists, require_root, run
 
 KIND = "netns"
+NAME_PATTERN = r"[A-Za-z0-9_.-]{1,64}"
+LINK_PATTERN = r"dsc[0-9a-f]{6}[hn]"  # the veth pair's names, as inject() gives them
 
 
 def _free_subnet() -> ipaddress.IPv4Network:
@@ -68,11 +70,17 @@ def rollback(netns: str | None = None, name: str | None = None, **_: object) -> 
     name = netns or name
     if not name:
         return {"rolled_back": False}
+    state.check_name("network namespace", name, NAME_PATTERN)
     info = state.load(KIND, name) or {}
+    host_if = info.get("host_if")
+    if host_if is not None:
+        state.check_name("veth link", host_if, LINK_PATTERN)  # only a link this injector named
+    removed = []
     if netns_exists(name):
         run(["ip", "netns", "del", name], check=False)
-    host_if = info.get("host_if")
+        removed.append(f"netns {name}")
     if host_if and os.path.exists(f"/sys/class/net/{host_if}"):
         run(["ip", "link", "del", host_if], check=False)
+        removed.append(f"link {host_if}")
     state.clear(KIND, name)
-    return {"rolled_back": True, "netns": name}
+    return {"rolled_back": True, "netns": name, "removed": removed}

@@ -33,9 +33,9 @@ def inject(
     stopped = []
     saved = state.load(KIND, k) or {"pids": []}
     for w in victims:
-        os.kill(int(w["pid"]), signal.SIGSTOP)
         saved["pids"].append(int(w["pid"]))
-        state.save(KIND, k, saved)  # saved after each signal: a crash here still rolls back what was stopped
+        state.save(KIND, k, saved)  # saved before each signal: a crash here still rolls back what was stopped
+        os.kill(int(w["pid"]), signal.SIGSTOP)
         stopped.append({"worker_id": w["worker_id"], "role": w["role"], "pid": w["pid"]})
     return {"mechanism": "SIGSTOP", "stopped": stopped}
 
@@ -46,7 +46,9 @@ def rollback(role: str | None = None, worker_id: str | None = None, key: str | N
     if not saved:
         return {"rolled_back": False}
     resumed = []
-    for pid in saved["pids"]:
+    for pid in saved.get("pids") or []:
+        if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 1:
+            raise state.StateRefused(f"chaos state refused: pid {pid!r}")
         try:
             os.kill(pid, signal.SIGCONT)
             resumed.append(pid)

@@ -13,6 +13,8 @@ listed keys are ever touched.
 
 from __future__ import annotations
 
+import re
+
 from chaos import state
 from chaos.sysutil import HostError, netns_exists, require_root, sysctl_get, sysctl_set
 
@@ -64,7 +66,17 @@ def rollback(netns: str | None = None, **_: object) -> dict:
     if not saved:
         return {"rolled_back": False}
     restored, bad = {}, {}
-    for k, (where, value) in saved["previous"].items():
+    previous = saved.get("previous")
+    if not isinstance(previous, dict):
+        raise state.StateRefused("chaos state refused: sysctl state has no 'previous' table")
+    for k, entry in previous.items():  # only the keys this injector manages, only values it could have read
+        state.check_name("sysctl key", k, "|".join(re.escape(x) for x in KEYS))
+        if not (isinstance(entry, list) and len(entry) == 2):
+            raise state.StateRefused(f"chaos state refused: sysctl {k}: {entry!r} is not [netns, value]")
+        if entry[0] is not None and entry[0] != netns:
+            raise state.StateRefused(f"chaos state refused: sysctl {k} names namespace {entry[0]!r}, not {netns!r}")
+        state.check_name(f"value of {k}", entry[1], r"[0-9]+([ \t][0-9]+)*")
+    for k, (where, value) in previous.items():
         if where and not netns_exists(where):  # the namespace, and its settings, are gone already
             continue
         sysctl_set(k, value, where)
@@ -74,4 +86,4 @@ def rollback(netns: str | None = None, **_: object) -> dict:
     if bad:
         raise HostError(f"sysctl rollback left {bad}, expected {saved['previous']}")
     state.clear(KIND, _key(netns))
-    return {"rolled_back": True, "restored": restored}
+    return {"rolled_back": True, "restored": restored, "netns": netns}

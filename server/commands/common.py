@@ -41,7 +41,7 @@ class Parser(argparse.ArgumentParser):
 # counterpart here: what to do instead (docs/FROM_THE_ARTICLE.md has the whole mapping).
 ARTICLE_FLAGS = {
     "--num-gpus": "one worker per GPU here: `serve --devices cuda:0,cuda:1 --prefill 1 --decode 1`, "
-    "or one `distserve worker --device cuda:N` per GPU",
+    "or one `distserve worker --role ROLE --router URL --device cuda:N` per GPU",
     "--prefill-host": "workers register with the router themselves: start each with "
     "`distserve worker --role prefill --router http://ROUTER:8080`",
     "--decode-host": "workers register with the router themselves: start each with "

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import logging
 import os
+import shutil
 import signal
 import sys
 import time
@@ -16,6 +17,8 @@ from server.commands.cluster import add_serve_flags
 from server.commands.common import admin_token, load_args_config, usage_error
 from server.config import ConfigError, DistServeConfig
 from server.launcher import TOKEN_ENV, Launcher, RestartPolicy, parse_devices
+from server.mps import CONTROL as MPS_CONTROL
+from server.mps import MpsUnavailable, parse_sm_split
 from server.preflight import (
     backend_problem,
     context_warning,
@@ -33,6 +36,11 @@ def cmd_serve(args) -> int:
         return usage_error(str(e))
     if args.prefill < 1 or args.decode < 1:
         return usage_error("--prefill and --decode must be >= 1")
+    if args.sm_split:
+        try:
+            cfg = with_sm_split(cfg, parse_sm_split(args.sm_split))
+        except ValueError as e:
+            return usage_error(str(e))
     try:
         devices = parse_devices(args.devices) if args.devices else ()
         parse_devices(args.device)
@@ -58,6 +66,9 @@ def cmd_serve(args) -> int:
         )
         or port_problem(cfg.router.host, cfg.router.port)
     )
+    if problem:
+        return usage_error(problem)
+    problem = sm_split_problem(cfg, args.mode, list(devices) or [args.device])
     if problem:
         return usage_error(problem)
     launcher = Launcher(
@@ -95,13 +106,16 @@ def cmd_serve(args) -> int:
             write_ready_file(args.ready_file, {"url": url, "pid": os.getpid(), "token": launcher.token})
         print(f"distserve ready: {url} ({args.mode}, {n} workers)", flush=True)
         while not stop["flag"]:
-            if launcher.procs[0].poll() is not None:
-                print("distserve: router exited; shutting down", file=sys.stderr)
-                return 1
+            router_event = launcher.supervise_router()  # frozen or exited: restarted on the same port
+            if router_event:
+                print(f"distserve: {router_event}", file=sys.stderr, flush=True)
             for event in launcher.supervise():
                 print(f"distserve: {event}", file=sys.stderr, flush=True)
             time.sleep(0.2)
         return 0
+    except MpsUnavailable as e:
+        print(f"distserve: error: {e}", file=sys.stderr)
+        return 2
     except RuntimeError as e:
         print(f"distserve: error: {e}", file=sys.stderr)
         return 1
@@ -121,6 +135,28 @@ def _exit_now(rc: int) -> NoReturn:
 
 def _backends(cfg: DistServeConfig) -> dict[str, str]:
     return {"prefill": cfg.prefill.attention_backend, "decode": cfg.decode.attention_backend}
+
+
+def with_sm_split(cfg: DistServeConfig, split: tuple[int, int]) -> DistServeConfig:
+    """``--sm-split P:D`` over the config: prefill.sm_share = P, decode.sm_share = D."""
+    d = cfg.to_dict()
+    d["prefill"]["sm_share"], d["decode"]["sm_share"] = split
+    return DistServeConfig.from_dict(d)
+
+
+def sm_split_problem(cfg: DistServeConfig, mode: str, devices: list[str]) -> str | None:
+    """One sentence when an SM split is asked for where it cannot apply, else None."""
+    roles = ["prefill", "decode"] if mode == "disaggregated" else ["decode"]
+    if not any((cfg.prefill if r == "prefill" else cfg.decode).sm_share for r in roles):
+        return None
+    if not any(d.startswith("cuda") for d in devices):
+        return "--sm-split (prefill/decode.sm_share) partitions a GPU's SMs: it needs workers on --device cuda"
+    if shutil.which(MPS_CONTROL) is None:
+        return (
+            f"--sm-split needs CUDA MPS, and {MPS_CONTROL} is not on the PATH (leave --sm-split out to share "
+            "the GPU unpartitioned)"
+        )
+    return None
 
 
 def _watch_parent(parent_pid: int | None) -> None:
@@ -262,7 +298,7 @@ def add_parsers(sub) -> None:
         default="disaggregated",
         help="separate prefill and decode workers, or workers that do both (the vLLM-style baseline)",
     )
-    p.add_argument("--port", type=int, default=None, help="router port (default: config router.port; 0 = any)")
+    p.add_argument("--port", type=int, default=None, help="router port (default: config router.port, 8080; 0 = any)")
     p.add_argument("--host", default=None, help="router bind address (default 127.0.0.1)")
     p.add_argument("--device", default="cpu", help="device of every worker: cpu, cuda, cuda:N")
     p.add_argument(
@@ -307,6 +343,13 @@ def add_parsers(sub) -> None:
         "loop: reported and left stopped",
     )
     p.add_argument("--restart-window-s", type=float, default=60.0, help="see --max-restarts")
+    p.add_argument(
+        "--sm-split",
+        default=None,
+        metavar="P:D",
+        help="partition each shared GPU's SMs with CUDA MPS: prefill workers get P %%, decode workers D %% "
+        "(e.g. 60:40; sets prefill/decode.sm_share); the launcher runs its own MPS control daemon",
+    )
     add_serve_flags(p)
     p.set_defaults(handler=cmd_serve)
 

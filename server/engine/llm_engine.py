@@ -79,6 +79,9 @@ class EngineConfig:
     gpu_memory_reserved_bytes: int = 0
     kv_receive_tokens: int = 0
     gpu_memory_headroom_bytes: int = 0
+    # the device's memory when the process sees less (an MPS client under CUDA_MPS_PINNED_DEVICE_MEM_LIMIT):
+    # gpu_memory_utilization is a share of the whole device; 0 = what CUDA reports
+    gpu_device_total_bytes: int = 0
     max_model_len: int = 0  # 0 = the model's max_position_embeddings
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
@@ -270,6 +273,7 @@ class LLMEngine:
         del self.runner, self.block_manager, self.scheduler
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
+        total = max(total, config.gpu_device_total_bytes)
         non_torch = max(0, self._free_at_start - free - torch.cuda.memory_reserved(self.device))
         block_bytes = kv_bytes_per_block(self.model_config, bs, self.kv_dtype)
         graphs = 0 if config.enforce_eager else CUDA_GRAPH_RESERVE_BYTES
@@ -472,9 +476,7 @@ class LLMEngine:
                     [s.num_output_tokens for s in sampling],
                     # the penalties' counts are rebuilt from the ids each step: a request resumed elsewhere
                     # (hand-off, migration, recompute) with its outputs sees the same logits
-                    [(s.prompt_token_ids, s.output_token_ids) for s in sampling]
-                    if any(p.has_penalties for p in params)
-                    else None,
+                    sampling if any(p.has_penalties for p in params) else None,
                     self.logits_mask_fn(sampling) if self.logits_mask_fn is not None else None,
                 )
                 tokens, logprobs = sampled.tokens, sampled.logprobs

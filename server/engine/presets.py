@@ -93,18 +93,54 @@ def preset_config(model: str) -> ModelConfig:
     return PRESETS[name]
 
 
+def _signed(c: int) -> int:
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+_GOLDEN, _MIX1, _MIX2 = _signed(0x9E3779B97F4A7C15), _signed(0xBF58476D1CE4E5B9), _signed(0x94D049BB133111EB)
+
+
+def _shr(z: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic)."""
+    return (z >> k) & ((1 << (64 - k)) - 1)
+
+
+def counter_normal(n: int, seed: int, offset: int, device: torch.device) -> torch.Tensor:
+    """N(0, 1) float32 draws number ``offset .. offset + n`` of stream ``seed``: splitmix64 of the counter,
+    then Box-Muller. Element-wise, so the values do not depend on the launch grid — torch's own CUDA
+    generator sizes its grid from the SM count, which an MPS thread percentage lowers: two workers at
+    different SM shares would make different "same" preset weights (and be refused as a model mismatch)."""
+    key = _signed(((seed * 0x5851F42D + 1) * (_GOLDEN % (1 << 64))) % (1 << 64))
+    z = torch.arange(offset, offset + n, dtype=torch.int64, device=device) + key
+    z = (z ^ _shr(z, 30)) * _MIX1
+    z = (z ^ _shr(z, 27)) * _MIX2
+    z = z ^ _shr(z, 31)
+    u1 = ((_shr(z, 40) & 0xFFFFFF).to(torch.float32) + 0.5) / 16777216.0
+    u2 = (_shr(z, 16) & 0xFFFFFF).to(torch.float32) / 16777216.0
+    return torch.sqrt(-2.0 * torch.log(u1)) * torch.cos(6.283185307179586 * u2)
+
+
 @torch.no_grad()
 def init_random_weights(model: torch.nn.Module, seed: int = 0, std: float = INIT_STD) -> None:
-    """Fill every parameter in place on its own device: norms 1, biases 0, matrices N(0, std)."""
+    """Fill every parameter in place on its own device: norms 1, biases 0, matrices N(0, std). On CUDA
+    the draws come from :func:`counter_normal` (the same weights whatever share of the SMs the process has)."""
     params = list(model.named_parameters())
     device = params[0][1].device if params else torch.device("cpu")
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)
+    drawn = 0
     for name, p in params:
         if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
             p.fill_(1.0)
         elif name.endswith(".bias"):
             p.zero_()
+        elif device.type == "cuda":
+            flat = p.view(-1)
+            step = 1 << 24
+            for i in range(0, flat.numel(), step):
+                chunk = flat[i : i + step]
+                chunk.copy_(counter_normal(chunk.numel(), seed, drawn + i, device) * std)
+            drawn += flat.numel()
         elif p.dtype in (torch.float16, torch.bfloat16):
             # draw in float32 chunk by chunk (normal_ on bf16 is fine too, this keeps draws dtype-independent)
             flat = p.view(-1)

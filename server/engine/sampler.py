@@ -94,86 +94,187 @@ def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 
 def _draw(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int], indices: list[int]) -> torch.Tensor:
-    """Sample rows of processed ``logits`` (none greedy); returns token ids ``[rows]`` (int64)."""
+    """Sample rows of processed ``logits`` (none greedy); returns token ids ``[rows]`` (int64).
+
+    Each row goes one of three ways, chosen by its own parameters and the device only: neither top_k
+    nor top_p → vocabulary order; top_p without top_k on a CPU → vocabulary order inside the nucleus
+    (``_nucleus_cpu``: a CPU full-vocabulary sort costs more than the model's step); else → in order of
+    likelihood (``_ranked_draw``: a full sort, or ``torch.topk`` when every row has a top_k)."""
     dev, vocab = logits.device, logits.shape[-1]
-    temp = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev).unsqueeze(1)
     u = uniforms(
         torch.tensor(seeds, dtype=torch.int64, device=dev), torch.tensor(indices, dtype=torch.int64, device=dev)
     )
-    # Shift so the largest logit is 0 before dividing: with a tiny temperature, logits / t alone
-    # overflows float32 to inf and softmax turns inf - inf into NaN.
-    x = (logits - logits.amax(dim=-1, keepdim=True)) / temp
-    sorts = [0 < p.top_k < vocab or p.top_p < 1.0 for p in params]
+    # No shift by the row's max first: every op below is shift-invariant or shifts itself (softmax), and
+    # a temperature is >= SAMPLING_EPS here (below it a row is greedy), so logits / T stays finite.
+    x = logits
+    if any(p.temperature != 1.0 for p in params):
+        inv = torch.tensor([1.0 / p.temperature for p in params], dtype=torch.float32, device=dev).unsqueeze(1)
+        x = logits * inv
+    cpu = dev.type == "cpu"
+
+    def way(p: SamplingParams) -> int:
+        has_k = 0 < p.top_k < vocab
+        if not has_k and p.top_p >= 1.0:
+            return 0
+        return 1 if cpu and not has_k else 2
+
+    ways = [way(p) for p in params]
     out = torch.empty(len(params), dtype=torch.int64, device=dev)
-    plain = [i for i, s in enumerate(sorts) if not s]
-    if plain:  # vocabulary order: softmax, min_p, draw
-        rows = torch.tensor(plain, dtype=torch.int64, device=dev) if len(plain) < len(params) else None
-        xp = x if rows is None else x.index_select(0, rows)
-        probs = torch.softmax(xp, dim=-1)
-        if any(params[i].min_p > 0.0 for i in plain):
-            min_p = torch.tensor([params[i].min_p for i in plain], dtype=torch.float32, device=dev).unsqueeze(1)
-            probs = probs.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0)
-        tok = _inverse_cdf(probs, u if rows is None else u.index_select(0, rows))
-        if rows is None:
-            return tok
-        out.index_copy_(0, rows, tok)
-    ranked = [i for i, s in enumerate(sorts) if s]
-    if ranked:  # sorted order: top_k, softmax, top_p, min_p, draw
-        rows = torch.tensor(ranked, dtype=torch.int64, device=dev) if len(ranked) < len(params) else None
-        xs, order = torch.sort(x if rows is None else x.index_select(0, rows), dim=-1, descending=True, stable=True)
-        top_k = torch.tensor(
-            [params[i].top_k if 0 < params[i].top_k < vocab else vocab for i in ranked], dtype=torch.int64, device=dev
-        ).unsqueeze(1)
-        xs = xs.masked_fill(torch.arange(vocab, device=dev).unsqueeze(0) >= top_k, float("-inf"))
-        probs = torch.softmax(xs, dim=-1)
-        top_p = torch.tensor([params[i].top_p for i in ranked], dtype=torch.float32, device=dev).unsqueeze(1)
-        drop = (torch.cumsum(probs, dim=-1) - probs) >= top_p  # mass before this token already reaches top_p
-        if any(params[i].min_p > 0.0 for i in ranked):
-            min_p = torch.tensor([params[i].min_p for i in ranked], dtype=torch.float32, device=dev).unsqueeze(1)
-            drop |= probs < min_p * probs[:, :1]
-        drop[:, 0] = False  # the top token always stays
-        pos = _inverse_cdf(probs.masked_fill(drop, 0.0), u if rows is None else u.index_select(0, rows))
-        tok = order.gather(1, pos.unsqueeze(1)).squeeze(1)
+    for w in (0, 1, 2):
+        idx = [i for i, v in enumerate(ways) if v == w]
+        if not idx:
+            continue
+        rows = torch.tensor(idx, dtype=torch.int64, device=dev) if len(idx) < len(params) else None
+        xs, us, ps = (
+            (x, u, params)
+            if rows is None
+            else (x.index_select(0, rows), u.index_select(0, rows), [params[i] for i in idx])
+        )
+        tok = _ranked_draw(xs, ps, us) if w == 2 else _vocab_draw(xs, ps, us, nucleus=w == 1)
         if rows is None:
             return tok
         out.index_copy_(0, rows, tok)
     return out
 
 
-def _apply_penalties(
-    logits: torch.Tensor,
-    params: list[SamplingParams],
-    rows: list[int],
-    histories: Sequence[tuple[Sequence[int], Sequence[int]]],
-) -> None:
+def _vocab_draw(x: torch.Tensor, params: list[SamplingParams], u: torch.Tensor, nucleus: bool) -> torch.Tensor:
+    """softmax, the top_p nucleus (when asked), min_p, then the draw, all in vocabulary order."""
+    dev = x.device
+    probs = torch.softmax(x, dim=-1)
+    if nucleus:
+        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev)
+        probs = probs.masked_fill(~_nucleus_cpu(probs, top_p), 0.0)
+    if any(p.min_p > 0.0 for p in params):
+        min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=dev).unsqueeze(1)
+        probs = probs.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0)
+    return _inverse_cdf(probs, u)
+
+
+def _nucleus_cpu(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """The top_p nucleus of each row without sorting the vocabulary (bool ``[rows, vocab]``): the same set
+    as the sorted rule (keep a token while the mass of the tokens before it is below top_p, ties in
+    vocabulary order). A float32 probability's bits order like the value, so a 1024-bin histogram of the
+    top 10 bits finds the bin where the mass crosses top_p; only that bin's few tokens are sorted."""
+    rows, vocab = probs.shape
+    bits = probs.view(torch.int32)  # probabilities are >= 0 and < 2: bit 30 is clear, bits >> 20 < 1024
+    bins = (bits >> 20).clamp_(0, 1023)  # (a NaN row's bits are not: it fails anyway, but must not index out)
+    offsets = torch.arange(rows, dtype=torch.int32).unsqueeze(1) * 1024
+    hist = torch.zeros(rows * 1024, dtype=torch.float32).index_add_(0, (bins + offsets).view(-1), probs.view(-1))
+    above = hist.view(rows, 1024).flip(1).cumsum(1).flip(1)  # above[r, j] = mass of row r's bins >= j
+    # the boundary bin: the highest whose mass, with every bin above it, reaches top_p
+    edge = ((above >= top_p.unsqueeze(1)).sum(1) - 1).clamp(min=0)
+    before = torch.where(edge < 1023, above.gather(1, (edge + 1).clamp(max=1023).unsqueeze(1)).squeeze(1), 0.0)
+    keep = bins > edge.to(torch.int32).unsqueeze(1)
+    r, c = (bins == edge.to(torch.int32).unsqueeze(1)).nonzero(as_tuple=True)
+    v = probs[r, c]  # the boundary bin's tokens: few
+    # within the boundary bin: by row, then value descending, then vocabulary order (stable sorts)
+    o = torch.sort(v, descending=True, stable=True).indices
+    o = o[torch.sort(r[o], stable=True).indices]
+    r, c, v = r[o], c[o], v[o]
+    # One cumulative sum over every row's entries, kept exact so that no row's answer depends on the rows
+    # before it: a bin's values share one float32 exponent, so each is its integer significand times the
+    # bin's power of two, and integer sums are exact.
+    vb = bits[r, c].to(torch.int64)
+    expo = vb >> 23
+    mant = torch.where(expo > 0, (vb & 0x7FFFFF) | 0x800000, vb & 0x7FFFFF)
+    cum = torch.cumsum(mant, 0)
+    starts = torch.searchsorted(r, torch.arange(rows))  # each row's first entry (r is sorted)
+    base = torch.where(starts > 0, cum[(starts - 1).clamp(min=0)], 0)
+    excl = (cum - mant - base[r]).to(torch.float64) * torch.pow(2.0, (expo.clamp(min=1) - 150).to(torch.float64))
+    keep[r, c] = (before[r].to(torch.float64) + excl) < top_p[r].to(torch.float64)
+    keep[:, 0] |= ~keep.any(dim=1)  # never empty (a row whose mass is all NaN fails anyway)
+    return keep
+
+
+def _ranked_draw(x: torch.Tensor, params: list[SamplingParams], u: torch.Tensor) -> torch.Tensor:
+    """Rows with top_k or top_p, in order of likelihood: top_k (renormalised, vLLM), softmax, top_p,
+    min_p, draw. ``torch.topk`` when every row has a top_k, else a full stable sort."""
+    dev, vocab = x.device, x.shape[-1]
+    ks = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
+    n = max(ks) if all(ks) else vocab
+    if n < vocab:
+        vals, order = torch.topk(x, n, dim=-1)  # sorted, most likely first
+    else:
+        vals, order = torch.sort(x, dim=-1, descending=True, stable=True)
+    kt = torch.tensor([k or n for k in ks], dtype=torch.int64, device=dev).unsqueeze(1)
+    vals = vals.masked_fill(torch.arange(n, device=dev).unsqueeze(0) >= kt, float("-inf"))
+    probs = torch.softmax(vals, dim=-1)
+    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev).unsqueeze(1)
+    drop = (torch.cumsum(probs, dim=-1) - probs) >= top_p  # the mass before this token already reaches top_p
+    if any(p.min_p > 0.0 for p in params):
+        min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=dev).unsqueeze(1)
+        drop |= probs < min_p * probs[:, :1]
+    drop[:, 0] = False  # the top token always stays
+    pos = _inverse_cdf(probs.masked_fill(drop, 0.0), u)
+    return order.gather(1, pos.unsqueeze(1)).squeeze(1)
+
+
+class PenaltyState:
+    """A sequence's token counts for the penalties, kept on the device between steps (``Sequence.
+    sampler_state``): ``counts`` of each output token, ``seen`` = in the prompt or the output, after the
+    first ``n`` outputs. Built from the ids the first time, so a request resumed elsewhere (hand-off,
+    migration) with its outputs gets the same counts; then only each step's new tokens are added."""
+
+    __slots__ = ("counts", "seen", "n")
+
+    def __init__(self, counts: torch.Tensor, seen: torch.Tensor, n: int) -> None:
+        self.counts, self.seen, self.n = counts, seen, n
+
+
+def _flat(rows: list[int], lists: list[Sequence[int]], dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row index, token id) of every id in ``lists`` (list j belongs to ``rows[j]``), two int64 tensors."""
+    ids = torch.tensor(list(chain.from_iterable(lists)), dtype=torch.int64, device=dev)
+    lens = torch.tensor([len(x) for x in lists], dtype=torch.int64, device=dev)
+    return torch.repeat_interleave(torch.tensor(rows, dtype=torch.int64, device=dev), lens), ids
+
+
+def _apply_penalties(logits: torch.Tensor, params: list[SamplingParams], rows: list[int], histories) -> None:
     """In place, on ``rows`` of ``logits``: repetition penalty over prompt + output tokens, then
-    frequency and presence penalties over output tokens (the counts rebuilt from the token ids, so a
-    request resumed elsewhere with its outputs gets the same logits)."""
+    frequency and presence penalties over output tokens. ``histories[i]``: a ``(prompt ids, output
+    ids)`` pair, or an object with ``prompt_token_ids``, ``output_token_ids`` and ``sampler_state``
+    (a ``Sequence``: its counts are kept there and only the new tokens are added each step)."""
     dev, vocab, n = logits.device, logits.shape[-1], len(rows)
-    row_t = torch.tensor(rows, dtype=torch.int64, device=dev)
-    sub = logits.index_select(0, row_t)
-    outs = [histories[i][1] for i in rows]
-    out_ids = torch.tensor(list(chain.from_iterable(outs)), dtype=torch.int64, device=dev)
-    out_rows = torch.repeat_interleave(
-        torch.arange(n, device=dev), torch.tensor([len(o) for o in outs], dtype=torch.int64, device=dev)
-    )
-    counts = torch.zeros(n, vocab, dtype=torch.float32, device=dev)
-    counts.index_put_((out_rows, out_ids), torch.ones_like(out_ids, dtype=torch.float32), accumulate=True)
-    rep = [params[i].repetition_penalty for i in rows]
-    if any(r != 1.0 for r in rep):
-        prompts = [histories[i][0] for i in rows]
-        p_ids = torch.tensor(list(chain.from_iterable(prompts)), dtype=torch.int64, device=dev)
-        p_rows = torch.repeat_interleave(
-            torch.arange(n, device=dev), torch.tensor([len(p) for p in prompts], dtype=torch.int64, device=dev)
-        )
-        seen = counts > 0
-        seen[p_rows, p_ids] = True
-        r = torch.tensor(rep, dtype=torch.float32, device=dev).unsqueeze(1)
-        sub = torch.where(seen, torch.where(sub > 0, sub / r, sub * r), sub)
-    freq = torch.tensor([params[i].frequency_penalty for i in rows], dtype=torch.float32, device=dev).unsqueeze(1)
-    pres = torch.tensor([params[i].presence_penalty for i in rows], dtype=torch.float32, device=dev).unsqueeze(1)
-    sub = sub - counts * freq - (counts > 0).to(torch.float32) * pres
-    logits.index_copy_(0, row_t, sub)
+    hs = [histories[i] for i in rows]
+    pairs = [(h[0], h[1]) if isinstance(h, tuple) else (h.prompt_token_ids, h.output_token_ids) for h in hs]
+    states = [None if isinstance(h, tuple) else h.sampler_state for h in hs]
+    if all(st is None for st in states):  # one allocation instead of a stack of empty rows
+        counts = torch.zeros(n, vocab, dtype=torch.float32, device=dev)
+        seen = torch.zeros(n, vocab, dtype=torch.bool, device=dev)
+    else:
+        zc = torch.zeros(vocab, dtype=torch.float32, device=dev)
+        zs = torch.zeros(vocab, dtype=torch.bool, device=dev)
+        counts = torch.stack([zc if st is None else st.counts for st in states])
+        seen = torch.stack([zs if st is None else st.seen for st in states])
+    fresh = [j for j, st in enumerate(states) if st is None]
+    if fresh:  # the prompt is seen once, when a sequence's state is built
+        pr, pi = _flat(fresh, [pairs[j][0] for j in fresh], dev)
+        seen[pr, pi] = True
+    new = [pairs[j][1][0 if st is None else st.n :] for j, st in enumerate(states)]
+    if any(new):
+        orow, oid = _flat(list(range(n)), new, dev)
+        counts.index_put_((orow, oid), torch.ones_like(oid, dtype=torch.float32), accumulate=True)
+        seen[orow, oid] = True
+    for j, h in enumerate(hs):
+        if not isinstance(h, tuple):
+            h.sampler_state = PenaltyState(counts[j], seen[j], len(pairs[j][1]))
+    every = n == logits.shape[0]
+    row_t = None if every else torch.tensor(rows, dtype=torch.int64, device=dev)
+    sub = logits if row_t is None else logits.index_select(0, row_t)
+
+    def column(name: str) -> torch.Tensor:
+        return torch.tensor([getattr(params[i], name) for i in rows], dtype=torch.float32, device=dev).unsqueeze(1)
+
+    if any(params[i].repetition_penalty != 1.0 for i in rows):
+        r = column("repetition_penalty")
+        sub = torch.where(seen, sub * torch.where(sub > 0, 1.0 / r, r), sub)
+    if any(params[i].frequency_penalty != 0.0 for i in rows):
+        sub = sub - counts * column("frequency_penalty")
+    if any(params[i].presence_penalty != 0.0 for i in rows):
+        sub = sub - (counts > 0) * column("presence_penalty")
+    if row_t is None:
+        logits.copy_(sub)
+    else:
+        logits.index_copy_(0, row_t, sub)
 
 
 def _apply_logit_bias(logits: torch.Tensor, params: list[SamplingParams], rows: list[int]) -> None:
@@ -225,11 +326,12 @@ class Sampler:
         params: list[SamplingParams],
         seeds: list[int],
         indices: list[int],
-        histories: Sequence[tuple[Sequence[int], Sequence[int]]] | None = None,
+        histories: Sequence | None = None,
         allowed: torch.Tensor | None = None,
     ) -> SamplerOutput:
-        """``logits``: [rows, vocab] float32; ``histories``: per row (prompt ids, output ids), read for
-        rows with penalties; ``allowed``: optional [rows, vocab] bool mask (True = may be sampled)."""
+        """``logits``: [rows, vocab] float32; ``histories``: per row a (prompt ids, output ids) pair or a
+        ``Sequence`` (which then keeps its penalty counts between steps), read for rows with penalties;
+        ``allowed``: optional [rows, vocab] bool mask (True = may be sampled)."""
         # A row sum is non-finite iff the row holds a NaN or an Inf: one reduction, no extra sync
         # (it travels with the tokens in the same .tolist()).
         finite = torch.isfinite(logits.sum(dim=-1))

@@ -27,6 +27,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from server.engine.sampling_params import SamplingParams
 
@@ -79,6 +80,8 @@ class Sequence:
     # prompt tokens whose KV came from the prefix cache at first admission (None: not admitted by
     # this engine's scheduler, e.g. a decode worker's KV arrived from a prefill worker)
     num_cached_tokens: int | None = None
+    # the sampler's penalty counts on the device (sampler.PenaltyState), rebuilt from the ids when None
+    sampler_state: Any = None
 
     @property
     def num_tokens(self) -> int:

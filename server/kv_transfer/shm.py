@@ -19,6 +19,8 @@ import re
 import secrets
 from multiprocessing import shared_memory
 
+from server.preflight import SHM_PREFIX
+
 try:  # the C module behind SharedMemory on POSIX; present on CPython 3.8+
     import _posixshmem
 except ImportError:  # pragma: no cover - non-POSIX
@@ -26,7 +28,7 @@ except ImportError:  # pragma: no cover - non-POSIX
 
 SEGMENT_NAME_RE = re.compile(r"[A-Za-z0-9_]{8,64}")
 _PREFIX_RE = re.compile(r"[A-Za-z0-9_]{1,24}")
-DEFAULT_PREFIX = "dskv_"
+DEFAULT_PREFIX = SHM_PREFIX  # names: <prefix><creator pid>_<32 hex> (server/preflight.py sweeps orphans)
 
 
 def create_segment(nbytes: int, prefix: str = DEFAULT_PREFIX) -> shared_memory.SharedMemory:
@@ -42,7 +44,7 @@ def create_segment(nbytes: int, prefix: str = DEFAULT_PREFIX) -> shared_memory.S
     if size > free:
         raise OSError(errno.ENOSPC, f"/dev/shm has {free} bytes free, KV segment needs {size}")
     while True:
-        name = prefix + secrets.token_hex(16)
+        name = f"{prefix}{os.getpid()}_{secrets.token_hex(16)}"  # the owner's pid: see sweep_orphan_segments
         try:
             seg = shared_memory.SharedMemory(name=name, create=True, size=size)
             break

@@ -45,7 +45,7 @@ from server.router.logprobs import TokenTexts, chat_logprobs, completion_logprob
 from server.router.pipeline import EngineRequest, NoWorkersError, Pipeline, PipelineOptions, TokenEvent
 from server.router.protocol import InvalidRequest
 from server.router.registry import STATES, RegistrationRefused, WorkerRegistry
-from server.router.request_journal import JournalEveryRequest
+from server.router.request_journal import JournalEveryRequest, client_fault
 from server.router.sampling_defaults import default_sampling
 from server.router.sla_live import Finished, SlaLive
 from server.router.structured_outputs import GrammarCheck, constraint_for
@@ -213,7 +213,16 @@ def create_router_app(state: RouterState) -> FastAPI:
                     progress_timeout_s=rc.stream_progress_timeout_s,
                 ),
             )
-            state.backup = BackupPool(BackupOptions(rc.backup_pool, rc.backup_model, rc.backup_api_key), http)
+            state.backup = BackupPool(
+                BackupOptions(
+                    rc.backup_pool,
+                    rc.backup_model,
+                    rc.backup_api_key,
+                    first_byte_timeout_s=rc.stream_progress_timeout_s,
+                    progress_timeout_s=rc.stream_progress_timeout_s,
+                ),
+                http,
+            )
             state.sla = SlaLive(rc, state.metrics.registry, backup_configured=state.backup.configured)
             if state.admission is None:  # one per state: its metrics live in the state's registry
                 state.admission = Admission(state.config, state.metrics.registry, lambda: _serving_workers(state))
@@ -233,7 +242,8 @@ def create_router_app(state: RouterState) -> FastAPI:
     app.add_middleware(PoolHeaderMiddleware)
     if state.connections is not None:  # refuses before the body is read (journaled by the next one)
         app.add_middleware(ConnectionLimit, counter=state.connections, retry_after_s=rc.admission.retry_after_s)
-    app.add_middleware(JournalEveryRequest, live=lambda: state.sla)  # outermost: sees 408/413 answers too
+    # outermost: sees 408/413 answers too; bounds the whole request (a client reading slowly)
+    app.add_middleware(JournalEveryRequest, live=lambda: state.sla, request_timeout_s=rc.request_timeout_s)
 
     def authorized(request: Request) -> bool:
         got = request.headers.get("authorization", "")
@@ -940,7 +950,9 @@ class _Run:
                 itl=tuple(self.itl) if ok else (),
                 prompt_tokens=len(self.req.prompt_token_ids),
                 output_tokens=n,
-                error=None if ok else (self.error or ("client disconnected" if status == "aborted" else status)),
+                error=None
+                if ok
+                else (self.error or ((client_fault() or "client disconnected") if status == "aborted" else status)),
                 http_status=_OUTCOME_STATUS.get(status, 500),
                 predicted_ttft=self.ticket.predicted_ttft_s if self.ticket is not None else None,
             )

@@ -15,10 +15,12 @@ Every data-plane response carries ``x-distserve-pool: primary|backup``
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from collections.abc import AsyncIterator, Callable
 
+import aiohttp
 from starlette.responses import Response, StreamingResponse
 
 from server.router.backup_pool import BackupPool
@@ -61,11 +63,16 @@ async def maybe_backup(
     media = upstream.headers.get("Content-Type", "application/json")
     start_mono = time.monotonic() - (time.perf_counter() - arrival)
     start_unix = time.time() - (time.perf_counter() - arrival)
+    base = getattr(upstream, "backup_base", "")
     if not stream:
-        try:
+        try:  # bounded between reads (progress_timeout_s): a stalled body is a failed backup
             data = await upstream.read()
-        finally:
-            upstream.release()
+        except (TimeoutError, aiohttp.ClientError, OSError) as e:
+            upstream.close()  # never back to the pool half-read
+            backup.mark_unhealthy(base, f"body not received: {type(e).__name__}: {e}")
+            live.fallbacks.labels("backup_unreachable").inc()
+            return None  # nothing reached the client yet: the primary serves it
+        upstream.release()
         e2e = time.perf_counter() - arrival
         ok = upstream.status < 400
         live.record(
@@ -87,6 +94,7 @@ async def maybe_backup(
         itl: list[float] = []
         events = 0
         ok = upstream.status < 400
+        finished = False
         try:
             async for chunk in upstream.content.iter_any():
                 now = time.perf_counter()
@@ -99,12 +107,20 @@ async def maybe_backup(
                     last = now
                     events += n
                 yield chunk
-        except Exception as e:  # the backup broke mid-stream: the client sees the cut, the journal the cause
-            ok = False
-            live.record(Finished("backup", start_mono, start_unix, False, error=f"backup stream broke: {e}"))
-            raise
+            finished = True
+        except (TimeoutError, aiohttp.ClientError, OSError) as e:  # broke or stalled mid-stream
+            why = f"backup stream broke: {type(e).__name__}: {e}"
+            backup.mark_unhealthy(base, why)
+            live.record(Finished("backup", start_mono, start_unix, False, error=why))
+            if media.startswith("text/event-stream"):  # end it cleanly: an error event, then [DONE]
+                err = {"error": {"message": why, "type": "server_error", "code": 502}}
+                yield f"data: {json.dumps(err)}\n\n".encode() + b"data: [DONE]\n\n"
+            return
         finally:
-            upstream.release()
+            if finished:
+                upstream.release()
+            else:
+                upstream.close()  # cut short (client gone, backup stalled): never back to the pool
         end = time.perf_counter()
         ttft = None if first is None else first - arrival
         tpot = (end - first) / (events - 1) if first is not None and events > 1 else None

@@ -4,9 +4,15 @@ uvicorn arms no timer until a first response is complete, so a client that opens
 sends nothing, or trickles its headers a byte at a time (slowloris), holds a socket and a protocol
 object for ever; and nothing bounds the body a client may send. Here:
 
-- ``guarded_http_protocol(header_timeout_s)``: an ``HttpToolsProtocol`` whose connections must
-  deliver a complete request head within ``header_timeout_s`` of connecting (or of the previous
-  response, for keep-alive), else they are answered 408 and closed;
+- ``guarded_http_protocol(header_timeout_s, write_timeout_s)``: an ``HttpToolsProtocol`` whose
+  connections must deliver a complete request head within ``header_timeout_s`` of connecting (or of
+  the previous response, for keep-alive), else they are answered 408 and closed; and whose client
+  must keep reading its answer: when the connection's write buffer stays full (the transport paused
+  writing) for ``write_timeout_s``, the connection is aborted and its request marked
+  ``CLIENT_TIMEOUT`` in the ASGI scope, so the journal records a client timeout (499), not a
+  success. The kernel send buffer of each connection is fixed at ``SEND_BUFFER_BYTES`` (Linux
+  doubles it): autotuned, one never-reading stream could park ~4 MB in the kernel before the
+  transport ever paused, so a slow reader went unnoticed and 1 000 of them pinned gigabytes;
 - ``BodyLimit``: ASGI middleware that answers 413 at once when ``Content-Length`` is over the
   limit, reads the body itself (so a chunked body is counted as it arrives and cut off at the
   limit, and one that stalls is answered 408 after ``body_timeout_s``), then hands the app the
@@ -17,15 +23,45 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+CLIENT_TIMEOUT = "distserve.client_timeout"  # ASGI scope key: why the client was cut off
+SEND_BUFFER_BYTES = 64 << 10
 
-def guarded_http_protocol(header_timeout_s: float, counter=None) -> type[HttpToolsProtocol]:
+
+def guarded_http_protocol(
+    header_timeout_s: float, write_timeout_s: float | None = None, counter=None
+) -> type[HttpToolsProtocol]:
     """``counter``: a ``ConnectionCounter`` (server/router/fdlimit.py) told of every connect and disconnect."""
 
     class GuardedHttpToolsProtocol(HttpToolsProtocol):
         _head_timer: asyncio.TimerHandle | None = None
+        _write_timer: asyncio.TimerHandle | None = None
+
+        def pause_writing(self) -> None:
+            super().pause_writing()
+            if write_timeout_s is not None and self._write_timer is None:
+                self._write_timer = self.loop.call_later(write_timeout_s, self._write_timed_out)
+
+        def resume_writing(self) -> None:
+            self._cancel_write_timer()
+            super().resume_writing()
+
+        def _cancel_write_timer(self) -> None:
+            if self._write_timer is not None:
+                self._write_timer.cancel()
+                self._write_timer = None
+
+        def _write_timed_out(self) -> None:
+            self._write_timer = None
+            if self.cycle is not None:
+                self.cycle.scope[CLIENT_TIMEOUT] = (  # type: ignore[literal-required]
+                    f"client timeout: read nothing of its answer for {write_timeout_s:g} s "
+                    "(router.stream_write_timeout_s)"
+                )
+            self.transport.abort()
 
         def _arm(self) -> None:
             if self._head_timer is not None:
@@ -47,6 +83,12 @@ def guarded_http_protocol(header_timeout_s: float, counter=None) -> type[HttpToo
             super().connection_made(transport)
             if counter is not None:
                 counter.connected()
+            sock = transport.get_extra_info("socket")
+            if sock is not None and write_timeout_s is not None:
+                try:
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
+                except OSError:
+                    pass
             self._arm()
 
         def on_message_begin(self) -> None:
@@ -61,6 +103,7 @@ def guarded_http_protocol(header_timeout_s: float, counter=None) -> type[HttpToo
             self._disarm()
             if counter is not None:
                 counter.disconnected()
+            self._cancel_write_timer()
             super().connection_lost(exc)
 
     return GuardedHttpToolsProtocol

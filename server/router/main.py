@@ -56,7 +56,7 @@ async def serve_router(
             app,
             log_level="warning",
             access_log=False,
-            http=guarded_http_protocol(rc.header_timeout_s, state.connections),
+            http=guarded_http_protocol(rc.header_timeout_s, rc.stream_write_timeout_s, state.connections),
             timeout_graceful_shutdown=5,
             timeout_keep_alive=max(1, round(rc.keepalive_timeout_s)),
         )

@@ -250,7 +250,10 @@ class Pipeline:
             "peer_host_id": peer_host,
             "peer_cuda_uuids": peer_cuda,
         }
-        idle = IdleTimeout(self.options.request_timeout_s)
+        # The progress deadline covers prefill too: a worker whose answer takes longer sends a blank
+        # whenever its engine completed a step (server/workers/app.py: _with_progress), so one whose
+        # engine hangs while it heartbeats is given up on after progress_timeout_s, not request_timeout_s.
+        idle = IdleTimeout(self.options.progress_timeout_s)
         try:
             with worker.watch(idle):  # a prefill worker that freezes fails this wait when it goes stale
                 r = await idle.wait(
@@ -264,7 +267,10 @@ class Pipeline:
                         raise ValueError(detail)
                     if r.status != 200:
                         raise WorkerFailed(worker, f"prefill answered HTTP {r.status}")
-                    first = PrefillResponse.model_validate_json(await idle.wait(r.read()))
+                    chunks = []
+                    while data := await idle.wait(r.content.readany()):
+                        chunks.append(data)
+                    first = PrefillResponse.model_validate_json(b"".join(chunks))
                     if not first.finished and first.kv is None:
                         raise WorkerFailed(worker, "prefill answer has neither a finish nor a KV handle")
                     return first

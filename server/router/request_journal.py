@@ -15,12 +15,15 @@ the client's own faults (other 4xx, 499 client gone or timed out) are journaled 
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from server.router.limits import CLIENT_TIMEOUT
 
 if TYPE_CHECKING:
     from server.router.sla_live import SlaLive
@@ -31,6 +34,7 @@ _MAX_ERROR_BODY = 8192
 
 @dataclass
 class _Seen:
+    scope: dict
     recorded: bool = False
 
 
@@ -44,6 +48,12 @@ def mark() -> None:
         seen.recorded = True
 
 
+def client_fault() -> str | None:
+    """Why the running request's client was cut off (write deadline, whole-request bound), or None."""
+    seen = _current.get()
+    return None if seen is None else seen.scope.get(CLIENT_TIMEOUT)
+
+
 def _reason(body: bytes, status: int) -> str:
     try:
         err = json.loads(body)["error"]
@@ -54,14 +64,21 @@ def _reason(body: bytes, status: int) -> str:
 
 
 class JournalEveryRequest:
-    def __init__(self, app, live: Callable[[], SlaLive | None]) -> None:
+    """Also the whole-request bound: a request still running ``request_timeout_s`` + ``GRACE_S`` after it
+    arrived (the pipeline bounds generation by ``request_timeout_s``; what is left is a client reading
+    slowly) is cut off and journaled as a client timeout."""
+
+    GRACE_S = 5.0
+
+    def __init__(self, app, live: Callable[[], SlaLive | None], request_timeout_s: float | None = None) -> None:
         self.app = app
         self.live = live
+        self.budget_s = None if request_timeout_s is None else request_timeout_s + self.GRACE_S
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http" or scope["path"] not in DATA_PATHS:
             return await self.app(scope, receive, send)
-        seen = _Seen()
+        seen = _Seen(scope)
         token = _current.set(seen)
         start_mono, start_unix = time.monotonic(), time.time()
         status: int | None = None
@@ -77,18 +94,42 @@ class JournalEveryRequest:
             await send(message)
 
         try:
-            await self.app(scope, receive, watch)
+            async with asyncio.timeout(None) as bound:
+                expiry = None
+                if self.budget_s is not None:
+                    loop = asyncio.get_running_loop()
+
+                    def expire() -> None:
+                        scope[CLIENT_TIMEOUT] = (
+                            f"client timeout: request still running {self.budget_s:g} s after it arrived "
+                            "(router.request_timeout_s)"
+                        )
+                        bound.reschedule(loop.time())
+
+                    expiry = loop.call_later(self.budget_s, expire)
+                try:
+                    await self.app(scope, receive, watch)
+                finally:
+                    if expiry is not None:
+                        expiry.cancel()
+        except TimeoutError:
+            if status is None:  # nothing sent yet: say so; else the connection is closed mid-answer
+                await send({"type": "http.response.start", "status": 504, "headers": [(b"connection", b"close")]})
+                await send({"type": "http.response.body", "body": b""})
         finally:
             _current.reset(token)
             live = self.live()
             if live is not None and not seen.recorded:
                 from server.router.sla_live import Finished  # sla_live imports mark() from here
 
-                code = status if status is not None else 499  # nothing sent: the client left first
+                fault = scope.get(CLIENT_TIMEOUT)
+                code = 499 if fault or status is None else status  # 499: the client left or was cut off
                 ok = code < 400
                 e2e = time.monotonic() - start_mono
-                if status is None:
-                    reason: str | None = "client disconnected before an answer"
+                if fault:
+                    reason: str | None = fault
+                elif status is None:
+                    reason = "client disconnected before an answer"
                 else:
                     reason = None if ok else _reason(bytes(body), code)
                 live.record(

@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 
 from fastapi import Depends, FastAPI, HTTPException, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from server.config import DistServeConfig
@@ -167,7 +167,7 @@ def create_worker_app(state: WorkerState) -> FastAPI:
     @app.post("/internal/prefill", dependencies=[Depends(require_token)])
     async def prefill(body: PrefillRequest, request: Request):
         require_role("prefill")
-        return await _unless_disconnected(request, _prefill(state, body))
+        return await _with_progress(state, request, _prefill(state, body))
 
     @app.post("/internal/generate", dependencies=[Depends(require_token)])
     async def generate(body: GenerateRequest):
@@ -251,11 +251,21 @@ async def _prefill(state: WorkerState, body: PrefillRequest) -> JSONResponse:
         state.loop.close_stream(rid)
 
 
-async def _unless_disconnected(request: Request, coro):
-    """Await ``coro`` unless the caller (the router) disconnects first: then cancel it, which aborts the
-    request and frees its blocks (a plain handler is not cancelled by a disconnect; it would wait for its
-    prefill, and hold it, until its timeout)."""
-    task = asyncio.ensure_future(coro)
+async def _with_progress(state: WorkerState, request: Request, answer) -> Response:
+    """The prefill answer, and proof of progress while it is not ready: the router's progress deadline
+    (``router.stream_progress_timeout_s``) covers prefill too, so a worker whose engine hangs while its
+    heartbeats go on cannot hold a request for ``request_timeout_s``.
+
+    An answer ready within a quarter of the deadline goes out as it is. Else the answer becomes a
+    stream: a blank (JSON allows leading whitespace) every quarter of the deadline *in which the engine
+    completed a step* — a hung engine sends nothing, and the router gives up on this worker — then the
+    JSON.
+
+    A caller that disconnects while the answer is not ready cancels it, which aborts the request and frees
+    its blocks (a plain handler is not cancelled by a disconnect: it would wait for its prefill, and hold
+    it, until its timeout); once streaming, the response's own disconnect watch does the same."""
+    keepalive_s = state.config.router.stream_progress_timeout_s / 4
+    task = asyncio.ensure_future(answer)
 
     async def gone() -> None:
         while (await request.receive())["type"] != "http.disconnect":
@@ -263,16 +273,40 @@ async def _unless_disconnected(request: Request, coro):
 
     watcher = asyncio.ensure_future(gone())
     try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait({task, watcher}, timeout=keepalive_s, return_when=asyncio.FIRST_COMPLETED)
     except BaseException:  # this handler cancelled (shutdown): so is the prefill
         task.cancel()
-        raise
-    finally:
         watcher.cancel()
-    if not task.done():
+        raise
+    if task in done:
+        watcher.cancel()
+        return task.result()
+    if watcher in done:  # the router went away before the answer
         task.cancel()
         return JSONResponse({"error": "caller disconnected"}, status_code=499)
-    return task.result()
+    watcher.cancel()
+
+    async def body():
+        steps = state.loop.engine.stats.num_steps
+        try:
+            while not (await asyncio.wait({task}, timeout=keepalive_s))[0]:
+                now = state.loop.engine.stats.num_steps
+                if now != steps:
+                    steps = now
+                    yield b" "
+            try:
+                resp = task.result()
+            except HTTPException as e:  # refused after the answer started: say so in the body
+                resp = JSONResponse(
+                    PrefillResponse(
+                        token_ids=[], finished=True, finish_reason="abort", error=str(e.detail)
+                    ).model_dump()
+                )
+            yield bytes(resp.body)
+        finally:
+            task.cancel()  # the router went away: _prefill aborts the request and frees its blocks
+
+    return StreamingResponse(body(), media_type="application/json")
 
 
 def _take_kv(state: WorkerState, rid: str):

@@ -136,8 +136,11 @@ class EngineLoop:
         if dev is not None and getattr(dev, "type", "") == "cuda":
             import torch
 
-            a = torch.ones(8, 8, device=dev, dtype=getattr(self.engine, "dtype", torch.float32))
-            (a @ a).sum().item()  # this thread's cuBLAS handle and workspace, made while there is room
+            try:  # this thread's cuBLAS handle and workspace, made while there is room
+                a = torch.ones(8, 8, device=dev, dtype=getattr(self.engine, "dtype", torch.float32))
+                (a @ a).sum().item()
+            except RuntimeError as e:  # an initializer that raises would break the executor for good
+                log.warning("could not warm up cuBLAS on the engine thread: %s", e)
 
     @property
     def stats(self) -> LoopStats:

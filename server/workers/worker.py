@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import uvicorn
 
+from server import mps
 from server.config import DistServeConfig, role_dtype
 from server.engine.kv_sizing import MemoryBudgetError
 from server.engine.llm_engine import EngineConfig, LLMEngine
@@ -29,6 +30,7 @@ from server.kv_transfer import KVPuller, KVStagingServer, cuda_ipc
 from server.kv_transfer.factory import choose_transport, host_id
 from server.metrics import WorkerMetrics
 from server.net import listen
+from server.preflight import sweep_orphan_segments
 from server.wire import RegisterRequest, Role
 from server.workers.app import WorkerState, create_worker_app
 from server.workers.engine_loop import EngineLoop, GcPolicy, resolve_engine_thread
@@ -85,6 +87,7 @@ def engine_config_for(
         # lands in a buffer of its own before the commit: two prefill batches' worth in flight
         gpu_memory_reserved_bytes=(cfg.kv_transfer.cuda_ipc_pool_mb << 20) if role == "prefill" and on_cuda else 0,
         kv_receive_tokens=2 * pf.max_num_batched_tokens if role == "decode" else 0,
+        gpu_device_total_bytes=int(os.environ.get("DISTSERVE_DEVICE_TOTAL_MIB", "0") or 0) << 20,
         max_model_len=pf.max_seq_len,
         max_num_batched_tokens=pf.max_num_batched_tokens,
         enable_prefix_caching=cache.enable_prefix_caching,
@@ -190,6 +193,11 @@ async def serve_worker(opts: WorkerOptions) -> int:
         return 2
     loop = asyncio.get_running_loop()
     kvc, dc = opts.config.kv_transfer, opts.config.decode
+    sm = mps.probe(engine.device, int(os.environ.get("DISTSERVE_DEVICE_SM_COUNT", "0") or 0)) if on_cuda else None
+    if sm is not None:
+        log.info("MPS SM split: %s", sm)
+        if sm.get("split_in_effect") is False:
+            log.warning("the SM split asked for did not take effect: %s", sm)
     engine_loop = EngineLoop(
         engine,
         GcPolicy(
@@ -213,6 +221,7 @@ async def serve_worker(opts: WorkerOptions) -> int:
     budget = engine.kv_budget
     state.metrics.set_kv_cache(engine.kv_cache_bytes, budget.utilization if budget else 0.0)
     if opts.role == "prefill":
+        sweep_orphan_segments()  # KV segments of an earlier prefill worker killed with its tracker
         state.sender = KVStagingServer(
             opts.host,
             0,
@@ -257,6 +266,8 @@ async def serve_worker(opts: WorkerOptions) -> int:
         restart_count=opts.restart_count,
         memory=memory_report(engine, state.sender),
     )
+    if reg.memory is not None and sm is not None:
+        reg.memory["mps"] = sm
     if reg.memory is not None:
         log.info("device memory: %s", reg.memory)
     engine_loop.start()

@@ -48,6 +48,9 @@ def host_snapshot() -> dict:
         if os.path.isdir(root):
             cg += [f"{root}/{n}" for n in os.listdir(root) if n.startswith("distserve-chaos")]
     snap["cgroups"] = sorted(cg)
+    if shutil.which("tc"):  # qdiscs on the drill's links (host side)
+        out = subprocess.run(["tc", "qdisc", "show"], capture_output=True, text=True, check=False).stdout
+        snap["qdiscs"] = sorted(line for line in out.splitlines() if " dev dsc" in line)
     if shutil.which("nft"):
         out = subprocess.run(["nft", "list", "tables"], capture_output=True, text=True, check=False).stdout
         snap["nft"] = sorted(line for line in out.splitlines() if "dschaos" in line)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -81,16 +82,29 @@ def test_planted_slot_leak_makes_the_leak_drill_fail(tmp_path):
     assert kv["status"] == "failed" and "decode" in kv["detail"]
 
 
+def _drill_state(out: Path) -> list[Path]:
+    """The state files of the drill writing to ``out`` (its own sub-folder of the private state folder)."""
+    return list((out.parent / "xdg" / "distserve" / "chaos" / "drills").glob(f"{out.name}-*/*.json"))
+
+
+def _env(out: Path) -> dict:
+    """A private state folder per test (``$XDG_RUNTIME_DIR``): ``rollback --all`` sees only this test's drill."""
+    xdg = out.parent / "xdg"
+    xdg.mkdir(mode=0o700, exist_ok=True)
+    return {**os.environ, "XDG_RUNTIME_DIR": str(xdg)}
+
+
 def _interrupt_mid_fault(drill: str, sig: int, state_glob: str, out: Path) -> tuple[int, dict]:
     proc = subprocess.Popen(
         [sys.executable, "-m", "server.cli", "chaos", "drill", str(DRILLS / f"{drill}.yaml"), "--out", str(out)],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
+        env=_env(out),
     )
     deadline = time.monotonic() + 300
     try:
-        while not list((out / "state").glob(state_glob)):  # the fault is in place
+        while not [p for p in _drill_state(out) if p.match(state_glob)]:  # the fault is in place
             assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
             assert time.monotonic() < deadline, "the fault never started"
             time.sleep(0.2)
@@ -111,7 +125,7 @@ def test_sigint_mid_sysctl_drift_restores_everything(tmp_path):
     assert rc == 130 and j["status"] == "interrupted"
     assert [r["status"] for r in j["rollbacks"]] == ["succeeded"]
     assert j["rollbacks"][0]["output"]["rolled_back"] is True
-    assert not list((tmp_path / "int" / "state").glob("*.json"))
+    assert not _drill_state(tmp_path / "int")
     assert host_snapshot() == before  # host net.core.rmem_max/wmem_max exactly as before, netns gone
 
 
@@ -123,3 +137,56 @@ def test_sigterm_mid_kv_link_fault_restores_everything(tmp_path):
     assert rc == 130 and j["status"] == "interrupted"
     assert j["rollbacks"] and all(r["status"] == "succeeded" for r in j["rollbacks"])
     assert host_snapshot() == before  # qdisc, nft tables, proxy, veth and namespace gone
+
+
+@pytest.mark.slow
+def test_sigkill_mid_drill_then_rollback_all_leaves_the_host_exactly_as_before(tmp_path):
+    """SIGKILL runs no rollback: the host keeps the drifted global sysctls, the drill's namespace and veth.
+    ``distserve chaos rollback --all`` restores them from the recorded state, says what it restored, and
+    a second run finds nothing."""
+    need_root("ip", "sysctl")
+    before = host_snapshot()
+    out = tmp_path / "kill"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "server.cli", "chaos", "drill", str(DRILLS / "sysctl_drift.yaml"), "--out", str(out)],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=_env(out),
+    )
+    deadline = time.monotonic() + 300
+    try:
+        while not [p for p in _drill_state(out) if p.name.startswith("sysctl--")]:
+            assert proc.poll() is None and time.monotonic() < deadline, "the fault never started"
+            time.sleep(0.2)
+        time.sleep(0.5)  # the drift is applied right after its state is written
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    changed = host_snapshot()
+    assert changed != before, "the killed drill left nothing to roll back: the test would prove nothing"
+    time.sleep(2)  # the drill's router and workers notice their parent is gone and exit
+    rb = subprocess.run(
+        [sys.executable, "-m", "server.cli", "chaos", "rollback", "--all"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=_env(out),
+        timeout=120,
+    )
+    assert rb.returncode == 0, rb.stdout + rb.stderr
+    report = json.loads(rb.stdout)
+    assert report["ok"] and {r["injector"] for r in report["restored"]} >= {"sysctl_drift", "netns"}, report
+    assert host_snapshot() == before  # sysctls, qdiscs, nft tables, netns, veth, cgroups
+    again = subprocess.run(
+        [sys.executable, "-m", "server.cli", "chaos", "rollback", "--all"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=_env(out),
+        timeout=60,
+    )
+    assert again.returncode == 0 and json.loads(again.stdout)["restored"] == []

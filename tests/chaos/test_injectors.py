@@ -3,6 +3,7 @@ restores the exact prior state (sysctls, qdiscs, nftables, namespaces, cgroups, 
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -187,3 +188,63 @@ def test_pause_stops_and_resumes_exact_pids(chaos_state):
     finally:
         child.kill()
         child.wait()
+
+
+def test_planted_chaos_state_is_refused(tmp_path, monkeypatch):
+    """State another user could have written is never acted on: a folder owned by someone else, a file
+    owned by someone else or writable by others, and, in a file of ours, keys or objects the injector
+    does not make (a sysctl outside its list, a link it did not name)."""
+    need_root()
+    nobody = __import__("pwd").getpwnam("nobody").pw_uid
+    theirs = tmp_path / "theirs"
+    theirs.mkdir(mode=0o777)
+    os.chown(theirs, nobody, nobody)
+    monkeypatch.setenv(state.ENV, str(theirs))
+    with pytest.raises(state.StateRefused, match="owned by uid"):
+        sysctl_drift.rollback(netns="x")
+    monkeypatch.setenv(state.ENV, str(tmp_path / "mine"))
+    plant = {"netns": None, "previous": {"net.core.rmem_max": [None, "212992"]}}
+    state.save("sysctl", "host", plant)
+    path = state.state_dir() / "sysctl--host.json"
+    os.chown(path, nobody, nobody)
+    with pytest.raises(state.StateRefused, match="owned by uid"):
+        sysctl_drift.rollback()
+    os.chown(path, 0, 0)
+    os.chmod(path, 0o666)
+    with pytest.raises(state.StateRefused, match="writable by other users"):
+        sysctl_drift.rollback()
+    before = sysctl_get("kernel.panic")
+    state.save("sysctl", "host", {"netns": None, "previous": {"kernel.panic": [None, "0"]}})
+    with pytest.raises(state.StateRefused, match="sysctl key"):
+        sysctl_drift.rollback()
+    assert sysctl_get("kernel.panic") == before
+    state.save("netns", "dschaos-planted", {"netns": "dschaos-planted", "host_if": "lo"})
+    with pytest.raises(state.StateRefused, match="veth link"):
+        netns.rollback(netns="dschaos-planted")
+    assert os.path.exists("/sys/class/net/lo")
+    # the CLI: refused state is reported, and --all exits 1 (it restored nothing of what was recorded)
+    rb = subprocess.run(
+        [sys.executable, "-m", "server.cli", "chaos", "rollback", "--all"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, state.ENV: str(tmp_path / "mine"), "XDG_RUNTIME_DIR": str(tmp_path / "xdg")},
+        timeout=60,
+    )
+    assert rb.returncode == 1, rb.stdout + rb.stderr
+    report = json.loads(rb.stdout)
+    assert not report["ok"] and len(report["failed"]) == 2 and not report["restored"], report
+    assert sysctl_get("kernel.panic") == before and os.path.exists("/sys/class/net/lo")
+
+
+def test_a_rollback_with_the_wrong_key_exits_non_zero_when_state_is_recorded(tmp_path):
+    env = {**os.environ, state.ENV: str(tmp_path / "st"), "XDG_RUNTIME_DIR": str(tmp_path / "xdg")}
+    code = "from chaos import state; state.save('sysctl', 'dschaos-abc', {'netns': 'dschaos-abc', 'previous': {}})"
+    subprocess.run([sys.executable, "-c", code], env=env, check=True)
+    rb = subprocess.run(
+        [sys.executable, "-m", "server.cli", "chaos", "rollback", "sysctl_drift"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
+    assert rb.returncode == 1 and "sysctl--dschaos-abc.json" in rb.stderr, rb.stdout + rb.stderr

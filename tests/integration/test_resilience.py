@@ -27,8 +27,15 @@ PROMPTS = make_prompts(16, seed=7)
 def test_sigkill_decode_worker_mid_stream_streams_complete_identically(serve_factory):
     server = serve_factory(prefill=1, decode=2)
     engine = LLMEngine(EngineConfig())
+    # odd streams also carry penalties: their counts are rebuilt from the token ids on the new worker
+    penalties = [
+        {"frequency_penalty": 0.5, "presence_penalty": 0.3, "repetition_penalty": 1.1} if i % 2 else {}
+        for i in range(len(PROMPTS))
+    ]
     seeded = [
-        SamplingParams(max_tokens=MAX_TOKENS, temperature=0.7, top_p=0.95, seed=500 + i, ignore_eos=True)
+        SamplingParams(
+            max_tokens=MAX_TOKENS, temperature=0.7, top_p=0.95, seed=500 + i, ignore_eos=True, **penalties[i]
+        )
         for i in range(len(PROMPTS))
     ]
     reference = [engine.generate([p], [sp])[0] for p, sp in zip(PROMPTS, seeded)]
@@ -46,6 +53,7 @@ def test_sigkill_decode_worker_mid_stream_streams_complete_identically(serve_fac
             "seed": 500 + i,
             "ignore_eos": True,
             "stream": True,
+            **penalties[i],
         }
         ids: list[int] = []
         async with s.post(f"{server.url}/generate", json=body) as r:

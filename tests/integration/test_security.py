@@ -44,7 +44,14 @@ def deployment():
     try:
         srv = ServeProcess(
             top / "serve",
-            config={"router": {"journal_path": str(journal_fs / "requests.jsonl")}},
+            config={
+                "router": {
+                    "journal_path": str(journal_fs / "requests.jsonl"),
+                    "stream_write_timeout_s": 1.0,
+                    "stream_progress_timeout_s": 4.0,
+                },
+                "cache": {"num_gpu_blocks": 512},
+            },
         )
         (top / "serve").chmod(0o755)
         yield srv, journal_fs
@@ -233,6 +240,40 @@ def test_a_worker_answers_an_unauthenticated_400_mb_post_401_before_reading_it(d
     assert status == 200, body
 
 
+def test_a_client_that_never_reads_its_stream_is_disconnected_and_journaled_as_a_client_timeout(deployment):
+    srv, fs = deployment
+    u = urllib.parse.urlsplit(srv.url)
+    body = json.dumps({"prompt": "hi", "max_tokens": 1900, "ignore_eos": True, "stream": True}).encode()
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a small window, then never read
+    s.connect((u.hostname, u.port))
+    s.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
+    deadline = time.monotonic() + 120
+    journal = fs / "requests.jsonl"
+    try:
+        while True:  # the router cuts it off after stream_write_timeout_s (1 s) of no progress
+            lines = [json.loads(x) for x in journal.read_text().splitlines()]
+            cut = [x for x in lines if x["kind"] == "request" and "client timeout" in (x.get("error") or "")]
+            if cut:
+                break
+            assert time.monotonic() < deadline, lines[-3:]
+            time.sleep(0.5)
+        assert cut[-1]["status"] == 499 and cut[-1]["ttft"] is None, cut[-1]
+        s.settimeout(10)
+        try:  # the connection is gone: reading drains what was buffered, then EOF or reset
+            while s.recv(1 << 16):
+                pass
+        except ConnectionResetError:
+            pass
+    finally:
+        s.close()
+    assert srv.wait_kv_free()["used"] == {w["worker_id"]: 0 for w in srv.workers() if w["healthy"]}
+
+
 def _fill(fs: Path) -> Path:
     filler = fs / "filler"
     fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o600)
@@ -304,3 +345,48 @@ def test_a_restarted_worker_gets_its_id_back(deployment):
     _wait_state(srv, decode["worker_id"], lambda w: w["pid"] != decode["pid"] and w["state"] == "healthy", 60)
     status, body, _ = http("POST", f"{srv.url}/v1/completions", {"prompt": "hi", "max_tokens": 2}, token=None)
     assert status == 200, body
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        out += [int(x) for x in (task / "children").read_text().split()]
+    return out
+
+
+def test_serve_restarts_a_frozen_router_on_the_same_port(deployment):
+    srv, _ = deployment
+    [router] = [p for p in _children(srv.pid) if b"router" in Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")]
+    os.kill(router, signal.SIGSTOP)  # frozen: its socket accepts, nothing answers
+    deadline = time.monotonic() + 90
+    while True:
+        try:
+            status, health, _ = http("GET", f"{srv.url}/health", token=None, timeout=2)
+            if status == 200 and health["mode"] == "disaggregated":
+                break
+        except OSError:
+            pass
+        assert time.monotonic() < deadline, srv.read_log()
+        time.sleep(0.5)
+    assert not Path(f"/proc/{router}").exists() or Path(f"/proc/{router}/status").read_text().find("zombie") >= 0
+    assert "restarted on the same port" in (srv.tmp / "serve.log").read_text()
+    status, body, _ = http("POST", f"{srv.url}/v1/completions", {"prompt": "hi", "max_tokens": 2}, token=None)
+    assert status == 200, body
+
+
+def test_a_prefill_worker_that_hangs_while_heartbeating_does_not_hold_requests(deployment):
+    """The engine stalls (the fault hook: a 30 s wait before each step, heartbeats go on): the router gives
+    up on the prefill after the progress deadline (4 s here) per attempt (4 attempts), not after the stall
+    or request_timeout_s (600 s)."""
+    srv, _ = deployment
+    prefill = next(w for w in srv.workers() if w["role"] == "prefill")
+    status, _, _ = http("POST", f"{prefill['url']}/admin/fault", {"prefill_delay_ms": 30000})
+    assert status == 200
+    try:
+        status, body, _ = http(
+            "POST", f"{srv.url}/v1/completions", {"prompt": "hi", "max_tokens": 2}, token=None, timeout=28
+        )  # urllib raises TimeoutError if the router held it for the stall
+        assert status >= 500, body
+    finally:
+        http("POST", f"{prefill['url']}/admin/fault", {})
+    # the last test of the module: the stalled step still runs; the deployment is stopped next

@@ -169,6 +169,10 @@ def test_plan_writes_the_config_its_deploy_line_names(tmp_path):
     assert p.returncode == 0, p.stderr
     assert "--config plan.yaml" in p.stdout.split("deploy the winner:")[1] and "written to plan.yaml" in p.stdout
     assert load_config(tmp_path / "plan.yaml").decode.torch_threads >= 1  # the file the command names loads
+    (tmp_path / "mine.yaml").write_text("router:\n  heartbeat_timeout_ms: 15000\n")
+    p = subprocess.run([*p.args, "--config", "mine.yaml"], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert p.returncode == 0 and "--config plan.yaml" in p.stdout, p.stderr
+    assert load_config(tmp_path / "plan.yaml").router.heartbeat_timeout_ms == 15000  # the plan's --config kept
 
 
 def test_the_sharegpt_workload_error_names_the_plans_flag(monkeypatch):

@@ -220,7 +220,12 @@ def test_sweep_goodput_is_below_every_failure_and_non_monotonic_points_are_named
     assert goodput_of([p(8, True, 0.99), p(12, False, 0.5), p(16, True, 0.95)]) == 8  # a pass above a failure: noise
 
 
-def test_compat_vllm_takes_ttft_from_the_actual_send_and_starts_the_clock_a_gap_early():
+def test_compat_vllm_takes_ttft_from_the_actual_send_and_vllms_schedule():
+    from distbench.strategies import schedule
+    from distbench.vllm_compat import vllm_offsets
+
+    offs = vllm_offsets(schedule("poisson", 81, 4.0, 1.0, 3), 4.0)
+    assert len(offs) == 80 and offs[0] > 0 and offs[-1] == pytest.approx(20.0)  # vLLM 0.32's get_request
     from distbench import result as result_mod
 
     recs = [
@@ -236,5 +241,5 @@ def test_compat_vllm_takes_ttft_from_the_actual_send_and_starts_the_clock_a_gap_
     assert theirs["mean_ttft_ms"] == pytest.approx(50, rel=1e-3) and theirs["late_sends"] == 0
     assert theirs["mean_e2el_ms"] == pytest.approx(400, rel=1e-3)
     assert theirs["mean_tpot_ms"] == pytest.approx(ours["mean_tpot_ms"])  # the same definition in both
-    assert theirs["request_throughput"] == pytest.approx(40 / 10.25)
+    assert theirs["request_throughput"] == pytest.approx(ours["request_throughput"])
     assert theirs["requests"][0]["ttft"] == 0.15 and theirs["compat"] == "vllm"  # the raw records are kept

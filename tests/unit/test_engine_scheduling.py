@@ -83,8 +83,14 @@ def test_abort_mid_generation_frees_blocks(big_engine):
 
 
 def test_seeded_sampling_is_reproducible_across_batching_and_preemption():
+    # top_k rows, top_p-only rows (the CPU nucleus) with penalties, and min_p rows, mixed in one batch
+    kinds = [
+        dict(top_p=0.9, top_k=50),
+        dict(top_p=0.8, frequency_penalty=0.7, presence_penalty=0.2, repetition_penalty=1.2),
+        dict(min_p=0.05, logit_bias=((7, 2.0),)),
+    ]
     params = [
-        SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, top_k=50, seed=100 + i, ignore_eos=True)
+        SamplingParams(max_tokens=12, temperature=0.9, seed=100 + i, ignore_eos=True, **kinds[i % 3])
         for i in range(len(PROMPTS))
     ]
     solo = LLMEngine(EngineConfig(block_size=4, num_blocks=512))

@@ -10,6 +10,7 @@ import socket
 import stat
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -190,6 +191,11 @@ def test_flash_attn_v2_on_the_cpu_is_one_sentence_exit_2(tmp_path):
     errors = [line for line in r.stderr.splitlines() if "error" in line]
     assert len(errors) == 1 and "'flash_attn_v2' needs a CUDA device" in errors[0]
     assert "kv_transfer.zero_copy_threshold_mb" in r.stderr  # the alias warning came first
+    import importlib.util
+
+    if importlib.util.find_spec("flash_attn") is None:  # on a GPU box without the package: one sentence too
+        assert "flash-attn package" in preflight.backend_problem({"prefill": "flash_attn_v2"}, ["cuda:0"])
+    assert preflight.backend_problem({"prefill": "sdpa", "decode": "auto"}, ["cpu"]) is None
 
 
 def test_a_model_too_big_for_this_machines_memory_is_refused_before_the_oom_killer(monkeypatch):
@@ -355,3 +361,56 @@ def test_doctor_never_lowers_a_larger_buffer():
     assert not _at_least(host, baseline)  # the default size is below the baseline's: drift
     assert _raised(host, baseline) == "4096 262144 33554432"  # the fix raises it and keeps the 32 MiB max
     assert _at_least("4096 262144 33554432", baseline) and _raised("33554432", "16777216") == "33554432"
+
+
+def test_the_demos_pass_names_its_thresholds_and_the_seed_is_explained():
+    from chaos.journal import Journal, markdown
+    from distbench.demo import _thresholds
+
+    line = _thresholds(str(Path(__file__).resolve().parents[2] / "configs/sla/demo_smollm2.yaml"))
+    assert "TTFT P90 <= 10000 ms" in line and "availability >= 100%" in line
+    report = markdown(Journal(drill="worker_kill", title="t", incident="A worker dies (seed §4: worker death)"))
+    assert "is section N of the source article this project was built from" in report
+
+
+def test_the_commands_of_from_the_article_parse_as_written():
+    """docs/FROM_THE_ARTICLE.md gives a command for each of the article's; each must be a valid command line."""
+    import re
+    import shlex
+
+    from distbench.cli import build_parser as distbench_parser
+    from distbench.cli import options_from
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "FROM_THE_ARTICLE.md").read_text()
+    ours = re.findall(r"`(?:[A-Z_]+=\S+ )?(distserve (?:serve|router|worker|doctor|chaos|gate)[^`]*)`", text)
+    benches = re.findall(r"`(distbench run [^`]+)`", text)
+    assert len(ours) >= 8 and benches
+    for cmd in (c for c in ours if len(shlex.split(c)) > 2):  # "what `distserve worker` does" names, not runs
+        args, extra = build_parser().parse_known_args(shlex.split(cmd)[1:])
+        assert not extra, cmd
+    for cmd in benches:
+        opts = options_from(distbench_parser().parse_args(shlex.split(cmd)[1:]))
+        assert opts.spec.endpoint == "/generate" and opts.spec.url == "http://localhost:8080", cmd
+
+
+def test_every_command_line_of_the_readme_parses_as_written():
+    """Each `distserve ...` / `distbench ...` line of the README's shell blocks is a valid command line."""
+    import re
+    import shlex
+
+    from distbench.cli import build_parser as distbench_parser
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    lines = [
+        ln.split(" #")[0].strip().rstrip("&\\ ")
+        for b in re.findall(r"```bash\n(.*?)```", readme, re.S)
+        for ln in b.splitlines()
+    ]
+    commands = [shlex.split(ln) for ln in lines if ln.startswith(("distserve ", "distbench "))]
+    assert len(commands) > 30
+    for argv in commands:
+        if argv[0] == "distbench":
+            distbench_parser().parse_args(argv[1:])  # exits 2 on anything it does not know
+        elif argv[1] != "sla":  # `distserve sla ...` goes to sla's own parser
+            _, extra = build_parser().parse_known_args(argv[1:])
+            assert not extra, argv

@@ -131,13 +131,22 @@ class _Proc:
         self.pid, self.returncode, self.args = pid, None, []
 
     def poll(self):
-        return None
+        return self.returncode
+
+    def send_signal(self, sig):
+        self.returncode = -sig
+
+    def wait(self, timeout=None):
+        return self.returncode
+
+    def kill(self):
+        self.returncode = -9
 
 
 class _RecordingLauncher(Launcher):
     """The real start-up sequence; processes are recorded instead of spawned (no GPU here)."""
 
-    def _spawn(self, argv, name, cpus=None, threads=None):
+    def _spawn(self, argv, name, cpus=None, threads=None, extra_env=None):
         self.events.append(("spawn", name, list(argv)))
         if argv[0] == "router":
             ready = Path(argv[argv.index("--ready-file") + 1])
