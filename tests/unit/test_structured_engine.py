@@ -93,3 +93,17 @@ def test_uncompilable_constraints_raise(c):
 
 def test_gbnf_grammar_is_converted():
     validate(Constraint("grammar", 'root ::= "yes" | "no"'))
+
+
+def test_host_and_device_unpacking_of_the_bitmask_agree():
+    import torch
+
+    from server.engine.structured.decoding import unpack_on_device, unpack_on_host
+
+    g = torch.Generator().manual_seed(0)
+    bits = torch.randint(-(2**31), 2**31 - 1, (5, 7), dtype=torch.int32, generator=g)
+    host = unpack_on_host(bits, 7 * 32 - 5)
+    dev = unpack_on_device(bits, 7 * 32 - 5, torch.arange(32, dtype=torch.int32))
+    assert torch.equal(host, dev)
+    word, bit = 3, 31  # token 32 * word + bit is allowed iff that bit is set
+    assert bool(host[0, 32 * word + bit]) == bool((int(bits[0, word]) >> bit) & 1)

@@ -34,6 +34,18 @@ CACHE_SIZE = 256  # compiled grammars kept per engine (least recently used dropp
 PARALLEL_FROM = 8  # constrained rows in a step from which llguidance's thread pool fills the masks
 
 
+def unpack_on_host(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[rows, words] int32 bitmask (bit i of word w = token 32 w + i) → [rows, vocab] bool, in one C pass."""
+    packed = bitmask.view(torch.uint8).numpy()  # little-endian words: byte and bit order agree
+    return torch.from_numpy(np.unpackbits(packed, axis=1, bitorder="little")[:, :vocab].view(np.bool_))
+
+
+def unpack_on_device(bits: torch.Tensor, vocab: int, shifts: torch.Tensor) -> torch.Tensor:
+    """As ``unpack_on_host``, with tensor ops on the bitmask's device (``shifts``: arange(32) int32 there)."""
+    n, words = bits.shape
+    return ((bits.unsqueeze(-1) >> shifts) & 1).view(n, words * 32)[:, :vocab].bool()
+
+
 class _TokenizerView:
     """Our ``Tokenizer`` in the shape llguidance's ``TokenizerWrapper`` reads: one byte string per id
     (special tokens prefixed with 0xff, llguidance's convention), eos, bos, and ``encode``."""
@@ -139,15 +151,13 @@ class StructuredDecoding:
                 m.unsafe_compute_mask_ptr(ptr + k * nbytes, nbytes)
         else:
             self._executor.unsafe_compute_mask_ptr([(m, k) for k, (_, m) in enumerate(rows)], ptr, nbytes, n)
-        if dev.type == "cpu":  # one C pass: bit i of word w is token 32 w + i (little-endian bytes and bits)
-            packed = bitmask.view(torch.uint8).numpy()
-            allowed = torch.from_numpy(np.unpackbits(packed, axis=1, bitorder="little")[:, :vocab].view(np.bool_))
+        if dev.type == "cpu":
+            allowed = unpack_on_host(bitmask, vocab)
         else:
             shifts = self._shifts.get(dev)
             if shifts is None:
                 shifts = self._shifts[dev] = torch.arange(32, dtype=torch.int32, device=dev)
-            bits = bitmask.to(dev, non_blocking=True)
-            allowed = ((bits.unsqueeze(-1) >> shifts) & 1).view(n, words * 32)[:, :vocab].bool()
+            allowed = unpack_on_device(bitmask.to(dev, non_blocking=True), vocab, shifts)
         if n == logits.shape[0]:
             logits.masked_fill_(~allowed, MASKED)
             return
