@@ -472,7 +472,7 @@ PERSON = {
 def test_smollm2_json_schema_and_json_object(smol):
     c = openai.OpenAI(base_url=f"{smol.url}/v1", api_key="unused", max_retries=0, timeout=300)
     msgs = [{"role": "user", "content": "Describe a person called Marie, 34, from Lyon, who likes chess, as JSON."}]
-    for schema in (PERSON, SCHEMAS[15]):
+    for schema in (PERSON,):  # the twenty schemas run on the tiny model (tests/unit/test_structured_engine.py)
         r = c.chat.completions.create(
             model=SMOL, messages=msgs, max_tokens=150, temperature=0, response_format=rf(schema)
         )
