@@ -170,7 +170,11 @@ def test_fault_request_validation_and_step_choice():
 
     d = StepDelays.from_request(FaultRequest(prefill_delay_ms=250, decode_delay_ms=10))
     assert d.for_step(has_waiting=True) == 0.25 and d.for_step(has_waiting=False) == 0.01
-    assert StepDelays.from_request(FaultRequest()).to_dict() == {"prefill_delay_ms": 0.0, "decode_delay_ms": 0.0}
+    assert StepDelays.from_request(FaultRequest()).to_dict() == {
+        "prefill_delay_ms": 0.0,
+        "decode_delay_ms": 0.0,
+        "block_step_ms": 0.0,
+    }
     for bad in ({"prefill_delay_ms": -1}, {"decode_delay_ms": 60_001}, {"prefill_delay": 5}):
         with pytest.raises(ValidationError):
             FaultRequest(**bad)
