@@ -96,7 +96,7 @@ def test_rate_limited_log_writes_one_line_per_cause_then_a_summary(caplog):
 
 def test_liveness_tells_a_long_step_from_a_wedged_loop():
     class Loop:
-        step_started = 0.0
+        step_started = step_ended = 0.0
 
     loop = Loop()
     live = Liveness(loop, wedged_after_s=10.0, max_step_s=600.0)  # type: ignore[arg-type]
