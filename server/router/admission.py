@@ -10,11 +10,12 @@ SLO-aware: each request may carry ``x-slo-ttft-ms`` / ``x-slo-tpot-ms`` (llm-d's
 ``slo_ttft_ms``/``slo_tpot_ms``). The router predicts its TTFT from the live queue with the one prefill
 formula (server/latency_model.py): ``fixed + per_token x (queued prefill tokens per worker + its own)``.
 The two coefficients are fitted live, by least squares over the last ``FIT_WINDOW`` admitted requests'
-(tokens, measured TTFT) pairs, weighted for relative error, so they follow the machine as it is now
-(threads, neighbours, the model).
+(tokens, measured TTFT) pairs, so they follow the machine as it is now (threads, neighbours, the model).
 TPOT is predicted as the recent measured TPOT (an EWMA). When a prediction misses the SLO the request is
 shed (429), queued anyway (``on_slo_miss: queue``, or the client's ``x-slo-on-miss: queue``), or sent to
-the backup pool. Without any SLO a request predicted to wait longer than ``max_predicted_ttft_s`` is still
+the backup pool — except when nothing is queued: then a request is admitted whatever the prediction (it
+is also the next measurement, so a model that overestimates corrects itself instead of shedding for ever).
+Without any SLO a request predicted to wait longer than ``max_predicted_ttft_s`` is still
 refused: no admitted request waits without bound. Until ``MIN_SAMPLES`` TTFTs are measured there is no
 prediction and only the queue bounds apply.
 
@@ -26,6 +27,7 @@ its predicted TTFT, so the prediction error is measured (``GET /v1/admission``: 
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from collections import deque
 from collections.abc import Callable
@@ -36,7 +38,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from server.config import DistServeConfig
 from server.latency_model import queued_ttft_ms
 
-FIT_WINDOW = 128
+FIT_WINDOW = 256
 MIN_SAMPLES = 8
 SLO_HEADERS = ("x-slo-ttft-ms", "x-slo-tpot-ms")
 ON_MISS_HEADER = "x-slo-on-miss"
@@ -109,22 +111,15 @@ class TtftModel:
             self._fit()
 
     def _fit(self) -> None:
-        """Least squares of the *relative* error (weights 1/ttft^2): a TTFT of 60 ms and one of 6 s count
-        alike, so light load is not predicted from the intercept that heavy load's points set."""
         xs = [x for x, _ in self.samples]
-        ys = [max(y, 1e-3) for _, y in self.samples]
-        ws = [1.0 / (y * y) for y in ys]
-        sw = sum(ws)
-        mx = sum(w * x for w, x in zip(ws, xs, strict=True)) / sw
-        my = sum(w * y for w, y in zip(ws, ys, strict=True)) / sw
-        sxx = sum(w * (x - mx) ** 2 for w, x in zip(ws, xs, strict=True))
-        sxy = sum(w * (x - mx) * (y - my) for w, x, y in zip(ws, xs, ys, strict=True))
-        b = sxy / sxx if sxx > 0 else 0.0
+        ys = [y for _, y in self.samples]
+        mx, my = statistics.fmean(xs), statistics.fmean(ys)
+        sxx = sum((x - mx) ** 2 for x in xs)
+        b = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx if sxx > 0 else 0.0
         a = my - b * mx
         if b <= 0 or a < 0:  # keep both terms >= 0 (as the planner's fit): refit with the one that holds
             if b > 0:
-                num = sum(w * x * y for w, x, y in zip(ws, xs, ys, strict=True))
-                a, b = 0.0, num / max(1e-12, sum(w * x * x for w, x in zip(ws, xs, strict=True)))
+                a, b = 0.0, sum(x * y for x, y in zip(xs, ys, strict=True)) / max(1e-9, sum(x * x for x in xs))
             else:
                 a, b = max(0.0, my), 0.0
         self.fixed_ms, self.per_token_ms = a, b
@@ -236,7 +231,12 @@ class Admission:
                 f"lets a request wait ({self.max_ttft_s:.0f} s). Please retry after {retry} s.",
             )
         miss = None
-        if slo.ttft_s is not None and ttft is not None and ttft > slo.ttft_s:
+        # Nothing queued: admit whatever the model says. Shedding could not help (the SLO is out of reach even
+        # on an idle server), and an admitted request is a fresh measurement: a model that overestimates
+        # would otherwise shed everything and never see a TTFT again to correct itself.
+        if self.queued_requests == 0:
+            pass
+        elif slo.ttft_s is not None and ttft is not None and ttft > slo.ttft_s:
             what = f"predicted TTFT {ttft * 1000:.0f} ms > SLO {slo.ttft_s * 1000:g} ms"
             miss = ("slo_ttft", what, ttft - slo.ttft_s)
         elif slo.tpot_s is not None and tpot is not None and tpot > slo.tpot_s:
