@@ -150,19 +150,33 @@ def test_slo_headers_shed_queue_or_route_to_backup(server, backup):
         assert _complete(server.url, 2)[0] == 200
     st = server.get("/v1/admission")
     assert st["model"]["ready"], st
-    # no prompt can reach its first token in a microsecond: the prediction misses, the request is shed
-    code, body, headers = _complete(server.url, 2, {"x-slo-ttft-ms": "0.001"})
-    assert code == 429 and headers["x-distserve-admission"] == "slo_ttft", body
-    assert "predicted TTFT" in body["error"]["message"] and int(headers["retry-after"]) >= 1
-    # the client accepts a wait: admitted anyway
-    code, body, headers = _complete(server.url, 2, {"x-slo-ttft-ms": "0.001", "x-slo-on-miss": "queue"})
-    assert code == 200 and headers["x-distserve-pool"] == "primary", body
-    # or sent to the backup pool
-    before = backup.count
-    code, body, headers = _complete(server.url, 2, {"x-slo-ttft-ms": "0.001", "x-slo-on-miss": "backup"})
-    assert code == 200 and headers["x-distserve-pool"] == "backup" and backup.count == before + 1, body
-    # a generous SLO is met by the prediction: admitted on the primary
-    assert _complete(server.url, 2, {"x-slo-ttft-ms": "600000"})[2]["x-distserve-pool"] == "primary"
+    # one request held in the queue (slow prefill steps): with nothing queued every request is admitted
+    _fault(server, "prefill", block_step_ms=1500)
+    pool = concurrent.futures.ThreadPoolExecutor(2)
+    try:
+        held = pool.submit(_complete, server.url, 2)
+        deadline = time.monotonic() + 30
+        while server.get("/v1/admission")["queued_requests"] < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        # no prompt can reach its first token in a microsecond: the prediction misses, the request is shed
+        code, body, headers = _complete(server.url, 2, {"x-slo-ttft-ms": "0.001"})
+        assert code == 429 and headers["x-distserve-admission"] == "slo_ttft", body
+        assert "predicted TTFT" in body["error"]["message"] and int(headers["retry-after"]) >= 1
+        # or sent to the backup pool
+        before = backup.count
+        code, body, headers = _complete(server.url, 2, {"x-slo-ttft-ms": "0.001", "x-slo-on-miss": "backup"})
+        assert code == 200 and headers["x-distserve-pool"] == "backup" and backup.count == before + 1, body
+        # the client accepts a wait: admitted anyway
+        queued = pool.submit(_complete, server.url, 2, {"x-slo-ttft-ms": "0.001", "x-slo-on-miss": "queue"})
+        # a generous SLO is met by the prediction: admitted on the primary
+        assert _complete(server.url, 2, {"x-slo-ttft-ms": "600000"})[2]["x-distserve-pool"] == "primary"
+        code, body, headers = queued.result()
+        assert code == 200 and headers["x-distserve-pool"] == "primary", body
+        assert held.result()[0] == 200
+    finally:
+        _fault(server, "prefill")
+        pool.shutdown()
     code, body, _ = _complete(server.url, 2, {"x-slo-ttft-ms": "soon"})
     assert code == 400 and body["error"]["param"] == "x-slo-ttft-ms", body
     st = server.get("/v1/admission")
