@@ -53,10 +53,10 @@ class HealthPoller(threading.Thread):
         self.codes: dict[str, int] = {}
         self.slowest_ms = 0.0
         self.samples = 0
-        self._stop = threading.Event()
+        self._halt = threading.Event()
 
     def run(self) -> None:
-        while not self._stop.is_set():
+        while not self._halt.is_set():
             t0 = time.perf_counter()
             try:
                 with urllib.request.urlopen(f"{self.url}/health", timeout=10) as r:
@@ -68,10 +68,10 @@ class HealthPoller(threading.Thread):
             self.slowest_ms = max(self.slowest_ms, (time.perf_counter() - t0) * 1000)
             self.codes[key] = self.codes.get(key, 0) + 1
             self.samples += 1
-            self._stop.wait(self.period_s)
+            self._halt.wait(self.period_s)
 
     def stop(self) -> dict:
-        self._stop.set()
+        self._halt.set()
         self.join(15)
         return {"samples": self.samples, "codes": self.codes, "slowest_ms": round(self.slowest_ms, 1)}
 
@@ -132,11 +132,11 @@ def part_hotpath(tmp: Path) -> dict:
     return res
 
 
-def part_seed(tmp: Path) -> dict:
+def part_seed(tmp: Path, users_runs: tuple[tuple[int, int], ...] = ((100, 60), (300, 30))) -> dict:
     s = serve(tmp / "seed", {}, ("--model", "smollm2-135m-instruct"))
     res = {}
     try:
-        for users, dur in ((100, 60), (300, 30)):
+        for users, dur in users_runs:
             poll = HealthPoller(s.url)
             poll.start()
             r = distbench(
@@ -201,14 +201,19 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--parts", default="hotpath,seed,openloop")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--seed-users", default="100:60,300:30", help="USERS:SECONDS runs of the seed part")
+    ap.add_argument("--workdir", default=None, help="keep the result files and logs here (default: a temp dir)")
     a = ap.parse_args()
+    runs = tuple(tuple(int(x) for x in u.split(":")) for u in a.seed_users.split(","))
+    parts = {"hotpath": part_hotpath, "seed": lambda t: part_seed(t, runs), "openloop": part_openloop}
     out: dict = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     with open("/proc/loadavg") as f:
         out["loadavg_before"] = f.read().split()[:3]
-    with tempfile.TemporaryDirectory() as d:
+    with tempfile.TemporaryDirectory() as tmp:
+        d = a.workdir or tmp
         for part in a.parts.split(","):
             t0 = time.monotonic()
-            out[part] = {"hotpath": part_hotpath, "seed": part_seed, "openloop": part_openloop}[part](Path(d) / part)
+            out[part] = parts[part](Path(d) / part)
             out[part]["wall_s"] = round(time.monotonic() - t0, 1)
             print(json.dumps({part: out[part]}, indent=1), flush=True)
     with open("/proc/loadavg") as f:

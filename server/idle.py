@@ -10,21 +10,41 @@ is never swallowed).
 
 :meth:`IdleTimeout.expire` ends the waits early from outside (the router's registry calls it when
 the worker being waited on is declared stale or dead); ``reason`` then says why.
+
+``alive``: asked when a wait has gone quiet for the timeout; while it says the other side is alive (the
+router: the worker's heartbeats are fresh), the wait goes on, for at most ``max_wait_s`` in all. A long
+engine step then delays a stream instead of failing it; a frozen worker stops heartbeating and fails it.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 T = TypeVar("T")
 
 
 class IdleTimeout:
-    __slots__ = ("_loop", "_task", "_timeout", "_last", "_waiting", "_expired", "_handle", "_cancelling", "reason")
+    __slots__ = (
+        "_loop",
+        "_task",
+        "_timeout",
+        "_last",
+        "_waiting",
+        "_expired",
+        "_handle",
+        "_cancelling",
+        "reason",
+        "_alive",
+        "_max_wait",
+    )
 
-    def __init__(self, timeout_s: float) -> None:
+    def __init__(
+        self, timeout_s: float, alive: Callable[[], bool] | None = None, max_wait_s: float | None = None
+    ) -> None:
+        self._alive = alive
+        self._max_wait = max_wait_s if max_wait_s is not None else timeout_s
         self._loop = asyncio.get_running_loop()
         task = asyncio.current_task()
         if task is None:
@@ -43,6 +63,8 @@ class IdleTimeout:
             self._handle = self._loop.call_at(due, self._check)
         elif not self._waiting:  # busy elsewhere (e.g. sending to a slow reader): look again later
             self._handle = self._loop.call_at(now + self._timeout / 8, self._check)
+        elif self._alive is not None and now - self._last < self._max_wait and self._alive():
+            self._handle = self._loop.call_at(now + self._timeout / 4, self._check)  # slow, not gone
         else:
             self._handle = None
             self.expire(f"nothing arrived for {self._timeout:g} s")

@@ -13,7 +13,9 @@ The two coefficients are fitted live, by least squares over the last ``FIT_WINDO
 (tokens, measured TTFT) pairs, so they follow the machine as it is now (threads, neighbours, the model).
 TPOT is predicted as the recent measured TPOT (an EWMA). When a prediction misses the SLO the request is
 shed (429), queued anyway (``on_slo_miss: queue``, or the client's ``x-slo-on-miss: queue``), or sent to
-the backup pool. Without any SLO a request predicted to wait longer than ``max_predicted_ttft_s`` is still
+the backup pool — except when nothing is queued: then a request is admitted whatever the prediction (it
+is also the next measurement, so a model that overestimates corrects itself instead of shedding for ever).
+Without any SLO a request predicted to wait longer than ``max_predicted_ttft_s`` is still
 refused: no admitted request waits without bound. Until ``MIN_SAMPLES`` TTFTs are measured there is no
 prediction and only the queue bounds apply.
 
@@ -229,7 +231,12 @@ class Admission:
                 f"lets a request wait ({self.max_ttft_s:.0f} s). Please retry after {retry} s.",
             )
         miss = None
-        if slo.ttft_s is not None and ttft is not None and ttft > slo.ttft_s:
+        # Nothing queued: admit whatever the model says. Shedding could not help (the SLO is out of reach even
+        # on an idle server), and an admitted request is a fresh measurement: a model that overestimates
+        # would otherwise shed everything and never see a TTFT again to correct itself.
+        if self.queued_requests == 0:
+            pass
+        elif slo.ttft_s is not None and ttft is not None and ttft > slo.ttft_s:
             what = f"predicted TTFT {ttft * 1000:.0f} ms > SLO {slo.ttft_s * 1000:g} ms"
             miss = ("slo_ttft", what, ttft - slo.ttft_s)
         elif slo.tpot_s is not None and tpot is not None and tpot > slo.tpot_s:

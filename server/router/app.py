@@ -211,6 +211,7 @@ def create_router_app(state: RouterState) -> FastAPI:
                     token=state.token,
                     request_timeout_s=rc.request_timeout_s,
                     progress_timeout_s=rc.stream_progress_timeout_s,
+                    decode_slots=state.config.decode.max_concurrent_requests,
                 ),
             )
             state.backup = BackupPool(

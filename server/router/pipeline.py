@@ -25,7 +25,7 @@ from pydantic import ValidationError
 from server.idle import IdleTimeout
 from server.lograte import RateLimitedLog, describe
 from server.metrics import RouterMetrics
-from server.router.registry import WorkerInfo, WorkerRegistry
+from server.router.registry import HEALTHY, WorkerInfo, WorkerRegistry
 from server.wire import InternalSampling, PrefillResponse, StreamLine, TokenLogprob
 
 log = logging.getLogger(__name__)
@@ -99,6 +99,11 @@ class PipelineOptions:
     worker_wait_s: float = 10.0  # how long a started stream waits for a live worker after a failure
     max_migrations: int = 3
     log_period_s: float = 5.0  # per-request warnings: one line per cause per period (server/lograte.py)
+    # requests routed to one decode worker at a time (decode.max_concurrent_requests; 0 = no bound): past it,
+    # or while it reports requests waiting for KV room, a request waits here *before* its prefill, so no
+    # staged KV outlives its lease behind the decode worker's back-pressure (then recomputed on the decode
+    # worker, whose long prefill steps starved every stream on it: the first-use report's collapse)
+    decode_slots: int = 0
 
 
 class Pipeline:
@@ -186,8 +191,22 @@ class Pipeline:
                 async for ev in stream:
                     yield ev
 
+    async def _pick_decode(self) -> WorkerInfo | None:
+        """The least-loaded decode worker, once it has room for one more request (``decode_slots``)."""
+        cap = self.options.decode_slots
+        deadline = time.monotonic() + self.options.request_timeout_s
+        while True:
+            decode = self.registry.pick("decode")
+            if decode is None or not cap:
+                return decode
+            if decode.inflight < cap and not decode.status.num_reserving:
+                return decode
+            if time.monotonic() > deadline:
+                raise NoWorkersError(f"no decode worker had room for {self.options.request_timeout_s:g} s")
+            await asyncio.sleep(0.02)
+
     async def _disaggregated(self, req: EngineRequest, outputs: list[int]) -> AsyncGenerator[TokenEvent, None]:
-        decode = self.registry.pick("decode")
+        decode = await self._pick_decode()
         prefill = self.registry.pick("prefill")
         if decode is None or prefill is None:
             raise NoWorkersError("no healthy prefill/decode pair")
@@ -298,7 +317,9 @@ class Pipeline:
         # The read timeout is ours, not aiohttp's sock_read (which reschedules a timer per received
         # chunk, i.e. per token): one lazily re-armed timer per stream, see server/idle.py.
         # It is the progress deadline: the worker sends a token or a keep-alive line well within it.
-        idle = IdleTimeout(self.options.progress_timeout_s)
+        # A worker that still heartbeats (from its own thread) with work queued is in a long step, not frozen:
+        # its stream waits on, up to the request timeout; a frozen one goes stale and fails it as before.
+        idle = IdleTimeout(self.options.progress_timeout_s, self._heartbeating(worker), self.options.request_timeout_s)
         try:
             with worker.watch(idle):
                 r = await idle.wait(
@@ -349,6 +370,16 @@ class Pipeline:
             raise _call_failed(worker, "stream broke", e, idle) from None
         finally:
             idle.close()
+
+    def _heartbeating(self, worker: WorkerInfo):
+        timeout = self.registry.heartbeat_timeout_s
+
+        def alive() -> bool:  # heartbeats fresh, and its last one says it has work: a long step, not a lost stream
+            s = worker.status
+            busy = s.num_running + s.num_waiting + s.num_reserving > 0
+            return busy and worker.state == HEALTHY and time.monotonic() - worker.last_seen < timeout
+
+        return alive
 
     async def _abort(self, worker: WorkerInfo, request_id: str) -> None:
         try:

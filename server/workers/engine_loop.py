@@ -110,6 +110,7 @@ class EngineLoop:
         # monotonic start of the inline step running now (0: none): a long step blocks the event loop,
         # and the heartbeat thread tells it from a wedged loop by this (server/workers/heartbeat.py)
         self.step_started = 0.0
+        self.step_ended = 0.0  # ... and when the last one ended
 
     def start(self) -> None:
         if self.threaded and self._executor is None:
@@ -211,7 +212,7 @@ class EngineLoop:
                     try:
                         outputs, cpu = self._step()
                     finally:
-                        self.step_started = 0.0
+                        self.step_started, self.step_ended = 0.0, time.monotonic()
             except Exception as e:  # a bug, not a request's fault (those are failed inside the step)
                 if is_memory_error(e):
                     engine.memory_pressure.record()

@@ -61,7 +61,7 @@ class Liveness:
         if step:
             long = now - step
             return f"one engine step has run for {long:.1f} s" if long > self.max_step_s else None
-        lag = now - self.loop_tick
+        lag = now - max(self.loop_tick, self.engine_loop.step_ended)  # a step just ended: the tick is due
         return f"event loop unresponsive for {lag:.1f} s" if lag > self.wedged_after_s else None
 
 

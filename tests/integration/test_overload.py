@@ -2,7 +2,8 @@
 
 One server for the module (tiny model, fast heartbeats, small admission bounds):
 - a long engine step (the fault hook's ``block_step_ms``, a ``time.sleep`` inside the step on the worker's
-  event loop) does not make the worker stale: heartbeats come from their own thread;
+  event loop) does not make the worker stale (heartbeats come from their own thread), and a decode step
+  longer than the progress deadline delays its stream without failing it;
 - a frozen worker (SIGSTOP) still goes stale, and the router logs the transition and the recovery;
 - overload gets 429s with Retry-After (OpenAI's rate-limit shape), never a 5xx, and leaves nothing in flight;
 - SLO headers: a TTFT SLO the live prediction misses is shed (429), or admitted with ``x-slo-on-miss: queue``,
@@ -64,7 +65,7 @@ def backup():
 def server(tmp_path_factory, backup):
     s = ServeProcess(
         tmp_path_factory.mktemp("overload"),
-        config={"router": {"admission": ADMISSION, "backup_pool": [backup.url]}},
+        config={"router": {"admission": ADMISSION, "backup_pool": [backup.url], "stream_progress_timeout_s": 2.0}},
     )
     yield s
     s.stop()
@@ -99,6 +100,19 @@ def test_a_long_engine_step_does_not_make_the_worker_stale(server):
     assert code == 200, body
     assert len(states) >= 5 and set(states) == {"healthy"}, states
     assert "(prefill) stale" not in _router_log(server)
+
+
+def test_a_long_decode_step_delays_a_stream_but_does_not_fail_it(server):
+    # one decode step of 3 s: longer than the progress deadline (2 s here), on a worker that heartbeats
+    _fault(server, "decode", block_step_ms=3000)
+    try:
+        code, body, _ = _complete(server.url, 2)
+    finally:
+        _fault(server, "decode")
+    assert code == 200 and body["usage"]["completion_tokens"] == 2, body
+    log = _router_log(server)
+    assert "stream broke" not in log and "migrating" not in log, log[-2000:]
+    assert _worker(server, "decode")["state"] == "healthy"
 
 
 def test_overload_gets_429_with_retry_after_and_never_5xx(server):
@@ -136,19 +150,33 @@ def test_slo_headers_shed_queue_or_route_to_backup(server, backup):
         assert _complete(server.url, 2)[0] == 200
     st = server.get("/v1/admission")
     assert st["model"]["ready"], st
-    # no prompt can reach its first token in a microsecond: the prediction misses, the request is shed
-    code, body, headers = _complete(server.url, 2, {"x-slo-ttft-ms": "0.001"})
-    assert code == 429 and headers["x-distserve-admission"] == "slo_ttft", body
-    assert "predicted TTFT" in body["error"]["message"] and int(headers["retry-after"]) >= 1
-    # the client accepts a wait: admitted anyway
-    code, body, headers = _complete(server.url, 2, {"x-slo-ttft-ms": "0.001", "x-slo-on-miss": "queue"})
-    assert code == 200 and headers["x-distserve-pool"] == "primary", body
-    # or sent to the backup pool
-    before = backup.count
-    code, body, headers = _complete(server.url, 2, {"x-slo-ttft-ms": "0.001", "x-slo-on-miss": "backup"})
-    assert code == 200 and headers["x-distserve-pool"] == "backup" and backup.count == before + 1, body
-    # a generous SLO is met by the prediction: admitted on the primary
-    assert _complete(server.url, 2, {"x-slo-ttft-ms": "600000"})[2]["x-distserve-pool"] == "primary"
+    # one request held in the queue (slow prefill steps): with nothing queued every request is admitted
+    _fault(server, "prefill", block_step_ms=1500)
+    pool = concurrent.futures.ThreadPoolExecutor(2)
+    try:
+        held = pool.submit(_complete, server.url, 2)
+        deadline = time.monotonic() + 30
+        while server.get("/v1/admission")["queued_requests"] < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        # no prompt can reach its first token in a microsecond: the prediction misses, the request is shed
+        code, body, headers = _complete(server.url, 2, {"x-slo-ttft-ms": "0.001"})
+        assert code == 429 and headers["x-distserve-admission"] == "slo_ttft", body
+        assert "predicted TTFT" in body["error"]["message"] and int(headers["retry-after"]) >= 1
+        # or sent to the backup pool
+        before = backup.count
+        code, body, headers = _complete(server.url, 2, {"x-slo-ttft-ms": "0.001", "x-slo-on-miss": "backup"})
+        assert code == 200 and headers["x-distserve-pool"] == "backup" and backup.count == before + 1, body
+        # the client accepts a wait: admitted anyway
+        queued = pool.submit(_complete, server.url, 2, {"x-slo-ttft-ms": "0.001", "x-slo-on-miss": "queue"})
+        # a generous SLO is met by the prediction: admitted on the primary
+        assert _complete(server.url, 2, {"x-slo-ttft-ms": "600000"})[2]["x-distserve-pool"] == "primary"
+        code, body, headers = queued.result()
+        assert code == 200 and headers["x-distserve-pool"] == "primary", body
+        assert held.result()[0] == 200
+    finally:
+        _fault(server, "prefill")
+        pool.shutdown()
     code, body, _ = _complete(server.url, 2, {"x-slo-ttft-ms": "soon"})
     assert code == 400 and body["error"]["param"] == "x-slo-ttft-ms", body
     st = server.get("/v1/admission")

@@ -139,6 +139,7 @@ def test_breaker_fails_over_to_backup_and_back(serve_factory, tmp_path):
             assert await fault(s, prefill["url"], {"prefill_delay_ms": 1500}) == {
                 "prefill_delay_ms": 1500.0,
                 "decode_delay_ms": 0.0,
+                "block_step_ms": 0.0,
             }
             marks["fault"] = time.monotonic()
             # The breach becomes visible when the judged percentile passes the threshold;
@@ -160,7 +161,11 @@ def test_breaker_fails_over_to_backup_and_back(serve_factory, tmp_path):
             marks["open"] = time.monotonic()
             await asyncio.sleep(1.5)  # requests sent while open go to the backup
             marks["clear"] = time.monotonic()
-            assert await fault(s, prefill["url"], {}) == {"prefill_delay_ms": 0.0, "decode_delay_ms": 0.0}
+            assert await fault(s, prefill["url"], {}) == {
+                "prefill_delay_ms": 0.0,
+                "decode_delay_ms": 0.0,
+                "block_step_ms": 0.0,
+            }
             await wait_state(s, primary.url, "closed", timeout=60)
             marks["closed"] = time.monotonic()
             await asyncio.sleep(1.0)

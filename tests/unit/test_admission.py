@@ -57,8 +57,11 @@ def test_slo_miss_sheds_queues_or_routes_to_backup_and_the_error_is_measured():
         t.first_token((10.0 + 1.0 * tokens) / 1000.0)
         t.done(0.02)
     slo = parse_slo({"x-slo-ttft-ms": "50"}, 0.0, 0.0, a.cfg.on_slo_miss)
-    d = a.decide(500, slo)  # predicted 10 + 500 ms > 50 ms
-    assert (d.route, d.reason) == ("backup", "slo_ttft") and d.predicted_ttft_s == pytest.approx(0.51)
+    # nothing queued: admitted whatever the prediction (shedding cannot help; it is the next measurement)
+    assert a.decide(500, slo).route == "primary"
+    a.admit(100, a.decide(100, Slo()))  # one request waiting for its first token
+    d = a.decide(500, slo)  # predicted 10 + (100 + 500) ms > 50 ms
+    assert (d.route, d.reason) == ("backup", "slo_ttft") and d.predicted_ttft_s == pytest.approx(0.61)
     assert a.decide(500, Slo(0.05, None, "shed")).route == "shed"
     assert a.decide(500, Slo(0.05, None, "queue")).route == "primary"
     assert a.decide(20, Slo(1.0, None, "shed")).route == "primary"
@@ -96,7 +99,7 @@ def test_rate_limited_log_writes_one_line_per_cause_then_a_summary(caplog):
 
 def test_liveness_tells_a_long_step_from_a_wedged_loop():
     class Loop:
-        step_started = 0.0
+        step_started = step_ended = 0.0
 
     loop = Loop()
     live = Liveness(loop, wedged_after_s=10.0, max_step_s=600.0)  # type: ignore[arg-type]
