@@ -6,10 +6,12 @@ stay bf16 (W8A16). Three paths, by the number of rows ``M`` of ``x``:
 
 * ``M == 1``: a GEMV (``_fp8_gemv_kernel``): products accumulate elementwise in float32, one reduction
   at the end, the weight stream software-pipelined (the bf16 GEMV of ``cuda_ops`` with e4m3 loads).
-* ``1 < M <= DOT_MAX_M``: ``_fp8_dot_kernel``, a tile kernel that widens each e4m3 tile to bf16 in
-  registers and feeds ``tl.dot`` (rows padded to 16 inside the kernel, never in memory).
-* larger ``M`` (prefill on an FP8 engine): ``torch._scaled_mm`` on FP8 tensor cores, with the
-  activation quantised per row (``M`` padded to a multiple of 16), falling back to widening the weight.
+* ``M > 1``: ``_fp8_dot_kernel``, a tile kernel that widens each e4m3 tile to bf16 in registers and
+  feeds ``tl.dot`` (rows padded to 16 inside the kernel, never in memory): W8A16 at every batch size, so
+  a request's numerics do not depend on the batch it lands in.
+* ``torch._scaled_mm`` on FP8 tensor cores (activation quantised per row, ``M`` padded to a multiple of
+  16) only with ``SCALED_MM_MIN_M`` set: on an H200 it beat the tile kernel from M = 128 (44 vs 66 us on
+  the qkv shape) but adds the activation's rounding (2.6 % relative output error against 0.3 %).
 
 The per-channel scale multiplies the float32 accumulator at the end. Every path is CUDA-graph safe (no
 host sync). ``bench/gpu_fp8.py`` times these against each other and against ``_scaled_mm`` at small M.
@@ -35,9 +37,10 @@ except Exception:
     tl = None
     HAS_TRITON = False
 
-DOT_MAX_M = 64
-# (BLOCK_N, BLOCK_K, num_warps, STAGES); the bench may override. Chosen by bench/gpu_fp8.py on an H200.
-GEMV_CONFIG: dict[str, Any] = {"BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 4, "STAGES": 3}
+SCALED_MM_MIN_M = 0  # 0: never (W8A16 tile kernel at every M); else rows from which _scaled_mm runs
+# The bench may override these. Chosen by bench/gpu_fp8.py on an H200 (bench/results/gpu_fp8_2026-12-01.json:
+# summed over the four 7B projections at M = 1, the best single GEMV config, 70.3 us against 94.5 for (8, 512, 4, 3)).
+GEMV_CONFIG: dict[str, Any] = {"BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 4, "STAGES": 3}
 DOT_CONFIG: dict[str, Any] = {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4}
 
 
@@ -202,7 +205,7 @@ def fp8_linear(x: torch.Tensor, layer: Any) -> torch.Tensor:
         x = x.contiguous()
     if m == 1 and x.is_contiguous():
         return fp8_gemv(x, w, s, b)
-    if m <= DOT_MAX_M:
+    if not SCALED_MM_MIN_M or m < SCALED_MM_MIN_M:
         return fp8_dot(x, w, s, b)
     if getattr(layer, "scaled_mm_ok", True):
         try:

@@ -192,6 +192,9 @@ class LLMEngine:
             )
             self.max_model_len = window
         self._cap_max_model_len_for_rope()
+        # before the KV profile: its profiling prefill steps (and samples) like any request
+        self.sampler = Sampler()
+        self.logits_mask_fn: LogitsMaskFn | None = None  # see LogitsMaskFn
         self.kv_budget: KVBudget | None = None
         if not config.num_blocks and self.device.type == "cuda" and config.gpu_memory_utilization > 0:
             self.kv_budget = self._profile_kv_blocks()
@@ -205,8 +208,6 @@ class LLMEngine:
                 // kv_bytes_per_block(self.model_config, config.block_size, self.kv_dtype),
             )
         self._build_cache(num_blocks)
-        self.sampler = Sampler()
-        self.logits_mask_fn: LogitsMaskFn | None = None  # see LogitsMaskFn
         self.stats = EngineStats()
         self.requests: dict[str, Sequence] = {}
         self.awaiting_kv: dict[str, Sequence] = {}  # WAITING_FOR_REMOTE_KVS, oldest reservation first
@@ -258,7 +259,6 @@ class LLMEngine:
         bs = config.block_size
         n_tokens = max(1, min(config.max_num_batched_tokens, self.max_model_len - 1))
         self._build_cache(-(-(n_tokens + 1) // bs) + 1)
-        self.sampler = Sampler()
         self.stats = EngineStats()
         self.requests, self._seeds, self._rng = {}, {}, random.Random()
         self.awaiting_kv = {}

@@ -76,7 +76,7 @@ def parse_address(address: str) -> tuple[str, int]:
 MAX_KV_SCALE_LAYERS = 1024
 
 
-def _check_kv_scales(scales: Any, dtype: str, shape: tuple[int, ...]) -> None:
+def check_kv_scales(scales: Any, dtype: str, shape: tuple[int, ...]) -> None:
     """FP8 payloads carry one finite, positive [K, V] scale pair per layer; other dtypes carry none."""
     if dtype != "float8_e4m3fn":
         if scales:
@@ -145,7 +145,7 @@ class KVHandle:
             raise ValueError(f"KVHandle.ipc must be a string of at most {MAX_IPC_CHARS} chars")
         if self.ipc and self.transport != "cuda_ipc":
             raise ValueError("KVHandle.ipc is only for transport cuda_ipc")
-        _check_kv_scales(self.kv_scales, self.dtype, self.shape)
+        check_kv_scales(self.kv_scales, self.dtype, self.shape)
 
     @property
     def torch_dtype(self) -> torch.dtype:

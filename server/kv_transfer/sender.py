@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .base import KVHandle, KVSender, TransferStatus
+from .base import KVHandle, KVSender, TransferStatus, check_kv_scales
 from .factory import host_id as this_host_id
 from .frame import (
     DTYPE_CODES,
@@ -211,13 +211,16 @@ class KVStagingServer(KVSender):
         transport: str = "tcp",
         checksum: bool | None = None,
         ready_event=None,
+        kv_scales: tuple[tuple[float, float], ...] = (),
     ) -> KVHandle:
-        """Stage `tensor` for one pull. Takes ownership: do not modify it afterwards (tcp sends
+        """Stage `tensor` for one pull (an FP8 tensor with its per-layer `kv_scales`, which the handle
+        carries). Takes ownership: do not modify it afterwards (tcp sends
         straight from its memory). Raises ValueError for bad arguments, StagingFullError.
         cuda_ipc: `tensor` is on a GPU; `ready_event` (a CUDA event recorded after the work that
         wrote it) saves waiting for everything queued on its device; no checksum (the bytes never
         reach the host)."""
         self._check_stage_args(request_id, tensor, transport)
+        check_kv_scales(kv_scales, dtype_name(tensor.dtype), tuple(tensor.shape))  # before anything is held
         lease_ms = self.default_lease_ms if lease_ms is None else float(lease_ms)
         if lease_ms <= 0:
             raise ValueError(f"lease_ms must be > 0, got {lease_ms}")
@@ -228,7 +231,7 @@ class KVStagingServer(KVSender):
         with self._lock:
             self._check_capacity(request_id, nbytes)
         if transport == "cuda_ipc":
-            return self._stage_ipc(request_id, tensor, nbytes, lease_ms, ready_event)
+            return self._stage_ipc(request_id, tensor, nbytes, lease_ms, ready_event, kv_scales)
         use_crc = self.checksum if checksum is None else checksum
         segment: SharedMemory | None = None
         held: torch.Tensor | None = tensor
@@ -262,7 +265,7 @@ class KVStagingServer(KVSender):
             tensor=held,
             segment=segment,
         )
-        return self._register(entry)
+        return self._register(entry, kv_scales)
 
     def ipc_pool(self, device: torch.device):
         """The cuda_ipc staging pool of ``device``, allocated on first use (a worker calls this at start,
@@ -290,7 +293,9 @@ class KVStagingServer(KVSender):
                 pool = self._ipc_pools.setdefault(index, pool)
         return pool
 
-    def _stage_ipc(self, request_id: str, tensor: torch.Tensor, nbytes: int, lease_ms: float, ready_event) -> KVHandle:
+    def _stage_ipc(
+        self, request_id: str, tensor: torch.Tensor, nbytes: int, lease_ms: float, ready_event, kv_scales=()
+    ) -> KVHandle:
         from . import cuda_ipc
 
         pool = None
@@ -312,9 +317,9 @@ class KVStagingServer(KVSender):
             expiry=time.monotonic() + lease_s,
             ipc=export,
         )
-        return self._register(entry)
+        return self._register(entry, kv_scales)
 
-    def _register(self, entry: _Entry) -> KVHandle:
+    def _register(self, entry: _Entry, kv_scales: tuple[tuple[float, float], ...] = ()) -> KVHandle:
         with self._lock:
             try:
                 if self._closed:
@@ -336,6 +341,7 @@ class KVStagingServer(KVSender):
             checksum=entry.checksum,
             host_id=self.host_id,
             ipc=entry.ipc.text if entry.ipc is not None and entry.ipc.in_pool else "",
+            kv_scales=kv_scales,
         )
 
     def abort(self, request_id: str) -> bool:

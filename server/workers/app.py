@@ -15,7 +15,6 @@ cancelled and the request is aborted in the engine: its blocks are freed at once
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import hmac
 import json
 import logging
@@ -229,9 +228,9 @@ async def _prefill(state: WorkerState, body: PrefillRequest) -> JSONResponse:
         )
         t2 = time.perf_counter()
         phases.labels("take_kv").observe(t2 - t1)
-        handle = await asyncio.to_thread(_stage, state, rid, kv, ready, transport)
-        if kv_scales is not None:  # an FP8 cache's bytes travel with the scales they were quantised with
-            handle = dataclasses.replace(handle, kv_scales=tuple((k, v) for k, v in kv_scales))
+        # an FP8 cache's bytes travel with the scales they were quantised with (in the handle)
+        scales = tuple((k, v) for k, v in kv_scales) if kv_scales is not None else ()
+        handle = await asyncio.to_thread(_stage, state, rid, kv, ready, transport, scales)
         phases.labels("stage").observe(time.perf_counter() - t2)
         state.metrics.prefill_seconds.observe(time.perf_counter() - t0)
         return JSONResponse(
@@ -316,20 +315,22 @@ def _take_kv(state: WorkerState, rid: str):
     return kv, cuda_ipc.record_ready(kv), engine.runner.kv_scales()
 
 
-def _stage(state: WorkerState, rid: str, kv, ready, transport: str):
+def _stage(state: WorkerState, rid: str, kv, ready, transport: str, kv_scales: tuple = ()):
     """In a thread: tcp/shm need the KV in (pinned) host memory; cuda_ipc keeps it on the GPU."""
     kvc, sender = state.config.kv_transfer, state.sender
     if sender is None:
         raise RuntimeError("this worker stages no KV (it has no KV sender)")
     if transport == "cuda_ipc" and kvc.transport == "auto":
         try:
-            return sender.stage(rid, kv, kvc.lease_ms, transport=transport, ready_event=ready)
+            return sender.stage(rid, kv, kvc.lease_ms, transport=transport, ready_event=ready, kv_scales=kv_scales)
         except cuda_ipc.IpcError as e:  # e.g. an allocator whose memory cannot be exported
             log.warning("cuda_ipc unusable here (%s); staging through host memory", e)
             transport = "shm" if kv.numel() * kv.element_size() >= kvc.zero_copy_threshold_mb * 2**20 else "tcp"
     if transport != "cuda_ipc" and kv.is_cuda:
         kv, ready = cuda_ipc.to_pinned_host(kv, ready), None
-    return sender.stage(rid, kv, kvc.lease_ms, transport=transport, checksum=kvc.checksum, ready_event=ready)
+    return sender.stage(
+        rid, kv, kvc.lease_ms, transport=transport, checksum=kvc.checksum, ready_event=ready, kv_scales=kv_scales
+    )
 
 
 _JSON = json.JSONEncoder(separators=(",", ":"))  # one encoder: json.dumps(..., separators=) builds one per call
