@@ -206,8 +206,11 @@ def create_router_app(state: RouterState) -> FastAPI:
                     token=state.token,
                     request_timeout_s=rc.request_timeout_s,
                     progress_timeout_s=rc.stream_progress_timeout_s,
+                    local_prefill_max_tokens=rc.local_prefill_max_tokens,
+                    local_prefill_prefill_load=rc.local_prefill_prefill_load,
                 ),
             )
+            state.registry.configure(rc, lambda role: state.metrics.worker_ejections.labels(role).inc())
             state.backup = BackupPool(BackupOptions(rc.backup_pool, rc.backup_model, rc.backup_api_key), http)
             state.sla = SlaLive(rc, state.metrics.registry, backup_configured=state.backup.configured)
             if state.admission is None:  # one per state: its metrics live in the state's registry
@@ -383,6 +386,10 @@ def create_router_app(state: RouterState) -> FastAPI:
                 state.metrics.workers.labels(role, st).set(c.get(st, 0))
         for w in reg.workers.values():
             state.metrics.worker_restarts.labels(w.worker_id, w.role).set(w.restart_count)
+        for role in ("prefill", "decode", "colocated"):  # latency outliers out of rotation now (outlier.py)
+            state.metrics.workers_ejected.labels(role).set(
+                sum(1 for w in reg.workers.values() if w.role == role and w.ejected_until)
+            )
         return PlainTextResponse(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/sla/status")
@@ -823,6 +830,7 @@ class _Run:
                 error=None if ok else (self.error or ("client disconnected" if status == "aborted" else status)),
                 http_status=_OUTCOME_STATUS.get(status, 500),
                 predicted_ttft=self.ticket.predicted_ttft_s if self.ticket is not None else None,
+                path=self.req.path,
             )
         )
 
