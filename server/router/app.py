@@ -330,9 +330,15 @@ def create_router_app(state: RouterState) -> FastAPI:
     async def workers(request: Request):
         if not authorized(request):
             return _error(401, "missing or wrong bearer token")
-        state.registry.sweep()
+        reg = state.registry
+        reg.sweep()
         now = time.monotonic()
-        return {"mode": state.registry.mode(), "workers": [w.to_dict(now) for w in state.registry.workers.values()]}
+        out = []
+        for w in reg.workers.values():
+            d = w.to_dict(now)
+            d["prefix_blocks"] = reg.prefix.num_blocks(w.worker_id)  # in its routing summary (prefix_index.py)
+            out.append(d)
+        return {"mode": reg.mode(), "workers": out}
 
     @app.get("/v1/admission")
     async def admission_status(request: Request):
