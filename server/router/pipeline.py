@@ -242,6 +242,8 @@ class Pipeline:
                         first_at = now
                         if ttft:
                             self._record(worker, now - t0)
+                        if kv is None:  # it prefilled these tokens itself: they are in its prefix cache now
+                            self.registry.prefix.note_prefilled(worker.worker_id, req.prompt_token_ids + outputs)
                     n += len(ev.token_ids)
                     if ev.finished and not ttft and n > 1 and not ev.error:
                         self._record(worker, (now - first_at) / (n - 1))
@@ -272,6 +274,7 @@ class Pipeline:
                 first = await self._prefill(prefill, req, outputs, decode.host_id, decode.cuda_uuids)
                 if first.error is None:
                     self._record(prefill, time.perf_counter() - t0)
+                    self.registry.prefix.note_prefilled(prefill.worker_id, req.prompt_token_ids + outputs)
             done = outputs + first.token_ids  # copy now: the caller extends `outputs` when we yield
             pulled = first.finished  # True once no staged KV can be left behind on the prefill worker
             try:

@@ -5,7 +5,9 @@ Each worker's heartbeat may carry the digests of the full KV blocks its prefix c
 the block manager names its blocks with). The index maps digest → workers. A summary *replaces* what was
 known of that worker (never merges), so a worker's evictions and a restarted worker's empty cache show at
 once; a worker that dies, is replaced, leaves or is forgotten loses its entries (``drop``). A summary older
-than ``max_age_s`` counts as none.
+than ``max_age_s`` counts as none. Between summaries, a prompt a worker has just prefilled is added to its
+entries (``note_prefilled``: the next turn of a chat often comes before the next heartbeat); the next full
+summary replaces those guesses with what the worker really holds.
 
 Scoring (``expected_hits``): the number of leading full blocks of the prompt whose chained digests a worker
 holds — a chained digest stands for the whole prefix up to its block, so that is exactly the number of
@@ -23,7 +25,7 @@ from server.wire import WorkerStatus
 
 @dataclass
 class _Summary:
-    digests: frozenset[bytes]
+    digests: set[bytes]
     version: int
     block_size: int
     at: float  # monotonic time it was last confirmed (a full summary, or a heartbeat of the same version)
@@ -60,10 +62,22 @@ class PrefixIndex:
                 self.drop(worker_id)  # a summary we missed: ours is out of date; the next full one restores it
             return
         self.drop(worker_id)  # replace, never merge
-        digests = frozenset(bytes.fromhex(h) for h in status.prefix_blocks)
+        digests = {bytes.fromhex(h) for h in status.prefix_blocks}
         self.of_worker[worker_id] = _Summary(digests, status.prefix_version, status.prefix_block_size, now)
         for d in digests:
             self.by_digest.setdefault(d, set()).add(worker_id)
+
+    def note_prefilled(self, worker_id: str, token_ids: list[int]) -> None:
+        """``worker_id`` just prefilled ``token_ids``: expect their full blocks in its cache now, before its
+        next summary says so (a chat's next turn often arrives within one heartbeat interval). The entries
+        live until that worker's next full summary replaces them; only added to a summary we hold."""
+        s = self.of_worker.get(worker_id)
+        if s is None:
+            return
+        for d in chain_digests(token_ids, s.block_size):
+            if d not in s.digests:
+                s.digests.add(d)
+                self.by_digest.setdefault(d, set()).add(worker_id)
 
     def fresh(self, worker_id: str, now: float | None = None) -> bool:
         s = self.of_worker.get(worker_id)

@@ -10,6 +10,7 @@ returns after its cooling period. No KV block leaks.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -21,7 +22,8 @@ from .conftest import http
 pytestmark = pytest.mark.slow
 
 OUTLIER = {"min_samples": 3, "factor": 3.0, "min_excess_ms": 300.0, "ejection_s": 3.0, "window_s": 60.0}
-CONFIG = {"router": {"prefix_cache_weight": 2.0, "outlier": OUTLIER}}
+# local prefill for prompts of at most 2 uncached tokens: only the last request below qualifies
+ROUTER = {"prefix_cache_weight": 2.0, "outlier": OUTLIER, "local_prefill_max_tokens": 2}
 CONV = [1] + [3 + (5 * k) % 300 for k in range(160)]  # 161 tokens: 10 full blocks of 16
 
 
@@ -55,8 +57,9 @@ def _wait(cond, what: str, timeout: float = 30.0):
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def test_follow_ups_land_on_the_cached_worker_and_slow_workers_are_ejected(serve_factory):
-    server = serve_factory(prefill=2, decode=1, config=CONFIG)
+def test_follow_ups_land_on_the_cached_worker_and_slow_workers_are_ejected(serve_factory, tmp_path):
+    journal = tmp_path / "journal.jsonl"
+    server = serve_factory(prefill=2, decode=1, config={"router": {**ROUTER, "journal_path": str(journal)}})
     url = server.url
     _wait(lambda: len(_prefill_workers(server)) == 2, "two prefill workers")
     _complete(url, CONV)  # turn 1: computed on whichever worker
@@ -127,5 +130,17 @@ def test_follow_ups_land_on_the_cached_worker_and_slow_workers_are_ejected(serve
     http("POST", f"{slow['url']}/admin/fault", {})
     _wait(lambda: not _prefill_workers(server)[slow["worker_id"]]["ejected"], "the return", timeout=15)
     assert "back in rotation" in router_log.read_text()
+
+    # conditional disaggregation: a prompt short enough is prefilled on the decode worker itself
+    _complete(url, [1, 5])
+    _, text, _ = http("GET", f"{url}/metrics")
+    assert _metric(text, 'distserve_prefill_path_total{path="local"}') == 1
+    paths = _wait(
+        lambda: (lambda p: p if "local" in p else None)(
+            [json.loads(ln).get("path") for ln in journal.read_text().splitlines() if '"request"' in ln]
+        ),
+        "the journal",
+    )
+    assert paths[-1] == "local" and set(paths[:-1]) == {"disaggregated"}, paths
     state = server.wait_kv_free()
     assert not any(state["used"].values()) and not any(state["staged"].values()), state

@@ -218,3 +218,14 @@ def test_conditional_disaggregation_decides_per_threshold():
     assert decide(local_prefill_prefill_load=2.0)  # saturated, and the decode worker queues nothing
     reg.heartbeat("d0", WorkerStatus(num_waiting=1))
     assert not decide(local_prefill_prefill_load=2.0)  # ... unless it does
+
+
+def test_a_prompt_just_prefilled_counts_until_the_next_summary_replaces_the_guess():
+    reg = WorkerRegistry(heartbeat_timeout_s=30)
+    reg.register(_reg("p0", status=WorkerStatus(prefix_block_size=BS, prefix_version=1, prefix_blocks=[])))
+    reg.register(_reg("p1"))  # no summary: nothing is guessed for it
+    reg.prefix.note_prefilled("p0", PROMPT)
+    reg.prefix.note_prefilled("p1", PROMPT)
+    assert reg.prefix.expected_hits(PROMPT + [5, 6], ["p0", "p1"]) == {"p0": 10, "p1": 0}
+    reg.heartbeat("p0", WorkerStatus(prefix_block_size=BS, prefix_version=2, prefix_blocks=[]))  # evicted there
+    assert reg.prefix.expected_hits(PROMPT, ["p0"]) == {"p0": 0} and not reg.prefix.by_digest
