@@ -29,6 +29,7 @@ __all__ = [
     "DecodeConfig",
     "DistServeConfig",
     "KVTransferConfig",
+    "OutlierConfig",
     "PrefillConfig",
     "RayConfig",
     "RouterConfig",
@@ -328,6 +329,26 @@ class AdmissionConfig(_Section):
 
 
 @dataclass(frozen=True)
+class OutlierConfig(_Section):
+    """Per-worker latency outlier ejection (server/router/outlier.py), Envoy style: a worker whose recent
+    TTFT (prefill, colocated) or TPOT (decode) ``percentile`` exceeds ``factor`` x the median of its pool's
+    others (and by ``min_excess_ms``), with ``min_samples`` each, gets no new request for ``ejection_s``
+    (x its consecutive ejections, at most 4x); at most ``max_ejection_share`` of a pool, never its last."""
+
+    _section: ClassVar[str] = "router.outlier"
+    enabled: bool = _opt(
+        False, "bool"
+    )  # opt-in, as Envoy's outlier detection: a drill that slows one worker expects it served
+    factor: float = _opt(3.0, "float", lo=1, lo_open=True)
+    percentile: float = _opt(0.9, "float", lo=0, hi=1, lo_open=True)
+    min_samples: int = _opt(8, "int", lo=1, hi=100_000)
+    window_s: float = _opt(60.0, "float", lo=0, lo_open=True)  # samples older than this are forgotten
+    min_excess_ms: float = _opt(50.0, "float", lo=0)
+    ejection_s: float = _opt(30.0, "float", lo=0, lo_open=True)
+    max_ejection_share: float = _opt(0.5, "float", lo=0, hi=1)
+
+
+@dataclass(frozen=True)
 class RouterConfig(_Section):
     _section: ClassVar[str] = "router"
     host: str = _opt("127.0.0.1", "str")
@@ -355,6 +376,16 @@ class RouterConfig(_Section):
     allow_unknown_fields: bool = _opt(False, "bool")
     breaker: BreakerConfig = _sub(BreakerConfig)
     admission: AdmissionConfig = _sub(AdmissionConfig)
+    # Cache-aware routing (server/router/registry.py pick): score = load + prefix_cache_weight x the share of
+    # the prompt the worker has not cached; 0 = least load only. Summaries older than the max age count as none.
+    prefix_cache_weight: float = _opt(2.0, "float", lo=0, hi=1e6)
+    prefix_summary_max_age_s: float = _opt(10.0, "float", lo=0, lo_open=True)
+    # Conditional disaggregation (server/router/pipeline.py): prefill on the decode worker when the part of
+    # the prompt it has not cached is at most this many tokens (0 = never for that reason), or when every
+    # prefill worker's load is at least local_prefill_prefill_load and the decode worker queues nothing (0 = off)
+    local_prefill_max_tokens: int = _opt(0, "int", lo=0, hi=1 << 30)
+    local_prefill_prefill_load: float = _opt(0.0, "float", lo=0, hi=1e6)
+    outlier: OutlierConfig = _sub(OutlierConfig)
 
 
 @dataclass(frozen=True)

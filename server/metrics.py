@@ -108,6 +108,24 @@ class RouterMetrics:
         self.worker_restarts = Gauge(
             "distserve_worker_restarts", "Times the launcher restarted this worker.", ["worker_id", "role"], registry=r
         )
+        self.worker_ejections = Counter(
+            "distserve_worker_ejections", "Latency-outlier ejections (router/outlier.py).", ["role"], registry=r
+        )
+        self.workers_ejected = Gauge(
+            "distserve_workers_ejected", "Workers out of rotation as latency outliers now.", ["role"], registry=r
+        )
+        self.prefill_path = Counter(
+            "distserve_prefill_path",
+            "Requests by where their prompt was prefilled: disaggregated (a prefill worker) or local.",
+            ["path"],
+            registry=r,
+        )
+        self.prefix_picks = Counter(
+            "distserve_prefix_aware_picks",
+            "Prefill/colocated picks by whether the chosen worker's prefix summary held part of the prompt.",
+            ["outcome"],
+            registry=r,
+        )
 
 
 class WorkerMetrics:

@@ -9,9 +9,9 @@ one side breaks the other's tests rather than production. The worker writes the 
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Field, StringConstraints, model_validator
 
 CREDENTIAL_HEADER = "x-worker-credential"  # a worker's own credential, issued at registration (router/identity.py)
 
@@ -126,8 +126,18 @@ class DrainRequest(BaseModel):
 MAX_LOAD_FIGURE = 2**31 - 1  # a load figure above this is a bug or an attack, never a real count
 
 
+MAX_PREFIX_BLOCKS = 4096  # digests one prefix summary may carry (a heartbeat stays well under 200 KB)
+PrefixDigest = Annotated[str, StringConstraints(min_length=32, max_length=32, pattern=r"^[0-9a-f]{32}$")]
+
+
 class WorkerStatus(BaseModel):
-    """A worker's load, as it heartbeats it: counts, each in [0, MAX_LOAD_FIGURE] (else 400 naming it)."""
+    """A worker's load, as it heartbeats it: counts, each in [0, MAX_LOAD_FIGURE] (else 400 naming it).
+
+    Prefix summary (cache-aware routing, ``server/router/prefix_index.py``): ``prefix_blocks`` lists the hex
+    digests (``server/prefix_hash.py``) of the full blocks its prefix cache holds, at most
+    ``MAX_PREFIX_BLOCKS``, as of ``prefix_version``. It *replaces* what the router knew of this worker;
+    ``None`` means "unchanged since the summary of this version" (the router keeps its copy only when the
+    versions match, else drops it). ``prefix_block_size`` 0: no prefix caching, no summary."""
 
     num_waiting: int = Field(default=0, ge=0, le=MAX_LOAD_FIGURE, strict=True)
     num_running: int = Field(default=0, ge=0, le=MAX_LOAD_FIGURE, strict=True)
@@ -137,6 +147,9 @@ class WorkerStatus(BaseModel):
     num_staged_kv: int = Field(default=0, ge=0, le=MAX_LOAD_FIGURE, strict=True)
     # engine steps that failed for lack of device memory in the last MEMORY_PRESSURE_WINDOW_S (health: degraded)
     memory_errors_recent: int = Field(default=0, ge=0, le=MAX_LOAD_FIGURE, strict=True)
+    prefix_block_size: int = Field(default=0, ge=0, le=4096, strict=True)
+    prefix_version: int = Field(default=0, ge=0, le=2**62, strict=True)
+    prefix_blocks: list[PrefixDigest] | None = Field(default=None, max_length=MAX_PREFIX_BLOCKS)
 
 
 class RegisterRequest(BaseModel):

@@ -22,23 +22,13 @@ and evictable blocks alike, so "KV blocks used" still drops to 0 when all work i
 
 from __future__ import annotations
 
-import hashlib
-from array import array
 from collections import OrderedDict, deque
 
 from server.engine.sequence import Sequence
+from server.prefix_hash import ROOT as _ROOT
+from server.prefix_hash import block_digest, cacheable_blocks
 
-_ROOT = b"distserve-prefix-v1"
-
-
-def block_digest(parent: bytes, token_ids: list[int]) -> bytes:
-    """Digest of one full block given the digest of the prefix before it (16 bytes, blake2b).
-
-    Cryptographic so that two different prefixes never share a digest in practice: a
-    collision would hand one request another request's KV."""
-    h = hashlib.blake2b(parent, digest_size=16)
-    h.update(array("q", token_ids).tobytes())
-    return h.digest()
+__all__ = ["BlockManager", "block_digest"]  # block_digest lives in server/prefix_hash.py (shared with the router)
 
 
 class BlockManager:
@@ -59,6 +49,8 @@ class BlockManager:
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self.num_cache_queries = 0  # tokens of admitted sequences looked up (record_lookup)
         self.num_cache_hits = 0  # of those, tokens found cached
+        # bumped whenever a digest enters or leaves the cache: the heartbeat resends its summary then
+        self.cache_version = 0
 
     # --- queries -----------------------------------------------------------
     @property
@@ -92,6 +84,7 @@ class BlockManager:
             return self._free.popleft()
         block, _ = self._evictable.popitem(last=False)  # least recently freed cached block
         del self._cached[self._digest_of.pop(block)]
+        self.cache_version += 1
         return block
 
     def grow(self, seq: Sequence, num_tokens: int) -> None:
@@ -151,7 +144,7 @@ class BlockManager:
         if not self.enable_prefix_caching or seq.block_table or seq.num_computed_tokens:
             return 0
         bs = self.block_size
-        max_blocks = (seq.num_tokens - 1) // bs
+        max_blocks = cacheable_blocks(seq.num_tokens, bs)
         if max_blocks == 0 or not self._cached:
             return 0
         blocks: list[int] = []
@@ -165,6 +158,19 @@ class BlockManager:
         seq.block_table = blocks
         seq.num_computed_tokens = len(blocks) * bs
         return seq.num_computed_tokens
+
+    def cached_digests(self, limit: int) -> tuple[int, list[bytes]]:
+        """(cache_version, up to ``limit`` cached digests, the most recently cached last): the worker's prefix
+        summary (``server/wire.py`` ``WorkerStatus.prefix_blocks``). Safe from another thread: copying a
+        dict's keys holds the GIL; a copy that races a resize is retried."""
+        for _ in range(3):
+            try:
+                version = self.cache_version
+                keys = list(self._cached)
+                return version, keys[-limit:] if limit else []
+            except RuntimeError:  # changed size during the copy
+                continue
+        return -1, []  # -1: no summary this time (the router keeps none rather than a wrong one)
 
     def record_lookup(self, num_tokens: int, num_cached: int) -> None:
         """Count one admitted sequence's lookup (a claim given back because the sequence did not
@@ -186,6 +192,7 @@ class BlockManager:
             if block not in self._digest_of and digest not in self._cached:
                 self._cached[digest] = block
                 self._digest_of[block] = digest
+                self.cache_version += 1
             # else: already cached (a claimed block), or the same prefix computed twice at
             # once: the first copy stays the cached one, this one is freed normally
         seq.num_registered_blocks = full

@@ -212,8 +212,11 @@ def create_router_app(state: RouterState) -> FastAPI:
                     request_timeout_s=rc.request_timeout_s,
                     progress_timeout_s=rc.stream_progress_timeout_s,
                     decode_slots=state.config.decode.max_concurrent_requests,
+                    local_prefill_max_tokens=rc.local_prefill_max_tokens,
+                    local_prefill_prefill_load=rc.local_prefill_prefill_load,
                 ),
             )
+            state.registry.configure(rc, lambda role: state.metrics.worker_ejections.labels(role).inc())
             state.backup = BackupPool(
                 BackupOptions(
                     rc.backup_pool,
@@ -343,9 +346,15 @@ def create_router_app(state: RouterState) -> FastAPI:
     async def workers(request: Request):
         if not authorized(request):
             return _error(401, "missing or wrong bearer token")
-        state.registry.sweep()
+        reg = state.registry
+        reg.sweep()
         now = time.monotonic()
-        return {"mode": state.registry.mode(), "workers": [w.to_dict(now) for w in state.registry.workers.values()]}
+        out = []
+        for w in reg.workers.values():
+            d = w.to_dict(now)
+            d["prefix_blocks"] = reg.prefix.num_blocks(w.worker_id)  # in its routing summary (prefix_index.py)
+            out.append(d)
+        return {"mode": reg.mode(), "workers": out}
 
     @app.get("/v1/admission")
     async def admission_status(request: Request):
@@ -399,6 +408,10 @@ def create_router_app(state: RouterState) -> FastAPI:
                 state.metrics.workers.labels(role, st).set(c.get(st, 0))
         for w in reg.workers.values():
             state.metrics.worker_restarts.labels(w.worker_id, w.role).set(w.restart_count)
+        for role in ("prefill", "decode", "colocated"):  # latency outliers out of rotation now (outlier.py)
+            state.metrics.workers_ejected.labels(role).set(
+                sum(1 for w in reg.workers.values() if w.role == role and w.ejected_until)
+            )
         return PlainTextResponse(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/sla/status")
@@ -956,6 +969,7 @@ class _Run:
                 else (self.error or ((client_fault() or "client disconnected") if status == "aborted" else status)),
                 http_status=_OUTCOME_STATUS.get(status, 500),
                 predicted_ttft=self.ticket.predicted_ttft_s if self.ticket is not None else None,
+                path=self.req.path,
             )
         )
 

@@ -75,6 +75,7 @@ class EngineRequest:
     prompt_token_ids: list[int]
     sampling: InternalSampling  # seed always set by the router, so migrations reproduce tokens
     arrival: float = field(default_factory=time.perf_counter)
+    path: str | None = None  # where its prompt was prefilled last: "disaggregated" or "local" (journaled)
 
 
 @dataclass
@@ -104,6 +105,9 @@ class PipelineOptions:
     # staged KV outlives its lease behind the decode worker's back-pressure (then recomputed on the decode
     # worker, whose long prefill steps starved every stream on it: the first-use report's collapse)
     decode_slots: int = 0
+    # conditional disaggregation (router.local_prefill_* in server/config.py); 0 = off
+    local_prefill_max_tokens: int = 0
+    local_prefill_prefill_load: float = 0.0
 
 
 class Pipeline:
@@ -183,11 +187,13 @@ class Pipeline:
 
     # --- the two paths ------------------------------------------------------
     async def _colocated(self, req: EngineRequest, outputs: list[int]) -> AsyncGenerator[TokenEvent, None]:
-        worker = self.registry.pick("colocated")
+        worker = self._pick_prefiller("colocated", req.prompt_token_ids + outputs)
         if worker is None:
             raise NoWorkersError("no healthy colocated worker")
+        req.path = "local"
+        self.metrics.prefill_path.labels("local").inc()
         with _routed(worker):
-            async with aclosing(self._stream(worker, req, outputs, None)) as stream:
+            async with aclosing(self._timed_stream(worker, req, outputs, None, ttft=True)) as stream:
                 async for ev in stream:
                     yield ev
 
@@ -205,15 +211,90 @@ class Pipeline:
                 raise NoWorkersError(f"no decode worker had room for {self.options.request_timeout_s:g} s")
             await asyncio.sleep(0.02)
 
+    def _pick_prefiller(self, role: str, token_ids: list[int]) -> WorkerInfo | None:
+        """A cache-aware pick of the worker that will prefill ``token_ids`` (counted in /metrics)."""
+        worker = self.registry.pick(role, token_ids=token_ids)
+        if worker is not None and self.registry.prefix_cache_weight:
+            self.metrics.prefix_picks.labels("hit" if self.registry.last_pick_cached_tokens else "miss").inc()
+        return worker
+
+    def _record(self, worker: WorkerInfo, seconds: float) -> None:
+        """A latency sample of ``worker`` (TTFT or TPOT) for outlier ejection (server/router/outlier.py)."""
+        pool = [w for w in self.registry.workers.values() if w.role == worker.role and w.healthy]
+        self.registry.outliers.record(worker, seconds, pool)
+
+    def _local_prefill(self, decode: WorkerInfo, token_ids: list[int]) -> bool:
+        """Conditional disaggregation: prefill this request on its decode worker instead of a prefill worker?
+
+        Yes when the part of the prompt the decode worker has not cached is short
+        (``local_prefill_max_tokens``), or when every prefill worker carries at least
+        ``local_prefill_prefill_load`` of load and the decode worker queues nothing. A decode worker
+        prefills as a colocated one does (``/internal/generate`` without a KV handle, the path of a
+        recompute), so the tokens are the same either way."""
+        o = self.options
+        if o.local_prefill_max_tokens:
+            cached = self.registry.cached_tokens(token_ids, [decode])[decode.worker_id]
+            if len(token_ids) - cached <= o.local_prefill_max_tokens:
+                return True
+        if o.local_prefill_prefill_load:
+            prefills = [w for w in self.registry.healthy("prefill") if not w.ejected_until]
+            s = decode.status
+            if (
+                prefills
+                and all(w.load() >= o.local_prefill_prefill_load for w in prefills)
+                and s.num_waiting + s.num_reserving == 0
+            ):
+                return True
+        return False
+
+    async def _timed_stream(
+        self, worker: WorkerInfo, req: EngineRequest, outputs: list[int], kv: dict | None, ttft: bool
+    ) -> AsyncGenerator[TokenEvent, None]:
+        """``_stream``, recording the worker's TTFT (``ttft``: it prefills) or its TPOT (it decodes)."""
+        t0 = time.perf_counter()
+        first_at: float | None = None
+        n = 0
+        async with aclosing(self._stream(worker, req, outputs, kv)) as stream:
+            async for ev in stream:
+                if ev.token_ids:
+                    now = time.perf_counter()
+                    if first_at is None:
+                        first_at = now
+                        if ttft:
+                            self._record(worker, now - t0)
+                        if kv is None:  # it prefilled these tokens itself: they are in its prefix cache now
+                            self.registry.prefix.note_prefilled(worker.worker_id, req.prompt_token_ids + outputs)
+                    n += len(ev.token_ids)
+                    if ev.finished and not ttft and n > 1 and not ev.error:
+                        self._record(worker, (now - first_at) / (n - 1))
+                yield ev
+
     async def _disaggregated(self, req: EngineRequest, outputs: list[int]) -> AsyncGenerator[TokenEvent, None]:
         decode = await self._pick_decode()
-        prefill = self.registry.pick("prefill")
-        if decode is None or prefill is None:
+        if decode is None:
             raise NoWorkersError("no healthy prefill/decode pair")
+        tokens = req.prompt_token_ids + outputs
+        if self._local_prefill(decode, tokens):
+            req.path = "local"
+            self.metrics.prefill_path.labels("local").inc()
+            with _routed(decode):
+                async with aclosing(self._timed_stream(decode, req, outputs, None, ttft=False)) as stream:
+                    async for ev in stream:
+                        yield ev
+            return
+        prefill = self._pick_prefiller("prefill", tokens)
+        if prefill is None:
+            raise NoWorkersError("no healthy prefill/decode pair")
+        req.path = "disaggregated"
+        self.metrics.prefill_path.labels("disaggregated").inc()
         decode.inflight += 1  # counted from the pick, so a burst of picks spreads over the workers
         try:
             with _routed(prefill):
+                t0 = time.perf_counter()
                 first = await self._prefill(prefill, req, outputs, decode.host_id, decode.cuda_uuids)
+                if first.error is None:
+                    self._record(prefill, time.perf_counter() - t0)
+                    self.registry.prefix.note_prefilled(prefill.worker_id, req.prompt_token_ids + outputs)
             done = outputs + first.token_ids  # copy now: the caller extends `outputs` when we yield
             pulled = first.finished  # True once no staged KV can be left behind on the prefill worker
             try:
@@ -234,7 +315,7 @@ class Pipeline:
                         decode.inflight -= 1
                         decode = other
                         decode.inflight += 1
-                async with aclosing(self._stream(decode, req, done, first.kv)) as stream:
+                async with aclosing(self._timed_stream(decode, req, done, first.kv, ttft=False)) as stream:
                     async for ev in stream:
                         if not pulled and (ev.error or ev.kv_recomputed):
                             # the decode worker did not take the KV (pull failed): free it on the prefill

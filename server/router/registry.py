@@ -26,11 +26,15 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections import deque
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from server.config import OutlierConfig, RouterConfig
+from server.router.outlier import OutlierDetector
+from server.router.prefix_index import PrefixIndex
 from server.wire import RegisterRequest, WorkerStatus
 
 HEALTHY, STALE, SUSPECT, DEAD, DRAINING = "healthy", "stale", "suspect", "dead", "draining"
@@ -94,6 +98,10 @@ class WorkerInfo:
     first_pick_at: float | None = None  # when the router first routed a request to it
     last_pick_at: float = 0.0  # when it was last picked (0: never): breaks ties between equal loads
     waiters: set = field(default_factory=set)  # Waiter objects of calls in flight to this worker
+    latency: deque = field(default_factory=deque)  # (monotonic time, seconds): TTFT or TPOT (outlier.py)
+    ejected_until: float = 0.0  # monotonic; 0: not ejected (outlier.py)
+    ejections: int = 0  # consecutive ejections (the cooling period's multiplier)
+    prefix_hits: int = 0  # requests routed here for a prefix this worker's summary said it held
 
     @property
     def healthy(self) -> bool:
@@ -152,6 +160,10 @@ class WorkerInfo:
             "fingerprint": self.fingerprint,
             "model_path": self.model_path,
             "max_model_len": self.max_model_len,
+            "ejected": bool(self.ejected_until),
+            "ejected_for_s": round(max(0.0, self.ejected_until - now), 3) if self.ejected_until else None,
+            "recent_latency_samples": len(self.latency),
+            "prefix_routed_hits": self.prefix_hits,
             "join_to_first_request_ms": (
                 round((self.first_pick_at - self.joined_at) * 1000, 3) if self.first_pick_at is not None else None
             ),
@@ -159,13 +171,42 @@ class WorkerInfo:
 
 
 class WorkerRegistry:
+    """The workers, and how a request picks one.
+
+    Cost model of ``pick`` (lower wins)::
+
+        score(w) = load(w) + prefix_cache_weight x (1 - cached_tokens(w) / prompt_tokens)
+
+    ``load`` counts requests (in flight from here, queued there) plus KV pressure; ``cached_tokens`` is
+    the expected prefix-cache hit there (``PrefixIndex.expected_hits`` x block size). So a worker holding the
+    whole prompt wins over one holding none unless it carries ``prefix_cache_weight`` more requests of load:
+    a cache hit saves a prefill's compute, which is worth about that many requests queued ahead of it. With
+    no (fresh) summary, or weight 0, every worker's second term is the same: the least-load pick."""
+
     def __init__(
-        self, heartbeat_timeout_s: float, forget_after_s: float | None = None, fail_waits_after_s: float = 10.0
+        self,
+        heartbeat_timeout_s: float,
+        forget_after_s: float | None = None,
+        fail_waits_after_s: float = 10.0,
+        *,
+        prefix_cache_weight: float = 2.0,
+        prefix_summary_max_age_s: float = 10.0,
+        outlier: OutlierConfig | None = None,
     ) -> None:
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.forget_after_s = forget_after_s if forget_after_s is not None else 20 * heartbeat_timeout_s
         self.fail_waits_after_s = max(heartbeat_timeout_s, fail_waits_after_s)
         self.workers: dict[str, WorkerInfo] = {}
+        self.prefix = PrefixIndex(max_age_s=prefix_summary_max_age_s)
+        self.prefix_cache_weight = prefix_cache_weight
+        self.last_pick_cached_tokens = 0  # of the latest pick (read by the pipeline right after it)
+        self.outliers = OutlierDetector(outlier if outlier is not None else OutlierConfig())
+
+    def configure(self, rc: RouterConfig, on_eject: Callable[[str], None] | None = None) -> None:
+        """Take the router section's routing settings (cache-aware weight, summary age, outlier ejection)."""
+        self.prefix_cache_weight = rc.prefix_cache_weight
+        self.prefix.max_age_s = rc.prefix_summary_max_age_s
+        self.outliers = OutlierDetector(rc.outlier, on_eject)
 
     def register(self, req: RegisterRequest) -> WorkerInfo:
         self.sweep()
@@ -215,6 +256,9 @@ class WorkerRegistry:
                     info.state, info.state_since = old.state, old.state_since
                     transition(info, HEALTHY, "registered again")
         self.workers[req.worker_id] = info
+        if old is not None and old.pid != req.pid:
+            self.prefix.drop(req.worker_id)  # a new process: the old one's cache is gone with it
+        self.prefix.update(req.worker_id, req.status)
         return info
 
     def heartbeat(self, worker_id: str, status: WorkerStatus) -> bool:
@@ -223,6 +267,7 @@ class WorkerRegistry:
             return False  # a dead worker that still heartbeats must register again
         info.status = status
         now = time.monotonic()
+        self.prefix.update(worker_id, status, now)
         gap = now - info.last_seen
         info.last_seen = now
         if info.state != DRAINING and info.state != HEALTHY:
@@ -238,6 +283,7 @@ class WorkerRegistry:
         if info is None or (pid is not None and info.pid != pid):
             return False
         del self.workers[worker_id]
+        self.prefix.drop(worker_id)
         return True
 
     def drain(self, worker_id: str) -> bool:
@@ -255,6 +301,7 @@ class WorkerRegistry:
             return False
         info.dead_reason = reason
         transition(info, DEAD, reason)
+        self.prefix.drop(worker_id)
         info.expire_waiters()
         return True
 
@@ -272,6 +319,7 @@ class WorkerRegistry:
             if age > self.forget_after_s and info.state != DEAD:
                 log.warning("worker %s (%s) forgotten: no heartbeat for %.1f s", wid, info.role, age)
                 del self.workers[wid]
+                self.prefix.drop(wid)
                 info.expire_waiters()
                 continue
             if age > self.heartbeat_timeout_s and info.state in (HEALTHY, SUSPECT):
@@ -279,6 +327,7 @@ class WorkerRegistry:
                 transition(info, STALE, f"no heartbeat for {age:.1f} s (timeout {self.heartbeat_timeout_s:.1f} s)")
             if info.state in (STALE, DRAINING) and age > self.fail_waits_after_s:
                 info.expire_waiters()
+        self.outliers.release_due(self.workers.values(), now)
 
     def counts(self) -> dict[str, dict[str, int]]:
         """Workers per role and state (``/health``, ``/metrics``)."""
@@ -292,17 +341,41 @@ class WorkerRegistry:
         self.sweep()
         return [w for w in self.workers.values() if w.role == role and w.healthy]
 
-    def pick(self, role: str, exclude: frozenset[str] = frozenset()) -> WorkerInfo | None:
+    def pick(
+        self, role: str, exclude: frozenset[str] = frozenset(), token_ids: list[int] | None = None
+    ) -> WorkerInfo | None:
+        """The best healthy worker of ``role`` (see the class docstring), ejected outliers left out unless
+        they are all there is; ``token_ids`` (prompt + tokens generated so far) make the pick cache-aware."""
         candidates = [w for w in self.healthy(role) if w.worker_id not in exclude]
         if not candidates:
             return None
+        in_rotation = [w for w in candidates if not w.ejected_until]
+        candidates = in_rotation or candidates
+        weight = self.prefix_cache_weight
+        hits = self.cached_tokens(token_ids if weight else None, candidates)
+        n = len(token_ids) if token_ids else 0
+
+        def score(w: WorkerInfo) -> float:
+            return w.load() + (weight * (1.0 - hits[w.worker_id] / n) if n and weight else 0.0)
+
         # Ties (idle workers, light load) go to the least recently picked: a worker that just joined gets
         # the next request instead of waiting until every older one is busy, and idle workers take turns.
-        best = min(candidates, key=lambda w: (w.load(), w.last_pick_at, w.worker_id))
+        best = min(candidates, key=lambda w: (score(w), w.last_pick_at, w.worker_id))
+        self.last_pick_cached_tokens = hits[best.worker_id]
+        if hits[best.worker_id]:
+            best.prefix_hits += 1
         best.last_pick_at = time.monotonic()
         if best.first_pick_at is None:
             best.first_pick_at = best.last_pick_at
         return best
+
+    def cached_tokens(self, token_ids: list[int] | None, workers: list[WorkerInfo]) -> dict[str, int]:
+        """Per worker, the prompt tokens its (fresh) prefix summary says it holds."""
+        ids = [w.worker_id for w in workers]
+        if not token_ids:
+            return dict.fromkeys(ids, 0)
+        blocks = self.prefix.expected_hits(token_ids, ids)
+        return {w: b * self.prefix.block_size_of(w) for w, b in blocks.items()}
 
     def mode(self) -> str | None:
         """'disaggregated' when a prefill and a decode worker are healthy, else 'colocated' when a

@@ -58,9 +58,10 @@ class Finished:
     error: str | None = None
     predicted_ttft: float | None = None  # admission's prediction (server/router/admission.py)
     http_status: int | None = None  # what the client was answered (499: it left or stopped reading)
+    path: str | None = None  # where its prompt was prefilled: "disaggregated" or "local" (pipeline.py)
 
     def journal_line(self) -> dict:
-        return {
+        out = {
             "kind": "request",
             "status": self.http_status if self.http_status is not None else (200 if self.ok else 500),
             "start_unix": round(self.start_unix, 6),
@@ -74,6 +75,9 @@ class Finished:
             "error": self.error,
             "predicted_ttft": self.predicted_ttft,
         }
+        if self.path is not None:
+            out["path"] = self.path
+        return out
 
 
 def breaker_settings(cfg: RouterConfig) -> BreakerSettings:

@@ -33,6 +33,7 @@ from server.kv_transfer import KVHandle, KVPuller, KVStagingServer, TransferStat
 from server.kv_transfer.factory import choose_transport, host_id
 from server.metrics import WorkerMetrics
 from server.wire import (
+    MAX_PREFIX_BLOCKS,
     AbortRequest,
     GenerateRequest,
     InternalSampling,
@@ -48,6 +49,8 @@ from server.workers.guard import AuthFirst, internal_body_limit
 
 log = logging.getLogger(__name__)
 
+SUMMARY_RESEND_S = 5.0  # a full prefix summary goes out at least this often, changed or not
+
 
 @dataclass
 class WorkerState:
@@ -61,9 +64,32 @@ class WorkerState:
     puller: KVPuller | None = None
     fatal_error: str | None = None  # set when the router refuses us; the process exits with it
     started: float = field(default_factory=time.monotonic)
+    summary_sent_version: int = -1  # prefix summary last put on a heartbeat (heartbeat thread only)
+    summary_sent_at: float = 0.0
 
     def status(self) -> WorkerStatus:
         return self.loop.status(self.sender.num_staged if self.sender else 0)
+
+    def heartbeat_status(self) -> WorkerStatus:
+        """``status()`` plus the prefix summary (cache-aware routing): the cached blocks' digests when they
+        changed since the last heartbeat, or every ``SUMMARY_RESEND_S`` (a router that restarted or lost a
+        heartbeat gets them again); otherwise only their version ("unchanged")."""
+        s = self.status()
+        bm = self.loop.engine.block_manager
+        if not bm.enable_prefix_caching:
+            return s
+        s.prefix_block_size = bm.block_size
+        now = time.monotonic()
+        version = bm.cache_version
+        if version == self.summary_sent_version and now - self.summary_sent_at < SUMMARY_RESEND_S:
+            s.prefix_version = version
+            return s
+        version, digests = bm.cached_digests(MAX_PREFIX_BLOCKS)
+        if version < 0:  # could not copy it consistently: say nothing this time
+            return s
+        s.prefix_version, s.prefix_blocks = version, [d.hex() for d in digests]
+        self.summary_sent_version, self.summary_sent_at = version, now
+        return s
 
 
 def to_sampling_params(s: InternalSampling) -> SamplingParams:

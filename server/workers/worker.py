@@ -284,7 +284,7 @@ async def serve_worker(opts: WorkerOptions) -> int:
     beats = HeartbeatThread(
         HeartbeatOptions(opts.router_url, opts.token, rc.heartbeat_interval_ms / 1000.0, opts.role),
         reg,
-        state.status,
+        state.heartbeat_status,  # with the prefix summary (cache-aware routing)
         lambda: server.should_exit,
         refused,
         liveness,
