@@ -147,6 +147,9 @@ class WorkerStatus(BaseModel):
     num_staged_kv: int = Field(default=0, ge=0, le=MAX_LOAD_FIGURE, strict=True)
     # engine steps that failed for lack of device memory in the last MEMORY_PRESSURE_WINDOW_S (health: degraded)
     memory_errors_recent: int = Field(default=0, ge=0, le=MAX_LOAD_FIGURE, strict=True)
+    # an engine step is running right now (the router lets a quiet stream or prefill wait through a long
+    # step of a worker that still heartbeats; a worker stalled between steps fails at the progress deadline)
+    in_step: bool = Field(default=False, strict=True)
     prefix_block_size: int = Field(default=0, ge=0, le=4096, strict=True)
     prefix_version: int = Field(default=0, ge=0, le=2**62, strict=True)
     prefix_blocks: list[PrefixDigest] | None = Field(default=None, max_length=MAX_PREFIX_BLOCKS)

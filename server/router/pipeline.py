@@ -353,7 +353,9 @@ class Pipeline:
         # The progress deadline covers prefill too: a worker whose answer takes longer sends a blank
         # whenever its engine completed a step (server/workers/app.py: _with_progress), so one whose
         # engine hangs while it heartbeats is given up on after progress_timeout_s, not request_timeout_s.
-        idle = IdleTimeout(self.options.progress_timeout_s)
+        # As for a stream: a worker inside one long step (heartbeating, ``in_step``) is waited for, up to the
+        # request timeout; one stalled between steps sends nothing and is given up on.
+        idle = IdleTimeout(self.options.progress_timeout_s, self._heartbeating(worker), self.options.request_timeout_s)
         try:
             with worker.watch(idle):  # a prefill worker that freezes fails this wait when it goes stale
                 r = await idle.wait(
@@ -455,10 +457,10 @@ class Pipeline:
     def _heartbeating(self, worker: WorkerInfo):
         timeout = self.registry.heartbeat_timeout_s
 
-        def alive() -> bool:  # heartbeats fresh, and its last one says it has work: a long step, not a lost stream
+        def alive() -> bool:  # heartbeats fresh, and its last one says a step is running: a long step, not a hang
             s = worker.status
             busy = s.num_running + s.num_waiting + s.num_reserving > 0
-            return busy and worker.state == HEALTHY and time.monotonic() - worker.last_seen < timeout
+            return busy and s.in_step and worker.state == HEALTHY and time.monotonic() - worker.last_seen < timeout
 
         return alive
 

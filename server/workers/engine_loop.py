@@ -169,6 +169,7 @@ class EngineLoop:
             kv_blocks_free=e.num_free_blocks,
             num_staged_kv=num_staged_kv,
             memory_errors_recent=e.memory_pressure.recent(),
+            in_step=self.step_started > 0,
         )
 
     # --- the loop ------------------------------------------------------------

@@ -200,11 +200,18 @@ def test_breaker_fails_over_to_backup_and_back(serve_factory, tmp_path):
     data = load_records([journal])
     assert {r.pool for r in data.records} == {"primary", "backup"}
     assert len(data.records) == len(log) and all(r.ok for r in data.records)
+    # one window over the whole run: a P99 of ~100 samples is judged only when >= 10 broke it (sla/audit.py's
+    # thin-tail rule), which the fault's slow TTFTs (the breaker needs a P50 breach to open) do
     spec = SlaSpec.from_dict(
-        {"window_s": 1, "availability": 1.0, "objectives": [{"metric": "ttft", "percentile": 99, "threshold_ms": 1000}]}
+        {
+            "window_s": 3600,
+            "availability": 1.0,
+            "objectives": [{"metric": "ttft", "percentile": 99, "threshold_ms": 1000}],
+        }
     )
     rep = audit(spec, data)
-    assert rep.verdict == "fail"  # the fault's slow TTFTs breach a 1 s objective in their windows
+    slow = sum(r.ttft is not None and r.ttft > 1.0 for r in data.records)
+    assert slow >= 10 and rep.verdict == "fail", (slow, rep.verdict)  # the fault's slow TTFTs breach a 1 s objective
     assert all(r.status == "pass" for r in rep.rows if r.objective == "availability")
 
     # /metrics parses and holds the rolling percentiles and the breaker's metrics
