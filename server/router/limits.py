@@ -27,6 +27,8 @@ import socket
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from server.asgi_body import DISCONNECTED, TIMED_OUT, TOO_LARGE, read_bounded, replaying
+
 CLIENT_TIMEOUT = "distserve.client_timeout"  # ASGI scope key: why the client was cut off
 SEND_BUFFER_BYTES = 64 << 10
 
@@ -151,33 +153,15 @@ class BodyLimit:
                     return await self._reply(send, 400, "Content-Length is not a number")
                 if declared > self.max_bytes:
                     return await self._reply(send, 413, too_big)
-        chunks: list[bytes] = []
-        size = 0
-        try:
-            async with asyncio.timeout(self.body_timeout_s):
-                while True:
-                    message = await receive()
-                    if message["type"] == "http.disconnect":
-                        return
-                    chunk = message.get("body", b"")
-                    size += len(chunk)
-                    if size > self.max_bytes:
-                        return await self._reply(send, 413, too_big)
-                    chunks.append(chunk)
-                    if not message.get("more_body", False):
-                        break
-        except TimeoutError:
+        body = await read_bounded(receive, self.max_bytes, self.body_timeout_s)
+        if body == DISCONNECTED:
+            return
+        if body == TOO_LARGE:
+            return await self._reply(send, 413, too_big)
+        if body == TIMED_OUT:
             return await self._reply(
                 send, 408, f"request body not received within {self.body_timeout_s:g} s (router.body_timeout_s)"
             )
-        body = b"".join(chunks)
-        replayed = False
-
-        async def replay():
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()  # after the body: http.disconnect when the client goes away
-
-        await self.app(scope, replay, send)
+        assert isinstance(body, bytes)
+        # after the body: http.disconnect when the client goes away
+        await self.app(scope, replaying(body, receive), send)

@@ -18,9 +18,10 @@ bytes each in JSON) plus a KV handle (:func:`internal_body_limit`).
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import json
+
+from server.asgi_body import DISCONNECTED, TIMED_OUT, TOO_LARGE, read_bounded, replaying
 
 PUBLIC = {("GET", "/health"), ("GET", "/metrics")}
 
@@ -73,31 +74,13 @@ class AuthFirst:
                 return await self._reply(send, 400, "Content-Length is not a number")
         if scope["method"] in ("GET", "HEAD", "OPTIONS"):
             return await self.app(scope, receive, send)
-        chunks: list[bytes] = []
-        size = 0
-        try:
-            async with asyncio.timeout(self.body_timeout_s):
-                while True:
-                    message = await receive()
-                    if message["type"] == "http.disconnect":
-                        return
-                    chunk = message.get("body", b"")
-                    size += len(chunk)
-                    if size > self.max_body_bytes:
-                        return await self._reply(send, 413, too_big)
-                    chunks.append(chunk)
-                    if not message.get("more_body", False):
-                        break
-        except TimeoutError:
+        body = await read_bounded(receive, self.max_body_bytes, self.body_timeout_s)
+        if body == DISCONNECTED:
+            return
+        if body == TOO_LARGE:
+            return await self._reply(send, 413, too_big)
+        if body == TIMED_OUT:
             return await self._reply(send, 408, f"request body not received within {self.body_timeout_s:g} s")
-        body = b"".join(chunks)
-        replayed = False
-
-        async def replay():
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()  # after the body: http.disconnect when the router goes away
-
-        await self.app(scope, replay, send)
+        assert isinstance(body, bytes)
+        # after the body: http.disconnect when the router goes away
+        await self.app(scope, replaying(body, receive), send)
