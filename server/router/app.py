@@ -1067,16 +1067,7 @@ async def _sse_chat_tools(run: _Run, model: str, include_usage: bool):
     reason = "tool_calls" if calls and run.finish_reason == "stop" else run.finish_reason
     yield chunk({}, reason)
     if include_usage and not run.error:
-        yield _sse(
-            {
-                "id": rid,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": model,
-                "choices": [],
-                "usage": run.usage(),
-            }
-        )
+        yield _usage_chunk(rid, "chat.completion.chunk", created, model, run.usage())
     yield b"data: [DONE]\n\n"
 
 
@@ -1162,6 +1153,11 @@ _JSON_NDJSON = json.JSONEncoder(ensure_ascii=False)  # /generate lines: json.dum
 _json_str = json.encoder.encode_basestring  # a str as JSON, as _JSON writes it (ensure_ascii=False); C
 
 
+def _usage_chunk(rid: str, obj: str, created: int, model: str, usage: dict) -> bytes:
+    """The last chunk of a stream with ``stream_options.include_usage``: no choices, the usage."""
+    return _sse({"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": usage})
+
+
 def _sse(obj: dict) -> bytes:
     return f"data: {_JSON.encode(obj)}\n\n".encode()
 
@@ -1201,16 +1197,7 @@ async def _sse_completion(run, model: str, include_usage: bool, shape: _Shape | 
             lp = _JSON.encode(obj)
         yield f'{heads[i]}{_json_str(delta)},"logprobs":{lp},"finish_reason":{_reason(reason)}{tail}'.encode()
     if include_usage and not group.error:
-        yield _sse(
-            {
-                "id": rid,
-                "object": "text_completion",
-                "created": created,
-                "model": model,
-                "choices": [],
-                "usage": group.usage(),
-            }
-        )
+        yield _usage_chunk(rid, "text_completion", created, model, group.usage())
     yield b"data: [DONE]\n\n"
 
 
@@ -1246,16 +1233,7 @@ async def _sse_chat(run, model: str, include_usage: bool, shape: _Shape | None =
             f'{heads[i]}{role}"content":{_json_str(delta)}}},"logprobs":{lp},"finish_reason":{_reason(reason)}}}]}}\n\n'
         ).encode()
     if include_usage and not group.error:
-        yield _sse(
-            {
-                "id": rid,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": model,
-                "choices": [],
-                "usage": group.usage(),
-            }
-        )
+        yield _usage_chunk(rid, "chat.completion.chunk", created, model, group.usage())
     yield b"data: [DONE]\n\n"
 
 
