@@ -154,7 +154,7 @@ def cmd_plan(args) -> int:
     if best.layout.mode == "colocated" and prof.device != "cpu":
         print(
             "  (a steady-state figure: a fresh colocated GPU worker stalls ~0.4 s on each of its first few mixed "
-            "prefill+decode steps; warm it up before it takes load; docs/PERFORMANCE.md section 10)"
+            "prefill+decode steps; warm it up before it takes load; docs/performance/planner.md, 'Cold start')"
         )
     if args.explain:
         rates = _explain_rates(evals[: args.top])

@@ -58,7 +58,7 @@ def _read(path: Path) -> dict:
 
 # A new request reaches a busy colocated worker's scheduler after this many step ends: read off the colocated
 # replicas' TTFT P50 of the recorded SLO-study runs (1..4 replayed by bench/plan_accuracy.py; 3 is within 15 %
-# at each of the four points without a stall: docs/PERFORMANCE.md section 10).
+# at each of the four points without a stall: docs/performance/planner.md, 'Results').
 ADMIT_STEPS = 3
 SERVING_RUNS = ("gpu_issue16/slo_study_1p1d*.json.gz", "gpu_issue19/slo_study_x4_*p*d.json.gz")
 
@@ -96,7 +96,7 @@ LAYERS = 32
 
 # the 1P1D prefill worker of today's code (engine thread, varlen prefill attention) under prefill-bound load:
 # 128-token and ShareGPT prompts with 2 output tokens, both workers on one H200, two servers
-# (bench/gpu_prefill_serving.sh, docs/PERFORMANCE.md section 10)
+# (bench/gpu_prefill_serving.sh; docs/performance/planner.md, 'The prefill worker of today's code')
 ENGINE_PROBE = "gpu_issue17_prefill/engine_alone/prefill_probe_engine.json"
 SERVING_PREFILL = (
     "gpu_issue17_prefill/run2/prefill_serving_thread_on_r1.json.gz",

@@ -10,16 +10,16 @@ points cannot support is dropped), so the model interpolates between measured po
 linearly beyond them. The prefill and the decode fixed parts are fitted separately (on a serving path the
 decode step's fixed part can be the larger: host work per step that a long prefill hides); a colocated step
 that mixes prefill chunks with decodes pays the larger of the two once, and both variable parts (checked
-against the colocated replicas' measured step seconds in docs/PERFORMANCE.md section 10).
+against the colocated replicas' measured step seconds in docs/performance/planner.md).
 
-A prefill step also has costs no single-prompt point shows (docs/PERFORMANCE.md section 10). It runs eagerly,
+A prefill step also has costs no single-prompt point shows (docs/performance/planner.md). It runs eagerly,
 so its host side (hundreds of kernel launches and the Python around them) is at least ``prefill_floor_ms`` and
 grows by ``prefill_per_seq_ms`` per further sequence; the host runs ahead of the GPU, so the step takes the
 larger of host and GPU work. Each chunked-prefill continuation (a prompt resumed over its cached context, which
 runs a slower masked attention path) adds ``prefill_chunk_ms``:
 step = max(floor + per_seq x (sequences - 1), fixed + GPU work) + chunk x continuations. These three apply to
 steps without decodes (prefill workers, an idle colocated worker): a colocated mixed step's measured seconds
-already equal its parts within 5 % (section 10), the prefill's host side hiding behind the decode work.
+already equal its parts within 5 % (measured, same page), the prefill's host side hiding behind the decode work.
 """
 
 from __future__ import annotations

@@ -370,7 +370,7 @@ def measure(
             "every point: one engine step (minimum of repeats), one torch thread per process on CPU",
             "overhead_ttft_ms, handoff_ms: a real 1P1D distserve serve, 8 requests one at a time"
             if serving
-            else "overhead_ttft_ms: not measured (--no-serving), router + HTTP from docs/PERFORMANCE.md section 2; "
+            else "overhead_ttft_ms: not measured (--no-serving), router + HTTP from docs/performance/serving-cpu.md; "
             "handoff_ms: not measured",
         ),
     )

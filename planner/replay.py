@@ -36,7 +36,7 @@ def layout_of_run(doc: dict) -> Layout:
 
 def run_engine_thread(doc: dict) -> bool:
     """Whether the recorded run's workers stepped the engine on their own thread (``engine_thread``: auto = on
-    for CUDA, docs/PERFORMANCE.md section 8b); runs recorded before the option stepped on the event loop."""
+    for CUDA, docs/performance/serving-two-gpus.md); runs recorded before the option stepped on the event loop."""
     v = doc["args"].get("engine_thread")
     return v in ("on", True) or (v == "auto" and str(doc["args"].get("device", "")).startswith("cuda"))
 

@@ -202,7 +202,7 @@ def prefill_worker_points(path: Path, uniform_only: bool = False) -> list[Prefil
     the prompts they prefilled (the point's requests, split evenly over the prefill workers).
     ``uniform_only``: leave out workloads of varied prompt lengths. Their mean step mixes host-bound steps
     with GPU-bound ones (a long prompt's), so it says little about the host's per-sequence cost; and the
-    study's first call built a cuDNN plan per new length (docs/PERFORMANCE.md section 9)."""
+    study's first call built a cuDNN plan per new length (docs/performance/engine-gpu.md)."""
     out: list[PrefillWorkerPoint] = []
     for p, deltas, wall_ms in worker_deltas(read_run(path), ("prefill",)):
         reqs = p["result"]["requests"]

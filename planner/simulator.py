@@ -14,8 +14,8 @@ What it simulates, with the server's own policies (``server/engine/scheduler.py`
   one await per step; an idle worker runs them at once);
 - a prefill worker's reply leaves after the *next* step when it has more work (the engine step runs on the
   worker's event loop, so the handler awaiting the staged KV resumes only between steps; measured in
-  docs/PERFORMANCE.md section 8); with the engine on its own thread (``reply_after_next_step=False``, the
-  CUDA default since section 8b) it leaves at the end of its own step;
+  docs/performance/serving-two-gpus.md); with the engine on its own thread (``reply_after_next_step=False``, the
+  CUDA default) it leaves at the end of its own step;
 - a prefill worker's host work between steps (KV staging, replies, the next requests' HTTP handlers):
   ``prefill_post_ms`` per prompt a step finished; the next step and those replies wait for it;
 - a fixed serving-path cost (``overhead_ttft_ms``) on every TTFT;

@@ -39,8 +39,7 @@ def add_parsers(sub) -> None:
         "--from-results",
         default=None,
         metavar="DIR",
-        help="build the H200 (7B shape) profile from recorded GPU results in DIR (e.g. bench/results) "
-        "instead of measuring",
+        help="build the H200 (7B shape) profile from a folder DIR of recorded GPU results instead of measuring",
     )
     p.add_argument("--out", required=True, help="where to write the profile JSON")
     p.set_defaults(handler=_profile)

@@ -38,7 +38,7 @@ except Exception:
     HAS_TRITON = False
 
 SCALED_MM_MIN_M = 0  # 0: never (W8A16 tile kernel at every M); else rows from which _scaled_mm runs
-# The bench may override these. Chosen by bench/gpu_fp8.py on an H200 (bench/results/gpu_fp8_2026-12-01.json:
+# The bench may override these. Chosen by bench/gpu_fp8.py on an H200 (docs/performance/fp8.md, 'Why: the kernels':
 # summed over the four 7B projections at M = 1, the best single GEMV config, 70.3 us against 94.5 for (8, 512, 4, 3)).
 GEMV_CONFIG: dict[str, Any] = {"BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 4, "STAGES": 3}
 DOT_CONFIG: dict[str, Any] = {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4}

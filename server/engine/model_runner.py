@@ -155,7 +155,7 @@ class ModelRunner:
         # Slot ids built with torch on the host and sent without a stream sync (a pageable copy is
         # staged at once): a blocking copy would wait for every GPU op already queued, e.g. the
         # previous request's gather. Each layer is gathered straight into its slice of the result
-        # (no torch.stack: half the memory traffic). Profiled on an H200 (docs/PERFORMANCE.md).
+        # (no torch.stack: half the memory traffic). Profiled on an H200 (docs/performance/serving-two-gpus.md).
         bs = self.block_size
         table = torch.tensor(block_table[: -(-num_tokens // bs)], dtype=torch.long)
         slots = (table[:, None] * bs + torch.arange(bs)).reshape(-1)[:num_tokens]

@@ -10,7 +10,7 @@ Two ways to run ``engine.step()``, chosen per role by ``prefill.engine_thread`` 
   keeps serving. A GPU step is mostly waiting for the device (the wait releases the GIL), so handlers'
   host work — parsing the next request, staging a finished prefill's KV, streaming tokens — overlaps the
   step instead of sitting between steps, and a handler whose work finished mid-step resumes at once
-  instead of after the *next* step (measured on one H200: docs/PERFORMANCE.md, "The prefill worker at its bound").
+  instead of after the *next* step (measured on two H200s: docs/performance/serving-two-gpus.md).
 
 Either way the engine is touched by one thread at a time, so it needs no locks: in thread mode a
 handler's engine call made while a step runs is queued (``_pending``) and applied on the loop thread

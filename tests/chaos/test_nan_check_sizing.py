@@ -1,4 +1,4 @@
-"""nan-check on real shapes (issue 36): KV sized from the model's KV bytes per token for the lengths
+"""nan-check on real shapes: KV sized from the model's KV bytes per token for the lengths
 asked, and lengths beyond the model's context reported as such, not as failures."""
 
 from __future__ import annotations

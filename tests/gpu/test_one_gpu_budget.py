@@ -1,4 +1,4 @@
-"""One GPU, default settings (issue 36) and an SM split (issue 31): skipped without CUDA; run on the lent
+"""One GPU, default settings and an SM split: skipped without CUDA; run on the lent
 H200 with ``python3 -m pytest tests/gpu/test_one_gpu_budget.py -q`` (7B preset; a few minutes)."""
 
 from __future__ import annotations

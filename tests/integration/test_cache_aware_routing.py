@@ -1,4 +1,4 @@
-"""Cache-aware routing and latency outlier ejection end to end (issue 34): `distserve serve --prefill 2
+"""Cache-aware routing and latency outlier ejection end to end: `distserve serve --prefill 2
 --decode 1` on the tiny model, real processes over loopback.
 
 A long prompt's follow-ups (a multi-turn chat re-sends the conversation) land on the prefill worker that

@@ -1,4 +1,4 @@
-"""Overload without collapse (issue 26), through the real server: router + prefill + decode processes.
+"""Overload without collapse, through the real server: router + prefill + decode processes.
 
 One server for the module (tiny model, fast heartbeats, small admission bounds):
 - a long engine step (the fault hook's ``block_step_ms``, a ``time.sleep`` inside the step on the worker's

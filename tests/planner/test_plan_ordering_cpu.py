@@ -9,7 +9,7 @@ worker, one torch thread each) for two workloads that rank them differently.
 The default suite checks the plan's ranking on a profile recorded on this machine
 (``bench/results/plan_cpu_profile_2026-11-30.json``). The measured check (fresh profile, real servers,
 distbench; minutes) runs with ``DISTSERVE_PLAN_MEASURE=1``: on a shared 2-vCPU VM the step times move 2-5x
-between the profile and the load, and it was flaky there (docs/PERFORMANCE.md section 9).
+between the profile and the load, and it was flaky there (docs/performance/planner.md, 'On the CPU, tiny model: the ordering test').
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The prefill step's host floor, per-sequence and chunked-continuation costs (planner.latency) and the engine
 thread's reply timing: each against a closed form through the simulator's own scheduling (budget, chunking),
-and the H200 profile's constants against the recorded runs they were fitted to (docs/PERFORMANCE.md section 10).
+and the H200 profile's constants against the recorded runs they were fitted to (docs/performance/planner.md).
 """
 
 from __future__ import annotations
@@ -121,7 +121,7 @@ def _measured_ms_per_step(doc: dict, workload: str, rate: float) -> tuple[dict, 
 
 def test_replayed_prefill_worker_needs_its_host_costs(h200):
     """The 1P1D prefill worker of today's code under 128-token prompts at 130 req/s (about 5 prompts per step,
-    31 ms per step measured; bench/gpu_prefill_serving.sh) and of the rerun (section 9b) on summ at 20 req/s
+    31 ms per step measured; bench/gpu_prefill_serving.sh) and of the SLO study's rerun (docs/performance/serving-two-gpus.md) on summ at 20 req/s
     (chunked continuations, 115 ms). Without the host floor and per-sequence cost the short step is replayed
     at half what it measured; without the host work between steps the batches come out too small (the
     measured batch needs the worker to be busy between steps too); without the chunked cost the summ step

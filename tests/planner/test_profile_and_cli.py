@@ -154,7 +154,7 @@ def test_profile_bad_device_exits_2(tmp_path):
 
 
 def test_plan_writes_the_config_its_deploy_line_names(tmp_path):
-    """Before: 'plan.yaml, not written' and then `serve --config plan.yaml`, which failed (issue 29)."""
+    """Before: 'plan.yaml, not written' and then `serve --config plan.yaml`, which failed."""
     from server.config import load_config
 
     p = subprocess.run(

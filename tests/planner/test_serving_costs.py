@@ -81,7 +81,7 @@ def _measured(point: dict, ttft: float, tpot: float) -> float:
 
 
 def test_four_gpu_replays_agree_with_the_recorded_runs(h200):
-    """16 req/s of 2048/128 on four H200s (PERFORMANCE.md section 13): the disaggregated layouts within 10
+    """16 req/s of 2048/128 on four H200s (docs/performance/serving-four-gpus.md): the disaggregated layouts within 10
     points of what they measured; the colocated replicas only once the cold-start stalls their run measured
     are replayed too (steady state they would have held the SLO)."""
     got = {}

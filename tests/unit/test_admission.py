@@ -1,5 +1,5 @@
 """Admission decisions, the live TTFT model, rate-limited logs and the heartbeat thread's wedge rule
-(issue 26). Pure: no server start-up, no engine."""
+Pure: no server start-up, no engine."""
 
 from __future__ import annotations
 

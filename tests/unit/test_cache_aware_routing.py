@@ -1,4 +1,4 @@
-"""Routing that knows the caches and the SLOs (issue 34), through real components: a real tiny-model engine
+"""Routing that knows the caches and the SLOs, through real components: a real tiny-model engine
 fills its prefix cache, its worker state builds the heartbeat summary, the router's registry indexes it and
 picks; outlier ejection and conditional disaggregation decide on real registry entries."""
 

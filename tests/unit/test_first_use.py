@@ -134,7 +134,7 @@ def test_tiny_model_files_share_one_mode(tmp_path):
     assert len(set(modes.values())) == 1, modes
 
 
-# --- round 2 (issue 29): the source article's forms, typos, exit codes ----------------------------------------
+# --- round 2: the source article's forms, typos, exit codes ----------------------------------------
 
 ARTICLE_CONFIG = """\
 prefill:

@@ -1,4 +1,4 @@
-"""FP8 storage on the CPU (issue 32): e4m3 round trips, KV scale calibration, the hand-off's wire format
+"""FP8 storage on the CPU: e4m3 round trips, KV scale calibration, the hand-off's wire format
 with scales, the precision config, and the emulated FP8 engine (weights and KV) against float32.
 
 The CPU runs the emulated path (e4m3 bytes widened before each op), which computes the same function as

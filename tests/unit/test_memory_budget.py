@@ -1,4 +1,4 @@
-"""GPU memory budget of workers that share a device (issue 36): the split of
+"""GPU memory budget of workers that share a device: the split of
 cache.gpu_memory_utilization by role, the per-worker sizing inside a share (reserved memory,
 headroom, refusal), and what the launcher hands each worker — with fake device numbers."""
 

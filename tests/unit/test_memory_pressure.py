@@ -1,4 +1,4 @@
-"""Out-of-memory in a step (issue 36): only that step's requests pay, the worker stays up, /metrics
+"""Out-of-memory in a step: only that step's requests pay, the worker stays up, /metrics
 counts it and /health says degraded while it lasts — driven through the fault hook that makes the
 model forward raise torch.cuda.OutOfMemoryError, on the real tiny engine and the real worker app."""
 

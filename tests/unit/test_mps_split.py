@@ -1,4 +1,4 @@
-"""CUDA MPS SM split (issue 31): the launcher's daemon and its clients' environment, against a fake
+"""CUDA MPS SM split: the launcher's daemon and its clients' environment, against a fake
 ``nvidia-cuda-mps-control`` on the PATH that records its arguments, environment and stdin."""
 
 from __future__ import annotations

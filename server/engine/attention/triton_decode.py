@@ -51,7 +51,7 @@ except Exception:  # ImportError, or a broken driver stack
     HAS_TRITON = False
 
 # Launch parameters; the GPU bench may override them (see bench/gpu_engine.py).
-# Defaults from the H200 sweep (bench/results/gpu_engine_*.json): at batch 64 x 1024 context, BLOCK_N 16
+# Defaults from the H200 sweep (docs/performance/engine-gpu.md): at batch 64 x 1024 context, BLOCK_N 16
 # with one warp streamed the cache at ~4.1 TB/s, 32/2 at 3.1, 64/4 at 1.9. (GQA groups of 8+ take the
 # tensor-core path with at least 32 tokens and 2 warps.)
 DECODE_CONFIG = {"BLOCK_N": 16, "num_warps": 1, "num_stages": 2, "target_programs_per_sm": 2, "min_partition": 256}
@@ -59,7 +59,7 @@ DECODE_CONFIG = {"BLOCK_N": 16, "num_warps": 1, "num_stages": 2, "target_program
 # [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION]; the bench may override it. Flash first by
 # default: PyTorch's choice on Hopper can be cuDNN, which builds an execution plan for every new sequence
 # length (tens to hundreds of ms each), so a workload of varied prompt lengths (or chunked prefills) paid
-# it on most steps in the two-GPU SLO study (docs/PERFORMANCE.md section 9).
+# it on most steps in the two-GPU SLO study (docs/performance/engine-gpu.md, 'Prefill attention: flash first').
 PREFILL_SDPA_BACKENDS: list | None = (
     [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH] if SDPBackend is not None else None
 )
@@ -356,7 +356,7 @@ def continuation_attention(q, k, v, scale: float) -> torch.Tensor:
     A fused kernel (flash / memory-efficient) through a lower-right causal bias on 4-D tensors, K/V repeated
     for GQA. The explicit boolean mask over 3-D tensors that this replaces could only run PyTorch's math
     kernel: about 0.5-0.9 ms per layer on the 7B preset, so a step of prompts that hit the prefix cache cost
-    more than computing them cold (docs/PERFORMANCE.md section 10)."""
+    more than computing them cold (docs/performance/engine-gpu.md, 'A prefix-cache hit')."""
     qlen, slen = q.shape[0], k.shape[0]
     qi, ki, vi = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
     if q.shape[1] != k.shape[1]:

@@ -146,7 +146,7 @@ class StructuredDecoding:
         dev = logits.device
         # llguidance's thread pool only where host cores are otherwise idle (a GPU worker); a CPU worker owns
         # one core, which the pool's threads would take from the forward
-        # (measured: docs/PERFORMANCE.md, "Structured outputs")
+        # (measured: docs/performance/structured-outputs.md, "The grammar engines")
         if n < PARALLEL_FROM or dev.type == "cpu":
             for k, (_, m) in enumerate(rows):
                 m.unsafe_compute_mask_ptr(ptr + k * nbytes, nbytes)
