@@ -1,9 +1,12 @@
 #!/usr/bin/env python
 """Planner accuracy: predicted vs measured attainment and goodput for the layouts this repo measured on H200s.
 
-    python bench/plan_accuracy.py [--out bench/results/plan_accuracy_DATE.json] [--seeds 5]
+    python -m bench.planner.plan_accuracy [--results DIR] [--out bench/results/plan_accuracy_DATE.json] [--seeds 5]
 
-Three sets of recorded runs, one H200 profile (``distserve profile --from-results bench/results``):
+Three sets of recorded runs, one H200 profile (the shipped
+``planner/profiles/h200-llama2-7b.json``, as ``bench/planner/h200_profile.py`` builds it). The recorded runs are
+read from ``--results`` (default ``bench/results``, git-ignored: restore the recorded folder from history as
+bench/README.md says); the ones the profile is built from are also kept under ``bench/records``:
 - the two-GPU SLO study (docs/PERFORMANCE.md section 9, ``gpu_issue16/slo_study_*.json.gz``): long, summ and
   ShareGPT lengths, 1P1D vs 2 colocated replicas, several rates. Each recorded point is *replayed*: the
   simulator gets the same requests (lengths, send times) with the run's limits (decode batch 128, prefill
@@ -17,7 +20,7 @@ Three sets of recorded runs, one H200 profile (``distserve profile --from-result
   replayed the same way, steady state and with the cold-start stalls the colocated run measured;
 - the first two-GPU runs (section 6, 2026-11-29, older serving code, 5 s per rate), below.
 
-GPU part (no GPU needed): the H200 profile built from the recorded results (``planner.from_results``) and
+GPU part (no GPU needed): the shipped H200 profile and
 each recorded two-GPU serving run (``bench/results/gpu_serving_two-gpu*_2026-11-29*.json``). For every
 (layout, rate) the run measured, the simulator replays the same number of requests at that rate with the
 run's config (decode batch 128, KV 36 000 MB per worker) over ``--seeds`` arrival seeds and reports the mean
@@ -38,10 +41,10 @@ import statistics
 from pathlib import Path
 
 from bench.planner import plan_accuracy_records as records
-from bench.planner.from_results import build_h200_profile
 from planner.latency import LatencyModel
 from planner.layouts import Layout, kv_capacity_tokens, limits_from_config
 from planner.profile import Profile
+from planner.profile import load as load_profile
 from planner.search import Planner
 from planner.simulator import simulate
 from planner.slo import SLO, attainment
@@ -150,7 +153,7 @@ def gpu_accuracy(prof: Profile, seeds: int) -> list[dict]:
 
 
 def four_gpu(num_requests: int) -> list[dict]:
-    prof = build_h200_profile(RESULTS)
+    prof = load_profile("h200-llama2-7b")
     cfg = load_config(None, {"decode": {"max_batch_size": 128, "max_concurrent_requests": 128}})
     pf, dec, col = limits_from_config(cfg, 0)  # KV sized from GPU memory (~113 GiB): not the limit here
     layouts = [
@@ -210,6 +213,7 @@ def print_study(title: str, study: dict) -> None:
 
 
 def main() -> None:
+    global RESULTS
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seeds", type=int, default=5)
     ap.add_argument("--num-requests", type=int, default=600)
@@ -228,8 +232,12 @@ def main() -> None:
         default=None,
         help="override the profile's per-sequence prefill cost (e.g. the engine-only 7.0 ms) to compare",
     )
+    ap.add_argument("--results", default=str(RESULTS), help="the recorded results folder (default bench/results)")
     args = ap.parse_args()
-    prof = build_h200_profile(RESULTS)
+    RESULTS = Path(args.results)
+    if not RESULTS.is_dir():
+        ap.error(f"no recorded results at {RESULTS} (bench/README.md: restoring the recorded runs)")
+    prof = load_profile("h200-llama2-7b")
     if args.prefill_per_seq_ms is not None:
         prof = dataclasses.replace(prof, prefill_per_seq_ms=args.prefill_per_seq_ms)
     if args.without_prefill_costs:

@@ -241,7 +241,7 @@ def four_gpu(prof: Profile, folder: Path) -> list[dict]:
 
 def admission_fit(prof: Profile, folder: Path, ks: tuple[int, ...] = (1, 2, 3, 4)) -> list[dict]:
     """The colocated TTFT P50 of every warm colocated point (no stalls), measured and replayed with each
-    ``admit_steps``: the table the profile's constant (``planner.from_results.ADMIT_STEPS``) is read from."""
+    ``admit_steps``: the table the profile's constant (``bench.planner.h200_profile.ADMIT_STEPS``) is read from."""
     rows = []
     for name in SLO_STUDY_FLASH[1:] + SLO_STUDY_FIRST[1:]:
         doc = read_run(folder / name)

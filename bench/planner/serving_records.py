@@ -14,8 +14,6 @@ point after a pre-warm (``--prewarm``) counts only when the run recorded the cou
 
 from __future__ import annotations
 
-import gzip
-import json
 import math
 import statistics
 from collections.abc import Callable, Iterator
@@ -23,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from bench.lib.results import read_result
 
 STEPS, STEP_S, IDLE = "distserve_engine_steps", "distserve_engine_step_seconds", "distserve_engine_idle_seconds"
 QUERIED = "distserve_prefix_cache_queried_tokens"
@@ -58,8 +58,9 @@ class DecodeWorkerPoint:
 
 
 def read_run(path: Path) -> dict:
-    with gzip.open(path, "rt") as f:
-        return json.load(f)
+    """A recorded run (``.json.gz`` as the study writes it, ``.json.xz`` as bench/records keeps it)."""
+    doc: dict = read_result(path)
+    return doc
 
 
 def worker_deltas(doc: dict, roles: tuple[str, ...]) -> Iterator[tuple[dict, dict[str, dict], float]]:

@@ -476,7 +476,7 @@ class IpcImporter:
                 if out is None:
                     out = torch.empty(shape, dtype=dtype, device=dst_dev)
                 # cudaMemcpy; an SM copy kernel (bitwise_or into int64) measured no faster on the
-                # H200 (bench/results/kv_transfer_gpu*_run2.json)
+                # H200 (bench/baselines/h200*/kv-transfer-gpu.json)
                 out.view(-1).view(torch.uint8).copy_(payload, non_blocking=True)
             except Exception as exc:
                 if desc.pool:

@@ -51,7 +51,7 @@ except Exception:  # ImportError, or a broken driver stack
     HAS_TRITON = False
 
 # Launch parameters; the GPU bench may override them (see bench/gpu_engine.py).
-# Defaults from the H200 sweep (bench/results/gpu_engine_*.json): at batch 64 x 1024 context, BLOCK_N 16
+# Defaults from the H200 sweep (bench/baselines/h200/engine-gpu.json): at batch 64 x 1024 context, BLOCK_N 16
 # with one warp streamed the cache at ~4.1 TB/s, 32/2 at 3.1, 64/4 at 1.9. (GQA groups of 8+ take the
 # tensor-core path with at least 32 tokens and 2 warps.)
 DECODE_CONFIG = {"BLOCK_N": 16, "num_warps": 1, "num_stages": 2, "target_programs_per_sm": 2, "min_partition": 256}

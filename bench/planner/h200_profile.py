@@ -1,5 +1,11 @@
-"""A profile of the H200 (Llama-2-7B shape, bf16) built from recorded benchmark results, so plans for it can
-be made without a GPU. Which point comes from where (files under the results folder):
+"""The study that builds the shipped H200 profile (``planner/profiles/h200-llama2-7b.json``; Llama-2-7B shape,
+bf16) from recorded benchmark runs, so plans for it can be made without a GPU:
+
+    python -m bench run planner-h200-profile      # = python -m bench.planner.h200_profile [--out PATH] [--check]
+
+It reads the kept raw records under ``bench/records/`` (``INPUTS``: each the xz-compressed record of a run of
+the study named in its path; ``bench/baselines/<hardware>/<study>.json`` names each one's original file, whose
+history git keeps). Which point comes from where (the original file names, as the records' sources):
 
 measured
 - prefill 1 x 2048: 48.3 ms, the engine step alone (``gpu_issue16/kv_sizing.json``: ``step_ms_median``);
@@ -37,14 +43,17 @@ minus the prefill step. The prefill points are the engine's: the prefill workers
 
 from __future__ import annotations
 
+import argparse
 import ast
 import json
 import math
 import re
 import statistics
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from bench.lib.results import read_result
 from bench.planner.serving_records import decode_worker_points, fit_handoff, fit_prefill_host, prefill_worker_points
 from planner.latency import _fit_nonneg
 from planner.profile import DecodePoint, PrefillPoint, Profile, TransferPoint
@@ -52,15 +61,24 @@ from planner.profile import DecodePoint, PrefillPoint, Profile, TransferPoint
 KV_BYTES_PER_TOKEN = 32 * 2 * 32 * 128 * 2  # layers x (K, V) x heads x head dim x bf16 = 512 KiB
 
 
+REPO = Path(__file__).resolve().parents[2]
+RECORDS = REPO / "bench" / "records"
+SHIPPED = REPO / "planner" / "profiles" / "h200-llama2-7b.json"
+ENGINE = "h200/engine-gpu/2026-11-29-run2.json.xz"
+KV_SIZING = "h200-x2/engine-kv-sizing/2026-11-30.json.xz"
+PREFILL_WORKER = "h200-x2/serving-prefill-profile/after_out16_2026-11-30.json.xz"
+KV_PULL = "h200-x2/kv-transfer-gpu/x2_2026-11-29-run2.json.xz"
+
+
 def _read(path: Path) -> dict:
-    return json.loads(path.read_text())
+    return read_result(path)
 
 
 # A new request reaches a busy colocated worker's scheduler after this many step ends: read off the colocated
 # replicas' TTFT P50 of the recorded SLO-study runs (1..4 replayed by bench/plan_accuracy.py; 3 is within 15 %
 # at each of the four points without a stall: docs/PERFORMANCE.md section 10).
 ADMIT_STEPS = 3
-SERVING_RUNS = ("gpu_issue16/slo_study_1p1d*.json.gz", "gpu_issue19/slo_study_x4_*p*d.json.gz")
+SERVING_RUNS = ("h200-x2/serving-slo-study/1p1d_*2026-11-30.json.xz", "h200-x4/serving-slo-study/x4_*p*d_*.json.xz")
 
 
 def serving_decode_points(results: Path) -> tuple[tuple[DecodePoint, ...], float, float]:
@@ -89,7 +107,7 @@ def serving_decode_points(results: Path) -> tuple[tuple[DecodePoint, ...], float
     return tuple(out), intercept, slope
 
 
-LENGTHS = "gpu_issue16_lengths/prefill_lengths_x2_before_varlen.txt"
+LENGTHS = "h200/engine-prefill-lengths/before_varlen_2026-11-30.txt"
 LENGTHS_K = 4  # prompts per step in the engine-only lengths run's second case
 LAYERS = 32
 
@@ -97,10 +115,10 @@ LAYERS = 32
 # the 1P1D prefill worker of today's code (engine thread, varlen prefill attention) under prefill-bound load:
 # 128-token and ShareGPT prompts with 2 output tokens, both workers on one H200, two servers
 # (bench/gpu_prefill_serving.sh, docs/PERFORMANCE.md section 10)
-ENGINE_PROBE = "gpu_issue17_prefill/engine_alone/prefill_probe_engine.json"
+ENGINE_PROBE = "h200/engine-prefill-mix/probe_engine_2026-12-01.json.xz"
 SERVING_PREFILL = (
-    "gpu_issue17_prefill/run2/prefill_serving_thread_on_r1.json.gz",
-    "gpu_issue17_prefill/run2/prefill_serving_thread_on_r2.json.gz",
+    "h200/serving-slo-study/prefill_r1_2026-12-01.json.xz",
+    "h200/serving-slo-study/prefill_r2_2026-12-01.json.xz",
 )
 
 
@@ -144,8 +162,8 @@ def prefill_host_costs(
     if not posts:
         raise ValueError(f"{', '.join(SERVING_PREFILL)}: no point with the wall time between two points")
     post = statistics.median(posts)
-    src = f"bench/results/{LENGTHS}"
-    serving = ", ".join(f"bench/results/{n}" for n in SERVING_PREFILL)
+    src = f"bench/records/{LENGTHS}"
+    serving = ", ".join(f"bench/records/{n}" for n in SERVING_PREFILL)
     fitted = (
         f"measured: {serving}, the prefill worker's /metrics, least squares with an intercept over its "
         f"{len(used)} host-bound uniform-length points (" + ", ".join(p.source.split(" ")[1] for p in used) + ")"
@@ -165,11 +183,12 @@ def prefill_host_costs(
     )
 
 
-def build_h200_profile(results: Path) -> Profile:
-    eng = _read(results / "gpu_engine_2026-11-29_run2.json")["engine_7b"]
-    sizing = _read(results / "gpu_issue16" / "kv_sizing.json")
-    worker = _read(results / "gpu_issue16" / "prefill_after_out16.json")
-    kvx = _read(results / "kv_transfer_gpu_x2_2026-11-29_run2.json")
+def build_h200_profile(results: Path = RECORDS) -> Profile:
+    """The H200 profile from the kept records under ``results`` (default ``bench/records``)."""
+    eng = _read(results / ENGINE)["engine_7b"]
+    sizing = _read(results / KV_SIZING)
+    worker = _read(results / PREFILL_WORKER)
+    kvx = _read(results / KV_PULL)
 
     d1 = eng["decode_b1"]["graphs"]["step_ms_median"]
     d64 = eng["decode_b64_ctx1024"]["graphs"]
@@ -181,7 +200,7 @@ def build_h200_profile(results: Path) -> Profile:
     control_ms = (phases["connect_s"] + phases["pull_to_header_s"] + phases["ack_to_done_s"]) * 1000
     copy_ms_per_byte = phases["copy_s"] * 1000 / kvx["nbytes"]
     small = 128 * KV_BYTES_PER_TOKEN
-    src = "from bench/results: "
+    src = "from bench/records: "
     decode, handoff_icpt, handoff_slope = serving_decode_points(results)
     # the engine alone on a GPU of its own, one step per shape (median of 7): 128 and 512 tokens x 1-5 prompts,
     # 1 024 and 2 048 (bench/gpu_prefill_mix.py --set probe); the steps of up to three 128-token prompts are
@@ -198,14 +217,14 @@ def build_h200_profile(results: Path) -> Profile:
     pull_2048 = pool["pull_s_median"] * 1000
     return Profile(
         device="cuda",
-        device_name="NVIDIA H200 (from recorded results)",
+        device_name="NVIDIA H200 (from recorded runs)",
         model="preset:llama-2-7b",
         kv_bytes_per_token=KV_BYTES_PER_TOKEN,
         devices_available=4,
         transport="cuda_ipc",
         prefill=(
-            PrefillPoint(1, 2048, p2048, "measured", src + "gpu_issue16/kv_sizing.json step_ms_median"),
-            PrefillPoint(2, 2048, 2 * in_step, "measured", src + "gpu_issue16/prefill_after_out16.json in_step x 2"),
+            PrefillPoint(1, 2048, p2048, "measured", src + f"{KV_SIZING} step_ms_median"),
+            PrefillPoint(2, 2048, 2 * in_step, "measured", src + f"{PREFILL_WORKER} in_step x 2"),
             *(
                 PrefillPoint(b, t, ms, "measured", src + f"{ENGINE_PROBE} {b}x{t}, engine alone, median of 7")
                 for b, t, ms in engine_points
@@ -217,7 +236,7 @@ def build_h200_profile(results: Path) -> Profile:
                 kvx["nbytes"],
                 pool["pull_s_median"] * 1000,
                 "measured",
-                src + "kv_transfer_gpu_x2_2026-11-29_run2.json cuda_ipc_pool, GPU 0 -> GPU 1",
+                src + f"{KV_PULL} cuda_ipc_pool, GPU 0 -> GPU 1",
             ),
             TransferPoint(small, control_ms + copy_ms_per_byte * small, "derived", "control phases + scaled copy"),
         ),
@@ -235,7 +254,27 @@ def build_h200_profile(results: Path) -> Profile:
             f"engine.step() alone (not used for decode): batch 1 x 128 {d1:.2f} ms, 64 x {d64_ctx:.0f} {d64_ms:.2f} ms",
             f"hand-off: first inter-token gap = {handoff_icpt:.1f} ms + {handoff_slope:.2f} decode steps (fit over "
             f"{len(decode)} decode-worker points); simulated as handoff_ms + pull + handoff_steps busy steps + 1",
-            "built by `distserve profile --from-results`; see planner/from_results.py for each point's source",
+            "built by `python -m bench run planner-h200-profile` (bench/planner/h200_profile.py: each point's source)",
             "one GPU per worker; decode with CUDA graphs; prefill default max_num_batched_tokens 4096",
         ),
     )
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.planner.h200_profile", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--records", default=str(RECORDS), help="the kept records folder (default bench/records)")
+    ap.add_argument("--out", default=str(SHIPPED), help="where to write the profile (default: the shipped file)")
+    ap.add_argument("--check", action="store_true", help="build and compare with the shipped file; write nothing")
+    a = ap.parse_args(argv)
+    prof = build_h200_profile(Path(a.records))
+    if a.check:
+        same = json.loads(SHIPPED.read_text()) == json.loads(json.dumps(prof.to_dict()))
+        print(f"{SHIPPED.relative_to(REPO)}: {'up to date' if same else 'differs from a fresh build'}")
+        return 0 if same else 1
+    prof.save(a.out)
+    print(f"profile written: {a.out} ({len(prof.prefill)} prefill, {len(prof.decode)} decode points)", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
