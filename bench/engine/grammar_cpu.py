@@ -1,6 +1,6 @@
 """Grammar engines on CPU: llguidance vs xgrammar, and what constrained decoding costs a decode step.
 
-    .venv/bin/python bench/grammar_cpu.py --out bench/data/grammar_cpu.json [--rounds 5]
+    .venv/bin/python -m bench.engine.grammar_cpu --out bench/results/cpu/engine-grammar.json [--rounds 5]
 
 On SmolLM2's vocabulary (49 152 tokens; the tiny model's 512 are not what users run):
 1. compile time of a typical JSON schema (nested object, enum, array, integer range), cold (a fresh
