@@ -9,4 +9,4 @@ nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 step() { local name=$1 limit=$2; shift 2; local t0=$SECONDS
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; echo "== $name rc=$? $((SECONDS - t0))s"; tail -${TAIL:-14} "$OUT/$name.log"; }
 TAIL=30 step gpu_tests ${TESTS_S:-150} python3 -m pytest tests/gpu/test_fp8.py -q -x -rs -p no:cacheprovider
-TAIL=40 step gpu_fp8 ${BENCH_S:-330} python3 bench/gpu_fp8.py --out "$OUT/gpu_fp8.json" ${BENCH_ARGS:-}
+TAIL=40 step gpu_fp8 ${BENCH_S:-330} python3 -m bench.kernels.gpu_fp8 --out "$OUT/gpu_fp8.json" ${BENCH_ARGS:-}

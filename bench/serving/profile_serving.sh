@@ -9,7 +9,7 @@
 #   RATE=20 SECONDS_TO_SAMPLE=10 bench/profile_serving.sh
 #   CLIENT=distbench SPY=0 RATE=20 bench/profile_serving.sh
 set -euo pipefail
-HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"; ROOT="$(dirname "$HERE")"
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"; ROOT="$(cd "$HERE/../.." && pwd)"
 RATE="${RATE:-20}"; SECS="${SECONDS_TO_SAMPLE:-10}"; MODE="${MODE:-disaggregated}"
 MODEL_DIR="${MODEL_DIR:-/tmp/distserve_peer_model}"; VLLM_PY="${VLLM_VENV:-/tmp/vllmcpu}/bin/python"
 CLIENT="${CLIENT:-vllm}"; SPY="${SPY:-1}"; NPROMPTS=$((RATE * (SECS + 8)))
