@@ -36,6 +36,8 @@ from pathlib import Path
 
 import torch
 
+from bench.lib.results import write_result
+
 REF_BW = 4.16e12  # bytes/s: the bandwidth the targets are stated against
 REF_FLOPS = 750e12  # bf16 FLOP/s: the compute floor's rate
 PRESET = os.environ.get("GPU_BENCH_PRESET", "llama-2-7b")
@@ -48,7 +50,7 @@ OUT_PATH: Path | None = None
 
 def save() -> None:
     if OUT_PATH is not None:
-        OUT_PATH.write_text(json.dumps(RESULTS, indent=2, default=float))
+        write_result(OUT_PATH, RESULTS)
 
 
 def section(name):

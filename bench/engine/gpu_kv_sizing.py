@@ -4,13 +4,13 @@ prefills through add_request + step (no HTTP), timing step vs the whole per-requ
 Usage on the device: python3 bench/gpu_kv_sizing.py --out $OUT/kv_sizing.json"""
 
 import argparse
-import json
 import os
 import statistics
 import time
 
 import torch
 
+from bench.lib.results import write_result
 from server.engine.llm_engine import EngineConfig, LLMEngine
 from server.engine.sampling_params import SamplingParams
 
@@ -82,10 +82,7 @@ def main() -> None:
     with open(os.path.join(os.path.dirname(a.out), "prefill_engine_profile.txt"), "w") as f:
         f.write(table + "\n\n" + prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=15))
     print(table[:6000], flush=True)
-    tmp = a.out + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(res, f, indent=1)
-    os.replace(tmp, a.out)
+    write_result(a.out, res)
 
 
 if __name__ == "__main__":

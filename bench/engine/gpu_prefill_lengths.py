@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from distbench.atomic import atomic_write
+from bench.lib.results import write_result
 from server.engine.llm_engine import EngineConfig, LLMEngine
 from server.engine.sampling_params import SamplingParams
 
@@ -108,7 +108,7 @@ def main() -> None:
     res["profile_cpu"] = table
     res["profile_cuda"] = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=15)
     print(table[:7000], flush=True)
-    atomic_write(a.out, json.dumps(res, indent=1))
+    write_result(a.out, res)
 
 
 if __name__ == "__main__":

@@ -15,13 +15,12 @@ CPU dry run: ``python bench/gpu_prefill_mix.py --model preset:tiny-gpu --device 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
 import torch
 
-from distbench.atomic import atomic_write
+from bench.lib.results import write_result
 from server.engine.llm_engine import EngineConfig, LLMEngine
 from server.engine.sampling_params import SamplingParams
 
@@ -122,7 +121,7 @@ def main() -> None:
                 "hit_median_ms": [round(statistics.median(col), 2) for col in zip(*warm, strict=True)],
             }
             print(name, res["shapes"][name], flush=True)
-        atomic_write(a.out, json.dumps(res, indent=1))
+        write_result(a.out, res)
         return
     for name, lengths in {"mix": SHAPES, "probe": PROBE, "batch": BATCH}[a.set].items():
         ls = [max(8, int(n * a.scale)) for n in lengths]
@@ -136,7 +135,7 @@ def main() -> None:
             "repeat_median_ms": [round(statistics.median(col), 2) for col in zip(*again, strict=True)],
         }
         print(name, res["shapes"][name], flush=True)
-    atomic_write(a.out, json.dumps(res, indent=1))
+    write_result(a.out, res)
 
 
 if __name__ == "__main__":

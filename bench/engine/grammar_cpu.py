@@ -25,7 +25,7 @@ import statistics
 import time
 from pathlib import Path
 
-from distbench.atomic import atomic_write
+from bench.lib.results import write_result
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -245,7 +245,7 @@ def main() -> None:
         "engine_step_tiny": engine_steps(None, batches, args.rounds, args.steps),
         "engine_step_smollm2": engine_steps("smollm2-135m-instruct", batches, max(2, args.rounds // 2), args.steps),
     }
-    atomic_write(args.out, json.dumps(result, indent=1))
+    write_result(args.out, result)
     print(json.dumps({k: v for k, v in result.items() if k != "schema"}, indent=1))
 
 

@@ -50,7 +50,6 @@ CPU: ``python3 bench/gemv_study.py`` exits with a message; ``TRITON_INTERPRET=1 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import platform
@@ -58,6 +57,8 @@ import statistics
 import sys
 import time
 import traceback
+
+from bench.lib.results import write_result
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -1253,9 +1254,7 @@ def main(argv=None):
 
     def dump():
         if out_path:
-            os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
-            with open(out_path, "w") as f:
-                json.dump(res, f, indent=1, default=str)
+            write_result(out_path, res)
 
     try:
         res["copy_TBps_rw"] = round(copy_bandwidth(dev), 3)

@@ -9,7 +9,6 @@ Device: ``python3 bench/gpu_sdpa_shapes.py --out $OUT/sdpa_shapes.json``.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from typing import Any
@@ -17,6 +16,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from bench.lib.results import write_result
 
 
 def timed(fn) -> float:
@@ -64,8 +65,7 @@ def main() -> None:
         }
         print(name, {k: round(v, 3) for k, v in out["choices"][name].items()}, flush=True)
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=1)
+        write_result(args.out, out)
 
 
 if __name__ == "__main__":

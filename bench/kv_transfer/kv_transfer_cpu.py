@@ -36,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from bench.lib.results import write_result
 from server.kv_transfer import KVHandle, KVPuller, KVStagingServer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -221,7 +222,7 @@ def main() -> None:
     print("-" * len(HEADER))
     report = run(args.sizes_mib, args.repeats)
     if args.out:
-        Path(args.out).write_text(json.dumps(report, indent=2))
+        write_result(args.out, report)
         print(f"wrote {args.out}")
 
 

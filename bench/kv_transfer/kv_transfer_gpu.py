@@ -39,6 +39,8 @@ from pathlib import Path
 
 import torch
 
+from bench.lib.results import write_result
+
 REPO = Path(__file__).resolve().parents[2]
 
 SHAPE = (32, 2, 2048, 32, 128)
@@ -136,7 +138,7 @@ def main() -> int:
     }
 
     def save():
-        out_path.write_text(json.dumps(res, indent=2))
+        write_result(out_path, res)
 
     kv = (torch.randn(SHAPE, device=args.src, dtype=torch.float32) * 0.5).to(torch.bfloat16)
     nbytes = kv.numel() * kv.element_size()

@@ -71,15 +71,26 @@ def provenance(argv: list[str] | None = None) -> dict[str, Any]:
     }
 
 
-def dumps(doc: dict[str, Any], argv: list[str] | None = None) -> str:
+def _plain(o: Any) -> Any:
+    """What json cannot write: numbers (numpy, torch scalars) as floats, anything else as its text."""
+    try:
+        return float(o)
+    except (TypeError, ValueError):
+        return str(o)
+
+
+def dumps(doc: dict[str, Any], argv: list[str] | None = None, compact: bool = False) -> str:
     """``doc`` with its provenance, as the JSON text ``write_result`` writes."""
-    return json.dumps({**doc, "provenance": provenance(argv)}, indent=1, default=str) + "\n"
+    full = {**doc, "provenance": provenance(argv)}
+    if compact:
+        return json.dumps(full, separators=(",", ":"), default=_plain)
+    return json.dumps(full, indent=1, default=_plain) + "\n"
 
 
 def write_result(path: str | Path, doc: dict[str, Any], argv: list[str] | None = None) -> Path:
     """Write ``doc`` (a JSON object) with its provenance to ``path`` atomically; the path written."""
     path = Path(path)
-    data = dumps(doc, argv).encode()
+    data = dumps(doc, argv, compact=path.suffix in (".gz", ".xz")).encode()
     if path.suffix == ".gz":
         data = gzip.compress(data, 6)
     elif path.suffix == ".xz":

@@ -19,6 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench.lib.results import write_result
 from distbench.loadgen import RunSpec
 from distbench.runner import Options, Workload, run
 
@@ -119,7 +120,7 @@ def main() -> None:
     out["distbench_capacity_rps"] = max(ok) if ok else None
     print(f"distbench: highest rate with send-lag P99 < 1 ms: {out['distbench_capacity_rps']}")
     if args.out:
-        Path(args.out).write_text(json.dumps(out, indent=1))
+        write_result(args.out, out)
 
 
 if __name__ == "__main__":

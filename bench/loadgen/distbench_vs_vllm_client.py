@@ -35,6 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench.lib.results import write_result
 from distbench import result
 from distbench.target import ServeProcess
 
@@ -197,7 +198,7 @@ def main() -> None:
     }
     print(json.dumps({k: summary[k] for k in ("median_ratio_compat", "median_ratio_own", "input_tokens_equal")}))
     if args.out:
-        Path(args.out).write_text(json.dumps(summary, indent=1))
+        write_result(args.out, summary)
 
 
 if __name__ == "__main__":

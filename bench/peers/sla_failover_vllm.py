@@ -31,6 +31,8 @@ from pathlib import Path
 
 import yaml
 
+from bench.lib.results import write_result
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -306,10 +308,7 @@ def main() -> int:
             fault_ms=args.fault_ms,
             command=" ".join(sys.argv),
         )
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(f"{args.out}.tmp")
-        tmp.write_text(json.dumps(result, indent=1))
-        os.replace(tmp, args.out)
+        write_result(args.out, result)
         print(json.dumps({k: result[k] for k in ("failover_s", "recovery_s", "requests", "failed", "by_pool")}))
         print("| phase | requests | primary | backup | failed | TTFT P50 ms | TTFT P99 ms |")
         print("|---|---|---|---|---|---|---|")

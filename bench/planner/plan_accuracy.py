@@ -40,6 +40,7 @@ import json
 import statistics
 from pathlib import Path
 
+from bench.lib.results import write_result
 from bench.planner import plan_accuracy_records as records
 from planner.latency import LatencyModel
 from planner.layouts import Layout, kv_capacity_tokens, limits_from_config
@@ -318,7 +319,7 @@ def main() -> None:
             "admission_fit": fit,
             "prefill_worker": pf_rows,
         }
-        Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
+        write_result(args.out, doc)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from distbench.atomic import atomic_write
+from bench.lib.results import write_result
 from planner.latency import LatencyModel
 from planner.layouts import EngineLimits, Layout
 from planner.profile import load
@@ -108,9 +108,9 @@ def main() -> int:
             )
             doc["cases"].append(case)
             print(json.dumps(case), flush=True)
-            atomic_write(a.out, json.dumps(doc, indent=1) + "\n")
+            write_result(a.out, doc)
         doc["elapsed_s"] = round(time.monotonic() - t0, 1)
-        atomic_write(a.out, json.dumps(doc, indent=1) + "\n")
+        write_result(a.out, doc)
     return 0
 
 

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import aiohttp
 
+from bench.lib.results import write_result
 from distbench.target import ServeProcess
 
 TOKEN = "bench-failure-semantics"
@@ -209,9 +210,7 @@ def main() -> int:
     for k, v in results.items():
         print(f"{k}: {v}")
     if args.out:
-        tmp_out = Path(f"{args.out}.tmp")
-        tmp_out.write_text(json.dumps(results, indent=1))
-        os.replace(tmp_out, args.out)
+        write_result(args.out, results)
     return 0
 
 

@@ -23,6 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench.lib.results import write_result
 from tests.ray.cluster import RayCluster
 
 REPO = Path(__file__).resolve().parents[2]
@@ -153,9 +154,7 @@ def main() -> int:
     }
     print(json.dumps({k: out[k] for k in ("load", "median")}, indent=1))
     if args.out:
-        tmp = Path(args.out).with_suffix(".tmp")
-        tmp.write_text(json.dumps(out, indent=1))
-        os.replace(tmp, args.out)
+        write_result(args.out, out)
     return 0 if result["failed"] == 0 else 1
 
 

@@ -21,7 +21,7 @@ import tempfile
 import urllib.request
 from pathlib import Path
 
-from distbench.atomic import atomic_write
+from bench.lib.results import write_result
 from distbench.target import ServeProcess
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -123,7 +123,7 @@ def main() -> int:
             f"{name:<12} hit rate {v['prefix_hit_rate']:.3f}  TTFT P50 {v['ttft_p50_ms']:.1f} ms  "
             f"P99 {v['ttft_p99_ms']:.1f} ms"
         )
-    atomic_write(args.out, json.dumps({"args": vars(args), "runs": runs, "median": summary}, indent=2) + "\n")
+    write_result(args.out, {"args": vars(args), "runs": runs, "median": summary})
     return 0
 
 

@@ -30,6 +30,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from bench.lib.results import write_result
 from distbench.loadgen import RunSpec
 from distbench.runner import Options, Workload
 from distbench.runner import run as run_distbench
@@ -60,9 +61,7 @@ KEEP = (
 
 
 def atomic_json(path: Path, obj: dict) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(obj, indent=1, default=float))
-    os.replace(tmp, path)
+    write_result(path, obj)
 
 
 class HealthWatch(threading.Thread):

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import sys
 import tempfile
@@ -23,6 +22,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from bench.lib.results import write_result
 from bench.serving import gpu_serving as gs
 
 
@@ -112,10 +112,7 @@ def main() -> int:
             res["log_tails"] = srv.log_tails(15)
             srv.stop()
     print(json.dumps({k: v for k, v in res.items() if k not in ("metrics_delta", "log_tails", "config")}, indent=1))
-    tmp_out = a.out + ".tmp"
-    with open(tmp_out, "w") as f:
-        json.dump(res, f, indent=1)
-    os.replace(tmp_out, a.out)
+    write_result(a.out, res)
     return 0 if "error" not in res else 1
 
 

@@ -35,7 +35,6 @@ CPU dry run: ``python bench/gpu_serving.py --layout one-gpu --device cpu --model
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -43,6 +42,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench.lib.results import write_result
 from distbench.loadgen import RunSpec
 from distbench.metrics import attainment, percentile_with_failures
 from distbench.result import records_of
@@ -66,7 +66,7 @@ DEADLINE = math.inf
 def save() -> None:
     if OUT_PATH is not None:
         RESULTS["elapsed_s"] = round(time.monotonic() - T_START, 1)
-        OUT_PATH.write_text(json.dumps(RESULTS, indent=2, default=float))
+        write_result(OUT_PATH, RESULTS)
 
 
 def left() -> float:

@@ -16,8 +16,8 @@ output tokens (``--probe-output``; prefill-bound probes). Prompts are random tok
 ``ignore_eos``: every request generates exactly its output length.
 
 Output: ``$OUT/slo_study_<layout>.json.gz``, rewritten (atomically) after every point, so a timeout keeps
-what was measured. Device: ``bash bench/gpu_slo_study_run.sh 1p1d``. CPU dry run (tiny model):
-``python bench/gpu_slo_study.py --layout 1p1d --device cpu --model preset:tiny-gpu --num-prompts 20
+what was measured. Device: ``python -m bench run serving-slo-study --device-call``. CPU dry run (tiny model):
+``python -m bench.serving.gpu_slo_study --layout 1p1d --device cpu --model preset:tiny-gpu --num-prompts 20
 --points long:4 --long 64,8 --out /tmp/s.json.gz``.
 """
 
@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gzip
-import json
 import os
 import re
 import sys
@@ -34,6 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench.lib.results import write_result
 from distbench.loadgen import RunSpec
 from distbench.runner import Options, Workload
 from distbench.runner import run as run_distbench
@@ -71,10 +70,7 @@ def parse_points(text: str) -> list[tuple[str, float]]:
 
 
 def write_gz(path: Path, obj: dict) -> None:
-    tmp = path.with_suffix(".tmp")
-    with gzip.open(tmp, "wt") as f:
-        json.dump(obj, f, default=float)
-    os.replace(tmp, path)
+    write_result(path, obj)
 
 
 def server_config(args: argparse.Namespace) -> dict:
