@@ -1,7 +1,7 @@
 """Engine throughput on the CPU: prefill and decode tokens/s (default: the built-in tiny model).
 
-    .venv/bin/python bench/engine_cpu.py [--threads 1 2] [--repeats 7] [--out FILE]
-    .venv/bin/python bench/engine_cpu.py --model smollm2-135m-instruct --threads 2 --decode-batches 1 8 32
+    .venv/bin/python -m bench.engine.engine_cpu [--threads 1 2] [--repeats 7] [--out FILE]
+    .venv/bin/python -m bench.engine.engine_cpu --model smollm2-135m-instruct --threads 2 --decode-batches 1 8 32
 
 Prefill: one step over B prompts of L tokens (all new), tokens/s = B*L / step time.
 Decode: B running sequences with L tokens of context, one token each per step,

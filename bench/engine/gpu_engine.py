@@ -18,7 +18,7 @@ Sections:
 4. Hugging Face ``LlamaForCausalLM`` (same shape, random bf16 weights, same GPU,
    same run): eager decode ms/step with its KV cache.
 
-Usage (device): ``python3 bench/gpu_engine.py`` (writes $OUT/gpu_engine.json).
+Usage (device): ``python3 -m bench.engine.gpu_engine`` (writes $OUT/gpu_engine.json).
 """
 
 from __future__ import annotations
@@ -666,7 +666,7 @@ def main() -> None:
     args = ap.parse_args()
     OUT_PATH = Path(args.out)
     if not torch.cuda.is_available():
-        sys.exit("bench/gpu_engine.py needs a CUDA GPU")
+        sys.exit("bench/engine/gpu_engine.py needs a CUDA GPU")
     import triton
 
     RESULTS["env"] = {

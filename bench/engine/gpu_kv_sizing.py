@@ -1,7 +1,7 @@
 """Device check of KV sizing from memory (cache.gpu_memory_utilization) and of the engine-only
 prefill loop: one 7B preset engine on one GPU, its KVBudget, then N back-to-back 2048-token
 prefills through add_request + step (no HTTP), timing step vs the whole per-request path.
-Usage on the device: python3 bench/gpu_kv_sizing.py --out $OUT/kv_sizing.json"""
+Usage on the device: python3 -m bench.engine.gpu_kv_sizing --out $OUT/kv_sizing.json"""
 
 import argparse
 import os

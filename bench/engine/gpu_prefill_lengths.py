@@ -8,7 +8,7 @@ over the same lengths (token ids differ, so no prefix hits): pass 1 sees each le
 pass 2 again. Per step: wall ms (synchronized), sequences, tokens, new lengths. Then a torch.profiler
 table of 6 steps of 4 never-seen lengths.
 
-Usage on the device: python3 bench/gpu_prefill_lengths.py --out $OUT/prefill_lengths.json
+Usage on the device: python3 -m bench.engine.gpu_prefill_lengths --out $OUT/prefill_lengths.json
 """
 
 from __future__ import annotations

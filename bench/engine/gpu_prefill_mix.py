@@ -7,9 +7,10 @@ model; fixed 2 048-token prompts match it (47-48 ms). What differs at those load
 over the cached context), and lengths the step has never seen. This times one engine step of each shape,
 first time and repeated (median of ``--repeats``), so the cause can be read off and put into the profile.
 
-Device (one H200, carry .whl): ``python3 bench/gpu_prefill_mix.py --out $OUT/prefill_mix.json`` (``--set probe``:
+Device (one H200, carry .whl): ``python3 -m bench.engine.gpu_prefill_mix --out $OUT/prefill_mix.json`` (``--set probe``:
 the serving probe's uniform shapes, 128 and 512 tokens x 1-5 prompts, 1 024 and 2 048).
-CPU dry run: ``python bench/gpu_prefill_mix.py --model preset:tiny-gpu --device cpu --scale 0.0625 --out /tmp/m.json``.
+CPU dry run: ``python -m bench.engine.gpu_prefill_mix --model preset:tiny-gpu --device cpu --scale 0.0625
+--out /tmp/m.json``.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ SHAPES = {
     "one_300": [300],
     "four_varied_short_120_300_450_700": [120, 300, 450, 700],
 }
-# ``--set probe``: the uniform shapes of the serving probe (bench/gpu_prefill_serving.sh), engine alone on a GPU
+# ``--set probe``: the uniform shapes of the serving probe (study serving-slo-study), engine alone on a GPU
 # of its own, to tell the step's own cost from what sharing the GPU with a decode worker adds
 PROBE = {f"{k}x{n}": [n] * k for n in (128, 512) for k in (1, 2, 3, 4, 5)} | {
     "1x1024": [1024],

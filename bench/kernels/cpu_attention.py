@@ -1,13 +1,13 @@
 """CPU decode attention: the SDPA backend's gather + SDPA against the ``cpu_paged`` kernel.
 
-    taskset -c 1 .venv/bin/python bench/cpu_attention.py [--repeats 9] [--out FILE]
+    taskset -c 1 .venv/bin/python -m bench.kernels.cpu_attention [--repeats 9] [--out FILE]
 
 1. Kernel: decode attention of one layer on tiny-model shapes (4 heads, 4 KV heads, head_dim 64,
    float32, block_size 16), batch 1/8/32/64 x context 160/512/1024, shuffled block tables, 1 thread.
    Each timed call walks --layers separate caches, as a decode step does, so a layer's K/V is not
    still in cache from the previous call; the figure is per layer. The two variants run
    interleaved (alternating which goes first) and each figure is the median of --repeats.
-2. Engine: decode tokens/s of the built-in tiny model at batch 8/32/64 (bench/engine_cpu.py's
+2. Engine: decode tokens/s of the built-in tiny model at batch 8/32/64 (bench/engine/engine_cpu.py's
    method: B sequences of --context tokens, --steps decode steps timed), the two backends
    interleaved, median of --engine-repeats.
 """
@@ -103,7 +103,7 @@ def bench_kernel(batches, contexts, layers: int, repeats: int) -> list[dict]:
 
 
 def _decode_tok_s(engine, b: int, context: int, steps: int, tag: str) -> float:
-    from bench.engine.engine_cpu import decode_tok_s  # bench/engine_cpu.py: the same method, one measurement
+    from bench.engine.engine_cpu import decode_tok_s  # bench/engine/engine_cpu.py: the same method, one measurement
 
     return decode_tok_s(engine, b, context, steps, tag, offset=zlib.crc32(tag.encode()) % 97)
 

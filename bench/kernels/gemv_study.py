@@ -3,8 +3,8 @@
 
 Run from the repository root on a CUDA machine:
 
-    python3 bench/gemv_study.py --out $OUT/gemv_study.json          # ~40 s on an H200 (cold Triton cache)
-    python3 bench/gemv_study.py --quick --out $OUT/gemv_quick.json  # ~10 s
+    python3 -m bench.kernels.gemv_study --out $OUT/gemv_study.json          # ~40 s on an H200 (cold Triton cache)
+    python3 -m bench.kernels.gemv_study --quick --out $OUT/gemv_quick.json  # ~10 s
 
 What it does (every failing piece is recorded as an error string, never fatal):
 
@@ -43,8 +43,9 @@ Measured on the H200 (Nov run): pipelined loops (cp.async, 3 stages) win every 7
 the weight stream); split-K on CUDA cores, register prefetch, persistent grids and the L2 prefetch lose.
 For M = 2..16 the tensor-core kernel beats cuBLAS by 2-4 us on qkv, o_proj (split-K 4) and down.
 
-CPU: ``python3 bench/gemv_study.py`` exits with a message; ``TRITON_INTERPRET=1 python3 bench/gemv_study.py
---selftest`` runs the new kernels on tiny shapes through Triton's interpreter.
+CPU: ``python3 -m bench.kernels.gemv_study`` exits with a message;
+``TRITON_INTERPRET=1 python3 -m bench.kernels.gemv_study --selftest`` runs the new kernels on tiny shapes through
+Triton's interpreter.
 """
 
 from __future__ import annotations
@@ -1226,7 +1227,7 @@ def main(argv=None):
     if not torch.cuda.is_available():
         print(
             "gemv_study: needs a CUDA device (none found); on CPU try "
-            "`TRITON_INTERPRET=1 python3 bench/gemv_study.py --selftest`"
+            "`TRITON_INTERPRET=1 python3 -m bench.kernels.gemv_study --selftest`"
         )
         return 2
     global NUM_SMS, L2_BYTES

@@ -3,7 +3,7 @@
 cuDNN attention builds an execution plan per new shape; flash attention does not. For each choice
 (PyTorch's default, flash first, cuDNN first) it times the first and the second call of a [1, 32, T, 128]
 bf16 causal attention for lengths T it has not seen yet (a disjoint set per choice), like a 7B prefill layer.
-Device: ``python3 bench/gpu_sdpa_shapes.py --out $OUT/sdpa_shapes.json``.
+Device: ``python3 -m bench.kernels.gpu_sdpa_shapes --out $OUT/sdpa_shapes.json``.
 """
 
 from __future__ import annotations

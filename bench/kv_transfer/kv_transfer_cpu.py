@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Throughput of the CPU KV transports (tcp, shm) against a plain memory copy.
 
-Usage: python bench/kv_transfer_cpu.py [--sizes-mib 1 16 256] [--repeats 5] [--out FILE]
+Usage: python -m bench.kv_transfer.kv_transfer_cpu [--sizes-mib 1 16 256] [--repeats 5] [--out FILE]
 
 The sender (KVStagingServer) runs in a child process, the receiver (KVPuller) in this one, so
 every pull crosses a real process boundary. For each payload size and transport it stages one
@@ -194,7 +194,7 @@ def print_row(row: dict) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
-        epilog="example: python bench/kv_transfer_cpu.py --out bench/results/kv_transfer_cpu.json",
+        epilog="example: python -m bench.kv_transfer.kv_transfer_cpu --out bench/results/kv_transfer_cpu.json",
     )
     parser.add_argument("--sizes-mib", type=float, nargs="+", default=[1, 16, 256])
     parser.add_argument(

@@ -22,7 +22,7 @@ Then sustained transfer: 8 pulls back to back on one connection (no idle gap), a
 threads at once (each its own connection and stream), as a decode worker under load has several
 pulls in flight; bytes moved / wall time of the round, median of 3 rounds.
 
-Usage (device): python3 bench/kv_transfer_gpu.py --out $OUT/kv_transfer_gpu.json [--dst cuda:1]
+Usage (device): python3 -m bench.kv_transfer.kv_transfer_gpu --out $OUT/kv_transfer_gpu.json [--dst cuda:1]
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 under 1 ms, and the request rate single-process Locust (distbench's locustfile) reaches, against the
 same trivial streaming server (tests/stub_server.py in its own process: 8 SSE tokens, no delay).
 
-    .venv/bin/python bench/distbench_capacity.py [--rates 50,100,200,400,800] [--seconds 5] [--out FILE]
+    .venv/bin/python -m bench.loadgen.distbench_capacity [--rates 50,100,200,400,800] [--seconds 5] [--out FILE]
 
 distbench: constant arrivals at each rate for --seconds; reports achieved completions/s, send-lag P99
 and max. Locust: --users users with no wait for --seconds (closed loop: as fast as it can).

@@ -1,6 +1,6 @@
 """Agreement: distbench and ``vllm bench serve`` against one ``distserve serve``, interleaved A B A B A B.
 
-    .venv/bin/python bench/distbench_vs_vllm_client.py --vllm-python /tmp/vllmcpu/bin/python \\
+    .venv/bin/python -m bench.loadgen.distbench_vs_vllm_client --vllm-python /tmp/vllmcpu/bin/python \\
         [--rate 4] [--num-prompts 80] [--repeats 3] [--concurrent] [--out bench/results/distbench_vs_vllm_DATE.json]
 
 One after the other (default: vLLM, distbench, vLLM, ...; the router's request journal gives the server's own
@@ -125,7 +125,7 @@ def main() -> None:
     ap.add_argument(
         "--model-dir",
         default="/tmp/distserve_peer_model",
-        help="the peer model folder both sides read (made by bench/make_peer_model.py when missing): "
+        help="the peer model folder both sides read (made by bench/peers/make_peer_model.py when missing): "
         "distserve serves it, vLLM's client loads its tokenizer (offline)",
     )
     args = ap.parse_args()

@@ -1,9 +1,9 @@
 #!/usr/bin/env python
 """The breaker's failover drill with a real vLLM (CPU build) as the backup pool and a real OpenAI client.
 
-    bench/sla_failover_vllm.py --vllm-python /tmp/vllmcpu/bin/python --out bench/results/sla_failover_vllm.json
+    bench/peers/sla_failover_vllm.py --vllm-python /tmp/vllmcpu/bin/python --out bench/results/sla_failover_vllm.json
 
-Steps: make the peer model (bench/make_peer_model.py) unless --model-dir exists; start vLLM's OpenAI
+Steps: make the peer model (bench/peers/make_peer_model.py) unless --model-dir exists; start vLLM's OpenAI
 server on a free port and wait for /health; start `distserve serve --model MODEL_DIR` (disaggregated)
 with the breaker on and `router.backup_pool` pointing at vLLM; drive streaming completions with the
 `openai` client at --rate req/s through four phases: before (healthy), fault (POST /admin/fault slows

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Summarize the result JSONs of bench/vs_vllm_cpu.sh as a markdown table.
+"""Summarize the result JSONs of bench/peers/vs_vllm_cpu.sh as a markdown table.
 
 Usage: summarize_vs_vllm.py RESULTS_DIR [--ttft-ms 250] [--tpot-ms 50] [--min-attainment 90]
 

@@ -4,7 +4,7 @@
 Run it with the *vLLM* venv's python (e.g. /tmp/vllmcpu/bin/python); every argument is passed
 straight to vLLM's parser, so the flags are exactly those of `vllm bench serve`:
 
-    /tmp/vllmcpu/bin/python bench/vllm_client.py --host 127.0.0.1 --port 18000 \
+    /tmp/vllmcpu/bin/python bench/peers/vllm_client.py --host 127.0.0.1 --port 18000 \
         --model MODEL_DIR --served-model-name NAME --tokenizer MODEL_DIR \
         --dataset-name random --random-input-len 128 --random-output-len 64 --ignore-eos \
         --request-rate 8 --num-prompts 200 --goodput ttft:250 tpot:50 \

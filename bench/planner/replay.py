@@ -1,8 +1,8 @@
 """Replaying a recorded serving run through the simulator: the same requests (lengths and send times), the
 same layout and scheduler limits, so predicted and measured attainment are compared on one arrival sample.
 
-Used by ``bench/plan_accuracy.py`` (predicted vs measured) and the planner's tests; never by ``distserve
-plan`` itself. Records: ``bench/gpu_slo_study.py`` results (``planner.serving_records``).
+Used by ``bench/planner/plan_accuracy.py`` (predicted vs measured) and ``replay_check.py``; never by ``distserve
+plan`` itself. Records: ``bench/serving/gpu_slo_study.py`` results (``bench.planner.serving_records``).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from server.config import load_config
 
 
 def run_config(doc: dict) -> dict:
-    """The config keys of a recorded run that the simulator reads (as ``bench/gpu_slo_study.py`` set them)."""
+    """The config keys of a recorded run that the simulator reads (as ``bench/serving/gpu_slo_study.py`` set them)."""
     a = doc["args"]
     return {
         "prefill": {"max_seq_len": a["max_seq_len"]},

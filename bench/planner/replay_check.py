@@ -82,7 +82,7 @@ def _measured_ms_per_step(doc: dict, workload: str, rate: float) -> tuple[dict, 
 
 def check_replayed_prefill_worker_needs_its_host_costs(h200):
     """The 1P1D prefill worker of today's code under 128-token prompts at 130 req/s (about 5 prompts per step,
-    31 ms per step measured; bench/gpu_prefill_serving.sh) and of the rerun (section 9b) on summ at 20 req/s
+    31 ms per step measured; study serving-slo-study) and of the rerun (section 9b) on summ at 20 req/s
     (chunked continuations, 115 ms). Without the host floor and per-sequence cost the short step is replayed
     at half what it measured; without the host work between steps the batches come out too small (the
     measured batch needs the worker to be busy between steps too); without the chunked cost the summ step

@@ -1,4 +1,4 @@
-"""What the recorded serving runs say about the serving path's own step times (``bench/gpu_slo_study.py``
+"""What the recorded serving runs say about the serving path's own step times (``bench/serving/gpu_slo_study.py``
 records: per-request TTFT/ITLs and, per point, every worker's cumulative ``/metrics``).
 
 The engine benchmarks time ``engine.step()`` alone; a worker under load does more per step (and the planner

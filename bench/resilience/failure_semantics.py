@@ -1,6 +1,6 @@
 """What each failure does to the requests in flight, measured on a real `distserve serve`.
 
-    python bench/failure_semantics.py --out bench/results/failure_semantics_$(date +%F).json
+    python -m bench.resilience.failure_semantics --out bench/results/failure_semantics_$(date +%F).json
 
 Starts `distserve serve --prefill 1 --decode 2` with the default configuration (so the figures are
 what a user gets) and runs, one after another: a bad neighbour (a request with temperature 1e-300

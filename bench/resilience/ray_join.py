@@ -7,7 +7,7 @@ the router accepting the registration to the first request routed to the worker:
 model load), and the whole `distserve scale` command; per scale-down, the drain time. Every request of
 the load must complete.
 
-    python bench/ray_join.py --rounds 5 --out bench/results/ray_join_$(date +%F).json
+    python -m bench.resilience.ray_join --rounds 5 --out bench/results/ray_join_$(date +%F).json
 """
 
 from __future__ import annotations

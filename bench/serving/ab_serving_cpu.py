@@ -1,10 +1,10 @@
 """Before/after on CPU: the same serving benchmarks on two commits, interleaved in one run.
 
-    .venv/bin/python bench/ab_serving_cpu.py --before 3699813 [--after HEAD] [--rounds 3] --out FILE
+    .venv/bin/python -m bench.serving.ab_serving_cpu --before 3699813 [--after HEAD] [--rounds 3] --out FILE
 
 Each commit is checked out into a temporary git worktree; every round runs, for each commit in turn
 (order alternating between rounds, so a drift of the shared machine hits both alike):
-- ``bench/serving_cpu.py`` of that commit: the router's added TTFT, one request at a time;
+- ``bench/serving/serving_cpu.py`` of that commit: the router's added TTFT, one request at a time;
 - a closed loop through ``distserve serve --mode disaggregated`` of that commit on the tiny model,
   driven by this tree's distbench (concurrency 8, 128-token prompts, 32 output tokens): req/s and
   TTFT/TPOT percentiles.

@@ -1,6 +1,6 @@
 """Cache-aware vs least-load routing on multi-turn chat, CPU, tiny model (issue 34).
 
-    .venv/bin/python bench/cache_routing_cpu.py [--sessions 12] [--turns 4] [--rounds 1] --out FILE
+    .venv/bin/python -m bench.serving.cache_routing_cpu [--sessions 12] [--turns 4] [--rounds 1] --out FILE
 
 ``distserve serve --prefill 2 --decode 1`` is started once per variant and round: ``router.prefix_cache_weight``
 2.0 (cache-aware, the default) and 0 (least load only). distbench drives multi-turn sessions (``--turns``:

@@ -9,8 +9,9 @@ sizing (``/v1/workers`` ``memory``), completed / failed, goodput, TTFT P50/P99, 
 the workers' memory-error counters after the run. Then ``distserve chaos nan-check`` of the model at
 2^k-1, 2^k, 2^k+1 for k = 11..13 (8191+ beyond the 7B preset's 4096 context) on every backend.
 
-Device (one H200, carry .whl): ``bash bench/gpu_i36_run.sh``. CPU dry run (tiny model, seconds):
-``python bench/gpu_one_gpu_defaults.py --device cpu --model '' --concurrency 4 --duration 4 --users2 0
+Device (one H200, carry .whl): ``python -m bench run serving-one-gpu-defaults --device-call``.
+CPU dry run (tiny model, seconds):
+``python -m bench.serving.gpu_one_gpu_defaults --device cpu --model '' --concurrency 4 --duration 4 --users2 0
 --nan-max-len 40 --nan-min-k 5 --out /tmp/i36.json``.
 """
 

@@ -1,15 +1,15 @@
 """TTFT of the prefill worker under Poisson load against an M/D/1 queue (issue 16).
 
-Reads ``bench/gpu_slo_study.py`` records of a 1P1D run (``--long 2048,16``: TTFT is the prefill side) and
+Reads ``bench/serving/gpu_slo_study.py`` records of a 1P1D run (``--long 2048,16``: TTFT is the prefill side) and
 compares, per rate, the measured TTFT (distbench's warm-up and the first ``ramp`` requests dropped) with an
 M/D/1 queue whose deterministic service time is one prefill's in-step time measured by
-``bench/gpu_prefill_profile.py`` (``--service-from``, the ``in_step`` per prefill) or given (``--service-ms``).
+``bench/serving/gpu_prefill_profile.py`` (``--service-from``, the ``in_step`` per prefill) or given (``--service-ms``).
 The M/D/1 figures come from Lindley's recursion over 200 000 Poisson arrivals (mean, P50, P90), so the
 percentiles are compared too, not just the mean (whose closed form, S + ρS / 2(1 − ρ), the simulation
 matches).
 
-Usage: python bench/gpu_prefill_mdl_report.py bench/results/gpu_issue16_thread/mdl_thread_*.json.gz \\
-         --service-from bench/results/gpu_issue16_thread/prefill_thread_off.json
+Usage: python -m bench.serving.gpu_prefill_mdl_report bench/results/serving-slo-study/mdl_thread_*.json.gz \\
+         --service-from bench/results/serving-prefill-profile/prefill_thread_off.json
 """
 
 from __future__ import annotations

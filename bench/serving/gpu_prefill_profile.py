@@ -1,12 +1,12 @@
 """Where the time between two prefills goes, through the real server (issue 16).
 
 Starts ``distserve serve --mode disaggregated --prefill 1 --decode 1`` (the 7B preset, bf16), drives a
-closed loop of long prompts over the OpenAI API (bench/gpu_serving.py's generator), then reads the
+closed loop of long prompts over the OpenAI API (bench/serving/gpu_serving.py's generator), then reads the
 prefill worker's own /metrics: time inside engine steps, time idle (no unfinished request), the
 rest = host work on the engine's thread between steps; and the per-request phases of the prefill
 handler (queued+step, take_kv, stage). The compute bound is 1 / (one prefill's step time).
 
-Usage on the device (carry .whl): python3 bench/gpu_prefill_profile.py --devices cuda:0,cuda:1 --out $OUT/p.json
+Usage on the device (carry .whl): python3 -m bench.serving.gpu_prefill_profile --devices cuda:0,cuda:1 --out $OUT/p.json
 CPU dry run: python -m bench.serving.gpu_prefill_profile --devices cpu,cpu --model preset:tiny-gpu --prompt 64 \\
     --extra '{"cache": {"kv_cache_memory_mb": 64}}' --out /tmp/p.json
 """

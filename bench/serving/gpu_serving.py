@@ -28,7 +28,7 @@ Layouts:
 Everything goes to ``$OUT/gpu_serving_<layout>.json`` (rewritten after every phase, so a timeout
 keeps what was measured); a short table is printed last. ``--budget-s`` bounds the whole run.
 
-CPU dry run: ``python bench/gpu_serving.py --layout one-gpu --device cpu --model preset:tiny-gpu
+CPU dry run: ``python -m bench.serving.gpu_serving --layout one-gpu --device cpu --model preset:tiny-gpu
 --budget-s 120 --concurrency 8``.
 """
 

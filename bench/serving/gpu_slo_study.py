@@ -3,7 +3,7 @@
 One ``distserve serve`` per layout (router + workers, Llama-2-7B shape preset, bf16, KV sized from GPU
 memory), then, back to back on that one server, distbench open-loop Poisson runs for each workload and
 request rate. Each point sends ``--warmup`` requests first (closed loop, excluded by distbench) and then
-``--num-prompts`` measured ones; the analysis (``bench/gpu_slo_study_report.py``) also drops the first
+``--num-prompts`` measured ones; the analysis (``bench/serving/gpu_slo_study_report.py``) also drops the first
 ``--ramp`` measured requests (the queue filling from empty), so each point keeps >= 300 requests.
 
 Layouts: ``1p1d`` = prefill worker on cuda:0, decode worker on cuda:1, KV over cuda_ipc; ``colocated2`` =

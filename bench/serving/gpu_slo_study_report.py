@@ -1,4 +1,4 @@
-"""Tables and a plot from ``bench/gpu_slo_study.py`` results: SLO attainment vs rate and vs SLO scale.
+"""Tables and a plot from ``bench/serving/gpu_slo_study.py`` results: SLO attainment vs rate and vs SLO scale.
 
 Every figure comes from the per-request records (distbench's warm-up excluded, then the first ``ramp``
 measured requests dropped): a request meets the SLO at scale s when TTFT <= s x base TTFT and TPOT <= s x
@@ -9,18 +9,19 @@ colocated4 have 4). Ratios: each disaggregated layout over the colocated layout 
 Later files override earlier ones point by point (same layout, workload and rate): give the first run,
 then reruns.
 
-``python bench/gpu_slo_study_report.py bench/results/gpu_issue16/slo_study_{1p1d,colocated2}.json.gz
-bench/results/gpu_issue16/slo_study_*_flash.json.gz --plot docs/img/slo_study_two-gpu.png``
+``python -m bench.serving.gpu_slo_study_report bench/results/serving-slo-study/slo_study_{1p1d,colocated2}.json.gz
+--plot docs/img/slo_study_two-gpu.png`` (the recorded two-GPU runs: restore bench/results as bench/README.md says;
+the flash runs' records are kept in ``bench/records/h200-x2/serving-slo-study/``)
 """
 
 from __future__ import annotations
 
 import argparse
-import gzip
-import json
 import math
 import re
 from pathlib import Path
+
+from bench.lib.results import read_result
 
 # Tight base SLOs (ms): TTFT, TPOT. TPOT 15 ms is ~3x a batch-1 decode step of the 7B preset on an H200.
 BASE = {"long": (200.0, 15.0), "summ": (200.0, 15.0), "sharegpt": (100.0, 15.0)}
@@ -28,7 +29,7 @@ SCALES = (0.5, 0.75, 1.0, 1.5, 2.0, 3.0)
 
 
 def layout_gpus(layout: str) -> int:
-    """GPUs of ``NpMd`` (N + M) or ``colocatedN`` (N): one per worker, as bench/gpu_slo_study.py places them."""
+    """GPUs of ``NpMd`` (N + M) or ``colocatedN`` (N): one per worker, as bench/serving/gpu_slo_study.py places them."""
     m = re.fullmatch(r"(\d+)p(\d+)d|colocated(\d+)", layout)
     if m is None:
         raise ValueError(f"unknown layout {layout!r}")
@@ -51,7 +52,7 @@ def load(paths: list[str]) -> dict:
     """{(layout, workload, rate): {"records": [...], "source": file, ...}}, later files win."""
     pts: dict = {}
     for p in paths:
-        doc = json.load(gzip.open(p, "rt"))
+        doc = read_result(p)  # .json.gz as the study writes it, .json.xz as bench/records keeps it
         for pt in doc["points"]:
             recs = sorted((r for r in pt["result"]["requests"] if not r.get("warmup")), key=lambda r: r["index"])
             recs = recs[pt.get("ramp", 0) :]

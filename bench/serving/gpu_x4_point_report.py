@@ -1,8 +1,8 @@
 """One-rate table of the four-GPU layouts (issue 19): attainment at several SLO scales and latency percentiles.
 
-    python bench/gpu_x4_point_report.py bench/results/gpu_issue19/slo_study_x4_*.json.gz
+    python -m bench.serving.gpu_x4_point_report bench/records/h200-x4/serving-slo-study/x4_*.json.xz
 
-Same records, same rules as ``bench/gpu_slo_study_report.py`` (ramp dropped, failures count as misses).
+Same records, same rules as ``bench/serving/gpu_slo_study_report.py`` (ramp dropped, failures count as misses).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""SLO attainment vs request rate from bench/gpu_serving.py results (PNG per layout and workload).
+"""SLO attainment vs request rate from bench/serving/gpu_serving.py results (PNG per layout and workload).
 
-    .venv/bin/python bench/plot_gpu_serving.py bench/results/gpu_serving_two-gpu_2026-11-29.json \
-        bench/results/gpu_serving_two-gpu_long_2026-11-29.json --out-dir docs/img
+    .venv/bin/python -m bench.serving.plot_gpu_serving bench/results/serving-gpu/gpu_serving_two-gpu.json \
+        bench/results/serving-gpu/gpu_serving_two-gpu_long.json --out-dir docs/img
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The router's added latency: TTFT through the router minus TTFT directly at a worker.
 
-    .venv/bin/python bench/serving_cpu.py [--requests 60] [--out FILE]
+    .venv/bin/python -m bench.serving.serving_cpu [--requests 60] [--out FILE]
 
 For each mode it starts `distserve serve` on the built-in tiny model, then sends
 the same prompts one at a time (no queueing) two ways and times the first token:
@@ -11,7 +11,7 @@ the same prompts one at a time (no queueing) two ways and times the first token:
 Reports P50/P99 of each and of the difference (P50 of router minus P50 of direct). The server is
 started by distbench's shared helper, the router request is distbench's client, the percentiles are
 distbench's (HDR, nearest rank).
-KV transfer throughput per transport is measured by bench/kv_transfer_cpu.py.
+KV transfer throughput per transport is measured by bench/kv_transfer/kv_transfer_cpu.py.
 """
 
 from __future__ import annotations

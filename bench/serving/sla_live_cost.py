@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """What the router's live SLA view costs: recording one finished request, one /metrics scrape.
 
-    bench/sla_live_cost.py [--window-s 60] [--itl 63] [--repeats 5]
+    bench/serving/sla_live_cost.py [--window-s 60] [--itl 63] [--repeats 5]
 
 Fills a full window (one request per 10 ms of fake time for --window-s seconds), then times
 SlaLive.record for a request with --itl ITL samples and one collection of the rolling-percentile
