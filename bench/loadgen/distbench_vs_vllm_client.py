@@ -36,8 +36,8 @@ import time
 from pathlib import Path
 
 from bench.lib.results import write_result
+from bench.lib.server import ServeProcess
 from distbench import result
-from distbench.target import ServeProcess
 
 REPO = Path(__file__).resolve().parents[2]
 

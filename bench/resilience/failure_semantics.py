@@ -29,7 +29,7 @@ from pathlib import Path
 import aiohttp
 
 from bench.lib.results import write_result
-from distbench.target import ServeProcess
+from bench.lib.server import ServeProcess
 
 TOKEN = "bench-failure-semantics"
 

@@ -23,8 +23,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from bench.lib.server import ServeProcess
 from distbench.atomic import atomic_write
-from distbench.target import ServeProcess
 
 ROOT = Path(__file__).resolve().parents[2]
 

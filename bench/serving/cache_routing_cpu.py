@@ -22,7 +22,7 @@ import urllib.request
 from pathlib import Path
 
 from bench.lib.results import write_result
-from distbench.target import ServeProcess
+from bench.lib.server import ServeProcess
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -32,10 +32,10 @@ import urllib.request
 from pathlib import Path
 
 from bench.lib.results import write_result
+from bench.lib.server import ServeProcess
 from distbench.loadgen import RunSpec
 from distbench.runner import Options, Workload
 from distbench.runner import run as run_distbench
-from distbench.target import ServeProcess
 
 REPO = Path(__file__).resolve().parents[2]
 

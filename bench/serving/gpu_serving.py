@@ -43,12 +43,12 @@ import time
 from pathlib import Path
 
 from bench.lib.results import write_result
+from bench.lib.server import ServeProcess
 from distbench.loadgen import RunSpec
 from distbench.metrics import attainment, percentile_with_failures
 from distbench.result import records_of
 from distbench.runner import Options, Workload
 from distbench.runner import run as run_distbench
-from distbench.target import ServeProcess
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -25,11 +25,11 @@ from pathlib import Path
 
 import aiohttp
 
+from bench.lib.server import ServeProcess
 from distbench.client import body_for, send
 from distbench.datasets import Item
 from distbench.metrics import stats_of
 from distbench.records import RequestRecord
-from distbench.target import ServeProcess
 
 TOKEN = "bench-serving-cpu"
 
