@@ -22,34 +22,26 @@ def _err(sentence: str) -> int:
 
 
 def cmd_profile(args) -> int:
-    if args.from_results:
-        from planner.from_results import build_h200_profile
+    from server.launcher import parse_devices
 
-        try:
-            prof = build_h200_profile(Path(args.from_results))
-        except (OSError, ValueError, KeyError) as e:
-            return _err(f"cannot build a profile from {args.from_results}: {e}")
-    else:
-        from server.launcher import parse_devices
+    try:
+        parse_devices(args.device)
+    except ValueError as e:
+        return _err(str(e))
+    if args.transport not in ("tcp", "shm"):
+        return _err(f"--transport must be tcp or shm, got {args.transport!r}")
+    from planner.profiler import QUICK_CPU_SWEEP, measure
 
-        try:
-            parse_devices(args.device)
-        except ValueError as e:
-            return _err(str(e))
-        if args.transport not in ("tcp", "shm"):
-            return _err(f"--transport must be tcp or shm, got {args.transport!r}")
-        from planner.profiler import QUICK_CPU_SWEEP, measure
-
-        sweep = QUICK_CPU_SWEEP if args.quick else None
-        prof = measure(
-            args.model,
-            args.device,
-            sweep,
-            transport=args.transport,
-            threads=not args.no_threads,
-            serving=not args.no_serving,
-            log=lambda s: print(s, file=sys.stderr, flush=True),
-        )
+    sweep = QUICK_CPU_SWEEP if args.quick else None
+    prof = measure(
+        args.model,
+        args.device,
+        sweep,
+        transport=args.transport,
+        threads=not args.no_threads,
+        serving=not args.no_serving,
+        log=lambda s: print(s, file=sys.stderr, flush=True),
+    )
     out = Path(args.out)
     if not out.parent.exists():
         return _err(f"--out folder {out.parent} does not exist")

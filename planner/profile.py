@@ -1,7 +1,8 @@
 """The profile file: measured step and transfer times of one model on one device (schema version 1).
 
-A profile is data, not code: ``distserve profile`` writes one by measuring the real engine, ``from_results``
-builds one from recorded benchmark results, and the simulator reads it through ``planner.latency``. Every
+A profile is data, not code: ``distserve profile`` writes one by measuring the real engine, the planner ships
+others as files (``planner/profiles/NAME.json``, loaded by name; each built by a bench study from recorded
+runs), and the simulator reads it through ``planner.latency``. Every
 point says where it came from (``origin``: measured, interpolated, extrapolated, derived) so a plan made from
 it can be judged. Loading validates everything once and raises ``ProfileError`` with one sentence.
 """
@@ -239,9 +240,29 @@ def from_dict(data: Any) -> Profile:
     )
 
 
+PROFILES = Path(__file__).resolve().parent / "profiles"  # the shipped profiles (package data)
+
+
+def shipped() -> list[str]:
+    """Names of the profiles shipped with the planner (``planner/profiles/NAME.json``)."""
+    return sorted(p.stem for p in PROFILES.glob("*.json"))
+
+
+def resolve(name_or_path: str | Path) -> Path:
+    """A shipped profile's name (``h200-llama2-7b``) or a path to a profile file."""
+    s = str(name_or_path)
+    if "/" not in s and not s.endswith(".json") and (PROFILES / f"{s}.json").is_file():
+        return PROFILES / f"{s}.json"
+    return Path(s)
+
+
 def load(path: str | Path) -> Profile:
-    """Read and validate a profile file; ``ProfileError`` (one sentence) when it cannot be used."""
-    p = Path(path)
+    """Read and validate a profile: a shipped profile's name or a file; ``ProfileError`` (one sentence) when it
+    cannot be used."""
+    p = resolve(path)
+    if not p.exists() and "/" not in str(path) and not str(path).endswith(".json"):
+        names = ", ".join(shipped()) or "none"
+        raise ProfileError(f"no profile {str(path)!r}: neither a file nor a shipped profile (shipped: {names})")
     try:
         text = p.read_text()
     except OSError as e:

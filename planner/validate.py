@@ -1,6 +1,6 @@
 """Measuring what the planner predicts: start a layout with ``distserve serve`` (real processes on this
 machine), push a Poisson load with the ``distbench`` CLI, read back the attainment. Used by the planner's
-ordering test and ``bench/plan_accuracy.py``; never by ``distserve plan`` itself."""
+ordering test and ``bench/planner/plan_accuracy.py``; never by ``distserve plan`` itself."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ Specs (``--workload``):
 - ``sharegpt`` or ``sharegpt:PATH``: distbench's ShareGPT sampling (``--dataset sharegpt``; lengths without a
   tokenizer, as distbench counts them then); ``,output=M`` overrides the output lengths;
 - ``result:PATH``: a recorded distbench result file (its requests' prompt/output token counts), or a
-  ``bench/gpu_serving.py`` result (``args.long``/``args.short`` give the lengths: ``result:PATH#long``).
+  ``bench/serving/gpu_serving.py`` result (``args.long``/``args.short`` give the lengths: ``result:PATH#long``).
 Arrivals are Poisson at the rate the search tries; the lengths are drawn once with a seed.
 """
 
@@ -70,7 +70,7 @@ def _from_result(path: str, which: str) -> list[tuple[int, int]]:
         if out:
             return out
     args = data.get("args", {})
-    if which in ("long", "short") and isinstance(args.get(which), str):  # bench/gpu_serving.py
+    if which in ("long", "short") and isinstance(args.get(which), str):  # bench/serving/gpu_serving.py
         prompt, output = (int(x) for x in args[which].split(","))
         return [(prompt, output)]
     raise WorkloadError(f"{p} holds no per-request lengths (a distbench result, or a gpu_serving result with #long)")

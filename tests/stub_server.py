@@ -110,7 +110,7 @@ class StubServer:
 
 
 def main() -> None:
-    """``python -m tests.stub_server --ready-file F``: serve until killed (bench/distbench_capacity.py)."""
+    """``python -m tests.stub_server --ready-file F``: serve until killed (bench/loadgen/distbench_capacity.py)."""
     import argparse
     import time
     from pathlib import Path

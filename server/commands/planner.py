@@ -35,12 +35,6 @@ def add_parsers(sub) -> None:
         help="skip the serving-path measurement (a real 1P1D distserve serve for a few requests)",
     )
     p.add_argument("--quick", action="store_true", help="CPU: a two-point sweep per phase (seconds, for tests)")
-    p.add_argument(
-        "--from-results",
-        default=None,
-        metavar="DIR",
-        help="build the H200 (7B shape) profile from a folder DIR of recorded GPU results instead of measuring",
-    )
     p.add_argument("--out", required=True, help="where to write the profile JSON")
     p.set_defaults(handler=_profile)
 
@@ -52,7 +46,12 @@ def add_parsers(sub) -> None:
         "Example: distserve plan --profile profile.json --workload prompt=512,output=64 "
         "--slo ttft:250ms,tpot:50ms --devices 2 --explain",
     )
-    p.add_argument("--profile", required=True, help="profile JSON from `distserve profile`")
+    p.add_argument(
+        "--profile",
+        required=True,
+        help="a profile JSON from `distserve profile`, or a shipped profile's name "
+        "(h200-llama2-7b: the H200, Llama-2-7B shape, bf16)",
+    )
     p.add_argument(
         "--workload",
         required=True,

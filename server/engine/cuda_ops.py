@@ -178,7 +178,7 @@ if HAS_TRITON:
 
         STAGES > 1 software-pipelines the weight stream through shared memory (cp.async, STAGES deep);
         Triton does not pipeline this loop on its own (it has no dot), and on an H200 the pipelined
-        form is the fastest GEMV of bench/gemv_study.py for every 7B shape at one token.
+        form is the fastest GEMV of bench/kernels/gemv_study.py for every 7B shape at one token.
         """
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         rmask = rows < N
@@ -231,7 +231,7 @@ GEMV_CANDIDATES = (
     (16, 512, 8),
     (4, 512, 2),
     (16, 256, 4),
-    # pipelined: best of bench/gemv_study.py on an H200 (CUDA graph, weights out of L2), in us:
+    # pipelined: best of bench/kernels/gemv_study.py on an H200 (CUDA graph, weights out of L2), in us:
     # qkv 25.9 (16,256,4,3), o_proj 10.8 (4,512,4,3), gate_up 43.5 (16,256,4,3),
     # down 23.6 (8,512,4,3); cuBLAS 28.4 / 13.7 / 47.3 / 28.1
     (16, 256, 4, 3),

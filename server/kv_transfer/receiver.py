@@ -188,7 +188,7 @@ class KVPuller(KVReceiver):
     @property
     def last_timings(self) -> dict | None:
         """Where this thread's last successful pull spent its time (diagnostics,
-        bench/kv_transfer_gpu.py): `reused` (a pooled connection), `retried` (a pooled one was
+        bench/kv_transfer/kv_transfer_gpu.py): `reused` (a pooled connection), `retried` (a pooled one was
         dead: this is the second attempt), and in seconds `connect_s` (getting the connection:
         the pool lookup alone when reused), `pull_to_header_s` (PULL sent -> reply header checked),
         `copy_s` (payload received / copied out of shm / IPC open+copy+sync, crc32 included) and

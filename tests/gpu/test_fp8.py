@@ -6,7 +6,7 @@ Skipped without CUDA. Tolerances, stated once:
 * an FP8 engine's decode logits against the same engine in bf16 (tiny model): FP8 KV alone < 0.05
   relative L2 error; FP8 weights < 0.3 (each linear's output is off by 2.6 % relative, as the kernel test
   shows, and the tiny model's four random layers amplify it: the CPU's emulated path gives the same 0.21;
-  real-model accuracy is measured on SmolLM2 by bench/fp8_accuracy.py);
+  real-model accuracy is measured on SmolLM2 by bench/engine/fp8_accuracy.py);
 * CUDA-graph decode against eager decode of the same FP8 engine: the same greedy tokens;
 * P/D with FP8 KV (bytes + scales through a real KVHandle) against colocated FP8: the same tokens.
 """

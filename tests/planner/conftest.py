@@ -1,5 +1,6 @@
-"""Shared fixtures of the planner tests: the H200 profile is built once per session (it reads the recorded runs,
-about a second each time); it is a frozen dataclass, so sharing it cannot leak state between tests."""
+"""Shared fixtures of the planner tests: the shipped H200 profile (``planner/profiles/h200-llama2-7b.json``, built
+by the bench study ``planner-h200-profile``), loaded and validated once per session; it is a frozen dataclass,
+so sharing it cannot leak state between tests."""
 
 from __future__ import annotations
 
@@ -7,12 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from planner.from_results import build_h200_profile
-from planner.profile import Profile
+from planner.profile import Profile, load
 
-RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "planner"
 
 
 @pytest.fixture(scope="session")
 def h200_profile() -> Profile:
-    return build_h200_profile(RESULTS)
+    return load("h200-llama2-7b")

@@ -7,7 +7,8 @@ worker, one torch thread each) for two workloads that rank them differently.
   other requests' decodes, which a separate decode worker never sees.
 
 The default suite checks the plan's ranking on a profile recorded on this machine
-(``bench/results/plan_cpu_profile_2026-11-30.json``). The measured check (fresh profile, real servers,
+(``tests/fixtures/planner/cpu-tiny-2026-11-30.json``, a copy of the one the bench study
+``planner-cpu-check`` recorded). The measured check (fresh profile, real servers,
 distbench; minutes) runs with ``DISTSERVE_PLAN_MEASURE=1``: on a shared 2-vCPU VM the step times move 2-5x
 between the profile and the load, and it was flaky there (docs/performance/planner.md, 'On the CPU, tiny model: the ordering test').
 """
@@ -33,7 +34,7 @@ from planner.workload import load_workload
 NUM = 12  # measured requests per layout and case
 
 
-RECORDED = Path(__file__).resolve().parents[2] / "bench" / "results" / "plan_cpu_profile_2026-11-30.json"
+RECORDED = Path(__file__).resolve().parents[1] / "fixtures" / "planner" / "cpu-tiny-2026-11-30.json"
 
 
 def test_recorded_cpu_profile_ranks_the_two_workloads_differently():

@@ -1,27 +1,20 @@
 """The prefill step's host floor, per-sequence and chunked-continuation costs (planner.latency) and the engine
 thread's reply timing: each against a closed form through the simulator's own scheduling (budget, chunking),
-and the H200 profile's constants against the recorded runs they were fitted to (docs/performance/planner.md).
+and the shipped H200 profile's constants (fitted to recorded runs by bench/planner/h200_profile.py; the replays of
+those runs are the bench study ``planner-replay-check``).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
-from pathlib import Path
 
 import pytest
 
 from planner.latency import LatencyModel
 from planner.layouts import EngineLimits, Layout
 from planner.profile import ProfileError, from_dict
-from planner.replay import replay_result, run_engine_thread
-from planner.serving_records import STEP_S, STEPS, read_run
 from planner.simulator import Simulator
-
-RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
-RERUN = RESULTS / "gpu_issue16_rerun" / "slo_study_1p1d.json.gz"
-PROBE = RESULTS / "gpu_issue17_prefill" / "run2" / "prefill_serving_thread_on_r1.json.gz"
 
 
 def model(floor: float = 20.0, per_seq: float = 6.0, chunk: float = 25.0) -> LatencyModel:
@@ -107,68 +100,3 @@ def test_h200_prefill_costs_are_fitted_and_labelled(h200):
     d["engine_thread"] = "yes"
     with pytest.raises(ProfileError, match="engine_thread"):
         from_dict(d)
-
-
-def _measured_ms_per_step(doc: dict, workload: str, rate: float) -> tuple[dict, float]:
-    prev = None
-    for p in doc["points"]:
-        m = next(v for k, v in p["result"]["server_metrics"].items() if k.startswith("prefill"))
-        if prev is not None and p["workload"] == workload and p["rate"] == rate:
-            return p, (m[STEP_S] - prev[STEP_S]) * 1000 / (m[STEPS] - prev[STEPS])
-        prev = m
-    raise AssertionError(f"no point {workload}@{rate}")
-
-
-def test_replayed_prefill_worker_needs_its_host_costs(h200):
-    """The 1P1D prefill worker of today's code under 128-token prompts at 130 req/s (about 5 prompts per step,
-    31 ms per step measured; bench/gpu_prefill_serving.sh) and of the SLO study's rerun (docs/performance/serving-two-gpus.md) on summ at 20 req/s
-    (chunked continuations, 115 ms). Without the host floor and per-sequence cost the short step is replayed
-    at half what it measured; without the host work between steps the batches come out too small (the
-    measured batch needs the worker to be busy between steps too); without the chunked cost the summ step
-    drops."""
-    probe = read_run(PROBE)
-    assert run_engine_thread(probe)
-
-    def replayed(prof, doc, workload: str, rate: float) -> tuple[float, float, float]:
-        pt, measured = _measured_ms_per_step(doc, workload, rate)
-        s = replay_result(prof, doc, pt).prefill_stats
-        return s["busy_ms"] / s["steps"], s["seqs"] / s["steps"], measured
-
-    sim, batch, measured = replayed(h200, probe, "short_p", 130.0)
-    assert abs(sim / measured - 1) < 0.25, (sim, measured)
-    assert 4.0 < batch < 6.0, batch  # measured 4.97 prompts per step
-    no_host, _, _ = replayed(
-        dataclasses.replace(h200, prefill_floor_ms=0.0, prefill_per_seq_ms=0.0), probe, "short_p", 130.0
-    )
-    assert no_host < 0.6 * measured, no_host
-    _, no_post_batch, _ = replayed(dataclasses.replace(h200, prefill_post_ms=0.0), probe, "short_p", 130.0)
-    assert no_post_batch < batch - 1.0, (no_post_batch, batch)
-    doc = read_run(RERUN)
-    assert run_engine_thread(doc)
-
-    def ms_per_step(prof, workload: str, rate: float) -> tuple[float, float]:
-        sim, _, measured = replayed(prof, doc, workload, rate)
-        return sim, measured
-
-    sim, measured = ms_per_step(h200, "summ", 20.0)
-    no_chunk, _ = ms_per_step(dataclasses.replace(h200, prefill_chunk_ms=0.0), "summ", 20.0)
-    assert sim > 0.6 * measured and sim > no_chunk + 5.0, (sim, no_chunk, measured)
-
-
-def test_prefix_cache_hit_points_are_recognised_and_not_replayed(h200, monkeypatch):
-    """The SLO study re-sent the same ShareGPT prompts at every rate: its 24 and 36 req/s points were mostly
-    prefix-cache hits (a different attention path; the simulator has no prefix cache). The shares come from the
-    prefill workers' counters; the replays leave those points out and say so."""
-    from planner.serving_records import prefix_hit_shares
-
-    shares = prefix_hit_shares(read_run(RERUN))
-    assert shares[("sharegpt", 12.0)] < 0.05 and shares[("long", 12.0)] < 0.05
-    assert shares[("sharegpt", 24.0)] > 0.9 and shares[("sharegpt", 36.0)] > 0.9
-    monkeypatch.syspath_prepend(str(RESULTS.parent))  # bench/: the replay tables of bench/plan_accuracy.py
-    import plan_accuracy_records as records
-
-    excluded: list = []
-    rows = records.replay_points(h200, RERUN.parent, (), ("slo_study_1p1d.json.gz",), excluded)
-    assert [(e[1], e[2]) for e in excluded] == [("sharegpt", 24.0), ("sharegpt", 36.0)]
-    assert {(r["workload"], r["rate"]) for r in rows} >= {("sharegpt", 12.0), ("long", 12.0), ("summ", 20.0)}
-    assert not any(r["workload"] == "sharegpt" and r["rate"] > 12 for r in rows)

@@ -1,4 +1,4 @@
-"""Profile schema (validated on load), the H200 profile built from the recorded results, and the CLI's
+"""Profile schema (validated on load), the shipped H200 profile (by name or path), and the CLI's
 bad-input rule (exit 2, one sentence) for ``distserve profile`` and ``distserve plan``."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from planner.profile import ProfileError, from_dict, load
 from planner.slo import SLO, SLOError, meets
 from planner.workload import WorkloadError, load_workload
 
-RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "planner"
 
 
 @pytest.fixture
@@ -87,19 +87,18 @@ def test_slo_and_workload_parsing():
 
 
 def test_plan_on_the_h200_profile_prints_layouts_and_the_serve_command(tmp_path):
-    prof = tmp_path / "h200.json"
-    assert cli("profile", "--from-results", str(RESULTS), "--out", str(prof)).returncode == 0
+    prof = "h200-llama2-7b"  # a shipped profile, by name
     cfg = tmp_path / "plan.yaml"
     served = tmp_path / "serve.yaml"
     served.write_text("prefill:\n  max_seq_len: 2304\n")
-    too_long = cli("plan", "--profile", str(prof), "--workload", "prompt=2048,output=128", "--slo", "ttft:200ms")
+    too_long = cli("plan", "--profile", prof, "--workload", "prompt=2048,output=128", "--slo", "ttft:200ms")
     assert too_long.returncode == 2 and "max_seq_len" in too_long.stderr
     p = cli(
         "plan",
         "--config",
         str(served),
         "--profile",
-        str(prof),
+        prof,
         "--workload",
         "prompt=2048,output=128",
         "--slo",
@@ -122,6 +121,7 @@ def test_plan_on_the_h200_profile_prints_layouts_and_the_serve_command(tmp_path)
     "args, words",
     [
         (["--profile", "/nonexistent.json"], "cannot read profile"),
+        (["--profile", "h100-nothing"], "shipped: h200-llama2-7b"),
         (["--slo", "ttft"], "--slo part"),
         (["--workload", "prompt=abc,output=3"], "prompt"),
         (["--devices", "0"], "--devices"),
@@ -158,7 +158,7 @@ def test_plan_writes_the_config_its_deploy_line_names(tmp_path):
     from server.config import load_config
 
     p = subprocess.run(
-        [sys.executable, "-m", "server.cli", "plan", "--profile", str(RESULTS / "plan_cpu_profile_2026-11-30.json")]
+        [sys.executable, "-m", "server.cli", "plan", "--profile", str(FIXTURES / "cpu-tiny-2026-11-30.json")]
         + ["--workload", "prompt=512,output=64", "--slo", "ttft:250ms,tpot:50ms", "--devices", "2"]
         + ["--num-requests", "100"],
         capture_output=True,

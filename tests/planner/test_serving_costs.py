@@ -1,21 +1,14 @@
-"""The serving-path costs the simulator models beyond the engine's steps, each against a closed form, and the
-replays of recorded H200 runs (bench/results/gpu_issue16, gpu_issue19) against what those runs measured."""
+"""The serving-path costs the simulator models beyond the engine's steps, each against a closed form. The replays
+of recorded H200 runs against what those runs measured are a bench study (``python -m bench run
+planner-replay-check``, bench/planner/replay_check.py): they read recorded runs, which tests do not."""
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from pathlib import Path
-
-import pytest
 
 from planner.latency import LatencyModel
 from planner.layouts import EngineLimits, Layout
-from planner.replay import attained, replay
-from planner.serving_records import read_run
 from planner.simulator import Simulator
-
-RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
 
 
 def model(fixed_d: float, fixed_p: float, per_tok: float = 0.0, per_seq: float = 0.0) -> LatencyModel:
@@ -67,52 +60,3 @@ def test_a_busy_worker_admits_a_new_request_after_admit_steps_step_ends():
     later = Simulator(m, lay, 0, admit_steps=3).run(reqs).latencies[1]
     assert math.isclose(now["ttft"], 5.0 + 10.0)  # the rest of the step, then B's (mixed) step
     assert math.isclose(later["ttft"], now["ttft"] + 2 * 10.0)
-
-
-@pytest.fixture(scope="module")
-def h200(h200_profile):
-    return h200_profile
-
-
-def _measured(point: dict, ttft: float, tpot: float) -> float:
-    recs = sorted((r for r in point["result"]["requests"] if not r.get("warmup")), key=lambda r: r["index"])
-    recs = recs[point["ramp"] :]
-    return sum(r["ttft"] * 1000 <= ttft and r["tpot"] * 1000 <= tpot for r in recs) / len(recs)
-
-
-def test_four_gpu_replays_agree_with_the_recorded_runs(h200):
-    """16 req/s of 2048/128 on four H200s (docs/performance/serving-four-gpus.md): the disaggregated layouts within 10
-    points of what they measured; the colocated replicas only once the cold-start stalls their run measured
-    are replayed too (steady state they would have held the SLO)."""
-    got = {}
-    for name in ("2p2d", "3p1d", "1p3d", "colocated4"):
-        doc = read_run(RESULTS / "gpu_issue19" / f"slo_study_x4_{name}.json.gz")
-        pt = doc["points"][0]
-        meas = _measured(pt, 200.0, 50.0)
-        steady = attained(replay(h200, doc, pt), lambda a, b: a <= 200.0 and b <= 50.0)
-        cold = attained(replay(h200, doc, pt, cold=True), lambda a, b: a <= 200.0 and b <= 50.0)
-        got[name] = (meas, steady, cold)
-        if name != "colocated4":
-            assert abs(steady - meas) <= 0.1, (name, meas, steady)
-            # TPOT 15 ms x 1.5 (the tight base): the serving decode step decides it
-            tight = attained(replay(h200, doc, pt), lambda a, b: a <= 300.0 and b <= 22.5)
-            assert abs(tight - _measured(pt, 300.0, 22.5)) <= 0.4, (name, tight)
-    meas, steady, cold = got["colocated4"]
-    assert steady >= 0.95 and abs(cold - meas) <= 0.2, got["colocated4"]
-    by = {k: v[2] for k, v in got.items()}
-    assert min(by["2p2d"], by["3p1d"]) > by["colocated4"] > by["1p3d"] - 0.05  # the measured order
-
-
-def test_colocated_ttft_needs_the_admission_steps(h200):
-    """Colocated replicas of the SLO study (summ 1024-2048 / 16-96 at 15 req/s, a warm server): the TTFT
-    P50 replayed within 20 % of the measured one (86 vs 74 ms with the engine-alone prefill points of
-    2026-12-01c; 15 % before them); without the admission steps it is well short."""
-    doc = read_run(RESULTS / "gpu_issue16" / "slo_study_colocated2_flash.json.gz")
-    pt = next(p for p in doc["points"] if p["workload"] == "summ" and p["rate"] == 15.0)
-    recs = sorted((r for r in pt["result"]["requests"] if not r.get("warmup")), key=lambda r: r["index"])
-    measured = sorted(r["ttft"] * 1000 for r in recs[pt["ramp"] :])
-    p50 = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
-    with_admission = p50([x["ttft"] for x in replay(h200, doc, pt)])
-    assert abs(with_admission / p50(measured) - 1) < 0.2
-    without = p50([x["ttft"] for x in replay(dataclasses.replace(h200, admit_steps=0), doc, pt)])
-    assert without < 0.85 * p50(measured)

@@ -1,4 +1,4 @@
-"""bench/gpu_serving.py's pure parts (it needs GPUs to run): its summary of a distbench result and goodput."""
+"""bench/serving/gpu_serving.py's pure parts (it needs GPUs to run): its summary of a distbench result and goodput."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from bench import gpu_serving
+from bench.serving import gpu_serving
 from distbench import result
 from distbench.records import RequestRecord
 

@@ -6,8 +6,8 @@ import gzip
 import json
 import math
 
-from bench import gpu_slo_study
-from bench import gpu_slo_study_report as rep
+from bench.serving import gpu_slo_study
+from bench.serving import gpu_slo_study_report as rep
 
 
 def _rec(i: int, ttft: float | None, tpot: float | None, error: str | None = None, warmup: bool = False) -> dict:

@@ -361,7 +361,7 @@ def test_fast_decode_equals_tokenizers_for_llama_and_bytelevel_styles():
     bl.decoder = decoders.ByteLevel()
     bl.add_special_tokens([AddedToken("<|endoftext|>", special=True, normalized=False)])
 
-    # bench/make_peer_model.py style: a bare ByteFallback decoder and no post-processor (no bos added).
+    # bench/peers/make_peer_model.py style: a bare ByteFallback decoder and no post-processor (no bos added).
     peer = build_byte_fallback_tokenizer(512)
     peer.decoder = decoders.ByteFallback()
     peer.post_processor = None

@@ -50,7 +50,7 @@ except Exception:  # ImportError, or a broken driver stack
     tl = None
     HAS_TRITON = False
 
-# Launch parameters; the GPU bench may override them (see bench/gpu_engine.py).
+# Launch parameters; the GPU bench may override them (see bench/engine/gpu_engine.py).
 # Defaults from the H200 sweep (docs/performance/engine-gpu.md): at batch 64 x 1024 context, BLOCK_N 16
 # with one warp streamed the cache at ~4.1 TB/s, 32/2 at 3.1, 64/4 at 1.9. (GQA groups of 8+ take the
 # tensor-core path with at least 32 tokens and 2 warps.)
@@ -380,7 +380,7 @@ def varlen_prefill_attention(q, k, v, meta: AttentionMetadata, scale: float) -> 
     """Causal flash attention of all prefill sequences of a step in one call (``[T, H, D]`` in and out).
 
     Per sequence, the loop in ``prefill_attention_sdpa`` costs a handful of host-side dispatches per layer;
-    on a step of short prompts that host time, not the GPU, set the step time (``bench/gpu_prefill_lengths.py``:
+    on a step of short prompts that host time, not the GPU, set the step time (``bench/engine/gpu_prefill_lengths.py``:
     about 5 ms per extra sequence on the 7B preset). The cumulative lengths go to the device once per step.
     GQA runs natively (the flash kernel maps query heads onto K/V heads)."""
     total = meta.num_prefill_tokens

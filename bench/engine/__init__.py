@@ -1,0 +1,1 @@
+"""bench/engine: studies of one subject (see bench/suite.yaml)."""

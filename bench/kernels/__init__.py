@@ -1,0 +1,1 @@
+"""bench/kernels: studies of one subject (see bench/suite.yaml)."""

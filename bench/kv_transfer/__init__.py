@@ -1,0 +1,1 @@
+"""bench/kv_transfer: studies of one subject (see bench/suite.yaml)."""

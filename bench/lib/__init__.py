@@ -1,0 +1,1 @@
+"""bench/lib: studies of one subject (see bench/suite.yaml)."""

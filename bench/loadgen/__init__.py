@@ -1,0 +1,1 @@
+"""bench/loadgen: studies of one subject (see bench/suite.yaml)."""

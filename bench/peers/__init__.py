@@ -1,0 +1,1 @@
+"""bench/peers: studies of one subject (see bench/suite.yaml)."""

@@ -1,0 +1,1 @@
+"""bench/planner: studies of one subject (see bench/suite.yaml)."""

@@ -1,0 +1,1 @@
+"""bench/resilience: studies of one subject (see bench/suite.yaml)."""

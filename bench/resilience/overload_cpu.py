@@ -1,0 +1,226 @@
+"""Overload without collapse (issue 26) on the CPU VM: the seed's form, open-loop overload, TTFT prediction.
+
+    nice -n 5 .venv/bin/python bench/overload_cpu.py [--parts hotpath,seed,openloop] [--out FILE]
+
+Parts (each starts its own `distserve serve` with distbench's shared helper and drives it with distbench's CLI):
+
+- ``hotpath``: the decode hot path with the engine step on the event loop (the CPU default; heartbeats
+  from their own thread) vs on an engine thread (``engine_thread: on``): tiny model, 8 closed-loop users,
+  32/64 tokens, TPOT median and output tokens/s. Which one keeps liveness cheaper for decode.
+- ``seed``: the seed's form on SmolLM2-135M: ``distbench run --concurrency 100 --prompt-len 128
+  --output-len 64 --duration 60`` (and 300 users, 30 s) against ``distserve serve --model
+  smollm2-135m-instruct`` with the default config, `/health` polled every 0.5 s throughout: completed,
+  429 (each with Retry-After, as the tests check), other failures, health codes seen, slowest /health.
+- ``openloop``: tiny model, TTFT SLO 1 s (``router.admission.slo_ttft_ms``), Poisson arrivals at 1x, 2x and
+  4x a capacity measured first (the throughput of a closed loop of 8 users): goodput (requests within the
+  SLO per second), shed share, TTFT P99 of admitted requests, and the predicted-vs-measured TTFT error of
+  admitted requests (router journal: ``predicted_ttft`` beside ``ttft``); 2x again with admission off.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from distbench.target import ServeProcess
+
+ROOT = Path(__file__).resolve().parents[2]
+
+TOKEN = "bench-overload-cpu"
+
+
+def pct(xs: list[float], p: float) -> float | None:
+    """Nearest rank, as distbench's metrics."""
+    if not xs:
+        return None
+    s = sorted(xs)
+    return s[max(0, math.ceil(p / 100 * len(s)) - 1)]
+
+
+class HealthPoller(threading.Thread):
+    def __init__(self, url: str, period_s: float = 0.5) -> None:
+        super().__init__(daemon=True)
+        self.url, self.period_s = url, period_s
+        self.codes: dict[str, int] = {}
+        self.slowest_ms = 0.0
+        self.samples = 0
+        self._halt = threading.Event()
+
+    def run(self) -> None:
+        while not self._halt.is_set():
+            t0 = time.perf_counter()
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=10) as r:
+                    key = f"{r.status} {json.loads(r.read())['status']}"
+            except urllib.error.HTTPError as e:
+                key = f"{e.code}"
+            except (OSError, ValueError) as e:
+                key = type(e).__name__
+            self.slowest_ms = max(self.slowest_ms, (time.perf_counter() - t0) * 1000)
+            self.codes[key] = self.codes.get(key, 0) + 1
+            self.samples += 1
+            self._halt.wait(self.period_s)
+
+    def stop(self) -> dict:
+        self._halt.set()
+        self.join(15)
+        return {"samples": self.samples, "codes": self.codes, "slowest_ms": round(self.slowest_ms, 1)}
+
+
+def distbench(url: str, out: Path, *args: str) -> dict:
+    cmd = [sys.executable, "-m", "distbench.cli", "run", "--url", url, "--no-progress", "--save-result", str(out)]
+    subprocess.run([*cmd, *args], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    return json.loads(out.read_text())
+
+
+def summarize(result: dict, slo_ttft_s: float | None = None) -> dict:
+    recs = [r for r in result["requests"] if not r.get("warmup")]
+    ok = [r for r in recs if r["error"] is None and r["ttft"] is not None]
+    limited = [r for r in recs if (r["error"] or "").startswith("HTTP 429")]
+    other = [r for r in recs if r["error"] is not None and not (r["error"] or "").startswith("HTTP 429")]
+    dur = result.get("duration") or max((r["scheduled"] for r in recs), default=1.0)
+    out = {
+        "sent": len(recs),
+        "completed": len(ok),
+        "rate_limited_429": len(limited),
+        "failed_other": len(other),
+        "other_errors": sorted({(r["error"] or "")[:80] for r in other})[:5],
+        "ttft_p50_s": pct([r["ttft"] for r in ok], 50),
+        "ttft_p99_s": pct([r["ttft"] for r in ok], 99),
+        "tpot_p50_s": pct([r["tpot"] for r in ok if r.get("tpot") is not None], 50),
+        "duration_s": round(dur, 2),
+        "output_tokens_per_s": round(sum(r["output_tokens"] for r in ok) / dur, 1) if dur else None,
+    }
+    if slo_ttft_s is not None:
+        good = [r for r in ok if r["ttft"] <= slo_ttft_s]
+        out["goodput_rps"] = round(len(good) / dur, 2) if dur else None
+        out["shed_share"] = round(len(limited) / len(recs), 3) if recs else None
+        out["admitted_within_slo"] = round(len(good) / len(ok), 3) if ok else None
+    return out
+
+
+def serve(tmp: Path, config: dict, extra: tuple[str, ...] = ()) -> ServeProcess:
+    return ServeProcess(tmp, config=config, token=TOKEN, extra_args=extra, timeout_s=600)
+
+
+def part_hotpath(tmp: Path) -> dict:
+    res = {}
+    for name, et in (("event_loop", "off"), ("engine_thread", "on")):
+        s = serve(tmp / name, {"prefill": {"engine_thread": et}, "decode": {"engine_thread": et}})
+        try:
+            distbench(
+                s.url, tmp / f"{name}-warm.json", "--concurrency", "8", "--num-prompts", "16", "--output-len", "8"
+            )
+            r = distbench(
+                s.url, tmp / f"{name}.json", "--concurrency", "8", "--prompt-len", "32", "--output-len", "64",
+                "--duration", "20",
+            )  # fmt: skip
+            res[name] = summarize(r)
+        finally:
+            s.stop()
+    a, b = res["event_loop"]["tpot_p50_s"], res["engine_thread"]["tpot_p50_s"]
+    res["tpot_ratio_thread_over_loop"] = round(b / a, 3) if a and b else None
+    return res
+
+
+def part_seed(tmp: Path, users_runs: tuple[tuple[int, int], ...] = ((100, 60), (300, 30))) -> dict:
+    s = serve(tmp / "seed", {}, ("--model", "smollm2-135m-instruct"))
+    res = {}
+    try:
+        for users, dur in users_runs:
+            poll = HealthPoller(s.url)
+            poll.start()
+            r = distbench(
+                s.url + "/v1", tmp / f"seed-{users}.json", "--concurrency", str(users), "--prompt-len", "128",
+                "--output-len", "64", "--duration", str(dur),
+            )  # fmt: skip
+            res[f"users_{users}"] = {**summarize(r), "health": poll.stop()}
+        res["admission"] = s.get("/v1/admission")
+    finally:
+        s.stop()
+    return res
+
+
+def _journal_errors(journal: Path, t0: float, t1: float) -> dict:
+    errs = []
+    for line in journal.read_text().splitlines():
+        d = json.loads(line)
+        if d.get("kind") != "request" or not (t0 <= d["start_unix"] <= t1):
+            continue
+        if d.get("ttft") and d.get("predicted_ttft") is not None:
+            errs.append(abs(d["ttft"] - d["predicted_ttft"]) / d["ttft"])
+    return {"samples": len(errs), "median": pct(errs, 50), "p90": pct(errs, 90)}
+
+
+def part_openloop(tmp: Path, slo_ms: float = 1000.0) -> dict:
+    journal = tmp / "requests.jsonl"
+    cfg = {"router": {"journal_path": str(journal), "admission": {"slo_ttft_ms": slo_ms}}}
+    s = serve(tmp / "open", cfg)
+    res: dict = {"slo_ttft_ms": slo_ms}
+    common = ("--prompt-len", "128", "--output-len", "32")
+    try:
+        cap = distbench(s.url, tmp / "cap.json", "--concurrency", "8", "--duration", "20", *common)
+        c = summarize(cap)
+        capacity = round(c["completed"] / c["duration_s"], 2)
+        res["capacity_rps"] = capacity
+        for mult in (1, 2, 4):
+            t0 = time.time()
+            r = distbench(s.url, tmp / f"x{mult}.json", "--request-rate", str(capacity * mult), "--duration", "30",
+                          *common)  # fmt: skip
+            res[f"x{mult}"] = {
+                **summarize(r, slo_ms / 1000),
+                "prediction_error": _journal_errors(journal, t0, time.time()),
+            }
+        res["admission"] = s.get("/v1/admission")
+    finally:
+        s.stop()
+    off = {"router": {"admission": {"max_inflight_requests": 0, "max_queued_requests": 0, "max_queued_prefill_tokens": 1 << 40, "max_predicted_ttft_s": 1e9}}}  # fmt: skip  # noqa: E501
+    s = serve(tmp / "off", off)
+    try:
+        r = distbench(s.url, tmp / "off-x2.json", "--request-rate", str(capacity * 2), "--duration", "30", *common)
+        res["x2_admission_off"] = summarize(r, slo_ms / 1000)
+    finally:
+        s.stop()
+    base = res["x1"]["goodput_rps"] or 0.0
+    for k in ("x2", "x4", "x2_admission_off"):
+        g = res[k]["goodput_rps"]
+        res[k]["goodput_vs_x1"] = round(g / base, 3) if base and g is not None else None
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--parts", default="hotpath,seed,openloop")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--seed-users", default="100:60,300:30", help="USERS:SECONDS runs of the seed part")
+    ap.add_argument("--workdir", default=None, help="keep the result files and logs here (default: a temp dir)")
+    a = ap.parse_args()
+    runs = tuple(tuple(int(x) for x in u.split(":")) for u in a.seed_users.split(","))
+    parts = {"hotpath": part_hotpath, "seed": lambda t: part_seed(t, runs), "openloop": part_openloop}
+    out: dict = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    with open("/proc/loadavg") as f:
+        out["loadavg_before"] = f.read().split()[:3]
+    with tempfile.TemporaryDirectory() as tmp:
+        d = a.workdir or tmp
+        for part in a.parts.split(","):
+            t0 = time.monotonic()
+            out[part] = parts[part](Path(d) / part)
+            out[part]["wall_s"] = round(time.monotonic() - t0, 1)
+            print(json.dumps({part: out[part]}, indent=1), flush=True)
+    with open("/proc/loadavg") as f:
+        out["loadavg_after"] = f.read().split()[:3]
+    if a.out:
+        Path(a.out).write_text(json.dumps(out, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

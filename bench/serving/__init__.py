@@ -1,0 +1,1 @@
+"""bench/serving: studies of one subject (see bench/suite.yaml)."""
