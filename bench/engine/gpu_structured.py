@@ -65,11 +65,11 @@ def build(preset: str, vocab: int | None, tokenizer_dir: str, device: str):
             max_num_seqs=64,
             max_num_batched_tokens=8192,
             attention_backend="triton" if device == "cuda" else "sdpa",
-            **({} if device == "cuda" else {"kv_cache_memory_mb": 256}),
+            kv_cache_memory_mb=512 if device == "cuda" else 256,  # CUDA: sized from gpu_memory_utilization
         )
     )
     tok = Tokenizer.from_folder(tokenizer_dir)
-    eng._load_tokenizer = lambda: tok  # grammars over the real tokenizer's strings
+    eng._load_tokenizer = lambda: tok  # type: ignore[method-assign]  # grammars over the real tokenizer's strings
     eng.structured._load_tokenizer = eng._load_tokenizer  # (bound at construction; nothing compiled yet)
     return eng
 
@@ -115,7 +115,8 @@ def study(eng, batches: list[int], rounds: int, steps: int, temperature: float) 
     out: dict = {}
     cases = [(b, b) for b in batches] + [(max(batches), max(batches) // 2)]
     for b, n_cons in cases:
-        free, cons = [], []
+        free: list[float] = []
+        cons: list[float] = []
         for r in range(rounds):
             order = (False, True) if r % 2 == 0 else (True, False)
             for constrained in order:
