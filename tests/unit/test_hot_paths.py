@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from server.engine import model as model_mod
-from server.engine.layer_ops import apply_rope
 from server.engine.model_config import ModelConfig
 from server.engine.model_runner import _token_span
+from server.engine.ops.layer_ops import apply_rope
 from server.idle import IdleTimeout
 from server.router import streaming
 from server.router.pipeline import TokenEvent

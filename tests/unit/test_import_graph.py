@@ -115,6 +115,16 @@ def test_distbench_imports_in_no_circle(graph):
     assert "distbench.cli" not in _reachable(graph, "distbench.commands")
 
 
+def test_the_model_imports_the_ops_and_the_ops_never_the_model(graph):
+    ops = {m for m in graph if m.startswith("server.engine.ops.")}
+    assert {"server.engine.ops.layer_ops", "server.engine.ops.cuda_ops"} <= ops
+    assert "server.engine.ops.layer_ops" in graph["server.engine.model"]
+    for m in sorted(ops):
+        assert "server.engine.model" not in _reachable(graph, m), m
+    assert _cycles(graph, ops | {"server.engine.model"}) == []
+    assert not [m for m in graph if m in ("server.engine.layer_ops", "server.engine.cuda_ops")]  # moved, not copied
+
+
 def test_the_router_http_layer_imports_in_no_circle(graph):
     router = {m for m in graph if m.startswith("server.router.")}
     layer = {m for m in router if m.startswith("server.router.routes")} | {
@@ -126,6 +136,6 @@ def test_the_router_http_layer_imports_in_no_circle(graph):
 
 
 def test_the_moved_modules_import_alone_in_a_fresh_interpreter():
-    for name in ("distbench.cli", "distbench.locust_cmd", "distbench.repeat"):
+    for name in ("distbench.cli", "distbench.locust_cmd", "distbench.repeat", "server.engine.ops.layer_ops"):
         r = subprocess.run([sys.executable, "-c", f"import {name}"], cwd=ROOT, capture_output=True, text=True)
         assert r.returncode == 0, (name, r.stderr[-2000:])
