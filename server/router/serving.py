@@ -117,7 +117,7 @@ async def serve(
     bias = req.logit_bias_items()
     if vocab is not None and any(t >= vocab for t, _ in bias):
         raise InvalidRequest(f"logit_bias: token ids must be in [0, {vocab})", "logit_bias")
-    temperature, top_p = default_sampling(req, state.config.decode)
+    temperature, top_p = default_sampling(req, state.config.router)
     k = req.logprobs_k()
     best_of = getattr(req, "best_of", None) or req.n
     sampling = InternalSampling(
