@@ -15,9 +15,9 @@ router = APIRouter()
 
 @router.post("/tokenize")
 async def tokenize(request: Request):
-    state = router_state(request)
     """vLLM's shape: ``{prompt, add_special_tokens}`` or ``{messages, add_generation_prompt}`` →
     ``{count, max_model_len, tokens}``."""
+    state = router_state(request)
     body = await json_body(request)
     req = protocol.parse_tokenize(body)
     state.check_model(req.model)
@@ -43,8 +43,8 @@ async def tokenize(request: Request):
 
 @router.post("/detokenize")
 async def detokenize(request: Request):
-    state = router_state(request)
     """vLLM's shape: ``{tokens}`` → ``{prompt}``."""
+    state = router_state(request)
     body = await json_body(request)
     req = protocol.parse_detokenize(body)
     state.check_model(req.model)
