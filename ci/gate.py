@@ -21,6 +21,7 @@ import yaml
 
 from chaos.journal import SEED_NOTE
 from distbench.atomic import atomic_write
+from sla.slo import within
 
 KINDS = ("command", "load", "drill")
 MARK = {"passed": "PASS", "failed": "FAIL", "skipped": "SKIP"}
@@ -105,7 +106,7 @@ def _run_load(item: dict, quick: bool, ctx: dict, log_dir: Path) -> tuple[str, s
     finally:
         target.stop()
     p99, limit = s["ttft_p99_ms"], float(item.get("max_ttft_p99_ms", float("inf")))
-    ok = p99 is not None and p99 <= limit and s["failed"] <= int(item.get("max_failed", 0)) and s["lost"] == 0
+    ok = p99 is not None and within(p99, limit) and s["failed"] <= int(item.get("max_failed", 0)) and s["lost"] == 0
     return ("passed" if ok else "failed"), (
         f"TTFT P99 {p99} ms (limit {limit:g}), P50 {s['ttft_p50_ms']} ms; "
         f"{s['ok']}/{s['total']} ok, {s['failed']} failed"

@@ -23,7 +23,7 @@ def _load_all(paths: list[str]) -> list[dict]:
 
 
 def cmd_sweep(args) -> int:
-    from distbench.cli import options_from
+    from distbench.load_args import options_from
     from distbench.sweep import format_table, sweep
 
     if not args.slo:

@@ -185,14 +185,14 @@ def add_parser(sub, formatter) -> None:
 
 
 def cmd_locust(args) -> int:
-    from distbench.cli import _base
+    from distbench.load_args import base
     from distbench.runner import admin_token
     from distbench.summary import format_summary
 
     if args.users < 1 or args.workers < 0 or args.run_time < 1 or args.prompt_len < 1 or args.output_len < 1:
         raise UsageError("--users, --run-time, --prompt-len, --output-len must be >= 1 and --workers >= 0")
     res = run_locust(
-        _base(args.url),
+        base(args.url),
         args.users,
         args.spawn_rate,
         args.run_time,

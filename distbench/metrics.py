@@ -31,6 +31,7 @@ import numpy as np
 from hdrh.histogram import HdrHistogram
 
 from distbench.records import RequestRecord
+from sla import slo as slo_rules
 
 LOWEST_US, HIGHEST_US, SIGNIFICANT = 1, 3_600_000_000, 3
 # result-key name -> record attribute; vLLM's names (e2el = end-to-end latency)
@@ -178,28 +179,22 @@ def parse_goodput(items: list[str] | None) -> dict[str, float]:
 
 
 def meets(r: RequestRecord, slo: dict[str, float]) -> bool:
-    """A failed request never meets an SLO. ITL: every gap under the limit."""
-    if not r.ok:
-        return False
-    for name, limit in slo.items():
-        if name == "itl":
-            if r.itl and max(r.itl) > limit:
-                return False
-            continue
-        v = getattr(r, METRICS[name])
-        if v is not None and v > limit:
-            return False
-    return True
+    """``sla.slo.meets`` (the one definition): a failed request never meets an SLO; ITL: every gap within."""
+    return slo_rules.meets({name: getattr(r, attr) for name, attr in METRICS.items()}, slo, ok=r.ok)
 
 
 def missed_before_cancel(r: RequestRecord, slo: dict[str, float]) -> bool:
     """A cancelled request that had already broken one of the limits when it was cancelled."""
     waited = r.cancelled_after or 0.0
-    if "ttft" in slo and (r.ttft > slo["ttft"] if r.ttft is not None else waited > slo["ttft"]):
+
+    def over(value: float, name: str) -> bool:
+        return not slo_rules.within(value, slo[name])
+
+    if "ttft" in slo and over(r.ttft if r.ttft is not None else waited, "ttft"):
         return True
-    if "e2el" in slo and waited > slo["e2el"]:
+    if "e2el" in slo and over(waited, "e2el"):
         return True
-    return "itl" in slo and bool(r.itl) and max(r.itl) > slo["itl"]
+    return "itl" in slo and bool(r.itl) and over(max(r.itl), "itl")
 
 
 def failure_reasons(records: list[RequestRecord]) -> dict[str, int]:

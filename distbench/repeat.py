@@ -28,8 +28,8 @@ def parse_variant(text: str) -> tuple[str, list[str]]:
 
 def cmd_repeat(args) -> int:
     from distbench import result
-    from distbench.cli import build_parser, options_from
     from distbench.compare import compare, format_report
+    from distbench.load_args import options_from, run_parser
     from distbench.runner import run
     from distbench.summary import format_summary
 
@@ -38,11 +38,11 @@ def cmd_repeat(args) -> int:
     variants = [parse_variant(v) for v in args.variant]
     if len({n for n, _ in variants}) != len(variants):
         raise UsageError("repeat: two --variant share a name")
-    parser = build_parser()
+    parser = run_parser()
     parsed = []
     for name, argv in variants:
         try:
-            parsed.append((name, parser.parse_args(["run", *argv])))
+            parsed.append((name, parser.parse_args(argv)))
         except SystemExit:
             raise UsageError(f"--variant {name}: not valid arguments of distbench run (see above)") from None
     out = Path(args.out_dir)

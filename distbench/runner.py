@@ -22,6 +22,7 @@ from distbench.datasets import FitToServer, Item, Lengths, Vocab, jsonl_items, r
 from distbench.loadgen import RunSpec, run_load
 from distbench.metrics import DEFAULT_PERCENTILES, parse_goodput, parse_slo
 from distbench.progress import Monitor, watch
+from sla.slo import attainment_meets
 
 
 class UsageError(ValueError):
@@ -194,7 +195,7 @@ def verdict(res: dict) -> dict:
         return {"pass": False, "line": "FAIL: no request was sent"}
     if "slo_attainment" in res:
         att, target = res["slo_attainment"], res["slo_target"]
-        ok = att >= target
+        ok = attainment_meets(att, target)
         slo = ", ".join(f"{k} <= {v:g} ms" for k, v in res["slo"].items())
         word, body = (
             "PASS" if ok else "FAIL",

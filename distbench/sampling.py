@@ -1,7 +1,7 @@
 """``--sampling``: what a run's requests ask of the sampler.
 
 - ``openai-default`` (the default): no ``temperature``, no ``top_p``: what the OpenAI SDK sends when the
-  caller sets neither, so the server's own defaults apply (distserve: ``decode.sampling_strategy``);
+  caller sets neither, so the server's own defaults apply (distserve: ``router.sampling_strategy``);
 - ``greedy``: ``temperature: 0``;
 - ``T,top_p[,top_k]``: those three, e.g. ``0.7,0.95`` or ``1,1,50``.
 

@@ -7,7 +7,7 @@ the object is built, with the full dotted key in the message, so nothing
 downstream re-checks configuration.
 
     cfg = load_config("configs/distserve_config.yaml",
-                      overrides={"decode": {"top_p": 0.9}})
+                      overrides={"router": {"top_p": 0.9}})
 """
 
 from __future__ import annotations
@@ -241,8 +241,6 @@ class DecodeConfig(_Section):
     max_batch_size: int = _opt(128, "int", lo=1, hi=4096)
     max_concurrent_requests: int = _opt(64, "int", lo=1, hi=1_000_000)
     attention_backend: str = _opt("auto", "enum", choices=("auto", "sdpa", "cpu_paged", "flash_attn_v2", "triton"))
-    sampling_strategy: str = _opt("top_p", "enum", choices=("greedy", "top_p"))
-    top_p: float = _opt(0.95, "float", lo=0, hi=1, lo_open=True)
     gc_interval_ms: int = _opt(500, "int", lo=1, hi=_MS_MAX)
     max_stale_slots: int = _opt(16, "int", lo=0, hi=1_000_000)
     torch_threads: int = _opt(0, "int", lo=0, hi=1024)
@@ -359,6 +357,10 @@ class RouterConfig(_Section):
     sla_window_s: int = _opt(60, "int", lo=1, hi=3600)  # rolling-percentile window, seconds
     journal_path: str | None = _opt(None, "str", nullable=True)  # JSON lines of finished requests
     event_journal_path: str | None = _opt(None, "str", nullable=True)  # JSON lines of breaker transitions
+    # the defaults of a request that leaves temperature/top_p out (server/router/sampling_defaults.py); once
+    # decode.sampling_strategy and decode.top_p (server/config_moves.py)
+    sampling_strategy: str = _opt("top_p", "enum", choices=("greedy", "top_p"))
+    top_p: float = _opt(0.95, "float", lo=0, hi=1, lo_open=True)
     heartbeat_interval_ms: int = _opt(1000, "int", lo=1, hi=_MS_MAX)
     heartbeat_timeout_ms: int = _opt(3000, "int", lo=1, hi=_MS_MAX)
     request_timeout_s: float = _opt(600.0, "float", lo=0, lo_open=True)
@@ -527,14 +529,18 @@ def load_config(path: str | Path | None = None, overrides: Mapping[str, Any] | N
     cfg = DistServeConfig()
     if path is not None:
         from server.config_aliases import apply_aliases
+        from server.config_moves import apply_moves
 
         try:
-            cfg = DistServeConfig.from_dict(apply_aliases(_read_yaml(Path(path)), str(path))[0])
+            raw = apply_aliases(_read_yaml(Path(path)), str(path))[0]
+            cfg = DistServeConfig.from_dict(apply_moves(raw, str(path))[0])
         except ConfigError as e:
             msg = str(e)
             raise ConfigError(msg if msg.startswith(str(path)) else f"{path}: {msg}") from None
     if overrides:
         if not isinstance(overrides, Mapping):
             raise ConfigError(f"overrides must be a mapping, got {_describe(overrides)}")
-        cfg = DistServeConfig.from_dict(_merge(cfg.to_dict(), overrides))
+        from server.config_moves import apply_moves
+
+        cfg = DistServeConfig.from_dict(_merge(cfg.to_dict(), apply_moves(overrides, "overrides")[0]))
     return cfg

@@ -5,7 +5,7 @@ objective: the observed percentile (from an HDR histogram of the window's
 samples), the sample count, the violations (samples above the threshold,
 counted exactly from the raw values), the violations the objective allows
 (``(1 - p/100) × samples``), the share of that error budget used, and
-pass/fail (observed percentile <= threshold). Availability is one more
+pass/fail (the percentile <= threshold, judged on the exact values: ``sla/slo.py``). Availability is one more
 objective per window: successes / requests against ``spec.availability``; where the
 router's journal records a gap (lines it could not write) the availability of the
 windows it touches, and overall, is ``incomplete``, never ``pass``.
@@ -32,6 +32,7 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass, fields, replace
 
 from sla.records import Gap, Record, RecordSet
+from sla.slo import percentile_meets, within
 from sla.spec import Objective, SlaSpec
 from sla.window import LatencyHistogram
 
@@ -104,9 +105,10 @@ def _latency_row(base: dict, o: Objective, values: list[float]) -> WindowRow:
     h = LatencyHistogram()
     h.record_all(values)
     observed = h.percentile_ms(o.percentile)
-    violations = sum(v * 1000.0 > o.threshold_ms for v in values)
+    violations = sum(not within(v * 1000.0, o.threshold_ms) for v in values)
     allowed = _allowed(o.allowed_share, n)
-    status = "pass" if observed is not None and observed <= o.threshold_ms else "fail"
+    # judged on the exact values (sla/slo.py); ``observed`` is the histogram's figure, up to 0.1 % above them
+    status = "pass" if percentile_meets([v * 1000.0 for v in values], o.percentile, o.threshold_ms) else "fail"
     if allowed < MIN_TAIL_SAMPLES and violations < MIN_TAIL_SAMPLES:
         status = "insufficient_data"
     return WindowRow(

@@ -28,6 +28,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
+from sla.slo import within
 from sla.window import WindowStats
 
 __all__ = ["BreakerSettings", "BreakerState", "CircuitBreaker", "Transition"]
@@ -114,7 +115,7 @@ class CircuitBreaker:
         s = self.settings
         if self.state is BreakerState.OPEN:
             return self._cooldown_over()
-        breached = stats.value_ms is not None and stats.value_ms > s.threshold_ms
+        breached = stats.value_ms is not None and not within(stats.value_ms, s.threshold_ms)
         value = stats.value_ms if stats.value_ms is None else round(stats.value_ms, 1)
         what = f"{s.metric} p{s.percentile:g} {value} ms vs {s.threshold_ms:g} ms over {stats.samples} samples"
         if self.state is BreakerState.HALF_OPEN:

@@ -331,8 +331,8 @@ def _set_mode(eng, mode, graph_runner, backends):
 
     The op set and the attention backend are swapped together: the fused ops need ``backend.attend``.
     The graphs were captured with the fused ops and keep them whatever ``model.ops`` says later."""
-    from server.engine.cuda_ops import TritonLayerOps
-    from server.engine.layer_ops import TorchLayerOps
+    from server.engine.ops.cuda_ops import TritonLayerOps
+    from server.engine.ops.layer_ops import TorchLayerOps
 
     model = eng.model
     if mode == "eager_plain":

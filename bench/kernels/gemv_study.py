@@ -34,7 +34,7 @@ Kernels here (besides cuBLAS and the engine's ``cuda_ops._gemv_kernel``):
   ``trig="late"`` after the weight stream; the first weight tile (register-prefetch path) is loaded before
   ``gdc_wait()``, which guards the first read of the activation written by the previous kernel. Optional
   ``l2pf``: ``prefetch.global.L2`` of each program's first weight lines before the wait.
-* ``legacy``: ``server.engine.cuda_ops.gemv`` with every entry of ``GEMV_CANDIDATES`` (3-tuples: the plain
+* ``legacy``: ``server.engine.ops.cuda_ops.gemv`` with every entry of ``GEMV_CANDIDATES`` (3-tuples: the plain
   loop; 4-tuples: the loop pipelined ``STAGES`` deep).
 
 Measured on the H200 (Nov run): pipelined loops (cp.async, 3 stages) win every 7B shape at one token
@@ -386,7 +386,7 @@ if HAS_TRITON:
             BLOCK_M,
         )
 
-    # --- small kernels of the chain, PDL-capable (same math as server.engine.cuda_ops, one row) ---------
+    # --- small kernels of the chain, PDL-capable (same math as server.engine.ops.cuda_ops, one row) ---------
 
     @triton.jit
     def _rms_norm_pdl_kernel(
@@ -568,7 +568,7 @@ def tc_launch(x, w, b, cfg, pdl=False, warmup=False):
 
 
 def legacy_launch(x, w, b, cfg, warmup=False):
-    from server.engine import cuda_ops
+    from server.engine.ops import cuda_ops
 
     if not warmup:
         return cuda_ops.gemv(x, w, b, tuple(cfg))
@@ -647,7 +647,7 @@ class Variant:
 
 def build_variants(quick):
     """M=1 variants and the (few) batched ones."""
-    from server.engine.cuda_ops import GEMV_CANDIDATES
+    from server.engine.ops.cuda_ops import GEMV_CANDIDATES
 
     vs = [Variant("cublas")]
     vs += [Variant("legacy", tuple(c)) for c in (GEMV_CANDIDATES[:3] if quick else GEMV_CANDIDATES)]
@@ -913,7 +913,7 @@ def copy_bandwidth(dev):
 
 
 def run_chain(res, variants_by_name, timer, args):
-    from server.engine import cuda_ops
+    from server.engine.ops import cuda_ops
 
     dev = torch.device("cuda")
     L = args.layers

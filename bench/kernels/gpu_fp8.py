@@ -67,7 +67,7 @@ def rel(a, b) -> float:
 
 
 def graph_ms(call, weights, reps: int = 5) -> float:
-    from server.engine.cuda_ops import _graph_ms
+    from server.engine.ops.cuda_ops import _graph_ms
 
     return _graph_ms(call, weights, reps) * 1e3  # us per call
 

@@ -193,7 +193,7 @@ def setup_cuda_engine(engine) -> None:
     with the fused Triton ops, one-token GEMV tuning; then decode CUDA graphs (unless ``enforce_eager``)."""
     fused = engine.model.ops.name == "triton"
     if fused and os.environ.get("DISTSERVE_GEMV_TUNE", "1") != "0":
-        from server.engine.cuda_ops import tune_gemv
+        from server.engine.ops.cuda_ops import tune_gemv
 
         engine.gemv_report = tune_gemv(engine.model)  # one-token GEMV: Triton where it beats cuBLAS
     graphs = None

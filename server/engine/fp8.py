@@ -109,7 +109,7 @@ def with_fp8_linears(ops: Any) -> Any:
         from server.engine.fp8_linear import Fp8TritonLayerOps
 
         return Fp8TritonLayerOps()
-    from server.engine.layer_ops import TorchLayerOps
+    from server.engine.ops.layer_ops import TorchLayerOps
 
     class Fp8TorchLayerOps(TorchLayerOps):
         name = "torch+fp8"

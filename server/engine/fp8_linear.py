@@ -24,8 +24,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from server.engine.cuda_ops import TritonLayerOps
 from server.engine.fp8 import FP8_DTYPE, FP8_MAX, fp8_linear_emulated, has_fp8_weight
+from server.engine.ops.cuda_ops import TritonLayerOps
 
 try:  # pragma: no cover - depends on the install
     import triton

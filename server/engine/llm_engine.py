@@ -26,11 +26,11 @@ from server.engine.attention import get_attention_backend
 from server.engine.block_manager import BlockManager
 from server.engine.fp8 import FP8_DTYPE, check_scales, is_fp8, quantize_model_weights, with_fp8_linears
 from server.engine.kv_sizing import KVBudget, kv_blocks_from_memory
-from server.engine.layer_ops import select_layer_ops
 from server.engine.loader import load_model_config, load_state_dict, resolve_model_path
 from server.engine.memory_pressure import MemoryPressure, is_memory_error, relieve
 from server.engine.model import LlamaForCausalLM
 from server.engine.model_runner import ModelRunner, kv_bytes_per_block
+from server.engine.ops.layer_ops import select_layer_ops
 from server.engine.presets import init_random_weights, is_preset, preset_config
 from server.engine.sampler import Sampler, TokenLogprobs
 from server.engine.sampling_params import SamplingParams

@@ -24,8 +24,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from server.engine.attention import AttentionBackend, AttentionMetadata
-from server.engine.layer_ops import LayerOps, RopeInputs, TorchLayerOps, rms_norm
 from server.engine.model_config import ModelConfig
+from server.engine.ops.layer_ops import LayerOps, RopeInputs, TorchLayerOps, rms_norm
 
 
 class RMSNorm(nn.Module):

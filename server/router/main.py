@@ -13,10 +13,11 @@ import uvicorn
 from server.config import DistServeConfig
 from server.net import listen
 from server.private_files import write_private
-from server.router.app import RouterState, create_router_app
+from server.router.app import create_router_app
 from server.router.fdlimit import ConnectionCounter, raise_nofile_limit
 from server.router.limits import guarded_http_protocol
 from server.router.registry import WorkerRegistry
+from server.router.state import RouterState
 
 log = logging.getLogger(__name__)
 

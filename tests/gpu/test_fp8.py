@@ -86,8 +86,8 @@ def test_paged_decode_reads_fp8_cache(batch, ctx, heads, kv_heads):
 
 
 def test_rope_cache_kernel_quantises_like_torch_and_records_amax():
-    from server.engine.cuda_ops import rope_and_cache
     from server.engine.fp8 import FP8_DTYPE, dequantize, quantize
+    from server.engine.ops.cuda_ops import rope_and_cache
 
     t, h, hkv, d = 37, 32, 8, 128
     g = torch.Generator(device=DEV).manual_seed(1)

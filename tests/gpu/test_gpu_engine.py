@@ -124,8 +124,8 @@ def test_fused_kernels_match_torch():
     import torch.nn.functional as F
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-    from server.engine import cuda_ops
     from server.engine.model import RMSNorm, RotaryEmbedding
+    from server.engine.ops import cuda_ops
     from server.engine.presets import preset_config
 
     gen = torch.Generator().manual_seed(3)
@@ -355,7 +355,7 @@ def test_gpu_runs_the_models_forward_over_triton_ops():
     """The GPU path is ``model.py``'s forward: every op of a step, eager and while capturing decode graphs,
     goes through ``model.ops`` (the fused ``TritonLayerOps``), in the model's order."""
     from server.engine.cuda_graph_runner import CudaGraphRunner
-    from server.engine.cuda_ops import TritonLayerOps
+    from server.engine.ops.cuda_ops import TritonLayerOps
     from server.engine.sampling_params import SamplingParams
 
     class Recording(TritonLayerOps):
@@ -406,7 +406,7 @@ def test_gpu_runs_the_models_forward_over_triton_ops():
 
 @pytest.mark.parametrize("n,k,bias", [(12288, 4096, False), (4096, 11008, False), (1000, 4096, True)])
 def test_triton_gemv_matches_linear(n, k, bias):
-    from server.engine.cuda_ops import GEMV_CANDIDATES, gemv
+    from server.engine.ops.cuda_ops import GEMV_CANDIDATES, gemv
 
     gen = torch.Generator().manual_seed(n + k)
     w = (0.02 * torch.randn(n, k, generator=gen)).bfloat16().to(DEV)

@@ -50,7 +50,7 @@ def test_defaults_match_spec():
     assert c.prefill.max_num_batched_tokens == 4096
     assert c.prefill.torch_threads == 0
     assert (c.decode.max_batch_size, c.decode.max_concurrent_requests) == (128, 64)
-    assert (c.decode.sampling_strategy, c.decode.top_p) == ("top_p", 0.95)
+    assert (c.router.sampling_strategy, c.router.top_p) == ("top_p", 0.95)
     assert (c.decode.gc_interval_ms, c.decode.max_stale_slots, c.decode.torch_threads) == (500, 16, 0)
     assert c.cache == CacheConfig(block_size=16, num_gpu_blocks=0, kv_cache_memory_mb=512, dtype="auto")
     kv = c.kv_transfer
@@ -90,7 +90,7 @@ def test_yaml_file_lists_every_key():
 def test_missing_keys_take_defaults(tmp_path):
     p = _write(tmp_path, "decode:\n  top_p: 0.5\nrouter:\n  breaker:\n    enabled: true\n")
     c = load_config(p)
-    assert c.decode.top_p == 0.5
+    assert c.router.top_p == 0.5
     assert c.router.breaker.enabled is True
     assert c.decode.max_batch_size == 128
     assert c.router.breaker.metric == "ttft"
@@ -109,9 +109,10 @@ def test_round_trip():
     c = load_config(
         overrides={
             "model": "/models/llama",
-            "decode": {"top_p": 0.8, "sampling_strategy": "greedy"},
             "cache": {"block_size": 32, "dtype": "bfloat16"},
             "router": {
+                "top_p": 0.8,
+                "sampling_strategy": "greedy",
                 "backup_pool": ["http://a:1", "https://b"],
                 "admin_token": "s3cret",
                 "breaker": {"enabled": True, "metric": "itl", "min_samples": 5},
@@ -196,8 +197,8 @@ def test_float_for_int_rejected():
 
 
 def test_int_accepted_for_float():
-    c = load_config(overrides={"decode": {"top_p": 1}, "router": {"request_timeout_s": 5}})
-    assert c.decode.top_p == 1.0 and isinstance(c.decode.top_p, float)
+    c = load_config(overrides={"router": {"top_p": 1, "request_timeout_s": 5}})
+    assert c.router.top_p == 1.0 and isinstance(c.router.top_p, float)
     assert isinstance(c.router.request_timeout_s, float)
 
 
@@ -253,8 +254,8 @@ def test_top_level_not_a_mapping(tmp_path):
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        ({"decode": {"top_p": 1.5}}, "'decode.top_p' must be in (0, 1], got 1.5"),
-        ({"decode": {"top_p": 0}}, "'decode.top_p' must be in (0, 1], got 0"),
+        ({"router": {"top_p": 1.5}}, "'router.top_p' must be in (0, 1], got 1.5"),
+        ({"router": {"top_p": 0}}, "'router.top_p' must be in (0, 1], got 0"),
         ({"prefill": {"max_batch_size": 0}}, "'prefill.max_batch_size' must be in [1, 4096], got 0"),
         ({"prefill": {"max_batch_size": 4097}}, "'prefill.max_batch_size' must be in [1, 4096], got 4097"),
         ({"prefill": {"max_seq_len": 8}}, "'prefill.max_seq_len' must be in [16, 1048576], got 8"),
@@ -287,13 +288,13 @@ def test_out_of_range(overrides, message):
 
 
 def test_nan_rejected():
-    assert "'decode.top_p' must be in (0, 1], got nan" == _err({"decode": {"top_p": math.nan}})
+    assert "'router.top_p' must be in (0, 1], got nan" == _err({"router": {"top_p": math.nan}})
 
 
 @pytest.mark.parametrize(
     "overrides",
     [
-        {"decode": {"top_p": 1.0}},
+        {"router": {"top_p": 1.0}},
         {"prefill": {"max_batch_size": 1, "max_seq_len": 16, "torch_threads": 1024}},
         {"cache": {"block_size": 1, "num_gpu_blocks": 10_000_000}},
         {"cache": {"block_size": 256}},
@@ -318,8 +319,8 @@ def test_boundaries_accepted(overrides):
             "'prefill.attention_backend' must be one of auto, sdpa, cpu_paged, flash_attn_v2, triton; got 'flash'",
         ),
         (
-            {"decode": {"sampling_strategy": "beam"}},
-            "'decode.sampling_strategy' must be one of greedy, top_p; got 'beam'",
+            {"router": {"sampling_strategy": "beam"}},
+            "'router.sampling_strategy' must be one of greedy, top_p; got 'beam'",
         ),
         ({"cache": {"dtype": "fp16"}}, "'cache.dtype' must be one of auto, float32, float16, bfloat16; got 'fp16'"),
         (
@@ -357,7 +358,7 @@ def test_overrides_merge_on_file(tmp_path):
         "model: /m\ndecode:\n  top_p: 0.5\n  max_batch_size: 7\nrouter:\n  port: 9000\n  breaker:\n    enabled: true\n",
     )
     c = load_config(p, overrides={"decode": {"top_p": 0.7}, "router": {"breaker": {"metric": "e2e"}}})
-    assert c.decode.top_p == 0.7  # overridden
+    assert c.router.top_p == 0.7  # overridden (decode.top_p in both: moved to router.top_p, config_moves.py)
     assert c.decode.max_batch_size == 7  # kept from the file (same section)
     assert c.router.port == 9000  # kept from the file
     assert c.router.breaker.enabled is True  # kept from the file (nested section)
@@ -378,7 +379,7 @@ def test_override_can_reset_model_to_null(tmp_path):
 
 
 def test_overrides_are_validated():
-    assert "unknown key 'decode.topp'; did you mean 'decode.top_p'?" == _err({"decode": {"topp": 0.1}})
+    assert "unknown key 'router.topp'; did you mean 'router.top_p'?" == _err({"router": {"topp": 0.1}})
     assert _err({"router": {"port": "80"}}) == "'router.port' must be an integer, got str '80'"
 
 
@@ -417,12 +418,12 @@ def test_value_error_in_file_names_file(tmp_path):
     p = _write(tmp_path, "decode:\n  top_p: 2\n")
     with pytest.raises(ConfigError) as ei:
         load_config(p)
-    assert str(p) in str(ei.value) and "'decode.top_p' must be in (0, 1], got 2" in str(ei.value)
+    assert str(p) in str(ei.value) and "'router.top_p' must be in (0, 1], got 2" in str(ei.value)
 
 
 def test_direct_construction_validates():
-    with pytest.raises(ConfigError, match=re.escape("'decode.top_p' must be in (0, 1], got 0")):
-        DecodeConfig(top_p=0)
+    with pytest.raises(ConfigError, match=re.escape("'router.top_p' must be in (0, 1], got 0")):
+        RouterConfig(top_p=0)
     with pytest.raises(ConfigError, match=re.escape("'router.breaker.cooldown_s' must be > 0")):
         RouterConfig(breaker=BreakerConfig(cooldown_s=-1))
 
@@ -435,7 +436,7 @@ def test_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
         c.model = "x"
     with pytest.raises(dataclasses.FrozenInstanceError):
-        c.decode.top_p = 0.5
+        c.router.top_p = 0.5
     with pytest.raises(dataclasses.FrozenInstanceError):
         c.router.breaker.enabled = True
     assert isinstance(c.router.backup_pool, tuple)  # no mutable list inside a frozen config
@@ -444,9 +445,9 @@ def test_frozen():
 
 def test_replace_revalidates():
     c = load_config()
-    assert dataclasses.replace(c.decode, top_p=0.5).top_p == 0.5
+    assert dataclasses.replace(c.router, top_p=0.5).top_p == 0.5
     with pytest.raises(ConfigError):
-        dataclasses.replace(c.decode, top_p=2.0)
+        dataclasses.replace(c.router, top_p=2.0)
 
 
 def test_each_role_reads_its_own_section():

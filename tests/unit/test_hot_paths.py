@@ -16,11 +16,11 @@ import pytest
 import torch
 
 from server.engine import model as model_mod
-from server.engine.layer_ops import apply_rope
 from server.engine.model_config import ModelConfig
 from server.engine.model_runner import _token_span
+from server.engine.ops.layer_ops import apply_rope
 from server.idle import IdleTimeout
-from server.router import app as router_app
+from server.router import streaming
 from server.router.pipeline import TokenEvent
 from server.workers.app import _line, _token_line
 
@@ -74,9 +74,9 @@ async def _collect(gen) -> list[bytes]:
 @pytest.mark.parametrize("model", ["/tmp/some model", 'odd"name\\é'])
 @pytest.mark.parametrize("reason", ["length", "stop"])
 def test_sse_completion_chunks_are_byte_identical(model, reason, monkeypatch):
-    monkeypatch.setattr(router_app.time, "time", lambda: 1234567890.5)
+    monkeypatch.setattr(streaming.time, "time", lambda: 1234567890.5)
     run = _FakeRun(TEXTS, reason)
-    got = asyncio.run(_collect(router_app._sse_completion(run, model, True)))
+    got = asyncio.run(_collect(streaming.sse_completion(run, model, True)))
     rid, created = f"cmpl-{run.req.request_id}", 1234567890
     want = [
         _old_sse(
@@ -110,10 +110,10 @@ def test_sse_completion_chunks_are_byte_identical(model, reason, monkeypatch):
 
 @pytest.mark.parametrize("reason", ["length", "stop"])
 def test_sse_chat_chunks_are_byte_identical(reason, monkeypatch):
-    monkeypatch.setattr(router_app.time, "time", lambda: 42.0)
+    monkeypatch.setattr(streaming.time, "time", lambda: 42.0)
     model = "m/é"
     run = _FakeRun(TEXTS, reason)
-    got = asyncio.run(_collect(router_app._sse_chat(run, model, False)))
+    got = asyncio.run(_collect(streaming.sse_chat(run, model, False)))
     rid = f"chatcmpl-{run.req.request_id}"
     want = []
     for i, d in enumerate(TEXTS):

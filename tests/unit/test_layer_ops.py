@@ -13,10 +13,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from server.engine import cuda_ops
 from server.engine.attention import SdpaBackend
-from server.engine.layer_ops import TorchLayerOps, select_layer_ops
 from server.engine.llm_engine import EngineConfig, LLMEngine
+from server.engine.ops import cuda_ops
+from server.engine.ops.layer_ops import TorchLayerOps, select_layer_ops
 from server.engine.sampling_params import SamplingParams
 
 

@@ -12,7 +12,7 @@ import pytest
 from aiohttp import web
 from fastapi.testclient import TestClient
 
-from server.config import DecodeConfig, load_config
+from server.config import RouterConfig, load_config
 from server.router.app import RouterState, create_router_app
 from server.router.backup_pool import endpoint
 from server.router.protocol import CompletionRequest, parse
@@ -162,7 +162,7 @@ def test_backup_endpoint_urls():
 )
 def test_sampling_defaults_from_config(strategy, given, expect):
     req = parse(CompletionRequest, {"prompt": "x", **given})
-    assert default_sampling(req, DecodeConfig(sampling_strategy=strategy, top_p=0.95)) == expect
+    assert default_sampling(req, RouterConfig(sampling_strategy=strategy, top_p=0.95)) == expect
 
 
 def test_fault_request_validation_and_step_choice():

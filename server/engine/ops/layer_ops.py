@@ -28,14 +28,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from server.engine.attention import AttentionBackend, AttentionMetadata
+from server.engine.ops.protocols import RopeInputs
 
-if TYPE_CHECKING:  # model.py imports this module
-    from server.engine.model import LlamaAttention, RMSNorm, RotaryEmbedding
-
-# Per-step rotary inputs, opaque to the model: what ``LayerOps.rope`` returns is handed to every layer's
-# ``LayerOps.attention``. PyTorch: ``(cos, signed_sin)`` rows of the step's positions; Triton:
-# ``(positions, cos, sin)`` with the whole float32 tables.
-RopeInputs = tuple[torch.Tensor, ...]
+if TYPE_CHECKING:  # the model's modules as the ops read them: the ops never import model.py
+    from server.engine.ops.protocols import LlamaAttention, RMSNorm, RotaryEmbedding
 
 
 class LayerOps(Protocol):
@@ -139,7 +135,7 @@ def select_layer_ops(backend: AttentionBackend, device: torch.device, head_dim: 
     """The fused Triton ops where they apply (CUDA, Triton importable, a backend with ``attend``, a
     power-of-two head size), PyTorch otherwise."""
     if device.type == "cuda":
-        from server.engine.cuda_ops import TritonLayerOps, can_fuse
+        from server.engine.ops.cuda_ops import TritonLayerOps, can_fuse
 
         if can_fuse(backend, head_dim):
             return TritonLayerOps()
