@@ -101,7 +101,7 @@ class GraphSampler:
         return None
 
     def fits(self, n: int, vocab: int, device: torch.device) -> bool:
-        return vocab == self.vocab and device == self.device and 0 < n <= self.max_bs
+        return vocab == self.vocab and device == self.logits.device and 0 < n <= self.max_bs
 
     def load(self, logits: torch.Tensor) -> torch.Tensor:
         """Copy a step's logits into the static input; returns the rows' view (to process in place)."""
