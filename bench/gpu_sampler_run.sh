@@ -21,6 +21,6 @@ else
 fi
 t0=$SECONDS
 timeout 170 python3 bench/sampler_cost.py --device cuda --model preset:llama-2-7b --batches 8 64 \
-  --context 511 --steps 6 --rounds 3 --kv-mb 48000 --samplers old new graph --out "$OUT/sampler_gpu.json" \
+  --context 511 --steps 6 --rounds 3 --kv-mb 48000 --samplers old new graph graph-sort --out "$OUT/sampler_gpu.json" \
   > "$OUT/sampler_gpu.log" 2>&1
 echo "== bench rc=$? $((SECONDS - t0))s"; tail -40 "$OUT/sampler_gpu.log"

@@ -10,7 +10,8 @@ rounds, each (sampler, variant) pair is set on the same sequences and ``--steps`
 (the step's wall time, with a device sync on CUDA). Samplers (``--samplers``): ``old`` = the sampler of
 2026-12-01 (``bench/sampler_old_2026_12_01.py``: a full sort for top_p on a GPU, eager after the model's
 graph), ``new`` = today's sampler run eagerly, ``graph`` = today's sampler with its CUDA graphs
-(``graph_sampler.GraphSampler``; off the GPU its static-buffer function run eagerly). Variants: greedy;
+(``graph_sampler.GraphSampler``; off the GPU its static-buffer function run eagerly); ``new-sort`` and
+``graph-sort``: the same with top_k/top_p by one stable sort instead of the radix select. Variants: greedy;
 the OpenAI default (T=1, top_p=1: what a client that sets nothing gets from OpenAI); the server default
 (T=1, top_p 0.95: what distserve applies when the request sets nothing); top_k 50 at T=0.7 with presence,
 frequency and repetition penalties; the server default with logprobs=5. ``share`` = (variant step -
@@ -62,10 +63,14 @@ def make_samplers(names: list[str], eng: LLMEngine, batches: list[int]) -> dict:
             out[name] = OldSampler()
         elif name == "new":
             out[name] = Sampler()
-        elif name == "graph":
-            out[name] = Sampler(GraphSampler(eng.model_config.vocab_size, sorted(batches), eng.device))
+        elif name == "new-sort":
+            out[name] = Sampler(impl="sort")
+        elif name in ("graph", "graph-sort"):
+            impl = "sort" if name == "graph-sort" else "radix"
+            graphs = GraphSampler(eng.model_config.vocab_size, sorted(batches), eng.device, impl=impl)
+            out[name] = Sampler(graphs, impl=impl)
         else:
-            raise SystemExit(f"--samplers: unknown sampler {name!r} (old, new, graph)")
+            raise SystemExit(f"--samplers: unknown sampler {name!r} (old, new, new-sort, graph, graph-sort)")
     return out
 
 
@@ -136,7 +141,7 @@ def measure_batch(eng: LLMEngine, b: int, args, rng: random.Random, samplers: di
                 if k >= 3:
                     ts.append((time.perf_counter() - t0) * 1e3)
             alone[sn][vn] = statistics.median(ts)
-        if "graph" in samplers and "new" in samplers:
+        if "graph" in samplers and "new" in samplers:  # the same impl (radix), graph vs eager
             a = samplers["graph"].sample(logits, [p] * b, seeds, idx, hist).tokens
             e = samplers["new"].sample(logits.clone(), [p] * b, seeds, idx, hist).tokens
             agree[vn] = [sum(x == y for x, y in zip(a, e)), b]
@@ -175,7 +180,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--threads", type=int, default=0, help="torch threads on the CPU (0: torch's default)")
     ap.add_argument("--kv-mb", type=int, default=40000, help="CUDA: KV cache size")
-    ap.add_argument("--samplers", nargs="+", default=["new"], help="old, new, graph (see above)")
+    ap.add_argument("--samplers", nargs="+", default=["new"], help="old, new, new-sort, graph, graph-sort (above)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.threads:

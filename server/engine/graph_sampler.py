@@ -35,7 +35,7 @@ from server.engine.sampler import Filters, sample_rows
 
 log = logging.getLogger(__name__)
 
-ALL_FILTERS = tuple(Filters(k, p, True) for k in (False, True) for p in (False, True))  # with min_p, T, greedy
+VARIANTS = tuple(Filters(k, p) for k in (False, True) for p in (False, True))  # top_k x top_p
 MAX_ELEMENTS = 1 << 23  # bs x vocab of the largest graph (~0.4 GB of workspace at that size)
 
 
@@ -47,12 +47,14 @@ class GraphSampler:
         device: torch.device,
         use_graphs: bool | None = None,
         max_elements: int = MAX_ELEMENTS,
+        impl: str = "radix",
     ) -> None:
         sizes = sorted({b for b in batch_sizes if b * vocab <= max_elements})
         if not sizes:
             raise ValueError(f"no batch size of {sorted(batch_sizes)} fits {max_elements} elements at vocab {vocab}")
         self.batch_sizes, self.max_bs, self.vocab, self.device = sizes, sizes[-1], vocab, device
         self.use_graphs = (device.type == "cuda") if use_graphs is None else use_graphs
+        self.impl = impl  # sampler.Filters.impl of every graph (radix or sort)
         b = self.max_bs
         self.logits = torch.zeros(b, vocab, dtype=torch.float32, device=device)
         self.fparams = torch.zeros(b, 4, dtype=torch.float32, device=device)
@@ -79,7 +81,8 @@ class GraphSampler:
         pool = None
         stream = torch.cuda.Stream(device=self.device)
         for bs in sorted(self.batch_sizes, reverse=True):
-            for filters in ALL_FILTERS:
+            for variant in VARIANTS:
+                filters = variant.graphed(self.impl)
                 stream.wait_stream(torch.cuda.current_stream(self.device))
                 with torch.cuda.stream(stream):
                     self._run(bs, filters)  # warm-up
@@ -116,7 +119,7 @@ class GraphSampler:
         bs = self.padded_size(n)
         if bs is None:
             raise ValueError(f"{n} rows exceed the sampler graphs' largest batch {self.max_bs}")
-        filters = Filters(filters.top_k, filters.top_p, True)  # the captured variant
+        filters = filters.graphed(self.impl)  # the captured variant
         if self._copy_done is not None:
             self._copy_done.synchronize()  # the previous step's copy has left the pinned buffers
         self._fnp[:n] = np.asarray(fl, dtype=np.float32)
@@ -132,4 +135,4 @@ class GraphSampler:
         return self._run(bs, filters)[:n]
 
 
-__all__ = ["ALL_FILTERS", "GraphSampler", "MAX_ELEMENTS"]
+__all__ = ["GraphSampler", "MAX_ELEMENTS", "VARIANTS"]

@@ -19,46 +19,50 @@ from __future__ import annotations
 
 import torch
 
-FIXED_ONE = 1 << 47  # fixed-point unit of probability weights (sums of a 2**17-token row stay < 2**63)
+FIXED_ONE = 1 << 47  # fixed-point unit of probability weights (sums of a 2**16-token row stay < 2**63)
 _PASSES = ((21, 11), (10, 11), (0, 10))  # (shift, bits) of the 32-bit key, most significant first
+_INT_MIN = -(1 << 31)
 
 
 def descending_key(x: torch.Tensor) -> torch.Tensor:
-    """int64 in [0, 2**32) per float32 element: smaller = larger value (-0.0 ranks with +0.0's neighbour,
-    NaNs at either end; a row holding a NaN fails its request anyway)."""
-    bits = x.contiguous().view(torch.int32).to(torch.int64)
-    # order-preserving map of IEEE bits to unsigned: flip every bit of negatives, the sign bit of the rest
-    asc = torch.where(bits < 0, ~bits & 0xFFFFFFFF, bits | 0x80000000)
-    return 0xFFFFFFFF - asc
+    """int32 per float32 element whose order as a signed integer is the values' order reversed (smaller =
+    larger value; -0.0 ranks just after +0.0, NaNs at either end: a row holding a NaN fails anyway).
+    ``key ^ -2**31`` read as unsigned has the same order: its bits are the radix digits."""
+    bits = x.contiguous().view(torch.int32)
+    return ~torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
 
 
 def keep_before(key: torch.Tensor, weight: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """Bool ``[rows, vocab]``: the tokens of each row whose preceding weight (in ``key`` order, ties by
-    vocabulary index) is below ``target[row]``. ``key``: int64 in [0, 2**32) (``descending_key``);
-    ``weight``: int64 >= 0; ``target``: int64 ``[rows]``."""
-    rows = key.shape[0]
+    vocabulary index) is below ``target[row]``. ``key``: int32 (``descending_key``); ``weight``: int32 or
+    int64 >= 0; ``target``: int64 ``[rows]``."""
+    rows, vocab = key.shape
+    dev = key.device
     target = target.clamp(min=1)  # the best token always stays
-    above = torch.zeros(rows, dtype=torch.int64, device=key.device)  # weight of tokens with a better key
-    prefix = torch.zeros(rows, dtype=torch.int64, device=key.device)  # the boundary key's bits found so far
-    done_bits = 0
-    for shift, bits in _PASSES:
+    u = key ^ _INT_MIN  # the same order, unsigned: digits by shift and mask
+    above = torch.zeros(rows, dtype=torch.int64, device=dev)  # weight of tokens with a better key
+    prefix = torch.zeros(rows, dtype=torch.int64, device=dev)  # the boundary key's bits found so far
+    flat_w = weight.reshape(-1)
+    for n, (shift, bits) in enumerate(_PASSES):
         nb = 1 << bits
-        digit = (key >> shift) & (nb - 1)
-        if done_bits:
-            w = torch.where((key >> (shift + bits)) == prefix.unsqueeze(1), weight, 0)
+        offsets = torch.arange(rows, dtype=torch.int32, device=dev).unsqueeze(1) * nb
+        index = ((u >> shift) & (nb - 1)) + offsets
+        if n:  # only the tokens whose higher digits are the boundary's
+            high = (u >> (shift + bits)) & ((1 << (32 - shift - bits)) - 1)
+            w = torch.where(high == prefix.to(torch.int32).unsqueeze(1), weight, 0).reshape(-1)
         else:
-            w = weight
-        hist = torch.zeros(rows, nb, dtype=torch.int64, device=key.device).scatter_add_(1, digit, w)
-        cum = hist.cumsum(1)  # inclusive, best digit first
-        b = (cum < (target - above).unsqueeze(1)).sum(1).clamp_(max=nb - 1)  # the digit where it crosses
-        above = above + cum.gather(1, b.unsqueeze(1)).squeeze(1) - hist.gather(1, b.unsqueeze(1)).squeeze(1)
-        prefix = (prefix << bits) | b
-        done_bits += bits
-    ties = key == prefix.unsqueeze(1)
-    t64 = ties.to(torch.int64)
-    rank = torch.cumsum(t64, 1) - t64  # ties before this one, in vocabulary order
+            w = flat_w
+        hist = torch.zeros(rows * nb, dtype=weight.dtype, device=dev).index_add_(0, index.view(-1), w).view(rows, nb)
+        cum = hist.cumsum(1)  # inclusive, best digit first (int64)
+        d = (cum < (target - above).unsqueeze(1)).sum(1).clamp_(max=nb - 1)  # the digit where it crosses
+        above = above + cum.gather(1, d.unsqueeze(1)).squeeze(1) - hist.gather(1, d.unsqueeze(1)).squeeze(1)
+        prefix = (prefix << bits) | d
+    # the boundary key back in ``key``'s signed form
+    boundary = (torch.where(prefix >= 1 << 31, prefix - (1 << 32), prefix).to(torch.int32) ^ _INT_MIN).unsqueeze(1)
+    ties = key == boundary
+    rank = torch.cumsum(ties, 1, dtype=torch.int32) - ties.to(torch.int32)  # ties before this one
     tied_ok = ties & ((above.unsqueeze(1) + rank * weight) < target.unsqueeze(1))
-    return (key < prefix.unsqueeze(1)) | tied_ok
+    return (key < boundary) | tied_ok
 
 
 def fixed_point(probs: torch.Tensor) -> torch.Tensor:
@@ -69,7 +73,7 @@ def fixed_point(probs: torch.Tensor) -> torch.Tensor:
 def top_k_mask(x: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
     """Bool mask of each row's ``top_k[row]`` largest logits (ties in vocabulary order); ``top_k`` int64,
     >= the vocabulary size for a row without top_k."""
-    return keep_before(descending_key(x), torch.ones_like(x, dtype=torch.int64), top_k)
+    return keep_before(descending_key(x), torch.ones_like(x, dtype=torch.int32), top_k)
 
 
 def top_p_mask(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

@@ -94,23 +94,31 @@ def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cum, target).squeeze(1).clamp_(max=probs.shape[-1] - 1)
 
 
+IMPLS = ("radix", "sort", "host")
+
+
 @dataclass(frozen=True)
 class Filters:
     """What a step's rows use (decided on the host from the parameters; static per CUDA graph). A row
     that does not use a filter gets a value that makes it a no-op (top_k = vocabulary, top_p 1, min_p 0).
-    ``radix``: top_k/top_p by ``radix_filter``'s sort-free, sync-free select (a GPU, and every graph);
-    else by its host variants (a CPU: the same sets, faster there)."""
+    ``impl``: how top_k/top_p find their sets — ``radix`` (``radix_filter``: no sort, no host sync, exact
+    integer sums; a GPU's default), ``sort`` (one stable full sort; static shapes too), ``host`` (the
+    CPU variants: a host sync costs nothing there). All three give the stable-sort sets."""
 
     top_k: bool = False
     top_p: bool = False
     min_p: bool = False
     temperature: bool = True  # some row's temperature is not 1
     greedy: bool = True  # some row is greedy
-    radix: bool = True
+    impl: str = "radix"
 
-    def graphed(self) -> Filters:
+    def graphed(self, impl: str = "radix") -> Filters:
         """The graph variant that runs these rows: only top_k/top_p vary between graphs."""
-        return Filters(self.top_k, self.top_p)
+        return Filters(self.top_k, self.top_p, True, impl=impl)
+
+
+def _sorted_keep(x: torch.Tensor, keep_sorted: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    return torch.zeros_like(x, dtype=torch.bool).scatter_(1, order, keep_sorted)
 
 
 def sample_rows(
@@ -119,22 +127,38 @@ def sample_rows(
     iparams: torch.Tensor,
     filters: Filters = Filters(),
 ) -> torch.Tensor:
-    """Token ids ``[rows]`` (int64) of processed ``logits``, every row in one pass (with ``filters.radix``:
-    static shapes and no host sync, the body of the sampler's CUDA graphs; the eager sampler runs the same
-    function, so both give the same ids).
+    """Token ids ``[rows]`` (int64) of processed ``logits``, every row in one pass (with ``impl`` radix or
+    sort: static shapes and no host sync, the body of the sampler's CUDA graphs; the eager sampler runs the
+    same function, so both give the same ids).
 
     ``fparams`` ``[rows, 4]`` float32: 1 / temperature (1 for a greedy row), top_p, min_p, greedy (1.0/0.0);
     ``iparams`` ``[rows, 3]`` int64: seed, output index, top_k (the vocabulary size when off).
     Greedy rows: argmax. The others: / temperature, top_k (renormalised), softmax, top_p, min_p, then one
     inverse-CDF draw in vocabulary order with the row's uniform of (seed, index). top_k and top_p are the
-    sorted rules exactly (ties in vocabulary order), without a sort."""
+    sorted rules (ties in vocabulary order)."""
     x = logits * fparams[:, 0:1] if filters.temperature else logits
+    impl = filters.impl
+    order = None
+    if impl == "sort" and (filters.top_k or filters.top_p):
+        order = torch.sort(x, dim=-1, descending=True, stable=True).indices
     if filters.top_k:
-        keep = (top_k_mask if filters.radix else top_k_mask_host)(x, iparams[:, 2])
+        if order is not None:
+            pos = torch.arange(x.shape[-1], device=x.device).unsqueeze(0)
+            keep = _sorted_keep(x, pos < iparams[:, 2:3], order)
+        else:
+            keep = (top_k_mask if impl == "radix" else top_k_mask_host)(x, iparams[:, 2])
         x = x.masked_fill(~keep, float("-inf"))
     probs = torch.softmax(x, dim=-1)
     if filters.top_p:
-        keep = (top_p_mask if filters.radix else top_p_mask_host)(probs, fparams[:, 1])
+        top_p = fparams[:, 1]
+        if order is not None:
+            ps = probs.gather(1, order)
+            before = torch.cumsum(ps, dim=-1) - ps
+            ks = (before < top_p.unsqueeze(1)) | (top_p >= 1.0).unsqueeze(1)
+            ks[:, 0] = True
+            keep = _sorted_keep(x, ks, order)
+        else:
+            keep = (top_p_mask if impl == "radix" else top_p_mask_host)(probs, top_p)
         probs = probs.masked_fill(~keep, 0.0)
     if filters.min_p:
         probs = probs.masked_fill(probs < fparams[:, 2:3] * probs.amax(dim=-1, keepdim=True), 0.0)
@@ -285,11 +309,15 @@ class Sampler:
 
     With ``graphs`` (a ``graph_sampler.GraphSampler``, on a GPU) the draw runs as a replay of a CUDA graph of
     ``sample_rows`` whenever the step's rows fit one; logit_bias and penalties are applied to the graph's
-    input buffer first, eagerly. The graph and the eager pass run the same function: the same ids.
+    input buffer first, eagerly. The graph and the eager pass run the same function: the same ids (give
+    both the same ``impl``).
     """
 
-    def __init__(self, graphs=None) -> None:
+    def __init__(self, graphs=None, impl: str = "radix") -> None:
+        if impl not in IMPLS[:2]:
+            raise ValueError(f"impl must be radix or sort, got {impl!r}")
         self.graphs = graphs
+        self.impl = impl  # top_k/top_p on a GPU (a CPU always uses the host variants)
         self.num_graphed = 0  # steps sampled by a graph replay
 
     def sample(
@@ -326,7 +354,7 @@ class Sampler:
         if graphs is not None and graphs.fits(n, vocab, dev):
             x = graphs.load(logits)  # the graph's static input rows: a copy, so ``logits`` stays raw
             self._process(x, params, histories, biased, penalized)
-            tokens = graphs.replay(n, fl, il, filters.graphed())
+            tokens = graphs.replay(n, fl, il, filters)
             self.num_graphed += 1
         else:
             x = logits
@@ -338,7 +366,7 @@ class Sampler:
             else:
                 fp = torch.tensor(fl, dtype=torch.float32, device=dev)
                 ip = torch.tensor(il, dtype=torch.int64, device=dev)
-                tokens = sample_rows(x, fp, ip, replace(filters, radix=dev.type != "cpu"))
+                tokens = sample_rows(x, fp, ip, replace(filters, impl="host" if dev.type == "cpu" else self.impl))
         return _finish(torch.where(finite, tokens, -2), logits, tokens, params)
 
     @staticmethod

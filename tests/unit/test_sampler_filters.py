@@ -112,7 +112,7 @@ def test_the_graph_function_gives_the_eager_sampler_s_tokens():
     assert whole == alone
 
 
-def test_radix_and_host_filters_give_the_same_tokens():
+def test_radix_sort_and_host_filters_give_the_same_tokens():
     g = torch.Generator().manual_seed(9)
     x = torch.randn(64, 1000, generator=g) * torch.linspace(0.2, 8.0, 64).unsqueeze(1)
     params = [
@@ -122,8 +122,8 @@ def test_radix_and_host_filters_give_the_same_tokens():
     fl, il, filters = row_params(params, list(range(64)), [5] * 64, 1000)
     fp, ip = torch.tensor(fl), torch.tensor(il)
     radix = sample_rows(x, fp, ip, filters)
-    host = sample_rows(x, fp, ip, Filters(filters.top_k, filters.top_p, filters.min_p, radix=False))
-    assert torch.equal(radix, host)
+    for impl in ("host", "sort"):
+        assert torch.equal(radix, sample_rows(x, fp, ip, Filters(filters.top_k, filters.top_p, impl=impl))), impl
 
 
 @pytest.mark.parametrize(
