@@ -67,7 +67,11 @@ def make_samplers(names: list[str], eng: LLMEngine, batches: list[int]) -> dict:
             out[name] = Sampler(impl="sort")
         elif name in ("graph", "graph-sort"):
             impl = "sort" if name == "graph-sort" else "radix"
-            graphs = GraphSampler(eng.model_config.vocab_size, sorted(batches), eng.device, impl=impl)
+            try:
+                graphs = GraphSampler(eng.model_config.vocab_size, sorted(batches), eng.device, impl=impl)
+            except Exception as e:  # a capture that fails costs this sampler only, not the run
+                print(f"sampler {name} skipped: its CUDA graphs failed to capture: {type(e).__name__}: {e}", flush=True)
+                continue
             out[name] = Sampler(graphs, impl=impl)
         else:
             raise SystemExit(f"--samplers: unknown sampler {name!r} (old, new, new-sort, graph, graph-sort)")

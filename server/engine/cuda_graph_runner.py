@@ -217,8 +217,14 @@ def attach_graph_sampler(engine, batch_sizes: list[int]) -> None:
 
     vocab = engine.model_config.vocab_size
     sizes = [b for b in batch_sizes if b * vocab <= MAX_ELEMENTS]
-    if sizes:
+    if not sizes:
+        return
+    try:
         engine.sampler = Sampler(GraphSampler(vocab, sizes, engine.device))
+    except Exception as e:  # e.g. no memory left for the graphs' workspace: sample eagerly, as before
+        log.warning("sampler CUDA graphs not captured (%s: %s); sampling eagerly", type(e).__name__, e)
+        if engine.device.type == "cuda":
+            torch.cuda.empty_cache()
 
 
 __all__ = ["CudaGraphRunner", "attach_graph_sampler", "setup_cuda_engine", "capture_sizes"]

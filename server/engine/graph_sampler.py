@@ -21,7 +21,8 @@ from ``iparams`` inside the graph, so a request's tokens are the same in and out
 
 Off the GPU (tests) ``use_graphs=False`` runs the same static-buffer function eagerly. Sizes whose
 ``bs x vocab`` exceeds ``max_elements`` are not captured (their workspace would cost more memory than
-the launches they save); such steps sample eagerly.
+the launches they save); such steps sample eagerly, as does every step when the capture failed
+(``cuda_graph_runner.attach_graph_sampler`` then keeps the eager sampler and logs why).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from server.engine.sampler import Filters, sample_rows
 log = logging.getLogger(__name__)
 
 VARIANTS = tuple(Filters(k, p) for k in (False, True) for p in (False, True))  # top_k x top_p
-MAX_ELEMENTS = 1 << 23  # bs x vocab of the largest graph (~0.4 GB of workspace at that size)
+MAX_ELEMENTS = 1 << 22  # bs x vocab of the largest graph (~0.25 GB of workspace at that size, shared)
 
 
 class GraphSampler:
