@@ -206,6 +206,8 @@ def main() -> None:
     samplers = make_samplers(args.samplers, eng, args.batches)
     res["samplers"] = list(samplers)
     res["setup_s"] = round(time.perf_counter() - t0, 1)
+    if args.out:
+        Path(args.out).write_text(json.dumps(res, indent=1))
     rng = random.Random(0)
     for b in args.batches:
         r = measure_batch(eng, b, args, rng, samplers)
