@@ -66,8 +66,9 @@ def keep_before(key: torch.Tensor, weight: torch.Tensor, target: torch.Tensor) -
 
 
 def fixed_point(probs: torch.Tensor) -> torch.Tensor:
-    """Probabilities in [0, 1] as int64 multiples of ``2**-47`` (rounded down)."""
-    return (probs.to(torch.float64) * FIXED_ONE).to(torch.int64)
+    """float32 probabilities in [0, 1] as int64 multiples of ``2**-47`` (rounded down). The scaling by a
+    power of two is exact in float32 (no float64 pass needed); only the truncation rounds."""
+    return (probs.to(torch.float32) * float(FIXED_ONE)).to(torch.int64)
 
 
 def top_k_mask(x: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
