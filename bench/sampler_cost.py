@@ -67,12 +67,16 @@ def make_samplers(names: list[str], eng: LLMEngine, batches: list[int]) -> dict:
             out[name] = Sampler(impl="sort")
         elif name in ("graph", "graph-sort"):
             impl = "sort" if name == "graph-sort" else "radix"
+            cuda = eng.device.type == "cuda"
+            before = torch.cuda.memory_reserved(eng.device) if cuda else 0
             try:
                 graphs = GraphSampler(eng.model_config.vocab_size, sorted(batches), eng.device, impl=impl)
             except Exception as e:  # a capture that fails costs this sampler only, not the run
                 print(f"sampler {name} skipped: its CUDA graphs failed to capture: {type(e).__name__}: {e}", flush=True)
                 continue
             out[name] = Sampler(graphs, impl=impl)
+            # what its static buffers and graph workspace keep reserved
+            out[name].reserved_mib = ((torch.cuda.memory_reserved(eng.device) - before) >> 20) if cuda else 0
         else:
             raise SystemExit(f"--samplers: unknown sampler {name!r} (old, new, new-sort, graph, graph-sort)")
     return out
@@ -205,6 +209,7 @@ def main() -> None:
     }
     samplers = make_samplers(args.samplers, eng, args.batches)
     res["samplers"] = list(samplers)
+    res["graph_sampler_reserved_mib"] = {n: s.reserved_mib for n, s in samplers.items() if hasattr(s, "reserved_mib")}
     res["setup_s"] = round(time.perf_counter() - t0, 1)
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=1))
