@@ -201,11 +201,18 @@ class PenaltyState:
         self.counts, self.seen, self.n = counts, seen, n
 
 
+def _to_device(data: list, dtype: torch.dtype, dev: torch.device) -> torch.Tensor:
+    """A host list on ``dev`` without a device sync: on a GPU through pinned memory and a non-blocking copy
+    (torch's pinned-memory cache keeps the buffer until the copy is done); a plain tensor on a CPU."""
+    t = torch.tensor(data, dtype=dtype)
+    return t.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else t
+
+
 def _flat(rows: list[int], lists: list[Sequence[int]], dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(row index, token id) of every id in ``lists`` (list j belongs to ``rows[j]``), two int64 tensors."""
-    ids = torch.tensor(list(chain.from_iterable(lists)), dtype=torch.int64, device=dev)
-    lens = torch.tensor([len(x) for x in lists], dtype=torch.int64, device=dev)
-    return torch.repeat_interleave(torch.tensor(rows, dtype=torch.int64, device=dev), lens), ids
+    """(row index, token id) of every id in ``lists`` (list j belongs to ``rows[j]``), two int64 tensors
+    from one host-to-device copy."""
+    flat = _to_device([[r for r, x in zip(rows, lists) for _ in x], list(chain.from_iterable(lists))], torch.int64, dev)
+    return flat[0], flat[1]
 
 
 def _apply_penalties(logits: torch.Tensor, params: list[SamplingParams], rows: list[int], histories) -> None:
@@ -238,19 +245,22 @@ def _apply_penalties(logits: torch.Tensor, params: list[SamplingParams], rows: l
         if not isinstance(h, tuple):
             h.sampler_state = PenaltyState(counts[j], seen[j], len(pairs[j][1]))
     every = n == logits.shape[0]
-    row_t = None if every else torch.tensor(rows, dtype=torch.int64, device=dev)
+    row_t = None if every else _to_device(rows, torch.int64, dev)
     sub = logits if row_t is None else logits.index_select(0, row_t)
-
-    def column(name: str) -> torch.Tensor:
-        return torch.tensor([getattr(params[i], name) for i in rows], dtype=torch.float32, device=dev).unsqueeze(1)
-
-    if any(params[i].repetition_penalty != 1.0 for i in rows):
-        r = column("repetition_penalty")
+    ps = [params[i] for i in rows]
+    # the three penalties of every row in one copy: [3, n, 1]
+    cols = _to_device(
+        [[[p.repetition_penalty] for p in ps], [[p.frequency_penalty] for p in ps], [[p.presence_penalty] for p in ps]],
+        torch.float32,
+        dev,
+    )
+    if any(p.repetition_penalty != 1.0 for p in ps):
+        r = cols[0]
         sub = torch.where(seen, sub * torch.where(sub > 0, 1.0 / r, r), sub)
-    if any(params[i].frequency_penalty != 0.0 for i in rows):
-        sub = sub - counts * column("frequency_penalty")
-    if any(params[i].presence_penalty != 0.0 for i in rows):
-        sub = sub - (counts > 0) * column("presence_penalty")
+    if any(p.frequency_penalty != 0.0 for p in ps):
+        sub = sub - counts * cols[1]
+    if any(p.presence_penalty != 0.0 for p in ps):
+        sub = sub - (counts > 0) * cols[2]
     if row_t is None:
         logits.copy_(sub)
     else:
@@ -262,11 +272,8 @@ def _apply_logit_bias(logits: torch.Tensor, params: list[SamplingParams], rows: 
     r = [i for i in rows for _ in params[i].logit_bias]
     toks = [t for i in rows for t, _ in params[i].logit_bias]
     vals = [b for i in rows for _, b in params[i].logit_bias]
-    logits.index_put_(
-        (torch.tensor(r, dtype=torch.int64, device=dev), torch.tensor(toks, dtype=torch.int64, device=dev)),
-        torch.tensor(vals, dtype=torch.float32, device=dev),
-        accumulate=True,
-    )
+    idx = _to_device([r, toks], torch.int64, dev)
+    logits.index_put_((idx[0], idx[1]), _to_device(vals, torch.float32, dev), accumulate=True)
 
 
 def _finish(
@@ -364,8 +371,8 @@ class Sampler:
             if all(p.is_greedy for p in params):
                 tokens = torch.argmax(x, dim=-1)
             else:
-                fp = torch.tensor(fl, dtype=torch.float32, device=dev)
-                ip = torch.tensor(il, dtype=torch.int64, device=dev)
+                fp = _to_device(fl, torch.float32, dev)
+                ip = _to_device(il, torch.int64, dev)
                 tokens = sample_rows(x, fp, ip, replace(filters, impl="host" if dev.type == "cpu" else self.impl))
         return _finish(torch.where(finite, tokens, -2), logits, tokens, params)
 
