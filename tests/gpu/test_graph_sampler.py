@@ -53,7 +53,7 @@ def test_radix_sets_on_the_gpu_are_the_cpu_sets():
 @pytest.mark.parametrize("n", [1, 5, 8, 33, 64])
 def test_a_graph_replay_gives_the_eager_sampler_s_tokens(n):
     from server.engine.graph_sampler import GraphSampler
-    from server.engine.sampler import Sampler
+    from server.engine.sampler import NON_FINITE, Sampler
 
     graphed = Sampler(GraphSampler(VOCAB, [1, 2, 4, 8, 16, 32, 64], DEV))
     assert graphed.graphs.graphs or DEV.type == "cpu"  # captured (the CPU dry run of this file captures none)
@@ -61,13 +61,16 @@ def test_a_graph_replay_gives_the_eager_sampler_s_tokens(n):
     kinds = _params()
     for step in range(3):
         logits = _logits(n, 10 * n + step)
+        if n > 4:
+            logits[2, 11] = float("nan")  # fails its row alone (no device assert on the garbage it computes)
         params = [kinds[(i + step) % len(kinds)] for i in range(n)]
         hist = [([1, 2, 3], [5 + i, 7, 7, 100 + step]) for i in range(n)]
         seeds, idx = [123 + i for i in range(n)], [step] * n
         a = graphed.sample(logits, params, seeds, idx, hist)
         b = eager.sample(logits.clone(), params, seeds, idx, hist)
         assert a.tokens == b.tokens, step
-        assert all(isinstance(t, int) for t in a.tokens)
+        assert all(isinstance(t, int) for i, t in enumerate(a.tokens) if not (n > 4 and i == 2))
+        assert n <= 4 or a.tokens[2] == NON_FINITE
         for la, lb in zip(a.logprobs, b.logprobs):
             assert (la is None) == (lb is None)
             if la is not None:
