@@ -219,8 +219,11 @@ def attach_graph_sampler(engine, batch_sizes: list[int]) -> None:
     sizes = [b for b in batch_sizes if b * vocab <= MAX_ELEMENTS]
     if not sizes:
         return
+    impl = os.environ.get("DISTSERVE_SAMPLER_IMPL", "radix")  # or "sort": the same sets, by one stable sort
+    if impl not in ("radix", "sort"):
+        raise ValueError(f"DISTSERVE_SAMPLER_IMPL must be radix or sort, got {impl!r}")
     try:
-        engine.sampler = Sampler(GraphSampler(vocab, sizes, engine.device))
+        engine.sampler = Sampler(GraphSampler(vocab, sizes, engine.device, impl=impl), impl=impl)
     except Exception as e:  # e.g. no memory left for the graphs' workspace: sample eagerly, as before
         log.warning("sampler CUDA graphs not captured (%s: %s); sampling eagerly", type(e).__name__, e)
         if engine.device.type == "cuda":
