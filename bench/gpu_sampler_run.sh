@@ -14,13 +14,13 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
   || echo "torch/triton missing: the bench below cannot run"
 t0=$SECONDS
 if python3 -c "import pytest" 2>/dev/null; then
-  timeout 110 python3 -m pytest tests/gpu/test_graph_sampler.py -q -rs -p no:cacheprovider > "$OUT/gpu_sampler_tests.log" 2>&1
+  timeout 130 python3 -m pytest tests/gpu/test_graph_sampler.py -q -rs -p no:cacheprovider > "$OUT/gpu_sampler_tests.log" 2>&1
   echo "== gpu tests rc=$? $((SECONDS - t0))s"; tail -15 "$OUT/gpu_sampler_tests.log"
 else
   echo "== gpu tests skipped: pytest is not installed in this image" | tee "$OUT/gpu_sampler_tests.log"
 fi
 t0=$SECONDS
-timeout 170 python3 bench/sampler_cost.py --device cuda --model preset:llama-2-7b --batches 8 64 \
+timeout 150 python3 bench/sampler_cost.py --device cuda --model preset:llama-2-7b --batches 8 64 \
   --context 511 --steps 6 --rounds 3 --kv-mb 48000 --samplers old new graph graph-sort --out "$OUT/sampler_gpu.json" \
   > "$OUT/sampler_gpu.log" 2>&1
 echo "== bench rc=$? $((SECONDS - t0))s"; tail -40 "$OUT/sampler_gpu.log"
