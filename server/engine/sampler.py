@@ -35,7 +35,7 @@ from itertools import chain
 
 import torch
 
-from server.engine.radix_filter import top_k_mask, top_k_mask_host, top_p_mask, top_p_mask_host
+from server.engine.radix_filter import FIXED_ONE, fixed_point, top_k_mask, top_k_mask_host, top_p_mask, top_p_mask_host
 from server.engine.sampling_params import SamplingParams
 
 NON_FINITE = "the model produced NaN/Inf logits for this request"
@@ -102,8 +102,9 @@ class Filters:
     """What a step's rows use (decided on the host from the parameters; static per CUDA graph). A row
     that does not use a filter gets a value that makes it a no-op (top_k = vocabulary, top_p 1, min_p 0).
     ``impl``: how top_k/top_p find their sets — ``radix`` (``radix_filter``: no sort, no host sync, exact
-    integer sums; a GPU's default), ``sort`` (one stable full sort; static shapes too), ``host`` (the
-    CPU variants: a host sync costs nothing there). All three give the stable-sort sets."""
+    integer sums; a GPU's default), ``sort`` (a stable full sort per filter, the same integer sums; static
+    shapes too), ``host`` (the CPU variants: a host sync costs nothing there). All three give the
+    stable-sort sets (``host``'s top_p up to its float64 bin sums, ``sort``'s top_k up to a -0.0/+0.0 tie)."""
 
     top_k: bool = False
     top_p: bool = False
@@ -138,11 +139,9 @@ def sample_rows(
     sorted rules (ties in vocabulary order)."""
     x = logits * fparams[:, 0:1] if filters.temperature else logits
     impl = filters.impl
-    order = None
-    if impl == "sort" and (filters.top_k or filters.top_p):
-        order = torch.sort(x, dim=-1, descending=True, stable=True).indices
     if filters.top_k:
-        if order is not None:
+        if impl == "sort":
+            order = torch.sort(x, dim=-1, descending=True, stable=True).indices
             pos = torch.arange(x.shape[-1], device=x.device).unsqueeze(0)
             keep = _sorted_keep(x, pos < iparams[:, 2:3], order)
         else:
@@ -151,11 +150,12 @@ def sample_rows(
     probs = torch.softmax(x, dim=-1)
     if filters.top_p:
         top_p = fparams[:, 1]
-        if order is not None:
-            ps = probs.gather(1, order)
-            before = torch.cumsum(ps, dim=-1) - ps
-            ks = (before < top_p.unsqueeze(1)) | (top_p >= 1.0).unsqueeze(1)
-            ks[:, 0] = True
+        if impl == "sort":  # by probability, with radix_filter's fixed-point sums: the radix select's sets
+            ps, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+            w = fixed_point(ps)
+            before = torch.cumsum(w, dim=-1) - w
+            target = (top_p.to(torch.float64) * FIXED_ONE).to(torch.int64).clamp_(min=1)
+            ks = (before < target.unsqueeze(1)) | (top_p >= 1.0).unsqueeze(1)
             keep = _sorted_keep(x, ks, order)
         else:
             keep = (top_p_mask if impl == "radix" else top_p_mask_host)(probs, top_p)
