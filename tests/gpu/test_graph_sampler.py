@@ -100,8 +100,7 @@ def test_every_graph_variant_equals_its_eager_function(impl):
         assert torch.equal(got, sample_rows(logits, fp, ip, filters)), filters
         if variant.top_k and variant.top_p:
             radix = sample_rows(logits, fp, ip, variant.graphed("radix"))
-            # the sort and the radix select find the same sets: the same tokens (bar a float32 cumsum
-            # rounding at a top_p boundary, which these rows do not hit)
+            # the sort and the radix select find the same sets (the same fixed-point sums): the same tokens
             assert torch.equal(got, radix), impl
 
 
