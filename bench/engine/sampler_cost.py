@@ -2,16 +2,23 @@
 
     .venv/bin/python bench/sampler_cost.py --batches 32                                   # tiny model, CPU
     .venv/bin/python bench/sampler_cost.py --model smollm2-135m-instruct --batches 32
-    python3 bench/sampler_cost.py --device cuda --model preset:llama-2-7b --batches 1 8 64 128 \\
-        --context 511 --out $OUT/sampler_gpu.json                                          # on the H200
+    python3 bench/sampler_cost.py --device cuda --model preset:llama-2-7b --batches 8 64 \\
+        --context 511 --samplers old new graph --out $OUT/sampler_gpu.json                  # on the H200
 
 For each batch size B: B sequences with ``--context`` tokens of prompt are prefilled once; then, in
-rounds, each variant's sampling parameters are set on the same sequences and ``--steps`` decode steps
-are timed (the step's wall time, with a device sync on CUDA). Variants: greedy; the OpenAI default
-(T=1, top_p=1: what a client that sets nothing gets from OpenAI); the server default (T=1, top_p 0.95:
-what distserve applies when the request sets nothing); top_k 50 at T=0.7 with presence, frequency and
-repetition penalties; the server default with logprobs=5. ``share`` = (variant step - greedy step) /
-greedy step, medians of the same run. ``sampler_ms`` times the sampler alone on one step's logits.
+rounds, each (sampler, variant) pair is set on the same sequences and ``--steps`` decode steps are timed
+(the step's wall time, with a device sync on CUDA). Samplers (``--samplers``): ``old`` = the sampler of
+2026-12-01 (``bench/engine/sampler_before_radix.py``: a full sort for top_p on a GPU, eager after the model's
+graph), ``new`` = today's sampler run eagerly, ``graph`` = today's sampler with its CUDA graphs
+(``graph_sampler.GraphSampler``; off the GPU its static-buffer function run eagerly); ``new-sort`` and
+``graph-sort``: the same with top_k/top_p by one stable sort instead of the radix select. Variants: greedy;
+the OpenAI default (T=1, top_p=1: what a client that sets nothing gets from OpenAI); the server default
+(T=1, top_p 0.95: what distserve applies when the request sets nothing); top_k 50 at T=0.7 with presence,
+frequency and repetition penalties; the server default with logprobs=5. ``share`` = (variant step -
+greedy step) / greedy step, medians of the same run and the same sampler. ``sampler_ms`` times each
+sampler alone on one step's shape (random logits); ``graph_equals_new`` counts, per variant, the rows
+where the graph and the eager sampler drew the same token from the same logits and seeds. The JSON is
+rewritten after every batch size (a run cut short keeps what it measured).
 """
 
 from __future__ import annotations
@@ -26,7 +33,9 @@ from pathlib import Path
 
 import torch
 
+from server.engine.graph_sampler import GraphSampler
 from server.engine.llm_engine import EngineConfig, LLMEngine
+from server.engine.sampler import Sampler
 from server.engine.sampling_params import SamplingParams
 
 BIG = 1 << 30
@@ -39,6 +48,34 @@ VARIANTS = {
     ),
     "logprobs5": dict(temperature=1.0, top_p=0.95, logprobs=5),
 }
+
+
+def make_samplers(names: list[str], eng: LLMEngine, batches: list[int]) -> dict:
+    out = {}
+    for name in names:
+        if name == "old":
+            from bench.engine.sampler_before_radix import Sampler as OldSampler
+
+            out[name] = OldSampler()
+        elif name == "new":
+            out[name] = Sampler()
+        elif name == "new-sort":
+            out[name] = Sampler(impl="sort")
+        elif name in ("graph", "graph-sort"):
+            impl = "sort" if name == "graph-sort" else "radix"
+            cuda = eng.device.type == "cuda"
+            before = torch.cuda.memory_reserved(eng.device) if cuda else 0
+            try:
+                graphs = GraphSampler(eng.model_config.vocab_size, sorted(batches), eng.device, impl=impl)
+            except Exception as e:  # a capture that fails costs this sampler only, not the run
+                print(f"sampler {name} skipped: its CUDA graphs failed to capture: {type(e).__name__}: {e}", flush=True)
+                continue
+            out[name] = Sampler(graphs, impl=impl)
+            # what its static buffers and graph workspace keep reserved
+            out[name].reserved_mib = ((torch.cuda.memory_reserved(eng.device) - before) >> 20) if cuda else 0
+        else:
+            raise SystemExit(f"--samplers: unknown sampler {name!r} (old, new, new-sort, graph, graph-sort)")
+    return out
 
 
 def sync(dev: torch.device) -> None:
@@ -67,8 +104,9 @@ def build(args) -> LLMEngine:
     return LLMEngine(EngineConfig(model=args.model, **cfg))
 
 
-def measure_batch(eng: LLMEngine, b: int, args, rng: random.Random) -> dict:
+def measure_batch(eng: LLMEngine, b: int, args, rng: random.Random, samplers: dict) -> dict:
     dev, vocab = eng.device, eng.model_config.vocab_size
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
     base = dict(max_tokens=BIG, ignore_eos=True)
     for i in range(b):
         prompt = [rng.randrange(3, vocab) for _ in range(args.context)]
@@ -77,44 +115,63 @@ def measure_batch(eng: LLMEngine, b: int, args, rng: random.Random) -> dict:
         eng.step()
     seqs = list(eng.requests.values())
     params = {name: SamplingParams(**base, **kw) for name, kw in VARIANTS.items()}
-    times: dict[str, list[float]] = {name: [] for name in VARIANTS}
+    pairs = [(sn, vn) for sn in samplers for vn in VARIANTS]
+    times: dict[tuple[str, str], list[float]] = {pair: [] for pair in pairs}
     for rnd in range(args.rounds + 1):  # interleaved rounds; the first warms up
-        for name, p in params.items():
+        for sn, vn in pairs:
+            eng.sampler = samplers[sn]
             for s in seqs:
-                s.sampling_params = p
+                s.sampling_params = params[vn]
             for _ in range(args.steps):
                 sync(dev)
-                t0 = time.perf_counter()
+                t0 = clock()
                 eng.step()
                 sync(dev)
                 if rnd:
-                    times[name].append((time.perf_counter() - t0) * 1e3)
-    # the sampler alone on one step's logits (the same rows, each variant)
+                    times[(sn, vn)].append((clock() - t0) * 1e3)
+    # each sampler alone on one step's shape (the same rows, each variant), and graph vs new on the same logits
     logits = torch.randn(b, vocab, device=dev, dtype=torch.float32) * 3
     seeds, idx = list(range(b)), [s.num_output_tokens for s in seqs]
-    hist = seqs  # their penalty counts cached on the device, as in the engine
-    alone: dict[str, float] = {}
-    for name, p in params.items():
-        ts = []
-        for k in range(args.steps * 2 + 3):
-            sync(dev)
-            t0 = time.perf_counter()
-            eng.sampler.sample(logits, [p] * b, seeds, idx, hist if p.has_penalties else None)
-            sync(dev)
-            if k >= 3:
-                ts.append((time.perf_counter() - t0) * 1e3)
-        alone[name] = statistics.median(ts)
+    alone: dict[str, dict[str, float]] = {sn: {} for sn in samplers}
+    agree: dict[str, list[int]] = {}
+    for vn, p in params.items():
+        hist = seqs if p.has_penalties else None  # their penalty counts cached on the device, as in the engine
+        for sn, smp in samplers.items():
+            ts = []
+            for k in range(args.steps * 2 + 3):
+                sync(dev)
+                t0 = clock()
+                smp.sample(logits, [p] * b, seeds, idx, hist)
+                sync(dev)
+                if k >= 3:
+                    ts.append((clock() - t0) * 1e3)
+            alone[sn][vn] = statistics.median(ts)
+        if "graph" in samplers and "new" in samplers:  # the same impl (radix), graph vs eager
+            a = samplers["graph"].sample(logits, [p] * b, seeds, idx, hist).tokens
+            e = samplers["new"].sample(logits.clone(), [p] * b, seeds, idx, hist).tokens
+            agree[vn] = [sum(x == y for x, y in zip(a, e)), b]
     for s in seqs:
         eng.abort_request(s.request_id)
-    g = statistics.median(times["greedy"])
+    step_ms = {sn: {vn: statistics.median(times[(sn, vn)]) for vn in VARIANTS} for sn in samplers}
     return {
         "batch": b,
         "context": args.context,
-        "step_ms": {n: statistics.median(t) for n, t in times.items()},
-        "step_ms_min_max": {n: [min(t), max(t)] for n, t in times.items()},
-        "share_vs_greedy": {n: (statistics.median(t) - g) / g for n, t in times.items() if n != "greedy"},
+        "step_ms": step_ms,
+        "step_ms_min_max": {
+            sn: {vn: [min(times[(sn, vn)]), max(times[(sn, vn)])] for vn in VARIANTS} for sn in samplers
+        },
+        "share_vs_greedy": {
+            sn: {
+                vn: (v - step_ms[sn]["greedy"]) / step_ms[sn]["greedy"]
+                for vn, v in step_ms[sn].items()
+                if vn != "greedy"
+            }
+            for sn in samplers
+        },
         "sampler_ms": alone,
-        "n_steps": len(times["greedy"]),
+        "graph_equals_new": agree,
+        "graph_replays": getattr(getattr(samplers.get("graph"), "graphs", None), "num_replays", None),
+        "n_steps": args.steps * args.rounds,
     }
 
 
@@ -128,6 +185,13 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--threads", type=int, default=0, help="torch threads on the CPU (0: torch's default)")
     ap.add_argument("--kv-mb", type=int, default=40000, help="CUDA: KV cache size")
+    ap.add_argument("--samplers", nargs="+", default=["new"], help="old, new, new-sort, graph, graph-sort (above)")
+    ap.add_argument(
+        "--clock",
+        default="wall",
+        choices=("wall", "cpu"),
+        help="cpu: this process's CPU time (a shared, overloaded CPU machine: wall time there is mostly waiting)",
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.threads:
@@ -140,22 +204,33 @@ def main() -> None:
         else platform.processor() or platform.machine(),
         "model": args.model or "tiny",
         "torch_threads": torch.get_num_threads(),
+        "clock": args.clock,
         "vocab": eng.model_config.vocab_size,
         "build_s": round(time.perf_counter() - t0, 1),
         "variants": VARIANTS,
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "runs": [],
     }
+    samplers = make_samplers(args.samplers, eng, args.batches)
+    res["samplers"] = list(samplers)
+    res["graph_sampler_reserved_mib"] = {n: s.reserved_mib for n, s in samplers.items() if hasattr(s, "reserved_mib")}
+    res["setup_s"] = round(time.perf_counter() - t0, 1)
+    if args.out:
+        Path(args.out).write_text(json.dumps(res, indent=1))
     rng = random.Random(0)
     for b in args.batches:
-        r = measure_batch(eng, b, args, rng)
+        r = measure_batch(eng, b, args, rng, samplers)
         res["runs"].append(r)
         if args.out:
             Path(args.out).write_text(json.dumps(res, indent=1))
-        cells = "  ".join(f"{n} {v:.2f}" for n, v in r["step_ms"].items())
-        shares = "  ".join(f"{n} {100 * v:+.1f}%" for n, v in r["share_vs_greedy"].items())
-        alone = "  ".join(f"{n} {v:.3f}" for n, v in r["sampler_ms"].items())
-        print(f"batch {b}: step ms  {cells}\n  share vs greedy  {shares}\n  sampler alone ms  {alone}", flush=True)
+        print(f"batch {b}:", flush=True)
+        for sn in samplers:
+            cells = "  ".join(f"{n} {v:.2f}" for n, v in r["step_ms"][sn].items())
+            shares = "  ".join(f"{n} {100 * v:+.1f}%" for n, v in r["share_vs_greedy"][sn].items())
+            alone = "  ".join(f"{n} {v:.3f}" for n, v in r["sampler_ms"][sn].items())
+            print(f"  {sn}: step ms  {cells}\n    share vs greedy  {shares}\n    sampler alone ms  {alone}", flush=True)
+        if r["graph_equals_new"]:
+            print(f"  graph == new (rows): {r['graph_equals_new']}", flush=True)
 
 
 if __name__ == "__main__":

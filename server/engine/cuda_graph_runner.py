@@ -200,6 +200,8 @@ def setup_cuda_engine(engine) -> None:
     if not engine.config.enforce_eager and getattr(engine.model.backend, "supports_cuda_graph", False):
         graphs = CudaGraphRunner(engine.runner, engine.max_model_len, max_batch_size=engine.config.max_num_seqs)
         engine.runner.graph_runner = graphs
+        if os.environ.get("DISTSERVE_GRAPH_SAMPLER", "1") != "0":
+            attach_graph_sampler(engine, graphs.batch_sizes)
     log.info(
         "GPU engine: backend=%s layer_ops=%s cuda_graphs=%s",
         engine.model.backend.name,
@@ -208,4 +210,24 @@ def setup_cuda_engine(engine) -> None:
     )
 
 
-__all__ = ["CudaGraphRunner", "setup_cuda_engine", "capture_sizes"]
+def attach_graph_sampler(engine, batch_sizes: list[int]) -> None:
+    """The engine's sampler draws through CUDA graphs (graph_sampler.py) for the sizes that fit."""
+    from server.engine.graph_sampler import MAX_ELEMENTS, GraphSampler
+    from server.engine.sampler import Sampler
+
+    vocab = engine.model_config.vocab_size
+    sizes = [b for b in batch_sizes if b * vocab <= MAX_ELEMENTS]
+    if not sizes:
+        return
+    impl = os.environ.get("DISTSERVE_SAMPLER_IMPL", "radix")  # or "sort": the same sets, by one stable sort
+    if impl not in ("radix", "sort"):
+        raise ValueError(f"DISTSERVE_SAMPLER_IMPL must be radix or sort, got {impl!r}")
+    try:
+        engine.sampler = Sampler(GraphSampler(vocab, sizes, engine.device, impl=impl), impl=impl)
+    except Exception as e:  # e.g. no memory left for the graphs' workspace: sample eagerly, as before
+        log.warning("sampler CUDA graphs not captured (%s: %s); sampling eagerly", type(e).__name__, e)
+        if engine.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+__all__ = ["CudaGraphRunner", "attach_graph_sampler", "setup_cuda_engine", "capture_sizes"]

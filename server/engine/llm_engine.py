@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -131,12 +130,6 @@ class RequestOutput:
     logprobs: list[TokenLogprobs] | None = None
 
 
-# The structured-outputs seam: given the step's sampled sequences (one per logits row, in order), a
-# ``[rows, vocab]`` bool tensor on the engine's device (True = the token may be sampled) or None (no
-# constraint this step). Applied to the logits before penalties and sampling (sampler.py).
-LogitsMaskFn = Callable[[list[Sequence]], "torch.Tensor | None"]
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig = EngineConfig()) -> None:
         self.config = config
@@ -194,7 +187,6 @@ class LLMEngine:
         self._cap_max_model_len_for_rope()
         # before the KV profile: its profiling prefill steps (and samples) like any request
         self.sampler = Sampler()
-        self.logits_mask_fn: LogitsMaskFn | None = None  # see LogitsMaskFn
         self.kv_budget: KVBudget | None = None
         if not config.num_blocks and self.device.type == "cuda" and config.gpu_memory_utilization > 0:
             self.kv_budget = self._profile_kv_blocks()
@@ -477,7 +469,6 @@ class LLMEngine:
                     # the penalties' counts are rebuilt from the ids each step: a request resumed elsewhere
                     # (hand-off, migration, recompute) with its outputs sees the same logits
                     sampling if any(p.has_penalties for p in params) else None,
-                    self.logits_mask_fn(sampling) if self.logits_mask_fn is not None else None,
                 )
                 tokens, logprobs = sampled.tokens, sampled.logprobs
             except Exception as e:

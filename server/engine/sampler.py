@@ -3,41 +3,42 @@
 Every row of a step is sampled together: the per-request parameters become per-row tensors, and no
 row is handled on its own in Python. The order is vLLM's:
 
-1. logits processors: ``logit_bias`` (added to the logit) and the optional allowed-token mask
-   (``allowed``: a ``[rows, vocab]`` bool tensor, True = allowed; the seam structured outputs plug a
-   grammar into: ``LLMEngine.logits_mask_fn``);
+1. logits processors: ``logit_bias`` (added to the logit); a structured-output grammar masks the logits
+   before the sampler sees them (``StructuredDecoding.mask_logits``, called by the engine);
 2. penalties: ``repetition_penalty`` (vLLM/CTRL: the logit of a token in the prompt or the output is
    divided by it when positive, multiplied when negative), then OpenAI's ``frequency_penalty`` (times
    the token's count in the output) and ``presence_penalty`` (once if it is in the output), subtracted;
 3. greedy rows (temperature below ``SAMPLING_EPS`` or top_k 1): argmax, bit-identical to before;
-4. the other rows: ``/ temperature``, ``top_k``, softmax, ``top_p`` (the smallest set of the most likely
-   tokens whose mass reaches top_p; the top token always stays), ``min_p`` (drop tokens below min_p
-   times the top token's probability), then one draw by inverse CDF.
+4. the other rows: ``/ temperature``, ``top_k`` (the k largest, ties in vocabulary order), softmax,
+   ``top_p`` (the smallest set of the most likely tokens whose mass reaches top_p; the top token always
+   stays), ``min_p`` (drop tokens below min_p times the top token's probability), then one draw by
+   inverse CDF in vocabulary order. top_k and top_p sort nothing: ``radix_filter`` finds the same sets
+   as a stable sort would, with exact integer sums.
 
 Randomness is a pure function of ``(seed, output index)``: each row's uniform is a counter-based hash
-(splitmix64) of the two, computed in batch on the device. Which path a row takes (the vocabulary order,
-or the sorted order when it has top_k or top_p) depends on its own parameters only, and every op is
-row-wise, so a request yields the same tokens whatever it is batched with: colocated, across the P/D
-hand-off, after preemption (recompute) and after a migration.
+(splitmix64) of the two, computed in batch on the device. Every op is row-wise and every row takes the
+same path whatever the device (``sample_rows``), so a request yields the same tokens whatever it is
+batched with: colocated, across the P/D hand-off, after preemption (recompute), after a migration, and
+in or out of the sampler's CUDA graph (``graph_sampler``).
 
 ``logprobs`` are those of the model's raw logits (``log_softmax`` before any processing, vLLM's
-``raw_logprobs``): the sampled token's and the k most likely. The host sees one transfer of the
-sampled ids (with the rows that failed) and, when a row asks for logprobs, one of the logprobs.
-A row that cannot be sampled (NaN/Inf logits, or a mask that allows nothing) fails its request only.
+``raw_logprobs``): the sampled token's and the k most likely. The host sees one transfer per step: the
+sampled ids, the rows that failed, and the logprobs when a row asked for them. A row that cannot be
+sampled (NaN/Inf logits) fails its request only.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import chain
 
 import torch
 
+from server.engine.radix_filter import FIXED_ONE, fixed_point, top_k_mask, top_k_mask_host, top_p_mask, top_p_mask_host
 from server.engine.sampling_params import SamplingParams
 
 NON_FINITE = "the model produced NaN/Inf logits for this request"
-NOTHING_ALLOWED = "no token is allowed for this request at this step (the allowed-token mask is empty)"
 
 # A token's logprob and the k most likely (token id, logprob), most likely first.
 TokenLogprobs = tuple[float, list[tuple[int, float]]]
@@ -93,120 +94,99 @@ def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cum, target).squeeze(1).clamp_(max=probs.shape[-1] - 1)
 
 
-def _draw(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int], indices: list[int]) -> torch.Tensor:
-    """Sample rows of processed ``logits`` (none greedy); returns token ids ``[rows]`` (int64).
-
-    Each row goes one of three ways, chosen by its own parameters and the device only: neither top_k
-    nor top_p → vocabulary order; top_p without top_k on a CPU → vocabulary order inside the nucleus
-    (``_nucleus_cpu``: a CPU full-vocabulary sort costs more than the model's step); else → in order of
-    likelihood (``_ranked_draw``: a full sort, or ``torch.topk`` when every row has a top_k)."""
-    dev, vocab = logits.device, logits.shape[-1]
-    u = uniforms(
-        torch.tensor(seeds, dtype=torch.int64, device=dev), torch.tensor(indices, dtype=torch.int64, device=dev)
-    )
-    # No shift by the row's max first: every op below is shift-invariant or shifts itself (softmax), and
-    # a temperature is >= SAMPLING_EPS here (below it a row is greedy), so logits / T stays finite.
-    x = logits
-    if any(p.temperature != 1.0 for p in params):
-        inv = torch.tensor([1.0 / p.temperature for p in params], dtype=torch.float32, device=dev).unsqueeze(1)
-        x = logits * inv
-    cpu = dev.type == "cpu"
-
-    def way(p: SamplingParams) -> int:
-        has_k = 0 < p.top_k < vocab
-        if not has_k and p.top_p >= 1.0:
-            return 0
-        return 1 if cpu and not has_k else 2
-
-    ways = [way(p) for p in params]
-    out = torch.empty(len(params), dtype=torch.int64, device=dev)
-    for w in (0, 1, 2):
-        idx = [i for i, v in enumerate(ways) if v == w]
-        if not idx:
-            continue
-        rows = torch.tensor(idx, dtype=torch.int64, device=dev) if len(idx) < len(params) else None
-        xs, us, ps = (
-            (x, u, params)
-            if rows is None
-            else (x.index_select(0, rows), u.index_select(0, rows), [params[i] for i in idx])
-        )
-        tok = _ranked_draw(xs, ps, us) if w == 2 else _vocab_draw(xs, ps, us, nucleus=w == 1)
-        if rows is None:
-            return tok
-        out.index_copy_(0, rows, tok)
-    return out
+IMPLS = ("radix", "sort", "host")
 
 
-def _vocab_draw(x: torch.Tensor, params: list[SamplingParams], u: torch.Tensor, nucleus: bool) -> torch.Tensor:
-    """softmax, the top_p nucleus (when asked), min_p, then the draw, all in vocabulary order."""
-    dev = x.device
+@dataclass(frozen=True)
+class Filters:
+    """What a step's rows use (decided on the host from the parameters; static per CUDA graph). A row
+    that does not use a filter gets a value that makes it a no-op (top_k = vocabulary, top_p 1, min_p 0).
+    ``impl``: how top_k/top_p find their sets — ``radix`` (``radix_filter``: no sort, no host sync, exact
+    integer sums; a GPU's default), ``sort`` (a stable full sort per filter, the same integer sums; static
+    shapes too), ``host`` (the CPU variants: a host sync costs nothing there). All three give the
+    stable-sort sets (``host``'s top_p up to its float64 bin sums, ``sort``'s top_k up to a -0.0/+0.0 tie)."""
+
+    top_k: bool = False
+    top_p: bool = False
+    min_p: bool = False
+    temperature: bool = True  # some row's temperature is not 1
+    greedy: bool = True  # some row is greedy
+    impl: str = "radix"
+
+    def graphed(self, impl: str = "radix") -> Filters:
+        """The graph variant that runs these rows: only top_k/top_p vary between graphs."""
+        return Filters(self.top_k, self.top_p, True, impl=impl)
+
+
+def _sorted_keep(x: torch.Tensor, keep_sorted: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    return torch.zeros_like(x, dtype=torch.bool).scatter_(1, order, keep_sorted)
+
+
+def sample_rows(
+    logits: torch.Tensor,
+    fparams: torch.Tensor,
+    iparams: torch.Tensor,
+    filters: Filters = Filters(),
+) -> torch.Tensor:
+    """Token ids ``[rows]`` (int64) of processed ``logits``, every row in one pass (with ``impl`` radix or
+    sort: static shapes and no host sync, the body of the sampler's CUDA graphs; the eager sampler runs the
+    same function, so both give the same ids).
+
+    ``fparams`` ``[rows, 4]`` float32: 1 / temperature (1 for a greedy row), top_p, min_p, greedy (1.0/0.0);
+    ``iparams`` ``[rows, 3]`` int64: seed, output index, top_k (the vocabulary size when off).
+    Greedy rows: argmax. The others: / temperature, top_k (renormalised), softmax, top_p, min_p, then one
+    inverse-CDF draw in vocabulary order with the row's uniform of (seed, index). top_k and top_p are the
+    sorted rules (ties in vocabulary order)."""
+    x = logits * fparams[:, 0:1] if filters.temperature else logits
+    impl = filters.impl
+    if filters.top_k:
+        if impl == "sort":
+            order = torch.sort(x, dim=-1, descending=True, stable=True).indices
+            pos = torch.arange(x.shape[-1], device=x.device).unsqueeze(0)
+            keep = _sorted_keep(x, pos < iparams[:, 2:3], order)
+        else:
+            keep = (top_k_mask if impl == "radix" else top_k_mask_host)(x, iparams[:, 2])
+        x = x.masked_fill(~keep, float("-inf"))
     probs = torch.softmax(x, dim=-1)
-    if nucleus:
-        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev)
-        probs = probs.masked_fill(~_nucleus_cpu(probs, top_p), 0.0)
-    if any(p.min_p > 0.0 for p in params):
-        min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=dev).unsqueeze(1)
-        probs = probs.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0)
-    return _inverse_cdf(probs, u)
+    if filters.top_p:
+        top_p = fparams[:, 1]
+        if impl == "sort":  # by probability, with radix_filter's fixed-point sums: the radix select's sets
+            ps, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+            w = fixed_point(ps)
+            before = torch.cumsum(w, dim=-1) - w
+            target = (top_p.to(torch.float64) * FIXED_ONE).to(torch.int64).clamp_(min=1)
+            ks = (before < target.unsqueeze(1)) | (top_p >= 1.0).unsqueeze(1)
+            keep = _sorted_keep(x, ks, order)
+        else:
+            keep = (top_p_mask if impl == "radix" else top_p_mask_host)(probs, top_p)
+        probs = probs.masked_fill(~keep, 0.0)
+    if filters.min_p:
+        probs = probs.masked_fill(probs < fparams[:, 2:3] * probs.amax(dim=-1, keepdim=True), 0.0)
+    drawn = _inverse_cdf(probs, uniforms(iparams[:, 0], iparams[:, 1]))
+    return torch.where(fparams[:, 3] > 0.5, torch.argmax(logits, dim=-1), drawn) if filters.greedy else drawn
 
 
-def _nucleus_cpu(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """The top_p nucleus of each row without sorting the vocabulary (bool ``[rows, vocab]``): the same set
-    as the sorted rule (keep a token while the mass of the tokens before it is below top_p, ties in
-    vocabulary order). A float32 probability's bits order like the value, so a 1024-bin histogram of the
-    top 10 bits finds the bin where the mass crosses top_p; only that bin's few tokens are sorted."""
-    rows, vocab = probs.shape
-    bits = probs.view(torch.int32)  # probabilities are >= 0 and < 2: bit 30 is clear, bits >> 20 < 1024
-    bins = (bits >> 20).clamp_(0, 1023)  # (a NaN row's bits are not: it fails anyway, but must not index out)
-    offsets = torch.arange(rows, dtype=torch.int32).unsqueeze(1) * 1024
-    hist = torch.zeros(rows * 1024, dtype=torch.float32).index_add_(0, (bins + offsets).view(-1), probs.view(-1))
-    above = hist.view(rows, 1024).flip(1).cumsum(1).flip(1)  # above[r, j] = mass of row r's bins >= j
-    # the boundary bin: the highest whose mass, with every bin above it, reaches top_p
-    edge = ((above >= top_p.unsqueeze(1)).sum(1) - 1).clamp(min=0)
-    before = torch.where(edge < 1023, above.gather(1, (edge + 1).clamp(max=1023).unsqueeze(1)).squeeze(1), 0.0)
-    keep = bins > edge.to(torch.int32).unsqueeze(1)
-    r, c = (bins == edge.to(torch.int32).unsqueeze(1)).nonzero(as_tuple=True)
-    v = probs[r, c]  # the boundary bin's tokens: few
-    # within the boundary bin: by row, then value descending, then vocabulary order (stable sorts)
-    o = torch.sort(v, descending=True, stable=True).indices
-    o = o[torch.sort(r[o], stable=True).indices]
-    r, c, v = r[o], c[o], v[o]
-    # One cumulative sum over every row's entries, kept exact so that no row's answer depends on the rows
-    # before it: a bin's values share one float32 exponent, so each is its integer significand times the
-    # bin's power of two, and integer sums are exact.
-    vb = bits[r, c].to(torch.int64)
-    expo = vb >> 23
-    mant = torch.where(expo > 0, (vb & 0x7FFFFF) | 0x800000, vb & 0x7FFFFF)
-    cum = torch.cumsum(mant, 0)
-    starts = torch.searchsorted(r, torch.arange(rows))  # each row's first entry (r is sorted)
-    base = torch.where(starts > 0, cum[(starts - 1).clamp(min=0)], 0)
-    excl = (cum - mant - base[r]).to(torch.float64) * torch.pow(2.0, (expo.clamp(min=1) - 150).to(torch.float64))
-    keep[r, c] = (before[r].to(torch.float64) + excl) < top_p[r].to(torch.float64)
-    keep[:, 0] |= ~keep.any(dim=1)  # never empty (a row whose mass is all NaN fails anyway)
-    return keep
-
-
-def _ranked_draw(x: torch.Tensor, params: list[SamplingParams], u: torch.Tensor) -> torch.Tensor:
-    """Rows with top_k or top_p, in order of likelihood: top_k (renormalised, vLLM), softmax, top_p,
-    min_p, draw. ``torch.topk`` when every row has a top_k, else a full stable sort."""
-    dev, vocab = x.device, x.shape[-1]
-    ks = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
-    n = max(ks) if all(ks) else vocab
-    if n < vocab:
-        vals, order = torch.topk(x, n, dim=-1)  # sorted, most likely first
-    else:
-        vals, order = torch.sort(x, dim=-1, descending=True, stable=True)
-    kt = torch.tensor([k or n for k in ks], dtype=torch.int64, device=dev).unsqueeze(1)
-    vals = vals.masked_fill(torch.arange(n, device=dev).unsqueeze(0) >= kt, float("-inf"))
-    probs = torch.softmax(vals, dim=-1)
-    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev).unsqueeze(1)
-    drop = (torch.cumsum(probs, dim=-1) - probs) >= top_p  # the mass before this token already reaches top_p
-    if any(p.min_p > 0.0 for p in params):
-        min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=dev).unsqueeze(1)
-        drop |= probs < min_p * probs[:, :1]
-    drop[:, 0] = False  # the top token always stays
-    pos = _inverse_cdf(probs.masked_fill(drop, 0.0), u)
-    return order.gather(1, pos.unsqueeze(1)).squeeze(1)
+def row_params(
+    params: list[SamplingParams], seeds: list[int], indices: list[int], vocab: int
+) -> tuple[list[list[float]], list[list[int]], Filters]:
+    """The host side of ``sample_rows``: its two parameter tables as lists, and the filters in use."""
+    fl: list[list[float]] = []
+    il: list[list[int]] = []
+    use_k = use_p = use_min = use_t = use_g = False
+    for p, seed, index in zip(params, seeds, indices):
+        if p.is_greedy:
+            use_g = True
+            fl.append([1.0, 1.0, 0.0, 1.0])
+            il.append([seed, index, vocab])
+            continue
+        k = p.top_k if 0 < p.top_k < vocab else vocab
+        use_k |= k < vocab
+        use_p |= p.top_p < 1.0
+        use_min |= p.min_p > 0.0
+        use_t |= p.temperature != 1.0
+        fl.append([1.0 / p.temperature, p.top_p, p.min_p, 0.0])
+        il.append([seed, index, k])
+    return fl, il, Filters(use_k, use_p, use_min, use_t, use_g)
 
 
 class PenaltyState:
@@ -221,11 +201,18 @@ class PenaltyState:
         self.counts, self.seen, self.n = counts, seen, n
 
 
+def _to_device(data: list, dtype: torch.dtype, dev: torch.device) -> torch.Tensor:
+    """A host list on ``dev`` without a device sync: on a GPU through pinned memory and a non-blocking copy
+    (torch's pinned-memory cache keeps the buffer until the copy is done); a plain tensor on a CPU."""
+    t = torch.tensor(data, dtype=dtype)
+    return t.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else t
+
+
 def _flat(rows: list[int], lists: list[Sequence[int]], dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(row index, token id) of every id in ``lists`` (list j belongs to ``rows[j]``), two int64 tensors."""
-    ids = torch.tensor(list(chain.from_iterable(lists)), dtype=torch.int64, device=dev)
-    lens = torch.tensor([len(x) for x in lists], dtype=torch.int64, device=dev)
-    return torch.repeat_interleave(torch.tensor(rows, dtype=torch.int64, device=dev), lens), ids
+    """(row index, token id) of every id in ``lists`` (list j belongs to ``rows[j]``), two int64 tensors
+    from one host-to-device copy."""
+    flat = _to_device([[r for r, x in zip(rows, lists) for _ in x], list(chain.from_iterable(lists))], torch.int64, dev)
+    return flat[0], flat[1]
 
 
 def _apply_penalties(logits: torch.Tensor, params: list[SamplingParams], rows: list[int], histories) -> None:
@@ -258,19 +245,22 @@ def _apply_penalties(logits: torch.Tensor, params: list[SamplingParams], rows: l
         if not isinstance(h, tuple):
             h.sampler_state = PenaltyState(counts[j], seen[j], len(pairs[j][1]))
     every = n == logits.shape[0]
-    row_t = None if every else torch.tensor(rows, dtype=torch.int64, device=dev)
+    row_t = None if every else _to_device(rows, torch.int64, dev)
     sub = logits if row_t is None else logits.index_select(0, row_t)
-
-    def column(name: str) -> torch.Tensor:
-        return torch.tensor([getattr(params[i], name) for i in rows], dtype=torch.float32, device=dev).unsqueeze(1)
-
-    if any(params[i].repetition_penalty != 1.0 for i in rows):
-        r = column("repetition_penalty")
+    ps = [params[i] for i in rows]
+    # the three penalties of every row in one copy: [3, n, 1]
+    cols = _to_device(
+        [[[p.repetition_penalty] for p in ps], [[p.frequency_penalty] for p in ps], [[p.presence_penalty] for p in ps]],
+        torch.float32,
+        dev,
+    )
+    if any(p.repetition_penalty != 1.0 for p in ps):
+        r = cols[0]
         sub = torch.where(seen, sub * torch.where(sub > 0, 1.0 / r, r), sub)
-    if any(params[i].frequency_penalty != 0.0 for i in rows):
-        sub = sub - counts * column("frequency_penalty")
-    if any(params[i].presence_penalty != 0.0 for i in rows):
-        sub = sub - (counts > 0) * column("presence_penalty")
+    if any(p.frequency_penalty != 0.0 for p in ps):
+        sub = sub - counts * cols[1]
+    if any(p.presence_penalty != 0.0 for p in ps):
+        sub = sub - (counts > 0) * cols[2]
     if row_t is None:
         logits.copy_(sub)
     else:
@@ -282,43 +272,60 @@ def _apply_logit_bias(logits: torch.Tensor, params: list[SamplingParams], rows: 
     r = [i for i in rows for _ in params[i].logit_bias]
     toks = [t for i in rows for t, _ in params[i].logit_bias]
     vals = [b for i in rows for _, b in params[i].logit_bias]
-    logits.index_put_(
-        (torch.tensor(r, dtype=torch.int64, device=dev), torch.tensor(toks, dtype=torch.int64, device=dev)),
-        torch.tensor(vals, dtype=torch.float32, device=dev),
-        accumulate=True,
-    )
+    idx = _to_device([r, toks], torch.int64, dev)
+    logits.index_put_((idx[0], idx[1]), _to_device(vals, torch.float32, dev), accumulate=True)
 
 
-def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams]) -> list[TokenLogprobs | None]:
-    """Logprobs of the raw logits for the rows that asked: one device → host transfer for them all."""
-    want = [i for i, p in enumerate(params) if p.logprobs is not None]
-    dev = raw.device
-    rows = torch.tensor(want, dtype=torch.int64, device=dev) if len(want) < len(params) else None
-    lp = torch.log_softmax(raw if rows is None else raw.index_select(0, rows), dim=-1)
-    tok = tokens if rows is None else tokens.index_select(0, rows)
-    chosen = lp.gather(1, tok.clamp(min=0).unsqueeze(1))
-    k = max(params[i].logprobs or 0 for i in want)
+def _finish(
+    codes: torch.Tensor, raw: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams]
+) -> SamplerOutput:
+    """One device -> host transfer of the step's result: per row the token id or a failure code (-2: non-finite
+    logits), and when any row asked for logprobs, those of the raw logits for every row in the same tensor
+    (``logsumexp`` once, ``topk`` once, no full ``log_softmax`` written out; ids travel as float32, exact
+    below 2**24)."""
+    n = len(params)
+    want = [p.logprobs for p in params]
+    if all(w is None for w in want):
+        ids: list[int] = codes.tolist()
+        return SamplerOutput([NON_FINITE if t < 0 else t for t in ids], [None] * n)
+    k = max(w or 0 for w in want)
+    lse = torch.logsumexp(raw, dim=-1, keepdim=True)
+    cols = [codes.to(torch.float32).unsqueeze(1), raw.gather(1, tokens.clamp(min=0).unsqueeze(1)) - lse]
     if k:
-        top = torch.topk(lp, k, dim=-1)  # sorted, most likely first
-        # ids as float32 (exact below 2**24) so values and ids travel in one transfer
-        packed = torch.cat([chosen, top.values, top.indices.to(torch.float32)], dim=1).tolist()
-    else:
-        packed = chosen.tolist()
-    result: list[TokenLogprobs | None] = [None] * len(params)
-    for row, i in zip(packed, want):
-        n = params[i].logprobs or 0
-        result[i] = (row[0], [(int(row[1 + k + j]), row[1 + j]) for j in range(n)])
-    return result
+        top = torch.topk(raw, k, dim=-1)  # sorted, most likely first
+        cols += [top.values - lse, top.indices.to(torch.float32)]
+    packed = torch.cat(cols, dim=1).tolist()
+    out: list[int | str] = []
+    lps: list[TokenLogprobs | None] = []
+    for row, w in zip(packed, want):
+        t = int(row[0])
+        out.append(NON_FINITE if t < 0 else t)
+        if w is None or t < 0:
+            lps.append(None)
+        else:
+            lps.append((row[1], [(int(row[2 + k + j]), row[2 + j]) for j in range(w)]))
+    return SamplerOutput(out, lps)
 
 
 class Sampler:
     """Samples every row of a step in one batched pass; a row that cannot be sampled fails that row only.
 
     ``sample`` returns a ``SamplerOutput``: one entry per row, the token id or a ``str`` saying why that
-    request's row could not be sampled (non-finite logits, an empty allowed-token mask, or the sampling
-    ops failing). The engine fails exactly those requests; the rest of the batch goes on (DESIGN: one
-    request never fails another).
+    request's row could not be sampled (non-finite logits, or the sampling ops failing). The engine fails
+    exactly those requests; the rest of the batch goes on (DESIGN: one request never fails another).
+
+    With ``graphs`` (a ``graph_sampler.GraphSampler``, on a GPU) the draw runs as a replay of a CUDA graph of
+    ``sample_rows`` whenever the step's rows fit one; logit_bias and penalties are applied to the graph's
+    input buffer first, eagerly. The graph and the eager pass run the same function: the same ids (give
+    both the same ``impl``).
     """
+
+    def __init__(self, graphs=None, impl: str = "radix") -> None:
+        if impl not in IMPLS[:2]:
+            raise ValueError(f"impl must be radix or sort, got {impl!r}")
+        self.graphs = graphs
+        self.impl = impl  # top_k/top_p on a GPU (a CPU always uses the host variants)
+        self.num_graphed = 0  # steps sampled by a graph replay
 
     def sample(
         self,
@@ -327,55 +334,52 @@ class Sampler:
         seeds: list[int],
         indices: list[int],
         histories: Sequence | None = None,
-        allowed: torch.Tensor | None = None,
     ) -> SamplerOutput:
         """``logits``: [rows, vocab] float32; ``histories``: per row a (prompt ids, output ids) pair or a
-        ``Sequence`` (which then keeps its penalty counts between steps), read for rows with penalties;
-        ``allowed``: optional [rows, vocab] bool mask (True = may be sampled)."""
+        ``Sequence`` (which then keeps its penalty counts between steps), read for rows with penalties."""
         # A row sum is non-finite iff the row holds a NaN or an Inf: one reduction, no extra sync
         # (it travels with the tokens in the same .tolist()).
         finite = torch.isfinite(logits.sum(dim=-1))
         n = len(params)
         biased = [i for i, p in enumerate(params) if p.logit_bias]
         penalized = [i for i, p in enumerate(params) if p.has_penalties]
-        greedy = [p.is_greedy for p in params]
         want_lp = any(p.logprobs is not None for p in params)
-        if all(greedy) and not biased and not penalized and allowed is None and not want_lp:
-            ids: list[int] = torch.where(finite, torch.argmax(logits, dim=-1), -1).tolist()
+        if all(p.is_greedy for p in params) and not biased and not penalized and not want_lp:
+            ids: list[int] = torch.where(finite, torch.argmax(logits, dim=-1), -2).tolist()
             return SamplerOutput([NON_FINITE if t < 0 else t for t in ids], [None] * n)
+        if penalized and histories is None:
+            return SamplerOutput(["sampling failed for this request: penalties need the rows' token histories"] * n)
         try:
-            return self._sample(logits, params, seeds, indices, histories, allowed, finite, biased, penalized, greedy)
-        except RuntimeError as e:  # e.g. an op failing on this batch: fail the rows, never the process
+            return self._sample(logits, params, seeds, indices, histories, finite, biased, penalized)
+        except (RuntimeError, OverflowError) as e:  # e.g. an op failing on this batch: fail the rows, never the process
             return SamplerOutput([f"sampling failed for this request: {e}"] * n, [None] * n)
 
-    def _sample(self, logits, params, seeds, indices, histories, allowed, finite, biased, penalized, greedy):
-        n, dev = len(params), logits.device
-        raw = logits
-        ok = finite
-        if biased or penalized or allowed is not None:
-            logits = logits.clone()
-            if biased:
-                _apply_logit_bias(logits, params, biased)
-            if allowed is not None:
-                logits = logits.masked_fill(~allowed, float("-inf"))
-                ok = ok & allowed.any(dim=-1)
-            if penalized:
-                if histories is None:
-                    raise RuntimeError("penalties need the rows' token histories")
-                _apply_penalties(logits, params, penalized, histories)
-        if all(greedy):
-            tokens = torch.argmax(logits, dim=-1)
+    def _sample(self, logits, params, seeds, indices, histories, finite, biased, penalized) -> SamplerOutput:
+        n, dev, vocab = len(params), logits.device, logits.shape[-1]
+        fl, il, filters = row_params(params, seeds, indices, vocab)
+        graphs = self.graphs
+        if graphs is not None and graphs.fits(n, vocab, dev):
+            x = graphs.load(logits)  # the graph's static input rows: a copy, so ``logits`` stays raw
+            self._process(x, params, histories, biased, penalized)
+            tokens = graphs.replay(n, fl, il, filters)
+            self.num_graphed += 1
         else:
-            tokens = torch.argmax(logits, dim=-1) if any(greedy) else torch.empty(n, dtype=torch.int64, device=dev)
-            drawn = [i for i, g in enumerate(greedy) if not g]
-            rows = torch.tensor(drawn, dtype=torch.int64, device=dev) if len(drawn) < n else None
-            sub = logits if rows is None else logits.index_select(0, rows)
-            got = _draw(sub, [params[i] for i in drawn], [seeds[i] for i in drawn], [indices[i] for i in drawn])
-            tokens = got if rows is None else tokens.index_copy(0, rows, got)
-        ids = torch.where(ok, tokens, -1).tolist()
-        lps = _logprobs(raw, tokens, params) if any(p.logprobs is not None for p in params) else [None] * n
-        failed = finite.tolist() if -1 in ids else None
-        out: list[int | str] = []
-        for i, t in enumerate(ids):
-            out.append(t if t >= 0 else (NON_FINITE if failed is not None and not failed[i] else NOTHING_ALLOWED))
-        return SamplerOutput(out, [lp if isinstance(out[i], int) else None for i, lp in enumerate(lps)])
+            x = logits
+            if biased or penalized:
+                x = logits.clone()
+                self._process(x, params, histories, biased, penalized)
+            if all(p.is_greedy for p in params):
+                tokens = torch.argmax(x, dim=-1)
+            else:
+                fp = _to_device(fl, torch.float32, dev)
+                ip = _to_device(il, torch.int64, dev)
+                tokens = sample_rows(x, fp, ip, replace(filters, impl="host" if dev.type == "cpu" else self.impl))
+        return _finish(torch.where(finite, tokens, -2), logits, tokens, params)
+
+    @staticmethod
+    def _process(x, params, histories, biased, penalized) -> None:
+        """In place on ``x``: logit_bias, then the penalties (vLLM's order)."""
+        if biased:
+            _apply_logit_bias(x, params, biased)
+        if penalized:
+            _apply_penalties(x, params, penalized, histories)
