@@ -231,6 +231,7 @@ def create_router_app(state: RouterState) -> FastAPI:
             if state.admission is None:  # one per state: its metrics live in the state's registry
                 state.admission = Admission(state.config, state.metrics.registry, lambda: _serving_workers(state))
             state.admission.journal = state.sla.events_journal.append
+            state.admission.attach(state.pipeline)  # the TTFT model learns each request's phases
             ticker = asyncio.ensure_future(state.sla.run())
             sweeper = asyncio.create_task(sweep_registry(), name="registry-sweep")
             try:
@@ -851,6 +852,7 @@ class _Run:
     ) -> None:
         self.state, self.req, self.assembler = state, req, text
         self.ticket = ticket  # its place in admission's counts: released at token #1 and at the end
+        req.phases = ticket.phases if ticket is not None else req.phases  # measured for its TTFT model
         self.token_ids: list[int] = []
         self.finish_reason: str | None = None
         self.error: str | None = None
