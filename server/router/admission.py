@@ -93,6 +93,7 @@ class Decision:
     predicted_tpot_s: float | None = None
     retry_after_s: int = 1
     message: str = ""
+    predicted_parts: tuple[float, float, float] | None = None  # (decode room, prefill call, overhead) seconds
 
 
 class Ticket:
@@ -153,7 +154,14 @@ class Admission:
             registry=registry,
         )
         terms = Gauge("distserve_ttft_model", "The live TTFT model's terms (ms)", ["term"], registry=registry)
-        for term in ("per_call_ms", "per_step_ms", "per_token_ms", "room_per_release_ms", "overhead_ms"):
+        for term in (
+            "per_call_ms",
+            "per_step_ms",
+            "per_token_ms",
+            "ahead_discount_per_token_ms",
+            "room_per_release_ms",
+            "overhead_ms",
+        ):
             terms.labels(term).set_function(self._term(term))
         g = Gauge("distserve_admission_queue", "Admitted requests by stage", ["what"], registry=registry)
         g.labels("inflight_requests").set_function(lambda: self.inflight)
@@ -177,7 +185,8 @@ class Admission:
 
     def decide(self, prompt_tokens: int, slo: Slo) -> Decision:
         a = self.cfg
-        ttft = self.model.predict_s(prompt_tokens, self.tokens_ahead())
+        parts = self.model.predict_parts(prompt_tokens, self.tokens_ahead())
+        ttft = None if parts is None else sum(parts)
         tpot = self.tpot_ewma_s
         full = None
         if a.max_inflight_requests and self.inflight >= a.max_inflight_requests:
@@ -231,7 +240,7 @@ class Admission:
                 retry,
                 f"Rate limit reached: {what} (x-slo-* headers). Please retry after {retry} s.",
             )
-        return Decision("primary", miss[0] + "_queued" if miss else "ok", ttft, tpot)
+        return Decision("primary", miss[0] + "_queued" if miss else "ok", ttft, tpot, predicted_parts=parts)
 
     def _retry_after(self, seconds: float | None) -> int:
         s = self.cfg.retry_after_s
@@ -241,6 +250,7 @@ class Admission:
 
     def admit(self, prompt_tokens: int, d: Decision) -> Ticket:
         t = Ticket(self, prompt_tokens, self.tokens_ahead(), d.predicted_ttft_s)
+        t.phases.predicted = d.predicted_parts
         self.inflight += 1
         self.queued_requests += 1
         self.queued_tokens += prompt_tokens
@@ -301,4 +311,5 @@ class Admission:
             "model": self.model.terms(),
             "tpot_ewma_s": self.tpot_ewma_s,
             "prediction_error": {"samples": len(errs), "median": q(0.5), "p90": q(0.9)},
+            "prediction_error_by_part": self.model.part_errors(),
         }

@@ -11,15 +11,17 @@ A request's TTFT at the router is the sum of three parts, each predicted from wh
   finds ``tokens`` prompt tokens of ``requests`` requests ahead of it (the router counts, per worker, what it
   sent and has no answer for) waits for their steps and its own: ``queued_prefill_ms`` of
   server/latency_model.py, with the number of steps from the worker's budgets (``prefill_steps``) and three
-  coefficients (per call: HTTP and KV staging; per step; per token) fitted online, by non-negative least
-  squares of the relative error with exponential forgetting (``FORGET``) over every call's (steps, tokens,
-  duration): the fit follows
+  coefficients (per call: HTTP and KV staging; per step; per token), less a discount per token ahead (a
+  prompt ahead may be in a step already under way, or share this one's step, so it adds less than a step
+  of its own; a line through total tokens over-predicted every request that found one ahead), all fitted
+  online, by non-negative least squares of the relative error with exponential forgetting (``FORGET``) over
+  every call's (steps, tokens, duration): the fit follows
   the machine as it is now (neighbours, threads, the model) and is not skewed by the decode-room wait, which
   one line through (tokens ahead, TTFT) mixed in.
 - **overhead**: the rest of the measured TTFT (picking, the first token's way to the client): an EWMA.
 
-Cheap on the hot path: a prediction is O(workers); a measurement is a few multiply-adds, and the 3x3 fit is
-re-solved every ``FIT_EVERY`` calls (all seven subsets of the three terms, the best one with no negative
+Cheap on the hot path: a prediction is O(workers); a measurement is a few multiply-adds, and the 4x4 fit is
+re-solved every ``FIT_EVERY`` calls (all 15 subsets of the four terms, the best one with no negative
 coefficient: a cost can not be negative, and an unconstrained fit extrapolates wildly). Until ``MIN_SAMPLES``
 calls are measured there is no prediction (never a guess).
 
@@ -29,8 +31,10 @@ the tokens that admission counted as queued ahead of the request.
 
 from __future__ import annotations
 
+import math
 import time
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Iterable, Sequence
 from typing import Protocol
 
 from server.config import DistServeConfig
@@ -40,6 +44,7 @@ MIN_SAMPLES = 8
 FORGET = 0.99  # per call: a sample's weight halves after about 70 calls
 FIT_EVERY = 4  # re-solve the fit every this many calls (every call for the first 32)
 EWMA = 0.1  # weight of a new sample in the decode-room and overhead averages
+ROOM_ERROR_MIN_S = 0.01  # decode-room waits shorter than this are not judged by their relative error
 
 
 class RoomState(Protocol):
@@ -51,11 +56,12 @@ class RoomState(Protocol):
 class RequestPhases:
     """One admitted request's measured parts, filled in by the pipeline as it goes."""
 
-    __slots__ = ("room_s", "call_s")
+    __slots__ = ("room_s", "call_s", "predicted")
 
     def __init__(self) -> None:
         self.room_s = 0.0
         self.call_s: float | None = None
+        self.predicted: tuple[float, float, float] | None = None  # (room, call, overhead) seconds, at admission
 
 
 class Call:
@@ -155,13 +161,16 @@ class TtftPredictor:
         self.batched_tokens = cfg.prefill.max_num_batched_tokens
         self.batch_size = cfg.prefill.max_batch_size
         self.workers = workers  # how many workers share the prefill queue (admission's callback)
-        self.call = OnlineFit(3)  # x = (1, steps, tokens / 1000), y = ms
+        self.call = OnlineFit(4)  # x = (1, steps, (ahead + own) / 1000, -ahead / 1000), y = ms
         self.room_per_release_s: float | None = None
         self.room_samples = 0
         self.overhead_s = 0.0
         self.overhead_samples = 0
         self.outstanding: dict[str, list[int]] = {}  # worker id -> [prompt tokens, requests] sent, no answer yet
         self.room: RoomState | None = None  # set by attach(): the pipeline reports the phases
+        # relative errors of the two predicted parts (|measured - predicted| / measured), for GET /v1/admission
+        self.call_errors: deque[float] = deque(maxlen=1024)
+        self.room_errors: deque[float] = deque(maxlen=1024)
 
     @property
     def ready(self) -> bool:
@@ -172,15 +181,19 @@ class TtftPredictor:
         return self.room is not None
 
     # --- the model --------------------------------------------------------------------------------
-    def _x(self, tokens: int, requests: int) -> tuple[float, float, float]:
-        return (1.0, float(prefill_steps(tokens, requests, self.batched_tokens, self.batch_size)), tokens / 1000.0)
+    def _x(self, ahead: int, ahead_requests: int, own: int) -> tuple[float, float, float, float]:
+        steps = prefill_steps(ahead + own, ahead_requests + 1, self.batched_tokens, self.batch_size)
+        return (1.0, float(steps), (ahead + own) / 1000.0, -ahead / 1000.0)
 
-    def call_ms(self, tokens: int, requests: int) -> float:
-        """The predicted prefill call of a request that makes ``tokens`` prompt tokens in ``requests`` requests
-        (itself included) on its worker."""
+    def call_ms(self, ahead: int, ahead_requests: int, own: int) -> float:
+        """The predicted prefill call of a request of ``own`` prompt tokens that finds ``ahead`` tokens of
+        ``ahead_requests`` requests queued on its worker. Tokens ahead may cost less than its own (the
+        ``ahead_discount``: some are in a step already under way, the rest share its step) but never less
+        than nothing."""
         c = self.call.coef
-        steps = prefill_steps(tokens, requests, self.batched_tokens, self.batch_size)
-        return queued_prefill_ms(tokens, steps, c[0], c[1], c[2] / 1000.0)
+        steps = prefill_steps(ahead + own, ahead_requests + 1, self.batched_tokens, self.batch_size)
+        discount = min(c[3], c[2]) * ahead
+        return queued_prefill_ms(ahead + own, steps, c[0], c[1], c[2] / 1000.0) - discount / 1000.0
 
     def ahead(self) -> tuple[int, int]:
         """Prompt tokens and requests ahead on the worker a new request would likely get (the least queued;
@@ -193,19 +206,25 @@ class TtftPredictor:
 
     def predict_s(self, own_tokens: int, fallback_ahead: tuple[float, float] = (0.0, 0.0)) -> float | None:
         """The predicted TTFT of a request of ``own_tokens`` prompt tokens admitted now, in seconds."""
+        parts = self.predict_parts(own_tokens, fallback_ahead)
+        return None if parts is None else sum(parts)
+
+    def predict_parts(
+        self, own_tokens: int, fallback_ahead: tuple[float, float] = (0.0, 0.0)
+    ) -> tuple[float, float, float] | None:
+        """(decode-room wait, prefill call, overhead) predicted for a request admitted now, in seconds."""
         if not self.ready:
             return None
-        if not self.attached:
+        if self.room is None:
             t, r = fallback_ahead
-            return self.call_ms(int(t) + own_tokens, int(r) + 1) / 1000.0
+            return 0.0, self.call_ms(int(t), int(r), own_tokens) / 1000.0, 0.0
         t, r = self.ahead()
-        ms = self.call_ms(t + own_tokens, r + 1)
+        ms = self.call_ms(t, r, own_tokens)
         room = 0.0
-        assert self.room is not None
         releases = self.room.releases_needed()
         if releases and self.room_per_release_s is not None:
             room = releases * self.room_per_release_s
-        return room + ms / 1000.0 + self.overhead_s
+        return room, ms / 1000.0, self.overhead_s
 
     # --- measurements (the pipeline's hooks) ------------------------------------------------------
     def attach(self, room: RoomState) -> None:
@@ -246,17 +265,22 @@ class TtftPredictor:
         dur = time.perf_counter() - c.t0
         if phases is not None:
             phases.call_s = dur
-        self.call.observe_relative(self._x(c.ahead_tokens + c.tokens, c.ahead_requests + 1), dur * 1000.0)
+        self.call.observe_relative(self._x(c.ahead_tokens, c.ahead_requests, c.tokens), dur * 1000.0)
 
     def measured(self, phases: RequestPhases, tokens: int, ahead: tuple[float, float], ttft_s: float) -> None:
         """A request's first token reached the router ``ttft_s`` after its arrival."""
         if phases.call_s is not None:
+            if phases.predicted is not None:
+                p_room, p_call, _ = phases.predicted
+                self.call_errors.append(abs(phases.call_s - p_call) / max(phases.call_s, 1e-6))
+                if phases.room_s >= ROOM_ERROR_MIN_S:  # a relative error of a wait of nothing says nothing
+                    self.room_errors.append(abs(phases.room_s - p_room) / phases.room_s)
             over = max(0.0, ttft_s - phases.room_s - phases.call_s)
             self.overhead_s = over if not self.overhead_samples else (1 - EWMA) * self.overhead_s + EWMA * over
             self.overhead_samples += 1
         elif not self.attached:  # no pipeline to report the parts: the whole TTFT is the call
             t, r = ahead
-            self.call.observe_relative(self._x(int(t) + tokens, int(r) + 1), ttft_s * 1000.0)
+            self.call.observe_relative(self._x(int(t), int(r), tokens), ttft_s * 1000.0)
 
     def terms(self) -> dict:
         c = self.call.coef
@@ -266,7 +290,21 @@ class TtftPredictor:
             "per_call_ms": round(c[0], 3),
             "per_step_ms": round(c[1], 3),
             "per_token_ms": round(c[2] / 1000.0, 5),
+            "ahead_discount_per_token_ms": round(min(c[3], c[2]) / 1000.0, 5),
             "room_per_release_ms": None if self.room_per_release_s is None else round(self.room_per_release_s * 1e3, 3),
             "room_samples": self.room_samples,
             "overhead_ms": round(self.overhead_s * 1000.0, 3),
         }
+
+    def part_errors(self) -> dict:
+        return {"prefill_call": quantiles(self.call_errors), "decode_room": quantiles(self.room_errors)}
+
+
+def quantiles(errors: Iterable[float]) -> dict:
+    """Samples, median and P90 (nearest rank) of relative errors."""
+    s = sorted(errors)
+
+    def q(p: float) -> float | None:
+        return round(s[min(len(s) - 1, math.ceil(p * len(s)) - 1)], 4) if s else None
+
+    return {"samples": len(s), "median": q(0.5), "p90": q(0.9)}

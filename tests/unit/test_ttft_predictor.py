@@ -184,3 +184,23 @@ def test_the_decode_room_gives_up_after_its_timeout():
         assert not room.waiters
 
     asyncio.run(go())
+
+
+def test_prompts_ahead_may_cost_less_than_the_requests_own_prefill():
+    # a prefill call costs 10 ms + 0.2 ms per token of its own prompt, and only 0.05 ms per token queued ahead
+    # of it (those share its step or are partly done): a line through total tokens cannot fit both
+    p = TtftPredictor(load_config(), lambda: 1)
+    p.attach(DecodeRoom(_registry(), slots=0))
+    rng = random.Random(3)
+    for _ in range(300):
+        blockers = [p.call_started("p0", rng.choice((64, 128, 256))) for _ in range(rng.randint(0, 4))]
+        own = rng.choice((64, 128, 256))
+        c = p.call_started("p0", own)
+        c.t0 -= (10.0 + 0.2 * own + 0.05 * c.ahead_tokens) * rng.uniform(0.97, 1.03) / 1000
+        p.call_ended(c, True)
+        for b in blockers:
+            p.call_ended(b, False)
+    for ahead, own in ((0, 64), (512, 128), (1024, 256)):
+        assert p.call_ms(ahead, ahead // 128, own) == pytest.approx(10.0 + 0.2 * own + 0.05 * ahead, rel=0.05)
+    t = p.terms()
+    assert t["per_token_ms"] - t["ahead_discount_per_token_ms"] == pytest.approx(0.05, abs=0.02)
