@@ -155,6 +155,10 @@ class Admission:
         )
         terms = Gauge("distserve_ttft_model", "The live TTFT model's terms (ms)", ["term"], registry=registry)
         for term in (
+            "alone_per_call_ms",
+            "alone_per_token_ms",
+            "behind_per_token_ms",
+            "behind_per_request_ms",
             "per_call_ms",
             "per_step_ms",
             "per_token_ms",

@@ -162,6 +162,8 @@ class TtftPredictor:
         self.batch_size = cfg.prefill.max_batch_size
         self.workers = workers  # how many workers share the prefill queue (admission's callback)
         self.call = OnlineFit(4)  # x = (1, steps, (ahead + own) / 1000, -ahead / 1000), y = ms
+        self.alone = OnlineFit(2)  # calls that found nothing ahead: x = (1, own / 1000), y = ms
+        self.behind = OnlineFit(2)  # the rest, over `alone`: x = (ahead / 1000, ahead requests), y = ms more
         self.room_per_release_s: float | None = None
         self.room_samples = 0
         self.overhead_s = 0.0
@@ -185,11 +187,22 @@ class TtftPredictor:
         steps = prefill_steps(ahead + own, ahead_requests + 1, self.batched_tokens, self.batch_size)
         return (1.0, float(steps), (ahead + own) / 1000.0, -ahead / 1000.0)
 
+    def split(self, ahead_requests: int) -> bool:
+        """Whether the two-part model (alone + behind) has the measurements to predict this call."""
+        return self.alone.count >= MIN_SAMPLES and (ahead_requests == 0 or self.behind.count >= MIN_SAMPLES)
+
     def call_ms(self, ahead: int, ahead_requests: int, own: int) -> float:
         """The predicted prefill call of a request of ``own`` prompt tokens that finds ``ahead`` tokens of
-        ``ahead_requests`` requests queued on its worker. Tokens ahead may cost less than its own (the
+        ``ahead_requests`` requests queued on its worker: what such a call costs on an idle worker, plus what
+        the queue ahead adds (both fitted on their own calls, ``split``); until both have measurements, one
+        fit over every call, in which tokens ahead may cost less than the request's own (the
         ``ahead_discount``: some are in a step already under way, the rest share its step) but never less
         than nothing."""
+        if self.split(ahead_requests):
+            ms = self.alone.predict((1.0, own / 1000.0))
+            if ahead_requests:
+                ms += self.behind.predict((ahead / 1000.0, float(ahead_requests)))
+            return ms
         c = self.call.coef
         steps = prefill_steps(ahead + own, ahead_requests + 1, self.batched_tokens, self.batch_size)
         discount = min(c[3], c[2]) * ahead
@@ -265,7 +278,18 @@ class TtftPredictor:
         dur = time.perf_counter() - c.t0
         if phases is not None:
             phases.call_s = dur
-        self.call.observe_relative(self._x(c.ahead_tokens, c.ahead_requests, c.tokens), dur * 1000.0)
+        self._observe_call(c.ahead_tokens, c.ahead_requests, c.tokens, dur * 1000.0)
+
+    def _observe_call(self, ahead: int, ahead_requests: int, own: int, ms: float) -> None:
+        self.call.observe_relative(self._x(ahead, ahead_requests, own), ms)
+        x_alone = (1.0, own / 1000.0)
+        if ahead_requests == 0:
+            self.alone.observe_relative(x_alone, ms)
+        elif self.alone.count >= MIN_SAMPLES:  # what the queue added, weighed relative to the whole call
+            guess = self.call_ms(ahead, ahead_requests, own) if self.split(ahead_requests) else ms
+            self.behind.observe(
+                (ahead / 1000.0, float(ahead_requests)), ms - self.alone.predict(x_alone), 1.0 / max(1.0, guess) ** 2
+            )
 
     def measured(self, phases: RequestPhases, tokens: int, ahead: tuple[float, float], ttft_s: float) -> None:
         """A request's first token reached the router ``ttft_s`` after its arrival."""
@@ -280,13 +304,20 @@ class TtftPredictor:
             self.overhead_samples += 1
         elif not self.attached:  # no pipeline to report the parts: the whole TTFT is the call
             t, r = ahead
-            self.call.observe_relative(self._x(int(t), int(r), tokens), ttft_s * 1000.0)
+            self._observe_call(int(t), int(r), tokens, ttft_s * 1000.0)
 
     def terms(self) -> dict:
         c = self.call.coef
+        a, b = self.alone.coef, self.behind.coef
         return {
             "ready": self.ready,
             "samples": self.call.count,
+            "alone_per_call_ms": round(a[0], 3),
+            "alone_per_token_ms": round(a[1] / 1000.0, 5),
+            "alone_samples": self.alone.count,
+            "behind_per_token_ms": round(b[0] / 1000.0, 5),
+            "behind_per_request_ms": round(b[1], 3),
+            "behind_samples": self.behind.count,
             "per_call_ms": round(c[0], 3),
             "per_step_ms": round(c[1], 3),
             "per_token_ms": round(c[2] / 1000.0, 5),
