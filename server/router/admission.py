@@ -142,6 +142,7 @@ class Admission:
         self.queued_requests = 0
         self.queued_tokens = 0
         self.model = TtftPredictor(cfg, workers)
+        self.model.streams = lambda: self.inflight - self.queued_requests
         self.tpot_ewma_s: float | None = None
         self.errors: deque[float] = deque(maxlen=4096)  # |measured - predicted| / measured
         self.decisions = Counter(

@@ -34,14 +34,14 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol
 
 from server.config import DistServeConfig
 from server.latency_model import prefill_steps, queued_prefill_ms
 
 MIN_SAMPLES = 8
-FORGET = 0.99  # per call: a sample's weight halves after about 70 calls
+FORGET = 0.97  # per call: a sample's weight halves after about 23 calls (a shared CPU changes quickly)
 FIT_EVERY = 4  # re-solve the fit every this many calls (every call for the first 32)
 EWMA = 0.1  # weight of a new sample in the decode-room and overhead averages
 ROOM_ERROR_MIN_S = 0.01  # decode-room waits shorter than this are not judged by their relative error
@@ -67,10 +67,10 @@ class RequestPhases:
 class Call:
     """One call in flight to a worker that ends with a request's first token (``TtftPredictor.call_started``)."""
 
-    __slots__ = ("worker_id", "tokens", "ahead_tokens", "ahead_requests", "t0", "open")
+    __slots__ = ("worker_id", "tokens", "ahead_tokens", "ahead_requests", "streams", "t0", "open")
 
-    def __init__(self, worker_id: str, tokens: int, ahead_tokens: int, ahead_requests: int) -> None:
-        self.worker_id, self.tokens = worker_id, tokens
+    def __init__(self, worker_id: str, tokens: int, ahead_tokens: int, ahead_requests: int, streams: int) -> None:
+        self.worker_id, self.tokens, self.streams = worker_id, tokens, streams
         self.ahead_tokens, self.ahead_requests = ahead_tokens, ahead_requests
         self.t0 = time.perf_counter()
         self.open = True
@@ -162,7 +162,11 @@ class TtftPredictor:
         self.batch_size = cfg.prefill.max_batch_size
         self.workers = workers  # how many workers share the prefill queue (admission's callback)
         self.call = OnlineFit(4)  # x = (1, steps, (ahead + own) / 1000, -ahead / 1000), y = ms
-        self.alone = OnlineFit(2)  # calls that found nothing ahead: x = (1, own / 1000), y = ms
+        # calls that found nothing ahead: x = (1, own / 1000, streams / 100), y = ms; the streams being decoded
+        # are a proxy for the CPU the router and the workers' other work take (the router shares a core with
+        # the prefill worker on CPU)
+        self.alone = OnlineFit(3)
+        self.streams: Callable[[], int] = lambda: 0  # requests past their first token (admission's counts)
         self.behind = OnlineFit(2)  # the rest, over `alone`: x = (ahead / 1000, ahead requests), y = ms more
         self.room_per_release_s: float | None = None
         self.room_samples = 0
@@ -191,7 +195,7 @@ class TtftPredictor:
         """Whether the two-part model (alone + behind) has the measurements to predict this call."""
         return self.alone.count >= MIN_SAMPLES and (ahead_requests == 0 or self.behind.count >= MIN_SAMPLES)
 
-    def call_ms(self, ahead: int, ahead_requests: int, own: int) -> float:
+    def call_ms(self, ahead: int, ahead_requests: int, own: int, streams: int = 0) -> float:
         """The predicted prefill call of a request of ``own`` prompt tokens that finds ``ahead`` tokens of
         ``ahead_requests`` requests queued on its worker: what such a call costs on an idle worker, plus what
         the queue ahead adds (both fitted on their own calls, ``split``); until both have measurements, one
@@ -199,7 +203,7 @@ class TtftPredictor:
         ``ahead_discount``: some are in a step already under way, the rest share its step) but never less
         than nothing."""
         if self.split(ahead_requests):
-            ms = self.alone.predict((1.0, own / 1000.0))
+            ms = self.alone.predict((1.0, own / 1000.0, streams / 100.0))
             if ahead_requests:
                 ms += self.behind.predict((ahead / 1000.0, float(ahead_requests)))
             return ms
@@ -232,7 +236,7 @@ class TtftPredictor:
             t, r = fallback_ahead
             return 0.0, self.call_ms(int(t), int(r), own_tokens) / 1000.0, 0.0
         t, r = self.ahead()
-        ms = self.call_ms(t, r, own_tokens)
+        ms = self.call_ms(t, r, own_tokens, self.streams())
         room = 0.0
         releases = self.room.releases_needed()
         if releases and self.room_per_release_s is not None:
@@ -257,7 +261,7 @@ class TtftPredictor:
         o = self.outstanding.get(worker_id)
         if o is None:
             o = self.outstanding[worker_id] = [0, 0]
-        c = Call(worker_id, tokens, o[0], o[1])
+        c = Call(worker_id, tokens, o[0], o[1], self.streams())
         o[0] += tokens
         o[1] += 1
         return c
@@ -278,15 +282,15 @@ class TtftPredictor:
         dur = time.perf_counter() - c.t0
         if phases is not None:
             phases.call_s = dur
-        self._observe_call(c.ahead_tokens, c.ahead_requests, c.tokens, dur * 1000.0)
+        self._observe_call(c.ahead_tokens, c.ahead_requests, c.tokens, dur * 1000.0, c.streams)
 
-    def _observe_call(self, ahead: int, ahead_requests: int, own: int, ms: float) -> None:
+    def _observe_call(self, ahead: int, ahead_requests: int, own: int, ms: float, streams: int = 0) -> None:
         self.call.observe_relative(self._x(ahead, ahead_requests, own), ms)
-        x_alone = (1.0, own / 1000.0)
+        x_alone = (1.0, own / 1000.0, streams / 100.0)
         if ahead_requests == 0:
             self.alone.observe_relative(x_alone, ms)
         elif self.alone.count >= MIN_SAMPLES:  # what the queue added, weighed relative to the whole call
-            guess = self.call_ms(ahead, ahead_requests, own) if self.split(ahead_requests) else ms
+            guess = self.call_ms(ahead, ahead_requests, own, streams) if self.split(ahead_requests) else ms
             self.behind.observe(
                 (ahead / 1000.0, float(ahead_requests)), ms - self.alone.predict(x_alone), 1.0 / max(1.0, guess) ** 2
             )
@@ -314,6 +318,7 @@ class TtftPredictor:
             "samples": self.call.count,
             "alone_per_call_ms": round(a[0], 3),
             "alone_per_token_ms": round(a[1] / 1000.0, 5),
+            "alone_per_stream_ms": round(a[2] / 100.0, 4),
             "alone_samples": self.alone.count,
             "behind_per_token_ms": round(b[0] / 1000.0, 5),
             "behind_per_request_ms": round(b[1], 3),
