@@ -142,7 +142,6 @@ class Admission:
         self.queued_requests = 0
         self.queued_tokens = 0
         self.model = TtftPredictor(cfg, workers)
-        self.model.streams = lambda: self.inflight - self.queued_requests
         self.tpot_ewma_s: float | None = None
         self.errors: deque[float] = deque(maxlen=4096)  # |measured - predicted| / measured
         self.decisions = Counter(
@@ -156,14 +155,10 @@ class Admission:
         )
         terms = Gauge("distserve_ttft_model", "The live TTFT model's terms (ms)", ["term"], registry=registry)
         for term in (
-            "alone_per_call_ms",
-            "alone_per_token_ms",
-            "behind_per_token_ms",
-            "behind_per_request_ms",
-            "per_call_ms",
-            "per_step_ms",
-            "per_token_ms",
-            "ahead_discount_per_token_ms",
+            "step_per_step_ms",
+            "step_per_token_ms",
+            "step_per_request_ms",
+            "call_bias_ratio",
             "room_per_release_ms",
             "overhead_ms",
         ):

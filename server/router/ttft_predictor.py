@@ -64,16 +64,102 @@ class RequestPhases:
         self.predicted: tuple[float, float, float] | None = None  # (room, call, overhead) seconds, at admission
 
 
+WAITING, IN_STEP, DONE = 0, 1, 2  # a call's place in its worker's steps, as the router replays them (WorkerSteps)
+
+
 class Call:
     """One call in flight to a worker that ends with a request's first token (``TtftPredictor.call_started``)."""
 
-    __slots__ = ("worker_id", "tokens", "ahead_tokens", "ahead_requests", "streams", "t0", "open")
+    __slots__ = ("worker_id", "tokens", "ahead_tokens", "ahead_requests", "t0", "predicted_ms", "state", "open")
 
-    def __init__(self, worker_id: str, tokens: int, ahead_tokens: int, ahead_requests: int, streams: int) -> None:
-        self.worker_id, self.tokens, self.streams = worker_id, tokens, streams
+    def __init__(self, worker_id: str, tokens: int, ahead_tokens: int, ahead_requests: int, t0: float) -> None:
+        self.worker_id, self.tokens = worker_id, tokens
         self.ahead_tokens, self.ahead_requests = ahead_tokens, ahead_requests
-        self.t0 = time.perf_counter()
+        self.t0 = t0
+        self.predicted_ms: float | None = None  # what the step model said at its start (its bias is learned)
+        self.state = WAITING
         self.open = True
+
+
+class WorkerSteps:
+    """The router's view of one worker's prefill steps, from the calls it sent there and their answers.
+
+    The worker schedules first come first served under its budgets per step (``prefill.max_num_batched_tokens``,
+    ``max_batch_size``): an idle worker starts a step when a call arrives; a busy one starts the next step
+    when a step ends, with the calls waiting, oldest first, up to its budgets. The router replays that on the
+    calls it sent: the first answer of a call in the running step ends that step (its duration, answer -
+    start, is one measured step), the step's other calls are done (their answers are on the way), and the
+    next step is formed from the waiting calls."""
+
+    __slots__ = ("calls", "step_start", "budget")
+
+    def __init__(self, budget: tuple[int, int]) -> None:
+        self.calls: list[Call] = []  # outstanding, in the order sent
+        self.step_start: float | None = None  # when the running step began (None: no step running)
+        self.budget = budget  # (tokens, requests) per step
+
+    def sums(self, state: int) -> tuple[int, int]:
+        """Prompt tokens and requests of the calls in ``state`` (WAITING, IN_STEP)."""
+        t = n = 0
+        for c in self.calls:
+            if c.state == state:
+                t, n = t + c.tokens, n + 1
+        return t, n
+
+    def queue_ahead(self, own: int) -> tuple[int, int, int, int, int]:
+        """(tokens, requests, steps, tokens and requests of the last step) the worker computes from the end of
+        its running step until a new call of ``own`` tokens is done: the waiting calls and it, packed into
+        steps as the scheduler packs them; the new call is in the last."""
+        max_t, max_n = self.budget
+        tokens = requests = steps = 0
+        t = n = 0  # the step being packed
+        for c in self.calls:
+            if c.state == WAITING:
+                if n and (n + 1 > max_n or t + c.tokens > max_t):
+                    steps, t, n = steps + 1, 0, 0
+                t, n = t + c.tokens, n + 1
+                tokens, requests = tokens + c.tokens, requests + 1
+        if n and (n + 1 > max_n or t + own > max_t):
+            steps, t, n = steps + 1, 0, 0
+        return tokens + own, requests + 1, steps + 1, t + own, n + 1
+
+    def start_step(self, now: float) -> None:
+        """Form the next step from the waiting calls, oldest first, up to the budgets."""
+        max_t, max_n = self.budget
+        t = n = 0
+        for c in self.calls:
+            if c.state != WAITING:
+                continue
+            if n and (n + 1 > max_n or t + c.tokens > max_t):
+                break
+            c.state = IN_STEP
+            t, n = t + c.tokens, n + 1
+        self.step_start = now if n else None
+
+    def answered(self, c: Call, now: float) -> tuple[int, int, float] | None:
+        """``c`` answered: (tokens, requests, seconds) of the step it ended, or None (a later answer of a
+        step that already ended)."""
+        ended = None
+        if c.state != DONE:  # the first answer of its step (a waiting call answering: our view was behind)
+            if c.state == WAITING:
+                c.state = IN_STEP
+            t, n = self.sums(IN_STEP)
+            start = self.step_start if self.step_start is not None else c.t0
+            ended = (t, n, max(0.0, now - start))
+            for x in self.calls:
+                if x.state == IN_STEP:
+                    x.state = DONE
+            self.step_start = None
+        self.calls.remove(c)
+        if self.step_start is None:
+            self.start_step(now)
+        return ended
+
+    def failed(self, c: Call, now: float) -> None:
+        self.calls.remove(c)
+        if not any(x.state == IN_STEP for x in self.calls):
+            self.step_start = None
+            self.start_step(now)
 
 
 def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
@@ -157,22 +243,23 @@ class OnlineFit:
 
 
 class TtftPredictor:
-    def __init__(self, cfg: DistServeConfig, workers) -> None:
+    def __init__(self, cfg: DistServeConfig, workers, clock: Callable[[], float] = time.perf_counter) -> None:
         self.batched_tokens = cfg.prefill.max_num_batched_tokens
         self.batch_size = cfg.prefill.max_batch_size
         self.workers = workers  # how many workers share the prefill queue (admission's callback)
-        self.call = OnlineFit(4)  # x = (1, steps, (ahead + own) / 1000, -ahead / 1000), y = ms
-        # calls that found nothing ahead: x = (1, own / 1000, streams / 100), y = ms; the streams being decoded
-        # are a proxy for the CPU the router and the workers' other work take (the router shares a core with
-        # the prefill worker on CPU)
-        self.alone = OnlineFit(3)
-        self.streams: Callable[[], int] = lambda: 0  # requests past their first token (admission's counts)
-        self.behind = OnlineFit(2)  # the rest, over `alone`: x = (ahead / 1000, ahead requests), y = ms more
+        self.clock = clock
+        self.step = OnlineFit(3)  # a prefill step: x = (1, tokens / 1000, requests), y = ms
+        self.log_bias = 0.0  # EWMA of log(measured / predicted) prefill calls: what the step model misses
+        self.bias_samples = 0
+        self.call = OnlineFit(4)  # without a pipeline: x = (1, steps, (ahead + own) / 1000, -ahead / 1000)
+        self.arrival_gap_s = 0.0  # EWMA of the time between prefill calls (all workers)
+        self.arrival_tokens = 0.0  # EWMA of their prompt tokens
+        self.last_arrival: float | None = None
         self.room_per_release_s: float | None = None
         self.room_samples = 0
         self.overhead_s = 0.0
         self.overhead_samples = 0
-        self.outstanding: dict[str, list[int]] = {}  # worker id -> [prompt tokens, requests] sent, no answer yet
+        self.queues: dict[str, WorkerSteps] = {}  # worker id -> its calls in flight and its running step
         self.room: RoomState | None = None  # set by attach(): the pipeline reports the phases
         # relative errors of the two predicted parts (|measured - predicted| / measured), for GET /v1/admission
         self.call_errors: deque[float] = deque(maxlen=1024)
@@ -180,46 +267,59 @@ class TtftPredictor:
 
     @property
     def ready(self) -> bool:
-        return self.call.count >= MIN_SAMPLES
-
-    @property
-    def attached(self) -> bool:
-        return self.room is not None
+        return (self.step if self.room is not None else self.call).count >= MIN_SAMPLES
 
     # --- the model --------------------------------------------------------------------------------
-    def _x(self, ahead: int, ahead_requests: int, own: int) -> tuple[float, float, float, float]:
-        steps = prefill_steps(ahead + own, ahead_requests + 1, self.batched_tokens, self.batch_size)
-        return (1.0, float(steps), (ahead + own) / 1000.0, -ahead / 1000.0)
+    def step_ms(self, tokens: int, requests: int) -> float:
+        """The predicted engine time to prefill ``requests`` prompts of ``tokens`` in all, in as many steps as
+        the worker's budgets need (``queued_prefill_ms``: per request, per step, per token)."""
+        if requests <= 0:
+            return 0.0
+        c = self.step.coef
+        steps = prefill_steps(tokens, requests, self.batched_tokens, self.batch_size)
+        return queued_prefill_ms(tokens, steps, c[2] * requests, c[0], c[1] / 1000.0)
 
-    def split(self, ahead_requests: int) -> bool:
-        """Whether the two-part model (alone + behind) has the measurements to predict this call."""
-        return self.alone.count >= MIN_SAMPLES and (ahead_requests == 0 or self.behind.count >= MIN_SAMPLES)
+    def worker_call_ms(self, ws: WorkerSteps | None, own: int, now: float) -> float:
+        """The predicted prefill call of a request of ``own`` prompt tokens sent to this worker now: the rest
+        of its running step, then the next step with every call waiting and this one, times the learned bias."""
+        if ws is None or ws.step_start is None:
+            return self.step_ms(own, 1) * math.exp(self.log_bias)
+        t, n = ws.sums(IN_STEP)
+        ms = max(0.0, (ws.step_start - now) * 1000.0 + self.step_ms(t, n))  # the rest of the running step
+        t, n, steps, last_t, last_n = ws.queue_ahead(own)
+        c = self.step.coef
+        ms += queued_prefill_ms(t, steps, c[2] * n, c[0], c[1] / 1000.0)
+        # calls that arrive before its step starts join it, up to the budgets: the arrival rate says how many
+        before_ms = ms - self.step_ms(last_t, last_n)
+        if self.arrival_gap_s > 0 and self.arrival_tokens > 0:
+            max_t, max_n = ws.budget
+            per_s = self.arrival_tokens / self.arrival_gap_s / max(1, self.workers())
+            join_t = min(max_t - last_t, (max_n - last_n) * self.arrival_tokens, per_s * before_ms / 1000.0)
+            if join_t > 0:
+                ms += c[1] / 1000.0 * join_t + c[2] * join_t / self.arrival_tokens
+        return ms * math.exp(self.log_bias)
 
-    def call_ms(self, ahead: int, ahead_requests: int, own: int, streams: int = 0) -> float:
-        """The predicted prefill call of a request of ``own`` prompt tokens that finds ``ahead`` tokens of
-        ``ahead_requests`` requests queued on its worker: what such a call costs on an idle worker, plus what
-        the queue ahead adds (both fitted on their own calls, ``split``); until both have measurements, one
-        fit over every call, in which tokens ahead may cost less than the request's own (the
-        ``ahead_discount``: some are in a step already under way, the rest share its step) but never less
-        than nothing."""
-        if self.split(ahead_requests):
-            ms = self.alone.predict((1.0, own / 1000.0, streams / 100.0))
-            if ahead_requests:
-                ms += self.behind.predict((ahead / 1000.0, float(ahead_requests)))
-            return ms
+    def call_ms(self, ahead: int, ahead_requests: int, own: int) -> float:
+        """Without a pipeline: the one fit over (tokens ahead, own) of every TTFT, in which tokens ahead may
+        cost less than the request's own (``ahead_discount``) but never less than nothing."""
         c = self.call.coef
         steps = prefill_steps(ahead + own, ahead_requests + 1, self.batched_tokens, self.batch_size)
         discount = min(c[3], c[2]) * ahead
         return queued_prefill_ms(ahead + own, steps, c[0], c[1], c[2] / 1000.0) - discount / 1000.0
 
-    def ahead(self) -> tuple[int, int]:
-        """Prompt tokens and requests ahead on the worker a new request would likely get (the least queued;
-        none when a serving worker has nothing outstanding)."""
-        busy = [v for v in self.outstanding.values() if v[1] > 0]
-        if not busy or len(busy) < self.workers():
-            return 0, 0
-        t, r = min(busy)
-        return t, r
+    def _x(self, ahead: int, ahead_requests: int, own: int) -> tuple[float, float, float, float]:
+        steps = prefill_steps(ahead + own, ahead_requests + 1, self.batched_tokens, self.batch_size)
+        return (1.0, float(steps), (ahead + own) / 1000.0, -ahead / 1000.0)
+
+    def best_call_ms(self, own: int) -> float:
+        """The prefill call on the worker that would answer first (an idle one when a serving worker has
+        nothing in flight from here)."""
+        now = self.clock()
+        idle = len(self.queues) < self.workers()
+        best = self.worker_call_ms(None, own, now) if idle or not self.queues else math.inf
+        for ws in self.queues.values():
+            best = min(best, self.worker_call_ms(ws, own, now))
+        return best
 
     def predict_s(self, own_tokens: int, fallback_ahead: tuple[float, float] = (0.0, 0.0)) -> float | None:
         """The predicted TTFT of a request of ``own_tokens`` prompt tokens admitted now, in seconds."""
@@ -235,13 +335,11 @@ class TtftPredictor:
         if self.room is None:
             t, r = fallback_ahead
             return 0.0, self.call_ms(int(t), int(r), own_tokens) / 1000.0, 0.0
-        t, r = self.ahead()
-        ms = self.call_ms(t, r, own_tokens, self.streams())
         room = 0.0
         releases = self.room.releases_needed()
         if releases and self.room_per_release_s is not None:
             room = releases * self.room_per_release_s
-        return room, ms / 1000.0, self.overhead_s
+        return room, self.best_call_ms(own_tokens) / 1000.0, self.overhead_s
 
     # --- measurements (the pipeline's hooks) ------------------------------------------------------
     def attach(self, room: RoomState) -> None:
@@ -258,12 +356,22 @@ class TtftPredictor:
             self.room_samples += 1
 
     def call_started(self, worker_id: str, tokens: int) -> Call:
-        o = self.outstanding.get(worker_id)
-        if o is None:
-            o = self.outstanding[worker_id] = [0, 0]
-        c = Call(worker_id, tokens, o[0], o[1], self.streams())
-        o[0] += tokens
-        o[1] += 1
+        now = self.clock()
+        if self.last_arrival is not None:
+            gap = now - self.last_arrival
+            self.arrival_gap_s = gap if not self.arrival_gap_s else (1 - EWMA) * self.arrival_gap_s + EWMA * gap
+        self.arrival_tokens = tokens if not self.arrival_tokens else (1 - EWMA) * self.arrival_tokens + EWMA * tokens
+        self.last_arrival = now
+        ws = self.queues.get(worker_id)
+        if ws is None:
+            ws = self.queues[worker_id] = WorkerSteps((self.batched_tokens, self.batch_size))
+        t = sum(c.tokens for c in ws.calls)
+        c = Call(worker_id, tokens, t, len(ws.calls), now)
+        if self.step.count >= MIN_SAMPLES:
+            c.predicted_ms = self.worker_call_ms(ws, tokens, now)
+        ws.calls.append(c)
+        if ws.step_start is None:  # nothing computing there: a step starts with this call
+            ws.start_step(now)
         return c
 
     def call_ended(self, c: Call, ok: bool, phases: RequestPhases | None = None) -> None:
@@ -271,29 +379,27 @@ class TtftPredictor:
         if not c.open:
             return
         c.open = False
-        o = self.outstanding.get(c.worker_id)
-        if o is not None:
-            o[0] -= c.tokens
-            o[1] -= 1
-            if o[1] <= 0:
-                del self.outstanding[c.worker_id]
+        now = self.clock()
+        ws = self.queues.get(c.worker_id)
+        if ws is not None:
+            if ok:
+                step = ws.answered(c, now)
+                if step is not None and step[1]:
+                    t, n, secs = step
+                    self.step.observe_relative((1.0, t / 1000.0, float(n)), secs * 1000.0)
+            else:
+                ws.failed(c, now)
+            if not ws.calls:
+                del self.queues[c.worker_id]
         if not ok:
             return
-        dur = time.perf_counter() - c.t0
+        ms = (now - c.t0) * 1000.0
         if phases is not None:
-            phases.call_s = dur
-        self._observe_call(c.ahead_tokens, c.ahead_requests, c.tokens, dur * 1000.0, c.streams)
-
-    def _observe_call(self, ahead: int, ahead_requests: int, own: int, ms: float, streams: int = 0) -> None:
-        self.call.observe_relative(self._x(ahead, ahead_requests, own), ms)
-        x_alone = (1.0, own / 1000.0, streams / 100.0)
-        if ahead_requests == 0:
-            self.alone.observe_relative(x_alone, ms)
-        elif self.alone.count >= MIN_SAMPLES:  # what the queue added, weighed relative to the whole call
-            guess = self.call_ms(ahead, ahead_requests, own, streams) if self.split(ahead_requests) else ms
-            self.behind.observe(
-                (ahead / 1000.0, float(ahead_requests)), ms - self.alone.predict(x_alone), 1.0 / max(1.0, guess) ** 2
-            )
+            phases.call_s = ms / 1000.0
+        if c.predicted_ms is not None and c.predicted_ms > 0 and ms > 0:
+            err = max(-2.0, min(2.0, math.log(ms / c.predicted_ms)))
+            self.log_bias = err if not self.bias_samples else (1 - EWMA) * self.log_bias + EWMA * err
+            self.bias_samples += 1
 
     def measured(self, phases: RequestPhases, tokens: int, ahead: tuple[float, float], ttft_s: float) -> None:
         """A request's first token reached the router ``ttft_s`` after its arrival."""
@@ -306,23 +412,26 @@ class TtftPredictor:
             over = max(0.0, ttft_s - phases.room_s - phases.call_s)
             self.overhead_s = over if not self.overhead_samples else (1 - EWMA) * self.overhead_s + EWMA * over
             self.overhead_samples += 1
-        elif not self.attached:  # no pipeline to report the parts: the whole TTFT is the call
+        elif self.room is None:  # no pipeline to report the parts: the whole TTFT is the call
             t, r = ahead
-            self._observe_call(int(t), int(r), tokens, ttft_s * 1000.0)
+            self.call.observe_relative(self._x(int(t), int(r), tokens), ttft_s * 1000.0)
+
+    def ahead(self) -> tuple[int, int]:
+        """Prompt tokens and requests in flight on the least-loaded worker (0, 0 when one has none)."""
+        if len(self.queues) < self.workers() or not self.queues:
+            return 0, 0
+        return min((sum(c.tokens for c in ws.calls), len(ws.calls)) for ws in self.queues.values())
 
     def terms(self) -> dict:
-        c = self.call.coef
-        a, b = self.alone.coef, self.behind.coef
+        c, s = self.call.coef, self.step.coef
         return {
             "ready": self.ready,
-            "samples": self.call.count,
-            "alone_per_call_ms": round(a[0], 3),
-            "alone_per_token_ms": round(a[1] / 1000.0, 5),
-            "alone_per_stream_ms": round(a[2] / 100.0, 4),
-            "alone_samples": self.alone.count,
-            "behind_per_token_ms": round(b[0] / 1000.0, 5),
-            "behind_per_request_ms": round(b[1], 3),
-            "behind_samples": self.behind.count,
+            "samples": self.step.count if self.room is not None else self.call.count,
+            "step_per_step_ms": round(s[0], 3),
+            "step_per_token_ms": round(s[1] / 1000.0, 5),
+            "step_per_request_ms": round(s[2], 3),
+            "step_samples": self.step.count,
+            "call_bias_ratio": round(math.exp(self.log_bias), 4),
             "per_call_ms": round(c[0], 3),
             "per_step_ms": round(c[1], 3),
             "per_token_ms": round(c[2] / 1000.0, 5),
