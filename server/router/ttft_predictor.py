@@ -7,26 +7,27 @@ A request's TTFT at the router is the sum of three parts, each predicted from wh
   ``F`` free slots waits for ``W + 1 - F`` slot releases; the time per release is measured (an EWMA of
   wait / releases over the requests that waited), so it is the decode side's completion rate as it is now.
 - **prefill call**: from sending ``/internal/prefill`` to its answer (colocated, or a prefill on the decode
-  worker: to the first token of the stream). A worker prefills first come first served, so a request that
-  finds ``tokens`` prompt tokens of ``requests`` requests ahead of it (the router counts, per worker, what it
-  sent and has no answer for) waits for their steps and its own: ``queued_prefill_ms`` of
-  server/latency_model.py, with the number of steps from the worker's budgets (``prefill_steps``) and three
-  coefficients (per call: HTTP and KV staging; per step; per token), less a discount per token ahead (a
-  prompt ahead may be in a step already under way, or share this one's step, so it adds less than a step
-  of its own; a line through total tokens over-predicted every request that found one ahead), all fitted
-  online, by non-negative least squares of the relative error with exponential forgetting (``FORGET``) over
-  every call's (steps, tokens, duration): the fit follows
-  the machine as it is now (neighbours, threads, the model) and is not skewed by the decode-room wait, which
-  one line through (tokens ahead, TTFT) mixed in.
+  worker: to the first token of the stream). The router replays each worker's scheduler on the calls it
+  sent there (``WorkerSteps``): a worker computes steps first come first served under its budgets
+  (``prefill.max_num_batched_tokens``, ``max_batch_size``); an idle one starts a step when a call arrives, a
+  busy one starts the next when a step ends, and the first answer of a call in the running step marks that
+  end. So a new call waits for the rest of the running step, then the steps of the calls waiting ahead of
+  it, packed as the scheduler packs them, then its own step — which the calls arriving meanwhile join, up to
+  the budgets (the measured arrival rate says how many). A step costs ``queued_prefill_ms`` of
+  server/latency_model.py (per step + per request + per token: the planner's step model), its three
+  coefficients fitted online on the steps so measured (answer - step start, with their tokens and
+  requests), by non-negative least squares of the relative error with exponential forgetting (``FORGET``).
+  What the replay misses (HTTP, the KV staging after each step: a worker answers a step's calls one by one)
+  is a learned residual per call and per call in flight there (the same fit, on measured - replayed).
 - **overhead**: the rest of the measured TTFT (picking, the first token's way to the client): an EWMA.
 
-Cheap on the hot path: a prediction is O(workers); a measurement is a few multiply-adds, and the 4x4 fit is
-re-solved every ``FIT_EVERY`` calls (all 15 subsets of the four terms, the best one with no negative
-coefficient: a cost can not be negative, and an unconstrained fit extrapolates wildly). Until ``MIN_SAMPLES``
-calls are measured there is no prediction (never a guess).
+Cheap on the hot path: a prediction is O(calls in flight) additions; a measurement a few multiply-adds,
+and the 3x3 fit is re-solved every ``FIT_EVERY`` steps (all subsets of the terms, the best one with no
+negative coefficient: a cost can not be negative, and an unconstrained fit extrapolates wildly). Until
+``MIN_SAMPLES`` steps are measured there is no prediction (never a guess).
 
-Without a pipeline attached (unit tests of admission alone) the whole TTFT is taken as the prefill call, with
-the tokens that admission counted as queued ahead of the request.
+Without a pipeline attached (unit tests of admission alone) the whole TTFT is taken as the prefill call,
+with the tokens that admission counted as queued ahead of the request, fitted as one line (``call_ms``).
 """
 
 from __future__ import annotations
@@ -249,8 +250,9 @@ class TtftPredictor:
         self.workers = workers  # how many workers share the prefill queue (admission's callback)
         self.clock = clock
         self.step = OnlineFit(3)  # a prefill step: x = (1, tokens / 1000, requests), y = ms
-        self.log_bias = 0.0  # EWMA of log(measured / predicted) prefill calls: what the step model misses
-        self.bias_samples = 0
+        # what the replay misses, per call: x = (1, calls in flight there / 10), y = measured - replayed ms
+        # (HTTP, KV staging after each step: a worker answers a step's calls one by one)
+        self.residual = OnlineFit(2)
         self.call = OnlineFit(4)  # without a pipeline: x = (1, steps, (ahead + own) / 1000, -ahead / 1000)
         self.arrival_gap_s = 0.0  # EWMA of the time between prefill calls (all workers)
         self.arrival_tokens = 0.0  # EWMA of their prompt tokens
@@ -280,10 +282,15 @@ class TtftPredictor:
         return queued_prefill_ms(tokens, steps, c[2] * requests, c[0], c[1] / 1000.0)
 
     def worker_call_ms(self, ws: WorkerSteps | None, own: int, now: float) -> float:
-        """The predicted prefill call of a request of ``own`` prompt tokens sent to this worker now: the rest
-        of its running step, then the next step with every call waiting and this one, times the learned bias."""
+        """The predicted prefill call of a request of ``own`` prompt tokens sent to this worker now: the
+        replayed steps (``replay_ms``) plus the learned residual."""
+        return self.replay_ms(ws, own, now) + self.residual.predict((1.0, (len(ws.calls) if ws else 0) / 10.0))
+
+    def replay_ms(self, ws: WorkerSteps | None, own: int, now: float) -> float:
+        """The rest of the worker's running step, the steps of the calls waiting there, and this call's own
+        step with the calls expected to join it."""
         if ws is None or ws.step_start is None:
-            return self.step_ms(own, 1) * math.exp(self.log_bias)
+            return self.step_ms(own, 1)
         t, n = ws.sums(IN_STEP)
         ms = max(0.0, (ws.step_start - now) * 1000.0 + self.step_ms(t, n))  # the rest of the running step
         t, n, steps, last_t, last_n = ws.queue_ahead(own)
@@ -297,7 +304,7 @@ class TtftPredictor:
             join_t = min(max_t - last_t, (max_n - last_n) * self.arrival_tokens, per_s * before_ms / 1000.0)
             if join_t > 0:
                 ms += c[1] / 1000.0 * join_t + c[2] * join_t / self.arrival_tokens
-        return ms * math.exp(self.log_bias)
+        return ms
 
     def call_ms(self, ahead: int, ahead_requests: int, own: int) -> float:
         """Without a pipeline: the one fit over (tokens ahead, own) of every TTFT, in which tokens ahead may
@@ -368,7 +375,7 @@ class TtftPredictor:
         t = sum(c.tokens for c in ws.calls)
         c = Call(worker_id, tokens, t, len(ws.calls), now)
         if self.step.count >= MIN_SAMPLES:
-            c.predicted_ms = self.worker_call_ms(ws, tokens, now)
+            c.predicted_ms = self.replay_ms(ws, tokens, now)
         ws.calls.append(c)
         if ws.step_start is None:  # nothing computing there: a step starts with this call
             ws.start_step(now)
@@ -396,10 +403,9 @@ class TtftPredictor:
         ms = (now - c.t0) * 1000.0
         if phases is not None:
             phases.call_s = ms / 1000.0
-        if c.predicted_ms is not None and c.predicted_ms > 0 and ms > 0:
-            err = max(-2.0, min(2.0, math.log(ms / c.predicted_ms)))
-            self.log_bias = err if not self.bias_samples else (1 - EWMA) * self.log_bias + EWMA * err
-            self.bias_samples += 1
+        if c.predicted_ms is not None:  # weighed relative to the call, as the step fit
+            x = (1.0, c.ahead_requests / 10.0)
+            self.residual.observe(x, ms - c.predicted_ms, 1.0 / max(1.0, ms) ** 2)
 
     def measured(self, phases: RequestPhases, tokens: int, ahead: tuple[float, float], ttft_s: float) -> None:
         """A request's first token reached the router ``ttft_s`` after its arrival."""
@@ -431,7 +437,8 @@ class TtftPredictor:
             "step_per_token_ms": round(s[1] / 1000.0, 5),
             "step_per_request_ms": round(s[2], 3),
             "step_samples": self.step.count,
-            "call_bias_ratio": round(math.exp(self.log_bias), 4),
+            "residual_per_call_ms": round(self.residual.coef[0], 3),
+            "residual_per_call_ahead_ms": round(self.residual.coef[1] / 10.0, 3),
             "per_call_ms": round(c[0], 3),
             "per_step_ms": round(c[1], 3),
             "per_token_ms": round(c[2] / 1000.0, 5),
