@@ -158,8 +158,8 @@ class Admission:
             "step_per_step_ms",
             "step_per_token_ms",
             "step_per_request_ms",
+            "step_speed_ratio",
             "residual_per_call_ms",
-            "residual_per_call_ahead_ms",
             "room_per_release_ms",
             "overhead_ms",
         ):

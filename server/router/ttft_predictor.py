@@ -17,8 +17,10 @@ A request's TTFT at the router is the sum of three parts, each predicted from wh
   server/latency_model.py (per step + per request + per token: the planner's step model), its three
   coefficients fitted online on the steps so measured (answer - step start, with their tokens and
   requests), by non-negative least squares of the relative error with exponential forgetting (``FORGET``).
-  What the replay misses (HTTP, the KV staging after each step: a worker answers a step's calls one by one)
-  is a learned residual per call and per call in flight there (the same fit, on measured - replayed).
+  Steps of late running slower or faster than the fit (a CPU that neighbours take or give back) scale every
+  predicted step by a fast EWMA of measured / fitted step time (the fit itself needs many steps, and under
+  overload a step holds many calls); what the replay misses per call (HTTP, KV staging) is a learned
+  residual (the same fit, on measured - replayed).
 - **overhead**: the rest of the measured TTFT (picking, the first token's way to the client): an EWMA.
 
 Cheap on the hot path: a prediction is O(calls in flight) additions; a measurement a few multiply-adds,
@@ -45,6 +47,7 @@ MIN_SAMPLES = 8
 FORGET = 0.97  # per call: a sample's weight halves after about 23 calls (a shared CPU changes quickly)
 FIT_EVERY = 4  # re-solve the fit every this many calls (every call for the first 32)
 EWMA = 0.1  # weight of a new sample in the decode-room and overhead averages
+SPEED_EWMA = 0.3  # weight of a new step in the speed factor
 ROOM_ERROR_MIN_S = 0.01  # decode-room waits shorter than this are not judged by their relative error
 
 
@@ -250,9 +253,12 @@ class TtftPredictor:
         self.workers = workers  # how many workers share the prefill queue (admission's callback)
         self.clock = clock
         self.step = OnlineFit(3)  # a prefill step: x = (1, tokens / 1000, requests), y = ms
-        # what the replay misses, per call: x = (1, calls in flight there / 10), y = measured - replayed ms
-        # (HTTP, KV staging after each step: a worker answers a step's calls one by one)
-        self.residual = OnlineFit(2)
+        # how much slower than the fit the last steps ran: an EWMA of log(measured / fitted) over steps, fast
+        # (SPEED_EWMA), so a CPU that neighbours take or give back moves every prediction at the next step,
+        # where the fit, which needs many steps, would lag (under overload a step holds many calls)
+        self.log_speed = 0.0
+        # what the replay misses per call (HTTP, KV staging): x = (1,), y = measured - replayed ms
+        self.residual = OnlineFit(1)
         self.call = OnlineFit(4)  # without a pipeline: x = (1, steps, (ahead + own) / 1000, -ahead / 1000)
         self.arrival_gap_s = 0.0  # EWMA of the time between prefill calls (all workers)
         self.arrival_tokens = 0.0  # EWMA of their prompt tokens
@@ -279,12 +285,12 @@ class TtftPredictor:
             return 0.0
         c = self.step.coef
         steps = prefill_steps(tokens, requests, self.batched_tokens, self.batch_size)
-        return queued_prefill_ms(tokens, steps, c[2] * requests, c[0], c[1] / 1000.0)
+        return queued_prefill_ms(tokens, steps, c[2] * requests, c[0], c[1] / 1000.0) * math.exp(self.log_speed)
 
     def worker_call_ms(self, ws: WorkerSteps | None, own: int, now: float) -> float:
         """The predicted prefill call of a request of ``own`` prompt tokens sent to this worker now: the
         replayed steps (``replay_ms``) plus the learned residual."""
-        return self.replay_ms(ws, own, now) + self.residual.predict((1.0, (len(ws.calls) if ws else 0) / 10.0))
+        return self.replay_ms(ws, own, now) + self.residual.predict((1.0,))
 
     def replay_ms(self, ws: WorkerSteps | None, own: int, now: float) -> float:
         """The rest of the worker's running step, the steps of the calls waiting there, and this call's own
@@ -295,7 +301,8 @@ class TtftPredictor:
         ms = max(0.0, (ws.step_start - now) * 1000.0 + self.step_ms(t, n))  # the rest of the running step
         t, n, steps, last_t, last_n = ws.queue_ahead(own)
         c = self.step.coef
-        ms += queued_prefill_ms(t, steps, c[2] * n, c[0], c[1] / 1000.0)
+        speed = math.exp(self.log_speed)
+        ms += queued_prefill_ms(t, steps, c[2] * n, c[0], c[1] / 1000.0) * speed
         # calls that arrive before its step starts join it, up to the budgets: the arrival rate says how many
         before_ms = ms - self.step_ms(last_t, last_n)
         if self.arrival_gap_s > 0 and self.arrival_tokens > 0:
@@ -303,7 +310,7 @@ class TtftPredictor:
             per_s = self.arrival_tokens / self.arrival_gap_s / max(1, self.workers())
             join_t = min(max_t - last_t, (max_n - last_n) * self.arrival_tokens, per_s * before_ms / 1000.0)
             if join_t > 0:
-                ms += c[1] / 1000.0 * join_t + c[2] * join_t / self.arrival_tokens
+                ms += (c[1] / 1000.0 * join_t + c[2] * join_t / self.arrival_tokens) * speed
         return ms
 
     def call_ms(self, ahead: int, ahead_requests: int, own: int) -> float:
@@ -393,7 +400,12 @@ class TtftPredictor:
                 step = ws.answered(c, now)
                 if step is not None and step[1]:
                     t, n, secs = step
-                    self.step.observe_relative((1.0, t / 1000.0, float(n)), secs * 1000.0)
+                    x = (1.0, t / 1000.0, float(n))
+                    fitted = self.step.predict(x)
+                    if self.step.count >= MIN_SAMPLES and fitted > 0 and secs > 0:
+                        r = max(-2.0, min(2.0, math.log(secs * 1000.0 / fitted)))
+                        self.log_speed = (1 - SPEED_EWMA) * self.log_speed + SPEED_EWMA * r
+                    self.step.observe_relative(x, secs * 1000.0)
             else:
                 ws.failed(c, now)
             if not ws.calls:
@@ -404,8 +416,7 @@ class TtftPredictor:
         if phases is not None:
             phases.call_s = ms / 1000.0
         if c.predicted_ms is not None:  # weighed relative to the call, as the step fit
-            x = (1.0, c.ahead_requests / 10.0)
-            self.residual.observe(x, ms - c.predicted_ms, 1.0 / max(1.0, ms) ** 2)
+            self.residual.observe((1.0,), ms - c.predicted_ms, 1.0 / max(1.0, ms) ** 2)
 
     def measured(self, phases: RequestPhases, tokens: int, ahead: tuple[float, float], ttft_s: float) -> None:
         """A request's first token reached the router ``ttft_s`` after its arrival."""
@@ -437,8 +448,8 @@ class TtftPredictor:
             "step_per_token_ms": round(s[1] / 1000.0, 5),
             "step_per_request_ms": round(s[2], 3),
             "step_samples": self.step.count,
+            "step_speed_ratio": round(math.exp(self.log_speed), 4),
             "residual_per_call_ms": round(self.residual.coef[0], 3),
-            "residual_per_call_ahead_ms": round(self.residual.coef[1] / 10.0, 3),
             "per_call_ms": round(c[0], 3),
             "per_step_ms": round(c[1], 3),
             "per_token_ms": round(c[2] / 1000.0, 5),
