@@ -6,7 +6,10 @@ A prefill of prompts given as (new tokens, tokens of context before them) costs,
 computed, attention quadratic in the prompt (the difference of squares keeps a chunked prompt's total exact).
 A request queued behind others waits for their prefills and then its own, so its time to first token is
 ``fixed + prefill_work(queued prompts + its own)``: ``queued_ttft_ms``. planner/latency.py builds its step
-model on ``prefill_work_ms``; server/router/admission.py predicts TTFT with ``queued_ttft_ms``. Pure, no I/O.
+model on ``prefill_work_ms``. The router's TTFT prediction (server/router/ttft_predictor.py) uses the per-step
+form of the same formula, ``queued_prefill_ms``: a fixed part per call and per step (``prefill_steps``, from the
+worker's budgets) plus the per-token work, for the prompt tokens queued on the worker ahead of a request and
+its own. Pure, no I/O.
 """
 
 from __future__ import annotations
@@ -28,3 +31,18 @@ def queued_ttft_ms(
     """Predicted time to first token of a prompt of ``own_tokens`` queued behind ``tokens_ahead`` prompt
     tokens (on the worker it will wait for): the fixed part plus the prefill work of both."""
     return fixed_ms + prefill_work_ms([(int(tokens_ahead), 0), (own_tokens, 0)], per_token_ms, per_token2_ms)
+
+
+def prefill_steps(tokens: int, requests: int, max_num_batched_tokens: int, max_num_seqs: int) -> int:
+    """Engine steps a prefill worker needs for ``requests`` prompts of ``tokens`` in all, first come first
+    served under its two budgets per step (``prefill.max_num_batched_tokens``, ``prefill.max_batch_size``)."""
+    if tokens <= 0 or requests <= 0:
+        return 0
+    return max(-(-tokens // max(1, max_num_batched_tokens)), -(-requests // max(1, max_num_seqs)))
+
+
+def queued_prefill_ms(tokens: int, steps: int, per_call_ms: float, per_step_ms: float, per_token_ms: float) -> float:
+    """The time from sending a prefill to its answer, for a prompt that finds ``tokens`` prompt tokens (its own
+    included) in ``steps`` steps of its worker: a fixed part per call (HTTP, KV staging), one per step (the
+    engine's fixed cost of a step) and the prefill work of the tokens (``prefill_work_ms``, linear part)."""
+    return per_call_ms + per_step_ms * steps + prefill_work_ms([(tokens, 0)], per_token_ms)

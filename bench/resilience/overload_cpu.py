@@ -1,6 +1,6 @@
 """Overload without collapse (issue 26) on the CPU VM: the seed's form, open-loop overload, TTFT prediction.
 
-    nice -n 5 .venv/bin/python bench/overload_cpu.py [--parts hotpath,seed,openloop] [--out FILE]
+    nice -n 5 .venv/bin/python -m bench.resilience.overload_cpu [--parts hotpath,seed,openloop] [--out FILE]
 
 Parts (each starts its own `distserve serve` with distbench's shared helper and drives it with distbench's CLI):
 
@@ -151,38 +151,51 @@ def part_seed(tmp: Path, users_runs: tuple[tuple[int, int], ...] = ((100, 60), (
 
 
 def _journal_errors(journal: Path, t0: float, t1: float) -> dict:
-    errs = []
+    errs, signed = [], []
     for line in journal.read_text().splitlines():
         d = json.loads(line)
         if d.get("kind") != "request" or not (t0 <= d["start_unix"] <= t1):
             continue
         if d.get("ttft") and d.get("predicted_ttft") is not None:
             errs.append(abs(d["ttft"] - d["predicted_ttft"]) / d["ttft"])
-    return {"samples": len(errs), "median": pct(errs, 50), "p90": pct(errs, 90)}
+            signed.append((d["predicted_ttft"] - d["ttft"]) / d["ttft"])  # > 0: predicted too long
+    return {"samples": len(errs), "median": pct(errs, 50), "p90": pct(errs, 90), "signed_median": pct(signed, 50)}
 
 
-def part_openloop(tmp: Path, slo_ms: float = 1000.0) -> dict:
+def part_openloop(
+    tmp: Path,
+    slo_ms: float = 1000.0,
+    rates: tuple[int, ...] = (1, 2, 4),
+    duration_s: int = 30,
+    with_off: bool = True,
+    model: str | None = None,
+) -> dict:
     journal = tmp / "requests.jsonl"
     cfg = {"router": {"journal_path": str(journal), "admission": {"slo_ttft_ms": slo_ms}}}
-    s = serve(tmp / "open", cfg)
-    res: dict = {"slo_ttft_ms": slo_ms}
+    extra = ("--model", model) if model else ()
+    s = serve(tmp / "open", cfg, extra)
+    res: dict = {"slo_ttft_ms": slo_ms, "model": model or "tiny", "duration_s": duration_s}
     common = ("--prompt-len", "128", "--output-len", "32")
+    capacity = 0.0
     try:
         cap = distbench(s.url, tmp / "cap.json", "--concurrency", "8", "--duration", "20", *common)
         c = summarize(cap)
         capacity = round(c["completed"] / c["duration_s"], 2)
         res["capacity_rps"] = capacity
-        for mult in (1, 2, 4):
+        for mult in rates:
             t0 = time.time()
-            r = distbench(s.url, tmp / f"x{mult}.json", "--request-rate", str(capacity * mult), "--duration", "30",
-                          *common)  # fmt: skip
+            r = distbench(s.url, tmp / f"x{mult}.json", "--request-rate", str(capacity * mult),
+                          "--duration", str(duration_s), *common)  # fmt: skip
             res[f"x{mult}"] = {
                 **summarize(r, slo_ms / 1000),
                 "prediction_error": _journal_errors(journal, t0, time.time()),
             }
+            res[f"x{mult}"]["model_after"] = s.get("/v1/admission")["model"]
         res["admission"] = s.get("/v1/admission")
     finally:
         s.stop()
+    if not with_off:
+        return _goodput_ratios(res)
     off = {"router": {"admission": {"max_inflight_requests": 0, "max_queued_requests": 0, "max_queued_prefill_tokens": 1 << 40, "max_predicted_ttft_s": 1e9}}}  # fmt: skip  # noqa: E501
     s = serve(tmp / "off", off)
     try:
@@ -190,8 +203,14 @@ def part_openloop(tmp: Path, slo_ms: float = 1000.0) -> dict:
         res["x2_admission_off"] = summarize(r, slo_ms / 1000)
     finally:
         s.stop()
-    base = res["x1"]["goodput_rps"] or 0.0
+    return _goodput_ratios(res)
+
+
+def _goodput_ratios(res: dict) -> dict:
+    base = (res.get("x1") or {}).get("goodput_rps") or 0.0
     for k in ("x2", "x4", "x2_admission_off"):
+        if k not in res:
+            continue
         g = res[k]["goodput_rps"]
         res[k]["goodput_vs_x1"] = round(g / base, 3) if base and g is not None else None
     return res
@@ -203,9 +222,20 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--seed-users", default="100:60,300:30", help="USERS:SECONDS runs of the seed part")
     ap.add_argument("--workdir", default=None, help="keep the result files and logs here (default: a temp dir)")
+    ap.add_argument("--open-rates", default="1,2,4", help="multiples of the capacity the open loop runs at")
+    ap.add_argument("--open-duration", type=int, default=30, help="seconds per open-loop rate")
+    ap.add_argument("--open-no-off", action="store_true", help="skip the open loop's admission-off run")
+    ap.add_argument("--open-model", default=None, help="the open loop's --model (default: the tiny one)")
     a = ap.parse_args()
     runs = tuple(tuple(int(x) for x in u.split(":")) for u in a.seed_users.split(","))
-    parts = {"hotpath": part_hotpath, "seed": lambda t: part_seed(t, runs), "openloop": part_openloop}
+    rates = tuple(int(x) for x in a.open_rates.split(","))
+    parts = {
+        "hotpath": part_hotpath,
+        "seed": lambda t: part_seed(t, runs),
+        "openloop": lambda t: part_openloop(
+            t, rates=rates, duration_s=a.open_duration, with_off=not a.open_no_off, model=a.open_model
+        ),
+    }
     out: dict = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     with open("/proc/loadavg") as f:
         out["loadavg_before"] = f.read().split()[:3]

@@ -7,39 +7,41 @@ rate-limit shape, or goes to the backup pool (``on_full: backup``). Overload the
 unbounded wait, a silent drop or a 5xx.
 
 SLO-aware: each request may carry ``x-slo-ttft-ms`` / ``x-slo-tpot-ms`` (llm-d's names; defaults
-``slo_ttft_ms``/``slo_tpot_ms``). The router predicts its TTFT from the live queue with the one prefill
-formula (server/latency_model.py): ``fixed + per_token x (queued prefill tokens per worker + its own)``.
-The two coefficients are fitted live, by least squares over the last ``FIT_WINDOW`` admitted requests'
-(tokens, measured TTFT) pairs, so they follow the machine as it is now (threads, neighbours, the model).
-TPOT is predicted as the recent measured TPOT (an EWMA). When a prediction misses the SLO the request is
-shed (429), queued anyway (``on_slo_miss: queue``, or the client's ``x-slo-on-miss: queue``), or sent to
-the backup pool — except when nothing is queued: then a request is admitted whatever the prediction (it
-is also the next measurement, so a model that overestimates corrects itself instead of shedding for ever).
+``slo_ttft_ms``/``slo_tpot_ms``). The router predicts its TTFT from the live queue state, as the wait for
+decode room plus its prefill call behind the prompt tokens queued on its worker plus the router's own
+part, each calibrated online on what the pipeline measures (server/router/ttft_predictor.py, with the
+prefill formula of server/latency_model.py). TPOT is predicted as the recent measured TPOT (an EWMA).
+When a prediction misses the SLO the request is shed (429), queued anyway (``on_slo_miss: queue``, or the
+client's ``x-slo-on-miss: queue``), or sent to the backup pool — except when nothing is queued: then a
+request is admitted whatever the prediction (it is also the next measurement, so a model that overestimates
+corrects itself instead of shedding for ever).
 Without any SLO a request predicted to wait longer than ``max_predicted_ttft_s`` is still
-refused: no admitted request waits without bound. Until ``MIN_SAMPLES`` TTFTs are measured there is no
-prediction and only the queue bounds apply.
+refused: no admitted request waits without bound. Until the model has measured a few prefill calls there
+is no prediction and only the queue bounds apply.
 
 Every decision is counted in ``/metrics`` (``distserve_admission_total{decision,reason}``), sheds and
 backups are journaled with their reason (``router.event_journal_path``), and each admitted request keeps
-its predicted TTFT, so the prediction error is measured (``GET /v1/admission``: median and P90).
+its predicted TTFT, so the prediction error is measured (``GET /v1/admission``: median and P90;
+``distserve_ttft_prediction_error_ratio`` in ``/metrics``, the model's terms in ``distserve_ttft_model``).
 """
 
 from __future__ import annotations
 
 import math
-import statistics
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from server.config import DistServeConfig
-from server.latency_model import queued_ttft_ms
+from server.router.ttft_predictor import RequestPhases, TtftPredictor
 
-FIT_WINDOW = 256
-MIN_SAMPLES = 8
+if TYPE_CHECKING:
+    from server.router.pipeline import Pipeline
+
 SLO_HEADERS = ("x-slo-ttft-ms", "x-slo-tpot-ms")
 ON_MISS_HEADER = "x-slo-on-miss"
 MAX_RETRY_AFTER_S = 60
@@ -91,52 +93,17 @@ class Decision:
     predicted_tpot_s: float | None = None
     retry_after_s: int = 1
     message: str = ""
-
-
-class TtftModel:
-    """``ttft = fixed + per_token x tokens`` (server/latency_model.py), fitted to recent measurements."""
-
-    def __init__(self) -> None:
-        self.samples: deque[tuple[float, float]] = deque(maxlen=FIT_WINDOW)  # (tokens, ttft seconds)
-        self.fixed_ms = 0.0
-        self.per_token_ms = 0.0
-
-    @property
-    def ready(self) -> bool:
-        return len(self.samples) >= MIN_SAMPLES
-
-    def observe(self, tokens: float, ttft_s: float) -> None:
-        self.samples.append((tokens, ttft_s * 1000.0))
-        if self.ready:
-            self._fit()
-
-    def _fit(self) -> None:
-        xs = [x for x, _ in self.samples]
-        ys = [y for _, y in self.samples]
-        mx, my = statistics.fmean(xs), statistics.fmean(ys)
-        sxx = sum((x - mx) ** 2 for x in xs)
-        b = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx if sxx > 0 else 0.0
-        a = my - b * mx
-        if b <= 0 or a < 0:  # keep both terms >= 0 (as the planner's fit): refit with the one that holds
-            if b > 0:
-                a, b = 0.0, sum(x * y for x, y in zip(xs, ys, strict=True)) / max(1e-9, sum(x * x for x in xs))
-            else:
-                a, b = max(0.0, my), 0.0
-        self.fixed_ms, self.per_token_ms = a, b
-
-    def predict_s(self, tokens_ahead: float, own: int) -> float | None:
-        if not self.ready:
-            return None
-        return queued_ttft_ms(tokens_ahead, own, self.fixed_ms, self.per_token_ms) / 1000.0
+    predicted_parts: tuple[float, float, float] | None = None  # (decode room, prefill call, overhead) seconds
 
 
 class Ticket:
     """One admitted request's place in the counts; released once, whatever way the request ends."""
 
-    def __init__(self, adm: Admission, tokens: int, tokens_ahead: float, predicted_ttft_s: float | None) -> None:
-        self.adm, self.tokens, self.tokens_ahead = adm, tokens, tokens_ahead
+    def __init__(self, adm: Admission, tokens: int, ahead: tuple[float, float], predicted_ttft_s: float | None) -> None:
+        self.adm, self.tokens, self.ahead = adm, tokens, ahead  # ahead: (tokens, requests) queued per worker
         self.predicted_ttft_s = predicted_ttft_s
         self.queued, self.open = True, True
+        self.phases = RequestPhases()  # filled in by the pipeline (EngineRequest.phases)
 
     def first_token(self, ttft_s: float) -> None:
         if not self.queued:
@@ -174,7 +141,7 @@ class Admission:
         self.inflight = 0
         self.queued_requests = 0
         self.queued_tokens = 0
-        self.model = TtftModel()
+        self.model = TtftPredictor(cfg, workers)
         self.tpot_ewma_s: float | None = None
         self.errors: deque[float] = deque(maxlen=4096)  # |measured - predicted| / measured
         self.decisions = Counter(
@@ -183,22 +150,44 @@ class Admission:
         self.error_ratio = Histogram(
             "distserve_ttft_prediction_error_ratio",
             "|measured - predicted| / measured TTFT of admitted requests",
-            buckets=(0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0),
+            buckets=(0.05, 0.1, 0.15, 0.25, 0.5, 1.0, 2.0, 5.0),
             registry=registry,
         )
+        terms = Gauge("distserve_ttft_model", "The live TTFT model's terms (ms)", ["term"], registry=registry)
+        for term in (
+            "step_per_step_ms",
+            "step_per_token_ms",
+            "step_per_request_ms",
+            "step_speed_ratio",
+            "residual_per_call_ms",
+            "room_per_release_ms",
+            "overhead_ms",
+        ):
+            terms.labels(term).set_function(self._term(term))
         g = Gauge("distserve_admission_queue", "Admitted requests by stage", ["what"], registry=registry)
         g.labels("inflight_requests").set_function(lambda: self.inflight)
         g.labels("queued_requests").set_function(lambda: self.queued_requests)
         g.labels("queued_prefill_tokens").set_function(lambda: self.queued_tokens)
 
+    def _term(self, term: str) -> Callable[[], float]:
+        return lambda: float(self.model.terms()[term] or 0.0)
+
     # --- the decision -------------------------------------------------------------------------------
-    def tokens_ahead(self) -> float:
-        return self.queued_tokens / max(1, self.workers())
+    def tokens_ahead(self) -> tuple[float, float]:
+        """Prompt tokens and requests queued per serving worker, as admission counts them."""
+        n = max(1, self.workers())
+        return self.queued_tokens / n, self.queued_requests / n
+
+    def attach(self, pipeline: Pipeline) -> None:
+        """From now on ``pipeline`` reports each request's phases to the TTFT model, which reads its decode-room
+        gate (``EngineRequest.phases`` is the ticket's)."""
+        pipeline.predictor = self.model
+        self.model.attach(pipeline.room)
 
     def decide(self, prompt_tokens: int, slo: Slo) -> Decision:
         a = self.cfg
-        ahead = self.tokens_ahead()
-        ttft = self.model.predict_s(ahead, prompt_tokens)
+        parts = self.model.predict_parts(prompt_tokens, self.tokens_ahead())
+        ttft = None if parts is None else sum(parts)
         tpot = self.tpot_ewma_s
         full = None
         if a.max_inflight_requests and self.inflight >= a.max_inflight_requests:
@@ -252,7 +241,7 @@ class Admission:
                 retry,
                 f"Rate limit reached: {what} (x-slo-* headers). Please retry after {retry} s.",
             )
-        return Decision("primary", miss[0] + "_queued" if miss else "ok", ttft, tpot)
+        return Decision("primary", miss[0] + "_queued" if miss else "ok", ttft, tpot, predicted_parts=parts)
 
     def _retry_after(self, seconds: float | None) -> int:
         s = self.cfg.retry_after_s
@@ -262,6 +251,7 @@ class Admission:
 
     def admit(self, prompt_tokens: int, d: Decision) -> Ticket:
         t = Ticket(self, prompt_tokens, self.tokens_ahead(), d.predicted_ttft_s)
+        t.phases.predicted = d.predicted_parts
         self.inflight += 1
         self.queued_requests += 1
         self.queued_tokens += prompt_tokens
@@ -297,7 +287,7 @@ class Admission:
             err = abs(ttft_s - t.predicted_ttft_s) / ttft_s
             self.errors.append(err)
             self.error_ratio.observe(err)
-        self.model.observe(t.tokens_ahead + t.tokens, ttft_s)
+        self.model.measured(t.phases, t.tokens, t.ahead, ttft_s)
 
     def _tpot(self, tpot_s: float) -> None:
         self.tpot_ewma_s = tpot_s if self.tpot_ewma_s is None else 0.9 * self.tpot_ewma_s + 0.1 * tpot_s
@@ -319,12 +309,8 @@ class Admission:
                 "max_queued_prefill_tokens": self.max_tokens,
                 "max_predicted_ttft_s": self.max_ttft_s,
             },
-            "model": {
-                "ready": self.model.ready,
-                "samples": len(self.model.samples),
-                "fixed_ms": round(self.model.fixed_ms, 3),
-                "per_token_ms": round(self.model.per_token_ms, 5),
-            },
+            "model": self.model.terms(),
             "tpot_ewma_s": self.tpot_ewma_s,
             "prediction_error": {"samples": len(errs), "median": q(0.5), "p90": q(0.9)},
+            "prediction_error_by_part": self.model.part_errors(),
         }

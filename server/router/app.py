@@ -76,6 +76,7 @@ def create_router_app(state: RouterState) -> FastAPI:
             if state.admission is None:  # one per state: its metrics live in the state's registry
                 state.admission = Admission(state.config, state.metrics.registry, lambda: serving_workers(state))
             state.admission.journal = state.sla.events_journal.append
+            state.admission.attach(state.pipeline)  # the TTFT model learns each request's phases
             ticker = asyncio.ensure_future(state.sla.run())
             sweeper = asyncio.create_task(sweep_registry(), name="registry-sweep")
             try:

@@ -25,7 +25,9 @@ from pydantic import ValidationError
 from server.idle import IdleTimeout
 from server.lograte import RateLimitedLog, describe
 from server.metrics import RouterMetrics
+from server.router.decode_room import DecodeRoom, NoRoom
 from server.router.registry import HEALTHY, WorkerInfo, WorkerRegistry
+from server.router.ttft_predictor import Call, RequestPhases, TtftPredictor
 from server.wire import InternalSampling, PrefillResponse, StreamLine, TokenLogprob
 
 log = logging.getLogger(__name__)
@@ -76,6 +78,7 @@ class EngineRequest:
     sampling: InternalSampling  # seed always set by the router, so migrations reproduce tokens
     arrival: float = field(default_factory=time.perf_counter)
     path: str | None = None  # where its prompt was prefilled last: "disaggregated" or "local" (journaled)
+    phases: RequestPhases | None = None  # its TTFT's measured parts, when admission predicts them
 
 
 @dataclass
@@ -120,6 +123,15 @@ class Pipeline:
         self.options = options
         self.headers = {"Authorization": f"Bearer {options.token}"}
         self.request_log = RateLimitedLog(log, options.log_period_s)
+        self.room = DecodeRoom(registry, options.decode_slots)  # decode room before the prefill, in arrival order
+        self.predictor: TtftPredictor | None = None  # told each request's phases (admission's TTFT prediction)
+
+    def _call_started(self, worker: WorkerInfo, tokens: int) -> Call | None:
+        return self.predictor.call_started(worker.worker_id, tokens) if self.predictor is not None else None
+
+    def _call_ended(self, call: Call | None, ok: bool, req: EngineRequest) -> None:
+        if call is not None and self.predictor is not None:
+            self.predictor.call_ended(call, ok, req.phases)
 
     def check_available(self) -> str:
         mode = self.registry.mode()
@@ -197,19 +209,18 @@ class Pipeline:
                 async for ev in stream:
                     yield ev
 
-    async def _pick_decode(self) -> WorkerInfo | None:
-        """The least-loaded decode worker, once it has room for one more request (``decode_slots``)."""
-        cap = self.options.decode_slots
-        deadline = time.monotonic() + self.options.request_timeout_s
-        while True:
-            decode = self.registry.pick("decode")
-            if decode is None or not cap:
-                return decode
-            if decode.inflight < cap and not decode.status.num_reserving:
-                return decode
-            if time.monotonic() > deadline:
-                raise NoWorkersError(f"no decode worker had room for {self.options.request_timeout_s:g} s")
-            await asyncio.sleep(0.02)
+    async def _pick_decode(self, req: EngineRequest) -> WorkerInfo | None:
+        """The least-loaded decode worker, once it has room for one more request (``decode_slots``; in
+        arrival order: server/router/decode_room.py)."""
+        try:
+            decode, waited, releases = await self.room.acquire(
+                lambda: self.registry.pick("decode"), self.options.request_timeout_s
+            )
+        except NoRoom as e:
+            raise NoWorkersError(str(e)) from None
+        if self.predictor is not None:
+            self.predictor.room_granted(req.phases, waited, releases)
+        return decode
 
     def _pick_prefiller(self, role: str, token_ids: list[int]) -> WorkerInfo | None:
         """A cache-aware pick of the worker that will prefill ``token_ids`` (counted in /metrics)."""
@@ -254,23 +265,29 @@ class Pipeline:
         t0 = time.perf_counter()
         first_at: float | None = None
         n = 0
-        async with aclosing(self._stream(worker, req, outputs, kv)) as stream:
-            async for ev in stream:
-                if ev.token_ids:
-                    now = time.perf_counter()
-                    if first_at is None:
-                        first_at = now
-                        if ttft:
-                            self._record(worker, now - t0)
-                        if kv is None:  # it prefilled these tokens itself: they are in its prefix cache now
-                            self.registry.prefix.note_prefilled(worker.worker_id, req.prompt_token_ids + outputs)
-                    n += len(ev.token_ids)
-                    if ev.finished and not ttft and n > 1 and not ev.error:
-                        self._record(worker, (now - first_at) / (n - 1))
-                yield ev
+        # a stream that prefills (no KV handle) is a call that ends with a first token (TTFT prediction)
+        call = self._call_started(worker, len(req.prompt_token_ids) + len(outputs)) if kv is None else None
+        try:
+            async with aclosing(self._stream(worker, req, outputs, kv)) as stream:
+                async for ev in stream:
+                    if ev.token_ids:
+                        now = time.perf_counter()
+                        if first_at is None:
+                            first_at = now
+                            self._call_ended(call, True, req)
+                            if ttft:
+                                self._record(worker, now - t0)
+                            if kv is None:  # it prefilled these tokens itself: they are in its prefix cache now
+                                self.registry.prefix.note_prefilled(worker.worker_id, req.prompt_token_ids + outputs)
+                        n += len(ev.token_ids)
+                        if ev.finished and not ttft and n > 1 and not ev.error:
+                            self._record(worker, (now - first_at) / (n - 1))
+                    yield ev
+        finally:
+            self._call_ended(call, False, req)  # a no-op once its first token ended it
 
     async def _disaggregated(self, req: EngineRequest, outputs: list[int]) -> AsyncGenerator[TokenEvent, None]:
-        decode = await self._pick_decode()
+        decode = await self._pick_decode(req)
         if decode is None:
             raise NoWorkersError("no healthy prefill/decode pair")
         tokens = req.prompt_token_ids + outputs
@@ -291,7 +308,12 @@ class Pipeline:
         try:
             with _routed(prefill):
                 t0 = time.perf_counter()
-                first = await self._prefill(prefill, req, outputs, decode.host_id, decode.cuda_uuids)
+                call, answered = self._call_started(prefill, len(tokens)), False
+                try:
+                    first = await self._prefill(prefill, req, outputs, decode.host_id, decode.cuda_uuids)
+                    answered = first.error is None
+                finally:
+                    self._call_ended(call, answered, req)
                 if first.error is None:
                     self._record(prefill, time.perf_counter() - t0)
                     self.registry.prefix.note_prefilled(prefill.worker_id, req.prompt_token_ids + outputs)

@@ -32,6 +32,7 @@ class Run:
     ) -> None:
         self.state, self.req, self.assembler = state, req, text
         self.ticket = ticket  # its place in admission's counts: released at token #1 and at the end
+        req.phases = ticket.phases if ticket is not None else req.phases  # measured for its TTFT model
         self.token_ids: list[int] = []
         self.finish_reason: str | None = None
         self.error: str | None = None

@@ -12,7 +12,8 @@ from prometheus_client import CollectorRegistry
 from server.config import load_config
 from server.latency_model import prefill_work_ms, queued_ttft_ms
 from server.lograte import RateLimitedLog, describe
-from server.router.admission import Admission, InvalidSlo, Slo, TtftModel, parse_slo
+from server.router.admission import Admission, InvalidSlo, Slo, parse_slo
+from server.router.ttft_predictor import RequestPhases, TtftPredictor
 from server.workers.heartbeat import Liveness
 
 
@@ -22,12 +23,14 @@ def _admission(**adm) -> Admission:
 
 
 def test_the_ttft_model_recovers_fixed_and_per_token_cost():
-    m = TtftModel()
-    assert m.predict_s(0, 100) is None  # no measurement yet: no prediction, never a guess
-    for tokens in range(100, 2100, 100):
-        m.observe(tokens, (20.0 + 0.5 * tokens) / 1000.0)  # 20 ms + 0.5 ms per token
-    assert m.fixed_ms == pytest.approx(20.0, abs=1e-6) and m.per_token_ms == pytest.approx(0.5, abs=1e-9)
-    assert m.predict_s(900, 100) == pytest.approx((20.0 + 0.5 * 1000) / 1000.0)
+    m = TtftPredictor(load_config(), lambda: 1)
+    assert m.predict_s(100) is None  # no measurement yet: no prediction, never a guess
+    for tokens in range(100, 2100, 100):  # admission alone (no pipeline): the whole TTFT is the prefill call
+        m.measured(RequestPhases(), tokens, (0.0, 0.0), (20.0 + 0.5 * tokens) / 1000.0)  # 20 ms + 0.5 ms/token
+    t = m.terms()
+    assert t["per_call_ms"] + t["per_step_ms"] == pytest.approx(20.0, abs=1e-6)  # one step each: one fixed part
+    assert t["per_token_ms"] == pytest.approx(0.5, abs=1e-9)
+    assert m.predict_s(100, (900.0, 1.0)) == pytest.approx((20.0 + 0.5 * 1000) / 1000.0)
 
 
 def test_one_prefill_formula_for_planner_and_router():

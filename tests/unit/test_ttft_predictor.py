@@ -1,0 +1,264 @@
+"""The router's TTFT prediction (server/router/ttft_predictor.py) and its decode-room gate
+(server/router/decode_room.py): the online fit on synthetic prefill-call timings (convergence, a change of
+machine, no negative cost), the decode-room term, the per-worker queue it counts, and the gate's order.
+Pure: no server start-up, no engine."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+
+from server.config import load_config
+from server.latency_model import prefill_steps
+from server.router.admission import Admission, Slo
+from server.router.decode_room import DecodeRoom, NoRoom
+from server.router.registry import WorkerRegistry
+from server.router.ttft_predictor import OnlineFit, RequestPhases, TtftPredictor
+from server.wire import RegisterRequest
+
+B, S = 4096, 32  # prefill.max_num_batched_tokens, prefill.max_batch_size (the defaults)
+
+
+def _cost_ms(tokens: int, requests: int, call: float, step: float, per_token: float) -> float:
+    return call + step * prefill_steps(tokens, requests, B, S) + per_token * tokens
+
+
+def _feed(fit: OnlineFit, rng: random.Random, n: int, call: float, step: float, per_token: float) -> None:
+    for _ in range(n):
+        requests = rng.randint(1, 80)
+        tokens = requests * rng.choice((64, 128, 256))
+        y = _cost_ms(tokens, requests, call, step, per_token) * rng.uniform(0.95, 1.05)  # +-5 % noise
+        fit.observe_relative((1.0, prefill_steps(tokens, requests, B, S), tokens / 1000.0), y)
+
+
+def test_the_online_fit_recovers_per_call_per_step_and_per_token_costs():
+    fit = OnlineFit(3)
+    _feed(fit, random.Random(1), 400, call=4.0, step=12.0, per_token=0.4)
+    call, step, per_ktok = fit.coef
+    # one step's fixed part (per call + per step) and the per-token cost; how the fixed part splits between
+    # call and step is weakly determined where most calls take one step, and need not be
+    assert call + step == pytest.approx(16.0, rel=0.15) and min(call, step) >= 0
+    assert per_ktok / 1000 == pytest.approx(0.4, rel=0.05)
+    for tokens, requests in ((128, 1), (4096, 32), (12_800, 100)):
+        want = _cost_ms(tokens, requests, 4.0, 12.0, 0.4)
+        got = fit.predict((1.0, prefill_steps(tokens, requests, B, S), tokens / 1000))
+        assert got == pytest.approx(want, rel=0.05)
+
+
+def test_the_fit_follows_a_change_of_machine_and_never_fits_a_negative_cost():
+    fit = OnlineFit(3)
+    rng = random.Random(2)
+    _feed(fit, rng, 300, call=4.0, step=12.0, per_token=0.4)
+    _feed(fit, rng, 400, call=8.0, step=24.0, per_token=0.8)  # a neighbour took half the core
+    x = (1.0, prefill_steps(2048, 16, B, S), 2.048)
+    assert fit.predict(x) == pytest.approx(_cost_ms(2048, 16, 8.0, 24.0, 0.8), rel=0.05)
+    flat = OnlineFit(3)
+    for i in range(200):  # a cost that does not grow with the tokens (noise only): no negative slope
+        tokens = 100 + 37 * (i % 50)
+        flat.observe((1.0, 1.0, tokens / 1000), 10.0 + (1.0 if i % 3 == 0 else -0.5) * (tokens % 7) / 7)
+    assert min(flat.coef) >= 0.0
+    assert flat.predict((1.0, 1.0, 5.0)) == pytest.approx(10.0, abs=1.0)  # extrapolated, not run off
+
+
+def _registry(slots_used: int = 0) -> WorkerRegistry:
+    reg = WorkerRegistry(heartbeat_timeout_s=30)
+    for wid, role in (("p0", "prefill"), ("d0", "decode")):
+        reg.register(RegisterRequest(worker_id=wid, role=role, url="http://x", pid=1, fingerprint={}, max_model_len=64))
+    reg.workers["d0"].inflight = slots_used
+    return reg
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _warm(p: TtftPredictor, clock: Clock, n: int = 20, ms: float = 20.0) -> None:
+    for _ in range(n):  # prefill calls of `ms` on an idle worker, one at a time
+        c = p.call_started("p0", 128)
+        clock.t += ms / 1000
+        p.call_ended(c, True)
+        clock.t += 1.0
+
+
+def _attached(slots: int = 2, workers: int = 1) -> tuple[TtftPredictor, Clock, DecodeRoom, WorkerRegistry]:
+    clock, reg = Clock(), _registry()
+    room = DecodeRoom(reg, slots=slots)
+    p = TtftPredictor(load_config(), lambda: workers, clock=clock)
+    p.attach(room)
+    return p, clock, room, reg
+
+
+def test_the_prediction_adds_the_decode_room_wait_and_the_router_overhead():
+    p, clock, room, reg = _attached()
+    assert p.predict_s(128) is None  # nothing measured yet: no prediction, never a guess
+    _warm(p, clock)
+    assert p.predict_s(128) == pytest.approx(0.020, rel=0.05)  # decode has room: the prefill call alone
+    ph = RequestPhases()
+    ph.room_s, ph.call_s = 0.0, 0.020
+    p.measured(ph, 128, (0, 0), 0.025)  # 5 ms more than its parts: the router's own overhead
+    assert p.overhead_s == pytest.approx(0.005)
+    for releases in (1, 2, 4):  # requests that waited 150 ms per slot release
+        p.room_granted(RequestPhases(), 0.150 * releases, releases)
+    assert p.room_per_release_s == pytest.approx(0.150)
+    reg.workers["d0"].inflight = 2  # decode full: a new request waits for one release
+    assert room.releases_needed() == 1
+    assert p.predict_s(128) == pytest.approx(0.150 + 0.020 + 0.005, rel=0.05)
+    room.waiters.extend(asyncio.Event() for _ in range(3))  # three already waiting: four releases
+    assert room.releases_needed() == 4
+    assert p.predict_s(128) == pytest.approx(4 * 0.150 + 0.020 + 0.005, rel=0.05)
+    assert p.terms()["room_per_release_ms"] == pytest.approx(150.0)
+
+
+def test_the_prefill_queue_is_counted_per_worker_and_released_once():
+    p, clock, _, _ = _attached(slots=0, workers=2)  # two prefill workers
+    a = p.call_started("p0", 1000)
+    assert p.ahead() == (0, 0)  # the other worker has nothing in flight: a new request goes there
+    b = p.call_started("p1", 300)
+    c = p.call_started("p1", 200)
+    assert p.ahead() == (500, 2) and (c.ahead_tokens, c.ahead_requests) == (300, 1)
+    for call in (a, a, b):  # ended once, however often
+        p.call_ended(call, False)
+    assert [x.tokens for x in p.queues["p1"].calls] == [200] and set(p.queues) == {"p1"}
+    assert p.step.count == 0  # a failed call is not a measured step
+    ph = RequestPhases()
+    clock.t += 0.05
+    p.call_ended(c, True, ph)
+    assert p.queues == {} and p.step.count == 1 and ph.call_s == pytest.approx(0.05)
+
+
+def _next_step(waiting: list) -> tuple[list, list]:
+    """The worker's scheduler: the oldest waiting calls, up to 32 requests and 4096 tokens."""
+    t = n = 0
+    for c in waiting:
+        if n and (n + 1 > S or t + c.tokens > B):
+            break
+        t, n = t + c.tokens, n + 1
+    return waiting[:n], waiting[n:]
+
+
+def _simulate(p: TtftPredictor, clock: Clock, rng: random.Random, n: int, mean_gap_s: float) -> list[float]:
+    """A prefill worker that batches: a call to an idle worker starts a step at once; the calls that arrive
+    during a step make the next one. A step costs 8 ms + 2 ms per request + 0.1 ms per token. Returns the
+    relative error of each call's prediction made when it was sent (once the model had one)."""
+
+    def cost_s(calls: list) -> float:
+        return (8.0 + 2.0 * len(calls) + 0.1 * sum(c.tokens for c in calls)) / 1000
+
+    arrivals, t = [], clock.t
+    for _ in range(n):
+        t += rng.expovariate(1 / mean_gap_s)
+        arrivals.append((t, rng.choice((64, 128, 256, 512))))
+    running: list = []
+    waiting: list = []
+    step_end: float | None = None
+    errors, i = [], 0
+    while i < len(arrivals) or running:
+        if step_end is not None and (i == len(arrivals) or step_end <= arrivals[i][0]):
+            clock.t = step_end
+            for c in running:
+                measured = (step_end - c.t0) * 1000
+                if c.predicted_ms is not None:
+                    errors.append(abs(c.predicted_ms - measured) / measured)
+                p.call_ended(c, True)
+            running, waiting = _next_step(waiting)
+            step_end = step_end + cost_s(running) if running else None
+        else:
+            clock.t = arrivals[i][0]
+            c = p.call_started("p0", arrivals[i][1])
+            i += 1
+            if step_end is None:
+                running, step_end = [c], clock.t + cost_s([c])
+            else:
+                waiting.append(c)
+    return errors
+
+
+def test_the_step_model_converges_on_a_batching_worker_light_and_overloaded():
+    # the router sees only sends and answers; it learns the step cost and where each call lands
+    p, clock, _, _ = _attached(slots=0)
+    rng = random.Random(4)
+    _simulate(p, clock, rng, 400, mean_gap_s=0.040)  # light load: mostly one call per step
+    light = _simulate(p, clock, rng, 400, mean_gap_s=0.040)
+    over = _simulate(p, clock, rng, 400, mean_gap_s=0.004)  # overloaded: steps of many calls, a queue behind
+    c = p.step.coef
+    assert c[1] / 1000 == pytest.approx(0.1, rel=0.2) and c[0] + c[2] == pytest.approx(10.0, rel=0.3)
+    for errs in (light, over):
+        errs.sort()
+        assert errs[len(errs) // 2] < 0.2 and errs[int(len(errs) * 0.9)] < 0.4, (errs[len(errs) // 2], errs[-40])
+
+
+def test_admission_attached_to_a_pipeline_predicts_from_the_phases_and_exports_them():
+    registry = CollectorRegistry()
+    adm = Admission(load_config(), registry, lambda: 1)
+
+    class _Pipe:  # what Admission.attach reads of a Pipeline
+        predictor = None
+        room = DecodeRoom(_registry(), slots=4)
+
+    pipe = _Pipe()
+    adm.attach(pipe)  # type: ignore[arg-type]
+    assert pipe.predictor is adm.model
+    clock = Clock()
+    adm.model.clock = clock
+    _warm(adm.model, clock, ms=30.0)
+    d = adm.decide(128, Slo())
+    t = adm.admit(128, d)
+    t.phases.call_s = 0.030
+    t.first_token(0.032)
+    assert d.predicted_ttft_s == pytest.approx(0.030, rel=0.05) and adm.status()["prediction_error"]["samples"] == 1
+    assert adm.status()["prediction_error_by_part"]["prefill_call"]["samples"] == 1
+    text = generate_latest(registry).decode()
+    assert 'distserve_ttft_model{term="step_per_token_ms"}' in text
+    assert "distserve_ttft_prediction_error_ratio_bucket" in text
+
+
+def test_the_decode_room_is_granted_in_arrival_order():
+    async def go() -> tuple[list[int], list[int]]:
+        reg = _registry(slots_used=1)
+        room = DecodeRoom(reg, slots=1)
+        d0 = reg.workers["d0"]
+        order: list[int] = []
+        releases: list[int] = []
+
+        async def want(i: int) -> None:
+            w, _, r = await room.acquire(lambda: reg.pick("decode"), timeout_s=30)
+            assert w is d0
+            d0.inflight += 1  # as the pipeline charges it at once
+            order.append(i)
+            releases.append(r)
+
+        tasks = []
+        for i in range(5):
+            tasks.append(asyncio.ensure_future(want(i)))
+            await asyncio.sleep(0.005)  # arrive in this order
+        gone = tasks.pop(2)
+        gone.cancel()  # a client that leaves gives up its place
+        await asyncio.sleep(0.05)
+        assert order == [] and len(room.waiters) == 4
+        for _ in range(4):
+            d0.inflight -= 1  # a request ends: one slot
+            await asyncio.sleep(0.05)
+        await asyncio.gather(*tasks)
+        return order, releases
+
+    order, releases = asyncio.run(go())
+    assert order == [0, 1, 3, 4]
+    assert releases == [1, 2, 3, 4, 5][:2] + [4, 5]  # each counted the releases ahead of it when it came
+
+
+def test_the_decode_room_gives_up_after_its_timeout():
+    async def go() -> None:
+        reg = _registry(slots_used=1)
+        room = DecodeRoom(reg, slots=1)
+        with pytest.raises(NoRoom):
+            await room.acquire(lambda: reg.pick("decode"), timeout_s=0.05)
+        assert not room.waiters
+
+    asyncio.run(go())
