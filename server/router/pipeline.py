@@ -291,7 +291,7 @@ class Pipeline:
         try:
             with _routed(prefill):
                 t0 = time.perf_counter()
-                first = await self._prefill(prefill, req, outputs, decode.host_id, decode.cuda_uuids)
+                first = await self._prefill(prefill, req, outputs, decode.host_id, decode.cuda_uuids, decode.kv_arena)
                 if first.error is None:
                     self._record(prefill, time.perf_counter() - t0)
                     self.registry.prefix.note_prefilled(prefill.worker_id, req.prompt_token_ids + outputs)
@@ -341,6 +341,7 @@ class Pipeline:
         outputs: list[int],
         peer_host: str,
         peer_cuda: list[str] | None = None,
+        peer_kv_arena: str = "",
     ) -> PrefillResponse:
         body = {
             "request_id": req.request_id,
@@ -349,6 +350,7 @@ class Pipeline:
             "sampling": req.sampling.model_dump(),
             "peer_host_id": peer_host,
             "peer_cuda_uuids": peer_cuda,
+            **({"peer_kv_arena": peer_kv_arena} if peer_kv_arena else {}),
         }
         # The progress deadline covers prefill too: a worker whose answer takes longer sends a blank
         # whenever its engine completed a step (server/workers/app.py: _with_progress), so one whose
