@@ -398,6 +398,7 @@ class _Peer:
         self.address = address
         self.reader, self.writer, self.mapping = reader, writer, mapping
         self.pending: dict[int, asyncio.Future] = {}
+        self.abandoned: set[int] = set()  # calls whose caller gave up (cancelled, timed out) before the reply
         self.seq = 0
         self.closed = False
         self.lock = asyncio.Lock()
@@ -411,6 +412,12 @@ class _Peer:
                 fut = self.pending.pop(seq, None) if type(seq) is int else None
                 if fut is not None and not fut.done():
                     fut.set_result(msg)
+                elif seq in self.abandoned:
+                    self.abandoned.discard(seq)
+                    lease_id = msg.get("lease_id")
+                    if msg.get("ok") is True and isinstance(lease_id, str) and _ID.fullmatch(lease_id):
+                        # a lease granted to a caller that gave up: nobody writes it, give it back now
+                        asyncio.ensure_future(self._give_back(lease_id))
         except (asyncio.IncompleteReadError, ConnectionError, RefError, OSError):
             pass
         finally:
@@ -427,16 +434,26 @@ class _Peer:
         self.writer.close()
         self.mapping.close()  # its writes are done or failed: nothing writes into a dead pool later
 
+    async def _give_back(self, lease_id: str) -> None:
+        with contextlib.suppress(ConnectionError, TimeoutError, OSError, RefError):
+            await self.call({"op": "release", "lease_id": lease_id}, 10.0)
+
     async def call(self, msg: dict, timeout_s: float) -> dict:
         if self.closed:
             raise ConnectionError("the decode worker's lessor went away")
         self.seq += 1
+        seq = self.seq
         fut = asyncio.get_running_loop().create_future()
-        self.pending[self.seq] = fut
-        async with self.lock:
-            self.writer.write(encode_message({"seq": self.seq, **msg}))
-            await self.writer.drain()
-        return await asyncio.wait_for(fut, timeout_s)
+        self.pending[seq] = fut
+        try:
+            async with self.lock:
+                self.writer.write(encode_message({"seq": seq, **msg}))
+                await self.writer.drain()
+            return await asyncio.wait_for(fut, timeout_s)
+        except BaseException:
+            if self.pending.pop(seq, None) is not None:
+                self.abandoned.add(seq)  # its reply, when it comes, is handled by _read
+            raise
 
 
 @dataclass
@@ -550,18 +567,37 @@ class HandOff:
     notes: dict = field(default_factory=dict)
 
 
+async def _release_after(lessee: KVLessee, request_id: str, leased: Awaitable) -> None:
+    with contextlib.suppress(BaseException):
+        await leased
+    await lessee.release(request_id)
+
+
 async def hand_off(
     lessee: KVLessee,
     address: str,
     request_id: str,
     kv,
     write: Callable[[ArenaMapping, list[int]], Awaitable[None]],
+    leased: Awaitable[tuple[_Peer, str, list[int]]] | None = None,
 ) -> HandOff:
     """lease → write → written; on any failure the lease is released and the error raised (the caller
-    falls back to the copy path). ``write`` puts ``kv`` into the leased blocks and returns once done."""
+    falls back to the copy path). ``write`` puts ``kv`` into the leased blocks and returns once done.
+    ``leased``: a ``lessee.lease`` for this request started earlier (while the prompt was prefilled), so its
+    round trip is off the path to the first token."""
     t0 = time.perf_counter()
     num_tokens = int(kv.shape[2])
-    p, lease_id, ids = await lessee.lease(address, request_id, num_tokens)
+    if leased is None:
+        p, lease_id, ids = await lessee.lease(address, request_id, num_tokens)
+    else:
+        try:
+            p, lease_id, ids = await asyncio.shield(leased)
+        except asyncio.CancelledError:  # the lease may still be granted: give it back once it is
+            asyncio.ensure_future(_release_after(lessee, request_id, leased))
+            raise
+        if len(ids) != blocks_for(num_tokens, p.mapping.description.layout.block_size):
+            await lessee.release(request_id)
+            raise RefError(f"the lease holds {len(ids)} blocks, the KV of {num_tokens} tokens needs another count")
     writing = asyncio.ensure_future(write(p.mapping, ids[: -(-num_tokens // p.mapping.description.layout.block_size)]))
     try:
         await asyncio.shield(writing)

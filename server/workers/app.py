@@ -224,6 +224,7 @@ async def _prefill(state: WorkerState, body: PrefillRequest) -> JSONResponse:
     except ValueError as e:
         raise HTTPException(status_code=400, detail=str(e)) from None
     t0 = time.perf_counter()
+    leased = kv_reference.early_lease(state, body)  # by reference: the decode worker's blocks, while we prefill
     try:
         async with asyncio.timeout(state.config.router.request_timeout_s):
             out = await q.get()
@@ -255,7 +256,8 @@ async def _prefill(state: WorkerState, body: PrefillRequest) -> JSONResponse:
         same_host = body.peer_host_id is None or body.peer_host_id == host_id()
         if body.peer_kv_arena and same_host and state.lessee is not None:  # by reference when it can
             try:
-                ref = await kv_reference.prefill_by_reference(state, rid, kv, ready, body.peer_kv_arena)
+                lease, leased = leased, None  # hand_off consumes it (releases it on any failure)
+                ref = await kv_reference.prefill_by_reference(state, rid, kv, ready, body.peer_kv_arena, lease)
             except ValueError as e:  # by_reference 'on' and it failed
                 return JSONResponse(
                     PrefillResponse(token_ids=[], finished=True, finish_reason="abort", error=str(e)).model_dump()
@@ -303,6 +305,7 @@ async def _prefill(state: WorkerState, body: PrefillRequest) -> JSONResponse:
         raise
     finally:
         state.loop.close_stream(rid)
+        kv_reference.drop_lease(state, rid, leased)  # an early lease nobody used goes back
 
 
 async def _with_progress(state: WorkerState, request: Request, answer) -> Response:

@@ -26,6 +26,7 @@ import torch
 from server.engine.sampling_params import SamplingParams
 from server.kv_transfer import cuda_ipc
 from server.kv_transfer.by_reference import BlockSource, KVLessee, KVLessor, RefError, RefHandle, hand_off
+from server.kv_transfer.factory import host_id
 from server.kv_transfer.kv_arena import ArenaError, ArenaMapping, layout_for
 
 log = logging.getLogger(__name__)
@@ -80,9 +81,37 @@ def _write_blocking(mapping: ArenaMapping, ids: list[int], kv: torch.Tensor, rea
     done.synchronize()
 
 
-async def prefill_by_reference(state, rid: str, kv: torch.Tensor, ready, address: str) -> dict | None:
+def early_lease(state, body) -> asyncio.Task | None:
+    """Lease the decode worker's blocks for this request while its prompt is prefilled (None: not by
+    reference). The task is never cancelled: ``drop_lease`` gives an unused lease back once it is granted."""
+    lessee: KVLessee | None = state.lessee
+    address = body.peer_kv_arena
+    if lessee is None or not address or address in lessee.unusable:
+        return None
+    if body.peer_host_id is not None and body.peer_host_id != host_id():
+        return None
+    n = len(body.prompt_token_ids) + len(body.output_token_ids)  # the KV: every token but token #1
+    return asyncio.ensure_future(lessee.lease(address, body.request_id, n))
+
+
+def drop_lease(state, rid: str, task: asyncio.Task | None) -> None:
+    """An early lease the request will not use (it finished at token #1, failed, or went by copy)."""
+    if task is None:
+        return
+
+    async def drop() -> None:
+        with contextlib.suppress(BaseException):
+            await task
+        await state.lessee.release(rid)
+
+    asyncio.ensure_future(drop())
+
+
+async def prefill_by_reference(
+    state, rid: str, kv: torch.Tensor, ready, address: str, leased: asyncio.Task | None = None
+) -> dict | None:
     """The by-reference handle of this request's KV, or None to take the copy path (``auto``); with
-    ``on`` a failure raises RefError (the request fails, saying why)."""
+    ``on`` a failure raises RefError (the request fails, saying why). ``leased``: its ``early_lease``."""
     lessee: KVLessee | None = state.lessee
     mode = state.config.kv_transfer.by_reference
     if lessee is None:
@@ -94,7 +123,7 @@ async def prefill_by_reference(state, rid: str, kv: torch.Tensor, ready, address
             async def write(mapping: ArenaMapping, ids: list[int]) -> None:
                 await asyncio.to_thread(_write_blocking, mapping, ids, kv, ready)
 
-            done = await hand_off(lessee, address, rid, kv, write)
+            done = await hand_off(lessee, address, rid, kv, write, leased)
             state.metrics.kv_transfer_seconds.labels("reference").observe(done.seconds)
             return done.handle.to_dict()
         except ArenaError as e:  # this decode worker's pool cannot be mapped here: not for this peer

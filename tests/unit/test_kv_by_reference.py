@@ -340,3 +340,37 @@ def test_a_killed_lessor_fails_the_next_hand_off_and_leaves_no_segment():
         assert not os.path.exists(f"/dev/shm/{name}")
 
     asyncio.run(main())
+
+
+def test_a_lease_whose_caller_gave_up_is_given_back_when_granted():
+    """The prefill handler cancelled (its client left) while the lease request was in flight: the lease the
+    decode worker grants afterwards is released by the lessee at once, not held until its connection closes."""
+
+    async def main() -> None:
+        owner = Owner()
+        granted = asyncio.Event()
+        take = owner.lessor.blocks.take
+
+        async def slow_take(n):
+            await asyncio.sleep(0.3)
+            ids = await take(n)
+            granted.set()
+            return ids
+
+        owner.lessor.blocks = BlockSource(slow_take, owner.lessor.blocks.give_back)
+        address = await owner.lessor.start()
+        lessee = KVLessee(TOKEN, LAYOUT, torch.device("cpu"), timeout_s=5.0)
+        try:
+            task = asyncio.ensure_future(lessee.lease(address, "gone", NUM_TOKENS))
+            await asyncio.sleep(0.1)
+            task.cancel()
+            await granted.wait()
+            await _until(lambda: owner.bm.num_used_blocks == 0 and not owner.lessor.leases)
+            assert owner.lessor.stats.released == 1
+            owner.assert_all_free()
+        finally:
+            await lessee.close()
+            await owner.lessor.close()
+            owner.arena.close()
+
+    asyncio.run(main())
