@@ -15,7 +15,7 @@ import sys
 import torch
 
 from server.engine.block_manager import BlockManager
-from server.kv_transfer.by_reference import BlockSource, KVLessee, KVLessor, RefError, hand_off
+from server.kv_transfer.by_reference import BlockSource, KVLessee, KVLessor, hand_off
 from server.kv_transfer.kv_arena import ArenaLayout, ArenaOwner
 
 LAYOUT = ArenaLayout(num_layers=2, num_blocks=32, block_size=4, kv_heads=2, head_dim=4, dtype="float32")
@@ -39,21 +39,9 @@ async def write_into(mapping, ids) -> None:
 
 async def lessee(address: str, token: str, scenario: str) -> None:
     le = KVLessee(token, LAYOUT, torch.device("cpu"), timeout_s=5.0)
-    if scenario == "badtoken":
-        le._token = "not-the-token"
-        try:
-            await le.peer(address)
-            say(error=None)
-        except RefError as e:
-            say(error=str(e))
-        return
     if scenario == "success":
         done = await hand_off(le, address, "req-a", known_kv(), write_into)
         say(handle=done.handle.to_dict())
-    elif scenario == "release":
-        _, lease_id, ids = await le.lease(address, "req-b", NUM_TOKENS)
-        say(leased=ids)
-        say(released=await le.release("req-b"))
     elif scenario == "hold":  # leased, being written (never reports it): killed like this
         _, lease_id, ids = await le.lease(address, "req-c", NUM_TOKENS)
         say(leased=ids)

@@ -222,17 +222,17 @@ def test_protocol_with_a_real_lessee_process_leaks_no_block():
             owner.bm.give_back(lease.block_ids)  # the sequence that adopted them finished
             owner.assert_all_free()
 
-            # release before any hand-off
-            p = await _peer("lessee", address, TOKEN, "release")
-            assert (await _line(p))["leased"]
-            assert (await _line(p))["released"] is True
-            await p.wait()
+            # release before any hand-off, and a wrong token (refused before anything is described): in this
+            # process, the lessee's identity does not matter to either
+            local = KVLessee(TOKEN, LAYOUT, torch.device("cpu"), timeout_s=5.0)
+            _, _, ids = await local.lease(address, "req-b", NUM_TOKENS)
+            assert owner.bm.num_used_blocks == len(ids)
+            assert await local.release("req-b") is True
             owner.assert_all_free()
-
-            # wrong token: refused before anything is described
-            p = await _peer("lessee", address, TOKEN, "badtoken")
-            assert "auth" in (await _line(p))["error"]
-            await p.wait()
+            await local.close()
+            intruder = KVLessee("not-the-token-" * 3, LAYOUT, torch.device("cpu"), timeout_s=5.0)
+            with pytest.raises(RefError, match="auth"):
+                await intruder.peer(address)
 
             # killed while writing: the lease goes back as soon as its connection closes
             p = await _peer("lessee", address, TOKEN, "hold")
