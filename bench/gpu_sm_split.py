@@ -135,6 +135,8 @@ def one_layout(name: str, args: argparse.Namespace, doc: dict, t0: float) -> Non
         entry["config"] = overrides
     doc["layouts"].append(entry)
     cfg = {**({"model": args.model} if args.model else {}), **overrides}
+    # 2048/128 is 2176 tokens: above the default serving limit (prefill.max_seq_len 2048)
+    cfg["prefill"] = {**cfg.get("prefill", {}), "max_seq_len": args.max_seq_len}
     with tempfile.TemporaryDirectory(prefix="i31-") as tmp:
         srv = None
         ts = time.monotonic()
@@ -267,6 +269,7 @@ def main() -> int:
     ap.add_argument("--rates", help="one workload 128/64 at these rates (the old form); overrides --workloads")
     ap.add_argument("--sampling", type=lambda s: s.split(";"), default=["openai-default"], help="';'-separated")
     ap.add_argument("--num-prompts", type=int, default=300)
+    ap.add_argument("--max-seq-len", type=int, default=4096, help="prefill.max_seq_len of every layout")
     ap.add_argument("--warmup", type=int, default=8)
     ap.add_argument("--budget-s", type=float, default=500.0)
     ap.add_argument("--startup-timeout-s", type=float, default=240.0)
