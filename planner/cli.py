@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from planner import deploy
-from planner.layouts import enumerate_layouts
+from planner.layouts import DEFAULT_SPLITS, enumerate_layouts, split_layouts
 from planner.profile import Profile, ProfileError, load
 from planner.search import Evaluation, Planner
 from planner.slo import SLO, SLOError
@@ -23,6 +23,15 @@ def _err(sentence: str) -> int:
 
 def cmd_profile(args) -> int:
     from server.launcher import parse_devices
+
+    shares: list[int] = []
+    if getattr(args, "sm_shares", None):
+        try:
+            shares = [int(x) for x in args.sm_shares.split(",") if x]
+        except ValueError:
+            return _err(f"--sm-shares must be percentages separated by commas, got {args.sm_shares!r}")
+        if not shares or any(not 1 <= x <= 100 for x in shares):
+            return _err(f"--sm-shares must be percentages in 1..100, got {args.sm_shares!r}")
 
     try:
         parse_devices(args.device)
@@ -45,6 +54,18 @@ def cmd_profile(args) -> int:
     out = Path(args.out)
     if not out.parent.exists():
         return _err(f"--out folder {out.parent} does not exist")
+    if shares:
+        import dataclasses
+
+        from planner.sm_shares import measure_shares
+
+        points, notes = measure_shares(
+            prof.model or None,
+            args.device,
+            sorted(set(shares) | {100}, reverse=True),
+            log=lambda s: print(s, file=sys.stderr, flush=True),
+        )
+        prof = dataclasses.replace(prof, sm_shares=tuple(points), notes=(*prof.notes, *notes))
     prof.save(out)
     print(
         f"profile written: {out} ({len(prof.prefill)} prefill, {len(prof.decode)} decode, "
@@ -95,10 +116,40 @@ def _inputs(args) -> tuple[Profile, Planner, list, int] | int:
     if args.write_config and not Path(args.write_config).resolve().parent.is_dir():
         return _err(f"--write-config folder {Path(args.write_config).parent} does not exist")
     layouts = enumerate_layouts(cfg, prof.device, devices, batch, prof.kv_bytes_per_token)
+    splits = _splits(getattr(args, "sm_splits", "none"))
+    if isinstance(splits, str):
+        return _err(splits)
+    if splits and prof.device == "cuda" and devices == 1:
+        if not prof.sm_shares:
+            if args.sm_splits != "auto":
+                return _err("--sm-splits needs a profile with sm_shares: make it with distserve profile --sm-shares")
+        else:
+            if args.sm_splits == "auto":  # only splits inside the measured shares (no extrapolation)
+                low = {ph: min(p.share for p in prof.sm_shares if p.phase == ph) for ph in ("prefill", "decode")}
+                splits = tuple(s for s in splits if s[0] >= low["prefill"] and s[1] >= low["decode"])
+            layouts += split_layouts(cfg, splits)
     if not layouts:
         return _err(f"no layout fits {devices} device(s)")
     planner = Planner.for_profile(prof, wl, slo, args.seed)
     return prof, planner, layouts, cfg.decode.max_batch_size
+
+
+def _splits(text: str) -> tuple[tuple[int, int], ...] | str:
+    """The --sm-splits value as (prefill %, decode %) pairs, or the error sentence."""
+    if text in ("none", ""):
+        return ()
+    if text == "auto":
+        return DEFAULT_SPLITS
+    out = []
+    for part in text.split(","):
+        try:
+            p, d = (int(x) for x in part.split(":"))
+        except ValueError:
+            return f"--sm-splits must be auto, none or P:D pairs like 60:40,70:30, got {text!r}"
+        if not (1 <= p <= 100 and 1 <= d <= 100):
+            return f"--sm-splits percentages must be in 1..100, got {part!r}"
+        out.append((p, d))
+    return tuple(out)
 
 
 def _row(e: Evaluation, device: str, rate: float | None, planner: Planner) -> str:

@@ -56,7 +56,9 @@ def serve_command(layout: Layout, device: str, model: str, config_path: str | No
         parts.append(f"--mode colocated --decode {layout.num_decode}")
     else:
         parts.append(f"--mode disaggregated --prefill {layout.num_prefill} --decode {layout.num_decode}")
-    if device != "cpu":
+    if device != "cpu" and layout.sm_split:
+        parts.append(f"--devices cuda:0 --sm-split {layout.sm_split[0]}:{layout.sm_split[1]}")
+    elif device != "cpu":
         n = layout.workers
         parts.append(f"--devices {','.join(f'cuda:{i}' for i in range(n))}")
     elif layout.mode == "colocated" and layout.num_decode > 1:

@@ -25,7 +25,7 @@ already equal its parts within 5 % (measured, same page), the prefill's host sid
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -48,6 +48,20 @@ def _fit_nonneg(rows: list[list[float]], y: list[float]) -> list[float]:
     return [0.0] * a.shape[1]
 
 
+def share_scales(points) -> dict[str, tuple[tuple[int, float], ...]]:
+    """{phase: ((share, mean of ms(share) / ms(100) over the shapes measured at both), ...)}, 100 -> 1.0."""
+    base = {(p.phase, p.batch, p.size): p.ms for p in points if p.share == 100}
+    ratios: dict[tuple[str, int], list[float]] = {}
+    for p in points:
+        ref = base.get((p.phase, p.batch, p.size))
+        if ref and p.share < 100:
+            ratios.setdefault((p.phase, p.share), []).append(p.ms / ref)
+    out: dict[str, list[tuple[int, float]]] = {}
+    for (phase, share), rs in sorted(ratios.items()):
+        out.setdefault(phase, []).append((share, max(1.0, sum(rs) / len(rs))))  # fewer SMs never speed a step up
+    return {ph: tuple([*v, (100, 1.0)]) for ph, v in out.items()}
+
+
 @dataclass(frozen=True)
 class LatencyModel:
     fixed_ms: float  # a decode step's fixed part
@@ -62,6 +76,8 @@ class LatencyModel:
     prefill_floor_ms: float = 0.0  # host side of a one-sequence prefill step (eager launches, Python)
     prefill_per_seq_ms: float = 0.0  # ... and per further sequence in the step
     prefill_chunk_ms: float = 0.0  # per chunked-prefill continuation (a prompt resumed over its cached context)
+    # step-time multiplier on a share of the GPU's SMs, by phase: [(share, scale)] ascending (planner/sm_shares.py)
+    sm_scale: dict[str, tuple[tuple[int, float], ...]] = field(default_factory=dict)
 
     @classmethod
     def fit(cls, profile: Profile) -> LatencyModel:
@@ -88,6 +104,7 @@ class LatencyModel:
             profile.prefill_floor_ms,
             profile.prefill_per_seq_ms,
             profile.prefill_chunk_ms,
+            share_scales(profile.sm_shares),
         )
 
     # --- one step -----------------------------------------------------------------------------------
@@ -98,9 +115,11 @@ class LatencyModel:
         decode_context: int,
         threads: int = 1,
         neighbours: int = 0,
+        sm_share: int = 100,
     ) -> float:
         """One engine step: ``prefill_chunks`` as (new tokens, context before them) per prompt, plus a
-        decode batch of ``decode_batch`` sequences holding ``decode_context`` tokens in all."""
+        decode batch of ``decode_batch`` sequences holding ``decode_context`` tokens in all; on ``sm_share`` %
+        of the GPU's SMs (an MPS split: scaled by the profile's measured share points)."""
         if prefill_chunks:
             t = max(self.fixed_ms, self.prefill_fixed_ms) if decode_batch else self.prefill_fixed_ms
         else:
@@ -115,7 +134,24 @@ class LatencyModel:
             # work, so the step takes the larger of the two; a chunked continuation adds its slow attention path
             host = self.prefill_floor_ms + self.prefill_per_seq_ms * (len(prefill_chunks) - 1)
             step = max(step, host) + self.prefill_chunk_ms * sum(1 for _, before in prefill_chunks if before > 0)
-        return step * self.scale(phase, threads, neighbours)
+        step *= self.scale(phase, threads, neighbours)
+        return step * self.share_scale(phase, sm_share) if sm_share < 100 else step
+
+    def share_scale(self, phase: str, share: int) -> float:
+        """ms(share) / ms(100) for ``phase``, interpolated linearly between measured shares, and below the
+        lowest one scaled by lowest / share (an SM-bound step: never optimistic); 1.0 at 100. ValueError when
+        the profile measured none for ``phase``."""
+        pts = self.sm_scale.get(phase)
+        if share >= 100:
+            return 1.0
+        if not pts:
+            raise ValueError(f"the profile has no {phase} steps at SM shares: run distserve profile --sm-shares")
+        if share <= pts[0][0]:  # below the lowest measured share: as if the step were bound by SMs alone
+            return pts[0][1] * pts[0][0] / max(1, share)
+        for (s0, v0), (s1, v1) in zip(pts, pts[1:]):
+            if s0 <= share <= s1:
+                return v0 + (v1 - v0) * (share - s0) / (s1 - s0)
+        return pts[-1][1]
 
     def prefill_ms(self, lengths: Sequence[int], threads: int = 1, neighbours: int = 0) -> float:
         return self.step_ms([(n, 0) for n in lengths], 0, 0, threads, neighbours)

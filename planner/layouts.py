@@ -30,6 +30,7 @@ class Layout:
     decode: EngineLimits  # decode workers, or every colocated replica
     prefill_threads: int = 1  # CPU: torch threads per prefill worker
     decode_threads: int = 1  # CPU: per decode worker / colocated replica
+    sm_split: tuple[int, int] | None = None  # 1P1D on one GPU as MPS clients: (prefill %, decode %) of its SMs
 
     @property
     def workers(self) -> int:
@@ -39,13 +40,15 @@ class Layout:
         """GPUs used (one worker per GPU), or cores used on CPU (threads per worker, summed)."""
         if device == "cpu":
             return self.num_prefill * self.prefill_threads + self.num_decode * self.decode_threads
-        return self.workers
+        return 1 if self.sm_split else self.workers
 
     def name(self, device: str = "cuda") -> str:
         if self.mode == "colocated":
             base = f"{self.num_decode} colocated"
         else:
             base = f"{self.num_prefill}P{self.num_decode}D"
+        if self.sm_split:
+            base += f" on 1 GPU, SM {self.sm_split[0]}:{self.sm_split[1]}"
         extra = []
         if device == "cpu" and (self.prefill_threads > 1 or self.decode_threads > 1):
             extra.append(
@@ -110,3 +113,12 @@ def enumerate_layouts(
                     more.append(replace(lay, decode=replace(lay.decode, max_num_seqs=b)))
         out += more
     return out
+
+
+DEFAULT_SPLITS = tuple((p, 100 - p) for p in range(30, 90, 10))
+
+
+def split_layouts(cfg: DistServeConfig, splits: tuple[tuple[int, int], ...] = DEFAULT_SPLITS) -> list[Layout]:
+    """1 prefill + 1 decode worker on one GPU, one layout per SM split (``--sm-split P:D``)."""
+    pf, dec, _ = limits_from_config(cfg, 0)
+    return [Layout("disaggregated", 1, 1, pf, dec, sm_split=s) for s in splits]

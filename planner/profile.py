@@ -64,6 +64,21 @@ class ThreadPoint:
 
 
 @dataclass(frozen=True)
+class SharePoint:
+    """One engine step on ``share`` % of the GPU's SMs (a CUDA MPS client with that thread percentage):
+    prefill ``batch`` x ``size`` prompt tokens, or decode ``batch`` sequences of ``size`` tokens of context.
+    The planner scales a whole-GPU step by ms(share) / ms(100) of the same phase and shape
+    (``planner/sm_shares.py``)."""
+
+    phase: str  # prefill | decode
+    share: int  # 1..100
+    batch: int
+    size: int
+    ms: float
+    origin: str = "measured"
+
+
+@dataclass(frozen=True)
 class Profile:
     device: str  # cpu | cuda (what `--device` a deployment passes)
     device_name: str  # e.g. "2-vCPU x86_64" or "NVIDIA H200"
@@ -91,6 +106,7 @@ class Profile:
     engine_thread: bool = False  # the step runs off the event loop: a finished prefill's reply does not wait a step
     cost_origins: dict[str, str] = field(default_factory=dict)  # e.g. prefill_chunk_ms -> "measured: ..."
     notes: tuple[str, ...] = field(default_factory=tuple)
+    sm_shares: tuple[SharePoint, ...] = ()  # steps at SM shares (CUDA MPS); empty: no split can be planned
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -211,6 +227,23 @@ def from_dict(data: Any) -> Profile:
                 _origin(p, f"threads[{i}]"),
             )
         )
+    shares = []
+    for i, p in enumerate(data.get("sm_shares") or []):
+        if not isinstance(p, dict) or p.get("phase") not in ("prefill", "decode"):
+            raise ProfileError(f"sm_shares[{i}].phase must be prefill or decode")
+        share = _num(p, "share", f"sm_shares[{i}]", integer=True)
+        if share > 100:
+            raise ProfileError(f"sm_shares[{i}].share must be a percentage in 1..100, got {share}")
+        shares.append(
+            SharePoint(
+                p["phase"],
+                share,
+                _num(p, "batch", f"sm_shares[{i}]", integer=True),
+                _num(p, "size", f"sm_shares[{i}]", integer=True),
+                float(_num(p, "ms", f"sm_shares[{i}]")),
+                _origin(p, f"sm_shares[{i}]"),
+            )
+        )
     notes = data.get("notes", [])
     if not isinstance(notes, list) or not all(isinstance(n, str) for n in notes):
         raise ProfileError("profile field 'notes' must be a list of strings")
@@ -237,6 +270,7 @@ def from_dict(data: Any) -> Profile:
         engine_thread=_flag(data, "engine_thread"),
         cost_origins=_cost_origins(data),
         notes=tuple(notes),
+        sm_shares=tuple(shares),
     )
 
 

@@ -62,7 +62,9 @@ def _prompt(i: int, n: int, salt: int) -> list[int]:
 class EngineProbe:
     """Times single steps of one engine (the real scheduler, runner and sampler)."""
 
-    def __init__(self, model: str | None, device: str, threads: int = 0, max_len: int = 4096) -> None:
+    def __init__(
+        self, model: str | None, device: str, threads: int = 0, max_len: int = 4096, num_blocks: int = 0
+    ) -> None:
         from server.engine.llm_engine import EngineConfig, LLMEngine
 
         self.engine = LLMEngine(
@@ -74,6 +76,7 @@ class EngineProbe:
                 max_model_len=max_len,
                 enable_prefix_caching=False,
                 torch_threads=threads,
+                num_blocks=num_blocks,  # 0: kv_cache_memory_mb's default
             )
         )
         self.device = device

@@ -71,6 +71,7 @@ class Worker:
     limits: EngineLimits
     threads: int
     neighbours: int
+    sm_share: int = 100  # % of the GPU's SMs (an MPS split)
     waiting: list[SimRequest] = field(default_factory=list)
     running: list[SimRequest] = field(default_factory=list)
     blocked: list[SimRequest] = field(default_factory=list)  # decode: waiting for a reservation
@@ -133,11 +134,13 @@ class Simulator:
                 Worker("colocated", i, layout.decode, layout.decode_threads, many) for i in range(layout.num_decode)
             ]
         else:
+            pct, dct = layout.sm_split or (100, 100)
             self.prefill = [
-                Worker("prefill", i, layout.prefill, layout.prefill_threads, many) for i in range(layout.num_prefill)
+                Worker("prefill", i, layout.prefill, layout.prefill_threads, many, pct)
+                for i in range(layout.num_prefill)
             ]
             self.decode = [
-                Worker("decode", i, layout.decode, layout.decode_threads, many) for i in range(layout.num_decode)
+                Worker("decode", i, layout.decode, layout.decode_threads, many, dct) for i in range(layout.num_decode)
             ]
         for w in self.decode if layout.mode == "colocated" else ():
             w.cold_left = cold_mixed_steps[0]
@@ -244,7 +247,7 @@ class Simulator:
             self._flush_replies(w)
             return
         chunks, decodes, ctx, scheduled = plan
-        dt = self.model.step_ms(chunks, len(decodes), ctx, w.threads, w.neighbours)
+        dt = self.model.step_ms(chunks, len(decodes), ctx, w.threads, w.neighbours, w.sm_share)
         if w.cold_left and chunks and decodes:
             w.cold_left -= 1
             dt += self.cold_stall_ms

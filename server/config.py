@@ -289,6 +289,8 @@ class KVTransferConfig(_Section):
     handshake_timeout_ms: int = _opt(2000, "int", lo=1, hi=_MS_MAX)
     max_connections: int = _opt(64, "int", lo=1, hi=65536)
     max_connections_per_peer: int = _opt(0, "int", lo=0, hi=65536)  # 0 = max_connections
+    # KV hand-off by reference on one device (server/workers/kv_reference.py): off | auto | on
+    by_reference: str = _opt("off", "enum", choices=("off", "auto", "on"))
 
 
 @dataclass(frozen=True)

@@ -114,6 +114,8 @@ def mps_memory_limit_mib(role: str, share: float | None, total_mib: int | None, 
     (slack) are allowed on top. None: no limit (the share is unknown)."""
     if not share or not total_mib:
         return None
+    if role == "prefill" and cfg.kv_transfer.by_reference != "off":
+        return None  # it maps the decode worker's whole KV pool, which MPS would count against this limit
     limit = int(share * total_mib) + 1024
     if role != "prefill":
         limit += cfg.kv_transfer.cuda_ipc_pool_mb + 4096

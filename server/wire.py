@@ -72,6 +72,8 @@ class PrefillRequest(BaseModel):
     peer_host_id: str | None = None  # host of the decode worker that will pull
     # GPUs the decode worker can open CUDA IPC handles of (None: unknown, e.g. an older router)
     peer_cuda_uuids: list[str] | None = Field(default=None, max_length=64)
+    # the decode worker's KV lessor (host:port) when its pool takes KV by reference (kv_reference.py)
+    peer_kv_arena: str | None = Field(default=None, max_length=300)
 
 
 class PrefillResponse(_WithLogprobs):
@@ -166,6 +168,7 @@ class RegisterRequest(BaseModel):
     host_id: str = ""
     # GPUs this worker can open CUDA IPC handles of; empty unless it runs on CUDA (cuda_ipc)
     cuda_uuids: list[str] = Field(default_factory=list, max_length=64)
+    kv_arena: str = Field(default="", max_length=300)  # its KV lessor's host:port (KV by reference), or ""
     restart_count: int = Field(default=0, ge=0)  # times the launcher restarted this worker id
     memory: dict[str, Any] | None = None  # how it sized its device memory (kv_sizing.KVBudget.to_dict), GPU only
     status: WorkerStatus = Field(default_factory=WorkerStatus)

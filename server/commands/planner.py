@@ -35,6 +35,13 @@ def add_parsers(sub) -> None:
         help="skip the serving-path measurement (a real 1P1D distserve serve for a few requests)",
     )
     p.add_argument("--quick", action="store_true", help="CPU: a two-point sweep per phase (seconds, for tests)")
+    p.add_argument(
+        "--sm-shares",
+        default=None,
+        metavar="P,P,...",
+        help="also time prefill and decode steps on these %% of the GPU's SMs (CUDA MPS clients, as --sm-split "
+        "runs them; e.g. 30,40,50,60,100): what distserve plan's split search uses; nothing to measure on a CPU",
+    )
     p.add_argument("--out", required=True, help="where to write the profile JSON")
     p.set_defaults(handler=_profile)
 
@@ -88,4 +95,11 @@ def add_parsers(sub) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the lengths and arrival gaps")
     p.add_argument("--config", default=None, help="the config the deployment will use (batch limits, token budget)")
     p.add_argument("--write-config", default=None, metavar="FILE", help="write the winner's config overrides here")
+    p.add_argument(
+        "--sm-splits",
+        default="auto",
+        metavar="auto|none|P:D,...",
+        help="one GPU (a cuda profile with sm_shares, --devices 1): also plan 1 prefill + 1 decode worker on these "
+        "SM splits (auto: 30:70 ... 80:20); none: colocated only",
+    )
     p.set_defaults(handler=_plan)

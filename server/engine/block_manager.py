@@ -100,6 +100,27 @@ class BlockManager:
             self.ref_counts[block] = 1
             seq.block_table.append(block)
 
+    def take_blocks(self, n: int) -> list[int] | None:
+        """``n`` blocks with one reference each, held by no sequence (a KV lease: by_reference.py), or
+        None when fewer are free. ``adopt`` hands them to a sequence, ``give_back`` frees them."""
+        if n > self.num_free_blocks:
+            return None
+        blocks = [self._take_free_block() for _ in range(n)]
+        for block in blocks:
+            self.ref_counts[block] = 1
+        return blocks
+
+    def give_back(self, blocks: list[int]) -> None:
+        """Free blocks taken with ``take_blocks`` and never adopted (last first, as ``free``)."""
+        for block in reversed(blocks):
+            if self.ref_counts[block] != 1:
+                raise RuntimeError(f"block {block} given back with ref count {self.ref_counts[block]}")
+            self.ref_counts[block] = 0
+            if block in self._digest_of:  # pragma: no cover - a leased block is never registered
+                self._evictable[block] = None
+            else:
+                self._free.append(block)
+
     def _ref(self, block: int) -> None:
         if self.ref_counts[block] == 0:
             del self._evictable[block]

@@ -18,6 +18,7 @@ import logging
 import random
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -96,6 +97,9 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"  # auto | bf16 (= the compute dtype) | fp8_e4m3
     kv_scale_init: float = 1.0
     kv_calibration_requests: int = 1000  # finished requests before the FP8 KV scales are set; 0 = never
+    # the KV pool as one allocation a peer process on the same device can map (CUDA IPC, or POSIX shm on
+    # the CPU): a decode worker that takes KV by reference (server/kv_transfer/by_reference.py)
+    kv_arena: str = "off"  # off | auto (a private pool when it cannot be exported, with a warning) | on
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in _DTYPES:
@@ -199,7 +203,8 @@ class LLMEngine:
                 * 2**20
                 // kv_bytes_per_block(self.model_config, config.block_size, self.kv_dtype),
             )
-        self._build_cache(num_blocks)
+        self.kv_arena: Any = None  # kv_arena.ArenaOwner when the pool is exported (config.kv_arena)
+        self._build_cache(num_blocks, arena=config.kv_arena != "off")
         self.stats = EngineStats()
         self.requests: dict[str, Sequence] = {}
         self.awaiting_kv: dict[str, Sequence] = {}  # WAITING_FOR_REMOTE_KVS, oldest reservation first
@@ -216,8 +221,21 @@ class LLMEngine:
             if self.kv_budget is not None:
                 log.info("CUDA graphs and tuning kept %.2f GiB", self.cuda_graph_bytes / 2**30)
 
-    def _build_cache(self, num_blocks: int) -> None:
+    def _build_cache(self, num_blocks: int, arena: bool = False) -> None:
         config = self.config
+        storage = None
+        if arena and not is_fp8(self.kv_dtype):  # FP8 caches are not shared: each worker has its own scales
+            from server.kv_transfer.kv_arena import ArenaError, ArenaOwner, layout_for
+
+            try:
+                self.kv_arena = ArenaOwner(
+                    layout_for(self.model_config, num_blocks, config.block_size, self.kv_dtype), self.device
+                )
+                storage = self.kv_arena.tensor
+            except ArenaError as e:
+                if config.kv_arena == "on":
+                    raise
+                log.warning("KV pool not exported (%s): KV arrives by copy only", e)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -237,6 +255,7 @@ class LLMEngine:
             kv_dtype=self.kv_dtype,
             kv_scale_init=config.kv_scale_init,
             kv_calibration_requests=config.kv_calibration_requests,
+            kv_storage=storage,
         )
 
     @property
@@ -394,6 +413,35 @@ class LLMEngine:
         seq.num_computed_tokens = seq.num_tokens - 1
         del self.awaiting_kv[request_id]
         self.scheduler.add_running(seq)
+
+    def adopt_prefilled(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        output_token_ids: list[int],
+        params: SamplingParams,
+        block_ids: list[int],
+    ) -> bool:
+        """Take a request whose KV a peer wrote into ``block_ids`` of this engine's pool (leased with
+        ``block_manager.take_blocks``: KV by reference); they become its block table, nothing is copied.
+        The blocks cover the KV (every token but the newest) and the newest token's slot. False, changing
+        nothing, when ``max_num_seqs`` are running (the caller retries); ValueError for a request that
+        does not fit its blocks."""
+        if not output_token_ids:
+            raise ValueError("a prefilled request needs its first generated token")
+        self._check_new(request_id, prompt_token_ids, len(output_token_ids))
+        self._check_params(params)
+        seq = Sequence(request_id, list(prompt_token_ids), params, output_token_ids=list(output_token_ids))
+        if self.block_manager.blocks_needed(seq.num_tokens) != len(block_ids):
+            raise ValueError(f"{len(block_ids)} KV blocks for {seq.num_tokens} tokens of {request_id!r}")
+        if self.scheduler.num_running >= self.config.max_num_seqs:
+            return False
+        self.structured.add(seq)
+        seq.block_table = list(block_ids)
+        seq.num_computed_tokens = seq.num_tokens - 1
+        self._register(seq)
+        self.scheduler.add_running(seq)
+        return True
 
     def _register(self, seq: Sequence) -> None:
         self.requests[seq.request_id] = seq

@@ -45,6 +45,7 @@ class ModelRunner:
         kv_dtype: torch.dtype | None = None,
         kv_scale_init: float = 1.0,
         kv_calibration_requests: int = 0,
+        kv_storage: torch.Tensor | None = None,
     ) -> None:
         cfg = model.config
         self.model = model
@@ -54,12 +55,23 @@ class ModelRunner:
         self.device = device
         self.dtype = dtype  # compute dtype (what gather_kv hands out for a cache in it)
         self.kv_dtype = kv_dtype or dtype  # the cache's storage dtype
-        self.kv_caches = [
-            torch.zeros(
-                2, num_blocks * block_size, cfg.num_key_value_heads, cfg.head_dim, dtype=self.kv_dtype, device=device
-            )
-            for _ in range(cfg.num_hidden_layers)
-        ]
+        if kv_storage is not None:  # one exported allocation of every layer (kv_arena.py: KV by reference)
+            shape = (cfg.num_hidden_layers, 2, num_blocks * block_size, cfg.num_key_value_heads, cfg.head_dim)
+            if tuple(kv_storage.shape) != shape or kv_storage.dtype != self.kv_dtype:
+                raise ValueError(f"KV storage {tuple(kv_storage.shape)} {kv_storage.dtype}, expected {shape}")
+            self.kv_caches = list(kv_storage.unbind(0))
+        else:
+            self.kv_caches = [
+                torch.zeros(
+                    2,
+                    num_blocks * block_size,
+                    cfg.num_key_value_heads,
+                    cfg.head_dim,
+                    dtype=self.kv_dtype,
+                    device=device,
+                )
+                for _ in range(cfg.num_hidden_layers)
+            ]
         # FP8 cache: per-layer [K, V] scales and running amax, read and updated by the attention kernels
         self.kv_calibration: KVCalibration | None = None
         layers: Any = model.layers

@@ -310,7 +310,9 @@ class Pipeline:
                 t0 = time.perf_counter()
                 call, answered = self._call_started(prefill, len(tokens)), False
                 try:
-                    first = await self._prefill(prefill, req, outputs, decode.host_id, decode.cuda_uuids)
+                    first = await self._prefill(
+                        prefill, req, outputs, decode.host_id, decode.cuda_uuids, decode.kv_arena
+                    )
                     answered = first.error is None
                 finally:
                     self._call_ended(call, answered, req)
@@ -363,6 +365,7 @@ class Pipeline:
         outputs: list[int],
         peer_host: str,
         peer_cuda: list[str] | None = None,
+        peer_kv_arena: str = "",
     ) -> PrefillResponse:
         body = {
             "request_id": req.request_id,
@@ -371,6 +374,7 @@ class Pipeline:
             "sampling": req.sampling.model_dump(),
             "peer_host_id": peer_host,
             "peer_cuda_uuids": peer_cuda,
+            **({"peer_kv_arena": peer_kv_arena} if peer_kv_arena else {}),
         }
         # The progress deadline covers prefill too: a worker whose answer takes longer sends a blank
         # whenever its engine completed a step (server/workers/app.py: _with_progress), so one whose

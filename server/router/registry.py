@@ -86,6 +86,7 @@ class WorkerInfo:
     host_id: str
     status: WorkerStatus
     cuda_uuids: list[str] = field(default_factory=list)  # GPUs it can open IPC handles of
+    kv_arena: str = ""  # its KV lessor's host:port when it takes KV by reference
     restart_count: int = 0  # times the launcher restarted this worker id
     memory: dict | None = None  # its device-memory sizing (GPU workers)
     last_seen: float = field(default_factory=time.monotonic)
@@ -237,6 +238,7 @@ class WorkerRegistry:
             host_id=req.host_id,
             status=req.status,
             cuda_uuids=list(req.cuda_uuids),
+            kv_arena=req.kv_arena,
             restart_count=req.restart_count,
             memory=req.memory,
         )

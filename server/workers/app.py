@@ -20,6 +20,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -30,6 +31,7 @@ from server.engine.sampling_params import SamplingParams
 from server.engine.structured.grammar import Constraint
 from server.idle import IdleTimeout
 from server.kv_transfer import KVHandle, KVPuller, KVStagingServer, TransferStatus, cuda_ipc
+from server.kv_transfer.by_reference import is_reference
 from server.kv_transfer.factory import choose_transport, host_id
 from server.metrics import WorkerMetrics
 from server.wire import (
@@ -43,6 +45,7 @@ from server.wire import (
     TokenLogprob,
     WorkerStatus,
 )
+from server.workers import kv_reference
 from server.workers.engine_loop import EngineLoop
 from server.workers.fault import FaultRequest, StepDelays, arm_oom
 from server.workers.guard import AuthFirst, internal_body_limit
@@ -62,6 +65,8 @@ class WorkerState:
     metrics: WorkerMetrics
     sender: KVStagingServer | None = None
     puller: KVPuller | None = None
+    lessor: Any = None  # by_reference.KVLessor (decode worker whose pool is an arena)
+    lessee: Any = None  # by_reference.KVLessee (prefill worker with kv_transfer.by_reference on/auto)
     fatal_error: str | None = None  # set when the router refuses us; the process exits with it
     started: float = field(default_factory=time.monotonic)
     summary_sent_version: int = -1  # prefix summary last put on a heartbeat (heartbeat thread only)
@@ -187,6 +192,10 @@ def create_worker_app(state: WorkerState) -> FastAPI:
         aborted = await state.loop.abort(body.request_id)
         if state.sender is not None:
             aborted = state.sender.abort(body.request_id) or aborted
+        if state.lessee is not None:  # a lease written for it and not adopted goes back to its decode worker
+            aborted = await state.lessee.release(body.request_id) or aborted
+        if state.lessor is not None:
+            aborted = bool(await state.lessor.abort_request(body.request_id)) or aborted
         return {"aborted": aborted}
 
     @app.post("/internal/prefill", dependencies=[Depends(require_token)])
@@ -215,6 +224,7 @@ async def _prefill(state: WorkerState, body: PrefillRequest) -> JSONResponse:
     except ValueError as e:
         raise HTTPException(status_code=400, detail=str(e)) from None
     t0 = time.perf_counter()
+    leased = kv_reference.early_lease(state, body)  # by reference: the decode worker's blocks, while we prefill
     try:
         async with asyncio.timeout(state.config.router.request_timeout_s):
             out = await q.get()
@@ -244,6 +254,27 @@ async def _prefill(state: WorkerState, body: PrefillRequest) -> JSONResponse:
         kvc = state.config.kv_transfer
         nbytes = kv.numel() * kv.element_size()
         same_host = body.peer_host_id is None or body.peer_host_id == host_id()
+        if body.peer_kv_arena and same_host and state.lessee is not None:  # by reference when it can
+            try:
+                lease, leased = leased, None  # hand_off consumes it (releases it on any failure)
+                ref = await kv_reference.prefill_by_reference(state, rid, kv, ready, body.peer_kv_arena, lease)
+            except ValueError as e:  # by_reference 'on' and it failed
+                return JSONResponse(
+                    PrefillResponse(token_ids=[], finished=True, finish_reason="abort", error=str(e)).model_dump()
+                )
+            if ref is not None:
+                phases.labels("take_kv").observe(time.perf_counter() - t1)
+                state.metrics.prefill_seconds.observe(time.perf_counter() - t0)
+                return JSONResponse(
+                    PrefillResponse(
+                        token_ids=out.new_token_ids,
+                        logprobs=wire_logprobs(out.logprobs),
+                        finished=False,
+                        kv=ref,
+                        prefill_seconds=time.perf_counter() - t0,
+                        num_cached_tokens=out.num_cached_tokens,
+                    ).model_dump()
+                )
         peer_gpu = (
             None
             if not kv.is_cuda or body.peer_cuda_uuids is None
@@ -274,6 +305,7 @@ async def _prefill(state: WorkerState, body: PrefillRequest) -> JSONResponse:
         raise
     finally:
         state.loop.close_stream(rid)
+        kv_reference.drop_lease(state, rid, leased)  # an early lease nobody used goes back
 
 
 async def _with_progress(state: WorkerState, request: Request, answer) -> Response:
@@ -468,6 +500,8 @@ async def _generate_stream(state: WorkerState, body: GenerateRequest):
 async def _admit_with_kv(state: WorkerState, body: GenerateRequest, params: SamplingParams):
     """Reserve blocks, pull the KV, commit. Returns (queue, transfer info) or (None, {"error": ...})."""
     loop, rid, kvc = state.loop, body.request_id, state.config.kv_transfer
+    if is_reference(body.kv):
+        return await kv_reference.admit_by_reference(state, body, params)
     try:
         handle = KVHandle.from_dict(body.kv)
     except (ValueError, TypeError) as e:

@@ -387,6 +387,10 @@ class EngineLoop:
         self._wakeup.set()
         return q
 
+    def wake(self) -> None:
+        """Step soon: work was added outside ``add_request``/``commit`` (KV adopted by reference)."""
+        self._wakeup.set()
+
     def abort_nowait(self, request_id: str) -> bool:
         """Abort now, or right after the running step; safe in ``finally`` blocks of cancelled tasks (no
         await). Returns whether the engine knew the request (when queued behind a step: whether it knows

@@ -28,10 +28,12 @@ from server.engine.kv_sizing import MemoryBudgetError
 from server.engine.llm_engine import EngineConfig, LLMEngine
 from server.kv_transfer import KVPuller, KVStagingServer, cuda_ipc
 from server.kv_transfer.factory import choose_transport, host_id
+from server.kv_transfer.kv_arena import ARENA_PREFIX
 from server.metrics import WorkerMetrics
 from server.net import listen
 from server.preflight import sweep_orphan_segments
 from server.wire import RegisterRequest, Role
+from server.workers import kv_reference
 from server.workers.app import WorkerState, create_worker_app
 from server.workers.engine_loop import EngineLoop, GcPolicy, resolve_engine_thread
 from server.workers.heartbeat import HeartbeatOptions, HeartbeatThread, Liveness
@@ -110,6 +112,7 @@ def engine_config_for(
             attention_backend=dc.attention_backend,
             weight_dtype=dc.weight_dtype,
             kv_cache_dtype=cache.kv_dtype,
+            kv_arena=cfg.kv_transfer.by_reference,  # its pool exported to the prefill workers (kv_reference.py)
         )
     return EngineConfig(
         **common,
@@ -182,6 +185,8 @@ async def serve_worker(opts: WorkerOptions) -> int:
     except (NotImplementedError, ValueError) as e:
         print(f"distserve worker: error: {e}", flush=True)
         return 2
+    if opts.role == "decode" and opts.config.kv_transfer.by_reference != "off":
+        sweep_orphan_segments(ARENA_PREFIX)  # KV pools of an earlier decode worker that was killed
     if on_cuda and torch.device(opts.device).index is not None:
         # The current device is per thread and defaults to 0: without this, eager Triton kernels of a
         # worker on cuda:1 launch on GPU 0 (seen on 2 GPUs: pointer errors, then an illegal address).
@@ -236,6 +241,13 @@ async def serve_worker(opts: WorkerOptions) -> int:
             state.sender.ipc_pool(engine.device)
     if opts.role == "decode":
         state.puller = KVPuller(cuda_device=engine.device if on_cuda else None)
+        state.lessor = kv_reference.make_lessor(state, opts.host)
+        if state.lessor is not None:
+            log.info(
+                "KV by reference: lessor on %s (%s pool)", await state.lessor.start(), engine.kv_arena.description.kind
+            )
+    if opts.role == "prefill":
+        state.lessee = kv_reference.make_lessee(state)
     sock = listen(opts.host, opts.port)
     port = sock.getsockname()[1]
     url = f"http://{opts.host}:{port}"
@@ -263,6 +275,7 @@ async def serve_worker(opts: WorkerOptions) -> int:
         max_model_len=engine.max_model_len,
         host_id=host_id(),
         cuda_uuids=cuda_ipc.visible_gpu_uuids() if on_cuda else [],
+        kv_arena=state.lessor.address if state.lessor is not None else "",
         restart_count=opts.restart_count,
         memory=memory_report(engine, state.sender),
     )
@@ -300,6 +313,12 @@ async def serve_worker(opts: WorkerOptions) -> int:
         engine_loop.stop()
         if state.sender is not None:
             state.sender.close()
+        if state.lessor is not None:
+            await state.lessor.close()
+        if state.lessee is not None:
+            await state.lessee.close()
+        if engine.kv_arena is not None:
+            engine.kv_arena.close()
     if state.fatal_error:
         print(f"distserve worker: error: {state.fatal_error}", flush=True)
         return EXIT_REFUSED
