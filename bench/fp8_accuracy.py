@@ -170,6 +170,9 @@ def main() -> None:
         "fp8_both": {"weight_dtype": "fp8", "kv_cache_dtype": "fp8_e4m3"},
         "fp8_kv": {"kv_cache_dtype": "fp8_e4m3"},
         "fp8_weights": {"weight_dtype": "fp8"},
+        # layers 0 and L-1 kept bf16 (fp8_bf16_layers: first_last), the study's cheapest large gain
+        "fp8_both_first_last": {"weight_dtype": "fp8", "kv_cache_dtype": "fp8_e4m3", "fp8_bf16_layers": "first_last"},
+        "fp8_weights_first_last": {"weight_dtype": "fp8", "fp8_bf16_layers": "first_last"},
     }
     for v in a.variants.split(","):
         t0 = time.time()

@@ -445,8 +445,8 @@ def tune_fp8_linears(model: Any, buckets: tuple[int, ...] = (16, 32, 64, 128), v
     layers = list(model.layers)
     dtype = model.embed_tokens.weight.dtype
     for name in FP8_LINEARS:
-        mods = [layer.get_submodule(name) for layer in layers]
-        if not has_fp8_weight(mods[0]):
+        mods = [m for m in (layer.get_submodule(name) for layer in layers) if has_fp8_weight(m)]
+        if not mods:  # (layers kept in bf16: fp8_bf16_layers)
             continue
         n, k = mods[0].weight.shape
         dev = mods[0].weight.device
