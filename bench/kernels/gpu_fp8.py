@@ -3,14 +3,22 @@
     python3 bench/gpu_fp8.py --out $OUT/gpu_fp8.json        (on the device: bench/gpu_fp8_run.sh)
 
 1. ``kernels``: each 7B projection (qkv 12288x4096, o 4096x4096, gate_up 22016x4096, down 4096x11008) at
-   M = 1, 8, 16, 64, 128 rows: cuBLAS bf16 against the e4m3 GEMV (M = 1), the e4m3 tile kernel and
-   ``torch._scaled_mm`` (activation quantised per row, M padded to 16), each timed as a CUDA graph over
-   32 weight copies (the model's layers: weights stream from HBM, not L2) and checked against float64.
-   The fastest GEMV / tile configs become the engine's (fp8_linear.GEMV_CONFIG / DOT_CONFIG).
-2. ``engine``: ``preset:llama-2-7b`` built four times (bf16; FP8 weights; FP8 KV; both) with
-   ``gpu_memory_utilization`` 0.9, triton backend, decode CUDA graphs: KV capacity (sequences of 2k
-   tokens), decode logits after a bf16 prefill hand-off (the P/D path: KV quantised once on the decode
-   side) against bf16, and ``step()`` medians at batch 1 (context 128) and 8 / 64 / 128 (context ~1k).
+   M = 1, 16, 64, 128 rows: cuBLAS bf16 against the e4m3 GEMV candidates (M = 1), the split-K candidates
+   (M > 1: ``fp8_linear.SPLITK_CANDIDATES``, what the engine's start-up tuner tries), the old tile kernel
+   (``fp8_dot`` with DOT_CONFIG, the 2026-12-01 path) and ``torch._scaled_mm`` (activation quantised per
+   row), each timed as a CUDA graph over 32 weight copies (weights stream from HBM, not L2) and checked
+   against float64.
+2. ``engine``: ``preset:llama-2-7b`` built four times (bf16; FP8 weights; FP8 KV; both), one process each,
+   ``gpu_memory_utilization`` 0.9, triton backend, decode CUDA graphs, start-up tuning on (the e4m3
+   GEMV / split-K configs per shape, the paged-decode tile per cache dtype and regime; both reported in
+   the JSON): KV capacity (sequences of 2k tokens), decode logits after a bf16 prefill hand-off (the P/D
+   path) against bf16, ``step()`` medians at batch 1 (context 128) and 8 / 64 / 128 (context ~1k); then,
+   for bf16 and FP8 weights + KV, the same engine back on the 2026-12-01 kernels (``legacy``: graphs
+   re-captured) at batch 1 and 64, a same-run comparison.
+
+Accuracy on SmolLM2 is not measured here: the engine's own export of the model is bf16 safetensors (270 MB,
+larger than the 98 MB GGUF), beyond what one device call carries; the CPU's emulated FP8 path computes the
+same function (``bench/fp8_accuracy.py``), and the kernels are checked against float64 in tests/gpu.
 """
 
 from __future__ import annotations
@@ -32,19 +40,8 @@ RESULTS: dict = {"device": None, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", 
 OUT = Path("gpu_fp8.json")
 MODEL = ["preset:llama-2-7b", "cuda"]  # --smoke: the tiny model on the CPU (checks this script, no timing)
 SHAPES = {"qkv": (12288, 4096), "o": (4096, 4096), "gate_up": (22016, 4096), "down": (4096, 11008)}
-MS = (1, 8, 16, 64, 128)
-GEMV_CFGS = [
-    {"BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 4, "STAGES": 3},
-    {"BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 4, "STAGES": 3},
-    {"BLOCK_N": 4, "BLOCK_K": 1024, "num_warps": 4, "STAGES": 3},
-    {"BLOCK_N": 16, "BLOCK_K": 512, "num_warps": 8, "STAGES": 4},
-]
-DOT_CFGS = [
-    {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4},
-    {"BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3},
-    {"BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3},
-    {"BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 2, "num_stages": 4},
-]
+MS = (1, 16, 64, 128)
+LEGACY = ("bf16", "fp8_both")  # also measured with the 2026-12-01 kernels (batch 1 and 64)
 VARIANTS = {
     "bf16": {},
     "fp8_weights": {"weight_dtype": "fp8"},
@@ -73,70 +70,67 @@ def graph_ms(call, weights, reps: int = 5) -> float:
 
 
 def kernels() -> None:
+    """Per projection and M: cuBLAS bf16; the e4m3 GEMV candidates (M = 1); the split-K candidates (M > 1,
+    the engine's tuner's list); the old tile kernel (``fp8_dot``, DOT_CONFIG: the 2026-12-01 path); and
+    ``_scaled_mm``. Each checked against float64, timed as a CUDA graph over 32 weight copies. The compiles
+    land in Triton's cache, so the engines' start-up tuning (same candidates) finds them there."""
     from server.engine import fp8_linear as fl
     from server.engine.fp8 import quantize_per_channel
 
     res: dict = {}
     RESULTS["kernels_us"] = res
-    best_gemv = {str(i): 0.0 for i in range(len(GEMV_CFGS))}
-    best_dot = {str(i): 0.0 for i in range(len(DOT_CFGS))}
     for name, (n, k) in SHAPES.items():
         g = torch.Generator(device="cuda").manual_seed(n)
         ws = [torch.randn(n, k, device="cuda", generator=g).mul_(0.02).to(torch.bfloat16) for _ in range(32)]
         qs = [quantize_per_channel(w) for w in ws]
+        locks = [torch.zeros(8 * -(-n // 16), dtype=torch.int32, device="cuda") for _ in range(32)]
+        idx = list(range(32))
         for m in MS:
             x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
             q0, s0 = qs[0]
             ref = (x.double() @ q0.double().t()) * s0.double()
             row: dict = {"bytes_bf16": n * k * 2}
             row["cublas_bf16"] = graph_ms(lambda w: torch.nn.functional.linear(x, w), ws)
-            idx = list(range(32))
-            if m == 1:
-                for i, c in enumerate(GEMV_CFGS):
-                    try:
-                        e = rel(fl.fp8_gemv(x, q0, s0, None, c), ref)
-                        t = graph_ms(lambda j, c=c: fl.fp8_gemv(x, qs[j][0], qs[j][1], None, c), idx)  # noqa: F821
-                        row[f"fp8_gemv{i}"] = t
-                        row[f"fp8_gemv{i}_rel"] = e
-                        best_gemv[str(i)] += t if e < 1e-2 else 1e9
-                    except Exception as ex:  # a config that does not compile here
-                        row[f"fp8_gemv{i}"] = f"error {type(ex).__name__}: {ex}"[:200]
-                        best_gemv[str(i)] += 1e9
-            for i, c in enumerate(DOT_CFGS):
+
+            def timed(key, fn):
                 try:
-                    e = rel(fl.fp8_dot(x, q0, s0, None, c), ref)
-                    t = graph_ms(lambda j, c=c: fl.fp8_dot(x, qs[j][0], qs[j][1], None, c), idx)  # noqa: F821
-                    row[f"fp8_dot{i}"] = t
-                    row[f"fp8_dot{i}_rel"] = e
-                    if m > 1:
-                        best_dot[str(i)] += t if e < 1e-2 else 1e9
-                except Exception as ex:
-                    row[f"fp8_dot{i}"] = f"error {type(ex).__name__}: {ex}"[:200]
-                    best_dot[str(i)] += 1e9
-            try:
-                e = rel(fl.fp8_scaled_mm(x, q0, s0, None), ref)
-                row["scaled_mm"] = graph_ms(lambda j: fl.fp8_scaled_mm(x, qs[j][0], qs[j][1], None), idx)  # noqa: F821
-                row["scaled_mm_rel"] = e
-            except Exception as ex:
-                row["scaled_mm"] = f"error {type(ex).__name__}: {ex}"[:200]
+                    e = rel(fn(0), ref)
+                    row[key] = graph_ms(fn, idx)
+                    row[key + "_rel"] = e
+                    return row[key] if e < 1e-2 else None
+                except Exception as ex:  # a config that does not compile here
+                    row[key] = f"error {type(ex).__name__}: {ex}"[:200]
+                    return None
+
+            best: dict = {}
+            if m == 1:
+                for i, c in enumerate(fl.GEMV_CANDIDATES):
+                    if k % c["BLOCK_K"]:
+                        continue
+                    t = timed(f"fp8_gemv{i}", lambda j, c=c: fl.fp8_gemv(x, qs[j][0], qs[j][1], None, c))  # noqa: F821
+                    if t is not None and t < best.get("gemv", (1e9,))[0]:
+                        best["gemv"] = (t, i)
+            else:
+                for i, c in enumerate(fl.SPLITK_CANDIDATES):
+                    t = timed(f"fp8_splitk{i}", lambda j, c=c: fl.fp8_splitk(x, qs[j][0], qs[j][1], None, c, locks[j]))  # noqa: F821
+                    if t is not None and t < best.get("splitk", (1e9,))[0]:
+                        best["splitk"] = (t, i)
+            timed("fp8_dot_old", lambda j: fl.fp8_dot(x, qs[j][0], qs[j][1], None, fl.DOT_CONFIG))  # noqa: F821
+            timed("scaled_mm", lambda j: fl.fp8_scaled_mm(x, qs[j][0], qs[j][1], None))  # noqa: F821
+            for kk, (t, i) in best.items():
+                row[f"best_{kk}"] = t
+                row[f"best_{kk}_cfg"] = i
             res[f"{name}_m{m}"] = row
             nums = {
-                kk: v
-                for kk, v in row.items()
-                if isinstance(v, float) and not kk.endswith("_rel") and kk != "bytes_bf16"
+                kk: v for kk, v in row.items() if isinstance(v, float) and not kk.endswith("_rel") and "best" not in kk
             }
             print(
-                f"  {name} m={m}: "
-                + ", ".join(f"{kk} {v:.1f}" for kk, v in sorted(nums.items(), key=lambda t: t[1])[:4])
+                f"  {name} m={m}: cublas {row['cublas_bf16']:.1f}, "
+                + ", ".join(f"{kk} {v:.1f}" for kk, v in sorted(nums.items(), key=lambda t: t[1])[:3])
             )
+            save()
         del ws, qs
         torch.cuda.empty_cache()
-        save()
-    gi = min(best_gemv, key=lambda i: best_gemv[i])
-    di = min(best_dot, key=lambda i: best_dot[i])
-    fl.GEMV_CONFIG.update(GEMV_CFGS[int(gi)])
-    fl.DOT_CONFIG.update(DOT_CFGS[int(di)])
-    RESULTS["chosen"] = {"gemv": dict(fl.GEMV_CONFIG), "dot": dict(fl.DOT_CONFIG), "sums_us": [best_gemv, best_dot]}
     save()
 
 
@@ -204,7 +198,6 @@ def engine(variant: str, kw: dict, handoff: dict) -> None:
         "graph_sizes": eng.runner.graph_runner.batch_sizes if eng.runner.graph_runner else None,
     }
     RESULTS.setdefault("engine", {})[variant] = r
-    greedy = SamplingParams(max_tokens=100000, temperature=0.0, ignore_eos=True)
     rng = random.Random(0)
     vocab = cfg.vocab_size
     # --- logits after a bf16 prefill hand-off (8 prompts of 128) ---
@@ -246,35 +239,63 @@ def engine(variant: str, kw: dict, handoff: dict) -> None:
         r["handoff_top1_agree_vs_bf16"] = (logits.argmax(-1) == ref.argmax(-1)).float().mean().item()
     while eng.has_unfinished_requests():
         eng.step()
-    # --- decode step, batch 1, context 128 ---
-    eng.add_request("b1", [rng.randrange(3, vocab) for _ in range(128)], greedy)
-    _until_decoding(eng)
-    _steps(eng, 5)
-    ts = _steps(eng, 100)
-    r["b1_ctx128_step_ms"] = med(ts)
-    r["b1_replay_ms"] = _replay_ms(eng.runner.graph_runner, 1) if eng.runner.graph_runner else None
-    eng.abort_request("b1")
-    print(f"  {variant}: b1 {med(ts):.2f} ms (replay {r['b1_replay_ms']})")
-    save()
-    # --- decode step, batch 8 / 64 / 128, context ~1k ---
-    for b in (8, 64, 128) if MODEL[1] == "cuda" else (8,):
-        for i in range(b):
-            eng.add_request(f"b{b}-{i}", [rng.randrange(3, vocab) for _ in range(1023)], greedy)
-        _until_decoding(eng)
-        _steps(eng, 3)
-        ts = _steps(eng, 20)
-        ctx = statistics.mean(s.num_tokens for s in eng.requests.values())
-        r[f"b{b}_ctx1k_step_ms"] = med(ts)
-        r[f"b{b}_ctx1k_tok_s"] = b / (med(ts) / 1e3)
-        r[f"b{b}_mean_ctx"] = ctx
-        print(f"  {variant}: b{b} {med(ts):.2f} ms, {b / (med(ts) / 1e3):.0f} tok/s")
-        for i in range(b):
-            eng.abort_request(f"b{b}-{i}")
-        save()
+    r["fp8_linear_tuning"] = getattr(eng, "fp8_report", None)
+    r["decode_attention_tuning"] = getattr(eng, "decode_report", None)
+    measure(eng, r, "", (1, 8, 64, 128) if MODEL[1] == "cuda" else (1, 8), variant, rng, vocab)
+    if variant in LEGACY and MODEL[1] == "cuda":  # the 2026-12-01 kernels, same process, same weights
+        legacy(eng)
+        measure(eng, r, "legacy_", (1, 64), variant, rng, vocab)
     del eng
     gc.collect()
     torch.cuda.empty_cache()
     _ = cfg
+
+
+def measure(eng, r: dict, prefix: str, batches, variant: str, rng, vocab: int) -> None:
+    """``step()`` medians: batch 1 at context 128 (100 steps), larger batches at context ~1k (20 steps)."""
+    from server.engine.sampling_params import SamplingParams
+
+    greedy = SamplingParams(max_tokens=100000, temperature=0.0, ignore_eos=True)
+    for b in batches:
+        ctx_len = 128 if b == 1 else 1023
+        for i in range(b):
+            eng.add_request(f"{prefix}b{b}-{i}", [rng.randrange(3, vocab) for _ in range(ctx_len)], greedy)
+        _until_decoding(eng)
+        _steps(eng, 5 if b == 1 else 3)
+        ts = _steps(eng, 100 if b == 1 else 20)
+        key = f"{prefix}b1_ctx128" if b == 1 else f"{prefix}b{b}_ctx1k"
+        r[f"{key}_step_ms"] = med(ts)
+        r[f"{key}_tok_s"] = b / (med(ts) / 1e3)
+        if b == 1 and eng.runner.graph_runner:
+            r[f"{prefix}b1_replay_ms"] = _replay_ms(eng.runner.graph_runner, 1)
+        else:
+            r[f"{key}_mean_ctx"] = statistics.mean(s.num_tokens for s in eng.requests.values())
+        print(f"  {prefix}{variant}: b{b} {med(ts):.2f} ms, {b / (med(ts) / 1e3):.0f} tok/s")
+        for i in range(b):
+            eng.abort_request(f"{prefix}b{b}-{i}")
+        save()
+
+
+def legacy(eng) -> None:
+    """Back to the 2026-12-01 kernels: one GEMV config, the old tile kernel for M > 1, the bf16 decode
+    attention config for every cache; decode graphs re-captured."""
+    from server.engine import fp8_linear as fl
+    from server.engine.attention import triton_decode as td
+
+    fl.SPLITK_MAX_M = 0
+    for mod in eng.model.modules():
+        if getattr(mod, "fp8_cfg", None) is not None:
+            mod.fp8_cfg = None
+    eng.model.backend.decode_configs = {}
+    td.DECODE_CONFIG_FP8.clear()
+    td.DECODE_CONFIG_FP8.update(td.DECODE_CONFIG)
+    gr = eng.runner.graph_runner
+    if gr is not None:
+        gr.graphs.clear()
+        gr.outputs.clear()
+        gc.collect()
+        torch.cuda.empty_cache()
+        gr.capture()
 
 
 def table() -> str:
@@ -287,12 +308,19 @@ def table() -> str:
             f"{r.get('b128_ctx1k_step_ms', float('nan')):.2f} | {r.get('capacity_seqs_2k')} | "
             f"{r.get('handoff_logits_rel_vs_bf16', float('nan')):.4f} | {r.get('handoff_top1_agree_vs_bf16', float('nan')):.3f}"  # noqa: E501
         )
+    for v, r in e.items():
+        if "legacy_b1_ctx128_step_ms" in r:
+            lines.append(
+                f"{v} legacy kernels | {r['legacy_b1_ctx128_step_ms']:.2f} | - | "
+                f"{r.get('legacy_b64_ctx1k_step_ms', float('nan')):.2f} ({r.get('legacy_b64_ctx1k_tok_s', 0):.0f})"
+            )
     if "bf16" in e and "fp8_both" in e:
         a, b = e["bf16"], e["fp8_both"]
         ratios = {
             "b64_tok_s_ratio": b.get("b64_ctx1k_tok_s", 0) / max(a.get("b64_ctx1k_tok_s", 1), 1e-9),
             "capacity_ratio": b.get("capacity_seqs_2k", 0) / max(a.get("capacity_seqs_2k", 1), 1),
             "b1_ms_both": b.get("b1_ctx128_step_ms"),
+            "b1_ms_bf16": a.get("b1_ctx128_step_ms"),
         }
         RESULTS["aims"] = ratios
         lines.append(json.dumps(ratios))
@@ -304,7 +332,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="gpu_fp8.json")
     ap.add_argument("--skip-kernels", action="store_true")
-    ap.add_argument("--variant-timeout-s", type=float, default=90.0)
+    ap.add_argument("--variant-timeout-s", type=float, default=95.0)
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--smoke", action="store_true", help="tiny model on the CPU: checks the script only")
     ap.add_argument("--handoff", default="", help="(internal) file of the bf16 hand-off KV and logits")
@@ -341,7 +369,10 @@ def main() -> None:
                 hand,
             ]
             t0 = time.time()
-            rc = subprocess.run(cmd, timeout=a.variant_timeout_s).returncode
+            try:
+                rc = subprocess.run(cmd, timeout=a.variant_timeout_s).returncode
+            except subprocess.TimeoutExpired:  # what it measured so far is in its part file
+                rc = "timeout"
             print(f"engine {v} rc={rc} {time.time() - t0:.0f}s")
             if part.exists():
                 sub = json.loads(part.read_text())

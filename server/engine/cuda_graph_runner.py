@@ -196,6 +196,20 @@ def setup_cuda_engine(engine) -> None:
         from server.engine.ops.cuda_ops import tune_gemv
 
         engine.gemv_report = tune_gemv(engine.model)  # one-token GEMV: Triton where it beats cuBLAS
+    if engine.model.ops.name == "triton+fp8" and os.environ.get("DISTSERVE_FP8_TUNE", "1") != "0":
+        from server.engine.fp8_linear import tune_fp8_linears
+
+        engine.fp8_report = tune_fp8_linears(engine.model)  # e4m3 GEMV / split-K configs per shape
+    backend = engine.model.backend
+    if hasattr(backend, "decode_configs") and os.environ.get("DISTSERVE_DECODE_TUNE", "1") != "0":
+        from server.engine.attention.triton_decode import tune_decode_configs
+
+        backend.decode_configs, engine.decode_report = tune_decode_configs(  # paged decode tile / warps
+            engine.runner.kv_caches[0],
+            engine.model_config.num_attention_heads,
+            engine.config.block_size,
+            engine.model.embed_tokens.weight.dtype,
+        )
     graphs = None
     if not engine.config.enforce_eager and getattr(engine.model.backend, "supports_cuda_graph", False):
         graphs = CudaGraphRunner(engine.runner, engine.max_model_len, max_batch_size=engine.config.max_num_seqs)

@@ -68,15 +68,28 @@ def quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 # ---------------------------------------------------------------------------------------------- weights
 
 
-def quantize_model_weights(model: nn.Module) -> dict[str, Any]:
+def bf16_layer_set(rule: str, num_layers: int) -> set[int]:
+    """Decoder layers an FP8-weight model keeps in the compute dtype: ``none``, or ``first_last`` (layers 0
+    and L-1: on SmolLM2-135M they carry almost half the weights' FP8 error for 2/30 of the bytes,
+    docs/performance/fp8-2026-12-02.md)."""
+    if rule == "none":
+        return set()
+    if rule == "first_last":
+        return {0, num_layers - 1}
+    raise ValueError(f"fp8_bf16_layers must be none or first_last, got {rule!r}")
+
+
+def quantize_model_weights(model: nn.Module, keep_layers: set[int] | frozenset[int] = frozenset()) -> dict[str, Any]:
     """Replace the decoder linears' weights by e4m3 + per-output-channel scales (``weight_scale``), in place.
 
     The first rows of the first layer's q/k/v weight are kept as they were loaded (``fingerprint_rows``):
     the worker's model fingerprint digests them, and a bf16 prefill worker must match an FP8 decode one.
-    Returns what was converted (bytes before/after)."""
+    Layers in ``keep_layers`` stay as loaded. Returns what was converted (bytes before/after)."""
     before = after = 0
     layers: Any = model.layers
     for i, layer in enumerate(layers):
+        if i in keep_layers:
+            continue
         for name in FP8_LINEARS:
             mod: Any = layer.get_submodule(name)
             w = mod.weight.detach()
@@ -88,7 +101,8 @@ def quantize_model_weights(model: nn.Module) -> dict[str, Any]:
             mod.weight = nn.Parameter(q, requires_grad=False)
             mod.register_buffer("weight_scale", scale, persistent=False)
             mod.gemv_cfg = None  # the bf16 GEMV tuning does not apply
-    return {"linears": len(layers) * len(FP8_LINEARS), "bytes_before": before, "bytes_after": after}
+    n = (len(layers) - len(set(keep_layers) & set(range(len(layers))))) * len(FP8_LINEARS)
+    return {"linears": n, "bytes_before": before, "bytes_after": after, "bf16_layers": sorted(keep_layers)}
 
 
 def fp8_linear_emulated(x: torch.Tensor, layer: Any) -> torch.Tensor:
@@ -263,6 +277,7 @@ def check_scales(scales: Any, num_layers: int) -> list[list[float]]:
 __all__ = [
     "FP8_DTYPE",
     "FP8_MAX",
+    "bf16_layer_set",
     "HEADROOM",
     "KVCalibration",
     "as_bytes",

@@ -24,7 +24,7 @@ import torch
 
 from server.engine.attention import get_attention_backend
 from server.engine.block_manager import BlockManager
-from server.engine.fp8 import FP8_DTYPE, check_scales, is_fp8, quantize_model_weights, with_fp8_linears
+from server.engine.fp8 import FP8_DTYPE, bf16_layer_set, check_scales, is_fp8, quantize_model_weights, with_fp8_linears
 from server.engine.kv_sizing import KVBudget, kv_blocks_from_memory
 from server.engine.loader import load_model_config, load_state_dict, resolve_model_path
 from server.engine.memory_pressure import MemoryPressure, is_memory_error, relieve
@@ -94,6 +94,7 @@ class EngineConfig:
     # FP8 storage (fp8.py, docs/FP8.md): decoder linears in e4m3 with per-channel scales ("bf16" = as
     # loaded, the compute dtype); the KV cache in e4m3 with per-layer scales calibrated online
     weight_dtype: str = "bf16"
+    fp8_bf16_layers: str = "none"  # FP8 weights: decoder layers kept in the compute dtype (none | first_last)
     kv_cache_dtype: str = "auto"  # auto | bf16 (= the compute dtype) | fp8_e4m3
     kv_scale_init: float = 1.0
     kv_calibration_requests: int = 1000  # finished requests before the FP8 KV scales are set; 0 = never
@@ -108,6 +109,8 @@ class EngineConfig:
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.weight_dtype not in ("bf16", "fp8"):
             raise ValueError(f"weight_dtype must be bf16 or fp8, got {self.weight_dtype!r}")
+        if self.fp8_bf16_layers not in ("none", "first_last"):
+            raise ValueError(f"fp8_bf16_layers must be none or first_last, got {self.fp8_bf16_layers!r}")
         if self.kv_cache_dtype not in ("auto", "bf16", "fp8_e4m3"):
             raise ValueError(f"kv_cache_dtype must be auto, bf16 or fp8_e4m3, got {self.kv_cache_dtype!r}")
 
@@ -172,7 +175,8 @@ class LLMEngine:
             model.load_hf_weights(load_state_dict(self.model_path, dtype=self.dtype, device=str(self.device)))
         self.weight_report: dict | None = None
         if config.weight_dtype == "fp8":
-            self.weight_report = quantize_model_weights(model)
+            keep = bf16_layer_set(config.fp8_bf16_layers, self.model_config.num_hidden_layers)
+            self.weight_report = quantize_model_weights(model, keep)
             log.info("FP8 weights: %s", self.weight_report)
         self.model = model.eval().requires_grad_(False)
         eos = sorted(self.model_config.eos_token_ids)

@@ -289,6 +289,19 @@ def test_fp8_weights_halve_the_linears_and_keep_the_fingerprint():
     assert fingerprint(bf) == fingerprint(f8)  # a bf16 prefill worker registers beside an FP8 decode worker
 
 
+def test_fp8_bf16_layers_first_last_keeps_the_outer_layers_and_generates():
+    f8 = _engine(weight_dtype="fp8", fp8_bf16_layers="first_last")
+    layers = f8.model.layers
+    assert layers[0].mlp.down_proj.weight.dtype != FP8_DTYPE
+    assert layers[len(layers) - 1].self_attn.qkv_proj.weight.dtype != FP8_DTYPE
+    assert all(layer.mlp.gate_up_proj.weight.dtype == FP8_DTYPE for layer in list(layers)[1:-1])
+    assert f8.weight_report["bf16_layers"] == [0, len(layers) - 1]
+    out = f8.generate([PROMPTS[0]], GREEDY)
+    assert len(out[0]) > 0
+    with pytest.raises(ValueError, match="fp8_bf16_layers"):
+        _engine(weight_dtype="fp8", fp8_bf16_layers="middle")
+
+
 def _pd_tokens(prefill: LLMEngine, decode: LLMEngine) -> list[list[int]]:
     """Prefill on one engine, hand the KV (and its scales) to the other, decode there; all committed first."""
     for i, p in enumerate(PROMPTS):

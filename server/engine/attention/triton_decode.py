@@ -55,6 +55,27 @@ except Exception:  # ImportError, or a broken driver stack
 # with one warp streamed the cache at ~4.1 TB/s, 32/2 at 3.1, 64/4 at 1.9. (GQA groups of 8+ take the
 # tensor-core path with at least 32 tokens and 2 warps.)
 DECODE_CONFIG = {"BLOCK_N": 16, "num_warps": 1, "num_stages": 2, "target_programs_per_sm": 2, "min_partition": 256}
+# An e4m3 cache: rows of half the bytes, so twice the tokens per tile move what a bf16 tile moved (the
+# bf16 config left the FP8 KV gain at -6 % step time at batch 64 x 1k, PERFORMANCE "FP8 decode on one
+# H200"). ``tune_decode_configs`` replaces both per shape at start-up.
+DECODE_CONFIG_FP8 = {
+    "BLOCK_N": 32,
+    "num_warps": 1,
+    "num_stages": 2,
+    "target_programs_per_sm": 2,
+    "min_partition": 256,
+}
+# (BLOCK_N, num_warps, num_stages, min_partition) tried by tune_decode_configs
+DECODE_CANDIDATES = (
+    (16, 1, 2, 256),
+    (32, 1, 2, 256),
+    (32, 2, 2, 256),
+    (64, 2, 2, 256),
+    (64, 4, 2, 256),
+    (16, 1, 2, 64),
+    (32, 1, 2, 64),
+    (32, 2, 3, 128),
+)
 # SDPA kernels for causal prefill, in priority order (None: PyTorch's own choice), e.g.
 # [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION]; the bench may override it. Flash first by
 # default: PyTorch's choice on Hopper can be cuDNN, which builds an execution plan for every new sequence
@@ -80,15 +101,18 @@ def _sm_count(device: torch.device) -> int:
     return _SM_COUNT[idx]
 
 
-def plan_splits(batch: int, num_kv_heads: int, max_context: int, device: torch.device) -> tuple[int, int]:
+def plan_splits(
+    batch: int, num_kv_heads: int, max_context: int, device: torch.device, cfg: dict | None = None
+) -> tuple[int, int]:
     """(num_splits, partition_size) for a launch; host-side, static numbers only."""
-    block_n = DECODE_CONFIG["BLOCK_N"]
+    cfg = cfg or DECODE_CONFIG
+    block_n = cfg["BLOCK_N"]
     max_context = max(1, max_context)
-    if max_context <= DECODE_CONFIG["min_partition"]:
+    if max_context <= cfg["min_partition"]:
         return 1, -(-max_context // block_n) * block_n
     programs = batch * num_kv_heads
-    want = -(-DECODE_CONFIG["target_programs_per_sm"] * _sm_count(device) // programs)
-    splits = max(1, min(want, -(-max_context // DECODE_CONFIG["min_partition"]), 64))
+    want = -(-cfg["target_programs_per_sm"] * _sm_count(device) // programs)
+    splits = max(1, min(want, -(-max_context // cfg["min_partition"]), 64))
     partition = -(-(-(-max_context // splits)) // block_n) * block_n  # noqa: B002 (ceil division, not a decrement)
     splits = -(-max_context // partition)
     return splits, partition
@@ -232,9 +256,11 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
     kv_scale: torch.Tensor | None = None,
+    config: dict | None = None,
 ) -> torch.Tensor:
     """Decode attention over a paged cache. ``max_context`` is a static upper bound on ``seq_lens``.
     An e4m3 cache (``kv_cache.dtype`` float8_e4m3fn) is read directly, with ``kv_scale`` = its [K, V] scales.
+    ``config``: launch parameters (default ``DECODE_CONFIG``, ``DECODE_CONFIG_FP8`` for an e4m3 cache).
 
     No host synchronisation and a grid fixed by (B, Hkv, max_context): safe inside a CUDA graph.
     """
@@ -249,9 +275,10 @@ def paged_decode_attention(
         out = torch.empty(bsz, num_heads, head_dim, dtype=q.dtype, device=q.device)
     if bsz == 0:
         return out
-    cfg = DECODE_CONFIG
+    kv_fp8 = kv_cache.dtype == torch.float8_e4m3fn
+    cfg = config or (DECODE_CONFIG_FP8 if kv_fp8 else DECODE_CONFIG)
     if num_splits is None:
-        splits, partition = plan_splits(bsz, num_kv_heads, max_context, q.device)
+        splits, partition = plan_splits(bsz, num_kv_heads, max_context, q.device, cfg)
     else:
         splits = max(1, num_splits)
         partition = -(-(-(-max(1, max_context) // splits)) // cfg["BLOCK_N"]) * cfg["BLOCK_N"]  # noqa: B002 (ceil division, not a decrement)
@@ -269,7 +296,6 @@ def paged_decode_attention(
     else:
         part_o = part_ml = out  # unused
     k_view, v_view = kv_cache[0], kv_cache[1]
-    kv_fp8 = kv_cache.dtype == torch.float8_e4m3fn
     if kv_fp8 and kv_scale is None:
         raise ValueError("an FP8 KV cache needs its kv_scale")
     _paged_decode_kernel[(bsz, num_kv_heads, splits)](
@@ -527,12 +553,83 @@ def write_kv_triton(
     )
 
 
+def decode_regime(batch: int, num_kv_heads: int, device: torch.device) -> str:
+    """``small`` when the (batch x kv head) programs do not fill the GPU (batch 1..few), else ``large``."""
+    return "small" if batch * num_kv_heads < _sm_count(device) else "large"
+
+
+def tune_decode_configs(
+    kv_cache: torch.Tensor,
+    num_heads: int,
+    block_size: int,
+    dtype: torch.dtype,
+    points: tuple[tuple[int, int], ...] = ((1, 128), (1, 2048), (64, 1024)),
+    verbose: bool = False,
+) -> tuple[dict[tuple[bool, str], dict], dict]:
+    """Time ``DECODE_CANDIDATES`` on ``kv_cache`` (a layer's real cache: read only, its contents do not
+    matter for timing) at ``points`` ((batch, context) pairs; batch 1 points are the ``small`` regime),
+    each as a CUDA graph of 8 back-to-back launches. Returns ``({(kv_fp8, regime): config}, report)``:
+    the config with the least summed time over each regime's points."""
+    from server.engine.ops.cuda_ops import _graph_ms
+
+    dev = kv_cache.device
+    num_kv_heads, head_dim = kv_cache.shape[2], kv_cache.shape[3]
+    slots = kv_cache.shape[1]
+    kv_fp8 = kv_cache.dtype == torch.float8_e4m3fn
+    base = DECODE_CONFIG_FP8 if kv_fp8 else DECODE_CONFIG
+    scale = torch.ones(2, dtype=torch.float32, device=dev) if kv_fp8 else None
+    g = torch.Generator(device=dev).manual_seed(0)
+    sums: dict[str, dict[int, float]] = {"small": {}, "large": {}}
+    report: dict = {}
+    for batch, ctx in points:
+        nb = -(-ctx // block_size)
+        if batch * nb * block_size > slots:
+            continue
+        tables = torch.randperm(slots // block_size, device=dev, generator=g)[: batch * nb].view(batch, nb)
+        tables = tables.to(torch.int32)
+        lens = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
+        q = torch.randn(batch, num_heads, head_dim, device=dev, generator=g).to(dtype)
+        out = torch.empty_like(q)
+        regime = decode_regime(batch, num_kv_heads, dev)
+        row = {}
+        for i, (bn, nw, ns, mp) in enumerate(DECODE_CANDIDATES):
+            cfg = dict(base, BLOCK_N=bn, num_warps=nw, num_stages=ns, min_partition=mp)
+
+            def call(_, cfg=cfg):
+                paged_decode_attention(
+                    q, kv_cache, tables, lens, block_size, head_dim**-0.5, ctx, out=out, kv_scale=scale, config=cfg
+                )
+
+            try:
+                ms = _graph_ms(call, list(range(8)))
+            except Exception:  # does not compile here
+                ms = float("inf")
+            row[str(i)] = round(ms * 1e3, 2)
+            sums[regime][i] = sums[regime].get(i, 0.0) + ms
+        report[f"b{batch}_ctx{ctx}"] = row
+    chosen = {}
+    for regime, per in sums.items():
+        if per:
+            i = min(per, key=lambda j: per[j])
+            if per[i] < float("inf"):
+                bn, nw, ns, mp = DECODE_CANDIDATES[i]
+                chosen[(kv_fp8, regime)] = dict(base, BLOCK_N=bn, num_warps=nw, num_stages=ns, min_partition=mp)
+    report["chosen"] = {f"{'fp8' if k[0] else 'bf16'}_{k[1]}": v for k, v in chosen.items()}
+    if verbose:
+        print("decode attention", report)
+    return chosen, report
+
+
 class TritonBackend(AttentionBackend):
     """Prefill: SDPA (flash on CUDA); decode: the Triton paged kernel. CUDA-graph capturable for decode."""
 
     name = "triton"
     supports_cuda_graph = True  # negative slots are skipped, fixed grid, no host sync in decode
     supports_fp8_kv = True  # an e4m3 cache: written quantised, read directly by the decode kernel
+
+    def __init__(self) -> None:
+        # (kv_fp8, decode_regime) -> launch config, from tune_decode_configs; empty: the module defaults
+        self.decode_configs: dict[tuple[bool, str], dict] = {}
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float, kv_scale=None, kv_amax=None):
         write_kv_triton(kv_cache, k, v, meta.slot_mapping, kv_scale, kv_amax)
@@ -560,6 +657,14 @@ class TritonBackend(AttentionBackend):
                 meta.decode_max_seq_len,
                 out=out[start:],
                 kv_scale=kv_scale,
+                config=self.decode_configs.get(
+                    (
+                        kv_cache.dtype == torch.float8_e4m3fn,
+                        decode_regime(seq_lens.shape[0], kv_cache.shape[2], q.device),
+                    )
+                )
+                if self.decode_configs
+                else None,
             )
         return out
 
@@ -575,6 +680,8 @@ __all__ = [
     "plan_splits",
     "HAS_TRITON",
     "DECODE_CONFIG",
+    "DECODE_CONFIG_FP8",
+    "tune_decode_configs",
     "prefill_attention_sdpa",
     "varlen_prefill_attention",
     "triton_available",

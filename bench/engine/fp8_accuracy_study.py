@@ -1,0 +1,331 @@
+"""Where FP8 decode's error comes from (issue 32): a quick study on SmolLM2-135M-Instruct, CPU, float32.
+
+    nice .venv/bin/python -m bench.engine.fp8_accuracy_study --prompts 40 --out bench/results/fp8_accuracy_study.json
+
+``bench/fp8_accuracy.py`` measures the engine end to end; this script asks *why*, fast enough to try many
+variants on two cores. It runs its own Llama forward over the model's weights (the engine's arithmetic:
+Hugging Face's, float32) in the teacher-forced form the accuracy bench measures: the prompt is prefilled by
+the reference (unquantised) model, its K/V handed over, then the 64 continuation tokens (the reference's own
+greedy tokens) are run as one causal chunk by the variant: its weights quantised as the variant says, every
+K/V it attends to (prompt and continuation) rounded to e4m3 with the variant's scales. A decode step reads
+exactly these (its own token's K/V is written to the cache before it is read), so the chunk's logits equal
+64 teacher-forced decode steps up to summation order, at a fraction of the cost.
+
+Variants vary one thing at a time: weights only / KV only / both; which projections or layers are FP8;
+per-output-channel vs per-block (1x128) weight scales; per-layer vs per-head KV scales; amax vs percentile
+calibration; per-token activation rounding (what ``torch._scaled_mm`` adds). Reported per variant: top-1
+agreement with the reference and mean KL(reference || variant), and the decoder-weight bytes it stores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from server.engine.fp8 import FP8_DTYPE, FP8_MAX
+from server.engine.loader import load_model_config, load_state_dict, load_tokenizer, resolve_model_path
+from server.engine.model import rope_inv_freq
+
+PROJ = ("q", "k", "v", "o", "gate", "up", "down")
+
+
+def q8(x: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:
+    """Round ``x`` to e4m3 under ``scale`` and widen back (saturating at +-448)."""
+    return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).float() * scale
+
+
+def quant_weight(w: torch.Tensor, mode: str) -> torch.Tensor:
+    if mode == "channel":
+        s = (w.abs().amax(1, keepdim=True) / FP8_MAX).clamp(min=1e-12)
+        return q8(w, s)
+    if mode.startswith("block"):
+        b = int(mode[5:])
+        n, k = w.shape
+        wb = w.view(n, k // b, b)
+        s = (wb.abs().amax(2, keepdim=True) / FP8_MAX).clamp(min=1e-12)
+        return q8(wb, s).view(n, k)
+    if mode == "tensor":
+        return q8(w, (w.abs().amax() / FP8_MAX).clamp(min=1e-12))
+    raise ValueError(mode)
+
+
+@dataclass
+class Variant:
+    name: str
+    weights: str | None = None  # None | channel | block128 | tensor
+    projections: tuple[str, ...] = PROJ
+    bf16_layers: tuple[int, ...] = ()  # decoder layers kept unquantised
+    kv: str | None = None  # None | layer | head
+    kv_only: str | None = None  # "k" | "v": quantise only that half
+    kv_pct: float | None = None  # calibrate from this percentile of |x| instead of amax
+    kv_headroom: float = 1.25
+    kv_scale_fixed: float | None = None  # e.g. 1.0: the uncalibrated initial scale
+    act: bool = False  # per-token e4m3 rounding of every FP8 linear's input (torch._scaled_mm)
+    lm_head: bool = False  # lm_head (tied embeddings) in FP8 too
+    extra: dict = field(default_factory=dict)
+
+
+def pairs(tok, n: int, max_len: int, reply_len: int) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, reply ids) of ShareGPT conversations: bench/fp8_accuracy.py's prompts and order."""
+    from distbench.datasets import _conversations, _sharegpt_path
+
+    data = [d for d in _conversations(_sharegpt_path(None)) if len(d.get("conversations", [])) >= 2]
+    random.Random(0).shuffle(data)
+    out = []
+    for d in data:
+        ids = tok.encode(d["conversations"][0]["value"])
+        reply = tok.encode(d["conversations"][1]["value"])
+        if 8 <= len(ids) <= max_len and len(reply) >= reply_len:
+            out.append((ids, reply))
+        if len(out) == n:
+            break
+    return out
+
+
+class Model:
+    def __init__(self, path: Path) -> None:
+        self.cfg = cfg = load_model_config(path)
+        self.sd = load_state_dict(path, dtype=torch.float32, device="cpu")
+        self.L = cfg.num_hidden_layers
+        self.H, self.Hkv, self.D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.eps = cfg.rms_norm_eps
+        inv = rope_inv_freq(cfg)
+        pos = torch.arange(4096).float()
+        emb = torch.cat([torch.outer(pos, inv)] * 2, -1)
+        self.cos, self.sin = emb.cos(), emb.sin()
+        self.embed = self.sd["model.embed_tokens.weight"]
+        self.lm = self.sd.get("lm_head.weight", self.embed)
+        self.ref_w = [self.layer_weights(i) for i in range(self.L)]
+
+    def layer_weights(self, i: int) -> dict[str, torch.Tensor]:
+        p = f"model.layers.{i}."
+        w = {n: self.sd[p + f"self_attn.{n}_proj.weight"] for n in "qkvo"}
+        w.update({n: self.sd[p + f"mlp.{n}_proj.weight"] for n in ("gate", "up", "down")})
+        w["ln1"] = self.sd[p + "input_layernorm.weight"]
+        w["ln2"] = self.sd[p + "post_attention_layernorm.weight"]
+        return w
+
+    def variant_weights(self, v: Variant) -> tuple[list[dict[str, torch.Tensor]], torch.Tensor]:
+        out = []
+        for i, w in enumerate(self.ref_w):
+            if v.weights is None or i in v.bf16_layers:
+                out.append(w)
+                continue
+            w = dict(w)
+            for n in v.projections:
+                w[n] = quant_weight(w[n], v.weights)
+            out.append(w)
+        lm = quant_weight(self.lm, "channel") if v.lm_head else self.lm
+        return out, lm
+
+    def norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+
+    def rope(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:  # x [T, h, D]
+        c, s = self.cos[pos][:, None, :], self.sin[pos][:, None, :]
+        half = x.shape[-1] // 2
+        rot = torch.cat([-x[..., half:], x[..., :half]], -1)
+        return x * c + rot * s
+
+    def forward(self, ids, pos0, weights, lm, past=None, kvq=None, act=False, act_names=()):
+        """``ids`` at positions ``pos0..``; ``past``: per-layer (K, V) [T0, Hkv, D] unquantised.
+        ``kvq(layer, k, v) -> (k, v)`` rounds what is attended to. Returns (logits, new per-layer (K, V))."""
+        t = len(ids)
+        pos = torch.arange(pos0, pos0 + t)
+        x = self.embed[torch.tensor(ids)]
+        new = []
+
+        def lin(h, w, name):
+            if act and name in act_names:
+                s = (h.abs().amax(-1, keepdim=True) / FP8_MAX).clamp(min=1e-12)
+                h = q8(h, s)
+            return h @ w.T
+
+        for i, w in enumerate(weights):
+            h = self.norm(x, w["ln1"])
+            q = lin(h, w["q"], "q").view(t, self.H, self.D)
+            k = lin(h, w["k"], "k").view(t, self.Hkv, self.D)
+            v = lin(h, w["v"], "v").view(t, self.Hkv, self.D)
+            q, k = self.rope(q, pos), self.rope(k, pos)
+            new.append((k, v))
+            if past is not None:
+                k = torch.cat([past[i][0], k])
+                v = torch.cat([past[i][1], v])
+            if kvq is not None:
+                k, v = kvq(i, k, v)
+            rep = self.H // self.Hkv
+            kk = k.repeat_interleave(rep, 1).transpose(0, 1)  # [H, S, D]
+            vv = v.repeat_interleave(rep, 1).transpose(0, 1)
+            qq = q.transpose(0, 1)
+            s_len = kk.shape[1]
+            mask = torch.ones(t, s_len, dtype=torch.bool).tril(s_len - t)
+            o = F.scaled_dot_product_attention(qq[None], kk[None], vv[None], attn_mask=mask[None, None])[0]
+            o = o.transpose(0, 1).reshape(t, self.H * self.D)
+            x = x + lin(o, w["o"], "o")
+            h = self.norm(x, w["ln2"])
+            g, u = lin(h, w["gate"], "gate"), lin(h, w["up"], "up")
+            x = x + lin(F.silu(g) * u, w["down"], "down")
+        x = self.norm(x, self.sd["model.norm.weight"])
+        return x @ lm.T, new
+
+
+def kv_scales(cal_kv: list[list[tuple[torch.Tensor, torch.Tensor]]], v: Variant, L: int) -> list[tuple]:
+    """Per layer (k_scale, v_scale): scalars (per layer) or [Hkv, 1] tensors (per head)."""
+    out = []
+    for i in range(L):
+        ks = torch.cat([c[i][0] for c in cal_kv])  # [T, Hkv, D]
+        vs = torch.cat([c[i][1] for c in cal_kv])
+        pair = []
+        for x in (ks, vs):
+            a = x.abs()
+            if v.kv == "head":
+                a = a.transpose(0, 1).reshape(a.shape[1], -1)  # [Hkv, T*D]
+                m = (
+                    a.amax(1)
+                    if v.kv_pct is None
+                    else torch.quantile(a[:, :: max(1, a.shape[1] // 500000)], v.kv_pct, dim=1)
+                )
+                pair.append((m * v.kv_headroom / FP8_MAX).clamp(min=1e-8)[:, None])
+            else:
+                flat = a.flatten()
+                m = (
+                    flat.amax()
+                    if v.kv_pct is None
+                    else torch.quantile(flat[:: max(1, flat.numel() // 1000000)], v.kv_pct)
+                )
+                pair.append(float(m) * v.kv_headroom / FP8_MAX)
+        out.append(tuple(pair))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--prompts", type=int, default=40)
+    ap.add_argument("--calibration", type=int, default=50)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--max-prompt", type=int, default=192)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--only", default="", help="comma-separated variant names (default: all)")
+    ap.add_argument("--layers", action="store_true", help="also the per-layer sensitivity (weights of one layer)")
+    ap.add_argument("--greedy", action="store_true", help="force the reference's greedy tokens (slow: 64 steps)")
+    ap.add_argument("--out", default="bench/results/fp8_accuracy_study.json")
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    t0 = time.time()
+    path = resolve_model_path("smollm2-135m-instruct")
+    m = Model(path)
+    tok = load_tokenizer(path)
+    allp = pairs(tok, a.prompts + a.calibration, a.max_prompt, a.tokens)
+    cal_p, eval_p = [p for p, _ in allp[: a.calibration]], allp[a.calibration :]
+    torch.inference_mode().__enter__()
+    # reference: prompt K/V and teacher-forced logits; the forced continuation is the reference's own greedy
+    # tokens with --greedy (as bench/fp8_accuracy.py), else the ShareGPT reply's first tokens (one chunk)
+    refs = []
+    for p, reply in eval_p:
+        lg, past = m.forward(p, 0, m.ref_w, m.lm)
+        cont = [int(lg[-1].argmax())]
+        if a.greedy:
+            kv = past
+            for _ in range(a.tokens - 1):
+                lg1, new = m.forward(cont[-1:], len(p) + len(cont) - 1, m.ref_w, m.lm, past=kv)
+                kv = [(torch.cat([k0, k1]), torch.cat([v0, v1])) for (k0, v0), (k1, v1) in zip(kv, new)]
+                cont.append(int(lg1[-1].argmax()))
+        else:
+            cont = reply[: a.tokens]
+        ref_lg, _ = m.forward(cont, len(p), m.ref_w, m.lm, past=past)
+        refs.append((p, cont, past, torch.log_softmax(ref_lg, -1)))
+    print(f"reference: {len(refs)} prompts, {time.time() - t0:.0f}s", flush=True)
+    # calibration K/V: the calibration prompts prefilled plus 8 greedy tokens' worth (prompt K/V suffices)
+    cal_kv = [m.forward(p, 0, m.ref_w, m.lm)[1] for p in cal_p]
+    print(f"calibration K/V: {len(cal_kv)} prompts, {time.time() - t0:.0f}s", flush=True)
+
+    A = ("q", "k", "v")
+    variants = [
+        Variant("w_channel", weights="channel"),
+        Variant("kv_layer", kv="layer"),
+        Variant("both_channel_layer", weights="channel", kv="layer"),
+        Variant("kv_k_only", kv="layer", kv_only="k"),
+        Variant("kv_v_only", kv="layer", kv_only="v"),
+        Variant("kv_head", kv="head"),
+        Variant("kv_layer_p99.9", kv="layer", kv_pct=0.999, kv_headroom=1.0),
+        Variant("kv_init_scale_1", kv="layer", kv_scale_fixed=1.0),
+        Variant("w_block64", weights="block64"),
+        Variant("w_block32", weights="block32"),
+        Variant("w_tensor", weights="tensor"),
+        Variant("w_qkv_only", weights="channel", projections=A),
+        Variant("w_o_only", weights="channel", projections=("o",)),
+        Variant("w_gate_up_only", weights="channel", projections=("gate", "up")),
+        Variant("w_down_only", weights="channel", projections=("down",)),
+        Variant("w_channel_act", weights="channel", act=True),
+        Variant("w_channel_lm_head", weights="channel", lm_head=True),
+        Variant("w_channel_bf16_first_last", weights="channel", bf16_layers=(0, m.L - 1)),
+        Variant("w_no_down", weights="channel", projections=("q", "k", "v", "o", "gate", "up")),
+    ]
+    if a.layers:
+        variants += [
+            Variant(f"w_layer_{i}", weights="channel", bf16_layers=tuple(j for j in range(m.L) if j != i))
+            for i in range(m.L)
+        ]
+    only = set(filter(None, a.only.split(",")))
+    if only:
+        variants = [v for v in variants if v.name in only]
+    res = {
+        "model": "smollm2-135m-instruct",
+        "model_file": str(path),
+        "method": "own float32 forward, teacher-forced 64-token chunk after a reference prefill (see the docstring)",
+        "prompts": len(eval_p),
+        "calibration_prompts": len(cal_p),
+        "tokens": a.tokens,
+        "command": "python bench/fp8_accuracy_study.py " + " ".join(sys.argv[1:]),
+        "variants": {},
+    }
+    dec_bytes_bf16 = sum(w[n].numel() * 2 for w in m.ref_w for n in PROJ)
+    for v in variants:
+        t1 = time.time()
+        weights, lm = m.variant_weights(v)
+        kvq = None
+        if v.kv is not None:
+            sc = kv_scales(cal_kv, v, m.L) if v.kv_scale_fixed is None else [(v.kv_scale_fixed,) * 2] * m.L
+
+            def kvq(i, k, vv, sc=sc, only=v.kv_only):
+                ks, vs = sc[i]
+                return (k if only == "v" else q8(k, ks)), (vv if only == "k" else q8(vv, vs))
+
+        agree = total = 0
+        kl = 0.0
+        for p, cont, past, ref_lp in refs:
+            lg, _ = m.forward(cont, len(p), weights, lm, past=past, kvq=kvq, act=v.act, act_names=v.projections)
+            lq = torch.log_softmax(lg, -1)
+            agree += int((lq.argmax(-1) == ref_lp.argmax(-1)).sum())
+            total += len(cont)
+            kl += float((ref_lp.exp() * (ref_lp - lq)).sum())
+        fp8_elems = 0
+        if v.weights is not None:
+            fp8_elems = sum(m.ref_w[i][n].numel() for i in range(m.L) if i not in v.bf16_layers for n in v.projections)
+        dec_bytes = dec_bytes_bf16 - fp8_elems  # one byte instead of two per FP8 weight (scales ignored)
+        row = {
+            "top1_agreement": round(agree / total, 5),
+            "mean_kl": round(kl / total, 5),
+            "positions": total,
+            "decoder_weight_bytes_vs_bf16": round(dec_bytes / dec_bytes_bf16, 4),
+            "seconds": round(time.time() - t1, 1),
+        }
+        res["variants"][v.name] = row
+        print(v.name, row, flush=True)
+        Path(a.out).write_text(json.dumps(res, indent=1))
+    res["seconds"] = round(time.time() - t0, 1)
+    Path(a.out).write_text(json.dumps(res, indent=1))
+    _ = math  # noqa
+
+
+if __name__ == "__main__":
+    main()
