@@ -71,12 +71,20 @@ def test_fp8_splitk_every_candidate_matches_reference_and_is_deterministic(n, k,
 
     x, q, s, b, ref = _splitk_case(n, k, m, bias=(m == 33))
     locks = torch.zeros(8 * -(-n // 16), dtype=torch.int32, device=DEV)
+    from triton.runtime.errors import OutOfResources
+
+    ran = 0
     for cfg in SPLITK_CANDIDATES:
-        outs = [fp8_splitk(x, q, s, b, cfg, locks) for _ in range(3)]
+        try:
+            outs = [fp8_splitk(x, q, s, b, cfg, locks) for _ in range(3)]
+        except OutOfResources:  # too much shared memory for this device at this M: the start-up tuner skips it too
+            continue
+        ran += 1
         assert outs[0].shape == (m, n) and torch.isfinite(outs[0]).all(), cfg
         assert _rel(outs[0], ref) < 1e-2, cfg
         assert all(torch.equal(o, outs[0]) for o in outs), cfg  # slices summed in a fixed order
         assert int(locks.abs().sum()) == 0, cfg  # every tile counter reset by its last program
+    assert ran, "no split-K candidate runs on this device at this M"
 
 
 def test_fp8_splitk_in_a_cuda_graph_equals_eager():
