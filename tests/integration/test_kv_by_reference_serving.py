@@ -8,12 +8,11 @@ no block behind on any worker."""
 from __future__ import annotations
 
 import asyncio
-import json
-import os
-import signal
 
 import aiohttp
 import pytest
+
+from tests.migration import streams_with_decode_kill
 
 from .conftest import http
 from .test_serving import MAX_TOKENS, PROMPTS, assert_no_leaks, run_concurrently
@@ -59,37 +58,10 @@ def test_disconnects_leave_no_lease_behind(by_ref):
 
 
 def test_decode_worker_sigkilled_mid_stream_migrates_with_the_same_tokens(by_ref, reference):  # noqa: F811
-    progress = [0] * len(PROMPTS)
-    killed: dict = {}
-
-    async def one(s: aiohttp.ClientSession, i: int) -> list[int]:
-        body = {"prompt_token_ids": PROMPTS[i], "max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True}
-        ids: list[int] = []
-        async with s.post(f"{by_ref.url}/generate", json={**body, "stream": True}) as r:
-            assert r.status == 200
-            async for raw in r.content:
-                line = json.loads(raw)
-                assert "error" not in line, line
-                ids.extend(line["token_ids"])
-                progress[i] = len(ids)
-        return ids
-
-    async def killer() -> None:
-        while sum(1 for n in progress if n >= 3) < len(PROMPTS) // 2:
-            await asyncio.sleep(0.005)
-        status = await asyncio.to_thread(by_ref.workers)
-        decodes = [w for w in status if w["role"] == "decode"]
-        victim = max(decodes, key=lambda w: w["inflight"] + w["num_running"])
-        os.kill(victim["pid"], signal.SIGKILL)
-        killed.update(victim, progress_at_kill=list(progress))
-
-    async def main():
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as s:
-            results = asyncio.gather(*(one(s, i) for i in range(len(PROMPTS))))
-            await killer()
-            return await results
-
-    got = asyncio.run(main())
+    bodies = [
+        {"prompt_token_ids": p, "max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True} for p in PROMPTS
+    ]
+    got, killed = streams_with_decode_kill(by_ref, bodies)
     assert [n for n in killed["progress_at_kill"] if n < MAX_TOKENS], "every stream had finished before the kill"
     assert got == reference
     _, metrics, _ = http("GET", f"{by_ref.url}/metrics")

@@ -2,20 +2,18 @@
 
 from __future__ import annotations
 
-import asyncio
-import json
 import os
 import signal
 import subprocess
 import sys
 import time
 
-import aiohttp
 import pytest
 import yaml
 
 from server.engine.llm_engine import EngineConfig, LLMEngine
 from server.engine.sampling_params import SamplingParams
+from tests.migration import streams_with_decode_kill
 
 from .conftest import TOKEN, free_port, http
 from .test_serving import assert_no_leaks, make_prompts
@@ -39,49 +37,21 @@ def test_sigkill_decode_worker_mid_stream_streams_complete_identically(serve_fac
         for i in range(len(PROMPTS))
     ]
     reference = [engine.generate([p], [sp])[0] for p, sp in zip(PROMPTS, seeded)]
-    killed: dict = {}
-    progress = [0] * len(PROMPTS)
-    decodes = [w for w in server.workers() if w["role"] == "decode"]
-    assert len(decodes) == 2
-
-    async def one(s: aiohttp.ClientSession, i: int) -> list[int]:
-        body = {
+    assert len([w for w in server.workers() if w["role"] == "decode"]) == 2
+    bodies = [
+        {
             "prompt_token_ids": PROMPTS[i],
             "max_tokens": MAX_TOKENS,
             "temperature": 0.7,
             "top_p": 0.95,
             "seed": 500 + i,
             "ignore_eos": True,
-            "stream": True,
             **penalties[i],
         }
-        ids: list[int] = []
-        async with s.post(f"{server.url}/generate", json=body) as r:
-            assert r.status == 200
-            async for raw in r.content:
-                line = json.loads(raw)
-                assert "error" not in line, line
-                ids.extend(line["token_ids"])
-                progress[i] = len(ids)
-        return ids
-
-    async def killer() -> None:
-        # once most streams are past token #1 (so in decode), SIGKILL the busier decode worker
-        while sum(1 for n in progress if n >= 3) < len(PROMPTS) // 2:
-            await asyncio.sleep(0.005)
-        status = await asyncio.to_thread(server.workers)
-        load = {w["worker_id"]: w["inflight"] + w["num_running"] for w in status}
-        victim = max(decodes, key=lambda w: load.get(w["worker_id"], 0))
-        os.kill(victim["pid"], signal.SIGKILL)
-        killed.update(victim, progress_at_kill=list(progress))
-
-    async def main():
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as s:
-            results = asyncio.gather(*(one(s, i) for i in range(len(PROMPTS))))
-            await killer()
-            return await results
-
-    got = asyncio.run(main())
+        for i in range(len(PROMPTS))
+    ]
+    # once most streams are past token #1 (so in decode), SIGKILL the busier decode worker
+    got, killed = streams_with_decode_kill(server, bodies)
     assert killed
     unfinished = [n for n in killed["progress_at_kill"] if n < MAX_TOKENS]
     assert unfinished, "every stream had finished before the kill: the test proved nothing"
