@@ -71,7 +71,7 @@ def quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def bf16_layer_set(rule: str, num_layers: int) -> set[int]:
     """Decoder layers an FP8-weight model keeps in the compute dtype: ``none``, or ``first_last`` (layers 0
     and L-1: on SmolLM2-135M they carry almost half the weights' FP8 error for 2/30 of the bytes,
-    docs/performance/fp8-2026-12-02.md)."""
+    docs/performance/fp8.md)."""
     if rule == "none":
         return set()
     if rule == "first_last":
