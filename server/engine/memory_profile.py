@@ -187,6 +187,7 @@ def size_kv_pool(
     rep.phases.append("setup")
     setup()
     probe.synchronize()
+    probe.empty_cache()  # the tuners' scratch; the graphs' pools stay (their graphs hold them)
     graphs = max(0, process_used(probe, free_at_start) - before)
     rep.phases.append("teardown")
     teardown()
