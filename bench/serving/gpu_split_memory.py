@@ -6,9 +6,10 @@ each layout, then the goodput sweep — in one device call (or an A/B of the ser
 worker's ``/v1/workers`` memory row and its start-up log lines (``start-up memory: ...`` — weights,
 activations peak, graphs measured before the sizing and kept after start, KV pool, share, process limit, what
 CUDA reports), send ``--smoke`` requests (half greedy, half OpenAI-default sampling, 128/64) and keep each
-one's outcome with its error text verbatim. A split layout whose smoke fails entirely is started once more
-with the start-up tuners and sampler graphs off (``DISTSERVE_DECODE_TUNE=0 DISTSERVE_GEMV_TUNE=0
-DISTSERVE_GRAPH_SAMPLER=0``) and smoked again (``--bisect``): which of the two fails says where to look. Then,
+one's outcome with its error text verbatim. The first split layout whose smoke fails entirely is started once
+more with the start-up tuners and sampler graphs off (``DISTSERVE_DECODE_TUNE=0 DISTSERVE_GEMV_TUNE=0
+DISTSERVE_GRAPH_SAMPLER=0``) and smoked again (off with ``--no-bisect``): whether that one serves says where to
+look. Then,
 for the layouts in ``--sweep`` whose smoke served, distbench's open loop per workload, sampling and rate
 (``--workloads``, >= 300 requests per point by default): attainment and goodput at TTFT <= 250 ms / TPOT <= 50
 ms, TTFT mean / P50 / P90 / P95 / P99 / stddev, TPOT P90 / P99, failures by reason, the decode worker's mean
@@ -49,6 +50,7 @@ from distbench.target import ServeProcess
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_LAYOUTS = "split60:60:40+ref,split60:60:40,split50:50:50+ref,split50:50:50,colocated@512,1p1d"
+# (the 50:50 layouts are smoked only, between the 60:40 sweeps and the baselines' sweeps)
 DEFAULT_SWEEP = "split60:60:40+ref,split60:60:40,colocated@512,1p1d"
 DEFAULT_AB = "1p1d,1p1d^ab,1p1d!notune,1p1d,1p1d^ab,1p1d!notune"
 BISECT_ENV = {"DISTSERVE_DECODE_TUNE": "0", "DISTSERVE_GEMV_TUNE": "0", "DISTSERVE_GRAPH_SAMPLER": "0"}
@@ -341,10 +343,12 @@ def main() -> int:
         layout_args(split_name(name)[0])  # a typo fails here, not after the first server
     t0 = time.monotonic()
     doc: dict = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "slo": SLO, "args": vars(args), "layouts": []}
+    bisected = False
     for name in layouts:
         entry = one_layout(name, args, doc, t0, sweep_it=name in swept)
         split = ":" in split_name(name)[0]
-        if args.bisect and split and args.smoke and entry.get("smoke_ok") == 0:
+        if args.bisect and not bisected and split and args.smoke and entry.get("smoke_ok") == 0:
+            bisected = True  # once per call: it says whether the start-up features are the cause
             print(f"  {name}: every smoke request failed; again with {BISECT_ENV}", flush=True)
             one_layout(name, args, doc, t0, env_extra=BISECT_ENV, sweep_it=False)
     doc["summary"] = summarize(doc)
