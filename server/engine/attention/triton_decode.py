@@ -608,12 +608,16 @@ def tune_decode_configs(
         out = torch.empty_like(q)
         regime = decode_regime(batch, num_kv_heads, dev)
         row = {}
-        ref = None
+        ref, tol = None, 0.0
         if check:
-            ref = paged_decode_attention(
-                q, kv_cache, tables, lens, block_size, head_dim**-0.5, ctx, kv_scale=scale, config=base
-            ).float()
-            tol = 2e-2 * max(1.0, float(ref.abs().max()))
+            try:
+                ref = paged_decode_attention(
+                    q, kv_cache, tables, lens, block_size, head_dim**-0.5, ctx, kv_scale=scale, config=base
+                ).float()
+                tol = 2e-2 * max(1.0, float(ref.abs().max()))
+            except Exception as e:  # the default config itself: time without the check at this point
+                log.warning("decode tuning: no output check at b%d ctx%d (%s: %s)", batch, ctx, type(e).__name__, e)
+                ref = None
         for i, (bn, nw, ns, mp) in enumerate(DECODE_CANDIDATES):
             cfg = dict(base, BLOCK_N=bn, num_warps=nw, num_stages=ns, min_partition=mp)
 
