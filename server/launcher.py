@@ -39,7 +39,7 @@ import yaml
 
 from server.config import DistServeConfig
 from server.memory_budget import device_key, plan_memory_shares, shared_devices
-from server.mps import MpsDaemon, device_sm_count
+from server.mps import CONTEXT_MIB, MpsDaemon, device_sm_count
 from server.preflight import launcher_tmp_prefix, sweep_orphan_segments, sweep_orphan_tmp
 from server.private_files import write_private
 from server.wire import DeregisterRequest
@@ -116,10 +116,14 @@ def mps_memory_limit_mib(role: str, share: float | None, total_mib: int | None, 
         return None
     if role == "prefill" and cfg.kv_transfer.by_reference != "off":
         return None  # it maps the decode worker's whole KV pool, which MPS would count against this limit
-    limit = int(share * total_mib) + 1024
+    limit = int(share * total_mib) + CONTEXT_MIB
     if role != "prefill":
         limit += cfg.kv_transfer.cuda_ipc_pool_mb + 4096
     return limit
+
+
+class StartupRefused(RuntimeError):
+    """A worker refused to start with a sentence saying why (exit 2): a bad configuration, not a crash."""
 
 
 @dataclass(frozen=True)
@@ -446,6 +450,9 @@ class Launcher:
                         if p.returncode < 0
                         else ""
                     )
+                    said = self._refusal(what) if p.returncode == 2 else None
+                    if said:  # it refused to start (e.g. its memory share cannot hold the model): its sentence
+                        raise StartupRefused(said)
                     raise RuntimeError(
                         f"process {p.pid} ({what}) exited with status {p.returncode} during start-up{why}"
                     )
@@ -458,6 +465,18 @@ class Launcher:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"workers not healthy in time ({expected} expected)")
             time.sleep(0.1)
+
+    def _refusal(self, name: str) -> str | None:
+        """The sentence a child that exited 2 printed last ("distserve worker: error: ..."), from its log file;
+        None without a log folder (its output went to this process's own) or when it printed none."""
+        if self.log_dir is None:
+            return None
+        try:
+            lines = (self.log_dir / f"{name}.log").read_text(errors="replace").splitlines()
+        except OSError:
+            return None
+        said = [ln.split(": error: ", 1)[1] for ln in lines if ln.startswith("distserve worker: error: ")]
+        return said[-1].strip() if said else None
 
     def stop(self, grace_s: float = 10.0) -> None:
         """SIGTERM every child we started (workers first, router last), then SIGKILL stragglers."""

@@ -33,6 +33,9 @@ CONTROL = "nvidia-cuda-mps-control"
 PREFIX = "distserve-mps-"
 PIPE_ENV, LOG_ENV = "CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY"
 THREADS_ENV, MEM_ENV = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"
+# allowed on top of a worker's memory share in its pinned limit for what the CUDA context holds; the worker
+# sizes inside its limit less this (memory_profile: the process limit)
+CONTEXT_MIB = 1024
 
 
 class MpsUnavailable(RuntimeError):
@@ -212,6 +215,8 @@ def probe(device, total_sms: int | None = None) -> dict | None:
     end.record()
     end.synchronize()
     tflops = 2 * n**3 * reps / (start.elapsed_time(end) / 1000) / 1e12
+    del a
+    torch.cuda.empty_cache()  # after the KV sizing: give the probe's matrices back
     out = {"thread_percentage": int(pct), "sm_count": sms, "gemm_bf16_tflops": round(tflops, 1)}
     if total_sms:
         out["device_sm_count"] = total_sms

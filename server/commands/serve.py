@@ -16,7 +16,7 @@ from typing import NoReturn
 from server.commands.cluster import add_serve_flags
 from server.commands.common import admin_token, load_args_config, usage_error
 from server.config import ConfigError, DistServeConfig
-from server.launcher import TOKEN_ENV, Launcher, RestartPolicy, parse_devices
+from server.launcher import TOKEN_ENV, Launcher, RestartPolicy, StartupRefused, parse_devices
 from server.mps import CONTROL as MPS_CONTROL
 from server.mps import MpsUnavailable, parse_sm_split
 from server.preflight import (
@@ -113,7 +113,7 @@ def cmd_serve(args) -> int:
                 print(f"distserve: {event}", file=sys.stderr, flush=True)
             time.sleep(0.2)
         return 0
-    except MpsUnavailable as e:
+    except (MpsUnavailable, StartupRefused) as e:
         print(f"distserve: error: {e}", file=sys.stderr)
         return 2
     except RuntimeError as e:

@@ -188,20 +188,39 @@ class CudaGraphRunner:
         return self._forward(bs)[:n]
 
 
-def setup_cuda_engine(engine) -> None:
-    """GPU set-up of an ``LLMEngine`` whose model was built with its op set (``layer_ops.select_layer_ops``):
-    with the fused Triton ops, one-token GEMV tuning; then decode CUDA graphs (unless ``enforce_eager``)."""
+def setup_cuda_engine(engine, phase: str = "final") -> None:
+    """GPU set-up of an ``LLMEngine`` whose model was built with its op set (``layer_ops.select_layer_ops``).
+
+    ``phase`` "measure": over the profiling cache, before the KV pool is sized (``memory_profile``): the
+    kernel tunings that need no pool (one-token GEMV, FP8 linears; done once, their choices stay on the
+    model), then the decode and sampler CUDA graphs, which the caller measures and releases. "final": over
+    the real pool: the paged-decode tuning (it reads a real cache) and the graphs again.
+
+    A prefill engine (``config.decode_graphs`` False) runs no decode steps: no decode graphs and no decode
+    kernel tuning; its token-1 sampling still gets the sampler's graphs."""
+    if phase not in ("measure", "final"):
+        raise ValueError(f"phase must be measure or final, got {phase!r}")
+    decodes = engine.config.decode_graphs
+    tuned: set = engine._tuned
     fused = engine.model.ops.name == "triton"
-    if fused and os.environ.get("DISTSERVE_GEMV_TUNE", "1") != "0":
+    if fused and decodes and "gemv" not in tuned and os.environ.get("DISTSERVE_GEMV_TUNE", "1") != "0":
         from server.engine.ops.cuda_ops import tune_gemv
 
         engine.gemv_report = tune_gemv(engine.model)  # one-token GEMV: Triton where it beats cuBLAS
-    if engine.model.ops.name == "triton+fp8" and os.environ.get("DISTSERVE_FP8_TUNE", "1") != "0":
+        tuned.add("gemv")
+    fp8 = engine.model.ops.name == "triton+fp8"
+    if fp8 and "fp8" not in tuned and os.environ.get("DISTSERVE_FP8_TUNE", "1") != "0":
         from server.engine.fp8_linear import tune_fp8_linears
 
         engine.fp8_report = tune_fp8_linears(engine.model)  # e4m3 GEMV / split-K configs per shape
+        tuned.add("fp8")
     backend = engine.model.backend
-    if hasattr(backend, "decode_configs") and os.environ.get("DISTSERVE_DECODE_TUNE", "1") != "0":
+    if (
+        phase == "final"
+        and decodes
+        and hasattr(backend, "decode_configs")
+        and os.environ.get("DISTSERVE_DECODE_TUNE", "1") != "0"
+    ):
         from server.engine.attention.triton_decode import tune_decode_configs
 
         backend.decode_configs, engine.decode_report = tune_decode_configs(  # paged decode tile / warps
@@ -210,17 +229,22 @@ def setup_cuda_engine(engine) -> None:
             engine.config.block_size,
             engine.model.embed_tokens.weight.dtype,
         )
+        tuned.add("decode")
+        torch.cuda.empty_cache()  # its scratch graphs and tensors
     graphs = None
-    if not engine.config.enforce_eager and getattr(engine.model.backend, "supports_cuda_graph", False):
+    eager = engine.config.enforce_eager
+    if decodes and not eager and getattr(backend, "supports_cuda_graph", False):
         graphs = CudaGraphRunner(engine.runner, engine.max_model_len, max_batch_size=engine.config.max_num_seqs)
         engine.runner.graph_runner = graphs
-        if os.environ.get("DISTSERVE_GRAPH_SAMPLER", "1") != "0":
-            attach_graph_sampler(engine, graphs.batch_sizes)
+    if not eager and os.environ.get("DISTSERVE_GRAPH_SAMPLER", "1") != "0":
+        attach_graph_sampler(engine, graphs.batch_sizes if graphs else capture_sizes(engine.config.max_num_seqs))
     log.info(
-        "GPU engine: backend=%s layer_ops=%s cuda_graphs=%s",
+        "GPU engine (%s): backend=%s layer_ops=%s cuda_graphs=%s sampler_graphs=%s",
+        phase,
         engine.model.backend.name,
         engine.model.ops.name,
         graphs.batch_sizes if graphs else None,
+        getattr(engine.sampler.graphs, "batch_sizes", None),
     )
 
 

@@ -10,7 +10,12 @@ KV cache (its KV staging pool, receive buffers for pulled KV, decode CUDA graphs
 allocator's slack); the KV cache gets the rest. A worker whose share cannot hold one sequence of
 the longest length it serves after all that refuses to start (:class:`MemoryBudgetError`, one
 sentence). Kept pure (numbers in, numbers out) so the arithmetic is tested on CPU; the measuring
-lives in ``LLMEngine._profile_kv_blocks``.
+lives in ``server.engine.memory_profile`` (the order: weights, profiling forward, start-up graphs
+captured and measured, then the KV pool from what is left).
+
+Two ceilings apply: the share (``utilization`` of the device's total) and, when the process runs
+under a per-process limit (an MPS client with ``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT``), that limit less
+the CUDA context's allowance (``limit_bytes``): whichever is lower.
 """
 
 from __future__ import annotations
@@ -35,8 +40,18 @@ class KVBudget:
     free_bytes: int  # free on the device when sizing (other processes' memory is not this worker's budget)
     block_bytes: int  # one KV block, all layers, K and V
     num_blocks: int
-    reserved_bytes: int = 0  # allocated after the KV cache: staging pool, receive buffers, CUDA graphs
+    reserved_bytes: int = 0  # allocated after the KV cache: staging pool, receive buffers (configured)
     headroom_bytes: int = 0  # left free inside the share
+    startup_bytes: int = 0  # measured: decode and sampler CUDA graphs captured before the sizing
+    limit_bytes: int = 0  # this process's own ceiling (an MPS pinned limit less the context); 0 = none
+    weights_bytes: int = 0  # measured after the load (part of peak_bytes)
+    profile_tokens: int = 0  # tokens of the profiling forward
+
+    @property
+    def budget_bytes(self) -> int:
+        """What this worker may hold: its share, or its process limit when that is lower."""
+        share = self.share_bytes
+        return min(share, self.limit_bytes) if self.limit_bytes else share
 
     @property
     def kv_bytes(self) -> int:
@@ -48,10 +63,13 @@ class KVBudget:
 
     def describe(self) -> str:
         gib = _GIB
+        limit = f"process limit {self.limit_bytes / gib:.2f} GiB" if self.limit_bytes else "no process limit"
         return (
             f"KV cache {self.num_blocks} blocks = {self.kv_bytes / gib:.2f} GiB "
-            f"(gpu_memory_utilization {self.utilization:.2f} of {self.total_bytes / gib:.1f} GiB; "
-            f"weights+activations peak {self.peak_bytes / gib:.2f} GiB, "
+            f"(gpu_memory_utilization {self.utilization:.2f} of {self.total_bytes / gib:.1f} GiB, {limit}; "
+            f"weights {self.weights_bytes / gib:.2f} GiB, "
+            f"weights+activations peak {self.peak_bytes / gib:.2f} GiB at {self.profile_tokens} tokens, "
+            f"start-up graphs {self.startup_bytes / gib:.2f} GiB (measured), "
             f"outside torch {self.non_torch_bytes / gib:.2f} GiB, "
             f"reserved {self.reserved_bytes / gib:.2f} GiB, headroom {self.headroom_bytes / gib:.2f} GiB)"
         )
@@ -63,7 +81,13 @@ class KVBudget:
             "gpu_memory_utilization": round(self.utilization, 4),
             "device_mib": self.total_bytes // mib,
             "share_mib": self.share_bytes // mib,
+            "limit_mib": self.limit_bytes // mib,
+            "budget_mib": self.budget_bytes // mib,
+            "weights_mib": self.weights_bytes // mib,
             "weights_activations_mib": self.peak_bytes // mib,
+            "activations_mib": max(0, self.peak_bytes - self.weights_bytes) // mib,
+            "profile_tokens": self.profile_tokens,
+            "startup_graphs_mib": self.startup_bytes // mib,
             "outside_torch_mib": self.non_torch_bytes // mib,
             "reserved_mib": self.reserved_bytes // mib,
             "headroom_mib": self.headroom_bytes // mib,
@@ -85,19 +109,27 @@ def kv_blocks_from_memory(
     reserved_bytes: int = 0,
     headroom_bytes: int = 0,
     min_blocks: int = 1,
+    startup_bytes: int = 0,
+    limit_bytes: int = 0,
+    weights_bytes: int = 0,
+    profile_tokens: int = 0,
 ) -> KVBudget:
-    """Blocks that fit in ``utilization * total - peak - non_torch - reserved - headroom`` (this
-    worker's share, as in vLLM: two workers on one GPU take e.g. 0.45 each), and in what is actually
-    free minus ``reserve_bytes`` (the allocator's slack), ``reserved`` and ``headroom``;
-    MemoryBudgetError (one sentence saying what to change) when fewer than ``min_blocks`` fit."""
+    """Blocks that fit in ``budget - peak - non_torch - startup - reserved - headroom``, where the budget
+    is this worker's share (``utilization * total``, as in vLLM: two workers on one GPU take e.g. 0.45
+    each) or its process limit (``limit_bytes``) when lower, and in what is actually free minus
+    ``reserve_bytes`` (the allocator's slack), ``startup``, ``reserved`` and ``headroom``;
+    MemoryBudgetError (one sentence naming the numbers and what to change) when fewer than
+    ``min_blocks`` fit."""
     if not 0 < utilization <= 1:
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization}")
     if total_bytes <= 0 or block_bytes <= 0 or peak_bytes < 0 or non_torch_bytes < 0:
         raise ValueError("memory figures must be positive")
-    if reserved_bytes < 0 or headroom_bytes < 0 or min_blocks < 1:
-        raise ValueError("reserved and headroom bytes must be >= 0 and min_blocks >= 1")
-    after = reserved_bytes + headroom_bytes
-    free = int(total_bytes * utilization) - peak_bytes - non_torch_bytes - after
+    if reserved_bytes < 0 or headroom_bytes < 0 or startup_bytes < 0 or limit_bytes < 0 or min_blocks < 1:
+        raise ValueError("reserved, headroom, start-up and limit bytes must be >= 0 and min_blocks >= 1")
+    after = reserved_bytes + headroom_bytes + startup_bytes
+    share = int(total_bytes * utilization)
+    budget = min(share, limit_bytes) if limit_bytes else share
+    free = budget - peak_bytes - non_torch_bytes - after
     if free_bytes is not None:
         free = min(free, free_bytes - reserve_bytes - after)
     else:
@@ -105,13 +137,17 @@ def kv_blocks_from_memory(
     num_blocks = max(0, free) // block_bytes
     if num_blocks < min_blocks:
         gib = _GIB
+        limit = f", process limit {limit_bytes / gib:.2f} GiB" if limit_bytes else ""
         raise MemoryBudgetError(
             f"no room for the KV cache: gpu_memory_utilization {utilization:.3f} of {total_bytes / gib:.1f} GiB "
-            f"(device free {free_bytes / gib:.2f} GiB) leaves {max(0, free) / gib:.2f} GiB for the KV cache "
+            f"({share / gib:.2f} GiB{limit}; device free {free_bytes / gib:.2f} GiB) leaves "
+            f"{max(0, free) / gib:.2f} GiB for the KV cache "
             f"(need {min_blocks * block_bytes / gib:.2f} GiB for one sequence of the longest length) after "
-            f"weights+activations ({peak_bytes / gib:.2f} GiB), "
+            f"weights ({weights_bytes / gib:.2f} GiB) and activations "
+            f"({max(0, peak_bytes - weights_bytes) / gib:.2f} GiB at {profile_tokens} tokens), "
+            f"CUDA graphs ({startup_bytes / gib:.2f} GiB, measured), "
             f"memory outside torch ({non_torch_bytes / gib:.2f} GiB), "
-            f"staging pool, receive buffers and CUDA graphs ({reserved_bytes / gib:.2f} GiB) and headroom "
+            f"staging pool and KV buffers ({reserved_bytes / gib:.2f} GiB) and headroom "
             f"({headroom_bytes / gib:.2f} GiB); raise cache.gpu_memory_utilization or this role's memory_share, "
             f"lower prefill.max_num_batched_tokens, or set cache.num_gpu_blocks"
         )
@@ -125,4 +161,8 @@ def kv_blocks_from_memory(
         num_blocks,
         reserved_bytes=reserved_bytes,
         headroom_bytes=headroom_bytes,
+        startup_bytes=startup_bytes,
+        limit_bytes=limit_bytes,
+        weights_bytes=weights_bytes,
+        profile_tokens=profile_tokens,
     )

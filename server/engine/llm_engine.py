@@ -14,6 +14,7 @@ directly. It serves the three roles of disaggregated serving:
 
 from __future__ import annotations
 
+import gc
 import logging
 import random
 from dataclasses import dataclass
@@ -25,9 +26,10 @@ import torch
 from server.engine.attention import get_attention_backend
 from server.engine.block_manager import BlockManager
 from server.engine.fp8 import FP8_DTYPE, bf16_layer_set, check_scales, is_fp8, quantize_model_weights, with_fp8_linears
-from server.engine.kv_sizing import KVBudget, kv_blocks_from_memory
+from server.engine.kv_sizing import KVBudget
 from server.engine.loader import load_model_config, load_state_dict, resolve_model_path
 from server.engine.memory_pressure import MemoryPressure, is_memory_error, relieve
+from server.engine.memory_profile import MemoryProbe, SizingInputs, StartupMemory, process_used, size_kv_pool
 from server.engine.model import LlamaForCausalLM
 from server.engine.model_runner import ModelRunner, kv_bytes_per_block
 from server.engine.ops.layer_ops import select_layer_ops
@@ -41,9 +43,8 @@ from server.engine.structured.decoding import StructuredDecoding
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-# decode CUDA graphs are captured after the KV cache is allocated: reserved for them in the sizing
-# (the capture's real cost is measured and logged: engine.cuda_graph_bytes)
-CUDA_GRAPH_RESERVE_BYTES = 512 * 2**20
+# The decode and sampler CUDA graphs are captured over the profiling cache and measured before the KV
+# pool is sized (memory_profile.size_kv_pool); nothing is reserved for them by a constant any more.
 
 
 def check_fp8_device(device: torch.device, uses_fp8: bool) -> None:
@@ -77,11 +78,17 @@ class EngineConfig:
     # CUDA sizing (kv_sizing): bytes the owner allocates after the engine (a KV staging pool), tokens of
     # pulled KV in flight (decode receive buffers), and memory to leave free inside the share
     gpu_memory_reserved_bytes: int = 0
-    kv_receive_tokens: int = 0
+    kv_receive_tokens: int = 0  # tokens of KV held outside the pool: gathered (prefill) or received (decode)
     gpu_memory_headroom_bytes: int = 0
     # the device's memory when the process sees less (an MPS client under CUDA_MPS_PINNED_DEVICE_MEM_LIMIT):
     # gpu_memory_utilization is a share of the whole device; 0 = what CUDA reports
     gpu_device_total_bytes: int = 0
+    # this process's own ceiling on the device (an MPS client's pinned limit less the CUDA context): the KV
+    # pool is sized inside the lower of it and the share; 0 = none
+    gpu_process_limit_bytes: int = 0
+    # the engine runs decode steps: False for a prefill worker (its sequences stop at token #1), which then
+    # captures no decode CUDA graphs and tunes no decode kernels (memory and start-up time it never uses)
+    decode_graphs: bool = True
     max_model_len: int = 0  # 0 = the model's max_position_embeddings
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
@@ -138,7 +145,9 @@ class RequestOutput:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig = EngineConfig()) -> None:
+    def __init__(self, config: EngineConfig = EngineConfig(), memory_probe: MemoryProbe | None = None) -> None:
+        """``memory_probe``: the device queries of the KV sizing (``torch.cuda`` on a GPU by default; tests
+        pass a fake one to size a CPU engine's pool from given numbers)."""
         self.config = config
         self.memory_pressure = MemoryPressure()  # steps that failed for lack of device memory
         if config.torch_threads > 0:
@@ -162,7 +171,11 @@ class LLMEngine:
             raise ValueError(f"attention backend {backend.name!r} cannot read an FP8 KV cache; use sdpa or triton")
         # device memory free before this engine allocates anything (for kv_sizing: what this
         # process adds outside torch's allocator, as opposed to other processes' memory)
-        self._free_at_start = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else 0
+        if memory_probe is None and self.device.type == "cuda":
+            memory_probe = MemoryProbe(self.device)
+        self._probe = memory_probe
+        self._free_at_start = memory_probe.mem_info()[0] if memory_probe is not None else 0
+        self._tuned: set[str] = set()  # start-up kernel tunings done (cuda_graph_runner.setup_cuda_engine)
         ops = select_layer_ops(backend, self.device, self.model_config.head_dim)  # fused Triton ops on a GPU
         if config.weight_dtype == "fp8":
             ops = with_fp8_linears(ops)
@@ -179,6 +192,7 @@ class LLMEngine:
             self.weight_report = quantize_model_weights(model, keep)
             log.info("FP8 weights: %s", self.weight_report)
         self.model = model.eval().requires_grad_(False)
+        weights = memory_probe.allocated() if memory_probe is not None else 0
         eos = sorted(self.model_config.eos_token_ids)
         self.structured = StructuredDecoding(self._load_tokenizer, self.model_config.vocab_size, eos)
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
@@ -196,8 +210,9 @@ class LLMEngine:
         # before the KV profile: its profiling prefill steps (and samples) like any request
         self.sampler = Sampler()
         self.kv_budget: KVBudget | None = None
-        if not config.num_blocks and self.device.type == "cuda" and config.gpu_memory_utilization > 0:
-            self.kv_budget = self._profile_kv_blocks()
+        self.startup_memory: StartupMemory | None = None
+        if not config.num_blocks and memory_probe is not None and config.gpu_memory_utilization > 0:
+            self.kv_budget, self.startup_memory = self._profile_kv_blocks(memory_probe, weights)
             log.info("%s", self.kv_budget.describe())
             num_blocks = self.kv_budget.num_blocks
         else:
@@ -215,15 +230,20 @@ class LLMEngine:
         self._seeds: dict[str, int] = {}
         self._rng = random.Random()
         self.eos_token_ids = set(self.model_config.eos_token_ids)
-        self.cuda_graph_bytes = 0  # measured: what GEMV tuning and graph capture kept reserved
-        if self.device.type == "cuda":  # GEMV tuning + decode CUDA graphs
+        self.cuda_graph_bytes = 0  # measured: what kernel tuning and graph capture kept (in and outside torch)
+        if self.device.type == "cuda":  # kernel tuning + decode and sampler CUDA graphs, over the real pool
             from server.engine.cuda_graph_runner import setup_cuda_engine
 
-            before = torch.cuda.memory_reserved(self.device)
-            setup_cuda_engine(self)
-            self.cuda_graph_bytes = max(0, torch.cuda.memory_reserved(self.device) - before)
-            if self.kv_budget is not None:
-                log.info("CUDA graphs and tuning kept %.2f GiB", self.cuda_graph_bytes / 2**30)
+            probe = self._probe if self._probe is not None else MemoryProbe(self.device)
+            probe.synchronize()
+            before = process_used(probe, self._free_at_start)
+            setup_cuda_engine(self, phase="final")
+            probe.synchronize()
+            probe.empty_cache()  # the tuners' scratch tensors
+            self.cuda_graph_bytes = max(0, process_used(probe, self._free_at_start) - before)
+        if self.startup_memory is not None:
+            self.startup_memory.startup_final = self.cuda_graph_bytes
+            log.info("%s", self.startup_memory.describe(self.kv_budget))
 
     def _build_cache(self, num_blocks: int, arena: bool = False) -> None:
         config = self.config
@@ -266,44 +286,54 @@ class LLMEngine:
     def kv_cache_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.runner.kv_caches)
 
-    def _profile_kv_blocks(self) -> KVBudget:
-        """Run one prefill of the largest batch the scheduler forms (max_num_batched_tokens, capped
-        by max_model_len) on a cache just big enough for it, read torch's peak, then size the real
-        cache from what ``gpu_memory_utilization`` leaves (kv_sizing.kv_blocks_from_memory)."""
+    def _profile_kv_blocks(self, probe: MemoryProbe, weights: int) -> tuple[KVBudget, StartupMemory]:
+        """Size the KV pool from measured memory (memory_profile.size_kv_pool, in vLLM's order): one
+        prefill of the largest batch the scheduler forms (max_num_batched_tokens, capped by
+        max_model_len) on a cache just big enough for it (torch's peak), then the start-up set-up (kernel
+        tuning that needs no pool, decode and sampler CUDA graphs) over that cache, measured and
+        released; the pool gets what ``gpu_memory_utilization`` (or the process limit) leaves."""
         config = self.config
         bs = config.block_size
         n_tokens = max(1, min(config.max_num_batched_tokens, self.max_model_len - 1))
-        self._build_cache(-(-(n_tokens + 1) // bs) + 1)
-        self.stats = EngineStats()
-        self.requests, self._seeds, self._rng = {}, {}, random.Random()
-        self.awaiting_kv = {}
-        self.eos_token_ids = set()
-        torch.cuda.synchronize(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        self.add_request("kv-profile", [1] * n_tokens, SamplingParams(max_tokens=1, ignore_eos=True))
-        while self.has_unfinished_requests():
-            self.step()
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device) - self.kv_cache_bytes
-        del self.runner, self.block_manager, self.scheduler
-        torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info(self.device)
-        total = max(total, config.gpu_device_total_bytes)
-        non_torch = max(0, self._free_at_start - free - torch.cuda.memory_reserved(self.device))
         block_bytes = kv_bytes_per_block(self.model_config, bs, self.kv_dtype)
-        graphs = 0 if config.enforce_eager else CUDA_GRAPH_RESERVE_BYTES
-        reserved = config.gpu_memory_reserved_bytes + graphs + config.kv_receive_tokens * block_bytes // bs
-        return kv_blocks_from_memory(
-            total,
-            config.gpu_memory_utilization,
-            peak,
-            non_torch,
-            block_bytes,
-            free_bytes=free - (peak - torch.cuda.memory_allocated(self.device)),
-            reserved_bytes=reserved,
-            headroom_bytes=config.gpu_memory_headroom_bytes,
+
+        def profile() -> int:
+            self._build_cache(-(-(n_tokens + 1) // bs) + 1)
+            self.stats = EngineStats()
+            self.requests, self._seeds, self._rng = {}, {}, random.Random()
+            self.awaiting_kv = {}
+            self.eos_token_ids = set()
+            self.add_request("kv-profile", [1] * n_tokens, SamplingParams(max_tokens=1, ignore_eos=True))
+            while self.has_unfinished_requests():
+                self.step()
+            return self.kv_cache_bytes
+
+        def setup() -> None:
+            if self.device.type == "cuda":
+                from server.engine.cuda_graph_runner import setup_cuda_engine
+
+                setup_cuda_engine(self, phase="measure")
+
+        def teardown() -> None:  # the graphs point into the profiling cache: captured again over the pool
+            self.runner.graph_runner = None
+            self.sampler = Sampler()
+            gc.collect()
+
+        def drop_cache() -> None:
+            del self.runner, self.block_manager, self.scheduler
+            gc.collect()
+
+        inputs = SizingInputs(
+            utilization=config.gpu_memory_utilization,
+            block_bytes=block_bytes,
             min_blocks=-(-self.max_model_len // bs),
+            profile_tokens=n_tokens,
+            device_total=config.gpu_device_total_bytes,
+            process_limit=config.gpu_process_limit_bytes,
+            reserved=config.gpu_memory_reserved_bytes + config.kv_receive_tokens * block_bytes // bs,
+            headroom=config.gpu_memory_headroom_bytes,
         )
+        return size_kv_pool(probe, inputs, self._free_at_start, weights, profile, setup, teardown, drop_cache)
 
     def _load_tokenizer(self):
         """The model's tokenizer (for grammars; loaded on the first constrained request)."""

@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from server.config import DistServeConfig
+from server.engine.memory_pressure import is_memory_error, relieve
 from server.engine.sampling_params import SamplingParams
 from server.engine.structured.grammar import Constraint
 from server.idle import IdleTimeout
@@ -47,7 +48,7 @@ from server.wire import (
 )
 from server.workers import kv_reference
 from server.workers.engine_loop import EngineLoop
-from server.workers.fault import FaultRequest, StepDelays, arm_oom
+from server.workers.fault import FaultRequest, StepDelays, arm_oom, arm_oom_kv_takes
 from server.workers.guard import AuthFirst, internal_body_limit
 
 log = logging.getLogger(__name__)
@@ -181,6 +182,10 @@ def create_worker_app(state: WorkerState) -> FastAPI:
             await state.loop.call(lambda: arm_oom(state.loop.engine, body.oom_forwards))
             log.warning("fault hook: the next %d model forwards raise OutOfMemoryError", body.oom_forwards)
             out["oom_forwards"] = body.oom_forwards
+        if body.oom_kv_takes:
+            await state.loop.call(lambda: arm_oom_kv_takes(state.loop.engine, body.oom_kv_takes))
+            log.warning("fault hook: the next %d KV gathers raise OutOfMemoryError", body.oom_kv_takes)
+            out["oom_kv_takes"] = body.oom_kv_takes
         return out
 
     @app.get("/internal/status", dependencies=[Depends(require_token)])
@@ -251,6 +256,10 @@ async def _prefill(state: WorkerState, body: PrefillRequest) -> JSONResponse:
                     token_ids=[], finished=True, finish_reason="abort", error="request was aborted during prefill"
                 ).model_dump()
             )
+        except Exception as e:
+            if not is_memory_error(e):
+                raise
+            return await _out_of_memory(state, rid, "taking the prompt's KV out of the pool", e)
         kvc = state.config.kv_transfer
         nbytes = kv.numel() * kv.element_size()
         same_host = body.peer_host_id is None or body.peer_host_id == host_id()
@@ -262,6 +271,11 @@ async def _prefill(state: WorkerState, body: PrefillRequest) -> JSONResponse:
                 return JSONResponse(
                     PrefillResponse(token_ids=[], finished=True, finish_reason="abort", error=str(e)).model_dump()
                 )
+            except Exception as e:
+                if not is_memory_error(e):
+                    raise
+                del kv
+                return await _out_of_memory(state, rid, "writing the KV into the decode worker's blocks", e)
             if ref is not None:
                 phases.labels("take_kv").observe(time.perf_counter() - t1)
                 state.metrics.prefill_seconds.observe(time.perf_counter() - t0)
@@ -287,7 +301,13 @@ async def _prefill(state: WorkerState, body: PrefillRequest) -> JSONResponse:
         phases.labels("take_kv").observe(t2 - t1)
         # an FP8 cache's bytes travel with the scales they were quantised with (in the handle)
         scales = tuple((k, v) for k, v in kv_scales) if kv_scales is not None else ()
-        handle = await asyncio.to_thread(_stage, state, rid, kv, ready, transport, scales)
+        try:
+            handle = await asyncio.to_thread(_stage, state, rid, kv, ready, transport, scales)
+        except Exception as e:
+            if not is_memory_error(e):
+                raise
+            del kv
+            return await _out_of_memory(state, rid, f"staging the KV ({transport})", e)
         phases.labels("stage").observe(time.perf_counter() - t2)
         state.metrics.prefill_seconds.observe(time.perf_counter() - t0)
         return JSONResponse(
@@ -306,6 +326,25 @@ async def _prefill(state: WorkerState, body: PrefillRequest) -> JSONResponse:
     finally:
         state.loop.close_stream(rid)
         kv_reference.drop_lease(state, rid, leased)  # an early lease nobody used goes back
+
+
+async def _out_of_memory(state: WorkerState, rid: str, what: str, e: BaseException) -> JSONResponse:
+    """A prefill that ran out of device memory after its step (its KV gathered out of the pool, staged or
+    written to a peer): this request fails with the reason, its blocks are freed, the error is counted
+    (``/health`` degraded for a while), and the worker goes on serving."""
+    engine = state.loop.engine
+    engine.memory_pressure.record()
+    await state.loop.abort(rid)  # its blocks, if the gather failed before releasing them
+    relieve(engine.device)
+    log.warning("request %s failed: out of device memory while %s: %s", rid, what, str(e).splitlines()[0][:300])
+    return JSONResponse(
+        PrefillResponse(
+            token_ids=[],
+            finished=True,
+            finish_reason="abort",
+            error=f"out of device memory while {what} on the prefill worker",
+        ).model_dump()
+    )
 
 
 async def _with_progress(state: WorkerState, request: Request, answer) -> Response:

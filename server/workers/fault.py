@@ -2,7 +2,9 @@
 
 ``{"prefill_delay_ms": X, "decode_delay_ms": Y}`` sets the delays, ``{}`` clears them;
 ``{"oom_forwards": N}`` makes the next N model forwards raise ``torch.cuda.OutOfMemoryError``
-(:func:`arm_oom`), on CPU too, to drill what an out-of-memory step costs.
+(:func:`arm_oom`), on CPU too, to drill what an out-of-memory step costs; ``{"oom_kv_takes": N}`` makes the
+next N gathers of a prefilled prompt's KV out of the pool raise it (:func:`arm_oom_kv_takes`: what a prefill
+worker whose memory is full meets after its step).
 A step that will admit waiting requests (a prefill step; every step of a prefill
 worker) waits ``prefill_delay_ms`` first, any other step ``decode_delay_ms``. The
 wait is an ``asyncio.sleep`` on the engine loop, so HTTP handlers (health, metrics,
@@ -31,6 +33,8 @@ class FaultRequest(BaseModel):
     block_step_ms: float = Field(default=0.0, ge=0.0, le=MAX_DELAY_MS)
     # the next N model forwards raise torch.cuda.OutOfMemoryError (what a full device does to a step)
     oom_forwards: int = Field(default=0, ge=0, le=1_000_000)
+    # the next N gathers of a prefilled prompt's KV (ModelRunner.gather_kv) raise it
+    oom_kv_takes: int = Field(default=0, ge=0, le=1_000_000)
 
 
 @dataclass(frozen=True)
@@ -58,23 +62,27 @@ class OomForwards:
     """Wraps one engine's ``runner.execute`` (instance-local): the next ``remaining`` calls raise
     ``torch.cuda.OutOfMemoryError`` before running; then the real forward runs again."""
 
-    def __init__(self, runner) -> None:
+    def __init__(self, runner, attr: str = "execute") -> None:
         self.remaining = 0
-        self._execute = runner.execute
+        self._call = getattr(runner, attr)
 
-    def __call__(self, scheduled):
+    def __call__(self, *args, **kwargs):
         if self.remaining > 0:
             import torch
 
             self.remaining -= 1
             raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB (fault hook)")
-        return self._execute(scheduled)
+        return self._call(*args, **kwargs)
 
 
-def arm_oom(engine, n: int) -> OomForwards:
-    hook = engine.runner.execute
+def arm_oom(engine, n: int, attr: str = "execute") -> OomForwards:
+    hook = getattr(engine.runner, attr)
     if not isinstance(hook, OomForwards):
-        hook = OomForwards(engine.runner)
-        engine.runner.execute = hook
+        hook = OomForwards(engine.runner, attr)
+        setattr(engine.runner, attr, hook)
     hook.remaining = n
     return hook
+
+
+def arm_oom_kv_takes(engine, n: int) -> OomForwards:
+    return arm_oom(engine, n, "gather_kv")

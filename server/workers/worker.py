@@ -16,6 +16,7 @@ import logging
 import os
 import signal
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +27,7 @@ from server import mps
 from server.config import DistServeConfig, role_dtype
 from server.engine.kv_sizing import MemoryBudgetError
 from server.engine.llm_engine import EngineConfig, LLMEngine
+from server.engine.memory_profile import pinned_limit_bytes
 from server.kv_transfer import KVPuller, KVStagingServer, cuda_ipc
 from server.kv_transfer.factory import choose_transport, host_id
 from server.kv_transfer.kv_arena import ARENA_PREFIX
@@ -86,10 +88,16 @@ def engine_config_for(
         else gpu_memory_utilization,
         gpu_memory_headroom_bytes=cache.gpu_memory_headroom_mb << 20,
         # allocated after the engine: the prefill worker's cuda_ipc staging pool; a decode worker's pulled KV
-        # lands in a buffer of its own before the commit: two prefill batches' worth in flight
+        # lands in a buffer of its own before the commit: two prefill batches' worth in flight; a prefill
+        # worker gathers each prompt's KV out of its pool before staging or writing it: one longest prompt
         gpu_memory_reserved_bytes=(cfg.kv_transfer.cuda_ipc_pool_mb << 20) if role == "prefill" and on_cuda else 0,
-        kv_receive_tokens=2 * pf.max_num_batched_tokens if role == "decode" else 0,
+        kv_receive_tokens=2 * pf.max_num_batched_tokens
+        if role == "decode"
+        else pf.max_seq_len
+        if role == "prefill"
+        else 0,
         gpu_device_total_bytes=int(os.environ.get("DISTSERVE_DEVICE_TOTAL_MIB", "0") or 0) << 20,
+        gpu_process_limit_bytes=process_limit_bytes(device) if on_cuda else 0,
         max_model_len=pf.max_seq_len,
         max_num_batched_tokens=pf.max_num_batched_tokens,
         enable_prefix_caching=cache.enable_prefix_caching,
@@ -97,6 +105,7 @@ def engine_config_for(
     if role == "prefill":
         return EngineConfig(
             **common,
+            decode_graphs=False,  # its sequences stop at token #1: no decode graphs, no decode kernel tuning
             max_num_seqs=pf.max_batch_size,
             prefill_policy="wfs",
             torch_threads=pf.torch_threads,
@@ -122,6 +131,14 @@ def engine_config_for(
         weight_dtype=dc.weight_dtype,
         kv_cache_dtype=cache.kv_dtype,
     )
+
+
+def process_limit_bytes(device: str, env: Mapping[str, str] | None = None) -> int:
+    """This worker's own ceiling on its GPU: an MPS client's ``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`` less the
+    CUDA context's allowance (``mps.CONTEXT_MIB``); 0 when it has none."""
+    index = torch.device(device).index or 0
+    limit = pinned_limit_bytes((os.environ if env is None else env).get(mps.MEM_ENV), index)
+    return max(1, limit - (mps.CONTEXT_MIB << 20)) if limit else 0
 
 
 def fingerprint(engine: LLMEngine) -> dict:
@@ -170,6 +187,8 @@ def memory_report(engine: LLMEngine, sender: KVStagingServer | None) -> dict | N
         return None
     out = budget.to_dict()
     out["cuda_graphs_mib"] = engine.cuda_graph_bytes >> 20
+    if engine.startup_memory is not None:
+        out.update(engine.startup_memory.to_dict())
     out["staging_pool_mib"] = (sender.cuda_ipc_pool_bytes if sender is not None else 0) >> 20
     free, _ = torch.cuda.mem_get_info(engine.device)
     out["device_free_after_start_mib"] = free >> 20

@@ -14,7 +14,6 @@ import asyncio
 import json
 import os
 import shutil
-import signal
 import tempfile
 import urllib.request
 from pathlib import Path
@@ -24,6 +23,7 @@ import pytest
 import torch
 
 from distbench.target import ServeProcess
+from tests.migration import streams_with_decode_kill
 
 # DISTSERVE_GPU_TEST_DEVICE=cpu dry-runs the file on a CPU (no split there: the --sm-split flags are left out)
 DEVICE = os.environ.get("DISTSERVE_GPU_TEST_DEVICE", "cuda")
@@ -45,7 +45,7 @@ def _serve(tmp: str, extra: list[str], cfg: dict | None = None) -> ServeProcess:
     return ServeProcess(Path(tmp), config=config, extra_args=["--device", DEVICE, *extra], timeout_s=300, cwd=ROOT)
 
 
-async def _one(s: aiohttp.ClientSession, url: str, prompt: list[int], progress: list[int] | None = None, i: int = 0):
+async def _one(s: aiohttp.ClientSession, url: str, prompt: list[int]):
     body = {
         "prompt_token_ids": prompt,
         "max_tokens": MAX_TOKENS,
@@ -60,8 +60,6 @@ async def _one(s: aiohttp.ClientSession, url: str, prompt: list[int], progress: 
             line = json.loads(raw)
             assert "error" not in line, line
             ids.extend(line["token_ids"])
-            if progress is not None:
-                progress[i] = len(ids)
     return ids
 
 
@@ -119,26 +117,11 @@ def test_two_processes_on_a_split_serve_the_colocated_tokens(colocated_tokens, b
 def test_decode_worker_sigkilled_mid_stream_migrates_and_the_blocks_come_back(colocated_tokens):
     cfg = {"kv_transfer": {"by_reference": "auto"}}
     with tempfile.TemporaryDirectory() as tmp, _serve(tmp, ["--decode", "2", "--sm-split", "50:30"], cfg) as srv:
-        progress = [0] * len(PROMPTS)
-        killed: dict = {}
-
-        async def killer() -> None:
-            while sum(1 for n in progress if n >= 3) < len(PROMPTS) // 2:
-                await asyncio.sleep(0.002)
-            status = await asyncio.to_thread(srv.workers)
-            decodes = [w for w in status if w["role"] == "decode"]
-            victim = max(decodes, key=lambda w: w["inflight"] + w["num_running"])
-            os.kill(victim["pid"], signal.SIGKILL)
-            killed.update(victim, at=list(progress))
-
-        async def main():
-            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as s:
-                runs = asyncio.gather(*(_one(s, srv.url, p, progress, i) for i, p in enumerate(PROMPTS)))
-                await killer()
-                return await runs
-
-        got = asyncio.run(main())
-        assert killed and [n for n in killed["at"] if n < MAX_TOKENS], "every stream had finished before the kill"
+        bodies = [
+            {"prompt_token_ids": p, "max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True} for p in PROMPTS
+        ]
+        got, killed = streams_with_decode_kill(srv, bodies, poll_s=0.002)
+        assert [n for n in killed["progress_at_kill"] if n < MAX_TOKENS], "every stream had finished before the kill"
         assert got == colocated_tokens
         assert _metric(srv, "distserve_kv_transfer_seconds_count", "reference") >= 1
         _no_leaks(srv)  # the prefill worker, the surviving and the restarted decode worker

@@ -120,7 +120,8 @@ def test_engine_config_carries_the_share_and_what_each_role_allocates_after_the_
     dc = engine_config_for("decode", CFG, "cuda:0", 0.63)
     assert (pf.gpu_memory_utilization, dc.gpu_memory_utilization) == (0.27, 0.63)
     assert pf.gpu_memory_reserved_bytes == CFG.kv_transfer.cuda_ipc_pool_mb * MiB and dc.gpu_memory_reserved_bytes == 0
-    assert dc.kv_receive_tokens == 2 * CFG.prefill.max_num_batched_tokens and pf.kv_receive_tokens == 0
+    assert dc.kv_receive_tokens == 2 * CFG.prefill.max_num_batched_tokens
+    assert pf.kv_receive_tokens == CFG.prefill.max_seq_len  # one prompt's KV gathered out of its pool
     assert pf.gpu_memory_headroom_bytes == dc.gpu_memory_headroom_bytes == 1024 * MiB
     assert engine_config_for("colocated", CFG, "cuda").gpu_memory_utilization == 0.9  # by hand: the whole budget
     assert engine_config_for("prefill", CFG, "cpu").gpu_memory_reserved_bytes == 0

@@ -156,3 +156,48 @@ def test_router_health_is_degraded_while_a_worker_reports_memory_errors_and_work
     assert ws["prefill-0"]["memory"] is None
     reg.heartbeat("decode-0", WorkerStatus())  # the errors aged out of the worker's window
     assert asyncio.run(get("/health"))["status"] == "ok"
+
+
+def test_prefill_worker_out_of_memory_after_its_step_fails_that_request_and_frees_its_blocks(engine):
+    """The KV gather of a prefilled prompt (out of the pool, before staging) runs out of memory: that request
+    gets a clear error in its answer (not a 500), its blocks come back, /health says degraded, and the next
+    request is served."""
+    from server.wire import PrefillResponse
+
+    async def main():
+        loop = EngineLoop(engine, threaded=True)
+        state = WorkerState(
+            role="prefill",
+            worker_id="p0",
+            config=DistServeConfig(),
+            token="t",
+            loop=loop,
+            metrics=WorkerMetrics("prefill"),
+        )
+        app = create_worker_app(state)
+        loop.start()
+        auth = {"Authorization": "Bearer t"}
+        sampling = {"max_tokens": 4, "temperature": 0.0, "top_p": 1.0, "ignore_eos": True}
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://w") as http:
+            r = await http.post("/admin/fault", json={"oom_kv_takes": 1}, headers=auth)
+            assert r.status_code == 200 and r.json()["oom_kv_takes"] == 1
+            body = {"request_id": "big", "prompt_token_ids": [3, 9, 8, 7, 6, 5], "sampling": sampling}
+            failed = await http.post("/internal/prefill", json=body, headers=auth)
+            used = engine.num_used_blocks
+            health = (await http.get("/health")).json()
+            # the next one (stopping at token #1: no staging needed) is served
+            again = {**body, "request_id": "next", "sampling": {**sampling, "max_tokens": 1}}
+            ok = await http.post("/internal/prefill", json=again, headers=auth)
+        loop.stop()
+        return failed, used, health, ok
+
+    failed, used, health, ok = asyncio.run(main())
+    assert failed.status_code == 200, failed.text
+    ans = PrefillResponse.model_validate(failed.json())
+    assert ans.finished and ans.finish_reason == "abort" and not ans.token_ids
+    assert ans.error is not None and "out of device memory" in ans.error
+    assert used == 0 and engine.requests == {}
+    assert health["status"] == "degraded"
+    nxt = PrefillResponse.model_validate(ok.json())
+    assert nxt.error is None and len(nxt.token_ids) == 1
+    engine.block_manager.check_invariants()

@@ -26,12 +26,15 @@ the kernels exist.
 from __future__ import annotations
 
 import itertools
+import logging
 
 import torch
 import torch.nn.functional as F
 
 from server.engine.attention.base import AttentionBackend, AttentionMetadata, gather_kv
 from server.engine.fp8 import FP8_MAX, gather_kv_fp8
+
+log = logging.getLogger(__name__)
 
 try:
     from torch.nn.attention import SDPBackend
@@ -565,11 +568,16 @@ def tune_decode_configs(
     dtype: torch.dtype,
     points: tuple[tuple[int, int], ...] = ((1, 128), (1, 2048), (64, 1024)),
     verbose: bool = False,
+    check: bool = True,
 ) -> tuple[dict[tuple[bool, str], dict], dict]:
-    """Time ``DECODE_CANDIDATES`` on ``kv_cache`` (a layer's real cache: read only, its contents do not
-    matter for timing) at ``points`` ((batch, context) pairs; batch 1 points are the ``small`` regime),
-    each as a CUDA graph of 8 back-to-back launches. Returns ``({(kv_fp8, regime): config}, report)``:
-    the config with the least summed time over each regime's points."""
+    """Time ``DECODE_CANDIDATES`` on ``kv_cache`` (a layer's real cache, at start-up: nothing is stored in it
+    yet) at ``points`` ((batch, context) pairs; batch 1 points are the ``small`` regime), each as a CUDA graph
+    of 8 back-to-back launches. Returns ``({(kv_fp8, regime): config}, report)``: the config with the least
+    summed time over each regime's points.
+
+    ``check`` (a bf16/fp16 cache): the cache is filled with random values first, and a candidate whose output
+    differs from the default config's (or is not finite) at a point is not chosen (``report["rejected"]``):
+    the fastest launch must also be right on this device and this SM partition. The cache is zeroed after."""
     from server.engine.ops.cuda_ops import _graph_ms
 
     dev = kv_cache.device
@@ -581,6 +589,14 @@ def tune_decode_configs(
     g = torch.Generator(device=dev).manual_seed(0)
     sums: dict[str, dict[int, float]] = {"small": {}, "large": {}}
     report: dict = {}
+    rejected: list[str] = []
+    check = check and not kv_fp8
+    if check:
+        try:
+            kv_cache.normal_(generator=g)
+        except Exception as e:  # never let the check stop a start-up
+            log.warning("decode tuning: no output check (%s: %s)", type(e).__name__, e)
+            check = False
     for batch, ctx in points:
         nb = -(-ctx // block_size)
         if batch * nb * block_size > slots:
@@ -592,6 +608,16 @@ def tune_decode_configs(
         out = torch.empty_like(q)
         regime = decode_regime(batch, num_kv_heads, dev)
         row = {}
+        ref, tol = None, 0.0
+        if check:
+            try:
+                ref = paged_decode_attention(
+                    q, kv_cache, tables, lens, block_size, head_dim**-0.5, ctx, kv_scale=scale, config=base
+                ).float()
+                tol = 2e-2 * max(1.0, float(ref.abs().max()))
+            except Exception as e:  # the default config itself: time without the check at this point
+                log.warning("decode tuning: no output check at b%d ctx%d (%s: %s)", batch, ctx, type(e).__name__, e)
+                ref = None
         for i, (bn, nw, ns, mp) in enumerate(DECODE_CANDIDATES):
             cfg = dict(base, BLOCK_N=bn, num_warps=nw, num_stages=ns, min_partition=mp)
 
@@ -601,8 +627,15 @@ def tune_decode_configs(
                 )
 
             try:
+                if ref is not None:
+                    out.fill_(float("nan"))
+                    call(None)
+                    got = out.float()
+                    if not bool(torch.isfinite(got).all()) or float((got - ref).abs().max()) > tol:
+                        rejected.append(f"b{batch}_ctx{ctx}:{i}")
+                        raise ValueError("output differs from the default config's")
                 ms = _graph_ms(call, list(range(8)))
-            except Exception:  # does not compile here
+            except Exception:  # does not compile here, or computes something else
                 ms = float("inf")
             row[str(i)] = round(ms * 1e3, 2)
             sums[regime][i] = sums[regime].get(i, 0.0) + ms
@@ -614,6 +647,11 @@ def tune_decode_configs(
             if per[i] < float("inf"):
                 bn, nw, ns, mp = DECODE_CANDIDATES[i]
                 chosen[(kv_fp8, regime)] = dict(base, BLOCK_N=bn, num_warps=nw, num_stages=ns, min_partition=mp)
+    if check:
+        kv_cache.zero_()  # as allocated: the tuning's random values are nobody's KV
+    if rejected:
+        log.warning("decode tuning rejected candidates whose output was wrong here: %s", rejected)
+    report["rejected"] = rejected
     report["chosen"] = {f"{'fp8' if k[0] else 'bf16'}_{k[1]}": v for k, v in chosen.items()}
     if verbose:
         print("decode attention", report)
