@@ -24,6 +24,8 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=30)
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
+    if a.utilization <= 0:  # the engine sizes its KV from memory only with a utilization above 0
+        ap.error(f"--utilization must be above 0 (got {a.utilization}): this study measures KV sized from memory")
     t0 = time.perf_counter()
     eng = LLMEngine(
         EngineConfig(
