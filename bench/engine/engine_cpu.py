@@ -16,6 +16,7 @@ import json
 import platform
 import statistics
 import time
+from typing import Any
 
 import torch
 
@@ -30,7 +31,7 @@ def prompts(b: int, length: int, offset: int = 0) -> list[list[int]]:
 
 
 def time_prefill(engine: LLMEngine, b: int, length: int, repeats: int) -> list[float]:
-    out = []
+    out: list[float] = []
     for r in range(repeats + 1):
         for i, p in enumerate(prompts(b, length, r)):
             engine.add_request(f"p{r}-{i}", p, GREEDY_1)
@@ -64,7 +65,7 @@ def time_decode(engine: LLMEngine, b: int, context: int, steps: int, repeats: in
     return runs[1:]  # the first run is warm-up
 
 
-def summarize(values: list[float]) -> dict:
+def summarize(values: list[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
 
 
@@ -76,7 +77,7 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="any --model distserve takes (default: the tiny model)")
     ap.add_argument("--decode-batches", type=int, nargs="+", default=[1, 8, 32, 64])
     args = ap.parse_args()
-    results = {
+    results: dict[str, Any] = {
         "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
         "cpus": torch.get_num_threads(),
         "torch": torch.__version__,

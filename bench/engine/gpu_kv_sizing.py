@@ -7,6 +7,7 @@ import argparse
 import os
 import statistics
 import time
+from typing import Any
 
 import torch
 
@@ -23,6 +24,8 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=30)
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
+    if a.utilization <= 0:  # the engine sizes its KV from memory only with a utilization above 0
+        ap.error(f"--utilization must be above 0 (got {a.utilization}): this study measures KV sized from memory")
     t0 = time.perf_counter()
     eng = LLMEngine(
         EngineConfig(
@@ -36,8 +39,10 @@ def main() -> None:
     )
     startup = time.perf_counter() - t0
     b = eng.kv_budget
+    if b is None:  # the engine sizes its KV from memory only on CUDA with a utilization above 0
+        raise SystemExit("gpu_kv_sizing: the engine made no KV budget (it needs CUDA and --utilization > 0)")
     free, total = torch.cuda.mem_get_info()
-    res = {
+    res: dict[str, Any] = {
         "startup_s": startup,
         "budget": b.describe(),
         "num_blocks": b.num_blocks,
@@ -49,7 +54,8 @@ def main() -> None:
     }
     print(res, flush=True)
     params = SamplingParams(max_tokens=1, ignore_eos=True)
-    steps, whole = [], []
+    steps: list[float] = []
+    whole: list[float] = []
     for i in range(a.n):
         ids = [(i * 7919 + j) % 30000 + 1 for j in range(a.prompt)]  # distinct: no prefix hits
         t1 = time.perf_counter()

@@ -18,6 +18,8 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -46,13 +48,13 @@ PROBE = {f"{k}x{n}": [n] * k for n in (128, 512) for k in (1, 2, 3, 4, 5)} | {
 BATCH = {f"{k}x{n}": [n] * k for n, ks in ((128, (1, 5, 19, 26)), (512, (3, 8))) for k in ks}
 
 
-def step_times(eng: LLMEngine, lengths: list[int], salt: int, sync) -> list[float]:
+def step_times(eng: LLMEngine, lengths: list[int], salt: int, sync: Callable[[], None]) -> list[float]:
     """Admit the prompts at once, then time every step until all are prefilled (ms per step)."""
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     vocab = eng.model_config.vocab_size - 1
     for i, n in enumerate(lengths):
         eng.add_request(f"m{salt}-{i}", [(salt * 7919 + i * 104729 + j) % vocab + 1 for j in range(n)], params)
-    out = []
+    out: list[float] = []
     while eng.has_unfinished_requests():
         sync()
         t0 = time.perf_counter()
@@ -85,7 +87,8 @@ def main() -> None:
     if a.masked_continuations:  # this process only: the engine then takes the masked SDPA path on CUDA too
         from server.engine.attention import triton_decode
 
-        triton_decode.causal_lower_right = None
+        # the state the module itself takes on torch < 2.3 (its import fallback assigns None the same way)
+        triton_decode.causal_lower_right = None  # type: ignore[assignment]
     eng = LLMEngine(
         EngineConfig(
             model=a.model,
@@ -97,9 +100,9 @@ def main() -> None:
             enable_prefix_caching=a.set == "hits",
         )
     )
-    sync = torch.cuda.synchronize if a.device.startswith("cuda") else (lambda: None)
+    sync: Callable[[], None] = torch.cuda.synchronize if a.device.startswith("cuda") else (lambda: None)
     step_times(eng, [max(8, int(2048 * a.scale))], 0, sync)  # warm-up
-    res: dict = {
+    res: dict[str, Any] = {
         "model": a.model,
         "device": a.device,
         "torch": torch.__version__,
@@ -111,7 +114,8 @@ def main() -> None:
     if a.set == "hits":  # the same prompts twice: cold, then with all but their last block from the cache
         for name, lengths in BATCH.items():
             ls = [max(8, int(n * a.scale)) for n in lengths]
-            cold, warm = [], []
+            cold: list[list[float]] = []
+            warm: list[list[float]] = []
             for _ in range(a.repeats):
                 cold.append(step_times(eng, ls, salt, sync))
                 warm.append(step_times(eng, ls, salt, sync))

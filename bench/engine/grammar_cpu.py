@@ -23,9 +23,14 @@ import json
 import platform
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from bench.lib.results import write_result
+
+if TYPE_CHECKING:  # the server's modules are imported inside the functions (after torch's thread count is set)
+    from server.engine.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -57,18 +62,18 @@ ANSWER = {
 }
 
 
-def med(xs: list[float]) -> dict:
+def med(xs: list[float]) -> dict[str, float]:
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
 
 
-def timed(fn, reps: int = 1) -> float:
+def timed(fn: Callable[[], object], reps: int = 1) -> float:
     t = time.perf_counter()
     for _ in range(reps):
         fn()
     return (time.perf_counter() - t) / reps
 
 
-def llguidance_rows(tok, answer_ids: list[int], rounds: int, batches: list[int]) -> dict:
+def llguidance_rows(tok: Tokenizer, answer_ids: list[int], rounds: int, batches: list[int]) -> dict[str, Any]:
     import llguidance
     import torch
 
@@ -91,7 +96,7 @@ def llguidance_rows(tok, answer_ids: list[int], rounds: int, batches: list[int])
     cached = [timed(lambda: base.deep_copy(), 50) for _ in range(rounds)]
     executor = llguidance.LLExecutor()
     words = (tok.vocab_size + 31) // 32
-    out: dict = {
+    out: dict[str, Any] = {
         "tokenizer_build_s": tokenizer_s,
         "compile_cold_s": med(cold),
         "compile_cached_s": med(cached),
@@ -101,7 +106,8 @@ def llguidance_rows(tok, answer_ids: list[int], rounds: int, batches: list[int])
     }
     for b in batches:
         # rows spread along the answer: row k has consumed k * len / b tokens
-        ms, pool = [], []
+        ms: list[float] = []
+        pool: list[float] = []
         for _ in range(rounds):
             matchers = []
             for k in range(b):
@@ -111,11 +117,11 @@ def llguidance_rows(tok, answer_ids: list[int], rounds: int, batches: list[int])
             bitmask = torch.empty((b, words), dtype=torch.int32)
             ptr = bitmask.data_ptr()
 
-            def fill():  # the CPU worker's path: row by row on its own core
+            def fill() -> None:  # the CPU worker's path: row by row on its own core
                 for k, m in enumerate(matchers):
                     m.unsafe_compute_mask_ptr(ptr + k * words * 4, words * 4)
 
-            def fill_pool():  # the GPU worker's path from PARALLEL_FROM rows: llguidance's thread pool
+            def fill_pool() -> None:  # the GPU worker's path from PARALLEL_FROM rows: llguidance's thread pool
                 executor.unsafe_compute_mask_ptr([(m, k) for k, m in enumerate(matchers)], ptr, words * 4, b)
 
             ms.append(timed(fill, 5) * 1000)
@@ -125,7 +131,7 @@ def llguidance_rows(tok, answer_ids: list[int], rounds: int, batches: list[int])
     return out
 
 
-def xgrammar_rows(tok, answer_ids: list[int], rounds: int, batches: list[int]) -> dict | str:
+def xgrammar_rows(tok: Tokenizer, answer_ids: list[int], rounds: int, batches: list[int]) -> dict[str, Any] | str:
     try:
         import torch
         import xgrammar as xgr
@@ -137,7 +143,7 @@ def xgrammar_rows(tok, answer_ids: list[int], rounds: int, batches: list[int]) -
     info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=tok.vocab_size)
     tokenizer_s = time.perf_counter() - t0
     schema = json.dumps(SCHEMA)
-    cold = []
+    cold: list[float] = []
     for _ in range(rounds):
         compiler = xgr.GrammarCompiler(info, cache_enabled=True)
         cold.append(timed(lambda: compiler.compile_json_schema(schema, any_whitespace=False)))
@@ -146,14 +152,14 @@ def xgrammar_rows(tok, answer_ids: list[int], rounds: int, batches: list[int]) -
         timed(lambda: xgr.GrammarMatcher(compiler.compile_json_schema(schema, any_whitespace=False)), 50)
         for _ in range(rounds)
     ]
-    out: dict = {
+    out: dict[str, Any] = {
         "tokenizer_build_s": tokenizer_s,
         "compile_cold_s": med(cold),
         "compile_cached_s": med(cached),
         "mask_ms": {},
     }
     for b in batches:
-        ms = []
+        ms: list[float] = []
         for _ in range(rounds):
             matchers = []
             for k in range(b):
@@ -163,7 +169,7 @@ def xgrammar_rows(tok, answer_ids: list[int], rounds: int, batches: list[int]) -
                 matchers.append(m)
             bitmask = xgr.allocate_token_bitmask(b, info.vocab_size)
 
-            def fill():
+            def fill() -> None:
                 for k, m in enumerate(matchers):
                     m.fill_next_token_bitmask(bitmask, k)
 
@@ -173,7 +179,7 @@ def xgrammar_rows(tok, answer_ids: list[int], rounds: int, batches: list[int]) -
     return out
 
 
-def engine_steps(model: str | None, batches: list[int], rounds: int, steps: int) -> dict:
+def engine_steps(model: str | None, batches: list[int], rounds: int, steps: int) -> dict[str, dict[str, Any]]:
     """Median decode-step seconds, free vs constrained, per batch (rounds interleaved)."""
     from server.engine.llm_engine import EngineConfig, LLMEngine
     from server.engine.sampling_params import SamplingParams
@@ -197,7 +203,7 @@ def engine_steps(model: str | None, batches: list[int], rounds: int, steps: int)
             )
             engine.add_request(f"r{i}-{time.monotonic_ns()}", prompt + [60 + i], p)
         engine.step()  # the prefill of all rows
-        ts = []
+        ts: list[float] = []
         for _ in range(steps):
             t = time.perf_counter()
             engine.step()
@@ -206,9 +212,10 @@ def engine_steps(model: str | None, batches: list[int], rounds: int, steps: int)
             engine.abort_request(rid)
         return statistics.median(ts)
 
-    out: dict = {}
+    out: dict[str, dict[str, Any]] = {}
     for b in batches:
-        free, cons = [], []
+        free: list[float] = []
+        cons: list[float] = []
         for r in range(rounds):
             for constrained in (False, True) if r % 2 == 0 else (True, False):
                 (cons if constrained else free).append(run(b, constrained))
@@ -234,7 +241,7 @@ def main() -> None:
     tok = load_tokenizer(resolve_model_path("smollm2-135m-instruct"))
     answer_ids = tok.encode(json.dumps(ANSWER), add_bos=False)
     batches = [1, 32, 64]
-    result = {
+    result: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "machine": f"{platform.machine()}, {__import__('os').cpu_count()} CPUs (shared)",
         "schema": SCHEMA,

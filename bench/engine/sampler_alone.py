@@ -14,7 +14,9 @@ import argparse
 import json
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, TypedDict
 
 import torch
 
@@ -23,7 +25,20 @@ from server.engine.graph_sampler import GraphSampler
 from server.engine.sampler import Sampler
 from server.engine.sampling_params import SamplingParams
 
-VARIANTS = {
+
+class SamplingKw(TypedDict, total=False):
+    """The ``SamplingParams`` fields a variant sets."""
+
+    temperature: float
+    top_p: float
+    top_k: int
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+    logprobs: int
+
+
+VARIANTS: dict[str, SamplingKw] = {
     "greedy": dict(temperature=0.0),
     "openai_default": dict(temperature=1.0, top_p=1.0),
     "server_default": dict(temperature=1.0, top_p=0.95),
@@ -55,23 +70,31 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     dev, b = torch.device(args.device), args.batch
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
-    res: dict = {"device": args.device, "batch": b, "threads": torch.get_num_threads(), "clock": args.clock, "runs": {}}
+    res: dict[str, Any] = {
+        "device": args.device,
+        "batch": b,
+        "threads": torch.get_num_threads(),
+        "clock": args.clock,
+        "runs": {},
+    }
     res["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     params = {n: SamplingParams(**kw) for n, kw in VARIANTS.items()}
     for vocab in args.vocab:
-        samplers = {}
+        samplers: dict[str, OldSampler | Sampler] = {}
+        factories: dict[str, Callable[[], OldSampler | Sampler]]
         for name in args.samplers:
-            samplers[name] = {
+            factories = {
                 "old": OldSampler,
                 "new": Sampler,
                 "new-sort": lambda: Sampler(impl="sort"),
                 "graph": lambda: Sampler(GraphSampler(vocab, [b], dev)),
                 "graph-sort": lambda: Sampler(GraphSampler(vocab, [b], dev, impl="sort"), impl="sort"),
-            }[name]()
+            }
+            samplers[name] = factories[name]()
         g = torch.Generator().manual_seed(0)
         logits = (torch.randn(b, vocab, generator=g) * 3).to(dev)
         hist = [([1, 2, 3], [5, 9, 9, 17, 3, 40])] * b
-        times: dict = {(s, v): [] for s in samplers for v in params}
+        times: dict[tuple[str, str], list[float]] = {(s, v): [] for s in samplers for v in params}
         for rnd in range(args.rounds + 1):  # the first round warms up
             for (sn, vn), ts in times.items():
                 p = params[vn]

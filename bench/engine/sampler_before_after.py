@@ -20,10 +20,12 @@ from server.engine.sampling_params import SamplingParams
 OLD = "/tmp/old_sampler.py"
 torch.set_num_threads(1)
 spec = importlib.util.spec_from_file_location("old_sampler", OLD)
+if spec is None or spec.loader is None:  # not a path Python can load a module from
+    raise SystemExit(f"{OLD}: not a Python file (git show 9f26773:server/engine/sampler.py > {OLD})")
 old = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(old)
 
-res = {}
+res: dict[str, float] = {}
 for V in (512, 49152):
     logits = torch.randn(32, V) * 3
     for name, p in [

@@ -30,6 +30,7 @@ import random
 import statistics
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import torch
 
@@ -38,8 +39,37 @@ from server.engine.llm_engine import EngineConfig, LLMEngine
 from server.engine.sampler import Sampler
 from server.engine.sampling_params import SamplingParams
 
+if TYPE_CHECKING:  # imported where `--samplers old` asks for it
+    from bench.engine.sampler_before_radix import Sampler as OldSampler
+
+
+class BaseKw(TypedDict):
+    """The ``SamplingParams`` fields every variant shares."""
+
+    max_tokens: int
+    ignore_eos: bool
+
+
+class SamplingKw(TypedDict, total=False):
+    """The ``SamplingParams`` fields a variant sets."""
+
+    temperature: float
+    top_p: float
+    top_k: int
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+    logprobs: int
+
+
+class EngineSizes(TypedDict):
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+
+
 BIG = 1 << 30
-VARIANTS = {
+VARIANTS: dict[str, SamplingKw] = {
     "greedy": dict(temperature=0.0),
     "openai_default": dict(temperature=1.0, top_p=1.0),
     "server_default": dict(temperature=1.0, top_p=0.95),
@@ -50,8 +80,13 @@ VARIANTS = {
 }
 
 
-def make_samplers(names: list[str], eng: LLMEngine, batches: list[int]) -> dict:
-    out = {}
+def make_samplers(
+    names: list[str], eng: LLMEngine, batches: list[int]
+) -> tuple[dict[str, OldSampler | Sampler], dict[str, int]]:
+    """The samplers by name, and what each graph sampler's static buffers and graph workspace keep reserved
+    (MiB)."""
+    out: dict[str, OldSampler | Sampler] = {}
+    reserved_mib: dict[str, int] = {}
     for name in names:
         if name == "old":
             from bench.engine.sampler_before_radix import Sampler as OldSampler
@@ -72,10 +107,10 @@ def make_samplers(names: list[str], eng: LLMEngine, batches: list[int]) -> dict:
                 continue
             out[name] = Sampler(graphs, impl=impl)
             # what its static buffers and graph workspace keep reserved
-            out[name].reserved_mib = ((torch.cuda.memory_reserved(eng.device) - before) >> 20) if cuda else 0
+            reserved_mib[name] = ((torch.cuda.memory_reserved(eng.device) - before) >> 20) if cuda else 0
         else:
             raise SystemExit(f"--samplers: unknown sampler {name!r} (old, new, new-sort, graph, graph-sort)")
-    return out
+    return out, reserved_mib
 
 
 def sync(dev: torch.device) -> None:
@@ -83,8 +118,8 @@ def sync(dev: torch.device) -> None:
         torch.cuda.synchronize(dev)
 
 
-def build(args) -> LLMEngine:
-    cfg = dict(max_num_seqs=max(args.batches), max_num_batched_tokens=8192, max_model_len=args.context + 1024)
+def build(args: argparse.Namespace) -> LLMEngine:
+    cfg = EngineSizes(max_num_seqs=max(args.batches), max_num_batched_tokens=8192, max_model_len=args.context + 1024)
     if args.device == "cuda":
         eng = LLMEngine(
             EngineConfig(
@@ -99,15 +134,19 @@ def build(args) -> LLMEngine:
         )
         from server.engine.cuda_graph_runner import CudaGraphRunner
 
-        eng.runner.graph_runner = CudaGraphRunner(eng.runner, eng.max_model_len, batch_sizes=sorted(args.batches))
+        # ModelRunner declares graph_runner by its initial None (server/engine/model_runner.py)
+        runner = CudaGraphRunner(eng.runner, eng.max_model_len, batch_sizes=sorted(args.batches))
+        eng.runner.graph_runner = runner  # type: ignore[assignment]
         return eng
     return LLMEngine(EngineConfig(model=args.model, **cfg))
 
 
-def measure_batch(eng: LLMEngine, b: int, args, rng: random.Random, samplers: dict) -> dict:
+def measure_batch(
+    eng: LLMEngine, b: int, args: argparse.Namespace, rng: random.Random, samplers: dict[str, OldSampler | Sampler]
+) -> dict[str, Any]:
     dev, vocab = eng.device, eng.model_config.vocab_size
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
-    base = dict(max_tokens=BIG, ignore_eos=True)
+    base = BaseKw(max_tokens=BIG, ignore_eos=True)
     for i in range(b):
         prompt = [rng.randrange(3, vocab) for _ in range(args.context)]
         eng.add_request(f"b{b}-{i}", prompt, SamplingParams(**base, seed=i))
@@ -119,7 +158,7 @@ def measure_batch(eng: LLMEngine, b: int, args, rng: random.Random, samplers: di
     times: dict[tuple[str, str], list[float]] = {pair: [] for pair in pairs}
     for rnd in range(args.rounds + 1):  # interleaved rounds; the first warms up
         for sn, vn in pairs:
-            eng.sampler = samplers[sn]
+            eng.sampler = samplers[sn]  # type: ignore[assignment]  # the old sampler: the same sample() signature
             for s in seqs:
                 s.sampling_params = params[vn]
             for _ in range(args.steps):
@@ -137,7 +176,7 @@ def measure_batch(eng: LLMEngine, b: int, args, rng: random.Random, samplers: di
     for vn, p in params.items():
         hist = seqs if p.has_penalties else None  # their penalty counts cached on the device, as in the engine
         for sn, smp in samplers.items():
-            ts = []
+            ts: list[float] = []
             for k in range(args.steps * 2 + 3):
                 sync(dev)
                 t0 = clock()
@@ -198,7 +237,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
     eng = build(args)
-    res = {
+    res: dict[str, Any] = {
         "device": torch.cuda.get_device_name(0)
         if args.device == "cuda"
         else platform.processor() or platform.machine(),
@@ -211,9 +250,9 @@ def main() -> None:
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "runs": [],
     }
-    samplers = make_samplers(args.samplers, eng, args.batches)
+    samplers, reserved_mib = make_samplers(args.samplers, eng, args.batches)
     res["samplers"] = list(samplers)
-    res["graph_sampler_reserved_mib"] = {n: s.reserved_mib for n, s in samplers.items() if hasattr(s, "reserved_mib")}
+    res["graph_sampler_reserved_mib"] = reserved_mib
     res["setup_s"] = round(time.perf_counter() - t0, 1)
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=1))

@@ -22,6 +22,7 @@ import sys
 import time
 import zlib
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -29,10 +30,16 @@ from server.engine.attention import cpu_paged
 from server.engine.attention.base import AttentionMetadata
 from server.engine.attention.sdpa import SdpaBackend
 
+if TYPE_CHECKING:  # the engine is imported only where part 2 runs
+    from server.engine.llm_engine import LLMEngine
+
 H, HKV, D, BS = 4, 4, 64, 16  # the built-in tiny model; the engine's default block size
 
 
-def _layer_inputs(b: int, ctx: int, layers: int, seed: int):
+def _layer_inputs(
+    b: int, ctx: int, layers: int, seed: int
+) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """The query, ``layers`` KV caches, block tables, sequence lengths and the metadata of one decode step."""
     g = torch.Generator().manual_seed(seed)
     per_seq = -(-ctx // BS)
     nb = b * per_seq + 8
@@ -53,19 +60,19 @@ def _layer_inputs(b: int, ctx: int, layers: int, seed: int):
     return q, caches, tables, lens, meta
 
 
-def bench_kernel(batches, contexts, layers: int, repeats: int) -> list[dict]:
-    rows = []
+def bench_kernel(batches: list[int], contexts: list[int], layers: int, repeats: int) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
     scale = D**-0.5
     for ctx in contexts:
         for b in batches:
             q, caches, tables, lens, meta = _layer_inputs(b, ctx, layers, seed=b * 10_000 + ctx)
             out = torch.empty_like(q)
 
-            def sdpa():
+            def sdpa() -> None:
                 for c in caches:  # noqa: F821
                     SdpaBackend._decode(q, c, meta, scale, False)
 
-            def paged():
+            def paged() -> None:
                 for c in caches:  # noqa: F821
                     cpu_paged.paged_decode_attention(q, c, tables, lens, scale, BS, out=out)
 
@@ -77,8 +84,9 @@ def bench_kernel(batches, contexts, layers: int, repeats: int) -> list[dict]:
                 .abs()
                 .max()
             )
-            times = {"sdpa": [], "cpu_paged": []}
-            sdpa(), paged()  # warm-up
+            times: dict[str, list[float]] = {"sdpa": [], "cpu_paged": []}
+            sdpa()  # warm-up
+            paged()
             for r in range(repeats):
                 order = (("sdpa", sdpa), ("cpu_paged", paged))
                 for name, fn in order if r % 2 == 0 else order[::-1]:
@@ -102,22 +110,22 @@ def bench_kernel(batches, contexts, layers: int, repeats: int) -> list[dict]:
     return rows
 
 
-def _decode_tok_s(engine, b: int, context: int, steps: int, tag: str) -> float:
+def _decode_tok_s(engine: LLMEngine, b: int, context: int, steps: int, tag: str) -> float:
     from bench.engine.engine_cpu import decode_tok_s  # bench/engine/engine_cpu.py: the same method, one measurement
 
     return decode_tok_s(engine, b, context, steps, tag, offset=zlib.crc32(tag.encode()) % 97)
 
 
-def bench_engine(batches, context: int, steps: int, repeats: int) -> list[dict]:
+def bench_engine(batches: list[int], context: int, steps: int, repeats: int) -> list[dict[str, Any]]:
     from server.engine.llm_engine import EngineConfig, LLMEngine
 
     engines = {
         name: LLMEngine(EngineConfig(attention_backend=name, max_num_seqs=128, max_num_batched_tokens=8192))
         for name in ("sdpa", "cpu_paged")
     }
-    rows = []
+    rows: list[dict[str, Any]] = []
     for b in batches:
-        vals = {name: [] for name in engines}
+        vals: dict[str, list[float]] = {name: [] for name in engines}
         for name, eng in engines.items():  # warm-up
             _decode_tok_s(eng, b, context, steps, f"w{name}{b}")
         for r in range(repeats):
@@ -162,7 +170,7 @@ def main() -> None:
     if not ok:
         sys.exit(f"cpu_paged is not available: {cpu_paged.unavailable_reason()}")
     info = cpu_paged.build_info()
-    results = {
+    results: dict[str, Any] = {
         "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
         "torch": torch.__version__,
         "threads": args.threads,

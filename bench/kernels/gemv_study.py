@@ -58,6 +58,8 @@ import statistics
 import sys
 import time
 import traceback
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Literal, TypedDict, Unpack, overload
 
 from bench.lib.results import write_result
 
@@ -67,8 +69,8 @@ try:
     import torch
     import torch.nn.functional as F
 except Exception as e:  # pragma: no cover
-    torch = None
-    F = None
+    torch = None  # type: ignore[assignment]  # main() says so and exits
+    F = None  # type: ignore[assignment]
     _TORCH_ERR = repr(e)
 
 try:
@@ -113,6 +115,27 @@ HIDDEN, INTER = 4096, 11008
 NUM_SMS = 132
 L2_BYTES = 60 * 2**20
 READ_BW = 4.16e12  # measured read bandwidth of the H200 (B/s), for the floor
+
+
+class KernelCfg(TypedDict, total=False):
+    """A ``v2`` / ``tc`` config: tile (bn rows x bk columns), warps, and the options the kernels take."""
+
+    bn: int
+    bk: int
+    nw: int
+    pf: int  # v2: register prefetch of the next weight tile (default on)
+    ns: int  # pipeline stages through shared memory
+    split: int  # split-K programs per row tile
+    persist: int  # persistent grid: persist * SM count programs
+    evict: str  # the weight loads' eviction policy ("" = none)
+    l2pf: int  # PDL: lines of prefetch.global.L2 before gdc_wait()
+    trig: str  # PDL: "late" = gdc_launch_dependents() after the weight stream
+
+
+if TYPE_CHECKING:  # the chain's small kernels: rms_norm(x, weight, residual), silu_mul(gate_up), the attention copy
+    RmsFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+    UnaryFn = Callable[[torch.Tensor], torch.Tensor]
+    Smalls = tuple[RmsFn, UnaryFn, UnaryFn]
 
 # ----------------------------------------------------------------------------------------------------------
 # kernels
@@ -445,18 +468,18 @@ if HAS_TRITON:
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _cdiv(a, b):
+def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _next_pow2(n):
+def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-_WS: dict = {}
+_WS: dict[tuple[str, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def _workspace(device, numel, n_tiles):
+def _workspace(device: torch.device, numel: int, n_tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Split-K workspace (fp32 sums) and tickets; zero once, kept zero by the kernels themselves."""
     key = (str(device), numel, n_tiles)
     if key not in _WS:
@@ -467,12 +490,29 @@ def _workspace(device, numel, n_tiles):
     return _WS[key]
 
 
-def _split(K, bk, split_req):
+def _split(K: int, bk: int, split_req: int) -> tuple[int, int]:
+    """(K columns per split-K program, programs per row tile)."""
     k_per = _cdiv(_cdiv(K, max(1, split_req)), bk) * bk
     return k_per, _cdiv(K, k_per)
 
 
-def v2_launch(x, w, b, cfg, pdl=False, warmup=False):
+@overload
+def v2_launch(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    b: torch.Tensor | None,
+    cfg: KernelCfg,
+    pdl: bool = ...,
+    warmup: Literal[False] = ...,
+) -> torch.Tensor: ...
+@overload
+def v2_launch(
+    x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, cfg: KernelCfg, pdl: bool = ..., *, warmup: Literal[True]
+) -> None: ...
+def v2_launch(
+    x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, cfg: KernelCfg, pdl: bool = False, warmup: bool = False
+) -> torch.Tensor | None:
+    """y = x @ w.T (+ b) through the v2 kernel; with ``warmup`` only compiled (Triton's warmup), nothing run."""
     M, K = x.shape
     N = w.shape[0]
     bn, bk = cfg["bn"], cfg["bk"]
@@ -530,7 +570,23 @@ def v2_launch(x, w, b, cfg, pdl=False, warmup=False):
     return y
 
 
-def tc_launch(x, w, b, cfg, pdl=False, warmup=False):
+@overload
+def tc_launch(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    b: torch.Tensor | None,
+    cfg: KernelCfg,
+    pdl: bool = ...,
+    warmup: Literal[False] = ...,
+) -> torch.Tensor: ...
+@overload
+def tc_launch(
+    x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, cfg: KernelCfg, pdl: bool = ..., *, warmup: Literal[True]
+) -> None: ...
+def tc_launch(
+    x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, cfg: KernelCfg, pdl: bool = False, warmup: bool = False
+) -> torch.Tensor | None:
+    """y = x @ w.T (+ b) through the tensor-core kernel; with ``warmup`` only compiled, nothing run."""
     M, K = x.shape
     N = w.shape[0]
     bn, bk = cfg["bn"], cfg["bk"]
@@ -567,7 +623,18 @@ def tc_launch(x, w, b, cfg, pdl=False, warmup=False):
     return y
 
 
-def legacy_launch(x, w, b, cfg, warmup=False):
+@overload
+def legacy_launch(
+    x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, cfg: tuple[int, ...], warmup: Literal[False] = ...
+) -> torch.Tensor: ...
+@overload
+def legacy_launch(
+    x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, cfg: tuple[int, ...], *, warmup: Literal[True]
+) -> None: ...
+def legacy_launch(
+    x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, cfg: tuple[int, ...], warmup: bool = False
+) -> torch.Tensor | None:
+    """The engine's ``cuda_ops.gemv`` with one ``GEMV_CANDIDATES`` entry; with ``warmup`` only compiled."""
     from server.engine.ops import cuda_ops
 
     if not warmup:
@@ -599,18 +666,34 @@ def legacy_launch(x, w, b, cfg, warmup=False):
 class Variant:
     """One GEMV implementation + config. ``kind``: cublas | legacy | v2 | tc."""
 
-    def __init__(self, kind, cfg=None, name=None):
+    def __init__(self, kind: str, cfg: KernelCfg | tuple[int, ...] | None = None, name: str | None = None) -> None:
         self.kind, self.cfg = kind, cfg
         self.max_m = {"cublas": 1 << 30, "legacy": 1, "v2": 8, "tc": 16}[kind]
         self.pdl_ok = kind in ("v2", "tc")
         self.name = name or self._name()
 
-    def _name(self):
+    @property
+    def kernel_cfg(self) -> KernelCfg:
+        """The config of a v2 / tc variant."""
         c = self.cfg
+        if c is None or isinstance(c, tuple):
+            raise TypeError(f"a {self.kind} variant has no v2/tc config")
+        return c
+
+    @property
+    def legacy_cfg(self) -> tuple[int, ...]:
+        """The ``GEMV_CANDIDATES`` entry of a legacy variant."""
+        if not isinstance(self.cfg, tuple):
+            raise TypeError(f"a {self.kind} variant has no GEMV_CANDIDATES entry")
+        return self.cfg
+
+    def _name(self) -> str:
         if self.kind == "cublas":
             return "cublas"
         if self.kind == "legacy":
-            return "legacy_bn{}_bk{}_w{}".format(*c[:3]) + (f"_ns{c[3]}" if len(c) > 3 and c[3] > 1 else "")
+            lc = self.legacy_cfg
+            return "legacy_bn{}_bk{}_w{}".format(*lc[:3]) + (f"_ns{lc[3]}" if len(lc) > 3 and lc[3] > 1 else "")
+        c = self.kernel_cfg
         s = f"{self.kind}_bn{c['bn']}_bk{c['bk']}_w{c['nw']}"
         if self.kind == "v2":
             s += "_pf" if c.get("pf", 1) else ""
@@ -624,34 +707,36 @@ class Variant:
             s += "_evnone"
         return s
 
-    def __call__(self, x, w, b=None, pdl=False):
+    def __call__(
+        self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, pdl: bool = False
+    ) -> torch.Tensor:
         if self.kind == "cublas":
             return F.linear(x, w, b)
         if self.kind == "legacy":
-            return legacy_launch(x, w, b, self.cfg)
+            return legacy_launch(x, w, b, self.legacy_cfg)
         if self.kind == "v2":
-            return v2_launch(x, w, b, self.cfg, pdl=pdl)
-        return tc_launch(x, w, b, self.cfg, pdl=pdl)
+            return v2_launch(x, w, b, self.kernel_cfg, pdl=pdl)
+        return tc_launch(x, w, b, self.kernel_cfg, pdl=pdl)
 
-    def warmup(self, x, w, b=None, pdl=False):
+    def warmup(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, pdl: bool = False) -> None:
         if self.kind == "legacy":
-            legacy_launch(x, w, b, self.cfg, warmup=True)
+            legacy_launch(x, w, b, self.legacy_cfg, warmup=True)
         elif self.kind == "v2":
-            v2_launch(x, w, b, self.cfg, pdl=pdl, warmup=True)
+            v2_launch(x, w, b, self.kernel_cfg, pdl=pdl, warmup=True)
         elif self.kind == "tc":
-            tc_launch(x, w, b, self.cfg, pdl=pdl, warmup=True)
+            tc_launch(x, w, b, self.kernel_cfg, pdl=pdl, warmup=True)
 
-    def applies(self, M):
+    def applies(self, M: int) -> bool:
         return M <= self.max_m
 
 
-def build_variants(quick):
+def build_variants(quick: bool) -> tuple[list[Variant], list[Variant]]:
     """M=1 variants and the (few) batched ones."""
     from server.engine.ops.cuda_ops import GEMV_CANDIDATES
 
     vs = [Variant("cublas")]
     vs += [Variant("legacy", tuple(c)) for c in (GEMV_CANDIDATES[:3] if quick else GEMV_CANDIDATES)]
-    v2 = [  # register-prefetch, evict_first
+    v2: list[KernelCfg] = [  # register-prefetch, evict_first
         dict(bn=1, bk=2048, nw=4),
         dict(bn=2, bk=1024, nw=4),
         dict(bn=4, bk=512, nw=4),
@@ -690,7 +775,7 @@ def build_variants(quick):
         # evict_first off (to see what the hint buys)
         dict(bn=4, bk=1024, nw=4, evict=""),
     ]
-    tc = [
+    tc: list[KernelCfg] = [
         dict(bn=64, bk=128, nw=4, ns=4),
         dict(bn=64, bk=128, nw=4, ns=4, split=2),
         dict(bn=64, bk=128, nw=4, ns=4, split=4),
@@ -733,14 +818,14 @@ def build_variants(quick):
 # ----------------------------------------------------------------------------------------------------------
 
 
-def rel_err(y, ref):
+def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
     y = y.float()
     if not torch.isfinite(y).all():
         return float("inf")
     return ((y - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
-def checked_call(v, x, w, b=None):
+def checked_call(v: Variant, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     """v(x, w, b) with the allocator's free block of the output's size poisoned with NaN first, so a
     kernel that leaves part of its output unwritten cannot pass on a stale correct result."""
     n = w.shape[0]
@@ -750,17 +835,17 @@ def checked_call(v, x, w, b=None):
     return y
 
 
-def short_err(e):
+def short_err(e: BaseException) -> str:
     s = f"{type(e).__name__}: {e}"
     s = " ".join(s.split())
     return s[:400]
 
 
 class Timer:
-    def __init__(self, device, flush_mb=256):
+    def __init__(self, device: torch.device, flush_mb: int = 256) -> None:
         self.flush_buf = torch.empty(flush_mb * 2**20 // 4, dtype=torch.int32, device=device)
 
-    def graph(self, fn, n_inner, reps, flush=True):
+    def graph(self, fn: Callable[[int], object], n_inner: int, reps: int, flush: bool = True) -> tuple[float, float]:
         """Capture fn(0..n_inner-1) in one CUDA graph; median / min microseconds per inner call."""
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
@@ -789,12 +874,14 @@ class Timer:
         return statistics.median(ts), ts[0]
 
 
-def precompile(items, threads):
+def precompile(
+    items: Sequence[tuple[Variant, torch.Tensor, torch.Tensor, torch.Tensor | None, bool]], threads: int
+) -> tuple[float, dict[str, str]]:
     """Compile (variant, x, w, b, pdl) combos in parallel threads (Triton's AsyncCompileMode)."""
     from concurrent.futures import ThreadPoolExecutor
 
     t0 = time.time()
-    errs = {}
+    errs: dict[str, str] = {}
     if threads <= 1 or not hasattr(triton, "AsyncCompileMode"):
         return 0.0, errs
     try:
@@ -814,13 +901,15 @@ def precompile(items, threads):
 # ----------------------------------------------------------------------------------------------------------
 
 
-def check_odd(variants_m1, variants_b, dev, res):
+def check_odd(
+    variants_m1: list[Variant], variants_b: list[Variant], dev: torch.device, res: dict[str, Any]
+) -> set[str]:
     """Odd shape 1000x4096 + bias (M=1), and M=3 for the batched kinds."""
     g = torch.Generator(device=dev).manual_seed(7)
     n, k = 1000, 4096
     w = (0.02 * torch.randn(n, k, generator=g, device=dev)).bfloat16()
     b = torch.randn(n, generator=g, device=dev).bfloat16()
-    out = {}
+    out: dict[str, dict[str, Any]] = {}
     for m, vs in ((1, variants_m1), (3, variants_b)):
         x = torch.randn(m, k, generator=g, device=dev).bfloat16()
         ref = F.linear(x.float(), w.float(), b.float())
@@ -837,11 +926,23 @@ def check_odd(variants_m1, variants_b, dev, res):
     return {k for k, r in out.items() if r.get("ok")}
 
 
-def study_shape(name, n, k, variants_m1, variants_b, ms, timer, args, res, deadline, odd_ok):
+def study_shape(
+    name: str,
+    n: int,
+    k: int,
+    variants_m1: list[Variant],
+    variants_b: list[Variant],
+    ms: list[int],
+    timer: Timer,
+    args: argparse.Namespace,
+    res: dict[str, Any],
+    deadline: float,
+    odd_ok: set[str],
+) -> None:
     dev = torch.device("cuda")
     nbytes = n * k * 2
     ncopies = max(2, math.ceil(4 * L2_BYTES / nbytes))
-    ent = {"N": n, "K": k, "weight_bytes": nbytes, "copies": ncopies, "M": {}}
+    ent: dict[str, Any] = {"N": n, "K": k, "weight_bytes": nbytes, "copies": ncopies, "M": {}}
     res["shapes"][name] = ent
     W = torch.empty(ncopies, n, k, dtype=torch.bfloat16, device=dev).uniform_(-0.03, 0.03)
     g = torch.Generator(device=dev).manual_seed(n + k)
@@ -854,7 +955,7 @@ def study_shape(name, n, k, variants_m1, variants_b, ms, timer, args, res, deadl
         tc_s, cerr = precompile(
             [(v, x, W[0], None, False) for v in vs if v.applies(m) and v.kind != "cublas"], args.compile_threads
         )
-        rows = {}
+        rows: dict[str, dict[str, Any]] = {}
         ent["M"][str(m)] = {"results": rows, "precompile_s": round(tc_s, 2)}
         for v in vs:
             if not v.applies(m):
@@ -891,11 +992,12 @@ def study_shape(name, n, k, variants_m1, variants_b, ms, timer, args, res, deadl
             pd = {vn: r for vn, r in tri.items() if vn.startswith(("v2_", "tc_"))}
             ent["M"][str(m)]["best_pdl_capable"] = min(pd, key=lambda vn: pd[vn]["us"]) if pd else None
         torch.cuda.synchronize()
-    W = None  # free the copies (closures above are done with them)
+    # free the copies before empty_cache (closures above are done with them; `del` would leave them unbound)
+    W = None  # type: ignore[assignment]
     torch.cuda.empty_cache()
 
 
-def copy_bandwidth(dev):
+def copy_bandwidth(dev: torch.device) -> float:
     a = torch.empty(2**30 // 2, dtype=torch.bfloat16, device=dev).fill_(1)
     b = torch.empty_like(a)
     for _ in range(3):
@@ -912,7 +1014,9 @@ def copy_bandwidth(dev):
     return 2 * 2**30 / t / 1e12  # TB/s, read + write
 
 
-def run_chain(res, variants_by_name, timer, args):
+def run_chain(
+    res: dict[str, Any], variants_by_name: dict[str, Variant], timer: Timer, args: argparse.Namespace
+) -> None:
     from server.engine.ops import cuda_ops
 
     dev = torch.device("cuda")
@@ -936,43 +1040,45 @@ def run_chain(res, variants_by_name, timer, args):
         "runs": {},
     }
 
-    def rms_ops(x, w, residual):
+    def rms_ops(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         return cuda_ops.rms_norm(x, w, eps, residual=residual)
 
-    def silu_ops(gu):
+    def silu_ops(gu: torch.Tensor) -> torch.Tensor:
         return cuda_ops.silu_mul(gu)
 
-    def copy_ops(qkv):
+    def copy_ops(qkv: torch.Tensor) -> torch.Tensor:
         a = torch.empty(1, H, dtype=qkv.dtype, device=qkv.device)
         a.copy_(qkv[:, :H])
         return a
 
-    def small_local(pdl):
+    def small_local(pdl: bool) -> Smalls:
         kw = {"launch_pdl": True} if pdl else {}
 
-        def rms(x, w, residual):
+        def rms(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
             out = torch.empty_like(x)
             _rms_norm_pdl_kernel[(1,)](
                 x, residual, w, out, H, eps, HAS_RESIDUAL=True, BLOCK=H, USE_PDL=pdl, num_warps=8, **kw
             )
             return out
 
-        def silu(gu):
+        def silu(gu: torch.Tensor) -> torch.Tensor:
             out = torch.empty(1, I, dtype=gu.dtype, device=gu.device)
             _silu_mul_pdl_kernel[(_cdiv(I, 1024),)](gu, out, I, BLOCK=1024, USE_PDL=pdl, num_warps=4, **kw)
             return out
 
-        def copy(qkv):
+        def copy(qkv: torch.Tensor) -> torch.Tensor:
             a = torch.empty(1, H, dtype=qkv.dtype, device=qkv.device)
             _copy_pdl_kernel[(_cdiv(H, 1024),)](qkv, a, H, BLOCK=1024, USE_PDL=pdl, num_warps=4, **kw)
             return a
 
         return rms, silu, copy
 
-    def make_chain(gem, smalls, pdl, gemv_on=True):
+    def make_chain(
+        gem: dict[str, Variant], smalls: Smalls, pdl: bool, gemv_on: bool = True
+    ) -> Callable[[], torch.Tensor]:
         rms, silu, copy = smalls
 
-        def chain():
+        def chain() -> torch.Tensor:
             x = x0
             for l in range(L):
                 h = rms(x, ln[l, 0], res_buf)
@@ -991,11 +1097,12 @@ def run_chain(res, variants_by_name, timer, args):
 
         return chain
 
-    captured = {}
+    captured: dict[str, torch.cuda.CUDAGraph] = {}
 
-    def time_chain(label, chain, desc):
+    def time_chain(label: str, chain: Callable[[], torch.Tensor], desc: dict[str, str] | str) -> torch.Tensor | None:
         """Eager run (numeric check, warm-up), then capture; timing happens interleaved below."""
-        r = ch["runs"][label] = {"gemv": desc}
+        r: dict[str, Any] = {"gemv": desc}
+        ch["runs"][label] = r
         try:
             res_buf.zero_()
             y = chain().float()
@@ -1019,11 +1126,13 @@ def run_chain(res, variants_by_name, timer, args):
             r["trace"] = traceback.format_exc()[-1500:]
             return None
 
-    def resolve(names):
+    def resolve(names: dict[str, str]) -> dict[str, Variant]:
         return {s: variants_by_name[n] for s, n in names.items()}
 
-    def with_cfg(names, **extra):
-        return {s: Variant(variants_by_name[n].kind, {**variants_by_name[n].cfg, **extra}) for s, n in names.items()}
+    def with_cfg(names: dict[str, str], **extra: Unpack[KernelCfg]) -> dict[str, Variant]:
+        return {
+            s: Variant(variants_by_name[n].kind, {**variants_by_name[n].kernel_cfg, **extra}) for s, n in names.items()
+        }
 
     shapes = ("qkv", "o_proj", "gate_up", "down")
     ks = {"qkv": HIDDEN, "o_proj": HIDDEN, "gate_up": HIDDEN, "down": INTER}
@@ -1033,14 +1142,14 @@ def run_chain(res, variants_by_name, timer, args):
     best_tri = {s: m1[s].get("best_triton") for s in shapes}
     best_any = {s: m1[s].get("best") for s in shapes}
     best_pdl = {s: m1[s].get("best_pdl_capable") for s in shapes}
-    best_leg = {}
+    best_leg: dict[str, str | None] = {}
     for s in shapes:
         leg = {
             vn: r["us"]
             for vn, r in m1[s].get("results", {}).items()
             if vn.startswith("legacy") and "us" in r and not r.get("odd_shape_failed")
         }
-        best_leg[s] = min(leg, key=leg.get) if leg else None
+        best_leg[s] = min(leg, key=lambda vn: leg[vn]) if leg else None
     # a fixed set (the H200 winners of an earlier run), so that PDL on/off compare the same kernels every run
     fixed = {
         "qkv": "v2_bn16_bk256_w4_ns3",
@@ -1051,13 +1160,14 @@ def run_chain(res, variants_by_name, timer, args):
 
     y_ref = time_chain("cublas", make_chain(resolve(cub), ops_smalls, False), cub)
     time_chain("small_kernels_only", make_chain(resolve(cub), ops_smalls, False, gemv_on=False), "none")
-    outs = {}
+    outs: dict[str, torch.Tensor | None] = {}
     if all(best_tri.values()):
         outs["triton_best"] = time_chain("triton_best", make_chain(resolve(best_tri), ops_smalls, False), best_tri)
     if all(best_any.values()) and best_any != best_tri and best_any != cub:
         outs["best_any"] = time_chain("best_any", make_chain(resolve(best_any), ops_smalls, False), best_any)
     if all(best_leg.values()) and best_leg != best_tri:
-        outs["legacy_best"] = time_chain("legacy_best", make_chain(resolve(best_leg), ops_smalls, False), best_leg)
+        leg_names = {s: n for s, n in best_leg.items() if n}  # every shape's (checked above)
+        outs["legacy_best"] = time_chain("legacy_best", make_chain(resolve(leg_names), ops_smalls, False), leg_names)
     pdl_sets = [("new", best_pdl)]
     if all(n in variants_by_name for n in fixed.values()) and fixed != best_pdl:
         pdl_sets.append(("fixed", fixed))
@@ -1072,19 +1182,21 @@ def run_chain(res, variants_by_name, timer, args):
             continue
         if args.no_pdl:
             continue
-        runs = [
+        runs: list[tuple[str, dict[str, Variant], dict[str, str]]] = [
             (f"{tag}_pdl", resolve(names), names),
             (f"{tag}_pdl_late", with_cfg(names, trig="late"), {s: n + "+trig_late" for s, n in names.items()}),
         ]
         if tag == "new":
             # + prefetch.global.L2 of up to 32 KB of each program's weights before gdc_wait()
-            gem, desc = {}, {}
+            gem: dict[str, Variant] = {}
+            desc: dict[str, str] = {}
             for s_, vn in names.items():
                 v = variants_by_name[vn]
-                k_per, _ = _split(ks[s_], v.cfg["bk"], v.cfg.get("split", 1))
-                cap = max(1, 32 * 1024 // (v.cfg["bn"] * 128))
+                vc = v.kernel_cfg
+                k_per, _ = _split(ks[s_], vc["bk"], vc.get("split", 1))
+                cap = max(1, 32 * 1024 // (vc["bn"] * 128))
                 lines = max(1, min(_next_pow2(_cdiv(k_per, 64)), 1 << (cap.bit_length() - 1)))
-                gem[s_] = Variant(v.kind, {**v.cfg, "l2pf": lines})
+                gem[s_] = Variant(v.kind, {**vc, "l2pf": lines})
                 desc[s_] = f"{vn}+l2pf{lines}"
             runs.append((f"{tag}_pdl_l2pf32k", gem, desc))
         for lab, gem, desc in runs:
@@ -1097,8 +1209,8 @@ def run_chain(res, variants_by_name, timer, args):
                 ch["runs"][k_]["rel_vs_cublas"] = rel_err(y, y_ref)
     # timing: the captured graphs replayed round-robin (drift and clocks hit every variant alike)
     rounds, per = (3, 3) if args.quick else (5, 4)
-    times = {lab: [] for lab in captured}
-    rmeds = {lab: [] for lab in captured}
+    times: dict[str, list[float]] = {lab: [] for lab in captured}
+    rmeds: dict[str, list[float]] = {lab: [] for lab in captured}
     for _ in range(rounds):
         for lab, g in captured.items():
             ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(per)]
@@ -1120,11 +1232,11 @@ def run_chain(res, variants_by_name, timer, args):
             us_per_layer=round(med / L, 2),
         )
     captured.clear()
-    Wqkv = Wo = Wgu = Wd = None  # free 12.9 GB
+    Wqkv = Wo = Wgu = Wd = None  # type: ignore[assignment]  # free 12.9 GB before empty_cache
     torch.cuda.empty_cache()
 
 
-def summarize(res):
+def summarize(res: dict[str, Any]) -> str:
     lines = [
         f"device {res.get('device')}  torch {res.get('torch')}  triton {res.get('triton')}  "
         f"copy {res.get('copy_TBps_rw')} TB/s (r+w)"
@@ -1162,7 +1274,7 @@ def summarize(res):
     return "\n".join(lines)
 
 
-def selftest():
+def selftest() -> int:
     """Tiny shapes through the new kernels (CPU, TRITON_INTERPRET=1, or a GPU)."""
     global NUM_SMS
     if INTERPRET:  # numpy >= 2 refuses int() of the interpreter's 1-element program_id arrays in range()
@@ -1170,7 +1282,7 @@ def selftest():
 
         _orig = _itp._patch_lang_tensor
 
-        def _patched(tensor, scope):
+        def _patched(tensor: object, scope: Any) -> None:  # Triton's interpreter internals (untyped)
             _orig(tensor, scope)
             scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
 
@@ -1180,24 +1292,24 @@ def selftest():
     NUM_SMS = 2 if dev == "cpu" else NUM_SMS
     g = torch.Generator().manual_seed(0)
     fails = 0
-    cases = []
+    cases: list[tuple[int, int, int, bool]] = []
     for n, k in ((37, 128), (64, 96), (48, 256)):
         for m in (1, 3):
             for bias in (False, True):
                 cases.append((n, k, m, bias))
-    v2cfgs = [
+    v2cfgs: list[KernelCfg] = [
         dict(bn=4, bk=32, nw=4),
         dict(bn=4, bk=32, nw=4, pf=0, ns=2),
         dict(bn=8, bk=64, nw=4, split=3),
         dict(bn=4, bk=32, nw=4, persist=2),
         dict(bn=2, bk=32, nw=4, split=2, persist=1),
     ]
-    tccfgs = [dict(bn=16, bk=32, nw=4, ns=2), dict(bn=16, bk=32, nw=4, ns=2, split=3)]
+    tccfgs: list[KernelCfg] = [dict(bn=16, bk=32, nw=4, ns=2), dict(bn=16, bk=32, nw=4, ns=2, split=3)]
     for n, k, m, bias in cases:
         w = (0.05 * torch.randn(n, k, generator=g)).to(dt).to(dev)
         x = torch.randn(m, k, generator=g).to(dt).to(dev)
         b = torch.randn(n, generator=g).to(dt).to(dev) if bias else None
-        ref = F.linear(x.float(), w.float(), b.float() if bias else None)
+        ref = F.linear(x.float(), w.float(), b.float() if b is not None else None)  # b is None iff not bias
         for kind, cfgs in (("v2", v2cfgs), ("tc", tccfgs)):
             for c in cfgs:
                 v = Variant(kind, c)
@@ -1214,7 +1326,7 @@ def selftest():
     return fails
 
 
-def main(argv=None):
+def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if torch is None:
         print("gemv_study: torch is not importable:", _TORCH_ERR)
@@ -1239,7 +1351,7 @@ def main(argv=None):
     props = torch.cuda.get_device_properties(dev)
     NUM_SMS = props.multi_processor_count
     L2_BYTES = max(L2_BYTES, getattr(props, "L2_cache_size", 0) or 0)
-    res = {
+    res: dict[str, Any] = {
         "device": props.name,
         "sms": NUM_SMS,
         "l2_bytes": L2_BYTES,
@@ -1253,7 +1365,7 @@ def main(argv=None):
     }
     out_path = args.out
 
-    def dump():
+    def dump() -> None:
         if out_path:
             write_result(out_path, res)
 
@@ -1315,7 +1427,7 @@ def main(argv=None):
     return 0
 
 
-def parse_args(argv=None):
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=None, help="JSON file for all results")
     p.add_argument("--quick", action="store_true", help="fewer configs and repetitions (< 1 min)")

@@ -27,13 +27,14 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from server.engine.block_manager import BlockManager
 from server.kv_transfer import KVHandle, KVPuller, KVStagingServer
 from server.kv_transfer.by_reference import BlockSource, KVLessee, KVLessor, RefHandle, hand_off
-from server.kv_transfer.kv_arena import ArenaLayout, ArenaOwner
+from server.kv_transfer.kv_arena import ArenaLayout, ArenaMapping, ArenaOwner
 
 TOKEN = "b" * 32
 BS = 16
@@ -61,7 +62,7 @@ def sync(device: str) -> None:
 
 
 # ---------------------------------------------------------------- children
-async def child_lessee(args) -> None:
+async def child_lessee(args: argparse.Namespace) -> None:
     lay = ArenaLayout.from_dict(json.loads(args.layout))
     le = KVLessee(TOKEN, lay, torch.device(args.device), timeout_s=30.0)
     t0 = time.perf_counter()
@@ -72,11 +73,17 @@ async def child_lessee(args) -> None:
         kv = kv_tensor(lay, n, args.device)
         sync(args.device)
         for r in range(args.repeats + 1):  # the first is a warm-up
-            times: dict = {}
+            times: dict[str, float] = {}
 
-            async def write(mapping, ids, kv=kv, times=times):
+            async def write(
+                mapping: ArenaMapping, ids: list[int], kv: torch.Tensor = kv, times: dict[str, float] = times
+            ) -> None:
+                def write_now() -> None:
+                    mapping.write(ids, kv)
+                    sync(args.device)
+
                 t = time.perf_counter()
-                await asyncio.to_thread(lambda: (mapping.write(ids, kv), sync(args.device)))
+                await asyncio.to_thread(write_now)
                 times["write_ms"] = (time.perf_counter() - t) * 1e3
 
             t = time.perf_counter()
@@ -88,10 +95,10 @@ async def child_lessee(args) -> None:
     await le.close()
 
 
-def child_puller(args) -> None:
+def child_puller(args: argparse.Namespace) -> None:
     dev = torch.device(args.device)
     puller = KVPuller(cuda_device=dev if args.device != "cpu" else None)
-    cache = None
+    cache: torch.Tensor | None = None
     for raw in sys.stdin:
         d = json.loads(raw)
         if d.get("stop"):
@@ -100,10 +107,11 @@ def child_puller(args) -> None:
         t = time.perf_counter()
         res = puller.pull(handle, 60.0)
         pull_ms = (time.perf_counter() - t) * 1e3
-        if not res.ok:
+        tensor = res.tensor
+        if not res.ok or tensor is None:  # a successful pull carries its tensor
             print(json.dumps({"error": res.error}), flush=True)
             continue
-        kv = res.tensor.to(dev)
+        kv = tensor.to(dev)
         n = kv.shape[2]
         if cache is None or cache.shape[2] < n:
             cache = torch.zeros((kv.shape[0], 2, n + 64, *kv.shape[3:]), dtype=kv.dtype, device=dev)
@@ -123,17 +131,17 @@ def med(xs: list[float]) -> float | None:
     return round(statistics.median(xs), 4) if xs else None
 
 
-async def by_reference(args, out: dict) -> None:
+async def by_reference(args: argparse.Namespace, out: dict[str, Any]) -> None:
     dev = torch.device(args.device)
     biggest = max(tokens_for(m, layout(args.device, 1)) for m in args.sizes)
     lay = layout(args.device, 2 * biggest + 2 * BS)
     owner = ArenaOwner(lay, dev)
     bm = BlockManager(lay.num_blocks, lay.block_size)
 
-    async def take(n):
+    async def take(n: int) -> list[int] | None:
         return bm.take_blocks(n)
 
-    async def give_back(blocks):
+    async def give_back(blocks: list[int]) -> None:
         bm.give_back(blocks)
 
     lessor = KVLessor("127.0.0.1", TOKEN, owner.description, BlockSource(take, give_back))
@@ -158,11 +166,11 @@ async def by_reference(args, out: dict) -> None:
         stdout=asyncio.subprocess.PIPE,
     )
     assert child.stdout is not None and child.stdin is not None
-    res: dict = {"arena_gib": round(lay.nbytes / 2**30, 2), "sizes": {}}
+    res: dict[str, Any] = {"arena_gib": round(lay.nbytes / 2**30, 2), "sizes": {}}
     out["by_reference"] = res
     first = json.loads(await child.stdout.readline())
     res["map_ms"] = round(first["map_ms"], 2)
-    rows: dict = {}
+    rows: dict[float, list[dict[str, Any]]] = {}
     for _ in range(len(args.sizes) * (args.repeats + 1)):
         line = json.loads(await child.stdout.readline())
         handle = RefHandle.from_dict(line.pop("handle"))
@@ -186,7 +194,7 @@ async def by_reference(args, out: dict) -> None:
     owner.close()
 
 
-def by_copy(args, out: dict) -> None:
+def by_copy(args: argparse.Namespace, out: dict[str, Any]) -> None:
     import subprocess
 
     lay = layout(args.device, 1)
@@ -204,11 +212,11 @@ def by_copy(args, out: dict) -> None:
         text=True,
     )
     assert child.stdin is not None and child.stdout is not None
-    res: dict = {"transport": "cuda_ipc" if on_cuda else "shm", "sizes": {}}
+    res: dict[str, Any] = {"transport": "cuda_ipc" if on_cuda else "shm", "sizes": {}}
     out["by_copy"] = res
     for mib in args.sizes:
         kv = kv_tensor(lay, tokens_for(mib, lay), args.device)
-        rows = []
+        rows: list[dict[str, Any]] = []
         for r in range(args.repeats + 1):
             sync(args.device)
             t = time.perf_counter()
@@ -248,7 +256,7 @@ def main() -> int:
     if args.child == "puller":
         child_puller(args)
         return 0
-    out: dict = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "device": args.device, "args": vars(args)}
+    out: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "device": args.device, "args": vars(args)}
     if args.device != "cpu":
         out["gpu"] = torch.cuda.get_device_name(torch.device(args.device))
     for name, fn in (

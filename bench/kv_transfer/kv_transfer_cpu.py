@@ -33,6 +33,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -85,7 +86,7 @@ def memcpy_s(nbytes: int, repeats: int, fresh: bool) -> list[float]:
     src = torch.randn(kv_shape(nbytes))
     dst = torch.empty_like(src)
     dst.copy_(src)
-    out = []
+    out: list[float] = []
     for _ in range(repeats):
         start = time.perf_counter()
         if fresh:
@@ -103,7 +104,7 @@ def default_repeats(nbytes: int) -> int:
     return max(5, min(40, (512 * MiB) // max(nbytes, 1) // 8 * 5))
 
 
-def run(sizes_mib: list[float], repeats_arg: int | None) -> dict:
+def run(sizes_mib: list[float], repeats_arg: int | None) -> dict[str, Any]:
     child = subprocess.Popen(
         [sys.executable, "-m", "bench.kv_transfer.kv_transfer_cpu", "--role", "sender"],
         cwd=REPO,
@@ -111,27 +112,30 @@ def run(sizes_mib: list[float], repeats_arg: int | None) -> dict:
         stdout=subprocess.PIPE,
         text=True,
     )
+    stdin, stdout = child.stdin, child.stdout
+    assert stdin is not None and stdout is not None  # both PIPE above
     try:
-        assert json.loads(child.stdout.readline())["ready"]
-        puller, seq, rows = KVPuller(), 0, []
+        assert json.loads(stdout.readline())["ready"]
+        puller, seq = KVPuller(), 0
+        rows: list[dict[str, Any]] = []
 
         def stage(nbytes: int, transport: str, checksum: bool) -> tuple[KVHandle, float]:
             nonlocal seq
             seq += 1
-            child.stdin.write(
+            stdin.write(
                 json.dumps(
                     {"op": "stage", "rid": f"b{seq}", "nbytes": nbytes, "transport": transport, "checksum": checksum}
                 )
                 + "\n"
             )
-            child.stdin.flush()
-            reply = json.loads(child.stdout.readline())
+            stdin.flush()
+            reply = json.loads(stdout.readline())
             return KVHandle.from_dict(reply["handle"]), reply["stage_s"]
 
         for size in sizes_mib:
             nbytes = int(size * MiB)
             repeats = repeats_arg or default_repeats(nbytes)
-            row = {
+            row: dict[str, Any] = {
                 "size_mib": size,
                 "nbytes": nbytes,
                 "repeats": repeats,
@@ -140,16 +144,21 @@ def run(sizes_mib: list[float], repeats_arg: int | None) -> dict:
             }
             out = torch.empty(kv_shape(nbytes))
             for transport, checksum, reuse_out in VARIANTS:
-                pulls, stages, phases = [], [], []
+                pulls: list[float] = []
+                stages: list[float] = []
+                phases: list[dict[str, Any]] = []
                 for i in range(repeats + 1):  # the first one warms up
                     handle, stage_s = stage(nbytes, transport, checksum)
                     result = puller.pull(handle, timeout_s=120, out=out if reuse_out else None)
                     if not result.ok:
                         raise RuntimeError(f"pull failed: {result.error}")
+                    timings = puller.last_timings
+                    if timings is None:
+                        raise RuntimeError("a successful pull left no timings")
                     if i:
                         pulls.append(result.seconds)
                         stages.append(stage_s)
-                        phases.append(puller.last_timings)
+                        phases.append(timings)
                     del result
                 key = variant_key(transport, checksum, reuse_out)
                 row[f"{key}_pull_s"], row[f"{key}_stage_s"] = pulls, stages
@@ -160,8 +169,8 @@ def run(sizes_mib: list[float], repeats_arg: int | None) -> dict:
             del out
             rows.append(row)
             print_row(row)
-        child.stdin.write(json.dumps({"op": "quit"}) + "\n")
-        child.stdin.flush()
+        stdin.write(json.dumps({"op": "quit"}) + "\n")
+        stdin.flush()
         child.wait(timeout=30)
         puller.close()
     finally:
@@ -183,7 +192,7 @@ def run(sizes_mib: list[float], repeats_arg: int | None) -> dict:
 HEADER = " | ".join([f"{'size':>9}", *COLUMNS, "shm stage ms"])
 
 
-def print_row(row: dict) -> None:
+def print_row(row: dict[str, Any]) -> None:
     n = row["nbytes"]
     keys = ["memcpy_warm_s", "memcpy_fresh_s", *(variant_key(*v) + "_pull_s" for v in VARIANTS)]
     cells = [f"{gbps(n, row[k]):>{len(c)}.2f}" for k, c in zip(keys, COLUMNS)]

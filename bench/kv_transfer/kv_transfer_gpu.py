@@ -36,6 +36,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -122,7 +123,7 @@ def main() -> int:
 
     from server.kv_transfer import KVStagingServer
 
-    res: dict = {
+    res: dict[str, Any] = {
         "shape": SHAPE,
         "dtype": "bfloat16",
         "src": args.src,
@@ -137,7 +138,7 @@ def main() -> int:
         "errors": {},
     }
 
-    def save():
+    def save() -> None:
         write_result(out_path, res)
 
     kv = (torch.randn(SHAPE, device=args.src, dtype=torch.float32) * 0.5).to(torch.bfloat16)
@@ -153,11 +154,13 @@ def main() -> int:
         env=env,
         cwd=REPO,
     )
+    stdin, stdout = child.stdin, child.stdout
+    assert stdin is not None and stdout is not None  # both PIPE above
 
-    def ask(req: dict) -> dict:
-        child.stdin.write(json.dumps(req) + "\n")
-        child.stdin.flush()
-        line = child.stdout.readline()
+    def ask(req: dict[str, Any]) -> dict[str, Any]:
+        stdin.write(json.dumps(req) + "\n")
+        stdin.flush()
+        line = stdout.readline()
         if not line:
             raise RuntimeError(f"receiver died (exit {child.poll()})")
         return json.loads(line)
@@ -184,7 +187,10 @@ def main() -> int:
             ("own_export", 0, False),
         ):
             with KVStagingServer(cuda_ipc_pool_bytes=pool_bytes, default_lease_ms=60_000) as srv:
-                times, stage_s, phases, ok = [], [], [], True
+                times: list[float] = []
+                stage_s: list[float] = []
+                phases: list[dict[str, Any]] = []
+                ok = True
                 for i in range(args.repeats):
                     payload = kv if pool_bytes else kv.clone()  # an own export hands its tensor over
                     torch.cuda.synchronize()
@@ -241,7 +247,7 @@ def main() -> int:
             with KVStagingServer(cuda_ipc_pool_bytes=(n + 1) * nbytes, default_lease_ms=60_000) as srv:
                 warm = srv.stage(f"{label}-warm", kv, transport="cuda_ipc")
                 ask({"op": "pull_many", "handles": [warm.to_dict()], "threads": threads})
-                rounds = []
+                rounds: list[dict[str, Any]] = []
                 for rnd in range(3):
                     hs = [srv.stage(f"{label}-{rnd}-{i}", kv, transport="cuda_ipc").to_dict() for i in range(n)]
                     torch.cuda.synchronize()
@@ -274,7 +280,7 @@ def main() -> int:
         print(res["errors"]["run"], flush=True)
     finally:
         try:
-            child.stdin.close()
+            stdin.close()
             child.wait(30)
         except Exception:
             child.kill()

@@ -28,12 +28,26 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any, NotRequired, TypedDict
 
 import yaml
 
 from bench.lib.results import write_result
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+class SentRequest(TypedDict):
+    """One request the drill sent: its phase, the pool that served it (the router's header), and what came back."""
+
+    i: int
+    phase: str
+    start: float
+    pool: str | None
+    ttft: float | None
+    error: str | None
+    tokens: int
+    end: NotRequired[float]
 
 
 def free_port() -> int:
@@ -75,16 +89,18 @@ def pct(values: list[float], p: float) -> float | None:
     return v[min(len(v) - 1, max(0, int(round(p / 100 * len(v) + 0.5)) - 1))]
 
 
-async def drive(args, router: str, prefill_url: str, token: str, model: str, events: Path) -> dict:
+async def drive(
+    args: argparse.Namespace, router: str, prefill_url: str, token: str, model: str, events: Path
+) -> dict[str, Any]:
     from openai import AsyncOpenAI
 
     client = AsyncOpenAI(base_url=f"{router}/v1", api_key="unused", max_retries=0, timeout=120)
-    log: list[dict] = []
+    log: list[SentRequest] = []
     marks: dict[str, float] = {}
     phase = {"name": "before"}
 
     async def one(i: int) -> None:
-        rec = {
+        rec: SentRequest = {
             "i": i,
             "phase": phase["name"],
             "start": time.monotonic(),
@@ -116,7 +132,7 @@ async def drive(args, router: str, prefill_url: str, token: str, model: str, eve
         with urllib.request.urlopen(f"{router}/sla/status", timeout=5) as r:
             return json.load(r)["breaker"]["state"]
 
-    def fault(body: dict) -> None:
+    def fault(body: dict[str, float]) -> None:
         req = urllib.request.Request(
             f"{prefill_url}/admin/fault",
             data=json.dumps(body).encode(),
@@ -126,7 +142,7 @@ async def drive(args, router: str, prefill_url: str, token: str, model: str, eve
         urllib.request.urlopen(req, timeout=10).read()
 
     stop_evt = asyncio.Event()
-    tasks: list[asyncio.Task] = []
+    tasks: list[asyncio.Task[None]] = []
 
     async def trickle() -> None:
         i = 0
@@ -165,7 +181,7 @@ async def drive(args, router: str, prefill_url: str, token: str, model: str, eve
 
     transitions = [json.loads(x) for x in events.read_text().splitlines()] if events.exists() else []
     opened = next((t for t in transitions if t["to_state"] == "open"), None)
-    phases = {}
+    phases: dict[str, dict[str, Any]] = {}
     for name in ("before", "fault", "open", "recovering", "after"):
         rs = [r for r in log if r["phase"] == name]
         ttfts = [r["ttft"] * 1000 for r in rs if r["ttft"] is not None]
@@ -212,7 +228,8 @@ def main() -> int:
     if not (model_dir / "config.json").exists():
         subprocess.run([sys.executable, str(ROOT / "bench/peers/make_peer_model.py"), str(model_dir)], check=True)
     work = Path(tempfile.mkdtemp(prefix="sla-failover-"))
-    vllm = serve = None
+    vllm: subprocess.Popen[bytes] | None = None
+    serve: subprocess.Popen[bytes] | None = None
     try:
         vport = free_port()
         env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"))

@@ -28,27 +28,29 @@ import json
 import math
 import os
 import sys
+from typing import Any
 
 from distbench.metrics import meets, stats_of
+from distbench.records import RequestRecord
 from distbench.vllm_compat import records_from_vllm
 
 
-def per_request(d: dict):
-    """Yield (ok, ttft_s, tpot_s) per request from a --save-detailed result, else None."""
+def per_request(d: dict[str, Any]) -> tuple[list[tuple[bool, float | None, float]], list[RequestRecord]] | None:
+    """(ok, ttft_s, tpot_s) per request from a --save-detailed result, and the records; else None."""
     recs = records_from_vllm(d)
     if recs is None:
         return None
     return [(r.ok, r.ttft, r.tpot if r.tpot is not None else 0.0) for r in recs], recs
 
 
-def summarize_one(path: str, ttft_ms: float, tpot_ms: float) -> dict:
+def summarize_one(path: str, ttft_ms: float, tpot_ms: float) -> dict[str, Any]:
     with open(path) as f:
         d = json.load(f)
     server = d.get("server") or d.get("label") or os.path.basename(path).rsplit("_rate", 1)[0]
     rate = d.get("request_rate")
     rate = float("inf") if rate in (None, "inf") else float(rate)
     num = int(d.get("num_prompts") or d.get("completed", 0) + d.get("failed", 0))
-    row = {
+    row: dict[str, Any] = {
         "file": os.path.basename(path),
         "server": server,
         "rate": rate,
@@ -57,9 +59,12 @@ def summarize_one(path: str, ttft_ms: float, tpot_ms: float) -> dict:
         "out_tps": d.get("output_throughput"),
     }
     got = per_request(d)
-    reqs, recs = got if got is not None else (None, None)
-    if reqs is not None:
-        good_ttfts = [t * 1000 for ok, t, _ in reqs if ok]
+    good_ttfts: list[float]
+    good_tpots: list[float]
+    client_tpots: list[float]
+    if got is not None:
+        reqs, recs = got
+        good_ttfts = [t * 1000 for ok, t, _ in reqs if ok and t is not None]  # a request that is ok has a TTFT
         good_tpots = [tp * 1000 for ok, _, tp in reqs if ok]
         # The client's own percentiles only count outputs longer than one token for TPOT.
         client_tpots = [tp * 1000 for (ok, _, tp), out in zip(reqs, d["output_lens"]) if ok and out > 1]
@@ -88,7 +93,7 @@ def summarize_one(path: str, ttft_ms: float, tpot_ms: float) -> dict:
     return row
 
 
-def fmt(v, nd=1):
+def fmt(v: float | None, nd: int = 1) -> str:
     if v is None or (isinstance(v, float) and math.isnan(v)):
         return "—"
     return f"{v:.{nd}f}"
@@ -98,7 +103,7 @@ def fmt_rate(r: float) -> str:
     return "inf" if math.isinf(r) else (f"{r:g}")
 
 
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("results_dir")
     ap.add_argument("--ttft-ms", type=float, default=250.0)
@@ -107,7 +112,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
 
     paths = sorted(p for p in glob.glob(os.path.join(a.results_dir, "*.json")) if not p.endswith(".pytorch.json"))
-    rows = []
+    rows: list[dict[str, Any]] = []
     for p in paths:
         try:
             rows.append(summarize_one(p, a.ttft_ms, a.tpot_ms))
@@ -117,7 +122,7 @@ def main(argv=None) -> int:
         print(f"no result JSONs in {a.results_dir}", file=sys.stderr)
         return 1
 
-    order = {}
+    order: dict[str, int] = {}
     for r in rows:  # vllm first, then the others in the order first seen
         order.setdefault(r["server"], 0 if r["server"] == "vllm" else len(order) + 1)
     rows.sort(key=lambda r: (order[r["server"]], r["server"], r["rate"]))
@@ -144,17 +149,17 @@ def main(argv=None) -> int:
     print(f"\nGoodput (highest rate with SLO attainment ≥ {a.min_attainment:g}%):\n")
     print("| server | goodput (req/s) | rates measured |")
     print("|---|---|---|")
-    goodput = {}
-    for server in sorted(order, key=order.get):
+    goodput: dict[str, float | None] = {}
+    for server in sorted(order, key=lambda s: order[s]):
         mine = [r for r in rows if r["server"] == server]
         passing = [r["rate"] for r in mine if r["attain"] is not None and r["attain"] >= a.min_attainment]
-        goodput[server] = max(passing) if passing else None
-        if goodput[server] is None:
+        best = goodput[server] = max(passing) if passing else None
+        if best is None:
             gp = "< lowest rate measured"
-        elif goodput[server] == max(r["rate"] for r in mine):
-            gp = f"≥ {fmt_rate(goodput[server])} (highest rate measured)"
+        elif best == max(r["rate"] for r in mine):
+            gp = f"≥ {fmt_rate(best)} (highest rate measured)"
         else:
-            gp = fmt_rate(goodput[server])
+            gp = fmt_rate(best)
         print(f"| {server} | {gp} | {' '.join(fmt_rate(r['rate']) for r in mine)} |")
 
     base = goodput.get("vllm")

@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from bench.lib.server import ServeProcess
 from distbench.atomic import atomic_write
@@ -37,7 +38,7 @@ def worktree(ref: str, into: Path) -> Path:
     return path
 
 
-def router_overhead(tree: Path, n: int, tmp: Path) -> dict:
+def router_overhead(tree: Path, n: int, tmp: Path) -> dict[str, dict[str, float]]:
     out = tmp / "overhead.json"
     # the suite's layout (bench/serving/, run as a module) or a commit from before it (bench/serving_cpu.py)
     script = (
@@ -58,7 +59,7 @@ def router_overhead(tree: Path, n: int, tmp: Path) -> dict:
     }
 
 
-def closed_loop(tree: Path, n: int, tmp: Path) -> dict:
+def closed_loop(tree: Path, n: int, tmp: Path) -> dict[str, float]:
     env = {**os.environ, "PYTHONPATH": str(tree)}
     with ServeProcess(tmp / "serve", mode="disaggregated", token=TOKEN, cwd=tree, env=env) as srv:
         res = tmp / "closed.json"
@@ -113,7 +114,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="ab-serving-") as tmpd:
         tmp = Path(tmpd)
         trees = {"before": worktree(args.before, tmp), "after": worktree(args.after, tmp)}
-        runs: dict[str, list[dict]] = {"before": [], "after": []}
+        runs: dict[str, list[dict[str, Any]]] = {"before": [], "after": []}
         try:
             for rnd in range(args.rounds):
                 order = ["before", "after"] if rnd % 2 == 0 else ["after", "before"]
@@ -132,9 +133,9 @@ def main() -> int:
                 subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(path)], check=False)
 
     def med(name: str, *keys: str) -> float:
-        vals = []
+        vals: list[float] = []
         for r in runs[name]:
-            v = r
+            v: Any = r  # a run's JSON, walked down by keys to a figure
             for k in keys:
                 v = v[k]
             vals.append(v)

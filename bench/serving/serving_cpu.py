@@ -22,6 +22,7 @@ import json
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 
@@ -39,12 +40,13 @@ async def ttft_router(s: aiohttp.ClientSession, url: str, prompt: list[int]) -> 
     rec = RequestRecord(0, 0.0)
     item = Item(prompt, None, 4, len(prompt))
     await send(s, url, "/v1/completions", body_for("/v1/completions", item, None, None), rec, time.perf_counter())
-    if not rec.ok:
+    ttft = rec.ttft_service
+    if not rec.ok or ttft is None:
         raise RuntimeError(f"router request failed: {rec.error}")
-    return rec.ttft_service
+    return ttft
 
 
-async def ttft_direct(s: aiohttp.ClientSession, worker: dict, prompt: list[int], i: int) -> float:
+async def ttft_direct(s: aiohttp.ClientSession, worker: dict[str, Any], prompt: list[int], i: int) -> float:
     sampling = {"max_tokens": 4, "temperature": 0.0, "top_p": 1.0, "ignore_eos": True, "seed": 1}
     rid = f"bench-{i}-{time.monotonic_ns()}"
     headers = {"Authorization": f"Bearer {TOKEN}"}
@@ -65,27 +67,31 @@ async def ttft_direct(s: aiohttp.ClientSession, worker: dict, prompt: list[int],
         headers=headers,
         json={"request_id": rid, "prompt_token_ids": prompt, "sampling": sampling},
     ) as r:
+        first: float | None = None
         async for _ in r.content:
-            dt = time.perf_counter() - t0
+            first = time.perf_counter() - t0
             break
         async for _ in r.content:
             pass
-    return dt
+    if first is None:
+        raise RuntimeError(f"{worker['url']}/internal/generate: the stream ended before its first chunk")
+    return first
 
 
-async def measure(url: str, n: int) -> dict:
+async def measure(url: str, n: int) -> dict[str, Any]:
     async with aiohttp.ClientSession() as s:
         async with s.get(f"{url}/v1/workers", headers={"Authorization": f"Bearer {TOKEN}"}) as r:
             workers = (await r.json())["workers"]
         target = next(w for w in workers if w["role"] in ("prefill", "colocated"))
         prompts = [[1] + [(i * 31 + j * 7) % 250 + 3 for j in range(127)] for i in range(n)]
-        via, direct = [], []
+        via: list[float] = []
+        direct: list[float] = []
         for i, p in enumerate(prompts):  # interleaved so drift hits both alike
             via.append(await ttft_router(s, url, p))
             direct.append(await ttft_direct(s, target, p, i))
         via, direct = via[5:], direct[5:]  # warm-up
     v, d = stats_of(via, "router", (50, 99)), stats_of(direct, "direct", (50, 99))
-    out = {"direct_at": target["role"], "n": len(via)}
+    out: dict[str, Any] = {"direct_at": target["role"], "n": len(via)}
     for name, st in (("router", v), ("direct", d)):
         out[f"{name}_ttft_ms"] = {
             "p50": st[f"p50_{name}_ms"],
@@ -96,7 +102,7 @@ async def measure(url: str, n: int) -> dict:
     return out
 
 
-def run_mode(mode: str, n: int) -> dict:
+def run_mode(mode: str, n: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp, ServeProcess(tmp, mode=mode, token=TOKEN) as srv:
         return {"mode": mode, **asyncio.run(measure(srv.url, n))}
 
