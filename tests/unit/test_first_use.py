@@ -316,6 +316,21 @@ def test_sharegpt_prompts_longer_than_the_server_allows_are_dropped_and_counted(
     assert "dropped 3 of 9 prompts longer than the server's max_model_len 1024" in r.stdout
 
 
+def test_plot_of_runs_at_one_rate_with_and_without_an_slo(served, tmp_path):
+    """Before: the README's `plot a.json b.json sweep/sweep.json` died with "'<' not supported between 'NoneType' and
+    'float'": a (with --slo) and b (without) ran at the same rate, and sorting the points compared None with a float."""
+    pytest.importorskip("matplotlib")
+    common = ["--url", served.url, "--request-rate", "8", "--num-prompts", "3", "--prompt-len", "8",
+              "--output-len", "2", "--no-progress"]  # fmt: skip
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    assert _distbench("run", *common, "--slo", "ttft:60s,tpot:10s", "--save-result", str(a)).returncode == 0
+    assert _distbench("run", *common, "--save-result", str(b)).returncode == 0
+    for order in ((a, b), (b, a)):
+        r = _distbench("plot", *map(str, order), "--out-dir", str(tmp_path / "plots"))
+        assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+        assert "vs_rate.png" in r.stdout
+
+
 def test_failures_are_grouped_by_reason_with_numbers_masked():
     from distbench.metrics import failure_reasons
     from distbench.records import RequestRecord
