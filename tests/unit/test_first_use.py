@@ -554,3 +554,20 @@ def test_report_charts_label_their_axis_without_exponents_or_overlap():
     ticks = re.findall(rf'<text x="{ML - 4}" [^>]*>([^<]*)</text>', svg)
     assert len(ticks) == 5 and "12,100" in ticks and not any("e+" in t for t in ticks), ticks
     [unit] = re.findall(r'<text x="12" [^>]*transform="rotate\(-90[^>]*>ms</text>', svg)
+
+
+def test_profiles_thread_lines_say_what_they_mean(monkeypatch):
+    """Before: `distserve profile` printed 'threads 2, neighbours 0: prefill x0.28' and nothing said what x0.28 is."""
+    from planner import profiler
+
+    monkeypatch.setattr(profiler.os, "sched_getaffinity", lambda _pid: {0}, raising=False)  # one CPU: no neighbour
+    import torch
+
+    lines: list[str] = []
+    threads = torch.get_num_threads()
+    try:
+        points = profiler.measure_threads(None, 1, lines.append)
+    finally:
+        torch.set_num_threads(threads)  # it leaves torch at 1 thread: not for the tests after this one
+    assert lines[0] == profiler.THREADS_LEGEND and "relative to 1 thread alone" in lines[0]
+    assert lines[1].startswith("threads 1, neighbours 0: prefill x1.00") and {p.threads for p in points} == {1}
