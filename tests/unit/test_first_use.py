@@ -571,3 +571,12 @@ def test_profiles_thread_lines_say_what_they_mean(monkeypatch):
         torch.set_num_threads(threads)  # it leaves torch at 1 thread: not for the tests after this one
     assert lines[0] == profiler.THREADS_LEGEND and "relative to 1 thread alone" in lines[0]
     assert lines[1].startswith("threads 1, neighbours 0: prefill x1.00") and {p.threads for p in points} == {1}
+
+
+def test_a_plan_that_no_layout_meets_says_what_to_change():
+    """Before: the README's CPU plan on a busy 2-core box ended 'no layout meets the SLO ...' and exit 1, no way on."""
+    fixture = ROOT / "tests" / "fixtures" / "planner" / "cpu-tiny-2026-11-30.json"
+    r = _cli("plan", "--profile", str(fixture), "--workload", "prompt=512,output=64", "--slo", "ttft:1ms,tpot:1ms",
+             "--devices", "2")  # fmt: skip
+    assert r.returncode == 1 and "no layout meets the SLO at any rate" in r.stdout, r.stdout + r.stderr
+    assert "loosen the SLO (--slo)" in r.stdout and "profile again on an idle machine" in r.stdout
