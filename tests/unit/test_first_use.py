@@ -580,3 +580,20 @@ def test_a_plan_that_no_layout_meets_says_what_to_change():
              "--devices", "2")  # fmt: skip
     assert r.returncode == 1 and "no layout meets the SLO at any rate" in r.stdout, r.stdout + r.stderr
     assert "loosen the SLO (--slo)" in r.stdout and "profile again on an idle machine" in r.stdout
+
+
+def test_a_child_killed_during_start_up_is_named_and_sigkill_explained():
+    """Before: 'process 12329 (worker --role) exited with status -9 during start-up': the label cut short and
+    nothing saying that -9 is SIGKILL, most likely the out-of-memory killer."""
+    from types import SimpleNamespace
+
+    from server.launcher import Launcher
+
+    code = "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"
+    child = subprocess.Popen([sys.executable, "-c", code, "--worker-id", "prefill-0", "--role", "prefill"])
+    child.wait(timeout=60)
+    stand_in = SimpleNamespace(procs=[child])  # wait_healthy reads only the children (and the router, never reached)
+    with pytest.raises(RuntimeError) as e:
+        Launcher.wait_healthy(stand_in, 2, 0.0)  # type: ignore[arg-type]
+    assert f"process {child.pid} (prefill-0) exited with status -9 during start-up" in str(e.value)
+    assert "SIGKILL: most likely the kernel's out-of-memory killer" in str(e.value)
