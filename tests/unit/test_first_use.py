@@ -406,6 +406,12 @@ def test_the_commands_of_from_the_article_parse_as_written():
     for cmd in benches:
         opts = options_from(distbench_parser().parse_args(shlex.split(cmd)[1:]))
         assert opts.spec.endpoint == "/generate" and opts.spec.url == "http://localhost:8080", cmd
+    paths = re.findall(
+        r"[`\s]((?:server|configs|ci|docs|bench|distbench|chaos|planner|sla)/[\w./-]+\.(?:py|ya?ml|md))", text
+    )
+    assert "configs/drills/memory_limit.yaml" in paths
+    for path in paths:
+        assert (ROOT / path).is_file(), f"docs/FROM_THE_ARTICLE.md names {path}, which is not in the checkout"
 
 
 ROOT = Path(__file__).resolve().parents[2]
