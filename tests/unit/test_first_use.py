@@ -533,6 +533,8 @@ def test_the_readmes_curl_lines_work_against_a_server(served):
             for doc in out.strip().splitlines():  # /tokenize then /version: one JSON document a line
                 body = json.loads(doc)
                 assert "error" not in body and "detail" not in body, (line, body)
+                # short answers: a README request without max_tokens runs to the context length (minutes here)
+                assert body.get("usage", {}).get("completion_tokens", 0) <= 64, (line, body["usage"])
 
 
 def test_doctors_memory_limit_fix_speaks_this_hosts_cgroup_version():
