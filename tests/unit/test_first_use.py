@@ -605,3 +605,12 @@ def test_a_child_killed_during_start_up_is_named_and_sigkill_explained():
         Launcher.wait_healthy(stand_in, 2, 0.0)  # type: ignore[arg-type]
     assert f"process {child.pid} (prefill-0) exited with status -9 during start-up" in str(e.value)
     assert "SIGKILL: most likely the kernel's out-of-memory killer" in str(e.value)
+
+
+def test_a_gate_that_would_run_nothing_does_not_say_go(tmp_path):
+    """Before: `distserve gate --quick --only tests` ran 0 items and printed 'gate: GO', exit 0."""
+    r = _cli("gate", "--quick", "--only", "tests", "--out", str(tmp_path / "g"))
+    assert r.returncode == 2 and "--only tests: not a quick item; run it without --quick" in r.stderr, r.stderr
+    assert "GO" not in r.stdout
+    r = _cli("gate", "--only", "nan,nope", "--out", str(tmp_path / "g"))
+    assert r.returncode == 2 and "--only: no item nope in ci/release_gate.yaml; items: tests, nan," in r.stderr
