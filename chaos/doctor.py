@@ -104,12 +104,25 @@ def check_memory(decode_pids: list[int]) -> list[Finding]:
                 limit is not None,
                 "unlimited" if limit is None else f"{limit >> 20} MiB",
                 "a memory cgroup limit",
-                "mkdir /sys/fs/cgroup/distserve-decode && echo 70G > /sys/fs/cgroup/distserve-decode/"
-                f"memory.max && echo {pid} > /sys/fs/cgroup/distserve-decode/cgroup.procs  "
-                "# or start it under: systemd-run -p MemoryMax=70G distserve worker --role decode ...",
+                memory_limit_fix(pid, fl),
             )
         )
     return out
+
+
+def memory_limit_fix(pid: int, flavour: tuple[str, str] | None) -> str:
+    """The commands that put ``pid`` under a 70G memory limit on this host's cgroup hierarchy: v1 has a
+    memory folder of its own and spells the limit memory.limit_in_bytes."""
+    if flavour is not None and flavour[0] == "v1":
+        d = f"{flavour[1]}/distserve-decode"
+        limit = f"echo 70G > {d}/memory.limit_in_bytes"
+    else:
+        d = f"{flavour[1] if flavour else '/sys/fs/cgroup'}/distserve-decode"
+        limit = f"echo 70G > {d}/memory.max"
+    return (
+        f"mkdir -p {d} && {limit} && echo {pid} > {d}/cgroup.procs  "
+        "# or start it under: systemd-run -p MemoryMax=70G distserve worker --role decode ..."
+    )
 
 
 def _pid_memory_limit(pid: int) -> int | None:

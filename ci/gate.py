@@ -144,6 +144,14 @@ def _run_drill(item: dict, ctx: dict, log: Path) -> tuple[str, str]:
 def run_gate(checklist: str, out: Path, quick: bool, only: set[str] | None = None, stream=sys.stdout) -> dict:
     spec = yaml.safe_load(Path(checklist).read_text())
     items = [i for i in spec["items"] if (not quick or i.get("quick")) and (not only or i["id"] in only)]
+    if only:  # a gate that runs nothing must not say GO
+        ids = [i["id"] for i in spec["items"]]
+        if only - set(ids):
+            raise ValueError(
+                f"--only: no item {', '.join(sorted(only - set(ids)))} in {checklist}; items: {', '.join(ids)}"
+            )
+        if not items:
+            raise ValueError(f"--only {','.join(sorted(only))}: not a quick item; run it without --quick")
     for i in items:
         if i.get("kind") not in KINDS:
             raise ValueError(f"{checklist}: item {i.get('id')!r} has kind {i.get('kind')!r}; expected one of {KINDS}")

@@ -45,7 +45,10 @@ def run_locust(
     tokenizer: str | None = None,
 ) -> dict:
     if importlib.util.find_spec("locust") is None:  # not imported here: it monkey-patches the process
-        raise UsageError("distbench locust needs Locust: pip install 'distserve[locust]'")
+        raise UsageError(
+            "distbench locust needs Locust: pip install -e '.[locust]' in a distserve checkout "
+            "('distserve[locust]' where distserve comes from an index)"
+        )
     try:
         slo_s = parse_slo(slo)
     except ValueError as e:

@@ -23,7 +23,10 @@ def _plt():
     try:
         import matplotlib
     except ImportError:
-        raise PlotUnavailable("distbench plot needs matplotlib: pip install 'distserve[bench]'") from None
+        raise PlotUnavailable(
+            "distbench plot needs matplotlib: pip install -e '.[bench]' in a distserve checkout "
+            "('distserve[bench]' where distserve comes from an index)"
+        ) from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -182,7 +182,11 @@ def cmd_plan(args) -> int:
         print(_row(e, prof.device, args.rate, planner))
     best = evals[0]
     if best.goodput <= 0:
-        print("no layout meets the SLO at any rate on these devices")
+        print(
+            "no layout meets the SLO at any rate on these devices: loosen the SLO (--slo), try shorter requests "
+            "(--workload) or more --devices; a profile taken while other processes were busy predicts slow steps "
+            "(see its thread-split lines): profile again on an idle machine"
+        )
         return 1
     overrides = deploy.config_overrides(best.layout, base_batch, prof.device)
     cfg_path = args.config  # the deployment keeps the config the plan was made for

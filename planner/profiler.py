@@ -190,6 +190,13 @@ def _neighbour_main(model: str | None) -> None:
         probe.decode_ms(16, 128, 4, 1)
 
 
+THREADS_LEGEND = (
+    "thread split: step time with T torch threads, relative to 1 thread alone (x0.50 = twice as fast, x2.00 = "
+    "twice as slow); neighbours 1 = another worker busy on the other cores (what a prefill and a decode worker "
+    "sharing this machine do to each other); the planner scales its step times by these"
+)
+
+
 def measure_threads(model: str | None, repeats: int, log, settle=lambda: None) -> list[ThreadPoint]:
     """Prefill (1 x 128) and decode (8 x 128) steps with T threads, alone and beside one neighbour.
 
@@ -209,6 +216,7 @@ def measure_threads(model: str | None, repeats: int, log, settle=lambda: None) -
         )
     base: dict[str, float] = {}
     points = []
+    log(THREADS_LEGEND)
     try:
         settle()
         if child is not None:

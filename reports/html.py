@@ -20,6 +20,11 @@ def _e(v) -> str:
     return html.escape(str(v))
 
 
+def _tick(v: float) -> str:
+    """An axis label without exponents: '12,100' rather than '1.21e+04'; short enough to fit the margin."""
+    return f"{v:,.0f}" if abs(v) >= 100 else f"{v:.3g}"
+
+
 def svg_plot(rows: list[dict], title: str) -> str:
     """Observed value per window (dots, red when failing) against the threshold (dashed)."""
     pts = [r for r in rows if r["observed"] is not None]
@@ -48,8 +53,13 @@ def svg_plot(rows: list[dict], title: str) -> str:
     ]
     for k in range(5):
         v = lo + (hi - lo) * k / 4
-        out.append(f'<text x="{ML - 4}" y="{y(v) + 4:.1f}" font-size="10" text-anchor="end">{v:.4g}</text>')
-    out.append(f'<text x="12" y="{MT + 10}" font-size="10">{unit}</text>')
+        out.append(f'<text x="{ML - 4}" y="{y(v) + 4:.1f}" font-size="10" text-anchor="end">{_tick(v)}</text>')
+    # the unit runs up the left edge, clear of the tick labels (which end at ML - 4)
+    mid = (MT + H - MB) / 2
+    out.append(
+        f'<text x="12" y="{mid:.1f}" font-size="10" text-anchor="middle" transform="rotate(-90 12 {mid:.1f})">'
+        f"{unit}</text>"
+    )
     out.append(
         f'<line x1="{ML}" y1="{y(threshold):.1f}" x2="{W - MR}" y2="{y(threshold):.1f}" '
         f'stroke="#cf222e" stroke-dasharray="5,4"><title>threshold {threshold:g} {unit}</title></line>'

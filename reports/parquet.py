@@ -17,7 +17,10 @@ def write_parquet(report: dict, path: Path) -> None:
     except ImportError:
         from reports import RendererUnavailable
 
-        raise RendererUnavailable("parquet needs pyarrow: pip install 'distserve[reports]'") from None
+        raise RendererUnavailable(
+            "parquet needs pyarrow: pip install -e '.[reports]' in a distserve checkout "
+            "('distserve[reports]' where distserve comes from an index)"
+        ) from None
     schema = pa.schema([(name, getattr(pa, _TYPES[kind])()) for name, kind in report["columns"]])
     table = pa.Table.from_pylist(report["rows"], schema=schema)
     buf = io.BytesIO()

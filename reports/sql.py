@@ -17,7 +17,10 @@ def export_db(report: dict, url: str, table: str = DEFAULT_TABLE) -> int:
     except ImportError:
         from reports import RendererUnavailable
 
-        raise RendererUnavailable("--export-db needs SQLAlchemy: pip install 'distserve[reports]'") from None
+        raise RendererUnavailable(
+            "--export-db needs SQLAlchemy: pip install -e '.[reports]' in a distserve checkout "
+            "('distserve[reports]' where distserve comes from an index)"
+        ) from None
     types: dict[str, sa.types.TypeEngine] = {"int": sa.BigInteger(), "float": sa.Float(precision=53), "str": sa.Text()}
     engine = sa.create_engine(url)
     try:

@@ -13,7 +13,10 @@ import sys
 from server.commands.common import admin_token, load_args_config, usage_error
 from server.config import ConfigError, DistServeConfig
 
-NEEDS_RAY = "the Ray launcher needs Ray: pip install 'distserve[ray]' (ray>=2.40)"
+NEEDS_RAY = (
+    "the Ray launcher needs Ray (ray>=2.40): pip install -e '.[ray]' in a distserve checkout "
+    "('distserve[ray]' where distserve comes from an index)"
+)
 
 
 def _have_ray() -> bool:

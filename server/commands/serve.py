@@ -96,15 +96,15 @@ def cmd_serve(args) -> int:
     try:
         url = launcher.start()
         n = (
-            f"{args.prefill} prefill + {args.decode} decode"
+            f"{args.prefill} prefill + {args.decode} decode workers"
             if args.mode == "disaggregated"
-            else f"{args.decode} colocated"
+            else f"{args.decode} colocated worker{'' if args.decode == 1 else 's'}"
         )
         if args.ready_file:  # before the ready line: a script that saw the line can read the file
             from server.router.main import write_ready_file
 
             write_ready_file(args.ready_file, {"url": url, "pid": os.getpid(), "token": launcher.token})
-        print(f"distserve ready: {url} ({args.mode}, {n} workers)", flush=True)
+        print(f"distserve ready: {url} ({args.mode}, {n})", flush=True)
         while not stop["flag"]:
             router_event = launcher.supervise_router()  # frozen or exited: restarted on the same port
             if router_event:

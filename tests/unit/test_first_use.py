@@ -316,6 +316,21 @@ def test_sharegpt_prompts_longer_than_the_server_allows_are_dropped_and_counted(
     assert "dropped 3 of 9 prompts longer than the server's max_model_len 1024" in r.stdout
 
 
+def test_plot_of_runs_at_one_rate_with_and_without_an_slo(served, tmp_path):
+    """Before: the README's `plot a.json b.json sweep/sweep.json` died with "'<' not supported between 'NoneType' and
+    'float'": a (with --slo) and b (without) ran at the same rate, and sorting the points compared None with a float."""
+    pytest.importorskip("matplotlib")
+    common = ["--url", served.url, "--request-rate", "8", "--num-prompts", "3", "--prompt-len", "8",
+              "--output-len", "2", "--no-progress"]  # fmt: skip
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    assert _distbench("run", *common, "--slo", "ttft:60s,tpot:10s", "--save-result", str(a)).returncode == 0
+    assert _distbench("run", *common, "--save-result", str(b)).returncode == 0
+    for order in ((a, b), (b, a)):
+        r = _distbench("plot", *map(str, order), "--out-dir", str(tmp_path / "plots"))
+        assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+        assert "vs_rate.png" in r.stdout
+
+
 def test_failures_are_grouped_by_reason_with_numbers_masked():
     from distbench.metrics import failure_reasons
     from distbench.records import RequestRecord
@@ -391,26 +406,211 @@ def test_the_commands_of_from_the_article_parse_as_written():
     for cmd in benches:
         opts = options_from(distbench_parser().parse_args(shlex.split(cmd)[1:]))
         assert opts.spec.endpoint == "/generate" and opts.spec.url == "http://localhost:8080", cmd
+    paths = re.findall(
+        r"[`\s]((?:server|configs|ci|docs|bench|distbench|chaos|planner|sla)/[\w./-]+\.(?:py|ya?ml|md))", text
+    )
+    assert "configs/drills/memory_limit.yaml" in paths
+    for path in paths:
+        assert (ROOT / path).is_file(), f"docs/FROM_THE_ARTICLE.md names {path}, which is not in the checkout"
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def readme_commands() -> list[str]:
+    """The shell lines of the README's ```bash blocks, continuation lines joined, comments and a trailing `&` cut."""
+    import re
+    import shlex
+
+    readme = (ROOT / "README.md").read_text()
+    out: list[str] = []
+    for block in re.findall(r"```bash\n(.*?)```", readme, re.S):
+        pending = ""
+        for raw in block.splitlines():
+            line = raw.split(" #")[0].rstrip() if not raw.lstrip().startswith("#") else ""
+            if line.endswith("\\"):
+                pending += line[:-1] + " "
+                continue
+            line = (pending + line).strip()
+            try:
+                shlex.split(line)
+            except ValueError:  # a quote left open: the command goes on on the next line
+                pending = line + "\n"
+                continue
+            pending = ""
+            line = line.rstrip("&").strip()
+            if line:
+                out.append(line)
+    return out
 
 
 def test_every_command_line_of_the_readme_parses_as_written():
-    """Each `distserve ...` / `distbench ...` line of the README's shell blocks is a valid command line."""
+    """Each `distserve ...` / `distbench ...` line of the README's shell blocks is a valid command line, the files
+    it names exist in the checkout, and so do the `make` targets and `python -m bench...` modules it gives."""
     import re
     import shlex
 
     from distbench.cli import build_parser as distbench_parser
 
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    lines = [
-        ln.split(" #")[0].strip().rstrip("&\\ ")
-        for b in re.findall(r"```bash\n(.*?)```", readme, re.S)
-        for ln in b.splitlines()
-    ]
+    lines = readme_commands()
     commands = [shlex.split(ln) for ln in lines if ln.startswith(("distserve ", "distbench "))]
     assert len(commands) > 30
     for argv in commands:
         if argv[0] == "distbench":
-            distbench_parser().parse_args(argv[1:])  # exits 2 on anything it does not know
+            args = distbench_parser().parse_args(argv[1:])  # exits 2 on anything it does not know
+            for variant in getattr(args, "variant", None) or []:  # repeat: each variant is a `distbench run`
+                distbench_parser().parse_args(["run", *shlex.split(variant.split("=", 1)[1])])
         elif argv[1] != "sla":  # `distserve sla ...` goes to sla's own parser
             _, extra = build_parser().parse_known_args(argv[1:])
             assert not extra, argv
+        for arg in argv:
+            if re.match(r"(configs|ci|bench|tests|docs)/\S+\.(ya?ml|json|py|md)$", arg):
+                assert (ROOT / arg).is_file(), f"{argv}: {arg} is not in the checkout"
+    readme = (ROOT / "README.md").read_text()
+    makefile = (ROOT / "Makefile").read_text()
+    targets = set(re.findall(r"`make ([a-z-]+)`", readme)) | {ln.split()[1] for ln in lines if ln.startswith("make ")}
+    assert {"demo", "test", "demo-tiny", "lint"} <= targets
+    for t in targets:
+        assert re.search(rf"^{t}:", makefile, re.M), f"make {t}: no such target"
+    for doc in [ROOT / "README.md", *(ROOT / "docs").glob("*.md")]:
+        for mod in re.findall(r"python3? -m (bench(?:\.[a-z_0-9]+)+)", doc.read_text()):
+            path = ROOT / mod.replace(".", "/")
+            assert path.with_suffix(".py").is_file() or (path / "__main__.py").is_file(), f"{doc.name}: {mod}"
+
+
+def test_readme_commands_that_cannot_run_here_say_why_in_one_sentence():
+    """The README's lines for a placeholder model folder, CUDA and Ray, run word for word from the checkout's root on
+    a machine without them: exit 2 and one sentence, before anything starts."""
+    import importlib.util
+    import shlex
+
+    import torch
+
+    wanted = {"distserve serve --model /path/to/hf-llama --config configs/distserve_config.yaml": "does not exist"}
+    if not torch.cuda.is_available():
+        wanted["distserve serve --device cuda --model preset:llama-2-7b"] = "CUDA is not available"
+    if importlib.util.find_spec("ray") is None:
+        wanted["distserve serve --launcher ray --address HEAD_IP:6379"] = "pip install -e '.[ray]' in a distserve"
+    lines = readme_commands()
+    for cmd, words in wanted.items():
+        assert cmd in lines, f"the README no longer shows {cmd!r}"
+        r = subprocess.run(
+            [sys.executable, "-m", "server.cli", *shlex.split(cmd)[1:]],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=ROOT,
+        )
+        assert r.returncode == 2 and words in r.stderr and "Traceback" not in r.stderr, (cmd, r.stderr)
+        assert len(r.stderr.strip().splitlines()) == 1, (cmd, r.stderr)
+
+
+def test_the_readmes_curl_lines_work_against_a_server(served):
+    """Every `curl` line of the README, word for word but for the server's address, gets a well-formed answer."""
+    import shutil
+
+    if shutil.which("curl") is None:
+        pytest.skip("curl is not installed")
+    hostport = served.url.removeprefix("http://")
+    curls = [ln for ln in readme_commands() if ln.startswith("curl ")]
+    assert len(curls) >= 9 and all("localhost:8080" in c for c in curls)
+    for line in curls:
+        r = subprocess.run(
+            ["bash", "-c", line.replace("localhost:8080", hostport)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env={**os.environ, "DISTSERVE_ADMIN_TOKEN": TOKEN},
+        )
+        out = r.stdout
+        assert r.returncode == 0 and out, (line, r.stderr)
+        if "/metrics" in line:
+            assert "distserve_time_to_first_token_seconds" in out, line
+        elif '"stream": true' in line:
+            events = [e.removeprefix("data: ") for e in out.split("\n\n") if e.strip()]
+            assert events[-1] == "[DONE]" and all("choices" in json.loads(e) for e in events[:-1]), line
+        else:
+            for doc in out.strip().splitlines():  # /tokenize then /version: one JSON document a line
+                body = json.loads(doc)
+                assert "error" not in body and "detail" not in body, (line, body)
+                # short answers: a README request without max_tokens runs to the context length (minutes here)
+                assert body.get("usage", {}).get("completion_tokens", 0) <= 64, (line, body["usage"])
+
+
+def test_doctors_memory_limit_fix_speaks_this_hosts_cgroup_version():
+    """Before: on a cgroup v1 host, doctor printed the v2 commands (memory.max in /sys/fs/cgroup), which fail there."""
+    from chaos.doctor import memory_limit_fix
+
+    v1 = memory_limit_fix(42, ("v1", "/sys/fs/cgroup/memory"))
+    assert "echo 70G > /sys/fs/cgroup/memory/distserve-decode/memory.limit_in_bytes" in v1 and "memory.max" not in v1
+    assert "echo 42 > /sys/fs/cgroup/memory/distserve-decode/cgroup.procs" in v1
+    v2 = memory_limit_fix(42, ("v2", "/sys/fs/cgroup"))
+    assert "echo 70G > /sys/fs/cgroup/distserve-decode/memory.max" in v2 and "limit_in_bytes" not in v2
+
+
+def test_report_charts_label_their_axis_without_exponents_or_overlap():
+    """Before: a y tick of 11000 ms read '1.1e+04' and ran into the 'ms' label above it."""
+    import re
+
+    from reports.html import ML, svg_plot
+
+    rows = [
+        {"metric": "ttft", "threshold": 250.0, "observed": o, "status": "fail", "window_start": f"2026-12-01T0{i}:00"}
+        for i, o in enumerate((11000.0, 9000.0))
+    ]
+    svg = svg_plot(rows, "TTFT P99")
+    ticks = re.findall(rf'<text x="{ML - 4}" [^>]*>([^<]*)</text>', svg)
+    assert len(ticks) == 5 and "12,100" in ticks and not any("e+" in t for t in ticks), ticks
+    [unit] = re.findall(r'<text x="12" [^>]*transform="rotate\(-90[^>]*>ms</text>', svg)
+
+
+def test_profiles_thread_lines_say_what_they_mean(monkeypatch):
+    """Before: `distserve profile` printed 'threads 2, neighbours 0: prefill x0.28' and nothing said what x0.28 is."""
+    from planner import profiler
+
+    monkeypatch.setattr(profiler.os, "sched_getaffinity", lambda _pid: {0}, raising=False)  # one CPU: no neighbour
+    import torch
+
+    lines: list[str] = []
+    threads = torch.get_num_threads()
+    try:
+        points = profiler.measure_threads(None, 1, lines.append)
+    finally:
+        torch.set_num_threads(threads)  # it leaves torch at 1 thread: not for the tests after this one
+    assert lines[0] == profiler.THREADS_LEGEND and "relative to 1 thread alone" in lines[0]
+    assert lines[1].startswith("threads 1, neighbours 0: prefill x1.00") and {p.threads for p in points} == {1}
+
+
+def test_a_plan_that_no_layout_meets_says_what_to_change():
+    """Before: the README's CPU plan on a busy 2-core box ended 'no layout meets the SLO ...' and exit 1, no way on."""
+    fixture = ROOT / "tests" / "fixtures" / "planner" / "cpu-tiny-2026-11-30.json"
+    r = _cli("plan", "--profile", str(fixture), "--workload", "prompt=512,output=64", "--slo", "ttft:1ms,tpot:1ms",
+             "--devices", "2")  # fmt: skip
+    assert r.returncode == 1 and "no layout meets the SLO at any rate" in r.stdout, r.stdout + r.stderr
+    assert "loosen the SLO (--slo)" in r.stdout and "profile again on an idle machine" in r.stdout
+
+
+def test_a_child_killed_during_start_up_is_named_and_sigkill_explained():
+    """Before: 'process 12329 (worker --role) exited with status -9 during start-up': the label cut short and
+    nothing saying that -9 is SIGKILL, most likely the out-of-memory killer."""
+    from types import SimpleNamespace
+
+    from server.launcher import Launcher
+
+    code = "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"
+    child = subprocess.Popen([sys.executable, "-c", code, "--worker-id", "prefill-0", "--role", "prefill"])
+    child.wait(timeout=60)
+    stand_in = SimpleNamespace(procs=[child])  # wait_healthy reads only the children (and the router, never reached)
+    with pytest.raises(RuntimeError) as e:
+        Launcher.wait_healthy(stand_in, 2, 0.0)  # type: ignore[arg-type]
+    assert f"process {child.pid} (prefill-0) exited with status -9 during start-up" in str(e.value)
+    assert "SIGKILL: most likely the kernel's out-of-memory killer" in str(e.value)
+
+
+def test_a_gate_that_would_run_nothing_does_not_say_go(tmp_path):
+    """Before: `distserve gate --quick --only tests` ran 0 items and printed 'gate: GO', exit 0."""
+    r = _cli("gate", "--quick", "--only", "tests", "--out", str(tmp_path / "g"))
+    assert r.returncode == 2 and "--only tests: not a quick item; run it without --quick" in r.stderr, r.stderr
+    assert "GO" not in r.stdout
+    r = _cli("gate", "--only", "nan,nope", "--out", str(tmp_path / "g"))
+    assert r.returncode == 2 and "--only: no item nope in ci/release_gate.yaml; items: tests, nan," in r.stderr

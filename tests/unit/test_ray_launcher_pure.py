@@ -65,4 +65,4 @@ def test_ray_is_imported_only_by_the_ray_launcher_and_its_absence_is_one_sentenc
     )
     for argv in (["scale", "--decode", "2"], ["serve", "--launcher", "ray"]):
         r = subprocess.run([sys.executable, "-c", code % argv], capture_output=True, text=True, timeout=120)
-        assert r.returncode == 2 and "pip install 'distserve[ray]'" in r.stderr, r.stderr
+        assert r.returncode == 2 and "pip install -e '.[ray]' in a distserve checkout" in r.stderr, r.stderr

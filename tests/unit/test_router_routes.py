@@ -101,3 +101,22 @@ def test_open_route_families_answer_from_the_app_state(tmp_path):
         r = c.post("/v1/completions", json={"prompt": "hi", "temperature": "hot"})
         assert r.status_code == 400 and "temperature" in r.json()["error"]["message"]
         assert c.get("/no/such/route").status_code == 404
+
+
+def test_a_worker_leaving_is_logged_like_one_joining(tmp_path, caplog):
+    """Before: the router logged 'worker X registered at URL' and nothing when X deregistered on its way out."""
+    import logging
+
+    from server.wire import CREDENTIAL_HEADER
+
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    reg = {"worker_id": "prefill-0", "role": "prefill", "url": "http://127.0.0.1:9", "pid": 4242,
+           "fingerprint": {"architecture": "LlamaForCausalLM"}, "max_model_len": 2048}  # fmt: skip
+    with _client(tmp_path) as c, caplog.at_level(logging.INFO, logger="server.router"):
+        r = c.post("/register", json=reg, headers=auth)
+        assert r.status_code == 200, r.text
+        cred = {CREDENTIAL_HEADER: r.json()["credential"], **auth}
+        r = c.post("/deregister", json={"worker_id": "prefill-0", "pid": 4242}, headers=cred)
+        assert r.status_code == 200 and r.json() == {"deregistered": True}, r.text
+    assert "worker prefill-0 (prefill, pid 4242) registered at http://127.0.0.1:9" in caplog.text
+    assert "worker prefill-0 deregistered (it is leaving)" in caplog.text

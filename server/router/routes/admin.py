@@ -87,6 +87,7 @@ async def deregister(request: Request):
     gone = state.registry.deregister(req.worker_id, req.pid)
     if gone:
         state.ids().forget(req.worker_id)
+        log.info("worker %s deregistered (it is leaving)", req.worker_id)
     return {"deregistered": gone}
 
 
