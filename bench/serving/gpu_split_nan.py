@@ -13,7 +13,9 @@ and a child writes its partial result after every case, so a hang or a timeout k
    decode worker's ``max_num_seqs`` 64 and ``max_model_len`` 4096, so the same CUDA-graph sizes and the same
    split-K plan over the graphs' static 4096-token bound). Per batch size (``--batches``): random 128-token
    prompts (ids in [0, vocab) as distbench draws them, plus one case with ids >= 3 as the smoke drew them),
-   ``--tokens`` greedy tokens with the decode CUDA graphs, then the same prompts eagerly in the same process:
+   ``--tokens`` greedy tokens with the decode CUDA graphs (on the thread that captured them, then on a step
+   thread of its own as ``engine_loop`` runs a worker's steps), then the same prompts eagerly in the process
+   (batches 8 and 64 also before ``server.mps.probe``, which a worker runs under MPS only after its engine):
    per (batch, graphs) whether every request finished without the NaN error, the tokens' agreement with the
    eager run, the split-K plan (``plan_splits``) of that batch at this SM count. For the first failing case,
    forward hooks in eager mode name the first module whose output is not finite (its inputs' state, shapes),
@@ -281,6 +283,24 @@ def child_engine(args) -> int:
     vocab = eng.model_config.vocab_size
     save()
     first_bad = None
+    from concurrent.futures import ThreadPoolExecutor
+
+    pool = ThreadPoolExecutor(1, "engine-step")  # like server/workers/engine_loop.py
+    pool.submit(lambda: None).result()
+    # the worker runs server.mps.probe (a bf16 GEMM rate, then empty_cache) right after building its engine,
+    # under MPS only: batches 8 and 64 before it, then the probe, then every case
+    doc["before_probe"] = {}
+    for b in (8, 64):
+        r = pool.submit(_run, eng, _prompts(b, args.prompt_len, vocab, 0, seed=99 + b), args.tokens).result()
+        r.pop("tokens")
+        doc["before_probe"][f"b{b}"] = r
+        print(f"  before the MPS probe, b{b} (graphs, step thread): failed {r['failed']}/{b}", flush=True)
+    if eng.device.type == "cuda":
+        from server import mps
+
+        doc["mps_probe"] = mps.probe(eng.device)
+        print(f"  mps.probe: {doc['mps_probe']}", flush=True)
+    save()
     for b in [int(x) for x in args.batches.split(",") if x]:
         if time.monotonic() - t0 > args.child_budget_s:
             doc["skipped_from_batch"] = b
@@ -289,12 +309,16 @@ def child_engine(args) -> int:
             prompts = _prompts(b, args.prompt_len, vocab, low, seed=b * 10 + low)
             case: dict = {"batch": b, "ids_from": low}
             g = _run(eng, prompts, args.tokens)
+            # as a worker runs it: graphs captured on this thread, steps on a thread of their own
+            t = pool.submit(_run, eng, prompts, args.tokens).result()
             saved = eng.runner.graph_runner
             replays0 = getattr(saved, "num_replays", 0)
             eng.runner.graph_runner = None
             e = _run(eng, prompts, args.tokens)
             eng.runner.graph_runner = saved
             case["graphs"] = {k: v for k, v in g.items() if k != "tokens"}
+            case["graphs_step_thread"] = {k: v for k, v in t.items() if k != "tokens"}
+            case["step_thread_agree"] = _agree(t["tokens"], e["tokens"])
             case["eager"] = {k: v for k, v in e.items() if k != "tokens"}
             case["graph_replays"] = replays0
             case["tokens_agree"] = _agree(g["tokens"], e["tokens"])
@@ -304,16 +328,17 @@ def child_engine(args) -> int:
                 case["split_plan"] = plan_splits(b, eng.model_config.num_key_value_heads, eng.max_model_len, eng.device)
             doc["cases"].append(case)
             print(
-                f"  b{b} ids>={low}: graphs failed {g['failed']}/{b}, eager {e['failed']}/{b}, "
+                f"  b{b} ids>={low}: graphs failed {g['failed']}/{b}, on a step thread {t['failed']}/{b}, "
+                f"eager {e['failed']}/{b}, "
                 f"agree {case['tokens_agree']}",
                 flush=True,
             )
-            if first_bad is None and (g["failed"] or e["failed"]):
+            if first_bad is None and (g["failed"] or t["failed"] or e["failed"]):
                 first_bad = (b, low, prompts)
             save()
     if time.monotonic() - t0 < args.child_budget_s:
         prompts = _prompts(64, args.prompt_len, vocab, 0, seed=4242)
-        st = _run(eng, prompts, args.tokens, stagger=4)
+        st = pool.submit(_run, eng, prompts, args.tokens, 4).result()
         st.pop("tokens")
         doc["staggered_64x4"] = st
         print(f"  staggered 64 (4 per step): failed {st['failed']}", flush=True)
@@ -365,7 +390,7 @@ def child_server(args) -> int:
             rng = random.Random(n * 10 + low)
             bodies = [
                 {
-                    "prompt_token_ids": [rng.randrange(low, 32000) for _ in range(128)],
+                    "prompt_token_ids": [rng.randrange(low, args.server_vocab) for _ in range(128)],
                     "max_tokens": 64,
                     "ignore_eos": True,
                     "stream": True,
@@ -456,7 +481,9 @@ def _clean(stage: dict) -> bool:
     cases = stage.get("cases") or []
     st = stage.get("staggered_64x4") or {}
     return (
-        bool(cases) and not any(c["graphs"]["failed"] or c["eager"]["failed"] for c in cases) and not st.get("failed")
+        bool(cases)
+        and not any(c[m]["failed"] for c in cases for m in ("graphs", "graphs_step_thread", "eager") if m in c)
+        and not st.get("failed")
     )
 
 
@@ -472,8 +499,15 @@ def main() -> int:
     ap.add_argument("--server", default="auto", choices=("auto", "always", "never"))
     ap.add_argument("--layout", default="split60:60:40+ref", help="the server stage's layout (gpu_sm_split names)")
     ap.add_argument("--server-requests", type=int, default=150)
+    ap.add_argument("--server-vocab", type=int, default=32000, help="burst prompt ids are drawn below this")
     ap.add_argument("--budget-s", type=float, default=240.0, help="the whole call")
     ap.add_argument("--stage-s", type=float, default=100.0, help="limit of each engine stage")
+    ap.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        help="NAME=VALUE for every stage's process (e.g. CUBLAS_WORKSPACE_CONFIG=:0:0, DISTSERVE_GEMV_TUNE=0)",
+    )
     ap.add_argument("--out", default=str(Path(os.environ.get("OUT", ".")) / "split_nan.json"))
     ap.add_argument("--child", choices=("engine", "server"), help=argparse.SUPPRESS)
     ap.add_argument("--part", help=argparse.SUPPRESS)
@@ -493,6 +527,12 @@ def main() -> int:
         for k, v in os.environ.items()
         if k not in ("CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")
     }
+
+    for item in args.env:
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            ap.error(f"--env takes NAME=VALUE, got {item!r}")
+        base_env[name] = value
 
     def left() -> float:
         return args.budget_s - (time.monotonic() - t0)
@@ -531,7 +571,8 @@ def main() -> int:
             doc["stages"].append({"stage": "server", "skipped": f"{limit:.0f} s of the budget left"})
             return
         srv_argv = ["--child", "server", "--device", args.device, "--model", args.model, "--layout", args.layout]
-        srv_argv += ["--server-requests", str(args.server_requests), "--child-budget-s", str(limit - 40)]
+        srv_argv += ["--server-requests", str(args.server_requests), "--server-vocab", str(args.server_vocab)]
+        srv_argv += ["--child-budget-s", str(limit - 20)]
         doc["stages"].append(run_stage("server", srv_argv, base_env, limit))
         write_result(args.out, doc)
 
@@ -564,9 +605,8 @@ def verdict(doc: dict) -> dict:
             continue
         if st["stage"] == "server":
             bad = [b for b in st.get("bursts", []) if b["failed"]]
-            out["server"] = (
-                f"first failing burst {bad[0]}" if bad else f"bursts clean; open loop {st.get('open_loop_60rps')}"
-            )
+            ol = {k: v for k, v in (st.get("open_loop_60rps") or {}).items() if k == "completed" or "fail" in k}
+            out["server"] = f"first failing burst {bad[0]}" if bad else f"bursts clean; open loop {ol or 'not run'}"
             continue
         cases = st.get("cases") or []
         bad = [f"b{c['batch']}/ids>={c['ids_from']}/{m}" for c in cases for m in ("graphs", "eager") if c[m]["failed"]]
