@@ -125,6 +125,12 @@ def _run(engine, prompts: list[list[int]], tokens: int, stagger: int = 0) -> dic
     }
 
 
+def _pool_finite(engine) -> bool:
+    import torch
+
+    return all(bool(torch.isfinite(c).all()) for c in engine.runner.kv_caches if c.is_floating_point())
+
+
 def _agree(a: list[list[int]], b: list[list[int]]) -> float:
     pairs = [(x, y) for ra, rb in zip(a, b) for x, y in zip(ra, rb)]
     return round(sum(x == y for x, y in pairs) / max(1, len(pairs)), 3)
@@ -322,6 +328,7 @@ def child_engine(args) -> int:
             case["eager"] = {k: v for k, v in e.items() if k != "tokens"}
             case["graph_replays"] = replays0
             case["tokens_agree"] = _agree(g["tokens"], e["tokens"])
+            case["kv_pool_finite"] = _pool_finite(eng)  # zeros at start: a NaN anywhere was written by a step
             if eng.device.type == "cuda":
                 from server.engine.attention.triton_decode import plan_splits
 
@@ -618,6 +625,7 @@ def verdict(doc: dict) -> dict:
             "staggered_failed": (st.get("staggered_64x4") or {}).get("failed"),
             "first_nonfinite_op": fn and f"{fn['op']} at step {fn['step']}: {json.dumps(fn['args'])[:300]}",
             "min_tokens_agree": min((c["tokens_agree"] for c in cases), default=None),
+            "kv_pool_nonfinite_after": [f"b{c['batch']}" for c in cases if c.get("kv_pool_finite") is False][:4],
         }
     return out
 
