@@ -103,6 +103,13 @@ class WorkerInfo:
     ejected_until: float = 0.0  # monotonic; 0: not ejected (outlier.py)
     ejections: int = 0  # consecutive ejections (the cooling period's multiplier)
     prefix_hits: int = 0  # requests routed here for a prefix this worker's summary said it held
+    progress_at: float = field(default_factory=time.monotonic)  # when its engine step count last moved
+
+    def progressing(self, now: float, within_s: float) -> bool:
+        """Its engine is working through its queue: its last heartbeat says a step is running, or its step
+        count moved within ``within_s``. A heartbeat that falls between two steps of a busy worker says
+        ``in_step: false``; the moving count still shows it busy, not hung."""
+        return self.status.in_step or now - self.progress_at < within_s
 
     @property
     def healthy(self) -> bool:
@@ -267,8 +274,10 @@ class WorkerRegistry:
         info = self.workers.get(worker_id)
         if info is None or info.state == DEAD:
             return False  # a dead worker that still heartbeats must register again
-        info.status = status
         now = time.monotonic()
+        if status.num_steps != info.status.num_steps or status.in_step:
+            info.progress_at = now
+        info.status = status
         self.prefix.update(worker_id, status, now)
         gap = now - info.last_seen
         info.last_seen = now

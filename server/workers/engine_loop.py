@@ -170,6 +170,7 @@ class EngineLoop:
             num_staged_kv=num_staged_kv,
             memory_errors_recent=e.memory_pressure.recent(),
             in_step=self.step_started > 0,
+            num_steps=e.stats.num_steps,
         )
 
     # --- the loop ------------------------------------------------------------
