@@ -1,6 +1,7 @@
 """Overload without collapse (issue 26) on the CPU VM: the seed's form, open-loop overload, TTFT prediction.
 
     nice -n 5 .venv/bin/python -m bench.resilience.overload_cpu [--parts hotpath,seed,openloop] [--out FILE]
+        [--seed-users 100:60,300:30] [--seed-drain 300] [--workdir DIR]
 
 Parts (each starts its own `distserve serve` with distbench's shared helper and drives it with distbench's CLI):
 
@@ -9,8 +10,12 @@ Parts (each starts its own `distserve serve` with distbench's shared helper and 
   32/64 tokens, TPOT median and output tokens/s. Which one keeps liveness cheaper for decode.
 - ``seed``: the seed's form on SmolLM2-135M: ``distbench run --concurrency 100 --prompt-len 128
   --output-len 64 --duration 60`` (and 300 users, 30 s) against ``distserve serve --model
-  smollm2-135m-instruct`` with the default config, `/health` polled every 0.5 s throughout: completed,
-  429 (each with Retry-After, as the tests check), other failures, health codes seen, slowest /health.
+  smollm2-135m-instruct`` with the default config, `/health` polled every 0.5 s throughout; the requests in
+  flight at the end may finish for ``--seed-drain`` s (default 300: the router's bound on a wait). Reported:
+  completed, 429 (with Retry-After), other failures, unfinished at the end (in flight when the drain ran
+  out: distbench's ``cancelled``, never counted as failed), distbench's verdict line, health codes seen,
+  slowest /health, load average before/after, every worker's in-flight count and state afterwards, the
+  router's worker-state transition lines, tracebacks in the logs and how long the shutdown took.
 - ``openloop``: tiny model, TTFT SLO 1 s (``router.admission.slo_ttft_ms``), Poisson arrivals at 1x, 2x and
   4x a capacity measured first (the throughput of a closed loop of 8 users): goodput (requests within the
   SLO per second), shed share, TTFT P99 of admitted requests, and the predicted-vs-measured TTFT error of

@@ -186,9 +186,10 @@ def test_a_line_that_does_not_parse_is_a_worker_failure():
     assert reg.workers["a-bad"].state == "suspect"
 
 
-async def _pd_run(decode_lines: list[bytes]) -> tuple[list[TokenEvent], list[str]]:
+async def _pd_run(decode_lines: list[bytes], slots: int = 0, during=None) -> tuple[list[TokenEvent], list[str]]:
     """A prefill stub that stages KV (answers a handle) and a decode stub that streams ``decode_lines``;
-    the request ids the prefill stub was asked to abort."""
+    the request ids the prefill stub was asked to abort. ``slots``: decode room per decode worker;
+    ``during(registry)``: called as the request starts, returns an awaitable that runs beside it."""
     aborted: list[str] = []
 
     async def prefill(request: web.Request):
@@ -223,9 +224,13 @@ async def _pd_run(decode_lines: list[bytes]) -> tuple[list[TokenEvent], list[str
         for wid, role in (("p", "prefill"), ("d", "decode")):
             reg.register(RegisterRequest(worker_id=wid, role=role, url=url, pid=1, fingerprint={}, max_model_len=64))
         async with aiohttp.ClientSession() as http:
-            pipe = Pipeline(reg, http, RouterMetrics(), PipelineOptions(token="t", request_timeout_s=30))
+            opts = PipelineOptions(token="t", request_timeout_s=30, decode_slots=slots)
+            pipe = Pipeline(reg, http, RouterMetrics(), opts)
             req = EngineRequest("r1", [1, 2, 3], InternalSampling(max_tokens=3, temperature=0, top_p=1, seed=1))
+            side = asyncio.ensure_future(during(reg)) if during is not None else None
             events = [ev async for ev in pipe.generate(req)]
+            if side is not None:
+                await side
             await asyncio.sleep(0.2)  # the abort is sent without holding up the stream
         return events, aborted
     finally:
@@ -257,3 +262,23 @@ def test_a_recomputed_prompt_frees_the_staged_kv_and_a_pulled_one_does_not():
     assert _tokens(events) == [100, 101, 102] and aborted == ["r1"]
     events, aborted = asyncio.run(_pd_run([pulled, last]))
     assert _tokens(events) == [100, 101, 102] and aborted == []
+
+
+def test_a_request_waiting_for_decode_room_outlives_its_pair_leaving_rotation_for_a_moment():
+    # one decode slot, taken: the request waits for room; meanwhile the decode worker is marked suspect (a call
+    # to it failed) until its next heartbeat, which also frees the slot. It waits for the pair to come back
+    # instead of failing with "no healthy prefill/decode pair".
+    def during(reg: WorkerRegistry):
+        reg.workers["d"].inflight = 1  # before the request starts
+        return later(reg)
+
+    async def later(reg: WorkerRegistry) -> None:
+        await asyncio.sleep(0.2)
+        reg.mark_suspect("d", "stream broke: nothing arrived for 10 s")
+        await asyncio.sleep(0.3)
+        reg.workers["d"].inflight = 0
+        reg.heartbeat("d", WorkerStatus())
+
+    last = _line([101, 102], finished=True, reason="length")
+    events, _ = asyncio.run(_pd_run([last], slots=1, during=during))
+    assert _tokens(events) == [100, 101, 102] and not any(ev.error for ev in events), events
