@@ -497,7 +497,8 @@ class Pipeline:
         test of the worker's *state*: a worker marked suspect because another call failed, or stale for a
         moment because its heartbeats were late, is as alive as its heartbeats and step count say; testing
         the state failed every other wait on it at their next check (one timeout became all of them)."""
-        fresh_s, deadline_s = self.registry.fail_waits_after_s, self.options.progress_timeout_s
+        reg = self.registry
+        fresh_s, deadline_s = reg.fail_waits_after_s, self.options.progress_timeout_s
 
         def alive() -> bool:
             s, now = worker.status, time.monotonic()
@@ -505,7 +506,7 @@ class Pipeline:
             return (
                 busy
                 and worker.state != DEAD
-                and now - worker.last_seen < fresh_s
+                and reg.silent_for(worker, now) < fresh_s
                 and worker.progressing(now, deadline_s)
             )
 
