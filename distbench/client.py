@@ -14,7 +14,7 @@ import time
 import aiohttp
 
 from distbench.datasets import Item, Vocab
-from distbench.records import RequestRecord, short_error
+from distbench.records import RequestRecord, parse_retry_after, short_error
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/generate")
 
@@ -89,6 +89,8 @@ async def send(http: aiohttp.ClientSession, url: str, endpoint: str, body: dict,
         async with http.post(url + endpoint, json=body) as r:
             if r.status != 200:
                 rec.error = short_error(r.status, await r.text())
+                if r.status == 429:
+                    rec.retry_after = parse_retry_after(r.headers.get("Retry-After"))
                 return
             async for raw in r.content:
                 line = raw.strip()

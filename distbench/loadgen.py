@@ -5,8 +5,9 @@ rule), so a client or server that falls behind cannot hide queueing; how late ea
 recorded (``sent - scheduled``). Closed loop: each user sends its next request when the previous one
 finished (scheduled == sent); a user whose request failed fast (within ``backoff_max_s``) first waits a
 jittered, doubling back-off (``backoff_s`` .. ``backoff_max_s``; recorded per request as ``backoff``), so a
-failing server is not flooded. Multi-turn sessions run their turns in order; a later turn is due when
-the previous one finished.
+failing server is not flooded; a user refused with 429 + Retry-After waits the Retry-After (at most
+``MAX_RETRY_AFTER_S``, plus up to 10 % jitter) instead, as an OpenAI client does. Multi-turn sessions run
+their turns in order; a later turn is due when the previous one finished.
 
 Stopping: at ``duration_s`` sending ends and the requests in flight drain for up to ``drain_s``; on
 ``stop`` (an asyncio.Event: Ctrl-C, --stop-on-saturation) they get ``grace_s``. ``on_drain`` is told how
@@ -32,6 +33,8 @@ from distbench.records import RequestRecord
 from distbench.sampling import DEFAULT as DEFAULT_SAMPLING
 from distbench.sampling import sampling_fields
 from distbench.strategies import schedule
+
+MAX_RETRY_AFTER_S = 60.0  # closed loop: the longest Retry-After a user honours (OpenAI's Python client's cap)
 
 
 @dataclass(frozen=True)
@@ -173,14 +176,20 @@ async def run_load(
                         return
                     last = await run_job(job, time.perf_counter() - t0, wait)
                     wait = 0.0
-                    if last is None or last.ok or last.cancelled or not spec.backoff_s:
+                    if last is not None and last.retry_after is not None:
+                        # a 429 with Retry-After: wait what the server asked (as OpenAI's client does, up to
+                        # MAX_RETRY_AFTER_S), plus up to 10 % jitter so the refused users do not return together
+                        ra = min(last.retry_after, MAX_RETRY_AFTER_S)
+                        wait = ra + rng.uniform(0, ra / 10)
+                    elif last is None or last.ok or last.cancelled or not spec.backoff_s:
                         fails = 0
                         continue
-                    if time.perf_counter() - t0 - last.sent > spec.backoff_max_s:
+                    elif time.perf_counter() - t0 - last.sent > spec.backoff_max_s:
                         continue  # a slow failure paced the user already
-                    cap = min(spec.backoff_max_s, spec.backoff_s * 2**fails)
-                    fails += 1
-                    wait = cap / 2 + rng.uniform(0, cap / 2)  # "equal jitter": bounded, never ~0
+                    else:
+                        cap = min(spec.backoff_max_s, spec.backoff_s * 2**fails)
+                        fails += 1
+                        wait = cap / 2 + rng.uniform(0, cap / 2)  # "equal jitter": bounded, never ~0
                     end = time.perf_counter() + wait
                     while (left := end - time.perf_counter()) > 0 and not sending_over():
                         await asyncio.sleep(min(left, 0.2))

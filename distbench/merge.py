@@ -22,7 +22,16 @@ def merge(results: list[dict]) -> dict:
     dur = max(busy_span(results), 1e-9)
     percentiles = results[0]["percentiles"]
     out = dict(results[0])
-    keys = ("num_prompts", "completed", "failed", "cancelled", "total_input_tokens", "total_output_tokens")
+    keys = (
+        "num_prompts",
+        "completed",
+        "failed",
+        "cancelled",
+        "rate_limited",
+        "rate_limited_with_retry_after",
+        "total_input_tokens",
+        "total_output_tokens",
+    )
     for key in (*keys, "late_sends", "backoff_delays", "backoff_total_s"):
         out[key] = sum(r.get(key, 0) for r in results)
     failures: dict[str, int] = {}

@@ -19,6 +19,12 @@ Cancelled-request rule: a request still in flight when the run stopped (Ctrl-C, 
 ``slo_attainment`` when it had already broken a limit (no first token after the TTFT limit, or longer
 than the E2EL limit, or a gap over the ITL limit); otherwise its outcome is unknown and it is left out of
 the attainment's denominator (``slo_judged``). A result with cancelled requests never passes (PARTIAL).
+
+Rate-limited rule: a request refused with HTTP 429 (the server's admission at capacity, normally with a
+``Retry-After``) is not a failure either: the server answered at once and said when to come back. It is
+counted in ``rate_limited`` (``rate_limited_with_retry_after`` of them carried the header), not in
+``failed`` nor ``failures``; it was not served, so it counts as a miss in ``slo_attainment`` and
+``request_goodput`` as a failure does.
 """
 
 from __future__ import annotations
@@ -204,7 +210,7 @@ def failure_reasons(records: list[RequestRecord]) -> dict[str, int]:
         Counter(
             _NUMBER.sub("N", r.error or "no tokens received")
             for r in records
-            if not r.warmup and not r.ok and not r.cancelled
+            if not r.warmup and not r.ok and not r.cancelled and not r.rate_limited
         ).most_common()
     )
 
@@ -229,11 +235,14 @@ def summarize(
     out_tokens = sum(r.output_tokens for r in ok)
     in_tokens = sum(r.prompt_tokens for r in ok)
     cancelled = [r for r in measured if r.cancelled]
+    limited = [r for r in measured if r.rate_limited]
     s: dict = {
         "num_prompts": len(measured),
         "completed": len(ok),
-        "failed": len(measured) - len(ok) - len(cancelled),
+        "failed": len(measured) - len(ok) - len(cancelled) - len(limited),
         "cancelled": len(cancelled),
+        "rate_limited": len(limited),
+        "rate_limited_with_retry_after": sum(1 for r in limited if r.retry_after is not None),
         "duration": duration_s,
         "total_input_tokens": in_tokens,
         "total_output_tokens": out_tokens,

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field, fields
 
 SCHEMA_VERSION = 1
 CANCELLED = "cancelled"  # the prefix of a cancelled request's `error`
+RATE_LIMITED = "HTTP 429"  # the prefix of a rate-limited request's `error`
 
 
 @dataclass
@@ -32,11 +33,17 @@ class RequestRecord:
     turn: int | None = None
     backoff: float = 0.0  # closed loop: seconds this user waited after a fast failure before sending it
     cancelled_after: float | None = None  # cancelled at the stop: seconds from `scheduled` to the cancel
+    retry_after: float | None = None  # a 429's Retry-After header, seconds (None: not a 429, or no header)
 
     @property
     def cancelled(self) -> bool:
         """In flight when the run stopped (Ctrl-C, --duration's drain ran out): neither a success nor a failure."""
         return self.error is not None and self.error.startswith(CANCELLED)
+
+    @property
+    def rate_limited(self) -> bool:
+        """Refused with 429 (the server's admission at capacity): neither a success nor a failure."""
+        return self.error is not None and self.error.startswith(RATE_LIMITED)
 
     @property
     def ok(self) -> bool:
@@ -67,6 +74,17 @@ class RequestRecord:
     def from_dict(cls, d: dict) -> RequestRecord:
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in names})
+
+
+def parse_retry_after(value: str | None) -> float | None:
+    """Retry-After in seconds (delta-seconds form; an HTTP date or garbage: None)."""
+    if value is None:
+        return None
+    try:
+        s = float(value.strip())
+    except ValueError:
+        return None
+    return s if s >= 0 and s == s and s != float("inf") else None
 
 
 def short_error(status: int | None, body: str = "", exc: BaseException | None = None, words: int = 12) -> str:

@@ -189,10 +189,18 @@ def _drain_line(reason: str, n: int, up_to_s: float) -> None:
 
 def verdict(res: dict) -> dict:
     """pass/fail and one line saying why (failed requests count as misses). A run that was stopped, or
-    whose drain ran out with requests in flight (``cancelled``), is PARTIAL: never a pass."""
+    whose drain ran out with requests in flight (``cancelled``), is PARTIAL: never a pass. Requests the
+    server refused with 429 (``rate_limited``: admission at capacity) are not failures; the line counts
+    them apart, and a run in which every request was refused does not pass (nothing was served)."""
     n, failed, cancelled = res["num_prompts"], res["failed"], res.get("cancelled", 0)
+    limited = res.get("rate_limited", 0)
     if n == 0:
         return {"pass": False, "line": "FAIL: no request was sent"}
+    shed = ""
+    if limited:
+        with_ra = res.get("rate_limited_with_retry_after", 0)
+        ra = "all with Retry-After" if with_ra == limited else f"{with_ra} with Retry-After"
+        shed = f"; {limited} refused with 429 ({ra}), not counted as failures"
     if "slo_attainment" in res:
         att, target = res["slo_attainment"], res["slo_target"]
         ok = attainment_meets(att, target)
@@ -200,10 +208,14 @@ def verdict(res: dict) -> dict:
         word, body = (
             "PASS" if ok else "FAIL",
             f"SLO attainment {100 * att:.1f}% {'>=' if ok else '<'} target {100 * target:g}% "
-            f"({slo}; {failed} of {n} requests failed)",
+            f"({slo}; {failed} of {n} requests failed{shed})",
         )
     elif failed:
-        ok, word, body = False, "FAIL", f"{failed} of {n} requests failed"
+        ok, word, body = False, "FAIL", f"{failed} of {n} requests failed ({res['completed']} completed{shed})"
+    elif limited and not res["completed"]:
+        ok, word, body = False, "FAIL", f"no request completed: {limited} of {n} refused with 429"
+    elif limited:
+        ok, word, body = True, "PASS", f"0 failed: {res['completed']} of {n} requests completed{shed}"
     else:
         ok, word, body = True, "PASS", f"all {n - cancelled} requests completed"
     stopped = res.get("interrupted")

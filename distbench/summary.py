@@ -64,8 +64,10 @@ def latency_table(s: dict) -> tuple[str, list[str]]:
 
 def format_summary(s: dict) -> str:
     cancelled = s.get("cancelled", 0)
+    limited = s.get("rate_limited", 0)
     lines = [
         f"sent {s['num_prompts']}, completed {s['completed']}, failed {s['failed']}"
+        + (f", rate-limited (429) {limited}" if limited else "")
         + (f", cancelled {cancelled}" if cancelled else "")
         + f", {s['duration']:.1f} s, {s['request_throughput']:.2f} req/s, "
         f"{s['output_throughput']:.0f} output tok/s"
@@ -99,6 +101,13 @@ def format_summary(s: dict) -> str:
                 f"{s['late_sends']} sends late by > {s['late_threshold_ms']:g} ms, "
                 f"max {_f(s['max_send_lag_ms'])} ms"
             )
+    if limited:
+        with_ra = s.get("rate_limited_with_retry_after", 0)
+        waited = "; closed-loop users waited the Retry-After before their next request"
+        lines.append(
+            f"{limited} requests were refused with 429 (server at capacity; {with_ra} with Retry-After): "
+            f"counted apart, neither completed nor failed" + (waited if s.get("strategy") == "closed" else "")
+        )
     if s.get("backoff_delays"):
         lines.append(
             f"closed loop back-off: {s['backoff_delays']} sends delayed after a fast failure "

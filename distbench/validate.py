@@ -19,7 +19,15 @@ import math
 from pathlib import Path
 from typing import Any
 
-COUNTS = ("num_prompts", "completed", "failed", "total_input_tokens", "total_output_tokens", "late_sends")
+COUNTS = (
+    "num_prompts",
+    "completed",
+    "failed",
+    "rate_limited",
+    "total_input_tokens",
+    "total_output_tokens",
+    "late_sends",
+)
 LATENCIES = ("scheduled", "sent", "start_unix", "ttft", "ttft_service", "e2e")
 TOKENS = ("prompt_tokens", "output_tokens")
 

@@ -223,7 +223,8 @@ class PrefillConfig(_Section):
     attention_backend: str = _opt("auto", "enum", choices=("auto", "sdpa", "cpu_paged", "flash_attn_v2", "triton"))
     max_num_batched_tokens: int = _opt(4096, "int", lo=1, hi=16_777_216)
     torch_threads: int = _opt(0, "int", lo=0, hi=1024)  # 0 = leave torch's default
-    # engine.step() on its own thread (on) or on the event loop (off); auto = on for CUDA devices
+    # engine.step() on its own thread (on) or on the event loop (off); auto = on (prefill workers on any device:
+    # server/workers/engine_loop.py, resolve_engine_thread)
     engine_thread: str = _opt("auto", "enum", choices=("auto", "on", "off"))
     # weight of each prefill worker in the budget of a GPU it shares (server/memory_budget.py)
     memory_share: float = _opt(0.3, "float", lo=0, hi=1, lo_open=True)

@@ -152,6 +152,9 @@ class WorkerStatus(BaseModel):
     # an engine step is running right now (the router lets a quiet stream or prefill wait through a long
     # step of a worker that still heartbeats; a worker stalled between steps fails at the progress deadline)
     in_step: bool = Field(default=False, strict=True)
+    # engine steps completed so far (a counter): a worker whose count moves is working through its queue even
+    # when each heartbeat happens to fall between two steps; one whose count stands still is not
+    num_steps: int = Field(default=0, ge=0, le=2**62, strict=True)
     prefix_block_size: int = Field(default=0, ge=0, le=4096, strict=True)
     prefix_version: int = Field(default=0, ge=0, le=2**62, strict=True)
     prefix_blocks: list[PrefixDigest] | None = Field(default=None, max_length=MAX_PREFIX_BLOCKS)

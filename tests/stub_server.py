@@ -4,6 +4,8 @@
 ``stall_at=K``: when the K-th request arrives the server stalls for ``stall_s`` — every request waits
 until the stall ends before its first token (a GC pause / a stuck scheduler at a known moment).
 ``fail_every=N``: every N-th request gets ``HTTP 503 {"error": "overloaded, retry"}``.
+``rate_limit_every=N``: every N-th request gets ``HTTP 429`` in OpenAI's rate-limit shape with
+``Retry-After: retry_after`` (seconds; None: no header).
 ``max_active=K``: at most K requests stream at once, the others queue for a slot before their first
 token: a server of known capacity, ``K / ((max_tokens - 1) × token_delay_s)`` requests per second.
 """
@@ -26,7 +28,10 @@ class StubServer:
         stall_s: float = 1.0,
         fail_every: int | None = None,
         max_active: int | None = None,
+        rate_limit_every: int | None = None,
+        retry_after: str | None = "1",
     ) -> None:
+        self.rate_limit_every, self.retry_after = rate_limit_every, retry_after
         self.token_delay_s, self.stall_at, self.stall_s, self.fail_every = token_delay_s, stall_at, stall_s, fail_every
         self.max_active = max_active
         self.count = 0
@@ -84,6 +89,10 @@ class StubServer:
         n = self.count
         if self.fail_every and n % self.fail_every == 0:
             return web.json_response({"error": "overloaded, retry"}, status=503)
+        if self.rate_limit_every and n % self.rate_limit_every == 0:
+            err = {"message": "Rate limit reached", "type": "requests", "param": None, "code": "rate_limit_exceeded"}
+            headers = {"Retry-After": self.retry_after} if self.retry_after is not None else None
+            return web.json_response({"error": err}, status=429, headers=headers)
         if n == self.stall_at:
             self._open.clear()
             asyncio.get_running_loop().create_task(self._reopen())

@@ -1,6 +1,7 @@
 """Overload without collapse (issue 26) on the CPU VM: the seed's form, open-loop overload, TTFT prediction.
 
     nice -n 5 .venv/bin/python -m bench.resilience.overload_cpu [--parts hotpath,seed,openloop] [--out FILE]
+        [--seed-users 100:60,300:30] [--seed-drain 300] [--workdir DIR]
 
 Parts (each starts its own `distserve serve` with distbench's shared helper and drives it with distbench's CLI):
 
@@ -9,8 +10,12 @@ Parts (each starts its own `distserve serve` with distbench's shared helper and 
   32/64 tokens, TPOT median and output tokens/s. Which one keeps liveness cheaper for decode.
 - ``seed``: the seed's form on SmolLM2-135M: ``distbench run --concurrency 100 --prompt-len 128
   --output-len 64 --duration 60`` (and 300 users, 30 s) against ``distserve serve --model
-  smollm2-135m-instruct`` with the default config, `/health` polled every 0.5 s throughout: completed,
-  429 (each with Retry-After, as the tests check), other failures, health codes seen, slowest /health.
+  smollm2-135m-instruct`` with the default config, `/health` polled every 0.5 s throughout; the requests in
+  flight at the end may finish for ``--seed-drain`` s (default 300: the router's bound on a wait). Reported:
+  completed, 429 (with Retry-After), other failures, unfinished at the end (in flight when the drain ran
+  out: distbench's ``cancelled``, never counted as failed), distbench's verdict line, health codes seen,
+  slowest /health, load average before/after, every worker's in-flight count and state afterwards, the
+  router's worker-state transition lines, tracebacks in the logs and how long the shutdown took.
 - ``openloop``: tiny model, TTFT SLO 1 s (``router.admission.slo_ttft_ms``), Poisson arrivals at 1x, 2x and
   4x a capacity measured first (the throughput of a closed loop of 8 users): goodput (requests within the
   SLO per second), shed share, TTFT P99 of admitted requests, and the predicted-vs-measured TTFT error of
@@ -86,14 +91,18 @@ def summarize(result: dict, slo_ttft_s: float | None = None) -> dict:
     recs = [r for r in result["requests"] if not r.get("warmup")]
     ok = [r for r in recs if r["error"] is None and r["ttft"] is not None]
     limited = [r for r in recs if (r["error"] or "").startswith("HTTP 429")]
-    other = [r for r in recs if r["error"] is not None and not (r["error"] or "").startswith("HTTP 429")]
+    unfinished = [r for r in recs if (r["error"] or "").startswith("cancelled")]  # in flight when the drain ended
+    other = [r for r in recs if r["error"] is not None and r not in limited and r not in unfinished]
     dur = result.get("duration") or max((r["scheduled"] for r in recs), default=1.0)
     out = {
         "sent": len(recs),
         "completed": len(ok),
         "rate_limited_429": len(limited),
+        "rate_limited_with_retry_after": sum(1 for r in limited if r.get("retry_after") is not None),
         "failed_other": len(other),
+        "unfinished_at_end": len(unfinished),
         "other_errors": sorted({(r["error"] or "")[:80] for r in other})[:5],
+        "verdict": (result.get("verdict") or {}).get("line"),
         "ttft_p50_s": pct([r["ttft"] for r in ok], 50),
         "ttft_p99_s": pct([r["ttft"] for r in ok], 99),
         "tpot_p50_s": pct([r["tpot"] for r in ok if r.get("tpot") is not None], 50),
@@ -132,21 +141,49 @@ def part_hotpath(tmp: Path) -> dict:
     return res
 
 
-def part_seed(tmp: Path, users_runs: tuple[tuple[int, int], ...] = ((100, 60), (300, 30))) -> dict:
+def _loadavg() -> list[str]:
+    with open("/proc/loadavg") as f:
+        return f.read().split()[:3]
+
+
+def _router_lines(s: ServeProcess, *needles: str) -> list[str]:
+    log = s.tmp / "logs" / "router.log"
+    text = log.read_text(errors="replace") if log.exists() else ""
+    return [ln[:200] for ln in text.splitlines() if any(n in ln for n in needles)][:20]
+
+
+def part_seed(tmp: Path, users_runs: tuple[tuple[int, int], ...] = ((100, 60), (300, 30)), drain_s: int = 300) -> dict:
+    """``drain_s``: after each run's --duration its requests in flight may finish for this long (the client
+    lets them finish; default: the router's own bound on a wait, ``max_predicted_ttft_s`` = half the request
+    timeout); what is still in flight then is reported as ``unfinished_at_end``, never as failed."""
     s = serve(tmp / "seed", {}, ("--model", "smollm2-135m-instruct"))
-    res = {}
+    res: dict = {"drain_timeout_s": drain_s}
     try:
         for users, dur in users_runs:
             poll = HealthPoller(s.url)
+            load0 = _loadavg()
             poll.start()
             r = distbench(
                 s.url + "/v1", tmp / f"seed-{users}.json", "--concurrency", str(users), "--prompt-len", "128",
-                "--output-len", "64", "--duration", str(dur),
+                "--output-len", "64", "--duration", str(dur), "--drain-timeout", str(drain_s),
             )  # fmt: skip
-            res[f"users_{users}"] = {**summarize(r), "health": poll.stop()}
+            res[f"users_{users}"] = {
+                **summarize(r),
+                "health": poll.stop(),
+                "loadavg_before": load0,
+                "loadavg_after": _loadavg(),
+                # nothing stuck once the client is done: every worker's in-flight count back to 0
+                "workers_inflight_after": {w["worker_id"]: w["inflight"] for w in s.workers()},
+                "worker_states_after": {w["worker_id"]: w["state"] for w in s.workers()},
+            }
         res["admission"] = s.get("/v1/admission")
     finally:
+        t0 = time.monotonic()
         s.stop()
+        res["shutdown_s"] = round(time.monotonic() - t0, 1)
+    res["router_transitions"] = _router_lines(s, "suspect", "stale", "healthy again", "requests failing")
+    logs = "".join(p.read_text(errors="replace") for p in (s.tmp / "logs").glob("*.log"))
+    res["tracebacks_in_logs"] = logs.count("Traceback")
     return res
 
 
@@ -221,6 +258,7 @@ def main() -> None:
     ap.add_argument("--parts", default="hotpath,seed,openloop")
     ap.add_argument("--out", default=None)
     ap.add_argument("--seed-users", default="100:60,300:30", help="USERS:SECONDS runs of the seed part")
+    ap.add_argument("--seed-drain", type=int, default=300, help="seconds the seed runs' requests in flight may finish")
     ap.add_argument("--workdir", default=None, help="keep the result files and logs here (default: a temp dir)")
     ap.add_argument("--open-rates", default="1,2,4", help="multiples of the capacity the open loop runs at")
     ap.add_argument("--open-duration", type=int, default=30, help="seconds per open-loop rate")
@@ -231,7 +269,7 @@ def main() -> None:
     rates = tuple(int(x) for x in a.open_rates.split(","))
     parts = {
         "hotpath": part_hotpath,
-        "seed": lambda t: part_seed(t, runs),
+        "seed": lambda t: part_seed(t, runs, a.seed_drain),
         "openloop": lambda t: part_openloop(
             t, rates=rates, duration_s=a.open_duration, with_off=not a.open_no_off, model=a.open_model
         ),

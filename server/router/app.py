@@ -40,6 +40,7 @@ def create_router_app(state: RouterState) -> FastAPI:
         period = max(0.05, min(rc.heartbeat_interval_ms, rc.heartbeat_timeout_ms) / 2000.0)
         while True:
             state.registry.sweep()
+            state.registry.tick()
             if state.pipeline is not None:
                 state.pipeline.request_log.flush()  # the summaries of held-back per-request warnings
             await asyncio.sleep(period)

@@ -26,7 +26,7 @@ from server.idle import IdleTimeout
 from server.lograte import RateLimitedLog, describe
 from server.metrics import RouterMetrics
 from server.router.decode_room import DecodeRoom, NoRoom
-from server.router.registry import HEALTHY, WorkerInfo, WorkerRegistry
+from server.router.registry import DEAD, WorkerInfo, WorkerRegistry
 from server.router.ttft_predictor import Call, RequestPhases, TtftPredictor
 from server.wire import InternalSampling, PrefillResponse, StreamLine, TokenLogprob
 
@@ -54,6 +54,10 @@ def _check_logprobs(worker: WorkerInfo, req: EngineRequest, token_ids: list[int]
 
 class NoWorkersError(Exception):
     """No healthy worker can take the request (HTTP 503 before streaming starts)."""
+
+
+class NoRoomInTime(NoWorkersError):
+    """No decode worker had room for the request within its timeout."""
 
 
 class WorkerFailed(Exception):
@@ -169,9 +173,12 @@ class Pipeline:
                         if event.finished:
                             return
                 raise RuntimeError("worker stream ended without a finish")  # defensive; streams raise
+            except NoRoomInTime:
+                raise  # waited the whole request timeout for decode room: no point waiting again
             except NoWorkersError as e:
-                if not outputs and not failures:
-                    raise  # nothing streamed yet: the caller answers 503
+                # check_available() above found a pair; it went out of rotation since (a worker marked suspect
+                # or late with a heartbeat while this request waited for decode room): wait for one to come
+                # back, as after a worker failure, instead of failing a request that has not started
                 failures += 1
                 if failures > self.options.max_migrations:
                     yield TokenEvent([], True, "error", f"giving up: {e}")
@@ -217,7 +224,7 @@ class Pipeline:
                 lambda: self.registry.pick("decode"), self.options.request_timeout_s
             )
         except NoRoom as e:
-            raise NoWorkersError(str(e)) from None
+            raise NoRoomInTime(str(e)) from None
         if self.predictor is not None:
             self.predictor.room_granted(req.phases, waited, releases)
         return decode
@@ -481,12 +488,27 @@ class Pipeline:
             idle.close()
 
     def _heartbeating(self, worker: WorkerInfo):
-        timeout = self.registry.heartbeat_timeout_s
+        """Asked when a wait on ``worker`` has been quiet for the progress deadline: wait on (True) or fail it?
 
-        def alive() -> bool:  # heartbeats fresh, and its last one says a step is running: a long step, not a hang
-            s = worker.status
+        On while it is busy and working through its queue: it has work, its heartbeats are not older than the
+        registry lets a silent worker's waits live (``fail_waits_after_s``: a frozen process fails there), and
+        its engine is in a step or completed one within the deadline (``WorkerInfo.progressing``). So a request
+        queued behind others, or inside a long step, waits; one on a worker stalled between steps fails. Not a
+        test of the worker's *state*: a worker marked suspect because another call failed, or stale for a
+        moment because its heartbeats were late, is as alive as its heartbeats and step count say; testing
+        the state failed every other wait on it at their next check (one timeout became all of them)."""
+        reg = self.registry
+        fresh_s, deadline_s = reg.fail_waits_after_s, self.options.progress_timeout_s
+
+        def alive() -> bool:
+            s, now = worker.status, time.monotonic()
             busy = s.num_running + s.num_waiting + s.num_reserving > 0
-            return busy and s.in_step and worker.state == HEALTHY and time.monotonic() - worker.last_seen < timeout
+            return (
+                busy
+                and worker.state != DEAD
+                and reg.silent_for(worker, now) < fresh_s
+                and worker.progressing(now, deadline_s)
+            )
 
         return alive
 

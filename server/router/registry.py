@@ -103,6 +103,13 @@ class WorkerInfo:
     ejected_until: float = 0.0  # monotonic; 0: not ejected (outlier.py)
     ejections: int = 0  # consecutive ejections (the cooling period's multiplier)
     prefix_hits: int = 0  # requests routed here for a prefix this worker's summary said it held
+    progress_at: float = field(default_factory=time.monotonic)  # when its engine step count last moved
+
+    def progressing(self, now: float, within_s: float) -> bool:
+        """Its engine is working through its queue: its last heartbeat says a step is running, or its step
+        count moved within ``within_s``. A heartbeat that falls between two steps of a busy worker says
+        ``in_step: false``; the moving count still shows it busy, not hung."""
+        return self.status.in_step or now - self.progress_at < within_s
 
     @property
     def healthy(self) -> bool:
@@ -202,6 +209,11 @@ class WorkerRegistry:
         self.prefix_cache_weight = prefix_cache_weight
         self.last_pick_cached_tokens = 0  # of the latest pick (read by the pipeline right after it)
         self.outliers = OutlierDetector(outlier if outlier is not None else OutlierConfig())
+        # The router's own pulse (``tick``, from its sweeper task): when its event loop stalled (a CPU taken by
+        # neighbours), the heartbeats sent meanwhile wait unread in their sockets; judging workers by them
+        # right after the stall would make every healthy worker look stale at once (and every request 503).
+        self._ticked_at: float | None = None  # None: no sweeper ticks (unit tests): no stall correction
+        self._grace_from = 0.0  # heartbeat ages count from here at the earliest (the end of a router stall)
 
     def configure(self, rc: RouterConfig, on_eject: Callable[[str], None] | None = None) -> None:
         """Take the router section's routing settings (cache-aware weight, summary age, outlier ejection)."""
@@ -267,8 +279,10 @@ class WorkerRegistry:
         info = self.workers.get(worker_id)
         if info is None or info.state == DEAD:
             return False  # a dead worker that still heartbeats must register again
-        info.status = status
         now = time.monotonic()
+        if status.num_steps != info.status.num_steps or status.in_step:
+            info.progress_at = now
+        info.status = status
         self.prefix.update(worker_id, status, now)
         gap = now - info.last_seen
         info.last_seen = now
@@ -313,11 +327,29 @@ class WorkerRegistry:
         if info is not None and info.state == HEALTHY:
             transition(info, SUSPECT, reason)
 
+    def silent_for(self, info: WorkerInfo, now: float) -> float:
+        """How long ``info`` has been silent as far as its heartbeats tell (from the end of a router stall)."""
+        return now - max(info.last_seen, self._grace_from)
+
+    def tick(self) -> None:
+        """The router's sweeper ran (every heartbeat timeout / 2 or sooner): its event loop is not stalled."""
+        self._ticked_at = time.monotonic()
+
     def sweep(self) -> None:
-        """Age the states; fail the waits on workers silent for ``fail_waits_after_s`` (frozen)."""
+        """Age the states; fail the waits on workers silent for ``fail_waits_after_s`` (frozen).
+
+        A heartbeat's age counts from the end of the router's own latest stall at the earliest: a router
+        whose loop did not run for over half a heartbeat timeout has not read the heartbeats sent meanwhile."""
         now = time.monotonic()
+        if self._ticked_at is not None and now - self._ticked_at > self.heartbeat_timeout_s / 2:
+            if now - self._grace_from > self.heartbeat_timeout_s / 2:
+                log.warning(
+                    "router event loop stalled for %.1f s: worker heartbeats are aged from now",
+                    now - self._ticked_at,
+                )
+            self._grace_from = now
         for wid, info in list(self.workers.items()):
-            age = now - info.last_seen
+            age = self.silent_for(info, now)
             if age > self.forget_after_s and info.state != DEAD:
                 log.warning("worker %s (%s) forgotten: no heartbeat for %.1f s", wid, info.role, age)
                 del self.workers[wid]

@@ -354,8 +354,8 @@ async def _with_progress(state: WorkerState, request: Request, answer) -> Respon
 
     An answer ready within a quarter of the deadline goes out as it is. Else the answer becomes a
     stream: a blank (JSON allows leading whitespace) every quarter of the deadline *in which the engine
-    completed a step* — a hung engine sends nothing, and the router gives up on this worker — then the
-    JSON.
+    completed a step or was inside one* — an engine hung between steps sends nothing, and the router gives
+    up on this worker — then the JSON.
 
     A caller that disconnects while the answer is not ready cancels it, which aborts the request and frees
     its blocks (a plain handler is not cancelled by a disconnect: it would wait for its prefill, and hold
@@ -387,7 +387,9 @@ async def _with_progress(state: WorkerState, request: Request, answer) -> Respon
         try:
             while not (await asyncio.wait({task}, timeout=keepalive_s))[0]:
                 now = state.loop.engine.stats.num_steps
-                if now != steps:
+                # a step completed, or one is running (engine thread: the loop is free meanwhile, and the
+                # heartbeat thread withholds heartbeats of a step that runs past max_step_s)
+                if now != steps or state.loop.step_started:
                     steps = now
                     yield b" "
             try:

@@ -2,15 +2,16 @@
 
 Two ways to run ``engine.step()``, chosen per role by ``prefill.engine_thread`` / ``decode.engine_thread``:
 
-* **inline** (the default on CPU): the step runs *on the event-loop thread*, then a yield lets HTTP
-  handlers run, then the next step. A CPU worker owns one core, so a separate engine thread would buy
-  no parallelism; it would only add GIL hand-offs (up to the 5 ms switch interval each) between the
-  thread that computes a token and the thread that streams it.
-* **thread** (the default on CUDA): the step runs on one dedicated engine thread while the event loop
-  keeps serving. A GPU step is mostly waiting for the device (the wait releases the GIL), so handlers'
-  host work — parsing the next request, staging a finished prefill's KV, streaming tokens — overlaps the
-  step instead of sitting between steps, and a handler whose work finished mid-step resumes at once
-  instead of after the *next* step (measured on two H200s: docs/performance/serving-two-gpus.md).
+* **inline** (the default of CPU decode and colocated workers): the step runs *on the event-loop
+  thread*, then a yield lets HTTP handlers run, then the next step. A CPU worker owns one core, so a
+  separate engine thread would buy no parallelism; it would only add GIL hand-offs (up to the 5 ms switch
+  interval each) between the thread that computes a token and the thread that streams it.
+* **thread** (the default on CUDA, and of prefill workers on any device: ``resolve_engine_thread``): the
+  step runs on one dedicated engine thread while the event loop keeps serving. A GPU step is mostly
+  waiting for the device (the wait releases the GIL), so handlers' host work — parsing the next request,
+  staging a finished prefill's KV, streaming tokens — overlaps the step instead of sitting between steps,
+  and a handler whose work finished mid-step resumes at once instead of after the *next* step (measured
+  on two H200s: docs/performance/serving-two-gpus.md).
 
 Either way the engine is touched by one thread at a time, so it needs no locks: in thread mode a
 handler's engine call made while a step runs is queued (``_pending``) and applied on the loop thread
@@ -81,10 +82,16 @@ class GcPolicy:
     max_stale_slots: int = 16
 
 
-def resolve_engine_thread(setting: str, device: str) -> bool:
-    """``engine_thread`` config value -> step on a dedicated thread? ``auto``: on CUDA devices only."""
+def resolve_engine_thread(setting: str, device: str, role: str = "decode") -> bool:
+    """``engine_thread`` config value -> step on a dedicated thread? ``auto``: on CUDA devices, and for prefill
+    workers on any device. A prefill worker's steps are few and long (a 4 096-token CPU step takes seconds to
+    tens of seconds on a shared core), so the thread's GIL hand-off per step costs nothing measurable there,
+    while on the event loop each finished prefill's reply — and the KV lease it starts — waited for the whole
+    *next* step: with steps longer than ``kv_transfer.lease_ms`` every staged KV expired before its decode
+    worker could pull it, and the decode worker recomputed each prompt (the seed's closed loop on SmolLM2:
+    1 of 100 completed in 3 minutes). Decode and colocated workers stay inline on CPU (a hand-off per token)."""
     if setting == "auto":
-        return device.startswith("cuda")
+        return device.startswith("cuda") or role == "prefill"
     return setting == "on"
 
 
@@ -170,6 +177,7 @@ class EngineLoop:
             num_staged_kv=num_staged_kv,
             memory_errors_recent=e.memory_pressure.recent(),
             in_step=self.step_started > 0,
+            num_steps=e.stats.num_steps,
         )
 
     # --- the loop ------------------------------------------------------------
@@ -204,10 +212,12 @@ class EngineLoop:
             try:
                 if self._executor is not None:
                     self._stepping = True
+                    self.step_started = time.monotonic()  # heartbeats say in_step: a long step, not a hang
                     try:
                         outputs, cpu = await asyncio.get_running_loop().run_in_executor(self._executor, self._step)
                     finally:
                         self._stepping = False
+                        self.step_started, self.step_ended = 0.0, time.monotonic()
                 else:
                     self.step_started = time.monotonic()  # the heartbeat thread reads it (wedged?)
                     try:

@@ -230,7 +230,7 @@ async def serve_worker(opts: WorkerOptions) -> int:
             max_stale_slots=dc.max_stale_slots,
         ),
         threaded=resolve_engine_thread(
-            (opts.config.prefill if opts.role == "prefill" else dc).engine_thread, str(engine.device)
+            (opts.config.prefill if opts.role == "prefill" else dc).engine_thread, str(engine.device), opts.role
         ),
     )
     log.info("engine steps %s", "on a dedicated thread" if engine_loop.threaded else "on the event loop")

@@ -68,6 +68,41 @@ def test_closed_loop_backs_off_after_fast_failures(vocab_dir):
     assert flood["num_prompts"] > 5 * polite["num_prompts"] and flood["backoff_delays"] == 0
 
 
+def test_429s_are_counted_apart_and_closed_loop_users_wait_their_retry_after(vocab_dir):
+    wl = Workload(prompt_len="8", output_len="2", tokenizer=vocab_dir)
+    with StubServer(rate_limit_every=2) as srv:  # every other request: 429 with Retry-After: 1
+        spec = RunSpec(url=srv.url, strategy="closed", concurrency=2, duration_s=2.5, num_prompts=10**9)
+        res = run(Options(spec, wl, progress=False))
+    recs = result.records_of(res)
+    limited = [r for r in recs if r.rate_limited]
+    assert limited and res["rate_limited"] == len(limited) == res["rate_limited_with_retry_after"]
+    assert res["failed"] == 0 and res["failures"] == {} and res["completed"] >= 2
+    assert res["completed"] + res["rate_limited"] + res["cancelled"] == res["num_prompts"]
+    assert all(r.retry_after == 1.0 for r in limited)
+    # the request a user sent after its 429 waited the Retry-After (1 s, plus at most 10 % jitter)
+    waits = [r.backoff for r in recs if r.backoff]
+    assert waits and all(1.0 <= w <= 1.1 for w in waits), waits
+    # a 200 and a 429 per Retry-After: at most ~3 such pairs per user in 2.5 s (without honouring the
+    # header, a stub this fast answers thousands)
+    assert res["num_prompts"] <= 2 * 2 * 4, res["num_prompts"]
+    line = res["verdict"]["line"]
+    assert res["verdict"]["pass"] and line.startswith("PASS: 0 failed"), line
+    assert f"{len(limited)} refused with 429 (all with Retry-After), not counted as failures" in line, line
+    text = format_summary(res)
+    assert f"rate-limited (429) {len(limited)}" in text and "failures:" not in text, text
+
+
+def test_a_run_in_which_every_request_got_a_429_does_not_pass(vocab_dir):
+    wl = Workload(prompt_len="8", output_len="2", tokenizer=vocab_dir)
+    with StubServer(rate_limit_every=1, retry_after=None) as srv:  # always 429, no Retry-After header
+        res = run(
+            Options(RunSpec(url=srv.url, strategy="constant", request_rate=20.0, num_prompts=5), wl, progress=False)
+        )
+    assert res["rate_limited"] == 5 and res["rate_limited_with_retry_after"] == 0 and res["failed"] == 0
+    assert res["verdict"]["pass"] is False
+    assert res["verdict"]["line"] == "FAIL: no request completed: 5 of 5 refused with 429", res["verdict"]
+
+
 def test_sweep_finds_a_known_capacity_and_never_calls_a_saturated_point_goodput(vocab_dir, tmp_path):
     # 2 slots x 5 gaps of 10 ms: 0.05 s per request, capacity 40 req/s; the SLO is loose (10 s), so
     # only the saturation rule stops a rate above capacity from passing

@@ -2,8 +2,9 @@
 
 One server for the module (tiny model, fast heartbeats, small admission bounds):
 - a long engine step (the fault hook's ``block_step_ms``, a ``time.sleep`` inside the step on the worker's
-  event loop) does not make the worker stale (heartbeats come from their own thread), and a decode step
-  longer than the progress deadline delays its stream without failing it;
+  event loop) does not make the worker stale (heartbeats come from their own thread), a decode step
+  longer than the progress deadline delays its stream without failing it, and a prefill request queued
+  behind such steps for longer than the deadline neither fails nor makes its worker suspect;
 - a frozen worker (SIGSTOP) still goes stale, and the router logs the transition and the recovery;
 - overload gets 429s with Retry-After (OpenAI's rate-limit shape), never a 5xx, and leaves nothing in flight;
 - SLO headers: a TTFT SLO the live prediction misses is shed (429), or admitted with ``x-slo-on-miss: queue``,
@@ -113,6 +114,29 @@ def test_a_long_decode_step_delays_a_stream_but_does_not_fail_it(server):
     log = _router_log(server)
     assert "stream broke" not in log and "migrating" not in log, log[-2000:]
     assert _worker(server, "decode")["state"] == "healthy"
+
+
+def test_a_request_queued_past_the_progress_deadline_neither_fails_nor_makes_the_worker_suspect(server):
+    # every prefill step blocks the worker's event loop for 1.5 s; requests sent 0.3 s apart queue behind the
+    # running step, so the later ones get nothing for longer than the progress deadline (2 s here)
+    _fault(server, "prefill", block_step_ms=1500)
+    try:
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:  # 3: the admission bound on queued requests here
+            futs = []
+            for _ in range(3):
+                futs.append(pool.submit(_complete, server.url, 2))
+                time.sleep(0.3)
+            states = []
+            while not all(f.done() for f in futs):
+                states.append(_worker(server, "prefill")["state"])
+                time.sleep(0.1)
+            results = [f.result() for f in futs]
+    finally:
+        _fault(server, "prefill")
+    assert [c for c, _, _ in results] == [200] * 3, results
+    assert set(states) == {"healthy"}, states
+    log = _router_log(server)
+    assert "(prefill) suspect" not in log and "nothing arrived" not in log, log[-2000:]
 
 
 def test_overload_gets_429_with_retry_after_and_never_5xx(server):

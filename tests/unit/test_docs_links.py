@@ -45,8 +45,8 @@ def test_every_performance_subject_page_is_linked_from_the_one_page() -> None:
     linked = {(index.parent / t).resolve() for t in _relative_links(index)}
     pages = sorted((ROOT / "docs" / "performance").glob("*.md"))
     assert pages, "docs/performance/ holds no page"
-    # a dated note (<topic>-YYYY-MM-DD.md, or -YYYY-MM-DDb.md for a second session that day) is a
-    # measurement waiting to be folded into its subject page
+    # a dated note (<topic>-YYYY-MM-DD.md, or -YYYY-MM-DDb.md for a day's second session) is a measurement
+    # waiting to be folded into its subject page
     pages = [p for p in pages if not re.search(r"-\d{4}-\d{2}-\d{2}[a-z]?\.md$", p.name)]
     missing = [p.name for p in pages if p.resolve() not in linked]
     assert not missing, f"subject pages not linked from docs/PERFORMANCE.md: {missing}"

@@ -190,6 +190,9 @@ def test_thread_mode_queues_engine_calls_made_during_a_step(engine):
 def test_engine_thread_setting():
     assert resolve_engine_thread("auto", "cuda:1") and resolve_engine_thread("on", "cpu")
     assert not resolve_engine_thread("auto", "cpu") and not resolve_engine_thread("off", "cuda")
+    # prefill workers step on a thread on CPU too: a reply (and its KV lease) must not wait a whole next step
+    assert resolve_engine_thread("auto", "cpu", "prefill") and not resolve_engine_thread("off", "cpu", "prefill")
+    assert not resolve_engine_thread("auto", "cpu", "decode") and not resolve_engine_thread("auto", "cpu", "colocated")
 
 
 def test_thread_mode_a_handler_cancelled_after_its_queued_add_ran_leaves_nothing(engine):

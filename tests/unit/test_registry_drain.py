@@ -65,3 +65,32 @@ def test_join_to_first_request_is_recorded_at_the_first_pick_only():
     reg.heartbeat("d1", WorkerStatus())
     reg.register(_reg("d1"))  # the same process registering again keeps its join time
     assert reg.workers["d1"].to_dict(time.monotonic())["join_to_first_request_ms"] == first
+
+
+def test_a_router_stall_does_not_make_its_workers_stale_but_a_silent_worker_still_goes_stale():
+    reg = WorkerRegistry(heartbeat_timeout_s=1.0)
+    reg.register(_reg("d1"))
+    reg.register(_reg("d2"))
+    now = time.monotonic()
+    # the router's loop did not run for 5 s (its sweeper's last tick): the heartbeats sent meanwhile are unread
+    reg._ticked_at = now - 5
+    for w in reg.workers.values():
+        w.last_seen = now - 5
+    reg.sweep()
+    assert [w.state for w in reg.workers.values()] == ["healthy", "healthy"]
+    assert len(reg.healthy("decode")) == 2  # still in rotation
+    reg.tick()
+    reg.heartbeat("d1", WorkerStatus())  # d1's queued heartbeat is read; d2 sends none: frozen
+    reg._grace_from -= 2  # a heartbeat timeout and more has passed since the stall ended
+    reg.workers["d2"].last_seen -= 2
+    reg.sweep()
+    assert reg.workers["d1"].state == "healthy" and reg.workers["d2"].state == "stale"
+
+
+def test_without_a_stall_a_silent_worker_goes_stale_as_before():
+    reg = WorkerRegistry(heartbeat_timeout_s=1.0)
+    reg.register(_reg("d1"))
+    reg.tick()  # the router runs normally
+    reg.workers["d1"].last_seen -= 2
+    reg.sweep()
+    assert reg.workers["d1"].state == "stale"
