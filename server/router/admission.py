@@ -7,10 +7,11 @@ rate-limit shape, or goes to the backup pool (``on_full: backup``). Overload the
 unbounded wait, a silent drop or a 5xx.
 
 SLO-aware: each request may carry ``x-slo-ttft-ms`` / ``x-slo-tpot-ms`` (llm-d's names; defaults
-``slo_ttft_ms``/``slo_tpot_ms``). The router predicts its TTFT from the live queue state, as the wait for
-decode room plus its prefill call behind the prompt tokens queued on its worker plus the router's own
-part, each calibrated online on what the pipeline measures (server/router/ttft_predictor.py, with the
-prefill formula of server/latency_model.py). TPOT is predicted as the recent measured TPOT (an EWMA).
+``slo_ttft_ms``/``slo_tpot_ms``). The router predicts its TTFT from the live queue state: the prompt tokens
+admitted before it and still queued x the measured cost per token, never less than the wait for decode room
+plus an idle worker's prefill call, plus the router's own part, each calibrated online on what the pipeline
+measures (server/router/ttft_predictor.py, with the prefill formula of server/latency_model.py). TPOT is
+predicted as the recent measured TPOT (an EWMA).
 When a prediction misses the SLO the request is shed (429), queued anyway (``on_slo_miss: queue``, or the
 client's ``x-slo-on-miss: queue``), or sent to the backup pool — except when nothing is queued: then a
 request is admitted whatever the prediction (it is also the next measurement, so a model that overestimates
@@ -155,11 +156,9 @@ class Admission:
         )
         terms = Gauge("distserve_ttft_model", "The live TTFT model's terms (ms)", ["term"], registry=registry)
         for term in (
-            "step_per_step_ms",
-            "step_per_token_ms",
-            "step_per_request_ms",
-            "step_speed_ratio",
-            "residual_per_call_ms",
+            "busy_per_token_ms",
+            "idle_call_fixed_ms",
+            "idle_call_per_token_ms",
             "room_per_release_ms",
             "overhead_ms",
         ):
@@ -186,7 +185,7 @@ class Admission:
 
     def decide(self, prompt_tokens: int, slo: Slo) -> Decision:
         a = self.cfg
-        parts = self.model.predict_parts(prompt_tokens, self.tokens_ahead())
+        parts = self.model.predict_parts(prompt_tokens, self.tokens_ahead(), self.queued_tokens)
         ttft = None if parts is None else sum(parts)
         tpot = self.tpot_ewma_s
         full = None
@@ -252,6 +251,13 @@ class Admission:
     def admit(self, prompt_tokens: int, d: Decision) -> Ticket:
         t = Ticket(self, prompt_tokens, self.tokens_ahead(), d.predicted_ttft_s)
         t.phases.predicted = d.predicted_parts
+        if d.predicted_parts is not None:
+            t.phases.state = {
+                **self.model.state(),
+                "queued_requests": self.queued_requests,
+                "queued_prefill_tokens": self.queued_tokens,
+                "inflight_requests": self.inflight,
+            }
         self.inflight += 1
         self.queued_requests += 1
         self.queued_tokens += prompt_tokens
