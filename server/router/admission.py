@@ -11,7 +11,9 @@ SLO-aware: each request may carry ``x-slo-ttft-ms`` / ``x-slo-tpot-ms`` (llm-d's
 admitted before it and still queued x the measured cost per token, never less than the wait for decode room
 plus an idle worker's prefill call, plus the router's own part, each calibrated online on what the pipeline
 measures (server/router/ttft_predictor.py, with the prefill formula of server/latency_model.py). TPOT is
-predicted as the recent measured TPOT (an EWMA).
+predicted as the recent measured TPOT (an EWMA). A TTFT SLO bounds a tail and the prediction is a median,
+so the prediction is compared with the SLO times a margin: the P90 of measured / predicted TTFT of the
+requests admission judged lately (``TtftPredictor.slo_margin``, 1 to 4).
 When a prediction misses the SLO the request is shed (429), queued anyway (``on_slo_miss: queue``, or the
 client's ``x-slo-on-miss: queue``), or sent to the backup pool — except when nothing is queued: then a
 request is admitted whatever the prediction (it is also the next measurement, so a model that overestimates
@@ -104,6 +106,7 @@ class Ticket:
         self.adm, self.tokens, self.ahead = adm, tokens, ahead  # ahead: (tokens, requests) queued per worker
         self.predicted_ttft_s = predicted_ttft_s
         self.queued, self.open = True, True
+        self.judged = False  # admitted with something queued ahead: its prediction was judged against the SLO
         self.phases = RequestPhases()  # filled in by the pipeline (EngineRequest.phases)
 
     def first_token(self, ttft_s: float) -> None:
@@ -161,6 +164,7 @@ class Admission:
             "idle_call_per_token_ms",
             "room_per_release_ms",
             "overhead_ms",
+            "slo_margin",
         ):
             terms.labels(term).set_function(self._term(term))
         g = Gauge("distserve_admission_queue", "Admitted requests by stage", ["what"], registry=registry)
@@ -224,9 +228,10 @@ class Admission:
         # would otherwise shed everything and never see a TTFT again to correct itself.
         if self.queued_requests == 0:
             pass
-        elif slo.ttft_s is not None and ttft is not None and ttft > slo.ttft_s:
-            what = f"predicted TTFT {ttft * 1000:.0f} ms > SLO {slo.ttft_s * 1000:g} ms"
-            miss = ("slo_ttft", what, ttft - slo.ttft_s)
+        elif slo.ttft_s is not None and ttft is not None and ttft * (margin := self.model.slo_margin()) > slo.ttft_s:
+            late = f" (x {margin:.2f}, the recent late tail)" if margin > 1 else ""
+            what = f"predicted TTFT {ttft * 1000:.0f} ms{late} > SLO {slo.ttft_s * 1000:g} ms"
+            miss = ("slo_ttft", what, ttft * margin - slo.ttft_s)
         elif slo.tpot_s is not None and tpot is not None and tpot > slo.tpot_s:
             miss = ("slo_tpot", f"predicted TPOT {tpot * 1000:.1f} ms > SLO {slo.tpot_s * 1000:g} ms", 0.0)
         if miss is not None and slo.on_miss != "queue":
@@ -251,6 +256,7 @@ class Admission:
     def admit(self, prompt_tokens: int, d: Decision) -> Ticket:
         t = Ticket(self, prompt_tokens, self.tokens_ahead(), d.predicted_ttft_s)
         t.phases.predicted = d.predicted_parts
+        t.judged = self.queued_requests > 0
         if d.predicted_parts is not None:
             t.phases.state = {
                 **self.model.state(),
@@ -293,6 +299,8 @@ class Admission:
             err = abs(ttft_s - t.predicted_ttft_s) / ttft_s
             self.errors.append(err)
             self.error_ratio.observe(err)
+            if t.judged:
+                self.model.judged(t.predicted_ttft_s, ttft_s)
         self.model.measured(t.phases, t.tokens, t.ahead, ttft_s)
 
     def _tpot(self, tpot_s: float) -> None:

@@ -49,6 +49,10 @@ RATE_TAU_S = 2.0  # the cost per token is measured over about this many seconds 
 FIT_EVERY = 4  # re-solve a fit every this many samples (every sample for the first 32)
 EWMA = 0.1  # weight of a new sample in the decode-room and overhead averages
 ROOM_ERROR_MIN_S = 0.01  # decode-room waits shorter than this are not judged by their relative error
+MARGIN_QUANTILE = 0.9  # admission's margin: this quantile of measured / predicted TTFT ...
+MARGIN_SAMPLES = 256  # ... over the last this many requests admission judged (something queued ahead)
+MARGIN_MIN_SAMPLES = 16
+MARGIN_MAX = 4.0
 
 
 class RoomState(Protocol):
@@ -246,6 +250,7 @@ class TtftPredictor:
         # relative errors of the two predicted parts (|measured - predicted| / measured), for GET /v1/admission
         self.call_errors: deque[float] = deque(maxlen=1024)
         self.room_errors: deque[float] = deque(maxlen=1024)
+        self.ratios: deque[float] = deque(maxlen=MARGIN_SAMPLES)  # measured / predicted TTFT, judged requests
 
     @property
     def queues(self) -> dict[str, WorkerQueue]:
@@ -390,6 +395,22 @@ class TtftPredictor:
             t, r = ahead
             self.call.observe_relative(self._x(int(t), int(r), tokens), ttft_s * 1000.0)
 
+    def judged(self, predicted_s: float, ttft_s: float) -> None:
+        """A request admitted with something queued ahead (so admission judged its prediction) had ``ttft_s``."""
+        if predicted_s > 0 and ttft_s > 0:
+            self.ratios.append(ttft_s / predicted_s)
+
+    def slo_margin(self) -> float:
+        """What admission multiplies a prediction by before comparing it with the SLO: the ``MARGIN_QUANTILE``
+        of measured / predicted TTFT of the requests it judged lately, in [1, ``MARGIN_MAX``] (1 until
+        ``MARGIN_MIN_SAMPLES``). On a machine whose speed moves within seconds the prediction is a median; the
+        SLO bounds a tail, so a request is admitted when it would meet the SLO even as late as most are."""
+        if len(self.ratios) < MARGIN_MIN_SAMPLES:
+            return 1.0
+        s = sorted(self.ratios)
+        q = s[min(len(s) - 1, math.ceil(MARGIN_QUANTILE * len(s)) - 1)]
+        return max(1.0, min(MARGIN_MAX, q))
+
     def state(self) -> dict:
         """The queue state a prediction reads, for the journal: slot releases needed and requests waiting for
         decode room, and per prefill worker [prompt tokens in flight, calls in flight, ms per token]."""
@@ -397,9 +418,7 @@ class TtftPredictor:
         if self.room is not None:
             out["releases"] = self.room.releases_needed()
             out["room_waiting"] = len(getattr(self.room, "waiters", ()))
-        out["workers"] = {
-            w: [q.tokens, len(q.calls), round(q.per_token_ms() or 0.0, 5)] for w, q in self.known.items()
-        }
+        out["workers"] = {w: [q.tokens, len(q.calls), round(q.per_token_ms() or 0.0, 5)] for w, q in self.known.items()}
         return out
 
     def ahead(self) -> tuple[int, int]:
@@ -425,6 +444,7 @@ class TtftPredictor:
             "room_per_release_ms": None if self.room_per_release_s is None else round(self.room_per_release_s * 1e3, 3),
             "room_samples": self.room_samples,
             "overhead_ms": round(self.overhead_s * 1000.0, 3),
+            "slo_margin": round(self.slo_margin(), 3),
         }
 
     def part_errors(self) -> dict:

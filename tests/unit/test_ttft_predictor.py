@@ -116,6 +116,43 @@ def test_the_prediction_adds_the_decode_room_wait_and_the_router_overhead():
     assert p.terms()["room_per_release_ms"] == pytest.approx(150.0)
 
 
+def test_the_prediction_is_the_queued_tokens_at_the_measured_cost_per_token():
+    # known state: idle calls of 20 ms for 128 tokens measure 20 / 128 ms per token of busy time
+    p, clock, room, reg = _attached(slots=2, workers=1)
+    _warm(p, clock)
+    per_token = 20.0 / 128
+    assert p.per_token_ms() == pytest.approx(per_token) and p.idle_call_ms(128) == pytest.approx(20.0)
+    for _ in range(3):  # three calls of 128 tokens in flight on the worker, sent 5 ms ago
+        p.call_started("p0", 128)
+    clock.t += 0.005
+    # two more admitted (waiting for decode room or not sent yet): 640 queued tokens before the new request
+    want = (640 + 128) * per_token - 5.0  # less the 5 ms the worker has worked on them since
+    assert p.predict_parts(128, queued_tokens=640) == pytest.approx((0.0, want / 1000, 0.0))
+    assert p.state()["workers"]["p0"][:2] == [384, 3]
+    # nothing queued but what is in flight: the queue there, never less than an idle call
+    assert p.predict_s(128, queued_tokens=384) == pytest.approx(((384 + 128) * per_token - 5.0) / 1000)
+    clock.t += 1.0  # the worker has been at it for a second without an answer: an idle call, not less
+    assert p.predict_s(128, queued_tokens=384) == pytest.approx(0.020)
+    clock.t -= 1.0
+    # decode full, 150 ms per slot release: the stages are in tandem, the larger of room + idle call and
+    # the queue is the TTFT; the parts say so
+    p.room_per_release_s = 0.150
+    reg.workers["d0"].inflight = 2
+    room_s, call_s, over_s = p.predict_parts(128, queued_tokens=640)
+    assert (room_s, call_s) == pytest.approx((0.150, 0.020)) and over_s == 0.0
+    room.waiters.extend(asyncio.Event() for _ in range(3))  # four releases: 600 ms + the idle call
+    assert p.predict_s(128, queued_tokens=640) == pytest.approx(0.620)
+
+
+def test_the_requests_not_sent_yet_are_shared_among_the_workers():
+    p, clock, _, _ = _attached(slots=0, workers=2)
+    _warm(p, clock)  # 20 ms per 128 tokens on p0; p1 never measured: the same cost
+    for _ in range(3):
+        p.call_started("p0", 128)
+    # 640 queued: 384 in flight on p0, 256 not sent, half of them p1's; p1 is idle and answers first
+    assert p.predict_s(128, queued_tokens=640) == pytest.approx((128 + 128) * 20.0 / 128 / 1000)
+
+
 def test_the_prefill_queue_is_counted_per_worker_and_released_once():
     p, clock, _, _ = _attached(slots=0, workers=2)  # two prefill workers
     a = p.call_started("p0", 1000)
