@@ -12,7 +12,7 @@ admitted before it and still queued x the measured cost per token, never less th
 plus an idle worker's prefill call, plus the router's own part, each calibrated online on what the pipeline
 measures (server/router/ttft_predictor.py, with the prefill formula of server/latency_model.py). TPOT is
 predicted as the recent measured TPOT (an EWMA). A TTFT SLO bounds a tail and the prediction is a median,
-so the prediction is compared with the SLO times a margin: the P90 of measured / predicted TTFT of the
+so the prediction is compared with the SLO times a margin: the P95 of measured / predicted TTFT of the
 requests admission judged lately (``TtftPredictor.slo_margin``, 1 to 4).
 When a prediction misses the SLO the request is shed (429), queued anyway (``on_slo_miss: queue``, or the
 client's ``x-slo-on-miss: queue``), or sent to the backup pool — except when nothing is queued: then a

@@ -16,8 +16,11 @@ work admitted before it is done and its own is: **queued prefill tokens x the me
   KV staging, a CPU the decode worker and neighbours share), which a step model fitted to engine steps
   misses and which on a shared CPU changes within seconds;
 
-and never less than an **idle call**: the prefill call of a request that finds its worker idle (an EWMA
-fit of such calls over their prompt tokens, fast: ``IDLE_FORGET``). The decode-room wait is predicted as
+and never less than an **idle call**: the prefill call of a request that finds its worker idle, a level
+plus a slope per prompt token — the slope fitted on such calls (fast: ``IDLE_FORGET``), the level the
+``IDLE_QUANTILE`` of the last ``IDLE_SAMPLES`` of them less their slope part (on a shared CPU the same idle
+call takes 1x-4x from one request to the next; a low quantile of the recent ones is the prediction with the
+smallest relative error, a mean is pulled up by every slow outlier for many calls). The decode-room wait is predicted as
 the slot releases a request would wait for x the measured time per release; the two stages are in tandem,
 so TTFT = max(decode-room wait + idle call, queued work) + the router's **overhead** (the rest of the
 measured TTFT: picking, the first token's way to the client; an EWMA). The parts are reported as
@@ -44,12 +47,14 @@ from server.latency_model import prefill_steps, queued_prefill_ms, queued_ttft_m
 
 MIN_SAMPLES = 8
 FORGET = 0.97  # per sample, the fits without a pipeline: a sample's weight halves after about 23
-IDLE_FORGET = 0.7  # per idle call: the idle call follows a shared CPU within a few calls
+IDLE_FORGET = 0.7  # per idle call: the slope of the idle call over its prompt tokens follows within a few calls
+IDLE_SAMPLES = 16  # the idle call's level: over the last this many idle calls ...
+IDLE_QUANTILE = 0.3  # ... this quantile (a shared CPU's slow outliers would pull a mean up for many calls)
 RATE_TAU_S = 2.0  # the cost per token is measured over about this many seconds of answers
 FIT_EVERY = 4  # re-solve a fit every this many samples (every sample for the first 32)
 EWMA = 0.1  # weight of a new sample in the decode-room and overhead averages
 ROOM_ERROR_MIN_S = 0.01  # decode-room waits shorter than this are not judged by their relative error
-MARGIN_QUANTILE = 0.9  # admission's margin: this quantile of measured / predicted TTFT ...
+MARGIN_QUANTILE = 0.95  # admission's margin: this quantile of measured / predicted TTFT ...
 MARGIN_SAMPLES = 256  # ... over the last this many requests admission judged (something queued ahead)
 MARGIN_MIN_SAMPLES = 16
 MARGIN_MAX = 4.0
@@ -239,6 +244,7 @@ class TtftPredictor:
         self.workers = workers  # how many workers share the prefill queue (admission's callback)
         self.clock = clock
         self.idle_call = OnlineFit(2, IDLE_FORGET)  # a call to an idle worker: x = (1, tokens / 1000), y = ms
+        self.idle_calls: deque[tuple[float, int]] = deque(maxlen=IDLE_SAMPLES)  # (ms, prompt tokens)
         self.answered = 0  # calls answered (the model is ready after MIN_SAMPLES)
         self.call = OnlineFit(4)  # without a pipeline: x = (1, steps, (ahead + own) / 1000, -ahead / 1000)
         self.room_per_release_s: float | None = None
@@ -274,9 +280,17 @@ class TtftPredictor:
     def idle_call_ms(self, own: int) -> float:
         """The prefill call of ``own`` prompt tokens on an idle worker (before any idle call was measured:
         its tokens at the measured cost per token)."""
-        if self.idle_call.count:
-            return self.idle_call.predict((1.0, own / 1000.0))
-        return own * self.per_token_ms()
+        if not self.idle_calls:
+            return own * self.per_token_ms()
+        return max(0.0, self.idle_level_ms()) + own * self.idle_slope_ms()
+
+    def idle_slope_ms(self) -> float:
+        return self.idle_call.coef[1] / 1000.0
+
+    def idle_level_ms(self) -> float:
+        m = self.idle_slope_ms()
+        s = sorted(ms - tokens * m for ms, tokens in self.idle_calls)
+        return s[min(len(s) - 1, max(0, math.ceil(IDLE_QUANTILE * len(s)) - 1))] if s else 0.0
 
     def queued_ms(self, wq: WorkerQueue | None, own: int, unsent_tokens: float, now: float) -> float:
         """Until a request of ``own`` prompt tokens sent to this worker (after ``unsent_tokens`` admitted
@@ -375,6 +389,7 @@ class TtftPredictor:
         ms = (now - c.t0) * 1000.0
         if c.idle:
             self.idle_call.observe_relative((1.0, c.tokens / 1000.0), ms)
+            self.idle_calls.append((ms, c.tokens))
         if phases is not None:
             phases.call_s = ms / 1000.0
             if c.at_start_ms is not None:
@@ -429,13 +444,13 @@ class TtftPredictor:
         return min((q.tokens, len(q.calls)) for q in busy.values())
 
     def terms(self) -> dict:
-        c, i = self.call.coef, self.idle_call.coef
+        c = self.call.coef
         return {
             "ready": self.ready,
             "samples": self.answered if self.room is not None else self.call.count,
             "busy_per_token_ms": round(self.per_token_ms(), 5),
-            "idle_call_fixed_ms": round(i[0], 3),
-            "idle_call_per_token_ms": round(i[1] / 1000.0, 5),
+            "idle_call_fixed_ms": round(self.idle_level_ms(), 3),
+            "idle_call_per_token_ms": round(self.idle_slope_ms(), 5),
             "idle_call_samples": self.idle_call.count,
             "per_call_ms": round(c[0], 3),
             "per_step_ms": round(c[1], 3),

@@ -144,6 +144,22 @@ def test_the_prediction_is_the_queued_tokens_at_the_measured_cost_per_token():
     assert p.predict_s(128, queued_tokens=640) == pytest.approx(0.620)
 
 
+def test_the_idle_call_is_a_low_quantile_of_the_recent_ones_plus_a_slope_per_token():
+    p, clock, _, _ = _attached(slots=0)
+    _warm(p, clock, n=12, ms=20.0)
+    _warm(p, clock, n=4, ms=200.0)  # a neighbour took the CPU for four calls: 20 ms stays the idle call
+    assert p.idle_call_ms(128) == pytest.approx(20.0)
+    _warm(p, clock, n=12, ms=200.0)  # ... and kept it: the idle call follows within a dozen calls
+    assert p.idle_call_ms(128) == pytest.approx(200.0)
+    for i in range(40):  # idle calls of 5 ms + 0.1 ms per token, prompts of 64 to 512 tokens
+        tokens = (64, 128, 256, 512)[i % 4]
+        c = p.call_started("p0", tokens)
+        clock.t += (5.0 + 0.1 * tokens) / 1000
+        p.call_ended(c, True)
+        clock.t += 1.0
+    assert p.idle_slope_ms() == pytest.approx(0.1, rel=0.01) and p.idle_call_ms(1000) == pytest.approx(105.0, rel=0.01)
+
+
 def test_the_requests_not_sent_yet_are_shared_among_the_workers():
     p, clock, _, _ = _attached(slots=0, workers=2)
     _warm(p, clock)  # 20 ms per 128 tokens on p0; p1 never measured: the same cost
