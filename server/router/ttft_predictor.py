@@ -9,7 +9,8 @@ work admitted before it is done and its own is: **queued prefill tokens x the me
 - *queued prefill tokens*: the prompt tokens of every admitted request still waiting for its first
   token (admission's count, ``Admission.queued_tokens``), on the least-loaded prefill worker: the calls
   in flight there plus its share of those not yet sent anywhere (waiting for decode room, or admitted a
-  moment ago); less what the worker has done of its current work since its last answer;
+  moment ago); less what the worker has done of its current work since its last answer (a worker that has
+  been at its calls longer than their tokens cost is read as slower: at least that time per token);
 - *cost per token*: measured on each prefill worker as busy seconds per prompt token answered (a worker
   is busy while a call of ours is in flight there), over the last ``RATE_TAU_S`` seconds. It is the
   worker's throughput as it is now, with everything a call pays on it besides the engine step (HTTP,
@@ -297,8 +298,13 @@ class TtftPredictor:
         before it and not sent anywhere yet) has its first token: the queued work at the cost per token,
         less what the worker did of it since its last answer."""
         ahead = unsent_tokens + (wq.tokens if wq is not None else 0)
-        done_s = wq.progress_s(now) if wq is not None else 0.0
-        return max(0.0, queued_ttft_ms(ahead, own, 0.0, self.per_token_ms(wq)) - done_s * 1000.0)
+        done_ms = wq.progress_s(now) * 1000.0 if wq is not None else 0.0
+        per_token = self.per_token_ms(wq)
+        if wq is not None and wq.tokens:
+            # a worker that has been at its calls for longer than their tokens cost is slower now than
+            # measured (a stall, a neighbour): at least that time per token, not nearly done
+            per_token = max(per_token, done_ms / wq.tokens)
+        return max(0.0, queued_ttft_ms(ahead, own, 0.0, per_token) - done_ms)
 
     def _queued_best_ms(self, own: int, queued_tokens: float, now: float) -> float:
         """``queued_ms`` on the worker that would answer first; the admitted requests not in flight yet
