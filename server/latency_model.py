@@ -6,10 +6,11 @@ A prefill of prompts given as (new tokens, tokens of context before them) costs,
 computed, attention quadratic in the prompt (the difference of squares keeps a chunked prompt's total exact).
 A request queued behind others waits for their prefills and then its own, so its time to first token is
 ``fixed + prefill_work(queued prompts + its own)``: ``queued_ttft_ms``. planner/latency.py builds its step
-model on ``prefill_work_ms``. The router's TTFT prediction (server/router/ttft_predictor.py) uses the per-step
-form of the same formula, ``queued_prefill_ms``: a fixed part per call and per step (``prefill_steps``, from the
-worker's budgets) plus the per-token work, for the prompt tokens queued on the worker ahead of a request and
-its own. Pure, no I/O.
+model on ``prefill_work_ms``. The router's TTFT prediction (server/router/ttft_predictor.py) is
+``queued_ttft_ms`` with the prompt tokens admitted ahead of a request and the per-token cost measured live on
+the prefill worker (busy seconds per prompt token answered); its fallback without a pipeline fits the per-step
+form, ``queued_prefill_ms``: a fixed part per call and per step (``prefill_steps``, from the worker's budgets)
+plus the per-token work. Pure, no I/O.
 """
 
 from __future__ import annotations

@@ -7,10 +7,13 @@ rate-limit shape, or goes to the backup pool (``on_full: backup``). Overload the
 unbounded wait, a silent drop or a 5xx.
 
 SLO-aware: each request may carry ``x-slo-ttft-ms`` / ``x-slo-tpot-ms`` (llm-d's names; defaults
-``slo_ttft_ms``/``slo_tpot_ms``). The router predicts its TTFT from the live queue state, as the wait for
-decode room plus its prefill call behind the prompt tokens queued on its worker plus the router's own
-part, each calibrated online on what the pipeline measures (server/router/ttft_predictor.py, with the
-prefill formula of server/latency_model.py). TPOT is predicted as the recent measured TPOT (an EWMA).
+``slo_ttft_ms``/``slo_tpot_ms``). The router predicts its TTFT from the live queue state: the prompt tokens
+admitted before it and still queued x the measured cost per token, never less than the wait for decode room
+plus an idle worker's prefill call, plus the router's own part, each calibrated online on what the pipeline
+measures (server/router/ttft_predictor.py, with the prefill formula of server/latency_model.py). TPOT is
+predicted as the recent measured TPOT (an EWMA). A TTFT SLO bounds a tail and the prediction is a median,
+so the prediction is compared with the SLO times a margin: the P95 of measured / predicted TTFT of the
+requests admission judged lately (``TtftPredictor.slo_margin``, 1 to 4).
 When a prediction misses the SLO the request is shed (429), queued anyway (``on_slo_miss: queue``, or the
 client's ``x-slo-on-miss: queue``), or sent to the backup pool — except when nothing is queued: then a
 request is admitted whatever the prediction (it is also the next measurement, so a model that overestimates
@@ -103,6 +106,7 @@ class Ticket:
         self.adm, self.tokens, self.ahead = adm, tokens, ahead  # ahead: (tokens, requests) queued per worker
         self.predicted_ttft_s = predicted_ttft_s
         self.queued, self.open = True, True
+        self.judged = False  # admitted with something queued ahead: its prediction was judged against the SLO
         self.phases = RequestPhases()  # filled in by the pipeline (EngineRequest.phases)
 
     def first_token(self, ttft_s: float) -> None:
@@ -155,13 +159,12 @@ class Admission:
         )
         terms = Gauge("distserve_ttft_model", "The live TTFT model's terms (ms)", ["term"], registry=registry)
         for term in (
-            "step_per_step_ms",
-            "step_per_token_ms",
-            "step_per_request_ms",
-            "step_speed_ratio",
-            "residual_per_call_ms",
+            "busy_per_token_ms",
+            "idle_call_fixed_ms",
+            "idle_call_per_token_ms",
             "room_per_release_ms",
             "overhead_ms",
+            "slo_margin",
         ):
             terms.labels(term).set_function(self._term(term))
         g = Gauge("distserve_admission_queue", "Admitted requests by stage", ["what"], registry=registry)
@@ -186,7 +189,7 @@ class Admission:
 
     def decide(self, prompt_tokens: int, slo: Slo) -> Decision:
         a = self.cfg
-        parts = self.model.predict_parts(prompt_tokens, self.tokens_ahead())
+        parts = self.model.predict_parts(prompt_tokens, self.tokens_ahead(), self.queued_tokens)
         ttft = None if parts is None else sum(parts)
         tpot = self.tpot_ewma_s
         full = None
@@ -225,9 +228,10 @@ class Admission:
         # would otherwise shed everything and never see a TTFT again to correct itself.
         if self.queued_requests == 0:
             pass
-        elif slo.ttft_s is not None and ttft is not None and ttft > slo.ttft_s:
-            what = f"predicted TTFT {ttft * 1000:.0f} ms > SLO {slo.ttft_s * 1000:g} ms"
-            miss = ("slo_ttft", what, ttft - slo.ttft_s)
+        elif slo.ttft_s is not None and ttft is not None and ttft * (margin := self.model.slo_margin()) > slo.ttft_s:
+            late = f" (x {margin:.2f}, the recent late tail)" if margin > 1 else ""
+            what = f"predicted TTFT {ttft * 1000:.0f} ms{late} > SLO {slo.ttft_s * 1000:g} ms"
+            miss = ("slo_ttft", what, ttft * margin - slo.ttft_s)
         elif slo.tpot_s is not None and tpot is not None and tpot > slo.tpot_s:
             miss = ("slo_tpot", f"predicted TPOT {tpot * 1000:.1f} ms > SLO {slo.tpot_s * 1000:g} ms", 0.0)
         if miss is not None and slo.on_miss != "queue":
@@ -252,6 +256,14 @@ class Admission:
     def admit(self, prompt_tokens: int, d: Decision) -> Ticket:
         t = Ticket(self, prompt_tokens, self.tokens_ahead(), d.predicted_ttft_s)
         t.phases.predicted = d.predicted_parts
+        t.judged = self.queued_requests > 0
+        if d.predicted_parts is not None:
+            t.phases.state = {
+                **self.model.state(),
+                "queued_requests": self.queued_requests,
+                "queued_prefill_tokens": self.queued_tokens,
+                "inflight_requests": self.inflight,
+            }
         self.inflight += 1
         self.queued_requests += 1
         self.queued_tokens += prompt_tokens
@@ -287,6 +299,8 @@ class Admission:
             err = abs(ttft_s - t.predicted_ttft_s) / ttft_s
             self.errors.append(err)
             self.error_ratio.observe(err)
+            if t.judged:
+                self.model.judged(t.predicted_ttft_s, ttft_s)
         self.model.measured(t.phases, t.tokens, t.ahead, ttft_s)
 
     def _tpot(self, tpot_s: float) -> None:

@@ -152,6 +152,7 @@ class Run:
                 http_status=_OUTCOME_STATUS.get(status, 500),
                 predicted_ttft=self.ticket.predicted_ttft_s if self.ticket is not None else None,
                 path=self.req.path,
+                ttft_parts=self.ticket.phases.journal(ttft) if self.ticket is not None else None,
             )
         )
 

@@ -59,6 +59,7 @@ class Finished:
     predicted_ttft: float | None = None  # admission's prediction (server/router/admission.py)
     http_status: int | None = None  # what the client was answered (499: it left or stopped reading)
     path: str | None = None  # where its prompt was prefilled: "disaggregated" or "local" (pipeline.py)
+    ttft_parts: dict | None = None  # predicted and measured TTFT parts (ttft_predictor.RequestPhases.journal)
 
     def journal_line(self) -> dict:
         out = {
@@ -77,6 +78,8 @@ class Finished:
         }
         if self.path is not None:
             out["path"] = self.path
+        if self.ttft_parts is not None:
+            out["ttft_parts"] = self.ttft_parts
         return out
 
 

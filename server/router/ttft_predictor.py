@@ -1,32 +1,35 @@
-"""A request's time to first token, predicted from the live queue state phase by phase (admission asks).
+"""A request's time to first token, predicted from the live queue state (admission asks).
 
-A request's TTFT at the router is the sum of three parts, each predicted from what the router knows:
+Everything before a request's first token is first come first served: the wait for decode room
+(``server/router/decode_room.py``, disaggregated), then the prefill call on the worker it is sent to (its
+scheduler takes prompts oldest first). So a request admitted now gets its first token once the prefill
+work admitted before it is done and its own is: **queued prefill tokens x the measured cost per token**,
+``queued_ttft_ms`` of server/latency_model.py (the planner's prefill formula, the one model), with
 
-- **decode-room wait** (disaggregated): a request is prefilled only once a decode worker has room for it
-  (``server/router/decode_room.py``, first come first served). One that finds ``W`` requests waiting and
-  ``F`` free slots waits for ``W + 1 - F`` slot releases; the time per release is measured (an EWMA of
-  wait / releases over the requests that waited), so it is the decode side's completion rate as it is now.
-- **prefill call**: from sending ``/internal/prefill`` to its answer (colocated, or a prefill on the decode
-  worker: to the first token of the stream). The router replays each worker's scheduler on the calls it
-  sent there (``WorkerSteps``): a worker computes steps first come first served under its budgets
-  (``prefill.max_num_batched_tokens``, ``max_batch_size``); an idle one starts a step when a call arrives, a
-  busy one starts the next when a step ends, and the first answer of a call in the running step marks that
-  end. So a new call waits for the rest of the running step, then the steps of the calls waiting ahead of
-  it, packed as the scheduler packs them, then its own step — which the calls arriving meanwhile join, up to
-  the budgets (the measured arrival rate says how many). A step costs ``queued_prefill_ms`` of
-  server/latency_model.py (per step + per request + per token: the planner's step model), its three
-  coefficients fitted online on the steps so measured (answer - step start, with their tokens and
-  requests), by non-negative least squares of the relative error with exponential forgetting (``FORGET``).
-  Steps of late running slower or faster than the fit (a CPU that neighbours take or give back) scale every
-  predicted step by a fast EWMA of measured / fitted step time (the fit itself needs many steps, and under
-  overload a step holds many calls); what the replay misses per call (HTTP, KV staging) is a learned
-  residual (the same fit, on measured - replayed).
-- **overhead**: the rest of the measured TTFT (picking, the first token's way to the client): an EWMA.
+- *queued prefill tokens*: the prompt tokens of every admitted request still waiting for its first
+  token (admission's count, ``Admission.queued_tokens``), on the least-loaded prefill worker: the calls
+  in flight there plus its share of those not yet sent anywhere (waiting for decode room, or admitted a
+  moment ago); less what the worker has done of its current work since its last answer (a worker that has
+  been at its calls longer than their tokens cost is read as slower: at least that time per token);
+- *cost per token*: measured on each prefill worker as busy seconds per prompt token answered (a worker
+  is busy while a call of ours is in flight there), over the last ``RATE_TAU_S`` seconds. It is the
+  worker's throughput as it is now, with everything a call pays on it besides the engine step (HTTP,
+  KV staging, a CPU the decode worker and neighbours share), which a step model fitted to engine steps
+  misses and which on a shared CPU changes within seconds;
 
-Cheap on the hot path: a prediction is O(calls in flight) additions; a measurement a few multiply-adds,
-and the 3x3 fit is re-solved every ``FIT_EVERY`` steps (all subsets of the terms, the best one with no
-negative coefficient: a cost can not be negative, and an unconstrained fit extrapolates wildly). Until
-``MIN_SAMPLES`` steps are measured there is no prediction (never a guess).
+and never less than an **idle call**: the prefill call of a request that finds its worker idle, a level
+plus a slope per prompt token — the slope fitted on such calls (fast: ``IDLE_FORGET``), the level the
+``IDLE_QUANTILE`` of the last ``IDLE_SAMPLES`` of them less their slope part (on a shared CPU the same idle
+call takes 1x-4x from one request to the next; a low quantile of the recent ones is the prediction with the
+smallest relative error, a mean is pulled up by every slow outlier for many calls). The decode-room wait is predicted as
+the slot releases a request would wait for x the measured time per release; the two stages are in tandem,
+so TTFT = max(decode-room wait + idle call, queued work) + the router's **overhead** (the rest of the
+measured TTFT: picking, the first token's way to the client; an EWMA). The parts are reported as
+(decode room, prefill call = the rest of the max, overhead).
+
+Cheap on the hot path: a prediction is O(workers) (each worker's queued tokens are a running sum), a
+measurement a few multiply-adds. Until ``MIN_SAMPLES`` calls are answered there is no prediction (never a
+guess).
 
 Without a pipeline attached (unit tests of admission alone) the whole TTFT is taken as the prefill call,
 with the tokens that admission counted as queued ahead of the request, fitted as one line (``call_ms``).
@@ -41,14 +44,21 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol
 
 from server.config import DistServeConfig
-from server.latency_model import prefill_steps, queued_prefill_ms
+from server.latency_model import prefill_steps, queued_prefill_ms, queued_ttft_ms
 
 MIN_SAMPLES = 8
-FORGET = 0.97  # per call: a sample's weight halves after about 23 calls (a shared CPU changes quickly)
-FIT_EVERY = 4  # re-solve the fit every this many calls (every call for the first 32)
+FORGET = 0.97  # per sample, the fits without a pipeline: a sample's weight halves after about 23
+IDLE_FORGET = 0.7  # per idle call: the slope of the idle call over its prompt tokens follows within a few calls
+IDLE_SAMPLES = 16  # the idle call's level: over the last this many idle calls ...
+IDLE_QUANTILE = 0.3  # ... this quantile (a shared CPU's slow outliers would pull a mean up for many calls)
+RATE_TAU_S = 2.0  # the cost per token is measured over about this many seconds of answers
+FIT_EVERY = 4  # re-solve a fit every this many samples (every sample for the first 32)
 EWMA = 0.1  # weight of a new sample in the decode-room and overhead averages
-SPEED_EWMA = 0.3  # weight of a new step in the speed factor
 ROOM_ERROR_MIN_S = 0.01  # decode-room waits shorter than this are not judged by their relative error
+MARGIN_QUANTILE = 0.95  # admission's margin: this quantile of measured / predicted TTFT ...
+MARGIN_SAMPLES = 256  # ... over the last this many requests admission judged (something queued ahead)
+MARGIN_MIN_SAMPLES = 16
+MARGIN_MAX = 4.0
 
 
 class RoomState(Protocol):
@@ -60,110 +70,92 @@ class RoomState(Protocol):
 class RequestPhases:
     """One admitted request's measured parts, filled in by the pipeline as it goes."""
 
-    __slots__ = ("room_s", "call_s", "predicted")
+    __slots__ = ("room_s", "call_s", "predicted", "call_at_start_s", "state")
 
     def __init__(self) -> None:
         self.room_s = 0.0
         self.call_s: float | None = None
         self.predicted: tuple[float, float, float] | None = None  # (room, call, overhead) seconds, at admission
+        self.call_at_start_s: float | None = None  # the call predicted again when it was sent (state then)
+        self.state: dict | None = None  # the queue state the admission prediction read (``TtftPredictor.state``)
 
-
-WAITING, IN_STEP, DONE = 0, 1, 2  # a call's place in its worker's steps, as the router replays them (WorkerSteps)
+    def journal(self, ttft_s: float | None) -> dict | None:
+        """Predicted and measured parts for the request journal (seconds), None when nothing was predicted."""
+        if self.predicted is None:
+            return None
+        r = 6
+        out: dict = {"predicted": [round(x, r) for x in self.predicted]}
+        if self.call_s is not None and ttft_s is not None:
+            out["measured"] = [
+                round(self.room_s, r),
+                round(self.call_s, r),
+                round(max(0.0, ttft_s - self.room_s - self.call_s), r),
+            ]
+        if self.call_at_start_s is not None:
+            out["call_at_start"] = round(self.call_at_start_s, r)
+        if self.state is not None:
+            out["state"] = self.state
+        return out
 
 
 class Call:
     """One call in flight to a worker that ends with a request's first token (``TtftPredictor.call_started``)."""
 
-    __slots__ = ("worker_id", "tokens", "ahead_tokens", "ahead_requests", "t0", "predicted_ms", "state", "open")
+    __slots__ = ("worker_id", "tokens", "ahead_tokens", "ahead_requests", "t0", "idle", "at_start_ms", "open")
 
     def __init__(self, worker_id: str, tokens: int, ahead_tokens: int, ahead_requests: int, t0: float) -> None:
         self.worker_id, self.tokens = worker_id, tokens
         self.ahead_tokens, self.ahead_requests = ahead_tokens, ahead_requests
         self.t0 = t0
-        self.predicted_ms: float | None = None  # what the step model said at its start (its bias is learned)
-        self.state = WAITING
+        self.idle = ahead_requests == 0  # it found its worker idle: a sample of the idle call
+        self.at_start_ms: float | None = None  # the call predicted when it was sent (for the journal)
         self.open = True
 
 
-class WorkerSteps:
-    """The router's view of one worker's prefill steps, from the calls it sent there and their answers.
+class WorkerQueue:
+    """One prefill worker's calls in flight from this router and its measured cost per token.
 
-    The worker schedules first come first served under its budgets per step (``prefill.max_num_batched_tokens``,
-    ``max_batch_size``): an idle worker starts a step when a call arrives; a busy one starts the next step
-    when a step ends, with the calls waiting, oldest first, up to its budgets. The router replays that on the
-    calls it sent: the first answer of a call in the running step ends that step (its duration, answer -
-    start, is one measured step), the step's other calls are done (their answers are on the way), and the
-    next step is formed from the waiting calls."""
+    Busy time: from a call sent to the idle worker until no call is left there. Each answer adds the busy
+    time since the previous answer (or since the worker became busy) and its prompt tokens; both sums decay
+    by ``exp(-dt / RATE_TAU_S)`` between answers, so their ratio is the busy seconds per token of about the
+    last ``RATE_TAU_S`` seconds (a step that answers many calls at once counts once, spread over its
+    tokens)."""
 
-    __slots__ = ("calls", "step_start", "budget")
+    __slots__ = ("calls", "tokens", "busy_since", "busy_s", "busy_tokens", "last_answer")
 
-    def __init__(self, budget: tuple[int, int]) -> None:
-        self.calls: list[Call] = []  # outstanding, in the order sent
-        self.step_start: float | None = None  # when the running step began (None: no step running)
-        self.budget = budget  # (tokens, requests) per step
+    def __init__(self) -> None:
+        self.calls: list[Call] = []  # in flight, in the order sent
+        self.tokens = 0  # their prompt tokens
+        self.busy_since: float | None = None  # start of the current busy stretch, or its last answer
+        self.busy_s = 0.0
+        self.busy_tokens = 0.0
+        self.last_answer: float | None = None
 
-    def sums(self, state: int) -> tuple[int, int]:
-        """Prompt tokens and requests of the calls in ``state`` (WAITING, IN_STEP)."""
-        t = n = 0
-        for c in self.calls:
-            if c.state == state:
-                t, n = t + c.tokens, n + 1
-        return t, n
+    def per_token_ms(self) -> float | None:
+        return self.busy_s * 1000.0 / self.busy_tokens if self.busy_tokens > 0 else None
 
-    def queue_ahead(self, own: int) -> tuple[int, int, int, int, int]:
-        """(tokens, requests, steps, tokens and requests of the last step) the worker computes from the end of
-        its running step until a new call of ``own`` tokens is done: the waiting calls and it, packed into
-        steps as the scheduler packs them; the new call is in the last."""
-        max_t, max_n = self.budget
-        tokens = requests = steps = 0
-        t = n = 0  # the step being packed
-        for c in self.calls:
-            if c.state == WAITING:
-                if n and (n + 1 > max_n or t + c.tokens > max_t):
-                    steps, t, n = steps + 1, 0, 0
-                t, n = t + c.tokens, n + 1
-                tokens, requests = tokens + c.tokens, requests + 1
-        if n and (n + 1 > max_n or t + own > max_t):
-            steps, t, n = steps + 1, 0, 0
-        return tokens + own, requests + 1, steps + 1, t + own, n + 1
+    def progress_s(self, now: float) -> float:
+        """Seconds the worker has worked on its calls in flight since its last answer."""
+        return now - self.busy_since if self.busy_since is not None and self.calls else 0.0
 
-    def start_step(self, now: float) -> None:
-        """Form the next step from the waiting calls, oldest first, up to the budgets."""
-        max_t, max_n = self.budget
-        t = n = 0
-        for c in self.calls:
-            if c.state != WAITING:
-                continue
-            if n and (n + 1 > max_n or t + c.tokens > max_t):
-                break
-            c.state = IN_STEP
-            t, n = t + c.tokens, n + 1
-        self.step_start = now if n else None
+    def add(self, c: Call, now: float) -> None:
+        if not self.calls:
+            self.busy_since = now
+        self.calls.append(c)
+        self.tokens += c.tokens
 
-    def answered(self, c: Call, now: float) -> tuple[int, int, float] | None:
-        """``c`` answered: (tokens, requests, seconds) of the step it ended, or None (a later answer of a
-        step that already ended)."""
-        ended = None
-        if c.state != DONE:  # the first answer of its step (a waiting call answering: our view was behind)
-            if c.state == WAITING:
-                c.state = IN_STEP
-            t, n = self.sums(IN_STEP)
-            start = self.step_start if self.step_start is not None else c.t0
-            ended = (t, n, max(0.0, now - start))
-            for x in self.calls:
-                if x.state == IN_STEP:
-                    x.state = DONE
-            self.step_start = None
+    def remove(self, c: Call, now: float, answered: bool) -> None:
         self.calls.remove(c)
-        if self.step_start is None:
-            self.start_step(now)
-        return ended
-
-    def failed(self, c: Call, now: float) -> None:
-        self.calls.remove(c)
-        if not any(x.state == IN_STEP for x in self.calls):
-            self.step_start = None
-            self.start_step(now)
+        self.tokens -= c.tokens
+        if answered:
+            if self.last_answer is not None:
+                f = math.exp(-max(0.0, now - self.last_answer) / RATE_TAU_S)
+                self.busy_s, self.busy_tokens = self.busy_s * f, self.busy_tokens * f
+            since = self.busy_since if self.busy_since is not None else c.t0
+            self.busy_s += max(0.0, now - since)
+            self.busy_tokens += c.tokens
+            self.last_answer = now
+        self.busy_since = now if self.calls else None
 
 
 def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
@@ -252,66 +244,79 @@ class TtftPredictor:
         self.batch_size = cfg.prefill.max_batch_size
         self.workers = workers  # how many workers share the prefill queue (admission's callback)
         self.clock = clock
-        self.step = OnlineFit(3)  # a prefill step: x = (1, tokens / 1000, requests), y = ms
-        # how much slower than the fit the last steps ran: an EWMA of log(measured / fitted) over steps, fast
-        # (SPEED_EWMA), so a CPU that neighbours take or give back moves every prediction at the next step,
-        # where the fit, which needs many steps, would lag (under overload a step holds many calls)
-        self.log_speed = 0.0
-        # what the replay misses per call (HTTP, KV staging): x = (1,), y = measured - replayed ms
-        self.residual = OnlineFit(1)
+        self.idle_call = OnlineFit(2, IDLE_FORGET)  # a call to an idle worker: x = (1, tokens / 1000), y = ms
+        self.idle_calls: deque[tuple[float, int]] = deque(maxlen=IDLE_SAMPLES)  # (ms, prompt tokens)
+        self.answered = 0  # calls answered (the model is ready after MIN_SAMPLES)
         self.call = OnlineFit(4)  # without a pipeline: x = (1, steps, (ahead + own) / 1000, -ahead / 1000)
-        self.arrival_gap_s = 0.0  # EWMA of the time between prefill calls (all workers)
-        self.arrival_tokens = 0.0  # EWMA of their prompt tokens
-        self.last_arrival: float | None = None
         self.room_per_release_s: float | None = None
         self.room_samples = 0
         self.overhead_s = 0.0
         self.overhead_samples = 0
-        self.queues: dict[str, WorkerSteps] = {}  # worker id -> its calls in flight and its running step
+        self.known: dict[str, WorkerQueue] = {}  # worker id -> its calls in flight and its measured cost
         self.room: RoomState | None = None  # set by attach(): the pipeline reports the phases
         # relative errors of the two predicted parts (|measured - predicted| / measured), for GET /v1/admission
         self.call_errors: deque[float] = deque(maxlen=1024)
         self.room_errors: deque[float] = deque(maxlen=1024)
+        self.ratios: deque[float] = deque(maxlen=MARGIN_SAMPLES)  # measured / predicted TTFT, judged requests
+
+    @property
+    def queues(self) -> dict[str, WorkerQueue]:
+        """The workers with calls of ours in flight (one without is idle, as one never sent to)."""
+        return {w: q for w, q in self.known.items() if q.calls}
 
     @property
     def ready(self) -> bool:
-        return (self.step if self.room is not None else self.call).count >= MIN_SAMPLES
+        return self.answered >= MIN_SAMPLES if self.room is not None else self.call.count >= MIN_SAMPLES
 
     # --- the model --------------------------------------------------------------------------------
-    def step_ms(self, tokens: int, requests: int) -> float:
-        """The predicted engine time to prefill ``requests`` prompts of ``tokens`` in all, in as many steps as
-        the worker's budgets need (``queued_prefill_ms``: per request, per step, per token)."""
-        if requests <= 0:
-            return 0.0
-        c = self.step.coef
-        steps = prefill_steps(tokens, requests, self.batched_tokens, self.batch_size)
-        return queued_prefill_ms(tokens, steps, c[2] * requests, c[0], c[1] / 1000.0) * math.exp(self.log_speed)
+    def per_token_ms(self, wq: WorkerQueue | None = None) -> float:
+        """The measured busy milliseconds per prompt token of ``wq``'s worker (of the workers measured, on
+        average, for one not measured yet)."""
+        own = wq.per_token_ms() if wq is not None else None
+        if own is not None:
+            return own
+        known = [c for c in (q.per_token_ms() for q in self.known.values()) if c is not None]
+        return sum(known) / len(known) if known else 0.0
 
-    def worker_call_ms(self, ws: WorkerSteps | None, own: int, now: float) -> float:
-        """The predicted prefill call of a request of ``own`` prompt tokens sent to this worker now: the
-        replayed steps (``replay_ms``) plus the learned residual."""
-        return self.replay_ms(ws, own, now) + self.residual.predict((1.0,))
+    def idle_call_ms(self, own: int) -> float:
+        """The prefill call of ``own`` prompt tokens on an idle worker (before any idle call was measured:
+        its tokens at the measured cost per token)."""
+        if not self.idle_calls:
+            return own * self.per_token_ms()
+        return max(0.0, self.idle_level_ms()) + own * self.idle_slope_ms()
 
-    def replay_ms(self, ws: WorkerSteps | None, own: int, now: float) -> float:
-        """The rest of the worker's running step, the steps of the calls waiting there, and this call's own
-        step with the calls expected to join it."""
-        if ws is None or ws.step_start is None:
-            return self.step_ms(own, 1)
-        t, n = ws.sums(IN_STEP)
-        ms = max(0.0, (ws.step_start - now) * 1000.0 + self.step_ms(t, n))  # the rest of the running step
-        t, n, steps, last_t, last_n = ws.queue_ahead(own)
-        c = self.step.coef
-        speed = math.exp(self.log_speed)
-        ms += queued_prefill_ms(t, steps, c[2] * n, c[0], c[1] / 1000.0) * speed
-        # calls that arrive before its step starts join it, up to the budgets: the arrival rate says how many
-        before_ms = ms - self.step_ms(last_t, last_n)
-        if self.arrival_gap_s > 0 and self.arrival_tokens > 0:
-            max_t, max_n = ws.budget
-            per_s = self.arrival_tokens / self.arrival_gap_s / max(1, self.workers())
-            join_t = min(max_t - last_t, (max_n - last_n) * self.arrival_tokens, per_s * before_ms / 1000.0)
-            if join_t > 0:
-                ms += (c[1] / 1000.0 * join_t + c[2] * join_t / self.arrival_tokens) * speed
-        return ms
+    def idle_slope_ms(self) -> float:
+        return self.idle_call.coef[1] / 1000.0
+
+    def idle_level_ms(self) -> float:
+        m = self.idle_slope_ms()
+        s = sorted(ms - tokens * m for ms, tokens in self.idle_calls)
+        return s[min(len(s) - 1, max(0, math.ceil(IDLE_QUANTILE * len(s)) - 1))] if s else 0.0
+
+    def queued_ms(self, wq: WorkerQueue | None, own: int, unsent_tokens: float, now: float) -> float:
+        """Until a request of ``own`` prompt tokens sent to this worker (after ``unsent_tokens`` admitted
+        before it and not sent anywhere yet) has its first token: the queued work at the cost per token,
+        less what the worker did of it since its last answer."""
+        ahead = unsent_tokens + (wq.tokens if wq is not None else 0)
+        done_ms = wq.progress_s(now) * 1000.0 if wq is not None else 0.0
+        per_token = self.per_token_ms(wq)
+        if wq is not None and wq.tokens:
+            # a worker that has been at its calls for longer than their tokens cost is slower now than
+            # measured (a stall, a neighbour): at least that time per token, not nearly done
+            per_token = max(per_token, done_ms / wq.tokens)
+        return max(0.0, queued_ttft_ms(ahead, own, 0.0, per_token) - done_ms)
+
+    def _queued_best_ms(self, own: int, queued_tokens: float, now: float) -> float:
+        """``queued_ms`` on the worker that would answer first; the admitted requests not in flight yet
+        (``queued_tokens`` less the calls in flight) are shared among the workers."""
+        busy = self.queues
+        n = max(1, self.workers(), len(busy))
+        in_flight = sum(q.tokens for q in busy.values())
+        share = max(0.0, queued_tokens - in_flight) / n
+        best = self.queued_ms(None, own, share, now) if len(busy) < n else math.inf
+        for wq in busy.values():
+            best = min(best, self.queued_ms(wq, own, share, now))
+        return best
 
     def call_ms(self, ahead: int, ahead_requests: int, own: int) -> float:
         """Without a pipeline: the one fit over (tokens ahead, own) of every TTFT, in which tokens ahead may
@@ -325,25 +330,18 @@ class TtftPredictor:
         steps = prefill_steps(ahead + own, ahead_requests + 1, self.batched_tokens, self.batch_size)
         return (1.0, float(steps), (ahead + own) / 1000.0, -ahead / 1000.0)
 
-    def best_call_ms(self, own: int) -> float:
-        """The prefill call on the worker that would answer first (an idle one when a serving worker has
-        nothing in flight from here)."""
-        now = self.clock()
-        idle = len(self.queues) < self.workers()
-        best = self.worker_call_ms(None, own, now) if idle or not self.queues else math.inf
-        for ws in self.queues.values():
-            best = min(best, self.worker_call_ms(ws, own, now))
-        return best
-
-    def predict_s(self, own_tokens: int, fallback_ahead: tuple[float, float] = (0.0, 0.0)) -> float | None:
+    def predict_s(
+        self, own_tokens: int, fallback_ahead: tuple[float, float] = (0.0, 0.0), queued_tokens: float = 0.0
+    ) -> float | None:
         """The predicted TTFT of a request of ``own_tokens`` prompt tokens admitted now, in seconds."""
-        parts = self.predict_parts(own_tokens, fallback_ahead)
+        parts = self.predict_parts(own_tokens, fallback_ahead, queued_tokens)
         return None if parts is None else sum(parts)
 
     def predict_parts(
-        self, own_tokens: int, fallback_ahead: tuple[float, float] = (0.0, 0.0)
+        self, own_tokens: int, fallback_ahead: tuple[float, float] = (0.0, 0.0), queued_tokens: float = 0.0
     ) -> tuple[float, float, float] | None:
-        """(decode-room wait, prefill call, overhead) predicted for a request admitted now, in seconds."""
+        """(decode-room wait, prefill call, overhead) predicted for a request admitted now, in seconds, with
+        ``queued_tokens`` prompt tokens admitted before it and still without their first token."""
         if not self.ready:
             return None
         if self.room is None:
@@ -353,7 +351,9 @@ class TtftPredictor:
         releases = self.room.releases_needed()
         if releases and self.room_per_release_s is not None:
             room = releases * self.room_per_release_s
-        return room, self.best_call_ms(own_tokens) / 1000.0, self.overhead_s
+        idle_s = self.idle_call_ms(own_tokens) / 1000.0
+        queued_s = self._queued_best_ms(own_tokens, queued_tokens, self.clock()) / 1000.0
+        return room, max(idle_s, queued_s - room), self.overhead_s  # tandem: max(room + idle, queued)
 
     # --- measurements (the pipeline's hooks) ------------------------------------------------------
     def attach(self, room: RoomState) -> None:
@@ -371,21 +371,13 @@ class TtftPredictor:
 
     def call_started(self, worker_id: str, tokens: int) -> Call:
         now = self.clock()
-        if self.last_arrival is not None:
-            gap = now - self.last_arrival
-            self.arrival_gap_s = gap if not self.arrival_gap_s else (1 - EWMA) * self.arrival_gap_s + EWMA * gap
-        self.arrival_tokens = tokens if not self.arrival_tokens else (1 - EWMA) * self.arrival_tokens + EWMA * tokens
-        self.last_arrival = now
-        ws = self.queues.get(worker_id)
-        if ws is None:
-            ws = self.queues[worker_id] = WorkerSteps((self.batched_tokens, self.batch_size))
-        t = sum(c.tokens for c in ws.calls)
-        c = Call(worker_id, tokens, t, len(ws.calls), now)
-        if self.step.count >= MIN_SAMPLES:
-            c.predicted_ms = self.replay_ms(ws, tokens, now)
-        ws.calls.append(c)
-        if ws.step_start is None:  # nothing computing there: a step starts with this call
-            ws.start_step(now)
+        wq = self.known.get(worker_id)
+        if wq is None:
+            wq = self.known[worker_id] = WorkerQueue()
+        c = Call(worker_id, tokens, wq.tokens, len(wq.calls), now)
+        if self.ready:
+            c.at_start_ms = max(self.idle_call_ms(tokens), self.queued_ms(wq, tokens, 0.0, now))
+        wq.add(c, now)
         return c
 
     def call_ended(self, c: Call, ok: bool, phases: RequestPhases | None = None) -> None:
@@ -394,29 +386,20 @@ class TtftPredictor:
             return
         c.open = False
         now = self.clock()
-        ws = self.queues.get(c.worker_id)
-        if ws is not None:
-            if ok:
-                step = ws.answered(c, now)
-                if step is not None and step[1]:
-                    t, n, secs = step
-                    x = (1.0, t / 1000.0, float(n))
-                    fitted = self.step.predict(x)
-                    if self.step.count >= MIN_SAMPLES and fitted > 0 and secs > 0:
-                        r = max(-2.0, min(2.0, math.log(secs * 1000.0 / fitted)))
-                        self.log_speed = (1 - SPEED_EWMA) * self.log_speed + SPEED_EWMA * r
-                    self.step.observe_relative(x, secs * 1000.0)
-            else:
-                ws.failed(c, now)
-            if not ws.calls:
-                del self.queues[c.worker_id]
+        wq = self.known.get(c.worker_id)
+        if wq is not None:
+            wq.remove(c, now, ok)
         if not ok:
             return
+        self.answered += 1
         ms = (now - c.t0) * 1000.0
+        if c.idle:
+            self.idle_call.observe_relative((1.0, c.tokens / 1000.0), ms)
+            self.idle_calls.append((ms, c.tokens))
         if phases is not None:
             phases.call_s = ms / 1000.0
-        if c.predicted_ms is not None:  # weighed relative to the call, as the step fit
-            self.residual.observe((1.0,), ms - c.predicted_ms, 1.0 / max(1.0, ms) ** 2)
+            if c.at_start_ms is not None:
+                phases.call_at_start_s = c.at_start_ms / 1000.0
 
     def measured(self, phases: RequestPhases, tokens: int, ahead: tuple[float, float], ttft_s: float) -> None:
         """A request's first token reached the router ``ttft_s`` after its arrival."""
@@ -433,23 +416,48 @@ class TtftPredictor:
             t, r = ahead
             self.call.observe_relative(self._x(int(t), int(r), tokens), ttft_s * 1000.0)
 
+    def judged(self, predicted_s: float, ttft_s: float) -> None:
+        """A request admitted with something queued ahead (so admission judged its prediction) had ``ttft_s``."""
+        if predicted_s > 0 and ttft_s > 0:
+            self.ratios.append(ttft_s / predicted_s)
+
+    def slo_margin(self) -> float:
+        """What admission multiplies a prediction by before comparing it with the SLO: the ``MARGIN_QUANTILE``
+        of measured / predicted TTFT of the requests it judged lately, in [1, ``MARGIN_MAX``] (1 until
+        ``MARGIN_MIN_SAMPLES``). On a machine whose speed moves within seconds the prediction is a median; the
+        SLO bounds a tail, so a request is admitted when it would meet the SLO even as late as most are."""
+        if len(self.ratios) < MARGIN_MIN_SAMPLES:
+            return 1.0
+        s = sorted(self.ratios)
+        q = s[min(len(s) - 1, math.ceil(MARGIN_QUANTILE * len(s)) - 1)]
+        return max(1.0, min(MARGIN_MAX, q))
+
+    def state(self) -> dict:
+        """The queue state a prediction reads, for the journal: slot releases needed and requests waiting for
+        decode room, and per prefill worker [prompt tokens in flight, calls in flight, ms per token]."""
+        out: dict = {}
+        if self.room is not None:
+            out["releases"] = self.room.releases_needed()
+            out["room_waiting"] = len(getattr(self.room, "waiters", ()))
+        out["workers"] = {w: [q.tokens, len(q.calls), round(q.per_token_ms() or 0.0, 5)] for w, q in self.known.items()}
+        return out
+
     def ahead(self) -> tuple[int, int]:
         """Prompt tokens and requests in flight on the least-loaded worker (0, 0 when one has none)."""
-        if len(self.queues) < self.workers() or not self.queues:
+        busy = self.queues
+        if len(busy) < self.workers() or not busy:
             return 0, 0
-        return min((sum(c.tokens for c in ws.calls), len(ws.calls)) for ws in self.queues.values())
+        return min((q.tokens, len(q.calls)) for q in busy.values())
 
     def terms(self) -> dict:
-        c, s = self.call.coef, self.step.coef
+        c = self.call.coef
         return {
             "ready": self.ready,
-            "samples": self.step.count if self.room is not None else self.call.count,
-            "step_per_step_ms": round(s[0], 3),
-            "step_per_token_ms": round(s[1] / 1000.0, 5),
-            "step_per_request_ms": round(s[2], 3),
-            "step_samples": self.step.count,
-            "step_speed_ratio": round(math.exp(self.log_speed), 4),
-            "residual_per_call_ms": round(self.residual.coef[0], 3),
+            "samples": self.answered if self.room is not None else self.call.count,
+            "busy_per_token_ms": round(self.per_token_ms(), 5),
+            "idle_call_fixed_ms": round(self.idle_level_ms(), 3),
+            "idle_call_per_token_ms": round(self.idle_slope_ms(), 5),
+            "idle_call_samples": self.idle_call.count,
             "per_call_ms": round(c[0], 3),
             "per_step_ms": round(c[1], 3),
             "per_token_ms": round(c[2] / 1000.0, 5),
@@ -457,6 +465,7 @@ class TtftPredictor:
             "room_per_release_ms": None if self.room_per_release_s is None else round(self.room_per_release_s * 1e3, 3),
             "room_samples": self.room_samples,
             "overhead_ms": round(self.overhead_s * 1000.0, 3),
+            "slo_margin": round(self.slo_margin(), 3),
         }
 
     def part_errors(self) -> dict:

@@ -64,10 +64,9 @@ def backup():
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, backup):
-    s = ServeProcess(
-        tmp_path_factory.mktemp("overload"),
-        config={"router": {"admission": ADMISSION, "backup_pool": [backup.url], "stream_progress_timeout_s": 2.0}},
-    )
+    tmp = tmp_path_factory.mktemp("overload")
+    router = {"admission": ADMISSION, "backup_pool": [backup.url], "stream_progress_timeout_s": 2.0}
+    s = ServeProcess(tmp, config={"router": {**router, "journal_path": str(tmp / "requests.jsonl")}})
     yield s
     s.stop()
 
@@ -205,6 +204,19 @@ def test_slo_headers_shed_queue_or_route_to_backup(server, backup):
     assert code == 400 and body["error"]["param"] == "x-slo-ttft-ms", body
     st = server.get("/v1/admission")
     assert st["prediction_error"]["samples"] >= 1 and st["prediction_error"]["median"] is not None
+    assert st["model"]["busy_per_token_ms"] > 0 and st["model"]["idle_call_samples"] >= 1, st["model"]
+    assert 'distserve_ttft_model{term="busy_per_token_ms"}' in urllib_get(server.url + "/metrics")
+    # each admitted request with a prediction journals it beside its TTFT, with the parts predicted and
+    # measured (decode room, prefill call, overhead) and the queue state the prediction read
+    lines = [json.loads(x) for x in (server.tmp / "requests.jsonl").read_text().splitlines()]
+    predicted = [d for d in lines if d.get("kind") == "request" and d.get("predicted_ttft") is not None]
+    assert predicted, lines[-3:]
+    for d in predicted:
+        parts = d["ttft_parts"]
+        assert sum(parts["predicted"]) == pytest.approx(d["predicted_ttft"], abs=1e-5)
+        if d["ttft"] is not None:
+            assert sum(parts["measured"]) == pytest.approx(d["ttft"], abs=1e-5), d
+        assert {"releases", "workers", "queued_requests", "queued_prefill_tokens"} <= set(parts["state"])
 
 
 def test_a_frozen_worker_still_goes_stale_and_the_router_says_so(server):

@@ -72,6 +72,35 @@ def test_slo_miss_sheds_queues_or_routes_to_backup_and_the_error_is_measured():
     assert a.status()["prediction_error"]["samples"] >= 1
 
 
+def test_an_slo_is_judged_on_the_late_tail_of_the_prediction_once_it_is_measured():
+    a = _admission()
+    for tokens in range(100, 1100, 100):  # 10 ms + 1 ms per token, measured with nothing queued
+        t = a.admit(tokens, a.decide(tokens, Slo()))
+        t.first_token((10.0 + 1.0 * tokens) / 1000.0)
+        t.done()
+    assert a.model.slo_margin() == 1.0 and not a.model.ratios  # nothing judged: the prediction as it is
+    held = a.admit(100, a.decide(100, Slo()))  # one request queued: the following ones are judged
+    slo = Slo(0.5, None, "shed")
+    assert a.decide(300, slo).route == "primary"  # predicted 10 + 400 ms < 500 ms
+    t = a.admit(300, a.decide(300, Slo()))
+    t.first_token(t.predicted_ttft_s * 3.0)  # a judged request: its measured / predicted is kept
+    t.done()
+    assert list(a.model.ratios) == [pytest.approx(3.0)]
+    a.model.ratios.clear()
+    for _ in range(19):  # judged requests came in 1.5 x as late as predicted (a slower machine), one 3 x
+        a.model.judged(0.4, 0.6)
+    a.model.judged(0.4, 1.2)
+    assert a.model.slo_margin() == pytest.approx(1.5)  # the P95 of measured / predicted: 19 of 20
+    d = a.decide(300, slo)
+    assert d.predicted_ttft_s * 1.5 > 0.5 and (d.route, d.reason) == ("shed", "slo_ttft") and "x 1.50" in d.message
+    assert a.decide(100, slo).route == "primary"  # 210 ms x 1.5 < 500 ms
+    assert a.status()["model"]["slo_margin"] == pytest.approx(1.5)
+    for _ in range(256):
+        a.model.judged(0.1, 10.0)
+    assert a.model.slo_margin() == 4.0  # bounded: a margin that sheds all but an idle server's requests
+    held.done()
+
+
 def test_slo_headers_are_validated_and_fall_back_to_the_config_defaults():
     assert parse_slo({}, 250.0, 0.0, "shed") == Slo(0.25, None, "shed")
     assert parse_slo({"x-slo-tpot-ms": "40", "x-slo-on-miss": "queue"}, 0.0, 0.0, "shed") == Slo(None, 0.04, "queue")
