@@ -193,6 +193,46 @@ def expected_sms(total_sms: int, percentage: int) -> int:
     return max(1, -(-total_sms * percentage // 100))
 
 
+def gemm_self_check(
+    device,
+    hidden: int = 4096,
+    out_features: int = 12288,
+    rows: tuple[int, ...] = (1, 8, 64, 128, 256),
+    reps: int = 4,
+    matmul=None,
+) -> str | None:
+    """Under MPS, a check that this SM share computes right: bf16 GEMMs of the model's hidden size (``rows``
+    x ``hidden`` times ``hidden`` x ``out_features``), each ``reps`` times, against a float64 product of the
+    same inputs. None when every result is finite and within bf16's rounding; else one sentence naming the
+    shape, the share and how many values were wrong. (On an H200, torch 2.11 + cu130: at 40 % of the SMs a
+    bf16 GEMM of 128 x 4096 x 12288 returned NaN/Inf, at 45 % decode tokens differed between graphs and
+    eager, at 50 % and without MPS both were right: a share is checked, never assumed.)"""
+    import torch
+
+    mm = matmul or (lambda a, b: a @ b)
+    g = torch.Generator(device="cpu").manual_seed(1234)
+    w = (torch.randn(hidden, out_features, generator=g) / hidden**0.5).to(device, torch.bfloat16)
+    for m in rows:
+        x = torch.randn(m, hidden, generator=g).to(device, torch.bfloat16)
+        ref = x.double() @ w.double()
+        tol = 0.05 + 0.02 * ref.abs()
+        for _ in range(reps):
+            y = mm(x, w).double()
+            bad = ~torch.isfinite(y) | ((y - ref).abs() > tol)
+            n_bad = int(bad.sum())
+            if n_bad:
+                n_nonfinite = int((~torch.isfinite(y)).sum())
+                pct = os.environ.get(THREADS_ENV, "100")
+                return (
+                    f"a bf16 GEMM of {m} x {hidden} by {hidden} x {out_features} on this process's share of the "
+                    f"GPU ({pct} % of the SMs) gave {n_bad} wrong values of {y.numel()} ({n_nonfinite} NaN/Inf): "
+                    "this share computes wrong results with this driver and library; choose another --sm-split "
+                    "(50:50 was right on an H200) or serve without one"
+                )
+    del w
+    return None
+
+
 def probe(device, total_sms: int | None = None) -> dict | None:
     """At worker start, under MPS: the thread percentage asked for, the SM count the device reports to
     this process, whether that is the split asked for, and a bf16 GEMM rate (a measured check that the

@@ -222,6 +222,10 @@ async def serve_worker(opts: WorkerOptions) -> int:
         log.info("MPS SM split: %s", sm)
         if sm.get("split_in_effect") is False:
             log.warning("the SM split asked for did not take effect: %s", sm)
+        wrong = mps.gemm_self_check(engine.device, hidden=engine.model_config.hidden_size)
+        if wrong is not None:  # a share that computes wrong results serves NaN or wrong tokens: stay stopped
+            print(f"distserve worker: error: {opts.worker_id or opts.role}: {wrong}", flush=True)
+            return 2
     engine_loop = EngineLoop(
         engine,
         GcPolicy(
