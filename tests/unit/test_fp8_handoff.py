@@ -108,7 +108,7 @@ def _handed_off(pre: LLMEngine, dec: LLMEngine, prompts, tokens: dict[str, list[
             assert first[r] == tokens[r][:1]  # the prefills agree on the first token
             _, kv = pre.take_prefilled_kv(r)
             scales = pre.runner.kv_scales()
-            h = srv.stage(r, kv, transport="tcp", kv_scales=tuple((a, b) for a, b in scales) if scales else ())
+            h = srv.stage(r, kv.cpu(), transport="tcp", kv_scales=tuple((a, b) for a, b in scales) if scales else ())
             h = KVHandle.from_dict(json.loads(json.dumps(h.to_dict())))
             got = puller.pull(h, 10)
             assert got.status is TransferStatus.SUCCESS, got.error
