@@ -20,6 +20,7 @@ agreement with the reference and mean KL(reference || variant), and the decoder-
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import random
@@ -43,16 +44,39 @@ def q8(x: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:
     return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).float() * scale
 
 
+def bf(x: torch.Tensor) -> torch.Tensor:
+    """Round to bf16 and widen back: what a bf16 op's output (float32 accumulation, bf16 store) holds."""
+    return x.to(torch.bfloat16).float()
+
+
+def ident(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
 def quant_weight(w: torch.Tensor, mode: str) -> torch.Tensor:
     if mode == "channel":
         s = (w.abs().amax(1, keepdim=True) / FP8_MAX).clamp(min=1e-12)
         return q8(w, s)
+    if mode == "channel_mse":  # per channel, the scale (within one binade below amax/448) of least squared error
+        s0 = (w.abs().amax(1, keepdim=True) / FP8_MAX).clamp(min=1e-12)
+        best, best_err = None, None
+        for j in range(16):
+            qj = q8(w, s0 * 2.0 ** (-j / 16))
+            err = (qj - w).pow(2).sum(1, keepdim=True)
+            if best is None:
+                best, best_err = qj, err
+            else:
+                take = err < best_err
+                best = torch.where(take, qj, best)
+                best_err = torch.minimum(err, best_err)
+        return best
     if mode.startswith("block"):
         b = int(mode[5:])
         n, k = w.shape
-        wb = w.view(n, k // b, b)
+        kp = -(-k // b) * b  # a ragged last group (SmolLM2's K = 576 = 4.5 x 128): zero-padded, amax unchanged
+        wb = F.pad(w, (0, kp - k)).view(n, kp // b, b)
         s = (wb.abs().amax(2, keepdim=True) / FP8_MAX).clamp(min=1e-12)
-        return q8(wb, s).view(n, k)
+        return q8(wb, s).view(n, kp)[:, :k]
     if mode == "tensor":
         return q8(w, (w.abs().amax() / FP8_MAX).clamp(min=1e-12))
     raise ValueError(mode)
@@ -71,6 +95,7 @@ class Variant:
     kv_scale_fixed: float | None = None  # e.g. 1.0: the uncalibrated initial scale
     act: bool = False  # per-token e4m3 rounding of every FP8 linear's input (torch._scaled_mm)
     lm_head: bool = False  # lm_head (tied embeddings) in FP8 too
+    bf16: bool = False  # bf16 numerics (weights loaded as bf16, every op's output rounded to bf16), as on a GPU
     extra: dict = field(default_factory=dict)
 
 
@@ -116,7 +141,8 @@ class Model:
 
     def variant_weights(self, v: Variant) -> tuple[list[dict[str, torch.Tensor]], torch.Tensor]:
         out = []
-        for i, w in enumerate(self.ref_w):
+        base = self.bf16_w() if v.bf16 else self.ref_w
+        for i, w in enumerate(base):
             if v.weights is None or i in v.bf16_layers:
                 out.append(w)
                 continue
@@ -124,8 +150,15 @@ class Model:
             for n in v.projections:
                 w[n] = quant_weight(w[n], v.weights)
             out.append(w)
-        lm = quant_weight(self.lm, "channel") if v.lm_head else self.lm
+        lm = bf(self.lm) if v.bf16 else self.lm
+        lm = quant_weight(lm, "channel") if v.lm_head else lm
         return out, lm
+
+    def bf16_w(self) -> list[dict[str, torch.Tensor]]:
+        """The decoder weights as a bf16 engine holds them (rounded once at load), widened to float32."""
+        if not hasattr(self, "_bf16_w"):
+            self._bf16_w = [{n: bf(t) for n, t in w.items()} for w in self.ref_w]
+        return self._bf16_w
 
     def norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
@@ -136,26 +169,28 @@ class Model:
         rot = torch.cat([-x[..., half:], x[..., :half]], -1)
         return x * c + rot * s
 
-    def forward(self, ids, pos0, weights, lm, past=None, kvq=None, act=False, act_names=()):
+    def forward(self, ids, pos0, weights, lm, past=None, kvq=None, act=False, act_names=(), bf16=False):
         """``ids`` at positions ``pos0..``; ``past``: per-layer (K, V) [T0, Hkv, D] unquantised.
-        ``kvq(layer, k, v) -> (k, v)`` rounds what is attended to. Returns (logits, new per-layer (K, V))."""
+        ``kvq(layer, k, v) -> (k, v)`` rounds what is attended to. ``bf16``: every op's output rounded to
+        bf16 (the weights are given already rounded). Returns (logits, new per-layer (K, V))."""
         t = len(ids)
         pos = torch.arange(pos0, pos0 + t)
-        x = self.embed[torch.tensor(ids)]
+        r = bf if bf16 else ident
+        x = r(self.embed[torch.tensor(ids)])
         new = []
 
         def lin(h, w, name):
             if act and name in act_names:
                 s = (h.abs().amax(-1, keepdim=True) / FP8_MAX).clamp(min=1e-12)
                 h = q8(h, s)
-            return h @ w.T
+            return r(h @ w.T)
 
         for i, w in enumerate(weights):
-            h = self.norm(x, w["ln1"])
+            h = r(self.norm(x, w["ln1"]))
             q = lin(h, w["q"], "q").view(t, self.H, self.D)
             k = lin(h, w["k"], "k").view(t, self.Hkv, self.D)
             v = lin(h, w["v"], "v").view(t, self.Hkv, self.D)
-            q, k = self.rope(q, pos), self.rope(k, pos)
+            q, k = r(self.rope(q, pos)), r(self.rope(k, pos))
             new.append((k, v))
             if past is not None:
                 k = torch.cat([past[i][0], k])
@@ -169,12 +204,12 @@ class Model:
             s_len = kk.shape[1]
             mask = torch.ones(t, s_len, dtype=torch.bool).tril(s_len - t)
             o = F.scaled_dot_product_attention(qq[None], kk[None], vv[None], attn_mask=mask[None, None])[0]
-            o = o.transpose(0, 1).reshape(t, self.H * self.D)
-            x = x + lin(o, w["o"], "o")
-            h = self.norm(x, w["ln2"])
+            o = r(o.transpose(0, 1).reshape(t, self.H * self.D))
+            x = r(x + lin(o, w["o"], "o"))
+            h = r(self.norm(x, w["ln2"]))
             g, u = lin(h, w["gate"], "gate"), lin(h, w["up"], "up")
-            x = x + lin(F.silu(g) * u, w["down"], "down")
-        x = self.norm(x, self.sd["model.norm.weight"])
+            x = r(x + lin(r(F.silu(g) * u), w["down"], "down"))
+        x = r(self.norm(x, self.sd["model.norm.weight"]))
         return x @ lm.T, new
 
 
@@ -217,6 +252,12 @@ def main() -> None:
     ap.add_argument("--only", default="", help="comma-separated variant names (default: all)")
     ap.add_argument("--layers", action="store_true", help="also the per-layer sensitivity (weights of one layer)")
     ap.add_argument("--greedy", action="store_true", help="force the reference's greedy tokens (slow: 64 steps)")
+    ap.add_argument(
+        "--ref",
+        default="fp32",
+        choices=("fp32", "bf16"),
+        help="reference numerics; bf16: the reference and every variant run bf16 numerics (as on the GPU)",
+    )
     ap.add_argument("--out", default="bench/results/fp8_accuracy_study.json")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
@@ -230,22 +271,24 @@ def main() -> None:
     # reference: prompt K/V and teacher-forced logits; the forced continuation is the reference's own greedy
     # tokens with --greedy (as bench/fp8_accuracy.py), else the ShareGPT reply's first tokens (one chunk)
     refs = []
+    rb = a.ref == "bf16"
+    ref_w, ref_lm = (m.bf16_w(), bf(m.lm)) if rb else (m.ref_w, m.lm)
     for p, reply in eval_p:
-        lg, past = m.forward(p, 0, m.ref_w, m.lm)
+        lg, past = m.forward(p, 0, ref_w, ref_lm, bf16=rb)
         cont = [int(lg[-1].argmax())]
         if a.greedy:
             kv = past
             for _ in range(a.tokens - 1):
-                lg1, new = m.forward(cont[-1:], len(p) + len(cont) - 1, m.ref_w, m.lm, past=kv)
+                lg1, new = m.forward(cont[-1:], len(p) + len(cont) - 1, ref_w, ref_lm, past=kv, bf16=rb)
                 kv = [(torch.cat([k0, k1]), torch.cat([v0, v1])) for (k0, v0), (k1, v1) in zip(kv, new)]
                 cont.append(int(lg1[-1].argmax()))
         else:
             cont = reply[: a.tokens]
-        ref_lg, _ = m.forward(cont, len(p), m.ref_w, m.lm, past=past)
+        ref_lg, _ = m.forward(cont, len(p), ref_w, ref_lm, past=past, bf16=rb)
         refs.append((p, cont, past, torch.log_softmax(ref_lg, -1)))
     print(f"reference: {len(refs)} prompts, {time.time() - t0:.0f}s", flush=True)
     # calibration K/V: the calibration prompts prefilled plus 8 greedy tokens' worth (prompt K/V suffices)
-    cal_kv = [m.forward(p, 0, m.ref_w, m.lm)[1] for p in cal_p]
+    cal_kv = [m.forward(p, 0, ref_w, ref_lm, bf16=rb)[1] for p in cal_p]
     print(f"calibration K/V: {len(cal_kv)} prompts, {time.time() - t0:.0f}s", flush=True)
 
     A = ("q", "k", "v")
@@ -269,15 +312,29 @@ def main() -> None:
         Variant("w_channel_lm_head", weights="channel", lm_head=True),
         Variant("w_channel_bf16_first_last", weights="channel", bf16_layers=(0, m.L - 1)),
         Variant("w_no_down", weights="channel", projections=("q", "k", "v", "o", "gate", "up")),
+        # the noise floor: the unquantised model in bf16 numerics against the float32 reference
+        Variant("bf16_numerics", bf16=True),
+        Variant("w_block128", weights="block128"),
+        Variant("w_channel_mse", weights="channel_mse"),
+        Variant("both_block128_layer", weights="block128", kv="layer"),
+        Variant("both_block128_head", weights="block128", kv="head"),
+        Variant("both_channel_head", weights="channel", kv="head"),
+        Variant("both_channel_layer_first_last", weights="channel", kv="layer", bf16_layers=(0, m.L - 1)),
+        Variant("both_block128_layer_first_last", weights="block128", kv="layer", bf16_layers=(0, m.L - 1)),
+        Variant("kv_layer_p99.99", kv="layer", kv_pct=0.9999, kv_headroom=1.0),
+        Variant("kv_layer_headroom1", kv="layer", kv_headroom=1.0),
     ]
     if a.layers:
         variants += [
             Variant(f"w_layer_{i}", weights="channel", bf16_layers=tuple(j for j in range(m.L) if j != i))
             for i in range(m.L)
         ]
-    only = set(filter(None, a.only.split(",")))
+    only = [n for n in a.only.split(",") if n]
     if only:
-        variants = [v for v in variants if v.name in only]
+        by_name = {v.name: v for v in variants}
+        variants = [by_name[n] for n in only]
+    if rb:  # every variant in bf16 numerics too: what differs from the reference is the FP8 storage only
+        variants = [dataclasses.replace(v, bf16=True) for v in variants]
     res = {
         "model": "smollm2-135m-instruct",
         "model_file": str(path),
@@ -285,6 +342,7 @@ def main() -> None:
         "prompts": len(eval_p),
         "calibration_prompts": len(cal_p),
         "tokens": a.tokens,
+        "reference": a.ref,
         "command": "python bench/fp8_accuracy_study.py " + " ".join(sys.argv[1:]),
         "variants": {},
     }
@@ -293,6 +351,11 @@ def main() -> None:
         t1 = time.time()
         weights, lm = m.variant_weights(v)
         kvq = None
+        if v.bf16 and v.kv is None:  # the reference's prompt K/V as a bf16 cache holds it
+
+            def kvq(i, k, vv):
+                return bf(k), bf(vv)
+
         if v.kv is not None:
             sc = kv_scales(cal_kv, v, m.L) if v.kv_scale_fixed is None else [(v.kv_scale_fixed,) * 2] * m.L
 
@@ -303,7 +366,9 @@ def main() -> None:
         agree = total = 0
         kl = 0.0
         for p, cont, past, ref_lp in refs:
-            lg, _ = m.forward(cont, len(p), weights, lm, past=past, kvq=kvq, act=v.act, act_names=v.projections)
+            lg, _ = m.forward(
+                cont, len(p), weights, lm, past=past, kvq=kvq, act=v.act, act_names=v.projections, bf16=v.bf16
+            )
             lq = torch.log_softmax(lg, -1)
             agree += int((lq.argmax(-1) == ref_lp.argmax(-1)).sum())
             total += len(cont)

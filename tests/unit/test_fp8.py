@@ -25,6 +25,7 @@ from server.engine.fp8 import (
     gather_kv_fp8,
     quantize,
     quantize_per_channel,
+    quantize_per_channel_mse,
     write_kv_fp8,
 )
 from server.engine.llm_engine import EngineConfig, LLMEngine
@@ -53,6 +54,22 @@ def test_per_channel_round_trip_is_within_half_an_e4m3_step(seed):
     nz = w.abs().amax(1) > 0
     assert torch.equal(q.float().abs().amax(1)[nz], torch.full((int(nz.sum()),), FP8_MAX))
     assert torch.equal(back[3], torch.zeros(300))
+
+
+def test_mse_scales_never_round_worse_than_amax_scales_and_usually_better():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(256, 512, generator=g) * torch.logspace(-3, 1, 256)[:, None]
+    w[7] = 0.0
+    q0, s0 = quantize_per_channel(w)
+    q1, s1 = quantize_per_channel_mse(w)
+    assert q1.dtype == FP8_DTYPE and s1.shape == (256,) and torch.isfinite(s1).all() and (s1 > 0).all()
+    e0 = (dequantize(q0, s0[:, None], torch.float32) - w).pow(2).sum(1)
+    e1 = (dequantize(q1, s1[:, None], torch.float32) - w).pow(2).sum(1)
+    assert (e1 <= e0).all()  # the amax scale is one of the candidates
+    nz = e0 > 0
+    assert (e1 < e0).float().mean() > 0.2 and (e1[nz] / e0[nz]).mean() < 0.98  # measured: 36 %, 0.972
+    assert ((s1 <= s0) & (s1 > s0 / 2)).all()  # within one binade below amax / 448
+    assert torch.equal(dequantize(q1, s1[:, None], torch.float32)[7], torch.zeros(512))
 
 
 def test_quantize_saturates_instead_of_overflowing():
