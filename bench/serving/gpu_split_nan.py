@@ -1,6 +1,6 @@
 """Where the NaN/Inf logits of a decode worker on an MPS SM split come from: a bisection in one device call.
 
-Symptom (docs/performance/split-memory-2026-12-02b.md): ``distserve serve --sm-split 60:40`` (7B preset) serves an
+Symptom (docs/performance/serving-one-gpu.md): ``distserve serve --sm-split 60:40`` (7B preset) serves an
 8-request smoke, then every request of the distbench sweep fails on the decode worker with the sampler's
 "the model produced NaN/Inf logits for this request"; the unpartitioned 1P1D on the same GPU serves it.
 
