@@ -43,7 +43,8 @@ test-ray: $(STAMP)  ## installs the ray extra, then serve --launcher ray / scale
 test-all: $(STAMP)  ## every test, verbose skip reasons (GPU tests run where CUDA is present)
 	$(PY) -m pytest -q -rs tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; rc=0; fi; exit $$rc
 
-lint: $(STAMP)  ## ruff check + ruff format --check + mypy (settings in pyproject.toml); CI runs it before the tests
+lint: $(STAMP)  ## namespace check + ruff check + ruff format --check + mypy (settings in pyproject.toml); CI runs it before the tests
+	$(PY) ci/namespace_rewrite.py --check
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy

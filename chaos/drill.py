@@ -39,6 +39,7 @@ from chaos.journal import Journal, write
 from chaos.probes import run_probe
 from chaos.target import Target
 from chaos.workers import list_workers
+from configs import find as find_config
 
 EXIT = {"completed": 0, "failed": 1, "aborted": 3, "interrupted": 130}
 TOP_KEYS = {
@@ -60,7 +61,7 @@ class Interrupted(BaseException):
 
 
 def load_drill(path: str) -> dict:
-    with open(path) as f:
+    with open(find_config(path)) as f:
         d = yaml.safe_load(f)
     if not isinstance(d, dict):
         raise TypeError(f"{path}: a drill is a YAML mapping")

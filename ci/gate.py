@@ -20,6 +20,7 @@ from pathlib import Path
 import yaml
 
 from chaos.journal import SEED_NOTE
+from configs import find as find_config
 from distbench.atomic import atomic_write
 from sla.slo import within
 
@@ -42,6 +43,9 @@ def _fill(v, ctx: dict):
 def _skip_reason(item: dict) -> str | None:
     if item.get("needs_root") and os.geteuid() != 0:
         return "needs root (namespaces, tc, nftables, sysctl, cgroups)"
+    path = item.get("needs_path")
+    if path and not Path(path).exists():
+        return f"needs {path} of a distserve checkout (this is an installed package)"
     mod = item.get("needs_module")
     if mod and importlib.util.find_spec(mod) is None:
         return f"not available: this build has no {mod}"
@@ -115,10 +119,11 @@ def _run_load(item: dict, quick: bool, ctx: dict, log_dir: Path) -> tuple[str, s
 
 def _run_drill(item: dict, ctx: dict, log: Path) -> tuple[str, str]:
     out = Path(ctx["out"]) / "drills" / item["id"]
+    drill = str(find_config(item["file"]))  # the checkout's, else the shipped copy
     with open(log, "wb") as f:
         try:
             p = subprocess.run(
-                [sys.executable, "-m", "server.cli", "chaos", "drill", item["file"], "--out", str(out)],
+                [sys.executable, "-m", "server.cli", "chaos", "drill", drill, "--out", str(out)],
                 stdout=f,
                 stderr=subprocess.STDOUT,
                 timeout=float(item.get("timeout_s", 900)),
@@ -142,7 +147,7 @@ def _run_drill(item: dict, ctx: dict, log: Path) -> tuple[str, str]:
 
 
 def run_gate(checklist: str, out: Path, quick: bool, only: set[str] | None = None, stream=sys.stdout) -> dict:
-    spec = yaml.safe_load(Path(checklist).read_text())
+    spec = yaml.safe_load(find_config(checklist).read_text())
     items = [i for i in spec["items"] if (not quick or i.get("quick")) and (not only or i["id"] in only)]
     if only:  # a gate that runs nothing must not say GO
         ids = [i["id"] for i in spec["items"]]
@@ -218,15 +223,11 @@ DEFAULT_CHECKLIST = "ci/release_gate.yaml"
 def main(args) -> int:
     out = Path(args.out).resolve()  # before a change of folder below: --out is relative to where it was typed
     checklist = args.checklist
-    checkout = Path(__file__).resolve().parents[1]  # the checkout this (editable) install runs from
-    if checklist == DEFAULT_CHECKLIST and not Path(checklist).is_file() and (checkout / checklist).is_file():
-        os.chdir(checkout)  # the items name tests/, configs/ and drills relative to the checkout's root
-    if not Path(checklist).is_file():
-        print(
-            f"distserve: error: checklist {checklist} does not exist here; run `distserve gate` from the root "
-            "of a distserve checkout (its items run the tests, configs/ and drills there)",
-            file=sys.stderr,
-        )
+    checkout = Path(__file__).resolve().parents[1]  # the checkout an editable install runs from, if any
+    if checklist == DEFAULT_CHECKLIST and not Path(checklist).is_file() and (checkout / "tests").is_dir():
+        os.chdir(checkout)  # the tests item runs the checkout's tests/ (installed, it is skipped: needs_path)
+    if not find_config(checklist).is_file():  # configs/, drills and this file are shipped with the package
+        print(f"distserve: error: checklist {checklist} does not exist", file=sys.stderr)
         return 2
     try:
         report = run_gate(checklist, out, args.quick, set(args.only.split(",")) if args.only else None)

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import yaml
 
+from configs import find as find_config
 from distbench.demo_chat import ask_questions
 from distbench.loadgen import RunSpec
 from distbench.result import save
@@ -36,6 +37,9 @@ def run_demo(args) -> int:
     if args.requests < 1 or args.concurrency < 1 or args.max_tokens < 1:
         print("distbench demo: error: --requests, --concurrency and --max-tokens must be >= 1", file=sys.stderr)
         return 2
+    # a shipped file by its checkout name (configs/sla/demo.yaml) works from any folder
+    args.config = str(find_config(args.config)) if args.config else None
+    args.sla = str(find_config(args.sla)) if args.sla else None
     extra = ["--model", args.model] if args.model else []
     if args.config:
         extra += ["--config", args.config]

@@ -28,7 +28,9 @@ def to_yaml(overrides: dict[str, dict[str, int]], model: str, base: str | None =
     if base:
         import yaml
 
-        with open(base) as f:
+        from configs import find as find_config
+
+        with open(find_config(base)) as f:
             merged = yaml.safe_load(f) or {}
         for section, keys in overrides.items():
             merged[section] = {**(merged.get(section) or {}), **keys}

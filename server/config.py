@@ -22,6 +22,8 @@ from urllib.parse import urlparse
 
 import yaml
 
+from configs import find as find_config
+
 __all__ = [
     "BreakerConfig",
     "CacheConfig",
@@ -535,7 +537,7 @@ def load_config(path: str | Path | None = None, overrides: Mapping[str, Any] | N
         from server.config_moves import apply_moves
 
         try:
-            raw = apply_aliases(_read_yaml(Path(path)), str(path))[0]
+            raw = apply_aliases(_read_yaml(find_config(path)), str(path))[0]
             cfg = DistServeConfig.from_dict(apply_moves(raw, str(path))[0])
         except ConfigError as e:
             msg = str(e)

@@ -25,6 +25,8 @@ from typing import Any
 
 import yaml
 
+from configs import find as find_config
+
 __all__ = ["METRICS", "Objective", "SlaSpec", "SpecError", "load_spec"]
 
 METRICS = ("ttft", "tpot", "itl", "e2e")
@@ -146,7 +148,7 @@ def load_spec(path: str | Path) -> SlaSpec:
     """Read and validate a spec file; every error names the file and the key."""
     p = Path(path)
     try:
-        text = p.read_text(encoding="utf-8")
+        text = find_config(p).read_text(encoding="utf-8")
     except OSError as e:
         raise SpecError(f"{p}: cannot read spec: {e.strerror or e}") from None
     try:

@@ -28,7 +28,7 @@ def _modules() -> dict[str, Path]:
             parts = list(f.relative_to(ROOT).with_suffix("").parts)
             if parts[-1] == "__init__":
                 parts = parts[:-1]
-            out[".".join(parts)] = f
+            out[".".join(["distserve", *parts])] = f  # the installed name (distserve/ links each package)
     return out
 
 
@@ -49,6 +49,8 @@ def _graph(mods: dict[str, Path]) -> dict[str, set[str]]:
             else:
                 continue
             for t in targets:
+                if t.split(".")[0] in PACKAGES:  # un-namespaced (make lint refuses it): the same module
+                    t = f"distserve.{t}"
                 while t and t not in mods:
                     t = t.rpartition(".")[0]
                 if t and t != m:
