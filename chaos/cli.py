@@ -84,7 +84,7 @@ def add_parser(sub) -> None:
 
 
 def _recorded(kind: str) -> list[str]:
-    from chaos.rollback_all import _found
+    from distserve.chaos.rollback_all import _found
 
     return [str(p) for p in _found() if p.name.startswith(f"{kind}--")]
 
@@ -93,8 +93,8 @@ def _rollback_all(args) -> int:
     if args.injector is not None or args.args:
         print("distserve: error: rollback takes an injector or --all, not both", file=sys.stderr)
         return 2
-    from chaos.rollback_all import rollback_all
-    from chaos.state import StateRefused
+    from distserve.chaos.rollback_all import rollback_all
+    from distserve.chaos.state import StateRefused
 
     try:
         report = rollback_all()
@@ -109,7 +109,7 @@ def _rollback_all(args) -> int:
 
 def main(args) -> int:
     if args.chaos_command == "drill":
-        from chaos.drill import EXIT, run_drill
+        from distserve.chaos.drill import EXIT, run_drill
 
         if not Path(args.file).is_file():
             print(f"distserve: error: drill file {args.file} does not exist", file=sys.stderr)
@@ -127,8 +127,8 @@ def main(args) -> int:
     if args.chaos_command == "rollback" and (args.all or args.injector is None):
         return _rollback_all(args)
     if args.chaos_command in ("inject", "rollback"):
-        from chaos import injectors
-        from chaos.state import StateRefused
+        from distserve.chaos import injectors
+        from distserve.chaos.state import StateRefused
 
         try:
             mod = injectors.get(args.injector)
@@ -136,7 +136,7 @@ def main(args) -> int:
         except ValueError as e:
             print(f"distserve: error: {e}", file=sys.stderr)
             return 2
-        from chaos.sysutil import HostError
+        from distserve.chaos.sysutil import HostError
 
         fn = mod.inject if args.chaos_command == "inject" else mod.rollback
         try:
@@ -162,7 +162,7 @@ def main(args) -> int:
                 return 1
         return 0
     if args.chaos_command == "nan-check":
-        from chaos.nan_check import cli_main
+        from distserve.chaos.nan_check import cli_main
 
         return cli_main(args)
     return 2

@@ -37,7 +37,7 @@ class Finding:
 
 def check_sysctls(netns: str | None = None, keys: list[str] | None = None) -> list[Finding]:
     """``net.core.*`` are global: read inside a namespace they show (and are fixed on) the host."""
-    from chaos.sysutil import HostError, sysctl_get
+    from distserve.chaos.sysutil import HostError, sysctl_get
 
     out = []
     for key, want in BASELINE.items():
@@ -84,7 +84,7 @@ def _at_least(found: str, want: str) -> bool:
 
 
 def check_memory(decode_pids: list[int]) -> list[Finding]:
-    from chaos.injectors.memory_limit import cgroup_flavour
+    from distserve.chaos.injectors.memory_limit import cgroup_flavour
 
     fl = cgroup_flavour()
     out = [
@@ -150,8 +150,8 @@ def _pid_memory_limit(pid: int) -> int | None:
 
 
 def check_max_seq_len(config_path: str | None, model: str | None = None) -> list[Finding]:
-    from server.config import load_config
-    from server.engine.loader import load_model_config, resolve_model_path
+    from distserve.server.config import load_config
+    from distserve.server.engine.loader import load_model_config, resolve_model_path
 
     cfg = load_config(config_path, {"model": model} if model else None)
     ctx = load_model_config(resolve_model_path(cfg.model)).max_position_embeddings
@@ -168,8 +168,8 @@ def check_max_seq_len(config_path: str | None, model: str | None = None) -> list
 
 
 def check_router(router: str, token: str | None) -> tuple[list[Finding], list[int]]:
-    from chaos.probes import _get
-    from chaos.workers import list_workers
+    from distserve.chaos.probes import _get
+    from distserve.chaos.workers import list_workers
 
     status, text = _get(f"{router}/health")
     if status == 0:  # nothing answered: say so, not "0"
@@ -250,7 +250,7 @@ def check_router(router: str, token: str | None) -> tuple[list[Finding], list[in
 def _served_context(router: str, ws: list[dict]) -> list[Finding]:
     """The served model's max_model_len (``/v1/models``) against that model's context (its workers'
     fingerprint), instead of the built-in model's."""
-    from chaos.probes import _get
+    from distserve.chaos.probes import _get
 
     status, text = _get(f"{router}/v1/models")
     ctx = next((w.get("fingerprint", {}).get("max_position_embeddings") for w in ws if w.get("fingerprint")), None)

@@ -25,9 +25,9 @@ from pathlib import Path
 
 import yaml
 
-from chaos import injectors
-from chaos import state as chaos_state
-from chaos.invariants import (
+from distserve.chaos import injectors
+from distserve.chaos import state as chaos_state
+from distserve.chaos.invariants import (
     breaker_invariant,
     kv_blocks_invariant,
     objective_invariants,
@@ -35,11 +35,11 @@ from chaos.invariants import (
     state_invariant,
     summarize,
 )
-from chaos.journal import Journal, write
-from chaos.probes import run_probe
-from chaos.target import Target
-from chaos.workers import list_workers
-from configs import find as find_config
+from distserve.chaos.journal import Journal, write
+from distserve.chaos.probes import run_probe
+from distserve.chaos.target import Target
+from distserve.chaos.workers import list_workers
+from distserve.configs import find as find_config
 
 EXIT = {"completed": 0, "failed": 1, "aborted": 3, "interrupted": 130}
 TOP_KEYS = {
@@ -99,7 +99,7 @@ class LoadRun:
         argv = [
             sys.executable,
             "-m",
-            "distbench.cli",
+            "distserve.distbench.cli",
             "run",
             "--url",
             url,

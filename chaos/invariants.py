@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import time
 
-from chaos.probes import _get, metric_value, run_probe
-from chaos.workers import list_workers
+from distserve.chaos.probes import _get, metric_value, run_probe
+from distserve.chaos.workers import list_workers
 
 
 def summarize(records: list[dict], timeout_s: float) -> dict:
@@ -135,7 +135,7 @@ def objective_invariants(obj: dict, load: dict, run: list[dict], router: str, to
         )
     for role in obj.get("roles_alive", []):
         pids = alive.get(role, [])
-        from chaos.sysutil import pid_alive
+        from distserve.chaos.sysutil import pid_alive
 
         dead = [p for p in pids if not pid_alive(p)]
         out.append(

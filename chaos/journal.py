@@ -13,7 +13,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from distbench.atomic import atomic_write
+from distserve.distbench.atomic import atomic_write
 
 # "seed" in drill and gate texts: one sentence wherever it is named
 SEED_NOTE = (

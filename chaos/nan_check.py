@@ -21,7 +21,7 @@ import json
 import random
 import sys
 
-from distbench.atomic import atomic_write
+from distserve.distbench.atomic import atomic_write
 
 CANDIDATES = ("sdpa", "cpu_paged", "flash_attn_v2", "triton")
 
@@ -46,8 +46,8 @@ def kv_blocks_for(longest: int, block_size: int = BLOCK_SIZE) -> int:
 
 def model_context(model: str | None) -> int:
     """The model's context (``max_position_embeddings``), read without building it."""
-    from server.engine.loader import load_model_config, resolve_model_path
-    from server.engine.presets import is_preset, preset_config
+    from distserve.server.engine.loader import load_model_config, resolve_model_path
+    from distserve.server.engine.presets import is_preset, preset_config
 
     cfg = preset_config(model) if is_preset(model) else load_model_config(resolve_model_path(model))
     return int(cfg.max_position_embeddings)
@@ -63,8 +63,8 @@ def check_backend(
     """{length: 'ok' | 'NaN in prefill' | 'beyond context (N)' | ...} for one backend, or {'unavailable': reason}."""
     import torch
 
-    from server.engine.llm_engine import EngineConfig, LLMEngine
-    from server.engine.sampling_params import SamplingParams
+    from distserve.server.engine.llm_engine import EngineConfig, LLMEngine
+    from distserve.server.engine.sampling_params import SamplingParams
 
     context = context or model_context(model)
     runnable = [n for n in lens if n <= context]
@@ -176,7 +176,7 @@ def beyond(result: dict) -> list[int]:
 
 
 def cli_main(args) -> int:
-    from server.config import ConfigError, load_config
+    from distserve.server.config import ConfigError, load_config
 
     try:
         cfg = load_config(args.config, {"model": args.model} if args.model else None)

@@ -12,8 +12,8 @@ import time
 import urllib.error
 import urllib.request
 
-from chaos.sysutil import pid_alive
-from chaos.workers import list_workers
+from distserve.chaos.sysutil import pid_alive
+from distserve.chaos.workers import list_workers
 
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
 

@@ -1,6 +1,6 @@
 """A small userspace TCP proxy with toxiproxy's toxics, for kernels without ``sch_netem``.
 
-``python -m chaos.proxy --listen 10.0.0.1:0 --upstream 10.0.0.1:5555 --toxic
+``python -m distserve.chaos.proxy --listen 10.0.0.1:0 --upstream 10.0.0.1:5555 --toxic
 '{"type": "latency", "latency": 50, "jitter": 10}' --ready-file F`` forwards every
 connection to the upstream and applies the toxics to the bytes flowing
 ``downstream`` (upstream → client, the KV payload direction) unless a toxic says
@@ -30,7 +30,7 @@ import socket
 import struct
 import sys
 
-from distbench.atomic import atomic_write
+from distserve.distbench.atomic import atomic_write
 
 TOXICS = ("latency", "bandwidth", "slicer", "slow_close", "timeout", "reset_peer", "limit_data")
 
@@ -170,9 +170,9 @@ async def serve(
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m chaos.proxy",
+        prog="python -m distserve.chaos.proxy",
         description=__doc__.split("\n\n")[0] + " Example: "
-        "python -m chaos.proxy --listen 127.0.0.1:0 --upstream 127.0.0.1:8080 "
+        "python -m distserve.chaos.proxy --listen 127.0.0.1:0 --upstream 127.0.0.1:8080 "
         '--toxic \'{"type": "slicer", "average_size": 7}\'',
     )
     p.add_argument("--listen", type=_addr, required=True, help="HOST:PORT to listen on (port 0 = any)")

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from chaos import injectors, state
+from distserve.chaos import injectors, state
 
 # state kind -> (injector module, the rollback keyword that takes the state's key), in rollback order
 KINDS: dict[str, tuple[str, str]] = {

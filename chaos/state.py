@@ -29,8 +29,8 @@ import os
 import re
 from pathlib import Path
 
-from distbench.atomic import atomic_write
-from server.private_files import UnsafePath, check_private_file, private_dir
+from distserve.distbench.atomic import atomic_write
+from distserve.server.private_files import UnsafePath, check_private_file, private_dir
 
 ENV = "DISTSERVE_CHAOS_STATE_DIR"
 

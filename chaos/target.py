@@ -1,7 +1,7 @@
 """The deployment a drill runs against: a remote one (URL + token), or one it starts here.
 
 A local target is a router and its workers as child processes of the drill
-(``python -m server.cli router|worker``), each with its own config file so a
+(``python -m distserve.server.cli router|worker``), each with its own config file so a
 drill can give one role a different budget (e.g. a small prefill KV pool). With
 ``decode_netns: true`` the first decode worker runs inside a fresh network
 namespace (`chaos.injectors.netns`), the router and prefill workers bind the
@@ -24,9 +24,9 @@ from pathlib import Path
 
 import yaml
 
-from chaos.injectors import netns as netns_injector
-from chaos.sysutil import sysctl_set
-from chaos.workers import TOKEN_ENV, list_workers
+from distserve.chaos.injectors import netns as netns_injector
+from distserve.chaos.sysutil import sysctl_set
+from distserve.chaos.workers import TOKEN_ENV, list_workers
 
 
 def _merge(base: dict, over: dict) -> dict:
@@ -62,7 +62,7 @@ class Target:
         return int(self._config("prefill").get("prefill", {}).get("max_seq_len", 2048))
 
     def _config(self, role: str) -> dict:
-        from server.config import load_config
+        from distserve.server.config import load_config
 
         base = load_config(None, self.spec.get("config") or {}).to_dict()
         return _merge(base, self.spec.get(f"{role}_config") or {})
@@ -73,7 +73,7 @@ class Target:
         return str(path)
 
     def _spawn(
-        self, name: str, argv: list[str], netns: str | None = None, module: str = "server.cli"
+        self, name: str, argv: list[str], netns: str | None = None, module: str = "distserve.server.cli"
     ) -> subprocess.Popen:
         env = dict(os.environ, **{TOKEN_ENV: self.token, "OMP_NUM_THREADS": "1"})
         # --parent-pid: the child exits if the drill dies without stopping it (even by SIGKILL)
@@ -143,7 +143,7 @@ class Target:
         self.counter += 1
         ns = self.netns or {}
         host = ns["ns_ip"] if in_netns else ns.get("host_ip", "127.0.0.1")
-        module = self.spec.get(f"{role}_module", "server.cli")
+        module = self.spec.get(f"{role}_module", "distserve.server.cli")
         self._spawn(
             wid,
             [

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import yaml
 
-from chaos.journal import SEED_NOTE
-from configs import find as find_config
-from distbench.atomic import atomic_write
-from sla.slo import within
+from distserve.chaos.journal import SEED_NOTE
+from distserve.configs import find as find_config
+from distserve.distbench.atomic import atomic_write
+from distserve.sla.slo import within
 
 KINDS = ("command", "load", "drill")
 MARK = {"passed": "PASS", "failed": "FAIL", "skipped": "SKIP"}
@@ -52,7 +52,10 @@ def _skip_reason(item: dict) -> str | None:
     cmd = item.get("needs_command")
     if cmd:
         p = subprocess.run(
-            [sys.executable, "-m", "server.cli", *cmd, "--help"], capture_output=True, check=False, timeout=120
+            [sys.executable, "-m", "distserve.server.cli", *cmd, "--help"],
+            capture_output=True,
+            check=False,
+            timeout=120,
         )
         if p.returncode != 0:
             return f"not available: this build has no `distserve {' '.join(cmd)}`"
@@ -74,8 +77,8 @@ def _run_command(item: dict, quick: bool, ctx: dict, log: Path) -> tuple[str, st
 
 
 def _run_load(item: dict, quick: bool, ctx: dict, log_dir: Path) -> tuple[str, str]:
-    from chaos.invariants import summarize
-    from chaos.target import Target
+    from distserve.chaos.invariants import summarize
+    from distserve.chaos.target import Target
 
     spec: dict = item["quick_load"] if quick and item.get("quick_load") else item["load"]
     result = Path(_fill(item["result"], ctx))
@@ -85,7 +88,7 @@ def _run_load(item: dict, quick: bool, ctx: dict, log_dir: Path) -> tuple[str, s
         argv = [
             sys.executable,
             "-m",
-            "distbench.cli",
+            "distserve.distbench.cli",
             "run",
             "--url",
             target.url,
@@ -123,7 +126,7 @@ def _run_drill(item: dict, ctx: dict, log: Path) -> tuple[str, str]:
     with open(log, "wb") as f:
         try:
             p = subprocess.run(
-                [sys.executable, "-m", "server.cli", "chaos", "drill", drill, "--out", str(out)],
+                [sys.executable, "-m", "distserve.server.cli", "chaos", "drill", drill, "--out", str(out)],
                 stdout=f,
                 stderr=subprocess.STDOUT,
                 timeout=float(item.get("timeout_s", 900)),

@@ -1,5 +1,5 @@
 import sys
 
-from distbench.cli import main
+from distserve.distbench.cli import main
 
 sys.exit(main())

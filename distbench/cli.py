@@ -18,9 +18,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from distbench import commands
-from distbench.load_args import Formatter, add_load_args, options_from
-from distbench.runner import UsageError
+from distserve.distbench import commands
+from distserve.distbench.load_args import Formatter, add_load_args, options_from
+from distserve.distbench.runner import UsageError
 
 __all__ = ["add_load_args", "build_parser", "main", "options_from"]  # options_from: kept importable here
 
@@ -28,9 +28,9 @@ EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 
 def cmd_run(args) -> int:
-    from distbench import result
-    from distbench.runner import run
-    from distbench.summary import format_summary
+    from distserve.distbench import result
+    from distserve.distbench.runner import run
+    from distserve.distbench.summary import format_summary
 
     res = run(options_from(args))
     if args.save_result:

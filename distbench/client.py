@@ -13,8 +13,8 @@ import time
 
 import aiohttp
 
-from distbench.datasets import Item, Vocab
-from distbench.records import RequestRecord, parse_retry_after, short_error
+from distserve.distbench.datasets import Item, Vocab
+from distserve.distbench.records import RequestRecord, parse_retry_after, short_error
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/generate")
 

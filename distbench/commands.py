@@ -6,12 +6,12 @@ import json
 import math
 from pathlib import Path
 
-from distbench.runner import UsageError
-from distbench.validate import load_checked
+from distserve.distbench.runner import UsageError
+from distserve.distbench.validate import load_checked
 
 
 def _load_all(paths: list[str]) -> list[dict]:
-    from distbench import result
+    from distserve.distbench import result
 
     out = []
     for p in paths:
@@ -23,8 +23,8 @@ def _load_all(paths: list[str]) -> list[dict]:
 
 
 def cmd_sweep(args) -> int:
-    from distbench.load_args import options_from
-    from distbench.sweep import format_table, sweep
+    from distserve.distbench.load_args import options_from
+    from distserve.distbench.sweep import format_table, sweep
 
     if not args.slo:
         raise UsageError("sweep needs --slo (the SLO whose attainment decides each rate)")
@@ -55,7 +55,7 @@ def cmd_sweep(args) -> int:
     print(format_table(s))
     print(f"saved {out / 'sweep.json'}")
     if args.plot:
-        from distbench.plot import PlotUnavailable, plot
+        from distserve.distbench.plot import PlotUnavailable, plot
 
         try:
             for p in plot([("sweep", s)], out):
@@ -70,7 +70,7 @@ def _side_name(paths: list[str]) -> str:
 
 
 def cmd_compare(args) -> int:
-    from distbench.compare import compare, format_report, split_sides
+    from distserve.distbench.compare import compare, format_report, split_sides
 
     try:
         pa, pb = split_sides(args.results)
@@ -82,14 +82,14 @@ def cmd_compare(args) -> int:
         raise UsageError("no completed requests to compare in one of the results")
     print(format_report(rep, _side_name(pa), _side_name(pb)))
     if args.json:
-        from distbench.result import save
+        from distserve.distbench.result import save
 
         save({"a": pa, "b": pb, **rep}, args.json)
     return 0
 
 
 def cmd_plot(args) -> int:
-    from distbench.plot import PlotUnavailable, plot
+    from distserve.distbench.plot import PlotUnavailable, plot
 
     results = _load_all(args.results)
     try:
@@ -102,9 +102,9 @@ def cmd_plot(args) -> int:
 
 
 def cmd_merge(args) -> int:
-    from distbench import result
-    from distbench.merge import merge
-    from distbench.summary import format_summary
+    from distserve.distbench import result
+    from distserve.distbench.merge import merge
+    from distserve.distbench.summary import format_summary
 
     merged = merge(load_checked(args.results))
     print(f"saved {result.save(merged, args.output)}")
@@ -113,7 +113,7 @@ def cmd_merge(args) -> int:
 
 
 def add_parsers(sub, formatter, add_load_args) -> None:
-    from distbench import demo
+    from distserve.distbench import demo
 
     s = sub.add_parser(
         "sweep",
@@ -180,7 +180,7 @@ def add_parsers(sub, formatter, add_load_args) -> None:
     m.set_defaults(handler=cmd_merge)
 
     demo.add_parser(sub, formatter)
-    from distbench import locust_cmd, repeat
+    from distserve.distbench import locust_cmd, repeat
 
     repeat.add_parser(sub, formatter)
     locust_cmd.add_parser(sub, formatter)

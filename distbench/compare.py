@@ -24,8 +24,8 @@ import math
 
 import numpy as np
 
-from distbench.result import records_of
-from distbench.table import render
+from distserve.distbench.result import records_of
+from distserve.distbench.table import render
 
 STATS = ("mean", "p95", "p99", "std")
 METRICS = (("TTFT", "ttft"), ("TPOT", "tpot"), ("E2E", "e2e"))

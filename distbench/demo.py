@@ -22,13 +22,13 @@ from pathlib import Path
 
 import yaml
 
-from configs import find as find_config
-from distbench.demo_chat import ask_questions
-from distbench.loadgen import RunSpec
-from distbench.result import save
-from distbench.runner import Options, Workload, run
-from distbench.summary import format_summary
-from distbench.target import ServeProcess
+from distserve.configs import find as find_config
+from distserve.distbench.demo_chat import ask_questions
+from distserve.distbench.loadgen import RunSpec
+from distserve.distbench.result import save
+from distserve.distbench.runner import Options, Workload, run
+from distserve.distbench.summary import format_summary
+from distserve.distbench.target import ServeProcess
 
 PERCENTILES = (50.0, 90.0, 99.0)
 
@@ -121,7 +121,19 @@ def _audit(spec: str, result: Path, out: str) -> bool:
     """``distserve sla audit`` of the demo's own run; the verdict in words a newcomer reads."""
     print(f"\nSLA audit of this run against {spec} (report: {out}/report.html, {out}/compliance.csv)")
     proc = subprocess.run(
-        [sys.executable, "-m", "server.cli", "sla", "audit", "--spec", spec, "--results", str(result), "--out", out],
+        [
+            sys.executable,
+            "-m",
+            "distserve.server.cli",
+            "sla",
+            "audit",
+            "--spec",
+            spec,
+            "--results",
+            str(result),
+            "--out",
+            out,
+        ],
         capture_output=True,
         text=True,
     )
@@ -179,7 +191,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m distbench.demo", description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter
+        prog="python -m distserve.distbench.demo",
+        description=__doc__,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     add_args(p)
     return run_demo(p.parse_args(argv))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from distbench.runner import UsageError
+from distserve.distbench.runner import UsageError
 
 
 class Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -143,8 +143,8 @@ def add_load_args(r: argparse.ArgumentParser, sweep: bool = False) -> None:
 
 
 def options_from(args, **spec_overrides):
-    from distbench.loadgen import RunSpec
-    from distbench.runner import Options, Workload, admin_token
+    from distserve.distbench.loadgen import RunSpec
+    from distserve.distbench.runner import Options, Workload, admin_token
 
     strategy = getattr(args, "strategy", None)
     conc, rate = getattr(args, "concurrency", None), getattr(args, "request_rate", None)
@@ -222,7 +222,7 @@ def _backoff(text: str) -> dict:
 
 
 def base(url: str) -> str:
-    from distbench.client import base_url, split_endpoint
+    from distserve.distbench.client import base_url, split_endpoint
 
     if not url.startswith(("http://", "https://")):
         raise UsageError(f"--url must start with http:// or https://, got {url!r}")
@@ -231,7 +231,7 @@ def base(url: str) -> str:
 
 def _endpoint(url: str, given: str | None) -> str:
     """--endpoint, or the endpoint --url ends in (the source article's --url http://h:8080/generate)."""
-    from distbench.client import split_endpoint
+    from distserve.distbench.client import split_endpoint
 
     in_url = split_endpoint(url)[1]
     if given and in_url and given != in_url:

@@ -27,12 +27,12 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from distbench.client import body_for, send
-from distbench.datasets import Item, Vocab
-from distbench.records import RequestRecord
-from distbench.sampling import DEFAULT as DEFAULT_SAMPLING
-from distbench.sampling import sampling_fields
-from distbench.strategies import schedule
+from distserve.distbench.client import body_for, send
+from distserve.distbench.datasets import Item, Vocab
+from distserve.distbench.records import RequestRecord
+from distserve.distbench.sampling import DEFAULT as DEFAULT_SAMPLING
+from distserve.distbench.sampling import sampling_fields
+from distserve.distbench.strategies import schedule
 
 MAX_RETRY_AFTER_S = 60.0  # closed loop: the longest Retry-After a user honours (OpenAI's Python client's cap)
 
@@ -205,7 +205,7 @@ async def run_load(
             else:
                 assert spec.request_rate is not None  # RunSpec.__post_init__: open-loop strategies have a rate
                 if spec.vllm_schedule:  # --compat vllm: the first after one gap, the n-th at n / rate
-                    from distbench.vllm_compat import vllm_offsets
+                    from distserve.distbench.vllm_compat import vllm_offsets
 
                     raw = schedule(spec.strategy, len(job_list) + 1, spec.request_rate, spec.burstiness, spec.seed)
                     offsets = vllm_offsets(raw, spec.request_rate)

@@ -15,11 +15,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-from distbench import result
-from distbench.datasets import Vocab
-from distbench.merge import merge
-from distbench.metrics import meets, parse_slo
-from distbench.runner import UsageError, probe, verdict
+from distserve.distbench import result
+from distserve.distbench.datasets import Vocab
+from distserve.distbench.merge import merge
+from distserve.distbench.metrics import meets, parse_slo
+from distserve.distbench.runner import UsageError, probe, verdict
 
 LOCUSTFILE = Path(__file__).with_name("locustfile.py")
 
@@ -188,9 +188,9 @@ def add_parser(sub, formatter) -> None:
 
 
 def cmd_locust(args) -> int:
-    from distbench.load_args import base
-    from distbench.runner import admin_token
-    from distbench.summary import format_summary
+    from distserve.distbench.load_args import base
+    from distserve.distbench.runner import admin_token
+    from distserve.distbench.summary import format_summary
 
     if args.users < 1 or args.workers < 0 or args.run_time < 1 or args.prompt_len < 1 or args.output_len < 1:
         raise UsageError("--users, --run-time, --prompt-len, --output-len must be >= 1 and --workers >= 0")

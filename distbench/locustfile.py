@@ -19,8 +19,8 @@ from pathlib import Path
 from locust import HttpUser, constant, events, task
 from locust.runners import MasterRunner
 
-from distbench import result
-from distbench.records import RequestRecord, short_error
+from distserve.distbench import result
+from distserve.distbench.records import RequestRecord, short_error
 
 
 class _Recorder:

@@ -11,7 +11,7 @@ spans, and a gap between them counts for nothing (``wall_span_s`` keeps first st
 
 from __future__ import annotations
 
-from distbench.metrics import hist_stats, merge_histograms
+from distserve.distbench.metrics import hist_stats, merge_histograms
 
 
 def merge(results: list[dict]) -> dict:

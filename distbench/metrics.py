@@ -36,8 +36,8 @@ from collections import Counter
 import numpy as np
 from hdrh.histogram import HdrHistogram
 
-from distbench.records import RequestRecord
-from sla import slo as slo_rules
+from distserve.distbench.records import RequestRecord
+from distserve.sla import slo as slo_rules
 
 LOWEST_US, HIGHEST_US, SIGNIFICANT = 1, 3_600_000_000, 3
 # result-key name -> record attribute; vLLM's names (e2el = end-to-end latency)

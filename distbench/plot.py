@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from distbench.result import records_of
+from distserve.distbench.result import records_of
 
 
 class PlotUnavailable(RuntimeError):
@@ -56,7 +56,7 @@ def _slo_lines(items: list[tuple[str, dict]], metric: str) -> list[tuple[float, 
     for name, r in items:
         slo = r.get("slo")
         if isinstance(slo, str):  # a sweep keeps the --slo text
-            from distbench.metrics import parse_slo
+            from distserve.distbench.metrics import parse_slo
 
             slo = {k: v * 1000 for k, v in parse_slo(slo).items()}
         v = (slo or {}).get(metric)

@@ -13,8 +13,8 @@ import math
 import time
 from collections import deque
 
-from distbench.metrics import meets
-from distbench.records import RequestRecord
+from distserve.distbench.metrics import meets
+from distserve.distbench.records import RequestRecord
 
 SHOW_AFTER_S = 3.0
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import shlex
 from pathlib import Path
 
-from distbench.runner import UsageError
+from distserve.distbench.runner import UsageError
 
 
 def parse_variant(text: str) -> tuple[str, list[str]]:
@@ -27,11 +27,11 @@ def parse_variant(text: str) -> tuple[str, list[str]]:
 
 
 def cmd_repeat(args) -> int:
-    from distbench import result
-    from distbench.compare import compare, format_report
-    from distbench.load_args import options_from, run_parser
-    from distbench.runner import run
-    from distbench.summary import format_summary
+    from distserve.distbench import result
+    from distserve.distbench.compare import compare, format_report
+    from distserve.distbench.load_args import options_from, run_parser
+    from distserve.distbench.runner import run
+    from distserve.distbench.summary import format_summary
 
     if args.n < 1:
         raise UsageError(f"repeat: N must be >= 1, got {args.n}")

@@ -14,9 +14,9 @@ import sys
 import time
 from pathlib import Path
 
-from distbench.atomic import atomic_write
-from distbench.metrics import summarize
-from distbench.records import SCHEMA_VERSION, RequestRecord
+from distserve.distbench.atomic import atomic_write
+from distserve.distbench.metrics import summarize
+from distserve.distbench.records import SCHEMA_VERSION, RequestRecord
 
 
 def environment() -> dict:
@@ -45,7 +45,7 @@ def build(
 ) -> dict:
     figures_of = records
     if config.get("compat") == "vllm":  # vLLM's definitions (distbench/vllm_compat.py); raw records kept
-        from distbench.vllm_compat import vllm_view
+        from distserve.distbench.vllm_compat import vllm_view
 
         figures_of = vllm_view(records)
     s = summarize(figures_of, duration_s, percentiles, slo, goodput)

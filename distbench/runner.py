@@ -17,12 +17,12 @@ from dataclasses import asdict, dataclass, field, replace
 
 import aiohttp
 
-from distbench import promscrape, result
-from distbench.datasets import FitToServer, Item, Lengths, Vocab, jsonl_items, random_items, sharegpt_items
-from distbench.loadgen import RunSpec, run_load
-from distbench.metrics import DEFAULT_PERCENTILES, parse_goodput, parse_slo
-from distbench.progress import Monitor, watch
-from sla.slo import attainment_meets
+from distserve.distbench import promscrape, result
+from distserve.distbench.datasets import FitToServer, Item, Lengths, Vocab, jsonl_items, random_items, sharegpt_items
+from distserve.distbench.loadgen import RunSpec, run_load
+from distserve.distbench.metrics import DEFAULT_PERCENTILES, parse_goodput, parse_slo
+from distserve.distbench.progress import Monitor, watch
+from distserve.sla.slo import attainment_meets
 
 
 class UsageError(ValueError):

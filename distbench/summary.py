@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import math
 
-from distbench.metrics import MIN_TAIL_SAMPLES, pkey, samples_needed, thin_tail
-from distbench.table import render
+from distserve.distbench.metrics import MIN_TAIL_SAMPLES, pkey, samples_needed, thin_tail
+from distserve.distbench.table import render
 
 ROWS = (
     ("TTFT", "ttft"),

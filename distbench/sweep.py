@@ -25,10 +25,10 @@ import math
 from dataclasses import replace
 from pathlib import Path
 
-from distbench import result
-from distbench.metrics import samples_needed, thin_tail
-from distbench.runner import Options, run
-from distbench.table import render
+from distserve.distbench import result
+from distserve.distbench.metrics import samples_needed, thin_tail
+from distserve.distbench.runner import Options, run
+from distserve.distbench.table import render
 
 SATURATION = 0.9  # achieved / offered below this: saturated
 

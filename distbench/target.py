@@ -1,6 +1,6 @@
 """Start and stop a ``distserve serve`` for benchmarks, tests, the demo and chaos drills.
 
-The server runs as a subprocess (``python -m server.cli serve ... --ready-file F``) — distbench never
+The server runs as a subprocess (``python -m distserve.server.cli serve ... --ready-file F``) — distbench never
 imports the server — and is stopped by PID: SIGTERM, then SIGKILL after a grace period.
 
     with ServeProcess(Path("/tmp/x"), mode="colocated") as srv:
@@ -49,7 +49,7 @@ class ServeProcess:
         cmd = [
             sys.executable,
             "-m",
-            "server.cli",
+            "distserve.server.cli",
             "serve",
             "--mode",
             mode,

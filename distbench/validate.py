@@ -67,7 +67,7 @@ def check_result(path: str | Path, doc: Any) -> dict:
     hists = doc.get("histograms")
     if not isinstance(hists, dict):
         raise bad("histograms", "must be an object of encoded HDR histograms")
-    from distbench.metrics import decode
+    from distserve.distbench.metrics import decode
 
     for name, text in hists.items():
         try:
@@ -99,8 +99,8 @@ def check_result(path: str | Path, doc: Any) -> dict:
 def load_checked(paths: list[str]) -> list[dict]:
     """Load and check every result (``compare``/``merge`` call this on their inputs first); a bad one is
     a ``UsageError`` (exit status 2, one sentence)."""
-    from distbench import result
-    from distbench.runner import UsageError
+    from distserve.distbench import result
+    from distserve.distbench.runner import UsageError
 
     out = []
     for p in paths:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from distbench.records import RequestRecord
+from distserve.distbench.records import RequestRecord
 
 COMPAT = ("vllm",)
 

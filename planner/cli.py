@@ -8,12 +8,12 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from planner import deploy
-from planner.layouts import DEFAULT_SPLITS, enumerate_layouts, split_layouts
-from planner.profile import Profile, ProfileError, load
-from planner.search import Evaluation, Planner
-from planner.slo import SLO, SLOError
-from planner.workload import WorkloadError, load_workload
+from distserve.planner import deploy
+from distserve.planner.layouts import DEFAULT_SPLITS, enumerate_layouts, split_layouts
+from distserve.planner.profile import Profile, ProfileError, load
+from distserve.planner.search import Evaluation, Planner
+from distserve.planner.slo import SLO, SLOError
+from distserve.planner.workload import WorkloadError, load_workload
 
 
 def _err(sentence: str) -> int:
@@ -22,7 +22,7 @@ def _err(sentence: str) -> int:
 
 
 def cmd_profile(args) -> int:
-    from server.launcher import parse_devices
+    from distserve.server.launcher import parse_devices
 
     shares: list[int] = []
     if getattr(args, "sm_shares", None):
@@ -39,7 +39,7 @@ def cmd_profile(args) -> int:
         return _err(str(e))
     if args.transport not in ("tcp", "shm"):
         return _err(f"--transport must be tcp or shm, got {args.transport!r}")
-    from planner.profiler import QUICK_CPU_SWEEP, measure
+    from distserve.planner.profiler import QUICK_CPU_SWEEP, measure
 
     sweep = QUICK_CPU_SWEEP if args.quick else None
     prof = measure(
@@ -57,7 +57,7 @@ def cmd_profile(args) -> int:
     if shares:
         import dataclasses
 
-        from planner.sm_shares import measure_shares
+        from distserve.planner.sm_shares import measure_shares
 
         points, notes = measure_shares(
             prof.model or None,
@@ -93,8 +93,8 @@ def _inputs(args) -> tuple[Profile, Planner, list, int] | int:
         wl = load_workload(args.workload, n=args.num_requests, seed=args.seed)
     except WorkloadError as e:
         return _err(str(e))
-    from server.commands.common import load_args_config
-    from server.config import ConfigError
+    from distserve.server.commands.common import load_args_config
+    from distserve.server.config import ConfigError
 
     try:
         cfg = load_args_config(args)
@@ -156,7 +156,7 @@ def _row(e: Evaluation, device: str, rate: float | None, planner: Planner) -> st
     unit = "core" if device == "cpu" else "GPU"
     head = f"{e.layout.name(device):<36} goodput {e.goodput:7.2f} req/s  {e.per_device:7.2f} per {unit}"
     if rate is not None:
-        from planner.slo import attainment
+        from distserve.planner.slo import attainment
 
         res = planner.run(e.layout, rate)
         head += f"  at {rate:g} req/s: attainment {attainment(planner.slo, res.latencies):.0%}"

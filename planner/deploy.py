@@ -3,7 +3,7 @@ base config (batch limits, torch threads), as YAML text."""
 
 from __future__ import annotations
 
-from planner.layouts import Layout
+from distserve.planner.layouts import Layout
 
 
 def config_overrides(layout: Layout, base_decode_max_batch: int, device: str) -> dict[str, dict[str, int]]:
@@ -28,7 +28,7 @@ def to_yaml(overrides: dict[str, dict[str, int]], model: str, base: str | None =
     if base:
         import yaml
 
-        from configs import find as find_config
+        from distserve.configs import find as find_config
 
         with open(find_config(base)) as f:
             merged = yaml.safe_load(f) or {}

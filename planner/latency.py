@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from planner.profile import Profile
-from server.latency_model import prefill_work_ms
+from distserve.planner.profile import Profile
+from distserve.server.latency_model import prefill_work_ms
 
 
 def _fit_nonneg(rows: list[list[float]], y: list[float]) -> list[float]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from server.config import DistServeConfig
+from distserve.server.config import DistServeConfig
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from planner.profile import DecodePoint, PrefillPoint, Profile, ThreadPoint, TransferPoint
+from distserve.planner.profile import DecodePoint, PrefillPoint, Profile, ThreadPoint, TransferPoint
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,7 @@ class EngineProbe:
     def __init__(
         self, model: str | None, device: str, threads: int = 0, max_len: int = 4096, num_blocks: int = 0
     ) -> None:
-        from server.engine.llm_engine import EngineConfig, LLMEngine
+        from distserve.server.engine.llm_engine import EngineConfig, LLMEngine
 
         self.engine = LLMEngine(
             EngineConfig(
@@ -87,7 +87,7 @@ class EngineProbe:
             torch.cuda.synchronize()
 
     def _params(self, n: int):
-        from server.engine.sampling_params import SamplingParams
+        from distserve.server.engine.sampling_params import SamplingParams
 
         return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
 
@@ -148,7 +148,7 @@ def measure_kv(
     kv_shape_of, dtype: torch.dtype, tokens: tuple[int, ...], transport: str, repeats: int
 ) -> list[TransferPoint]:
     """Pull times over a real sender/receiver pair on loopback (the decode side's view: PULL to DONE)."""
-    from server.kv_transfer import KVPuller, KVStagingServer
+    from distserve.server.kv_transfer import KVPuller, KVStagingServer
 
     points = []
     with KVStagingServer(default_lease_ms=600_000) as srv:
@@ -208,7 +208,7 @@ def measure_threads(model: str | None, repeats: int, log, settle=lambda: None) -
     child = None
     if cpus > 1:
         child = subprocess.Popen(
-            [sys.executable, "-m", "planner.profiler", "--neighbour"],
+            [sys.executable, "-m", "distserve.planner.profiler", "--neighbour"],
             env={**os.environ, "DISTSERVE_PROFILE_MODEL": model or ""},
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
@@ -270,10 +270,10 @@ def measure_serving(
     import tempfile
     from pathlib import Path
 
-    from distbench.loadgen import RunSpec
-    from distbench.runner import Options, Workload
-    from distbench.runner import run as run_distbench
-    from distbench.target import ServeProcess
+    from distserve.distbench.loadgen import RunSpec
+    from distserve.distbench.runner import Options, Workload
+    from distserve.distbench.runner import run as run_distbench
+    from distserve.distbench.target import ServeProcess
 
     tmp = tempfile.TemporaryDirectory(prefix="distserve-profile-")
     cfg = {"router": {"port": 0}, **({"model": model} if model else {})}

@@ -6,12 +6,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from planner.latency import LatencyModel
-from planner.layouts import Layout
-from planner.profile import Profile
-from planner.simulator import SimResult, simulate
-from planner.slo import SLO, attainment, meets, percentile
-from planner.workload import Workload
+from distserve.planner.latency import LatencyModel
+from distserve.planner.layouts import Layout
+from distserve.planner.profile import Profile
+from distserve.planner.simulator import SimResult, simulate
+from distserve.planner.slo import SLO, attainment, meets, percentile
+from distserve.planner.workload import Workload
 
 
 @dataclass(frozen=True)

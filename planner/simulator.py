@@ -39,8 +39,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from planner.latency import LatencyModel
-from planner.layouts import EngineLimits, Layout
+from distserve.planner.latency import LatencyModel
+from distserve.planner.layouts import EngineLimits, Layout
 
 
 @dataclass

@@ -13,8 +13,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from sla import slo as shared
-from sla.slo import FORMS, SLO, SLOError
+from distserve.sla import slo as shared
+from distserve.sla.slo import FORMS, SLO, SLOError
 
 __all__ = ["FORMS", "METRICS", "SLO", "SLOError", "attainment", "meets", "percentile", "score"]
 

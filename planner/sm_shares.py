@@ -13,7 +13,7 @@ client also uses memory bandwidth, which this curve does not show (the serving b
 On the CPU there is nothing to measure: the shares apply to MPS clients only (``measure_shares`` returns no
 point and says so).
 
-Device: ``python3 -m planner.sm_shares --device cuda --model preset:llama-2-7b --shares 100,40,60,30,50
+Device: ``python3 -m distserve.planner.sm_shares --device cuda --model preset:llama-2-7b --shares 100,40,60,30,50
 --out $OUT/sm_shares.json`` (one engine start per share).
 """
 
@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-from planner.profile import SharePoint
+from distserve.planner.profile import SharePoint
 
 # (batch, prompt tokens) and (batch, context): a short and a long prompt, a small and a large decode batch
 SHARE_SWEEP = {"prefill": ((1, 512), (1, 2048)), "decode": ((16, 512), (64, 1024))}
@@ -48,7 +48,7 @@ def measure_shares(
         msg = "SM shares apply to CUDA MPS clients (distserve serve --sm-split): on the CPU there is nothing to measure"
         log(msg)
         return [], [msg]
-    from server.mps import MpsDaemon
+    from distserve.server.mps import MpsDaemon
 
     t0 = time.monotonic()
     daemon = MpsDaemon().start()
@@ -61,7 +61,16 @@ def measure_shares(
                 notes.append(f"share {share} % not measured (time budget)")
                 continue
             env = {**os.environ, **daemon.env(share, None, index)}
-            cmd = [sys.executable, "-m", "planner.sm_shares", "--child", "--device", device, "--model", model or ""]
+            cmd = [
+                sys.executable,
+                "-m",
+                "distserve.planner.sm_shares",
+                "--child",
+                "--device",
+                device,
+                "--model",
+                model or "",
+            ]
             left = max(start_estimate_s, budget_s - (time.monotonic() - t0))
             try:
                 p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=min(600, left), check=False)
@@ -85,7 +94,7 @@ def measure_shares(
 
 
 def _child(model: str | None, device: str) -> None:
-    from planner.profiler import EngineProbe
+    from distserve.planner.profiler import EngineProbe
 
     longest = max(n for _, n in SHARE_SWEEP["prefill"]) + 64
     batch, ctx = max(SHARE_SWEEP["decode"])
@@ -113,7 +122,7 @@ def main() -> int:
         return 0
     shares = [int(s) for s in args.shares.split(",") if s]
     doc: dict = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "args": vars(args)}
-    from planner.latency import share_scales
+    from distserve.planner.latency import share_scales
 
     def write(points, notes) -> str:
         doc["points"] = [p.__dict__ for p in points]

@@ -12,8 +12,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from planner.latency import LatencyModel
-from planner.layouts import Layout
+from distserve.planner.latency import LatencyModel
+from distserve.planner.layouts import Layout
 
 
 @dataclass(frozen=True)
@@ -73,7 +73,7 @@ def run_distbench(
     cmd = [
         sys.executable,
         "-m",
-        "distbench",
+        "distserve.distbench",
         "run",
         "--url",
         url,
@@ -124,7 +124,7 @@ def measure_layout(
     workdir: Path | None = None,
 ) -> list[Measured]:
     """Start the layout once, run each rate in turn, stop it (by PID)."""
-    from distbench.target import ServeProcess
+    from distserve.distbench.target import ServeProcess
 
     mode, prefill, decode, extra = serve_args(layout)
     wd = Path(workdir or tempfile.mkdtemp(prefix="plan-validate-"))

@@ -17,7 +17,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from distbench.datasets import Lengths
+from distserve.distbench.datasets import Lengths
 
 
 class WorkloadError(ValueError):
@@ -92,7 +92,7 @@ def load_workload(spec: str, n: int = 400, seed: int = 0) -> Workload:
         head, _, out = spec.partition(",output=")
         path = head.split(":", 1)[1] if ":" in head else None
         try:
-            from distbench.datasets import sharegpt_items
+            from distserve.distbench.datasets import sharegpt_items
         except ImportError:
             raise WorkloadError("the sharegpt workload needs the distbench package") from None
         try:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from distbench.atomic import atomic_write
+from distserve.distbench.atomic import atomic_write
 
 __all__ = ["RENDERERS", "RendererUnavailable", "atomic_write", "render"]
 
@@ -21,37 +21,37 @@ class RendererUnavailable(RuntimeError):
 
 
 def _json(report: dict, path: Path) -> None:
-    from reports.tabular import write_json
+    from distserve.reports.tabular import write_json
 
     write_json(report, path)
 
 
 def _csv(report: dict, path: Path) -> None:
-    from reports.tabular import write_csv
+    from distserve.reports.tabular import write_csv
 
     write_csv(report, path)
 
 
 def _markdown(report: dict, path: Path) -> None:
-    from reports.tabular import write_markdown
+    from distserve.reports.tabular import write_markdown
 
     write_markdown(report, path)
 
 
 def _parquet(report: dict, path: Path) -> None:
-    from reports.parquet import write_parquet
+    from distserve.reports.parquet import write_parquet
 
     write_parquet(report, path)
 
 
 def _html(report: dict, path: Path) -> None:
-    from reports.html import write_html
+    from distserve.reports.html import write_html
 
     write_html(report, path)
 
 
 def _prom(report: dict, path: Path) -> None:
-    from reports.prom import write_prom
+    from distserve.reports.prom import write_prom
 
     write_prom(report, path)
 

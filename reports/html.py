@@ -5,8 +5,8 @@ from __future__ import annotations
 import html
 from pathlib import Path
 
-from distbench.atomic import atomic_write
-from reports.tabular import _budget, _fmt, _observed, _target
+from distserve.distbench.atomic import atomic_write
+from distserve.reports.tabular import _budget, _fmt, _observed, _target
 
 _CSS = """body{font-family:system-ui,sans-serif;margin:2em;color:#222}table{border-collapse:collapse;margin:1em 0}
 td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}th{background:#f4f4f4}td:first-child{text-align:left}

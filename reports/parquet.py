@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 from pathlib import Path
 
-from distbench.atomic import atomic_write
+from distserve.distbench.atomic import atomic_write
 
 _TYPES = {"int": "int64", "float": "float64", "str": "string"}
 
@@ -15,7 +15,7 @@ def write_parquet(report: dict, path: Path) -> None:
         import pyarrow as pa
         import pyarrow.parquet as pq
     except ImportError:
-        from reports import RendererUnavailable
+        from distserve.reports import RendererUnavailable
 
         raise RendererUnavailable(
             "parquet needs pyarrow: pip install -e '.[reports]' in a distserve checkout "

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Gauge, generate_latest
 
-from distbench.atomic import atomic_write
+from distserve.distbench.atomic import atomic_write
 
 
 def render_prom(report: dict) -> bytes:

@@ -15,7 +15,7 @@ def export_db(report: dict, url: str, table: str = DEFAULT_TABLE) -> int:
     try:
         import sqlalchemy as sa
     except ImportError:
-        from reports import RendererUnavailable
+        from distserve.reports import RendererUnavailable
 
         raise RendererUnavailable(
             "--export-db needs SQLAlchemy: pip install -e '.[reports]' in a distserve checkout "

@@ -7,7 +7,7 @@ import io
 import json
 from pathlib import Path
 
-from distbench.atomic import atomic_write
+from distserve.distbench.atomic import atomic_write
 
 
 def write_json(report: dict, path: Path) -> None:

@@ -11,8 +11,8 @@ import logging
 import os
 import sys
 
-from server.commands import cluster, harness, planner, serve, tools
-from server.commands.common import LOG_LEVEL_ENV, Parser, unrecognized
+from distserve.server.commands import cluster, harness, planner, serve, tools
+from distserve.server.commands.common import LOG_LEVEL_ENV, Parser, unrecognized
 
 __all__ = ["LOG_LEVEL_ENV", "build_parser", "main"]
 

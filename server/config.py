@@ -22,7 +22,7 @@ from urllib.parse import urlparse
 
 import yaml
 
-from configs import find as find_config
+from distserve.configs import find as find_config
 
 __all__ = [
     "BreakerConfig",
@@ -533,8 +533,8 @@ def load_config(path: str | Path | None = None, overrides: Mapping[str, Any] | N
     """
     cfg = DistServeConfig()
     if path is not None:
-        from server.config_aliases import apply_aliases
-        from server.config_moves import apply_moves
+        from distserve.server.config_aliases import apply_aliases
+        from distserve.server.config_moves import apply_moves
 
         try:
             raw = apply_aliases(_read_yaml(find_config(path)), str(path))[0]
@@ -545,7 +545,7 @@ def load_config(path: str | Path | None = None, overrides: Mapping[str, Any] | N
     if overrides:
         if not isinstance(overrides, Mapping):
             raise ConfigError(f"overrides must be a mapping, got {_describe(overrides)}")
-        from server.config_moves import apply_moves
+        from distserve.server.config_moves import apply_moves
 
         cfg = DistServeConfig.from_dict(_merge(cfg.to_dict(), apply_moves(overrides, "overrides")[0]))
     return cfg

@@ -11,7 +11,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-log = logging.getLogger("server.config")
+log = logging.getLogger("distserve.server.config")
 
 # (old section, old key) -> (new section, new key); values carry over unchanged (both in MB here)
 ALIASES: dict[tuple[str, str], tuple[str, str]] = {
@@ -39,7 +39,7 @@ def apply_aliases(raw: Any, where: str = "config") -> tuple[Any, list[str]]:
         if not isinstance(target, dict):
             continue  # the validator says the section must be a mapping
         if new_key in target and target[new_key] != value:
-            from server.config import ConfigError
+            from distserve.server.config import ConfigError
 
             raise ConfigError(
                 f"{where}: {old_sec}.{old_key} (the article's name) and {new_sec}.{new_key} are both given "

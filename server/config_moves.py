@@ -13,7 +13,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-log = logging.getLogger("server.config")
+log = logging.getLogger("distserve.server.config")
 
 # (old section, key) -> (new section, key): the role that reads the key
 MOVED: dict[tuple[str, str], tuple[str, str]] = {
@@ -42,7 +42,7 @@ def apply_moves(raw: Any, where: str = "config") -> tuple[Any, list[str]]:
         if not isinstance(target, dict):
             continue  # the validator says the section must be a mapping
         if new_key in target and target[new_key] != value:
-            from server.config import ConfigError
+            from distserve.server.config import ConfigError
 
             both = f"{old_sec}.{key} and {new_sec}.{new_key}"
             raise ConfigError(f"{where}: {both} are both given and differ; keep only {new_sec}.{new_key}")

@@ -37,12 +37,12 @@ from typing import cast
 
 import yaml
 
-from server.config import DistServeConfig
-from server.memory_budget import device_key, plan_memory_shares, shared_devices
-from server.mps import CONTEXT_MIB, MpsDaemon, device_sm_count
-from server.preflight import launcher_tmp_prefix, sweep_orphan_segments, sweep_orphan_tmp
-from server.private_files import write_private
-from server.wire import DeregisterRequest
+from distserve.server.config import DistServeConfig
+from distserve.server.memory_budget import device_key, plan_memory_shares, shared_devices
+from distserve.server.mps import CONTEXT_MIB, MpsDaemon, device_sm_count
+from distserve.server.preflight import launcher_tmp_prefix, sweep_orphan_segments, sweep_orphan_tmp
+from distserve.server.private_files import write_private
+from distserve.server.wire import DeregisterRequest
 
 TOKEN_ENV = "DISTSERVE_ADMIN_TOKEN"
 
@@ -233,7 +233,7 @@ class Launcher:
         env[TOKEN_ENV] = self.token
         if threads:
             env["OMP_NUM_THREADS"] = str(threads)
-        cmd = [sys.executable, "-m", "server.cli", *argv]
+        cmd = [sys.executable, "-m", "distserve.server.cli", *argv]
         out = None
         if self.log_dir is not None:
             self.log_dir.mkdir(parents=True, exist_ok=True)

@@ -16,7 +16,7 @@ start when the share cannot hold what it needs.
 
 from __future__ import annotations
 
-from server.config import DistServeConfig
+from distserve.server.config import DistServeConfig
 
 
 def device_key(device: str) -> str | None:

@@ -42,14 +42,14 @@ def model_problem(model: str | None) -> str | None:
     if model is None:  # the built-in tiny model, created on first use
         return None
     if model.startswith("preset:"):
-        from server.engine.presets import preset_config
+        from distserve.server.engine.presets import preset_config
 
         try:
             preset_config(model)
         except ValueError as e:
             return f"--model {model}: {e}"
         return None
-    from server.engine.loader import load_model_config, resolve_model_path
+    from distserve.server.engine.loader import load_model_config, resolve_model_path
 
     try:
         load_model_config(resolve_model_path(model))  # config.json only: a field we cannot follow is refused here
@@ -87,8 +87,8 @@ def memory_problem(model: str | None, devices: list[str], num_workers: int, dtyp
     if not any(not d.startswith("cuda") for d in devices):
         return None
     try:
-        from server.engine.loader import load_model_config, resolve_model_path
-        from server.engine.presets import is_preset, preset_config
+        from distserve.server.engine.loader import load_model_config, resolve_model_path
+        from distserve.server.engine.presets import is_preset, preset_config
 
         mc = preset_config(model) if is_preset(model) else load_model_config(resolve_model_path(model))
     except (OSError, ValueError, ImportError):
@@ -120,8 +120,8 @@ def mc_param_count(mc) -> int:
 def context_warning(model: str | None, max_seq_len: int) -> str | None:
     """A sentence when ``prefill.max_seq_len`` is above the model's context (positions it was not trained on)."""
     try:
-        from server.engine.loader import load_model_config, resolve_model_path
-        from server.engine.presets import is_preset, preset_config
+        from distserve.server.engine.loader import load_model_config, resolve_model_path
+        from distserve.server.engine.presets import is_preset, preset_config
 
         mc = preset_config(model) if is_preset(model) else load_model_config(resolve_model_path(model))
     except (OSError, ValueError, ImportError):

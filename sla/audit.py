@@ -31,10 +31,10 @@ import uuid
 from collections import defaultdict
 from dataclasses import asdict, dataclass, fields, replace
 
-from sla.records import Gap, Record, RecordSet
-from sla.slo import percentile_meets, within
-from sla.spec import Objective, SlaSpec
-from sla.window import LatencyHistogram
+from distserve.sla.records import Gap, Record, RecordSet
+from distserve.sla.slo import percentile_meets, within
+from distserve.sla.spec import Objective, SlaSpec
+from distserve.sla.window import LatencyHistogram
 
 MIN_TAIL_SAMPLES = 10  # as distbench.metrics: a pNN needs this many samples above it
 

@@ -28,8 +28,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
-from sla.slo import within
-from sla.window import WindowStats
+from distserve.sla.slo import within
+from distserve.sla.window import WindowStats
 
 __all__ = ["BreakerSettings", "BreakerState", "CircuitBreaker", "Transition"]
 

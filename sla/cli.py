@@ -25,11 +25,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-from reports import RENDERERS, RendererUnavailable, render
-from reports.sql import DEFAULT_TABLE, export_db
-from sla.audit import audit
-from sla.records import RecordsError, load_records
-from sla.spec import SpecError, load_spec
+from distserve.reports import RENDERERS, RendererUnavailable, render
+from distserve.reports.sql import DEFAULT_TABLE, export_db
+from distserve.sla.audit import audit
+from distserve.sla.records import RecordsError, load_records
+from distserve.sla.spec import SpecError, load_spec
 
 EXIT_PASS, EXIT_FAIL, EXIT_BAD_INPUT, EXIT_NOT_JUDGED = 0, 1, 2, 3
 DEFAULT_FORMATS = ("json", "csv", "parquet", "html", "markdown", "prom")

@@ -25,7 +25,7 @@ from typing import Any
 
 import yaml
 
-from configs import find as find_config
+from distserve.configs import find as find_config
 
 __all__ = ["METRICS", "Objective", "SlaSpec", "SpecError", "load_spec"]
 

@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from server.engine.llm_engine import EngineConfig, LLMEngine
-from server.engine.sampling_params import SamplingParams
+from distserve.server.engine.llm_engine import EngineConfig, LLMEngine
+from distserve.server.engine.sampling_params import SamplingParams
 
 GREEDY_1 = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 

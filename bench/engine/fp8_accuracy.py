@@ -26,10 +26,10 @@ from pathlib import Path
 
 import torch
 
-from distbench.datasets import _conversations, _sharegpt_path
-from server.engine.llm_engine import EngineConfig, LLMEngine
-from server.engine.loader import load_tokenizer
-from server.engine.sampling_params import SamplingParams
+from distserve.distbench.datasets import _conversations, _sharegpt_path
+from distserve.server.engine.llm_engine import EngineConfig, LLMEngine
+from distserve.server.engine.loader import load_tokenizer
+from distserve.server.engine.sampling_params import SamplingParams
 
 MODEL = "smollm2-135m-instruct"
 DTYPE = ["float32"]  # --dtype: this CPU has no fast bf16 matmul (a 4-prompt smoke ran minutes in bf16)

@@ -32,9 +32,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from server.engine.fp8 import FP8_DTYPE, FP8_MAX
-from server.engine.loader import load_model_config, load_state_dict, load_tokenizer, resolve_model_path
-from server.engine.model import rope_inv_freq
+from distserve.server.engine.fp8 import FP8_DTYPE, FP8_MAX
+from distserve.server.engine.loader import load_model_config, load_state_dict, load_tokenizer, resolve_model_path
+from distserve.server.engine.model import rope_inv_freq
 
 PROJ = ("q", "k", "v", "o", "gate", "up", "down")
 
@@ -101,7 +101,7 @@ class Variant:
 
 def pairs(tok, n: int, max_len: int, reply_len: int) -> list[tuple[list[int], list[int]]]:
     """(prompt ids, reply ids) of ShareGPT conversations: bench/fp8_accuracy.py's prompts and order."""
-    from distbench.datasets import _conversations, _sharegpt_path
+    from distserve.distbench.datasets import _conversations, _sharegpt_path
 
     data = [d for d in _conversations(_sharegpt_path(None)) if len(d.get("conversations", [])) >= 2]
     random.Random(0).shuffle(data)

@@ -128,9 +128,9 @@ def _kernel_inputs(batch, ctx, heads, kv_heads, d=128, bs=16, seed=0):
 def decode_kernel():
     from triton.testing import do_bench
 
-    from server.engine.attention import triton_decode as td
-    from server.engine.attention.base import AttentionMetadata
-    from server.engine.attention.sdpa import SdpaBackend
+    from distserve.server.engine.attention import triton_decode as td
+    from distserve.server.engine.attention.base import AttentionMetadata
+    from distserve.server.engine.attention.sdpa import SdpaBackend
 
     res = {}
     batch, ctx, h, d, bs = 64, 1024, 32, 128, 16
@@ -225,7 +225,7 @@ def prefill_parts():
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from triton.testing import do_bench
 
-    from server.engine.attention import triton_decode as td
+    from distserve.server.engine.attention import triton_decode as td
 
     res = {}
     t = 2048
@@ -331,8 +331,8 @@ def _set_mode(eng, mode, graph_runner, backends):
 
     The op set and the attention backend are swapped together: the fused ops need ``backend.attend``.
     The graphs were captured with the fused ops and keep them whatever ``model.ops`` says later."""
-    from server.engine.ops.cuda_ops import TritonLayerOps
-    from server.engine.ops.layer_ops import TorchLayerOps
+    from distserve.server.engine.ops.cuda_ops import TritonLayerOps
+    from distserve.server.engine.ops.layer_ops import TorchLayerOps
 
     model = eng.model
     if mode == "eager_plain":
@@ -347,11 +347,11 @@ def _set_mode(eng, mode, graph_runner, backends):
 
 @section("engine_7b")
 def engine_7b():
-    from server.engine.attention.sdpa import SdpaBackend
-    from server.engine.cuda_graph_runner import CudaGraphRunner
-    from server.engine.llm_engine import EngineConfig, LLMEngine
-    from server.engine.presets import preset_config
-    from server.engine.sampling_params import SamplingParams
+    from distserve.server.engine.attention.sdpa import SdpaBackend
+    from distserve.server.engine.cuda_graph_runner import CudaGraphRunner
+    from distserve.server.engine.llm_engine import EngineConfig, LLMEngine
+    from distserve.server.engine.presets import preset_config
+    from distserve.server.engine.sampling_params import SamplingParams
 
     pc = preset_config(PRESET)
     kv_mb = int(B64 * (CTX + 128) * pc.num_hidden_layers * 2 * pc.num_key_value_heads * pc.head_dim * 2 / 2**20) + 1024
@@ -382,9 +382,11 @@ def engine_7b():
         "num_blocks": eng.runner.num_blocks,
         "gemv_tuning": getattr(eng, "gemv_report", None),
         "prefill_sdpa_backends": str(
-            __import__("server.engine.attention.triton_decode", fromlist=["x"]).PREFILL_SDPA_BACKENDS
+            __import__("distserve.server.engine.attention.triton_decode", fromlist=["x"]).PREFILL_SDPA_BACKENDS
         ),
-        "decode_kernel_config": dict(__import__("server.engine.attention.triton_decode", fromlist=["x"]).DECODE_CONFIG),
+        "decode_kernel_config": dict(
+            __import__("distserve.server.engine.attention.triton_decode", fromlist=["x"]).DECODE_CONFIG
+        ),
     }
     RESULTS["engine_7b"] = res
     rng = random.Random(0)
@@ -453,7 +455,7 @@ def engine_7b():
     one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     from torch.nn.attention import SDPBackend
 
-    from server.engine.attention import triton_decode as td
+    from distserve.server.engine.attention import triton_decode as td
 
     default_backends = td.PREFILL_SDPA_BACKENDS
     sdpa_choices = {"fused_flash": None, "fused_cudnn": [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION]}

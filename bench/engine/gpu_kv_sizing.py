@@ -12,8 +12,8 @@ from typing import Any
 import torch
 
 from bench.lib.results import write_result
-from server.engine.llm_engine import EngineConfig, LLMEngine
-from server.engine.sampling_params import SamplingParams
+from distserve.server.engine.llm_engine import EngineConfig, LLMEngine
+from distserve.server.engine.sampling_params import SamplingParams
 
 
 def main() -> None:

@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 
 from bench.lib.results import write_result
-from server.engine.llm_engine import EngineConfig, LLMEngine
-from server.engine.sampling_params import SamplingParams
+from distserve.server.engine.llm_engine import EngineConfig, LLMEngine
+from distserve.server.engine.sampling_params import SamplingParams
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "sharegpt_lengths.jsonl"
 

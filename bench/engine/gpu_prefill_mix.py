@@ -24,8 +24,8 @@ from typing import Any
 import torch
 
 from bench.lib.results import write_result
-from server.engine.llm_engine import EngineConfig, LLMEngine
-from server.engine.sampling_params import SamplingParams
+from distserve.server.engine.llm_engine import EngineConfig, LLMEngine
+from distserve.server.engine.sampling_params import SamplingParams
 
 # name -> prompt lengths admitted together (budget 4096: the last one may be chunked)
 SHAPES = {
@@ -85,7 +85,7 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     if a.masked_continuations:  # this process only: the engine then takes the masked SDPA path on CUDA too
-        from server.engine.attention import triton_decode
+        from distserve.server.engine.attention import triton_decode
 
         # the state the module itself takes on torch < 2.3 (its import fallback assigns None the same way)
         triton_decode.causal_lower_right = None  # type: ignore[assignment]

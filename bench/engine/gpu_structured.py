@@ -35,8 +35,8 @@ LONG_SCHEMA = {  # an answer that goes on for as long as we time it: a list of f
 
 def make_tokenizer(folder: Path) -> None:
     """SmolLM2's tokenizer as a folder ``Tokenizer.from_folder`` reads (3.4 MB: carried to the device)."""
-    from server.engine import gguf_loader
-    from server.engine.loader import resolve_model_path
+    from distserve.server.engine import gguf_loader
+    from distserve.server.engine.loader import resolve_model_path
 
     backend, bos, eos, _, _ = gguf_loader.build_tokenizer(
         gguf_loader.read_metadata(resolve_model_path("smollm2-135m-instruct"))
@@ -48,9 +48,9 @@ def make_tokenizer(folder: Path) -> None:
 
 
 def build(preset: str, vocab: int | None, tokenizer_dir: str, device: str):
-    from server.engine import presets
-    from server.engine.llm_engine import EngineConfig, LLMEngine
-    from server.engine.tokenizer import Tokenizer
+    from distserve.server.engine import presets
+    from distserve.server.engine.llm_engine import EngineConfig, LLMEngine
+    from distserve.server.engine.tokenizer import Tokenizer
 
     name = preset
     if vocab is not None:  # the preset widened to the tokenizer's vocabulary
@@ -77,8 +77,8 @@ def build(preset: str, vocab: int | None, tokenizer_dir: str, device: str):
 def steps_ms(eng, b: int, constrained_rows: int, steps: int, temperature: float) -> float:
     import torch
 
-    from server.engine.sampling_params import SamplingParams
-    from server.engine.structured.grammar import Constraint
+    from distserve.server.engine.sampling_params import SamplingParams
+    from distserve.server.engine.structured.grammar import Constraint
 
     c = Constraint("json", json.dumps(LONG_SCHEMA))
     eng.structured.prepare(c)

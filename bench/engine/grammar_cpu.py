@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 from bench.lib.results import write_result
 
 if TYPE_CHECKING:  # the server's modules are imported inside the functions (after torch's thread count is set)
-    from server.engine.tokenizer import Tokenizer
+    from distserve.server.engine.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -77,8 +77,8 @@ def llguidance_rows(tok: Tokenizer, answer_ids: list[int], rounds: int, batches:
     import llguidance
     import torch
 
-    from server.engine.structured.decoding import PARALLEL_FROM, _TokenizerView
-    from server.engine.structured.grammar import Constraint, to_grammar
+    from distserve.server.engine.structured.decoding import PARALLEL_FROM, _TokenizerView
+    from distserve.server.engine.structured.grammar import Constraint, to_grammar
 
     t0 = time.perf_counter()
     view = _TokenizerView(tok, tok.vocab_size)
@@ -181,9 +181,9 @@ def xgrammar_rows(tok: Tokenizer, answer_ids: list[int], rounds: int, batches: l
 
 def engine_steps(model: str | None, batches: list[int], rounds: int, steps: int) -> dict[str, dict[str, Any]]:
     """Median decode-step seconds, free vs constrained, per batch (rounds interleaved)."""
-    from server.engine.llm_engine import EngineConfig, LLMEngine
-    from server.engine.sampling_params import SamplingParams
-    from server.engine.structured.grammar import Constraint
+    from distserve.server.engine.llm_engine import EngineConfig, LLMEngine
+    from distserve.server.engine.sampling_params import SamplingParams
+    from distserve.server.engine.structured.grammar import Constraint
 
     engine = LLMEngine(EngineConfig(model=model, max_num_seqs=max(batches), kv_cache_memory_mb=256))
     # an answer that can go on for as long as we time it: a list of free strings
@@ -236,7 +236,7 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(1)  # a CPU worker owns one core
-    from server.engine.loader import load_tokenizer, resolve_model_path
+    from distserve.server.engine.loader import load_tokenizer, resolve_model_path
 
     tok = load_tokenizer(resolve_model_path("smollm2-135m-instruct"))
     answer_ids = tok.encode(json.dumps(ANSWER), add_bos=False)

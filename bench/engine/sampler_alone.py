@@ -21,9 +21,9 @@ from typing import Any, TypedDict
 import torch
 
 from bench.engine.sampler_before_radix import Sampler as OldSampler
-from server.engine.graph_sampler import GraphSampler
-from server.engine.sampler import Sampler
-from server.engine.sampling_params import SamplingParams
+from distserve.server.engine.graph_sampler import GraphSampler
+from distserve.server.engine.sampler import Sampler
+from distserve.server.engine.sampling_params import SamplingParams
 
 
 class SamplingKw(TypedDict, total=False):

@@ -14,8 +14,8 @@ import time
 
 import torch
 
-from server.engine.sampler import Sampler
-from server.engine.sampling_params import SamplingParams
+from distserve.server.engine.sampler import Sampler
+from distserve.server.engine.sampling_params import SamplingParams
 
 OLD = "/tmp/old_sampler.py"
 torch.set_num_threads(1)

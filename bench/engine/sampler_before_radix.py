@@ -35,7 +35,7 @@ from itertools import chain
 
 import torch
 
-from server.engine.sampling_params import SamplingParams
+from distserve.server.engine.sampling_params import SamplingParams
 
 NON_FINITE = "the model produced NaN/Inf logits for this request"
 NOTHING_ALLOWED = "no token is allowed for this request at this step (the allowed-token mask is empty)"

@@ -34,10 +34,10 @@ from typing import TYPE_CHECKING, Any, TypedDict
 
 import torch
 
-from server.engine.graph_sampler import GraphSampler
-from server.engine.llm_engine import EngineConfig, LLMEngine
-from server.engine.sampler import Sampler
-from server.engine.sampling_params import SamplingParams
+from distserve.server.engine.graph_sampler import GraphSampler
+from distserve.server.engine.llm_engine import EngineConfig, LLMEngine
+from distserve.server.engine.sampler import Sampler
+from distserve.server.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # imported where `--samplers old` asks for it
     from bench.engine.sampler_before_radix import Sampler as OldSampler
@@ -132,7 +132,7 @@ def build(args: argparse.Namespace) -> LLMEngine:
                 **cfg,
             )
         )
-        from server.engine.cuda_graph_runner import CudaGraphRunner
+        from distserve.server.engine.cuda_graph_runner import CudaGraphRunner
 
         # ModelRunner declares graph_runner by its initial None (server/engine/model_runner.py)
         runner = CudaGraphRunner(eng.runner, eng.max_model_len, batch_sizes=sorted(args.batches))

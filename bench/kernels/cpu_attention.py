@@ -26,12 +26,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from server.engine.attention import cpu_paged
-from server.engine.attention.base import AttentionMetadata
-from server.engine.attention.sdpa import SdpaBackend
+from distserve.server.engine.attention import cpu_paged
+from distserve.server.engine.attention.base import AttentionMetadata
+from distserve.server.engine.attention.sdpa import SdpaBackend
 
 if TYPE_CHECKING:  # the engine is imported only where part 2 runs
-    from server.engine.llm_engine import LLMEngine
+    from distserve.server.engine.llm_engine import LLMEngine
 
 H, HKV, D, BS = 4, 4, 64, 16  # the built-in tiny model; the engine's default block size
 
@@ -117,7 +117,7 @@ def _decode_tok_s(engine: LLMEngine, b: int, context: int, steps: int, tag: str)
 
 
 def bench_engine(batches: list[int], context: int, steps: int, repeats: int) -> list[dict[str, Any]]:
-    from server.engine.llm_engine import EngineConfig, LLMEngine
+    from distserve.server.engine.llm_engine import EngineConfig, LLMEngine
 
     engines = {
         name: LLMEngine(EngineConfig(attention_backend=name, max_num_seqs=128, max_num_batched_tokens=8192))

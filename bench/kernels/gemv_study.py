@@ -635,7 +635,7 @@ def legacy_launch(
     x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, cfg: tuple[int, ...], warmup: bool = False
 ) -> torch.Tensor | None:
     """The engine's ``cuda_ops.gemv`` with one ``GEMV_CANDIDATES`` entry; with ``warmup`` only compiled."""
-    from server.engine.ops import cuda_ops
+    from distserve.server.engine.ops import cuda_ops
 
     if not warmup:
         return cuda_ops.gemv(x, w, b, tuple(cfg))
@@ -732,7 +732,7 @@ class Variant:
 
 def build_variants(quick: bool) -> tuple[list[Variant], list[Variant]]:
     """M=1 variants and the (few) batched ones."""
-    from server.engine.ops.cuda_ops import GEMV_CANDIDATES
+    from distserve.server.engine.ops.cuda_ops import GEMV_CANDIDATES
 
     vs = [Variant("cublas")]
     vs += [Variant("legacy", tuple(c)) for c in (GEMV_CANDIDATES[:3] if quick else GEMV_CANDIDATES)]
@@ -1017,7 +1017,7 @@ def copy_bandwidth(dev: torch.device) -> float:
 def run_chain(
     res: dict[str, Any], variants_by_name: dict[str, Variant], timer: Timer, args: argparse.Namespace
 ) -> None:
-    from server.engine.ops import cuda_ops
+    from distserve.server.engine.ops import cuda_ops
 
     dev = torch.device("cuda")
     L = args.layers

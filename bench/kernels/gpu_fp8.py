@@ -66,7 +66,7 @@ def rel(a, b) -> float:
 
 
 def graph_ms(call, weights, reps: int = 5) -> float:
-    from server.engine.ops.cuda_ops import _graph_ms
+    from distserve.server.engine.ops.cuda_ops import _graph_ms
 
     return _graph_ms(call, weights, reps) * 1e3  # us per call
 
@@ -76,8 +76,8 @@ def kernels() -> None:
     the engine's tuner's list); the old tile kernel (``fp8_dot``, DOT_CONFIG: the 2026-12-01 path); and
     ``_scaled_mm``. Each checked against float64, timed as a CUDA graph over 32 weight copies. The compiles
     land in Triton's cache, so the engines' start-up tuning (same candidates) finds them there."""
-    from server.engine import fp8_linear as fl
-    from server.engine.fp8 import quantize_per_channel
+    from distserve.server.engine import fp8_linear as fl
+    from distserve.server.engine.fp8 import quantize_per_channel
 
     res: dict = {}
     RESULTS["kernels_us"] = res
@@ -171,8 +171,8 @@ def _replay_ms(gr, bs, n=30) -> float:
 
 
 def engine(variant: str, kw: dict, handoff: dict) -> None:
-    from server.engine.llm_engine import EngineConfig, LLMEngine
-    from server.engine.sampling_params import SamplingParams
+    from distserve.server.engine.llm_engine import EngineConfig, LLMEngine
+    from distserve.server.engine.sampling_params import SamplingParams
 
     t0 = time.time()
     eng = LLMEngine(
@@ -235,7 +235,7 @@ def engine(variant: str, kw: dict, handoff: dict) -> None:
 def _handoff_step(eng, kvs: dict, tag: str) -> torch.Tensor:
     """Commit each bf16-prefilled KV (``kvs``: rid -> (prompt, first token, kv)), run one decode step of the
     whole batch, return its logits (float32, CPU); the requests are then aborted."""
-    from server.engine.sampling_params import SamplingParams
+    from distserve.server.engine.sampling_params import SamplingParams
 
     rows = []
     orig = eng.runner.execute
@@ -266,7 +266,7 @@ def handoff_check(eng, variant: str, handoff: dict, r: dict) -> None:
     for the new token's own K/V. So ``fp8_kv`` is compared with ``bf16`` decoding the rounded KV and
     ``fp8_both`` with ``fp8_weights`` decoding it (``handoff_*_vs_same_kv``: expect rel well under 0.05,
     top-1 near 1), and ``handoff_kv_rounding_sensitivity`` is bf16 on the rounded KV against bf16."""
-    from server.engine.fp8 import quantize
+    from distserve.server.engine.fp8 import quantize
 
     kvs = handoff["kv"]
     logits = _handoff_step(eng, kvs, "")
@@ -291,7 +291,7 @@ def handoff_check(eng, variant: str, handoff: dict, r: dict) -> None:
 
 def measure(eng, r: dict, prefix: str, batches, variant: str, rng, vocab: int) -> None:
     """``step()`` medians: batch 1 at context 128 (100 steps), larger batches at context ~1k (20 steps)."""
-    from server.engine.sampling_params import SamplingParams
+    from distserve.server.engine.sampling_params import SamplingParams
 
     greedy = SamplingParams(max_tokens=100000, temperature=0.0, ignore_eos=True)
     for b in batches:
@@ -317,8 +317,8 @@ def measure(eng, r: dict, prefix: str, batches, variant: str, rng, vocab: int) -
 def legacy(eng) -> None:
     """Back to the 2026-12-01 kernels: one GEMV config, the old tile kernel for M > 1, the bf16 decode
     attention config for every cache; decode graphs re-captured."""
-    from server.engine import fp8_linear as fl
-    from server.engine.attention import triton_decode as td
+    from distserve.server.engine import fp8_linear as fl
+    from distserve.server.engine.attention import triton_decode as td
 
     fl.SPLITK_MAX_M = 0
     for mod in eng.model.modules():

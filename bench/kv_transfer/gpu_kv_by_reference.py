@@ -31,10 +31,10 @@ from typing import Any
 
 import torch
 
-from server.engine.block_manager import BlockManager
-from server.kv_transfer import KVHandle, KVPuller, KVStagingServer
-from server.kv_transfer.by_reference import BlockSource, KVLessee, KVLessor, RefHandle, hand_off
-from server.kv_transfer.kv_arena import ArenaLayout, ArenaMapping, ArenaOwner
+from distserve.server.engine.block_manager import BlockManager
+from distserve.server.kv_transfer import KVHandle, KVPuller, KVStagingServer
+from distserve.server.kv_transfer.by_reference import BlockSource, KVLessee, KVLessor, RefHandle, hand_off
+from distserve.server.kv_transfer.kv_arena import ArenaLayout, ArenaMapping, ArenaOwner
 
 TOKEN = "b" * 32
 BS = 16

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from bench.lib.results import write_result
-from server.kv_transfer import KVHandle, KVPuller, KVStagingServer
+from distserve.server.kv_transfer import KVHandle, KVPuller, KVStagingServer
 
 REPO = Path(__file__).resolve().parents[2]
 

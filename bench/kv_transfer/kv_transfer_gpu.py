@@ -49,7 +49,7 @@ TARGET_FRACTION = 0.5
 
 _CHILD = textwrap.dedent("""
     import json, statistics, sys, time, torch
-    from server.kv_transfer import KVHandle, KVPuller
+    from distserve.server.kv_transfer import KVHandle, KVPuller
     dst = sys.argv[1]
     puller = KVPuller(cuda_device=dst)
     prealloc = {}
@@ -121,7 +121,7 @@ def main() -> int:
     args = ap.parse_args()
     out_path = Path(args.out or Path(os.environ.get("OUT", ".")) / "kv_transfer_gpu.json")
 
-    from server.kv_transfer import KVStagingServer
+    from distserve.server.kv_transfer import KVStagingServer
 
     res: dict[str, Any] = {
         "shape": SHAPE,

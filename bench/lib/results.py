@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from distbench.atomic import atomic_write
+from distserve.distbench.atomic import atomic_write
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -4,6 +4,6 @@ that there is one way to start a deployment for a test, a drill or a study."""
 
 from __future__ import annotations
 
-from distbench.target import ServeProcess, deep_merge
+from distserve.distbench.target import ServeProcess, deep_merge
 
 __all__ = ["ServeProcess", "deep_merge"]

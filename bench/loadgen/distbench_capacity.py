@@ -20,8 +20,8 @@ import time
 from pathlib import Path
 
 from bench.lib.results import write_result
-from distbench.loadgen import RunSpec
-from distbench.runner import Options, Workload, run
+from distserve.distbench.loadgen import RunSpec
+from distserve.distbench.runner import Options, Workload, run
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -78,7 +78,7 @@ def main() -> None:
                 [
                     sys.executable,
                     "-m",
-                    "distbench",
+                    "distserve.distbench",
                     "locust",
                     "--url",
                     url,

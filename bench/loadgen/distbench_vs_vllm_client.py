@@ -37,7 +37,7 @@ from pathlib import Path
 
 from bench.lib.results import write_result
 from bench.lib.server import ServeProcess
-from distbench import result
+from distserve.distbench import result
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -68,7 +68,18 @@ def distbench_run(args, url: str, data: Path, seed: int, num: int, tmp: str) -> 
     """One ``distbench run --compat vllm`` (vLLM's schedule and definitions); distbench's own figures
     (TTFT from the scheduled send) recomputed from the same run's records."""
     out = Path(tmp) / f"distbench_{seed}.json"
-    argv = [sys.executable, "-m", "distbench", "run", "--url", url, "--dataset", f"sharegpt:{data}", "--compat", "vllm"]
+    argv = [
+        sys.executable,
+        "-m",
+        "distserve.distbench",
+        "run",
+        "--url",
+        url,
+        "--dataset",
+        f"sharegpt:{data}",
+        "--compat",
+        "vllm",
+    ]
     argv += ["--output-len", str(args.output_len), "--request-rate", str(args.rate), "--num-prompts", str(num)]
     argv += ["--seed", str(seed), "--no-progress", "--save-result", str(out)]
     d = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, check=False)

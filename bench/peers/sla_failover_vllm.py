@@ -291,7 +291,7 @@ def main() -> int:
             [
                 sys.executable,
                 "-m",
-                "server.cli",
+                "distserve.server.cli",
                 "serve",
                 "--model",
                 str(model_dir),

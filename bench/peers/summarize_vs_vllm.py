@@ -30,9 +30,9 @@ import os
 import sys
 from typing import Any
 
-from distbench.metrics import meets, stats_of
-from distbench.records import RequestRecord
-from distbench.vllm_compat import records_from_vllm
+from distserve.distbench.metrics import meets, stats_of
+from distserve.distbench.records import RequestRecord
+from distserve.distbench.vllm_compat import records_from_vllm
 
 
 def per_request(d: dict[str, Any]) -> tuple[list[tuple[bool, float | None, float]], list[RequestRecord]] | None:

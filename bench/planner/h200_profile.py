@@ -55,8 +55,8 @@ from pathlib import Path
 
 from bench.lib.results import read_result
 from bench.planner.serving_records import decode_worker_points, fit_handoff, fit_prefill_host, prefill_worker_points
-from planner.latency import _fit_nonneg
-from planner.profile import DecodePoint, PrefillPoint, Profile, TransferPoint
+from distserve.planner.latency import _fit_nonneg
+from distserve.planner.profile import DecodePoint, PrefillPoint, Profile, TransferPoint
 
 KV_BYTES_PER_TOKEN = 32 * 2 * 32 * 128 * 2  # layers x (K, V) x heads x head dim x bf16 = 512 KiB
 

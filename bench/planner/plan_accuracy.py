@@ -42,15 +42,15 @@ from pathlib import Path
 
 from bench.lib.results import write_result
 from bench.planner import plan_accuracy_records as records
-from planner.latency import LatencyModel
-from planner.layouts import Layout, kv_capacity_tokens, limits_from_config
-from planner.profile import Profile
-from planner.profile import load as load_profile
-from planner.search import Planner
-from planner.simulator import simulate
-from planner.slo import SLO, attainment
-from planner.workload import load_workload
-from server.config import load_config
+from distserve.planner.latency import LatencyModel
+from distserve.planner.layouts import Layout, kv_capacity_tokens, limits_from_config
+from distserve.planner.profile import Profile
+from distserve.planner.profile import load as load_profile
+from distserve.planner.search import Planner
+from distserve.planner.simulator import simulate
+from distserve.planner.slo import SLO, attainment
+from distserve.planner.workload import load_workload
+from distserve.server.config import load_config
 
 REPO = Path(__file__).resolve().parents[2]
 

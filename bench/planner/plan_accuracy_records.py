@@ -16,11 +16,11 @@ from pathlib import Path
 from bench.planner.replay import attained, cold_start, layout_of_run, replay, run_engine_thread
 from bench.planner.serving_records import prefix_hit_shares, read_run, stall_events
 from bench.serving.gpu_slo_study_report import BASE, SCALES, meets
-from planner.layouts import Layout
-from planner.profile import Profile
-from planner.search import Planner
-from planner.slo import SLO, percentile
-from planner.workload import Workload
+from distserve.planner.layouts import Layout
+from distserve.planner.profile import Profile
+from distserve.planner.search import Planner
+from distserve.planner.slo import SLO, percentile
+from distserve.planner.workload import Workload
 
 SLO_STUDY_FIRST = ("slo_study_1p1d.json.gz", "slo_study_colocated2.json.gz")
 SLO_STUDY_FLASH = ("slo_study_1p1d_flash.json.gz", "slo_study_colocated2_flash.json.gz")

@@ -27,13 +27,13 @@ import time
 from pathlib import Path
 
 from bench.lib.results import write_result
-from planner.latency import LatencyModel
-from planner.layouts import EngineLimits, Layout
-from planner.profile import load
-from planner.search import Planner
-from planner.slo import SLO, attainment
-from planner.validate import ORDERING_CASES, case_rate_and_slo, measure_layout
-from planner.workload import load_workload
+from distserve.planner.latency import LatencyModel
+from distserve.planner.layouts import EngineLimits, Layout
+from distserve.planner.profile import load
+from distserve.planner.search import Planner
+from distserve.planner.slo import SLO, attainment
+from distserve.planner.validate import ORDERING_CASES, case_rate_and_slo, measure_layout
+from distserve.planner.workload import load_workload
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -49,7 +49,7 @@ def main() -> int:
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="plan-cpu-check-") as tmp:
         prof_path = Path(tmp) / "profile.json"
-        cmd = [sys.executable, "-m", "server.cli", "profile", "--device", "cpu", "--quick", "--no-threads"]
+        cmd = [sys.executable, "-m", "distserve.server.cli", "profile", "--device", "cpu", "--quick", "--no-threads"]
         cmd += (["--model", a.model] if a.model else []) + ["--out", str(prof_path)]
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False, cwd=REPO)
         if p.returncode != 0:

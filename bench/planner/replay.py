@@ -11,10 +11,10 @@ import statistics
 from collections.abc import Callable
 
 from bench.planner.serving_records import point_requests, run_kv_tokens, run_layout, stall_events
-from planner.latency import LatencyModel
-from planner.layouts import Layout, limits_from_config
-from planner.profile import Profile
-from server.config import load_config
+from distserve.planner.latency import LatencyModel
+from distserve.planner.layouts import Layout, limits_from_config
+from distserve.planner.profile import Profile
+from distserve.server.config import load_config
 
 
 def run_config(doc: dict) -> dict:
@@ -59,7 +59,7 @@ def replay(
 ) -> list[dict[str, float]]:
     """Simulated per-request latencies (ms) of a recorded point, its first ``ramp`` requests dropped as the
     report drops them. ``cold``: colocated workers pay the stalls the point measured (``cold_start``)."""
-    from planner.simulator import Simulator
+    from distserve.planner.simulator import Simulator
 
     sim = Simulator(
         model or LatencyModel.fit(prof),
@@ -78,7 +78,7 @@ def replay(
 
 def replay_result(prof: Profile, doc: dict, point: dict, model: LatencyModel | None = None):
     """The whole simulated result of a recorded point (per-role statistics too), steady state."""
-    from planner.simulator import Simulator
+    from distserve.planner.simulator import Simulator
 
     sim = Simulator(
         model or LatencyModel.fit(prof),

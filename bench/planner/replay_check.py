@@ -20,7 +20,7 @@ from bench.planner import plan_accuracy_records as records
 from bench.planner.h200_profile import RECORDS
 from bench.planner.replay import attained, replay, replay_result, run_engine_thread
 from bench.planner.serving_records import STEP_S, STEPS, prefix_hit_shares, read_run
-from planner.profile import load
+from distserve.planner.profile import load
 
 RERUN = RECORDS / "h200-x2/serving-slo-study/1p1d_rerun_2026-12-01.json.xz"
 PROBE = RECORDS / "h200/serving-slo-study/prefill_r1_2026-12-01.json.xz"

@@ -37,7 +37,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from distbench.target import ServeProcess
+from distserve.distbench.target import ServeProcess
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -83,7 +83,17 @@ class HealthPoller(threading.Thread):
 
 
 def distbench(url: str, out: Path, *args: str) -> dict:
-    cmd = [sys.executable, "-m", "distbench.cli", "run", "--url", url, "--no-progress", "--save-result", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "distserve.distbench.cli",
+        "run",
+        "--url",
+        url,
+        "--no-progress",
+        "--save-result",
+        str(out),
+    ]
     subprocess.run([*cmd, *args], cwd=ROOT, capture_output=True, text=True, timeout=900)
     return json.loads(out.read_text())
 

@@ -53,7 +53,7 @@ def main() -> int:
             [
                 sys.executable,
                 "-m",
-                "server.cli",
+                "distserve.server.cli",
                 "serve",
                 "--launcher",
                 "ray",
@@ -89,7 +89,7 @@ def main() -> int:
             [
                 sys.executable,
                 "-m",
-                "distbench.cli",
+                "distserve.distbench.cli",
                 "run",
                 "--url",
                 info["url"],
@@ -160,7 +160,7 @@ def main() -> int:
 
 def _scale(cluster: RayCluster, env: dict, *argv: str) -> dict:
     r = subprocess.run(
-        [sys.executable, "-m", "server.cli", "scale", "--address", cluster.address, *argv],
+        [sys.executable, "-m", "distserve.server.cli", "scale", "--address", cluster.address, *argv],
         cwd=REPO,
         env=env,
         capture_output=True,

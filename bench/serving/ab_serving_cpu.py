@@ -8,7 +8,7 @@ Each commit is checked out into a temporary git worktree; every round runs, for 
 - a closed loop through ``distserve serve --mode disaggregated`` of that commit on the tiny model,
   driven by this tree's distbench (concurrency 8, 128-token prompts, 32 output tokens): req/s and
   TTFT/TPOT percentiles.
-The server processes import the commit's own code (``-m server.cli`` from its worktree). Medians
+The server processes import the commit's own code (``-m distserve.server.cli`` from its worktree). Medians
 over rounds are what to quote; the spread across rounds is the noise.
 """
 
@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.lib.server import ServeProcess
-from distbench.atomic import atomic_write
+from distserve.distbench.atomic import atomic_write
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -67,7 +67,7 @@ def closed_loop(tree: Path, n: int, tmp: Path) -> dict[str, float]:
             [
                 sys.executable,
                 "-m",
-                "distbench.cli",
+                "distserve.distbench.cli",
                 "run",
                 "--url",
                 srv.url,

@@ -55,7 +55,7 @@ def one(weight: float, args: argparse.Namespace, tmp: Path) -> dict:
             [
                 sys.executable,
                 "-m",
-                "distbench.cli",
+                "distserve.distbench.cli",
                 "run",
                 "--url",
                 srv.url,

@@ -19,7 +19,7 @@ from bench.lib.results import write_result
 
 CHILD = r"""
 import json, os, sys, torch
-from server.mps import gemm_self_check
+from distserve.server.mps import gemm_self_check
 dev = torch.device("cuda")
 sms = torch.cuda.get_device_properties(dev).multi_processor_count
 first = gemm_self_check(dev, hidden=4096, out_features=12288)
@@ -42,7 +42,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("gpu_mps_gemm_check: no CUDA device: nothing to check on a CPU")
         return 0
-    from server.mps import MpsDaemon
+    from distserve.server.mps import MpsDaemon
 
     doc: dict = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "shares": {}}
     daemon = MpsDaemon()

@@ -44,11 +44,11 @@ from pathlib import Path
 
 from bench.lib.results import write_result
 from bench.lib.server import ServeProcess
-from distbench.loadgen import RunSpec
-from distbench.metrics import attainment, percentile_with_failures
-from distbench.result import records_of
-from distbench.runner import Options, Workload
-from distbench.runner import run as run_distbench
+from distserve.distbench.loadgen import RunSpec
+from distserve.distbench.metrics import attainment, percentile_with_failures
+from distserve.distbench.result import records_of
+from distserve.distbench.runner import Options, Workload
+from distserve.distbench.runner import run as run_distbench
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -442,7 +442,7 @@ def main() -> int:
     DEADLINE = T_START + args.budget_s
     OUT_PATH = Path(args.out or Path(os.environ.get("OUT", ".")) / f"gpu_serving_{args.layout}.json")
 
-    from server.engine.presets import preset_config
+    from distserve.server.engine.presets import preset_config
 
     vocab = preset_config(args.model).vocab_size
     env = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "python": sys.version.split()[0], "cpus": os.cpu_count()}

@@ -34,9 +34,9 @@ from pathlib import Path
 
 from bench.lib.results import write_result
 from bench.lib.server import ServeProcess
-from distbench.loadgen import RunSpec
-from distbench.runner import Options, Workload
-from distbench.runner import run as run_distbench
+from distserve.distbench.loadgen import RunSpec
+from distserve.distbench.runner import Options, Workload
+from distserve.distbench.runner import run as run_distbench
 
 REPO = Path(__file__).resolve().parents[2]
 

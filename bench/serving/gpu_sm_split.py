@@ -37,11 +37,11 @@ import time
 import urllib.request
 from pathlib import Path
 
-from distbench.loadgen import RunSpec
-from distbench.promscrape import parse
-from distbench.runner import Options, Workload
-from distbench.runner import run as run_distbench
-from distbench.target import ServeProcess
+from distserve.distbench.loadgen import RunSpec
+from distserve.distbench.promscrape import parse
+from distserve.distbench.runner import Options, Workload
+from distserve.distbench.runner import run as run_distbench
+from distserve.distbench.target import ServeProcess
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -14,7 +14,7 @@ set -o pipefail
 START=$(date +%s)
 timeout 120 python3 -m bench.kv_transfer.gpu_kv_by_reference --out "$OUT/kv_by_reference.json" 2>&1 | grep -v Warning \
   | tee "$OUT/kv_by_reference.log"
-timeout $(( ${SHARES_S:-90} + 60 )) python3 -m planner.sm_shares --device cuda --model preset:llama-2-7b \
+timeout $(( ${SHARES_S:-90} + 60 )) python3 -m distserve.planner.sm_shares --device cuda --model preset:llama-2-7b \
   --shares "${SHARES:-100,40,30}" --budget-s "${SHARES_S:-90}" --out "$OUT/sm_shares.json" 2>&1 \
   | grep -v Warning | tail -40 | tee "$OUT/sm_shares.log"
 LEFT=$(( 500 - ($(date +%s) - START) ))

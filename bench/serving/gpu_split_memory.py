@@ -43,10 +43,10 @@ import aiohttp
 
 from bench.lib.results import write_result
 from bench.serving.gpu_sm_split import KEEP, SLO, handoff, layout_args, parse_workloads, scrape, summarize, workload
-from distbench.loadgen import RunSpec
-from distbench.runner import Options
-from distbench.runner import run as run_distbench
-from distbench.target import ServeProcess
+from distserve.distbench.loadgen import RunSpec
+from distserve.distbench.runner import Options
+from distserve.distbench.runner import run as run_distbench
+from distserve.distbench.target import ServeProcess
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_LAYOUTS = "split60:60:40+ref,split60:60:40,split50:50:50+ref,split50:50:50,colocated@512,1p1d"

@@ -56,7 +56,7 @@ NAN = "NaN/Inf"
 
 # --------------------------------------------------------------------------------------------- child: engine
 def _engine(args, eager: bool):
-    from server.engine.llm_engine import EngineConfig, LLMEngine
+    from distserve.server.engine.llm_engine import EngineConfig, LLMEngine
 
     cuda = args.device == "cuda"
     cfg = EngineConfig(
@@ -78,7 +78,7 @@ def _prompts(n: int, length: int, vocab: int, low: int, seed: int) -> list[list[
 
 def _run(engine, prompts: list[list[int]], tokens: int, stagger: int = 0) -> dict:
     """Every prompt to ``tokens`` greedy tokens; ``stagger`` > 0: that many new prompts per step."""
-    from server.engine.sampling_params import SamplingParams
+    from distserve.server.engine.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
     ids = [f"r{i}-{random.getrandbits(32):08x}" for i in range(len(prompts))]
@@ -139,7 +139,7 @@ def _agree(a: list[list[int]], b: list[list[int]]) -> float:
 def _kernel_choices(engine) -> dict:
     import torch
 
-    from server.engine.attention import triton_decode as td
+    from distserve.server.engine.attention import triton_decode as td
 
     m = engine.model
     dev = engine.device
@@ -302,7 +302,7 @@ def child_engine(args) -> int:
         doc["before_probe"][f"b{b}"] = r
         print(f"  before the MPS probe, b{b} (graphs, step thread): failed {r['failed']}/{b}", flush=True)
     if eng.device.type == "cuda":
-        from server import mps
+        from distserve.server import mps
 
         doc["mps_probe"] = mps.probe(eng.device)
         print(f"  mps.probe: {doc['mps_probe']}", flush=True)
@@ -330,7 +330,7 @@ def child_engine(args) -> int:
             case["tokens_agree"] = _agree(g["tokens"], e["tokens"])
             case["kv_pool_finite"] = _pool_finite(eng)  # zeros at start: a NaN anywhere was written by a step
             if eng.device.type == "cuda":
-                from server.engine.attention.triton_decode import plan_splits
+                from distserve.server.engine.attention.triton_decode import plan_splits
 
                 case["split_plan"] = plan_splits(b, eng.model_config.num_key_value_heads, eng.max_model_len, eng.device)
             doc["cases"].append(case)
@@ -552,7 +552,7 @@ def main() -> int:
         return run_stage(name, argv, env, limit)
 
     # 1. under MPS at the decode share
-    from server.mps import MpsDaemon, MpsUnavailable
+    from distserve.server.mps import MpsDaemon, MpsUnavailable
 
     mps_stage: dict = {"stage": f"engine@{args.pct}"}
     if args.device != "cuda":

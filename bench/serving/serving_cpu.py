@@ -27,10 +27,10 @@ from typing import Any
 import aiohttp
 
 from bench.lib.server import ServeProcess
-from distbench.client import body_for, send
-from distbench.datasets import Item
-from distbench.metrics import stats_of
-from distbench.records import RequestRecord
+from distserve.distbench.client import body_for, send
+from distserve.distbench.datasets import Item
+from distserve.distbench.metrics import stats_of
+from distserve.distbench.records import RequestRecord
 
 TOKEN = "bench-serving-cpu"
 

@@ -17,8 +17,8 @@ import time
 
 from prometheus_client import CollectorRegistry, generate_latest
 
-from server.config import load_config
-from server.router.sla_live import Finished, SlaLive
+from distserve.server.config import load_config
+from distserve.server.router.sla_live import Finished, SlaLive
 
 
 def main() -> None:

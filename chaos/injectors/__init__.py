@@ -3,7 +3,7 @@
 Every pair acts on processes, network namespaces, qdiscs, nftables, cgroups or
 sysctls — never on server internals — so it runs alone (`distserve chaos inject
 NAME key=value ...`), inside a drill, or as a Chaos Toolkit python provider
-(``{"type": "python", "module": "chaos.injectors.kill", "func": "inject"}``).
+(``{"type": "python", "module": "distserve.chaos.injectors.kill", "func": "inject"}``).
 ``inject`` returns a JSON-able dict (what it did, and by which mechanism) that the
 drill journal records; ``rollback`` takes the same keyword arguments and is
 idempotent (state in `chaos.state`).
@@ -30,4 +30,4 @@ INJECTORS = (
 def get(name: str) -> ModuleType:
     if name not in INJECTORS:
         raise ValueError(f"injector {name!r} is unknown; known: {', '.join(INJECTORS)}")
-    return importlib.import_module(f"chaos.injectors.{name}")
+    return importlib.import_module(f"distserve.chaos.injectors.{name}")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import signal
 
-from chaos.workers import select_workers
+from distserve.chaos.workers import select_workers
 
 
 def inject(

@@ -30,9 +30,9 @@ import time
 from typing import Any
 from urllib.parse import urlparse
 
-from chaos import state
-from chaos.proxy import TOXICS, validate_toxic
-from chaos.sysutil import (
+from distserve.chaos import state
+from distserve.chaos.proxy import TOXICS, validate_toxic
+from distserve.chaos.sysutil import (
     HostError,
     kernel_has_netem,
     listening_ports,
@@ -40,7 +40,7 @@ from chaos.sysutil import (
     require_root,
     run,
 )
-from chaos.workers import list_workers
+from distserve.chaos.workers import list_workers
 
 KIND = "kv_link"
 FILTER_TABLE = "dschaos_filter"
@@ -97,7 +97,7 @@ def _start_proxy(host_ip: str, ports: list[int], toxic: dict) -> list[dict]:
             [
                 sys.executable,
                 "-m",
-                "chaos.proxy",
+                "distserve.chaos.proxy",
                 "--listen",
                 f"{host_ip}:0",
                 "--upstream",
@@ -247,12 +247,12 @@ def inject(
 
 
 def _is_proxy(pid: object) -> bool:
-    """Whether ``pid`` is a chaos proxy (``python -m chaos.proxy``): the only processes rollback stops."""
+    """Whether ``pid`` is a chaos proxy (``python -m distserve.chaos.proxy``): the only processes rollback stops."""
     if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 1:
         return False
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return b"chaos.proxy" in f.read()
+            return b"distserve.chaos.proxy" in f.read()
     except OSError:
         return False
 

@@ -9,8 +9,8 @@ this injector says so (`HookMissing`).
 
 from __future__ import annotations
 
-from chaos import state
-from chaos.workers import admin_token, post_json, select_workers
+from distserve.chaos import state
+from distserve.chaos.workers import admin_token, post_json, select_workers
 
 KIND = "latency"
 

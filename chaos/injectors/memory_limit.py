@@ -13,9 +13,9 @@ from __future__ import annotations
 import os
 import time
 
-from chaos import state
-from chaos.sysutil import HostError, pid_alive, require_root
-from chaos.workers import select_workers
+from distserve.chaos import state
+from distserve.chaos.sysutil import HostError, pid_alive, require_root
+from distserve.chaos.workers import select_workers
 
 KIND = "memory_limit"
 V2_ROOTS = ("/sys/fs/cgroup", "/sys/fs/cgroup/unified")

@@ -14,8 +14,8 @@ import ipaddress
 import os
 import secrets
 
-from chaos import state
-from chaos.sysutil import HostError, netns_exists, require_root, run
+from distserve.chaos import state
+from distserve.chaos.sysutil import HostError, netns_exists, require_root, run
 
 KIND = "netns"
 NAME_PATTERN = r"[A-Za-z0-9_.-]{1,64}"

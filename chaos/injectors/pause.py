@@ -9,8 +9,8 @@ from __future__ import annotations
 import os
 import signal
 
-from chaos import state
-from chaos.workers import select_workers
+from distserve.chaos import state
+from distserve.chaos.workers import select_workers
 
 KIND = "pause"
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import re
 
-from chaos import state
-from chaos.sysutil import HostError, netns_exists, require_root, sysctl_get, sysctl_set
+from distserve.chaos import state
+from distserve.chaos.sysutil import HostError, netns_exists, require_root, sysctl_get, sysctl_set
 
 KIND = "sysctl"
 KEYS = ("net.core.rmem_max", "net.core.wmem_max", "net.ipv4.tcp_rmem", "net.ipv4.tcp_wmem")

@@ -10,8 +10,8 @@ import argparse
 import json
 import sys
 
-from server.commands.common import admin_token, load_args_config, usage_error
-from server.config import ConfigError, DistServeConfig
+from distserve.server.commands.common import admin_token, load_args_config, usage_error
+from distserve.server.config import ConfigError, DistServeConfig
 
 NEEDS_RAY = (
     "the Ray launcher needs Ray (ray>=2.40): pip install -e '.[ray]' in a distserve checkout "
@@ -29,7 +29,7 @@ def _have_ray() -> bool:
 
 def _ray_overrides(args) -> dict:
     """``--address``, ``--prefill-resources``, ``--decode-resources`` ... as config overrides (ValueError)."""
-    from server.launchers.ray_placement import parse_resources
+    from distserve.server.launchers.ray_placement import parse_resources
 
     ray: dict = {}
     if getattr(args, "address", None):
@@ -63,8 +63,8 @@ def serve_on_ray(args, cfg: DistServeConfig) -> int:
         return usage_error(NEEDS_RAY)
     import yaml
 
-    from server.launchers import ray_serve
-    from server.launchers.ray_placement import RaySpec
+    from distserve.server.launchers import ray_serve
+    from distserve.server.launchers.ray_placement import RaySpec
 
     host = args.host or (cfg.router.host if cfg.router.host != "127.0.0.1" else "{node_ip}")
     import logging
@@ -111,7 +111,7 @@ def cmd_scale(args) -> int:
         return usage_error("--timeout-s must be > 0")
     if not _have_ray():
         return usage_error(NEEDS_RAY)
-    from server.launchers import ray_serve
+    from distserve.server.launchers import ray_serve
 
     try:
         controller = ray_serve.find_controller(cfg.ray.address, cfg.ray.namespace, cfg.ray.deployment)

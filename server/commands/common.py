@@ -10,8 +10,8 @@ import secrets
 import sys
 from typing import Literal, overload
 
-from server.config import DistServeConfig, load_config
-from server.launcher import TOKEN_ENV
+from distserve.server.config import DistServeConfig, load_config
+from distserve.server.launcher import TOKEN_ENV
 
 LOG_LEVEL_ENV = "DISTSERVE_LOG_LEVEL"
 

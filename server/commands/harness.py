@@ -24,7 +24,7 @@ def _add_sla(sub) -> None:
 def cmd_sla(args) -> int:
     # The one place `server` reaches into the harness: imported only when the command runs, so the
     # server never loads the harness packages (docs/ARCHITECTURE.md, dependency rule).
-    from sla.cli import main as sla_main
+    from distserve.sla.cli import main as sla_main
 
     return sla_main(args.sla_args)
 
@@ -42,7 +42,7 @@ def _add_chaos_doctor_gate(sub) -> None:
 
         return handler
 
-    from chaos.cli import (
+    from distserve.chaos.cli import (
         add_parser as add_chaos,  # argparse only: chaos/cli.py imports nothing else at load
     )
 
@@ -68,7 +68,7 @@ def _add_chaos_doctor_gate(sub) -> None:
     p.add_argument("--only", default=None, help="comma-separated subset of sysctl,memory,model,router (default: all)")
     p.add_argument("--sysctl-keys", default=None, help="check only these sysctl keys (comma-separated)")
     p.add_argument("--json", action="store_true", help="print the findings as JSON")
-    p.set_defaults(handler=lazy("chaos.doctor"))
+    p.set_defaults(handler=lazy("distserve.chaos.doctor"))
     p = sub.add_parser(
         "gate",
         help="run the release-gate checklist and say go / no-go",
@@ -80,7 +80,7 @@ def _add_chaos_doctor_gate(sub) -> None:
     p.add_argument("--quick", action="store_true", help="only the items marked quick, in their short form")
     p.add_argument("--out", default=".out/gate", help="report directory (default .out/gate)")
     p.add_argument("--only", default=None, help="comma-separated item ids to run")
-    p.set_defaults(handler=lazy("ci.gate"))
+    p.set_defaults(handler=lazy("distserve.ci.gate"))
 
 
 def add_parsers(sub) -> None:

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 
 def _profile(args) -> int:
-    from planner.cli import cmd_profile
+    from distserve.planner.cli import cmd_profile
 
     return cmd_profile(args)
 
 
 def _plan(args) -> int:
-    from planner.cli import cmd_plan
+    from distserve.planner.cli import cmd_plan
 
     return cmd_plan(args)
 

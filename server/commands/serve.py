@@ -13,13 +13,13 @@ import time
 from pathlib import Path
 from typing import NoReturn
 
-from server.commands.cluster import add_serve_flags
-from server.commands.common import admin_token, load_args_config, usage_error
-from server.config import ConfigError, DistServeConfig
-from server.launcher import TOKEN_ENV, Launcher, RestartPolicy, StartupRefused, parse_devices
-from server.mps import CONTROL as MPS_CONTROL
-from server.mps import MpsUnavailable, parse_sm_split
-from server.preflight import (
+from distserve.server.commands.cluster import add_serve_flags
+from distserve.server.commands.common import admin_token, load_args_config, usage_error
+from distserve.server.config import ConfigError, DistServeConfig
+from distserve.server.launcher import TOKEN_ENV, Launcher, RestartPolicy, StartupRefused, parse_devices
+from distserve.server.mps import CONTROL as MPS_CONTROL
+from distserve.server.mps import MpsUnavailable, parse_sm_split
+from distserve.server.preflight import (
     backend_problem,
     context_warning,
     device_problem,
@@ -49,7 +49,7 @@ def cmd_serve(args) -> int:
     if args.max_restarts < 0 or args.restart_window_s <= 0:
         return usage_error("--max-restarts must be >= 0 and --restart-window-s > 0")
     if args.launcher == "ray":  # workers on other nodes: no local port or device to check here
-        from server.commands.cluster import serve_on_ray
+        from distserve.server.commands.cluster import serve_on_ray
 
         return serve_on_ray(args, cfg)
     warning = context_warning(cfg.model, cfg.prefill.max_seq_len)
@@ -101,7 +101,7 @@ def cmd_serve(args) -> int:
             else f"{args.decode} colocated worker{'' if args.decode == 1 else 's'}"
         )
         if args.ready_file:  # before the ready line: a script that saw the line can read the file
-            from server.router.main import write_ready_file
+            from distserve.server.router.main import write_ready_file
 
             write_ready_file(args.ready_file, {"url": url, "pid": os.getpid(), "token": launcher.token})
         print(f"distserve ready: {url} ({args.mode}, {n})", flush=True)
@@ -202,7 +202,7 @@ def cmd_router(args) -> int:
     loaded = _config_and_token(args, "the router")  # before the router's imports: a missing token fails at once
     if isinstance(loaded, int):
         return loaded
-    from server.router.main import serve_router
+    from distserve.server.router.main import serve_router
 
     cfg, token = loaded
     try:
@@ -230,7 +230,7 @@ def cmd_worker(args) -> int:
     loaded = _config_and_token(args, "a worker")
     if isinstance(loaded, int):
         return loaded
-    from server.workers.worker import WorkerOptions, serve_worker
+    from distserve.server.workers.worker import WorkerOptions, serve_worker
 
     cfg, token = loaded
     try:

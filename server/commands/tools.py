@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from server.commands.common import usage_error
+from distserve.server.commands.common import usage_error
 
 
 def _positive_int(name: str):
@@ -118,7 +118,7 @@ def _add_generate(sub) -> None:
 
 
 def cmd_make_tiny_model(args) -> int:
-    from server.engine.tiny_model import make_tiny_model
+    from distserve.server.engine.tiny_model import make_tiny_model
 
     if args.hidden % args.heads:
         return usage_error(f"--hidden ({args.hidden}) must be a multiple of --heads ({args.heads})")
@@ -144,10 +144,10 @@ def cmd_make_tiny_model(args) -> int:
 
 
 def cmd_generate(args) -> int:
-    from server.engine.llm_engine import EngineConfig, LLMEngine
-    from server.engine.loader import load_tokenizer
-    from server.engine.sampling_params import SamplingParams
-    from server.engine.tokenizer import Tokenizer
+    from distserve.server.engine.llm_engine import EngineConfig, LLMEngine
+    from distserve.server.engine.loader import load_tokenizer
+    from distserve.server.engine.sampling_params import SamplingParams
+    from distserve.server.engine.tokenizer import Tokenizer
 
     if args.top_k < 0:
         return usage_error(f"--top-k must be >= 0, got {args.top_k}")

@@ -24,9 +24,9 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 
-from server.engine.sequence import Sequence
-from server.prefix_hash import ROOT as _ROOT
-from server.prefix_hash import block_digest, cacheable_blocks
+from distserve.server.engine.sequence import Sequence
+from distserve.server.prefix_hash import ROOT as _ROOT
+from distserve.server.prefix_hash import block_digest, cacheable_blocks
 
 __all__ = ["BlockManager", "block_digest"]  # block_digest lives in server/prefix_hash.py (shared with the router)
 

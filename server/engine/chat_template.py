@@ -20,7 +20,7 @@ import json
 from datetime import datetime
 from typing import Any
 
-from server.engine.tokenizer import Tokenizer
+from distserve.server.engine.tokenizer import Tokenizer
 
 # Used only when the model has no template of its own.
 PLAIN_TEMPLATE = (

@@ -27,7 +27,7 @@ import os
 
 import torch
 
-from server.engine.attention import AttentionMetadata
+from distserve.server.engine.attention import AttentionMetadata
 
 log = logging.getLogger(__name__)
 
@@ -204,13 +204,13 @@ def setup_cuda_engine(engine, phase: str = "final") -> None:
     tuned: set = engine._tuned
     fused = engine.model.ops.name == "triton"
     if fused and decodes and "gemv" not in tuned and os.environ.get("DISTSERVE_GEMV_TUNE", "1") != "0":
-        from server.engine.ops.cuda_ops import tune_gemv
+        from distserve.server.engine.ops.cuda_ops import tune_gemv
 
         engine.gemv_report = tune_gemv(engine.model)  # one-token GEMV: Triton where it beats cuBLAS
         tuned.add("gemv")
     fp8 = engine.model.ops.name == "triton+fp8"
     if fp8 and "fp8" not in tuned and os.environ.get("DISTSERVE_FP8_TUNE", "1") != "0":
-        from server.engine.fp8_linear import tune_fp8_linears
+        from distserve.server.engine.fp8_linear import tune_fp8_linears
 
         engine.fp8_report = tune_fp8_linears(engine.model)  # e4m3 GEMV / split-K configs per shape
         tuned.add("fp8")
@@ -221,7 +221,7 @@ def setup_cuda_engine(engine, phase: str = "final") -> None:
         and hasattr(backend, "decode_configs")
         and os.environ.get("DISTSERVE_DECODE_TUNE", "1") != "0"
     ):
-        from server.engine.attention.triton_decode import tune_decode_configs
+        from distserve.server.engine.attention.triton_decode import tune_decode_configs
 
         backend.decode_configs, engine.decode_report = tune_decode_configs(  # paged decode tile / warps
             engine.runner.kv_caches[0],
@@ -250,8 +250,8 @@ def setup_cuda_engine(engine, phase: str = "final") -> None:
 
 def attach_graph_sampler(engine, batch_sizes: list[int]) -> None:
     """The engine's sampler draws through CUDA graphs (graph_sampler.py) for the sizes that fit."""
-    from server.engine.graph_sampler import MAX_ELEMENTS, GraphSampler
-    from server.engine.sampler import Sampler
+    from distserve.server.engine.graph_sampler import MAX_ELEMENTS, GraphSampler
+    from distserve.server.engine.sampler import Sampler
 
     vocab = engine.model_config.vocab_size
     sizes = [b for b in batch_sizes if b * vocab <= MAX_ELEMENTS]

@@ -142,10 +142,10 @@ def has_fp8_weight(layer: Any) -> bool:
 def with_fp8_linears(ops: Any) -> Any:
     """The same op set, with ``linear`` reading e4m3 weights (Triton kernels on CUDA, emulated elsewhere)."""
     if ops.name == "triton":
-        from server.engine.fp8_linear import Fp8TritonLayerOps
+        from distserve.server.engine.fp8_linear import Fp8TritonLayerOps
 
         return Fp8TritonLayerOps()
-    from server.engine.ops.layer_ops import TorchLayerOps
+    from distserve.server.engine.ops.layer_ops import TorchLayerOps
 
     class Fp8TorchLayerOps(TorchLayerOps):
         name = "torch+fp8"
@@ -188,7 +188,7 @@ def gather_kv_fp8(
     kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, block_size: int, kv_scale: torch.Tensor, dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``attention.base.gather_kv`` of an FP8 cache, dequantised to ``dtype``."""
-    from server.engine.attention.base import gather_kv
+    from distserve.server.engine.attention.base import gather_kv
 
     kb, vb = gather_kv(as_bytes(kv_cache), block_table, seq_len, block_size)
     return dequantize(kb.view(FP8_DTYPE), kv_scale[0], dtype), dequantize(vb.view(FP8_DTYPE), kv_scale[1], dtype)

@@ -35,8 +35,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from server.engine.fp8 import FP8_DTYPE, FP8_MAX, fp8_linear_emulated, has_fp8_weight
-from server.engine.ops.cuda_ops import TritonLayerOps
+from distserve.server.engine.fp8 import FP8_DTYPE, FP8_MAX, fp8_linear_emulated, has_fp8_weight
+from distserve.server.engine.ops.cuda_ops import TritonLayerOps
 
 try:  # pragma: no cover - depends on the install
     import triton
@@ -438,8 +438,8 @@ def tune_fp8_linears(model: Any, buckets: tuple[int, ...] = (16, 32, 64, 128), v
     timed as a CUDA graph over that projection of every layer (``cuda_ops._graph_ms``: weights stream
     from HBM as in a decode step), each candidate first checked against a float32 reference (relative
     error < 1e-2). Stores ``fp8_cfg = {1: gemv, 16: splitk, ...}`` on every linear; returns the timings."""
-    from server.engine.fp8 import FP8_LINEARS
-    from server.engine.ops.cuda_ops import _graph_ms
+    from distserve.server.engine.fp8 import FP8_LINEARS
+    from distserve.server.engine.ops.cuda_ops import _graph_ms
 
     report: dict = {}
     layers = list(model.layers)

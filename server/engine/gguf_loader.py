@@ -31,8 +31,8 @@ from typing import Any
 
 import torch
 
-from server.engine.gguf_file import GGUFFile
-from server.engine.model_config import ModelConfig, RopeScaling
+from distserve.server.engine.gguf_file import GGUFFile
+from distserve.server.engine.model_config import ModelConfig, RopeScaling
 
 log = logging.getLogger(__name__)
 
@@ -168,7 +168,7 @@ def load_state_dict(
     meta: GGUFMetadata | None = None,
 ) -> dict[str, torch.Tensor]:
     """Every tensor of the file, dequantized to float32, unpermuted, cast to ``dtype``, under HF names."""
-    from server.engine.gguf_quants import dequantize
+    from distserve.server.engine.gguf_quants import dequantize
 
     reader = _reader(path)
     cfg = model_config(meta or metadata_of(reader, path))

@@ -32,7 +32,7 @@ import logging
 import numpy as np
 import torch
 
-from server.engine.sampler import Filters, sample_rows
+from distserve.server.engine.sampler import Filters, sample_rows
 
 log = logging.getLogger(__name__)
 

@@ -23,22 +23,29 @@ from typing import Any
 
 import torch
 
-from server.engine.attention import get_attention_backend
-from server.engine.block_manager import BlockManager
-from server.engine.fp8 import FP8_DTYPE, bf16_layer_set, check_scales, is_fp8, quantize_model_weights, with_fp8_linears
-from server.engine.kv_sizing import KVBudget
-from server.engine.loader import load_model_config, load_state_dict, resolve_model_path
-from server.engine.memory_pressure import MemoryPressure, is_memory_error, relieve
-from server.engine.memory_profile import MemoryProbe, SizingInputs, StartupMemory, process_used, size_kv_pool
-from server.engine.model import LlamaForCausalLM
-from server.engine.model_runner import ModelRunner, kv_bytes_per_block
-from server.engine.ops.layer_ops import select_layer_ops
-from server.engine.presets import init_random_weights, is_preset, preset_config
-from server.engine.sampler import Sampler, TokenLogprobs
-from server.engine.sampling_params import SamplingParams
-from server.engine.scheduler import Scheduler, SchedulerConfig
-from server.engine.sequence import Sequence, SequenceStatus
-from server.engine.structured.decoding import StructuredDecoding
+from distserve.server.engine.attention import get_attention_backend
+from distserve.server.engine.block_manager import BlockManager
+from distserve.server.engine.fp8 import (
+    FP8_DTYPE,
+    bf16_layer_set,
+    check_scales,
+    is_fp8,
+    quantize_model_weights,
+    with_fp8_linears,
+)
+from distserve.server.engine.kv_sizing import KVBudget
+from distserve.server.engine.loader import load_model_config, load_state_dict, resolve_model_path
+from distserve.server.engine.memory_pressure import MemoryPressure, is_memory_error, relieve
+from distserve.server.engine.memory_profile import MemoryProbe, SizingInputs, StartupMemory, process_used, size_kv_pool
+from distserve.server.engine.model import LlamaForCausalLM
+from distserve.server.engine.model_runner import ModelRunner, kv_bytes_per_block
+from distserve.server.engine.ops.layer_ops import select_layer_ops
+from distserve.server.engine.presets import init_random_weights, is_preset, preset_config
+from distserve.server.engine.sampler import Sampler, TokenLogprobs
+from distserve.server.engine.sampling_params import SamplingParams
+from distserve.server.engine.scheduler import Scheduler, SchedulerConfig
+from distserve.server.engine.sequence import Sequence, SequenceStatus
+from distserve.server.engine.structured.decoding import StructuredDecoding
 
 log = logging.getLogger(__name__)
 
@@ -232,7 +239,7 @@ class LLMEngine:
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         self.cuda_graph_bytes = 0  # measured: what kernel tuning and graph capture kept (in and outside torch)
         if self.device.type == "cuda":  # kernel tuning + decode and sampler CUDA graphs, over the real pool
-            from server.engine.cuda_graph_runner import setup_cuda_engine
+            from distserve.server.engine.cuda_graph_runner import setup_cuda_engine
 
             probe = self._probe if self._probe is not None else MemoryProbe(self.device)
             probe.synchronize()
@@ -249,7 +256,7 @@ class LLMEngine:
         config = self.config
         storage = None
         if arena and not is_fp8(self.kv_dtype):  # FP8 caches are not shared: each worker has its own scales
-            from server.kv_transfer.kv_arena import ArenaError, ArenaOwner, layout_for
+            from distserve.server.kv_transfer.kv_arena import ArenaError, ArenaOwner, layout_for
 
             try:
                 self.kv_arena = ArenaOwner(
@@ -310,7 +317,7 @@ class LLMEngine:
 
         def setup() -> None:
             if self.device.type == "cuda":
-                from server.engine.cuda_graph_runner import setup_cuda_engine
+                from distserve.server.engine.cuda_graph_runner import setup_cuda_engine
 
                 setup_cuda_engine(self, phase="measure")
 
@@ -337,8 +344,8 @@ class LLMEngine:
 
     def _load_tokenizer(self):
         """The model's tokenizer (for grammars; loaded on the first constrained request)."""
-        from server.engine.loader import load_tokenizer
-        from server.engine.tokenizer import Tokenizer
+        from distserve.server.engine.loader import load_tokenizer
+        from distserve.server.engine.tokenizer import Tokenizer
 
         return Tokenizer.byte_tokenizer() if self.model_path is None else load_tokenizer(self.model_path)
 

@@ -31,10 +31,10 @@ from pathlib import Path
 
 import torch
 
-from server.engine import gguf_loader
-from server.engine.model_config import ModelConfig
-from server.engine.named_models import NAMED_MODELS, is_named_model, resolve_named_model
-from server.engine.tokenizer import Tokenizer
+from distserve.server.engine import gguf_loader
+from distserve.server.engine.model_config import ModelConfig
+from distserve.server.engine.named_models import NAMED_MODELS, is_named_model, resolve_named_model
+from distserve.server.engine.tokenizer import Tokenizer
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -176,7 +176,7 @@ def resolve_model_path(model: str | Path | None) -> Path:
     containing ``config.json``.
     """
     if model is None or (isinstance(model, str) and not model.strip()):
-        from server.engine.tiny_model import ensure_default_tiny_model
+        from distserve.server.engine.tiny_model import ensure_default_tiny_model
 
         return ensure_default_tiny_model()
     if isinstance(model, str) and is_named_model(model) and not Path(model).exists():

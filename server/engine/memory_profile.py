@@ -31,7 +31,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from server.engine.kv_sizing import KVBudget, kv_blocks_from_memory
+from distserve.server.engine.kv_sizing import KVBudget, kv_blocks_from_memory
 
 _GIB = 2**30
 

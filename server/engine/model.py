@@ -23,9 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from server.engine.attention import AttentionBackend, AttentionMetadata
-from server.engine.model_config import ModelConfig
-from server.engine.ops.layer_ops import LayerOps, RopeInputs, TorchLayerOps, rms_norm
+from distserve.server.engine.attention import AttentionBackend, AttentionMetadata
+from distserve.server.engine.model_config import ModelConfig
+from distserve.server.engine.ops.layer_ops import LayerOps, RopeInputs, TorchLayerOps, rms_norm
 
 
 class RMSNorm(nn.Module):

@@ -12,11 +12,11 @@ from typing import Any
 
 import torch
 
-from server.engine.attention import AttentionMetadata
-from server.engine.fp8 import KVCalibration, as_bytes, dequantize, is_fp8, quantize
-from server.engine.model import LlamaForCausalLM
-from server.engine.model_config import ModelConfig
-from server.engine.scheduler import ScheduledSeq
+from distserve.server.engine.attention import AttentionMetadata
+from distserve.server.engine.fp8 import KVCalibration, as_bytes, dequantize, is_fp8, quantize
+from distserve.server.engine.model import LlamaForCausalLM
+from distserve.server.engine.model_config import ModelConfig
+from distserve.server.engine.scheduler import ScheduledSeq
 
 
 def _token_span(seq, start: int, end: int) -> list[int]:

@@ -17,7 +17,7 @@ from typing import TypeGuard
 
 import torch
 
-from server.engine.model_config import ModelConfig
+from distserve.server.engine.model_config import ModelConfig
 
 PRESET_PREFIX = "preset:"
 INIT_STD = 0.02

@@ -35,8 +35,15 @@ from itertools import chain
 
 import torch
 
-from server.engine.radix_filter import FIXED_ONE, fixed_point, top_k_mask, top_k_mask_host, top_p_mask, top_p_mask_host
-from server.engine.sampling_params import SamplingParams
+from distserve.server.engine.radix_filter import (
+    FIXED_ONE,
+    fixed_point,
+    top_k_mask,
+    top_k_mask_host,
+    top_p_mask,
+    top_p_mask_host,
+)
+from distserve.server.engine.sampling_params import SamplingParams
 
 NON_FINITE = "the model produced NaN/Inf logits for this request"
 

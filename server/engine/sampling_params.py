@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from server.engine.structured.grammar import Constraint
+from distserve.server.engine.structured.grammar import Constraint
 
 # Below this temperature sampling is greedy (vLLM's rule): any logit gap the model can produce is
 # scaled past float32's range, so the distribution is one-hot up to exact ties.

@@ -20,8 +20,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from server.engine.block_manager import BlockManager
-from server.engine.sequence import Sequence, SequenceStatus
+from distserve.server.engine.block_manager import BlockManager
+from distserve.server.engine.sequence import Sequence, SequenceStatus
 
 PREFILL_POLICIES = ("fcfs", "wfs")
 DECODE_POLICIES = ("fcfs", "fewest_remaining")

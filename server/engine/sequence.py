@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from server.engine.sampling_params import SamplingParams
+from distserve.server.engine.sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.IntEnum):

@@ -19,7 +19,7 @@ import re
 import secrets
 from multiprocessing import shared_memory
 
-from server.preflight import SHM_PREFIX
+from distserve.server.preflight import SHM_PREFIX
 
 try:  # the C module behind SharedMemory on POSIX; present on CPython 3.8+
     import _posixshmem

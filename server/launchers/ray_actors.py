@@ -23,7 +23,7 @@ from pathlib import Path
 
 import ray
 
-from server.private_files import write_private
+from distserve.server.private_files import write_private
 
 
 class ProcessActor:
@@ -34,13 +34,20 @@ class ProcessActor:
         self.tmp = Path(tempfile.mkdtemp(prefix="distserve-ray-"))
 
     def start(self, argv: list[str], env: dict[str, str], config_yaml: str) -> dict:
-        """Spawn ``python -m server.cli ARGV``. ``{config}``, ``{node_ip}`` and ``{ready_file}`` in ARGV are
+        """Spawn ``python -m distserve.server.cli ARGV``. ``{config}``, ``{node_ip}`` and ``{ready_file}`` in ARGV are
         replaced by this node's copy of the configuration, its Ray IP address and a ready-file path."""
         config = self.tmp / "config.yaml"
         write_private(config, config_yaml)  # may carry the admin token; the folder is 0700 (mkdtemp)
         node_ip = ray.util.get_node_ip_address()
         subst = {"{config}": str(config), "{node_ip}": node_ip, "{ready_file}": str(self.tmp / "ready.json")}
-        cmd = [sys.executable, "-m", "server.cli", *(subst.get(a, a) for a in argv), "--parent-pid", str(os.getpid())]
+        cmd = [
+            sys.executable,
+            "-m",
+            "distserve.server.cli",
+            *(subst.get(a, a) for a in argv),
+            "--parent-pid",
+            str(os.getpid()),
+        ]
         self.proc = subprocess.Popen(cmd, env={**os.environ, **env}, start_new_session=True)
         return {
             "pid": self.proc.pid,

@@ -30,10 +30,10 @@ import ray
 from ray.exceptions import RayActorError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from server.launcher import PERMANENT_EXITS, TOKEN_ENV, RestartPolicy
-from server.launchers.drain import drain_worker
-from server.launchers.ray_actors import remote_process_actor
-from server.launchers.ray_placement import RaySpec, actor_options, torch_threads
+from distserve.server.launcher import PERMANENT_EXITS, TOKEN_ENV, RestartPolicy
+from distserve.server.launchers.drain import drain_worker
+from distserve.server.launchers.ray_actors import remote_process_actor
+from distserve.server.launchers.ray_placement import RaySpec, actor_options, torch_threads
 
 LOG_LEVEL_ENV = "DISTSERVE_LOG_LEVEL"
 _LIVE = ("pending", "starting", "running", "restarting")  # counted in a pool's size

@@ -20,8 +20,8 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from server.launchers.ray_controller import remote_controller
-from server.launchers.ray_placement import RaySpec
+from distserve.server.launchers.ray_controller import remote_controller
+from distserve.server.launchers.ray_placement import RaySpec
 
 
 class ClusterUnreachable(Exception):
@@ -55,7 +55,7 @@ def connect(address: str | None, namespace: str, quiet: bool) -> None:
 
 
 def serve(spec: RaySpec, address: str | None, ready_file: str | None) -> int:
-    from server.router.main import write_ready_file
+    from distserve.server.router.main import write_ready_file
 
     connect(address, spec.namespace, quiet=False)
     node_id = ray.get_runtime_context().get_node_id()

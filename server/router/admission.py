@@ -39,11 +39,11 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from server.config import DistServeConfig
-from server.router.ttft_predictor import RequestPhases, TtftPredictor
+from distserve.server.config import DistServeConfig
+from distserve.server.router.ttft_predictor import RequestPhases, TtftPredictor
 
 if TYPE_CHECKING:
-    from server.router.pipeline import Pipeline
+    from distserve.server.router.pipeline import Pipeline
 
 SLO_HEADERS = ("x-slo-ttft-ms", "x-slo-tpot-ms")
 ON_MISS_HEADER = "x-slo-on-miss"

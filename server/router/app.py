@@ -14,17 +14,17 @@ from contextlib import asynccontextmanager
 import aiohttp
 from fastapi import FastAPI
 
-from server.router.admission import Admission
-from server.router.backup_pool import BackupOptions, BackupPool
-from server.router.errors import install_error_handlers
-from server.router.failover import PoolHeaderMiddleware
-from server.router.fdlimit import ConnectionLimit
-from server.router.limits import BodyLimit
-from server.router.pipeline import Pipeline, PipelineOptions
-from server.router.request_journal import JournalEveryRequest
-from server.router.routes import admin, health, models, openai, sla, tokenize
-from server.router.sla_live import SlaLive
-from server.router.state import RouterState, serving_workers
+from distserve.server.router.admission import Admission
+from distserve.server.router.backup_pool import BackupOptions, BackupPool
+from distserve.server.router.errors import install_error_handlers
+from distserve.server.router.failover import PoolHeaderMiddleware
+from distserve.server.router.fdlimit import ConnectionLimit
+from distserve.server.router.limits import BodyLimit
+from distserve.server.router.pipeline import Pipeline, PipelineOptions
+from distserve.server.router.request_journal import JournalEveryRequest
+from distserve.server.router.routes import admin, health, models, openai, sla, tokenize
+from distserve.server.router.sla_live import SlaLive
+from distserve.server.router.state import RouterState, serving_workers
 
 __all__ = ["ROUTE_FAMILIES", "RouterState", "create_router_app"]
 

@@ -11,7 +11,7 @@ import hmac
 
 from fastapi import Depends, HTTPException, Request
 
-from server.router.state import router_state
+from distserve.server.router.state import router_state
 
 UNAUTHORIZED = "missing or wrong bearer token"
 

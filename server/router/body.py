@@ -7,8 +7,8 @@ import json
 
 from fastapi import Request
 
-from server.router import protocol
-from server.router.protocol import InvalidRequest
+from distserve.server.router import protocol
+from distserve.server.router.protocol import InvalidRequest
 
 PARSE_INLINE_BYTES = 256 << 10  # larger bodies are parsed off the event loop
 

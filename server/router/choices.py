@@ -16,7 +16,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
-from server.router.logprobs import mean_logprob
+from distserve.server.router.logprobs import mean_logprob
 
 _M64 = (1 << 64) - 1
 

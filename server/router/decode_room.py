@@ -16,7 +16,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from server.router.registry import WorkerInfo, WorkerRegistry
+from distserve.server.router.registry import WorkerInfo, WorkerRegistry
 
 POLL_S = 0.01
 

@@ -8,9 +8,9 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from server.router.pipeline import NoWorkersError
-from server.router.protocol import InvalidRequest
-from server.router.state import ModelNotFound, router_state
+from distserve.server.router.pipeline import NoWorkersError
+from distserve.server.router.protocol import InvalidRequest
+from distserve.server.router.state import ModelNotFound, router_state
 
 
 def error(status: int, message: str, param: str | None = None, headers: dict | None = None) -> JSONResponse:

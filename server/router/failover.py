@@ -23,8 +23,8 @@ from collections.abc import AsyncIterator, Callable
 import aiohttp
 from starlette.responses import Response, StreamingResponse
 
-from server.router.backup_pool import BackupPool
-from server.router.sla_live import Finished, SlaLive
+from distserve.server.router.backup_pool import BackupPool
+from distserve.server.router.sla_live import Finished, SlaLive
 
 POOL_HEADER = "x-distserve-pool"
 DATA_PATHS = ("/v1/completions", "/v1/chat/completions", "/generate")

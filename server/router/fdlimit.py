@@ -20,7 +20,7 @@ import json
 import logging
 import resource
 
-from server.lograte import RateLimitedLog
+from distserve.server.lograte import RateLimitedLog
 
 log = logging.getLogger(__name__)
 

@@ -26,8 +26,8 @@ import hmac
 import secrets
 from dataclasses import dataclass, field
 
-from server.router.registry import DEAD, STALE, WorkerRegistry
-from server.wire import CREDENTIAL_HEADER
+from distserve.server.router.registry import DEAD, STALE, WorkerRegistry
+from distserve.server.wire import CREDENTIAL_HEADER
 
 __all__ = ["CREDENTIAL_HEADER", "IdInUse", "WorkerIdentities"]
 

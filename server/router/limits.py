@@ -27,7 +27,7 @@ import socket
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from server.asgi_body import DISCONNECTED, TIMED_OUT, TOO_LARGE, read_bounded, replaying
+from distserve.server.asgi_body import DISCONNECTED, TIMED_OUT, TOO_LARGE, read_bounded, replaying
 
 CLIENT_TIMEOUT = "distserve.client_timeout"  # ASGI scope key: why the client was cut off
 SEND_BUFFER_BYTES = 64 << 10

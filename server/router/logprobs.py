@@ -13,8 +13,8 @@ shows as U+FFFD; ``bytes`` in the chat shape are its UTF-8 bytes).
 
 from __future__ import annotations
 
-from server.engine.tokenizer import Tokenizer
-from server.wire import TokenLogprob
+from distserve.server.engine.tokenizer import Tokenizer
+from distserve.server.wire import TokenLogprob
 
 
 class TokenTexts:

@@ -10,14 +10,14 @@ import signal
 
 import uvicorn
 
-from server.config import DistServeConfig
-from server.net import listen
-from server.private_files import write_private
-from server.router.app import create_router_app
-from server.router.fdlimit import ConnectionCounter, raise_nofile_limit
-from server.router.limits import guarded_http_protocol
-from server.router.registry import WorkerRegistry
-from server.router.state import RouterState
+from distserve.server.config import DistServeConfig
+from distserve.server.net import listen
+from distserve.server.private_files import write_private
+from distserve.server.router.app import create_router_app
+from distserve.server.router.fdlimit import ConnectionCounter, raise_nofile_limit
+from distserve.server.router.limits import guarded_http_protocol
+from distserve.server.router.registry import WorkerRegistry
+from distserve.server.router.state import RouterState
 
 log = logging.getLogger(__name__)
 

@@ -22,10 +22,10 @@ import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
-from server.config import OutlierConfig
+from distserve.server.config import OutlierConfig
 
 if TYPE_CHECKING:
-    from server.router.registry import WorkerInfo
+    from distserve.server.router.registry import WorkerInfo
 
 log = logging.getLogger(__name__)
 

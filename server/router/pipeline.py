@@ -22,13 +22,13 @@ from dataclasses import dataclass, field
 import aiohttp
 from pydantic import ValidationError
 
-from server.idle import IdleTimeout
-from server.lograte import RateLimitedLog, describe
-from server.metrics import RouterMetrics
-from server.router.decode_room import DecodeRoom, NoRoom
-from server.router.registry import DEAD, WorkerInfo, WorkerRegistry
-from server.router.ttft_predictor import Call, RequestPhases, TtftPredictor
-from server.wire import InternalSampling, PrefillResponse, StreamLine, TokenLogprob
+from distserve.server.idle import IdleTimeout
+from distserve.server.lograte import RateLimitedLog, describe
+from distserve.server.metrics import RouterMetrics
+from distserve.server.router.decode_room import DecodeRoom, NoRoom
+from distserve.server.router.registry import DEAD, WorkerInfo, WorkerRegistry
+from distserve.server.router.ttft_predictor import Call, RequestPhases, TtftPredictor
+from distserve.server.wire import InternalSampling, PrefillResponse, StreamLine, TokenLogprob
 
 log = logging.getLogger(__name__)
 

@@ -19,8 +19,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from server.prefix_hash import cacheable_blocks, chain_digests
-from server.wire import WorkerStatus
+from distserve.server.prefix_hash import cacheable_blocks, chain_digests
+from distserve.server.wire import WorkerStatus
 
 
 @dataclass

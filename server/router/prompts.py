@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import asyncio
 
-from server.router.protocol import InvalidRequest
-from server.router.state import RouterState
+from distserve.server.router.protocol import InvalidRequest
+from distserve.server.router.state import RouterState
 
 TOKENIZE_INLINE_CHARS = 16 << 10  # larger texts are tokenized off the event loop
 

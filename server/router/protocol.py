@@ -15,7 +15,7 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError
 
-from server.router.openai_fields import refused_field
+from distserve.server.router.openai_fields import refused_field
 
 MAX_STOP_CHARS = 1024  # per stop string; the assembler scans each one at every token
 MAX_BATCH_PROMPTS = 256  # prompts in one batched completions request

@@ -32,10 +32,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from server.config import OutlierConfig, RouterConfig
-from server.router.outlier import OutlierDetector
-from server.router.prefix_index import PrefixIndex
-from server.wire import RegisterRequest, WorkerStatus
+from distserve.server.config import OutlierConfig, RouterConfig
+from distserve.server.router.outlier import OutlierDetector
+from distserve.server.router.prefix_index import PrefixIndex
+from distserve.server.wire import RegisterRequest, WorkerStatus
 
 HEALTHY, STALE, SUSPECT, DEAD, DRAINING = "healthy", "stale", "suspect", "dead", "draining"
 STATES = (HEALTHY, STALE, SUSPECT, DEAD, DRAINING)

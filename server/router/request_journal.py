@@ -23,10 +23,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from server.router.limits import CLIENT_TIMEOUT
+from distserve.server.router.limits import CLIENT_TIMEOUT
 
 if TYPE_CHECKING:
-    from server.router.sla_live import SlaLive
+    from distserve.server.router.sla_live import SlaLive
 
 DATA_PATHS = ("/v1/completions", "/v1/chat/completions", "/generate")
 _MAX_ERROR_BODY = 8192
@@ -120,7 +120,7 @@ class JournalEveryRequest:
             _current.reset(token)
             live = self.live()
             if live is not None and not seen.recorded:
-                from server.router.sla_live import Finished  # sla_live imports mark() from here
+                from distserve.server.router.sla_live import Finished  # sla_live imports mark() from here
 
                 fault = scope.get(CLIENT_TIMEOUT)
                 code = 499 if fault or status is None else status  # 499: the client left or was cut off

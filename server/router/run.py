@@ -10,14 +10,14 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass
 
-from server.router import protocol, tool_calls
-from server.router.admission import Ticket
-from server.router.pipeline import EngineRequest, NoWorkersError, TokenEvent
-from server.router.protocol import InvalidRequest
-from server.router.request_journal import client_fault
-from server.router.sla_live import Finished
-from server.router.state import RouterState
-from server.router.text import TextAssembler
+from distserve.server.router import protocol, tool_calls
+from distserve.server.router.admission import Ticket
+from distserve.server.router.pipeline import EngineRequest, NoWorkersError, TokenEvent
+from distserve.server.router.protocol import InvalidRequest
+from distserve.server.router.request_journal import client_fault
+from distserve.server.router.sla_live import Finished
+from distserve.server.router.state import RouterState
+from distserve.server.router.text import TextAssembler
 
 log = logging.getLogger(__name__)
 

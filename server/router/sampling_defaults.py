@@ -8,7 +8,7 @@ omitted ``temperature`` OpenAI's 1.0). A field the request gives always wins.
 
 from __future__ import annotations
 
-from server.config import RouterConfig
+from distserve.server.config import RouterConfig
 
 
 def default_sampling(req, router: RouterConfig) -> tuple[float, float]:

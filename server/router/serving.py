@@ -11,21 +11,21 @@ import uuid
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from server.router.admission import InvalidSlo, Ticket, parse_slo
-from server.router.choices import Choices, choice_seed
-from server.router.errors import error, rate_limited
-from server.router.failover import maybe_backup
-from server.router.logprobs import TokenTexts
-from server.router.pipeline import EngineRequest
-from server.router.prompts import check_prompt_fits, vocab_size
-from server.router.protocol import InvalidRequest
-from server.router.run import Run
-from server.router.sampling_defaults import default_sampling
-from server.router.state import RouterState
-from server.router.streaming import Shape, final_body, ndjson_generate, sse_chat, sse_completion
-from server.router.structured_outputs import constraint_for
-from server.router.text import TextAssembler
-from server.wire import InternalSampling
+from distserve.server.router.admission import InvalidSlo, Ticket, parse_slo
+from distserve.server.router.choices import Choices, choice_seed
+from distserve.server.router.errors import error, rate_limited
+from distserve.server.router.failover import maybe_backup
+from distserve.server.router.logprobs import TokenTexts
+from distserve.server.router.pipeline import EngineRequest
+from distserve.server.router.prompts import check_prompt_fits, vocab_size
+from distserve.server.router.protocol import InvalidRequest
+from distserve.server.router.run import Run
+from distserve.server.router.sampling_defaults import default_sampling
+from distserve.server.router.state import RouterState
+from distserve.server.router.streaming import Shape, final_body, ndjson_generate, sse_chat, sse_completion
+from distserve.server.router.structured_outputs import constraint_for
+from distserve.server.router.text import TextAssembler
+from distserve.server.wire import InternalSampling
 
 
 async def via_backup(state: RouterState, path: str, body: dict, req) -> Response | None:

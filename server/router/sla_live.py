@@ -27,11 +27,11 @@ from datetime import UTC, datetime
 from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from server.config import RouterConfig
-from server.router.journal import Journal
-from server.router.request_journal import mark as request_journal_mark
-from sla.breaker import BreakerSettings, BreakerState, CircuitBreaker, Transition
-from sla.window import RollingWindow
+from distserve.server.config import RouterConfig
+from distserve.server.router.journal import Journal
+from distserve.server.router.request_journal import mark as request_journal_mark
+from distserve.sla.breaker import BreakerSettings, BreakerState, CircuitBreaker, Transition
+from distserve.sla.window import RollingWindow
 
 log = logging.getLogger(__name__)
 

@@ -13,20 +13,20 @@ from dataclasses import dataclass, field
 
 from fastapi import Request
 
-from server.config import DistServeConfig
-from server.engine.chat_template import ChatTemplate
-from server.engine.loader import load_tokenizer, model_display_name, resolve_model_path
-from server.engine.tokenizer import Tokenizer
-from server.lograte import RateLimitedLog
-from server.metrics import RouterMetrics
-from server.router.admission import Admission
-from server.router.backup_pool import BackupPool
-from server.router.fdlimit import ConnectionCounter
-from server.router.identity import WorkerIdentities
-from server.router.pipeline import NoWorkersError, Pipeline
-from server.router.registry import WorkerRegistry
-from server.router.sla_live import SlaLive
-from server.router.structured_outputs import GrammarCheck
+from distserve.server.config import DistServeConfig
+from distserve.server.engine.chat_template import ChatTemplate
+from distserve.server.engine.loader import load_tokenizer, model_display_name, resolve_model_path
+from distserve.server.engine.tokenizer import Tokenizer
+from distserve.server.lograte import RateLimitedLog
+from distserve.server.metrics import RouterMetrics
+from distserve.server.router.admission import Admission
+from distserve.server.router.backup_pool import BackupPool
+from distserve.server.router.fdlimit import ConnectionCounter
+from distserve.server.router.identity import WorkerIdentities
+from distserve.server.router.pipeline import NoWorkersError, Pipeline
+from distserve.server.router.registry import WorkerRegistry
+from distserve.server.router.sla_live import SlaLive
+from distserve.server.router.structured_outputs import GrammarCheck
 
 log = logging.getLogger(__name__)
 

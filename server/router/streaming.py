@@ -10,10 +10,10 @@ import json
 import time
 from dataclasses import dataclass
 
-from server.router import protocol, tool_calls
-from server.router.choices import Choices
-from server.router.logprobs import TokenTexts, chat_logprobs, completion_logprobs
-from server.router.run import Run
+from distserve.server.router import protocol, tool_calls
+from distserve.server.router.choices import Choices
+from distserve.server.router.logprobs import TokenTexts, chat_logprobs, completion_logprobs
+from distserve.server.router.run import Run
 
 
 @dataclass

@@ -12,9 +12,9 @@ import json
 import threading
 from collections import OrderedDict
 
-from server.engine.structured.grammar import Constraint, GrammarError, validate
-from server.router.protocol import InvalidRequest
-from server.wire import StructuredConstraint
+from distserve.server.engine.structured.grammar import Constraint, GrammarError, validate
+from distserve.server.router.protocol import InvalidRequest
+from distserve.server.wire import StructuredConstraint
 
 _JSON_OBJECT = json.dumps({"type": "object"})
 

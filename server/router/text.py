@@ -7,7 +7,7 @@ part of a stop string that later turns out to end the completion.
 
 from __future__ import annotations
 
-from server.engine.tokenizer import Tokenizer
+from distserve.server.engine.tokenizer import Tokenizer
 
 
 class TextAssembler:

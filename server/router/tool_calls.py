@@ -21,7 +21,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from server.wire import StructuredConstraint
+from distserve.server.wire import StructuredConstraint
 
 HERMES, MISTRAL, LLAMA3 = "hermes", "mistral", "llama3_json"
 

@@ -43,8 +43,8 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol
 
-from server.config import DistServeConfig
-from server.latency_model import prefill_steps, queued_prefill_ms, queued_ttft_ms
+from distserve.server.config import DistServeConfig
+from distserve.server.latency_model import prefill_steps, queued_prefill_ms, queued_ttft_ms
 
 MIN_SAMPLES = 8
 FORGET = 0.97  # per sample, the fits without a pipeline: a sample's weight halves after about 23

@@ -26,16 +26,16 @@ from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from server.config import DistServeConfig
-from server.engine.memory_pressure import is_memory_error, relieve
-from server.engine.sampling_params import SamplingParams
-from server.engine.structured.grammar import Constraint
-from server.idle import IdleTimeout
-from server.kv_transfer import KVHandle, KVPuller, KVStagingServer, TransferStatus, cuda_ipc
-from server.kv_transfer.by_reference import is_reference
-from server.kv_transfer.factory import choose_transport, host_id
-from server.metrics import WorkerMetrics
-from server.wire import (
+from distserve.server.config import DistServeConfig
+from distserve.server.engine.memory_pressure import is_memory_error, relieve
+from distserve.server.engine.sampling_params import SamplingParams
+from distserve.server.engine.structured.grammar import Constraint
+from distserve.server.idle import IdleTimeout
+from distserve.server.kv_transfer import KVHandle, KVPuller, KVStagingServer, TransferStatus, cuda_ipc
+from distserve.server.kv_transfer.by_reference import is_reference
+from distserve.server.kv_transfer.factory import choose_transport, host_id
+from distserve.server.metrics import WorkerMetrics
+from distserve.server.wire import (
     MAX_PREFIX_BLOCKS,
     AbortRequest,
     GenerateRequest,
@@ -46,10 +46,10 @@ from server.wire import (
     TokenLogprob,
     WorkerStatus,
 )
-from server.workers import kv_reference
-from server.workers.engine_loop import EngineLoop
-from server.workers.fault import FaultRequest, StepDelays, arm_oom, arm_oom_kv_takes
-from server.workers.guard import AuthFirst, internal_body_limit
+from distserve.server.workers import kv_reference
+from distserve.server.workers.engine_loop import EngineLoop
+from distserve.server.workers.fault import FaultRequest, StepDelays, arm_oom, arm_oom_kv_takes
+from distserve.server.workers.guard import AuthFirst, internal_body_limit
 
 log = logging.getLogger(__name__)
 

@@ -32,11 +32,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from server.engine.llm_engine import LLMEngine, RequestOutput
-from server.engine.memory_pressure import is_memory_error, relieve
-from server.engine.sampling_params import SamplingParams
-from server.wire import WorkerStatus
-from server.workers.fault import StepDelays
+from distserve.server.engine.llm_engine import LLMEngine, RequestOutput
+from distserve.server.engine.memory_pressure import is_memory_error, relieve
+from distserve.server.engine.sampling_params import SamplingParams
+from distserve.server.wire import WorkerStatus
+from distserve.server.workers.fault import StepDelays
 
 log = logging.getLogger(__name__)
 

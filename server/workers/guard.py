@@ -21,7 +21,7 @@ from __future__ import annotations
 import hmac
 import json
 
-from server.asgi_body import DISCONNECTED, TIMED_OUT, TOO_LARGE, read_bounded, replaying
+from distserve.server.asgi_body import DISCONNECTED, TIMED_OUT, TOO_LARGE, read_bounded, replaying
 
 PUBLIC = {("GET", "/health"), ("GET", "/metrics")}
 

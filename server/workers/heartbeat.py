@@ -29,9 +29,9 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from server.lograte import describe
-from server.wire import CREDENTIAL_HEADER, DeregisterRequest, HeartbeatRequest, RegisterRequest, WorkerStatus
-from server.workers.engine_loop import EngineLoop
+from distserve.server.lograte import describe
+from distserve.server.wire import CREDENTIAL_HEADER, DeregisterRequest, HeartbeatRequest, RegisterRequest, WorkerStatus
+from distserve.server.workers.engine_loop import EngineLoop
 
 log = logging.getLogger(__name__)
 

@@ -23,11 +23,11 @@ import time
 
 import torch
 
-from server.engine.sampling_params import SamplingParams
-from server.kv_transfer import cuda_ipc
-from server.kv_transfer.by_reference import BlockSource, KVLessee, KVLessor, RefError, RefHandle, hand_off
-from server.kv_transfer.factory import host_id
-from server.kv_transfer.kv_arena import ArenaError, ArenaMapping, layout_for
+from distserve.server.engine.sampling_params import SamplingParams
+from distserve.server.kv_transfer import cuda_ipc
+from distserve.server.kv_transfer.by_reference import BlockSource, KVLessee, KVLessor, RefError, RefHandle, hand_off
+from distserve.server.kv_transfer.factory import host_id
+from distserve.server.kv_transfer.kv_arena import ArenaError, ArenaMapping, layout_for
 
 log = logging.getLogger(__name__)
 

@@ -23,22 +23,22 @@ from typing import Any
 import torch
 import uvicorn
 
-from server import mps
-from server.config import DistServeConfig, role_dtype
-from server.engine.kv_sizing import MemoryBudgetError
-from server.engine.llm_engine import EngineConfig, LLMEngine
-from server.engine.memory_profile import pinned_limit_bytes
-from server.kv_transfer import KVPuller, KVStagingServer, cuda_ipc
-from server.kv_transfer.factory import choose_transport, host_id
-from server.kv_transfer.kv_arena import ARENA_PREFIX
-from server.metrics import WorkerMetrics
-from server.net import listen
-from server.preflight import sweep_orphan_segments
-from server.wire import RegisterRequest, Role
-from server.workers import kv_reference
-from server.workers.app import WorkerState, create_worker_app
-from server.workers.engine_loop import EngineLoop, GcPolicy, resolve_engine_thread
-from server.workers.heartbeat import HeartbeatOptions, HeartbeatThread, Liveness
+from distserve.server import mps
+from distserve.server.config import DistServeConfig, role_dtype
+from distserve.server.engine.kv_sizing import MemoryBudgetError
+from distserve.server.engine.llm_engine import EngineConfig, LLMEngine
+from distserve.server.engine.memory_profile import pinned_limit_bytes
+from distserve.server.kv_transfer import KVPuller, KVStagingServer, cuda_ipc
+from distserve.server.kv_transfer.factory import choose_transport, host_id
+from distserve.server.kv_transfer.kv_arena import ARENA_PREFIX
+from distserve.server.metrics import WorkerMetrics
+from distserve.server.net import listen
+from distserve.server.preflight import sweep_orphan_segments
+from distserve.server.wire import RegisterRequest, Role
+from distserve.server.workers import kv_reference
+from distserve.server.workers.app import WorkerState, create_worker_app
+from distserve.server.workers.engine_loop import EngineLoop, GcPolicy, resolve_engine_thread
+from distserve.server.workers.heartbeat import HeartbeatOptions, HeartbeatThread, Liveness
 
 log = logging.getLogger(__name__)
 

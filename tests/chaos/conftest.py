@@ -61,7 +61,7 @@ def run_drill(
     path: str | Path, out: Path, timeout: float = 400, env: dict | None = None
 ) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "server.cli", "chaos", "drill", str(path), "--out", str(out)],
+        [sys.executable, "-m", "distserve.server.cli", "chaos", "drill", str(path), "--out", str(out)],
         cwd=ROOT,
         capture_output=True,
         text=True,

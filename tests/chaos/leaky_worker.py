@@ -8,8 +8,8 @@ must fail; against the real one it must pass. Test-only; never shipped in server
 
 import sys
 
-from server.engine import llm_engine
-from server.engine.sequence import SequenceStatus
+from distserve.server.engine import llm_engine
+from distserve.server.engine.sequence import SequenceStatus
 
 
 def _abort_keeping_slot(self, request_id: str) -> bool:
@@ -25,6 +25,6 @@ def _abort_keeping_slot(self, request_id: str) -> bool:
 llm_engine.LLMEngine.abort_request = _abort_keeping_slot
 
 if __name__ == "__main__":
-    from server.cli import main
+    from distserve.server.cli import main
 
     sys.exit(main())

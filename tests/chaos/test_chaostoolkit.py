@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from chaos.target import Target
+from distserve.chaos.target import Target
 from tests.chaos.conftest import ROOT
 
 pytestmark = pytest.mark.chaos  # a whole experiment against real servers: make test-chaos

@@ -6,9 +6,9 @@ import json
 import subprocess
 import sys
 
-from chaos import state
-from chaos.injectors import netns, sysctl_drift
-from chaos.sysutil import sysctl_set
+from distserve.chaos import state
+from distserve.chaos.injectors import netns, sysctl_drift
+from distserve.chaos.sysutil import sysctl_set
 from tests.chaos.conftest import ROOT, need_root
 
 TCP = "net.ipv4.tcp_rmem,net.ipv4.tcp_wmem"
@@ -16,7 +16,7 @@ TCP = "net.ipv4.tcp_rmem,net.ipv4.tcp_wmem"
 
 def _doctor(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "server.cli", "doctor", *args],
+        [sys.executable, "-m", "distserve.server.cli", "doctor", *args],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -59,7 +59,7 @@ def test_drill_completes_and_rolls_back(name, tmp_path):
 @pytest.mark.slow
 def test_latency_failover_drill(tmp_path):
     need_root("ip")
-    if importlib.util.find_spec("server.workers.fault") is None:
+    if importlib.util.find_spec("distserve.server.workers.fault") is None:
         pytest.skip("this server build has no worker fault hook (POST /admin/fault) and no SLA breaker yet")
     p = run_drill(DRILLS / "latency_failover.yaml", tmp_path / "lat")
     j = _journal(tmp_path / "lat")
@@ -96,7 +96,16 @@ def _env(out: Path) -> dict:
 
 def _interrupt_mid_fault(drill: str, sig: int, state_glob: str, out: Path) -> tuple[int, dict]:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "server.cli", "chaos", "drill", str(DRILLS / f"{drill}.yaml"), "--out", str(out)],
+        [
+            sys.executable,
+            "-m",
+            "distserve.server.cli",
+            "chaos",
+            "drill",
+            str(DRILLS / f"{drill}.yaml"),
+            "--out",
+            str(out),
+        ],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -148,7 +157,16 @@ def test_sigkill_mid_drill_then_rollback_all_leaves_the_host_exactly_as_before(t
     before = host_snapshot()
     out = tmp_path / "kill"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "server.cli", "chaos", "drill", str(DRILLS / "sysctl_drift.yaml"), "--out", str(out)],
+        [
+            sys.executable,
+            "-m",
+            "distserve.server.cli",
+            "chaos",
+            "drill",
+            str(DRILLS / "sysctl_drift.yaml"),
+            "--out",
+            str(out),
+        ],
         cwd=ROOT,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -170,7 +188,7 @@ def test_sigkill_mid_drill_then_rollback_all_leaves_the_host_exactly_as_before(t
     assert changed != before, "the killed drill left nothing to roll back: the test would prove nothing"
     time.sleep(2)  # the drill's router and workers notice their parent is gone and exit
     rb = subprocess.run(
-        [sys.executable, "-m", "server.cli", "chaos", "rollback", "--all"],
+        [sys.executable, "-m", "distserve.server.cli", "chaos", "rollback", "--all"],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -182,7 +200,7 @@ def test_sigkill_mid_drill_then_rollback_all_leaves_the_host_exactly_as_before(t
     assert report["ok"] and {r["injector"] for r in report["restored"]} >= {"sysctl_drift", "netns"}, report
     assert host_snapshot() == before  # sysctls, qdiscs, nft tables, netns, veth, cgroups
     again = subprocess.run(
-        [sys.executable, "-m", "server.cli", "chaos", "rollback", "--all"],
+        [sys.executable, "-m", "distserve.server.cli", "chaos", "rollback", "--all"],
         cwd=ROOT,
         capture_output=True,
         text=True,

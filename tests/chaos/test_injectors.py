@@ -13,9 +13,9 @@ import time
 
 import pytest
 
-from chaos import state
-from chaos.injectors import kv_link, memory_limit, netns, sysctl_drift
-from chaos.sysutil import HostError, pid_state, run, sysctl_get
+from distserve.chaos import state
+from distserve.chaos.injectors import kv_link, memory_limit, netns, sysctl_drift
+from distserve.chaos.sysutil import HostError, pid_state, run, sysctl_get
 from tests.chaos.conftest import host_snapshot, need_root
 
 
@@ -175,7 +175,7 @@ def _wait_state(pid: int, want: tuple[str, ...]) -> str | None:
 
 
 def test_pause_stops_and_resumes_exact_pids(chaos_state):
-    from chaos.injectors import pause
+    from distserve.chaos.injectors import pause
 
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
@@ -224,7 +224,7 @@ def test_planted_chaos_state_is_refused(tmp_path, monkeypatch):
     assert os.path.exists("/sys/class/net/lo")
     # the CLI: refused state is reported, and --all exits 1 (it restored nothing of what was recorded)
     rb = subprocess.run(
-        [sys.executable, "-m", "server.cli", "chaos", "rollback", "--all"],
+        [sys.executable, "-m", "distserve.server.cli", "chaos", "rollback", "--all"],
         capture_output=True,
         text=True,
         env={**os.environ, state.ENV: str(tmp_path / "mine"), "XDG_RUNTIME_DIR": str(tmp_path / "xdg")},
@@ -238,10 +238,10 @@ def test_planted_chaos_state_is_refused(tmp_path, monkeypatch):
 
 def test_a_rollback_with_the_wrong_key_exits_non_zero_when_state_is_recorded(tmp_path):
     env = {**os.environ, state.ENV: str(tmp_path / "st"), "XDG_RUNTIME_DIR": str(tmp_path / "xdg")}
-    code = "from chaos import state; state.save('sysctl', 'dschaos-abc', {'netns': 'dschaos-abc', 'previous': {}})"
+    code = "from distserve.chaos import state; state.save('sysctl', 'dschaos-abc', {'netns': 'dschaos-abc', 'previous': {}})"
     subprocess.run([sys.executable, "-c", code], env=env, check=True)
     rb = subprocess.run(
-        [sys.executable, "-m", "server.cli", "chaos", "rollback", "sysctl_drift"],
+        [sys.executable, "-m", "distserve.server.cli", "chaos", "rollback", "sysctl_drift"],
         capture_output=True,
         text=True,
         env=env,

@@ -8,11 +8,11 @@ import json
 
 import torch
 
-from chaos import nan_check
-from chaos.nan_check import beyond, check_backend, cli_main, failures, kv_blocks_for, lengths, model_context
-from server.engine.model_runner import kv_bytes_per_block
-from server.engine.presets import preset_config
-from server.engine.tiny_model import make_tiny_model
+from distserve.chaos import nan_check
+from distserve.chaos.nan_check import beyond, check_backend, cli_main, failures, kv_blocks_for, lengths, model_context
+from distserve.server.engine.model_runner import kv_bytes_per_block
+from distserve.server.engine.presets import preset_config
+from distserve.server.engine.tiny_model import make_tiny_model
 
 
 def test_kv_for_the_7b_preset_holds_the_longest_prompt_asked():

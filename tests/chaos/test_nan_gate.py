@@ -11,13 +11,13 @@ import torch
 import yaml
 from safetensors.torch import load_file, save_file
 
-from chaos.nan_check import lengths
+from distserve.chaos.nan_check import lengths
 from tests.chaos.conftest import ROOT
 
 
 def _cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "server.cli", *args],
+        [sys.executable, "-m", "distserve.server.cli", *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -41,7 +41,7 @@ def test_nan_check_passes_on_the_tiny_model(tmp_path):
 
 def test_nan_check_fails_on_a_poisoned_model(tmp_path):
     """A model with one NaN embedding row: any prompt holding that token has non-finite logits."""
-    from server.engine.tiny_model import make_tiny_model
+    from distserve.server.engine.tiny_model import make_tiny_model
 
     folder = Path(make_tiny_model(tmp_path / "m", layers=1, hidden=64, heads=2, kv_heads=2))
     w = load_file(str(folder / "model.safetensors"))

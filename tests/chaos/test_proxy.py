@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from chaos.proxy import serve, validate_toxic
+from distserve.chaos.proxy import serve, validate_toxic
 
 
 async def _echo_server():

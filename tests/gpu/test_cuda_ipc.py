@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 _CHILD = textwrap.dedent("""
     import hashlib, json, sys, torch
-    from server.kv_transfer import KVHandle, KVPuller
+    from distserve.server.kv_transfer import KVHandle, KVPuller
     pullers = {}
     for line in sys.stdin:
         req = json.loads(line)
@@ -85,7 +85,7 @@ def _kv(tokens: int = 64, seed: int = 0, device: str = "cuda:0") -> torch.Tensor
 @pytest.mark.parametrize("pool_mb", [64, 0], ids=["pool", "own-export"])
 @pytest.mark.parametrize("dst", DEVICES)
 def test_round_trip(child, pool_mb, dst):
-    from server.kv_transfer import KVStagingServer, TransferStatus
+    from distserve.server.kv_transfer import KVStagingServer, TransferStatus
 
     with KVStagingServer(cuda_ipc_pool_bytes=pool_mb << 20) as srv:
         for i in range(3):  # the same pool region / allocator blocks are reused between rounds
@@ -101,7 +101,7 @@ def test_round_trip(child, pool_mb, dst):
 
 def test_own_export_frees_after_ack(child):
     """No block left in torch's IPC limbo: allocated bytes come back to where they were."""
-    from server.kv_transfer import KVStagingServer
+    from distserve.server.kv_transfer import KVStagingServer
 
     torch.cuda.synchronize()
     with KVStagingServer(cuda_ipc_pool_bytes=0) as srv:
@@ -123,8 +123,8 @@ def _until(cond, timeout_s: float = 5.0) -> None:
 
 
 def _raw_pull(address: str, rid: str, secret: str):
-    from server.kv_transfer.base import parse_address
-    from server.kv_transfer.frame import Frame, FrameType, encode_frame, read_frame
+    from distserve.server.kv_transfer.base import parse_address
+    from distserve.server.kv_transfer.frame import Frame, FrameType, encode_frame, read_frame
 
     sock = socket.create_connection(parse_address(address), timeout=10)
     sock.sendall(encode_frame(Frame(FrameType.PULL, request_id=rid, secret=secret)))
@@ -132,8 +132,8 @@ def _raw_pull(address: str, rid: str, secret: str):
 
 
 def test_ack_before_free(child):
-    from server.kv_transfer import KVStagingServer, TransferStatus
-    from server.kv_transfer.frame import Frame, FrameType, encode_frame
+    from distserve.server.kv_transfer import KVStagingServer, TransferStatus
+    from distserve.server.kv_transfer.frame import Frame, FrameType, encode_frame
 
     with KVStagingServer(cuda_ipc_pool_bytes=16 << 20) as srv:
         kv = _kv(seed=7)
@@ -157,7 +157,7 @@ def test_ack_before_free(child):
         assert srv.num_staged == 1 and pool.free_bytes <= (16 << 20) - nbytes
         sock.sendall(encode_frame(Frame(FrameType.ACK, request_id="a")))
         sock.settimeout(5)
-        from server.kv_transfer.frame import read_frame
+        from distserve.server.kv_transfer.frame import read_frame
 
         # the sender unstages, answers DONE (the connection stays open for the next PULL), frees
         assert read_frame(sock, max_nbytes=0) == Frame(FrameType.DONE, request_id="a")
@@ -179,7 +179,7 @@ def test_pool_handle_carries_description_and_early_copy_is_discarded_when_expire
     instead of returning the other request's bytes."""
     import time
 
-    from server.kv_transfer import KVStagingServer
+    from distserve.server.kv_transfer import KVStagingServer
 
     with KVStagingServer(cuda_ipc_pool_bytes=16 << 20) as srv:
         h = srv.stage("x", _kv(seed=1), transport="cuda_ipc", lease_ms=50)
@@ -208,7 +208,7 @@ class FakeSender:
         return f"127.0.0.1:{self.listener.getsockname()[1]}"
 
     def _loop(self):
-        from server.kv_transfer.frame import Frame, FrameType, encode_frame, read_frame
+        from distserve.server.kv_transfer.frame import Frame, FrameType, encode_frame, read_frame
 
         while True:
             try:
@@ -235,7 +235,7 @@ class FakeSender:
                     self.replies.append(e)
 
     def handle(self, rid: str) -> dict:
-        from server.kv_transfer.factory import host_id
+        from distserve.server.kv_transfer.factory import host_id
 
         return {
             "request_id": rid,
@@ -251,7 +251,7 @@ class FakeSender:
 
 
 def _desc(**over) -> str:
-    from server.kv_transfer.cuda_ipc import gpu_uuid
+    from distserve.server.kv_transfer.cuda_ipc import gpu_uuid
 
     d = {
         "v": 1,
@@ -280,8 +280,8 @@ def _desc(**over) -> str:
     ],
 )
 def test_bad_handle_rejected(child, case, err):
-    from server.kv_transfer import KVStagingServer
-    from server.kv_transfer.frame import FrameType
+    from distserve.server.kv_transfer import KVStagingServer
+    from distserve.server.kv_transfer.frame import FrameType
 
     fake = FakeSender()
     fake.text = {

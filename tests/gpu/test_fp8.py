@@ -35,8 +35,8 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.mark.parametrize("n,k", [(12288, 4096), (4096, 4096), (22016, 4096), (4096, 11008), (1000, 96)])
 @pytest.mark.parametrize("m", [1, 5, 16, 64, 200])
 def test_fp8_linear_kernels_match_reference(n, k, m):
-    from server.engine.fp8 import quantize_per_channel
-    from server.engine.fp8_linear import fp8_dot, fp8_gemv, fp8_linear, fp8_scaled_mm
+    from distserve.server.engine.fp8 import quantize_per_channel
+    from distserve.server.engine.fp8_linear import fp8_dot, fp8_gemv, fp8_linear, fp8_scaled_mm
 
     g = torch.Generator(device=DEV).manual_seed(n + k + m)
     w = torch.randn(n, k, device=DEV, generator=g) * 0.02
@@ -57,7 +57,7 @@ def test_fp8_linear_kernels_match_reference(n, k, m):
 
 
 def _splitk_case(n, k, m, bias=False):
-    from server.engine.fp8 import quantize_per_channel
+    from distserve.server.engine.fp8 import quantize_per_channel
 
     g = torch.Generator(device=DEV).manual_seed(n + k + m)
     w = torch.randn(n, k, device=DEV, generator=g) * 0.02
@@ -71,7 +71,7 @@ def _splitk_case(n, k, m, bias=False):
 @pytest.mark.parametrize("n,k", [(12288, 4096), (4096, 11008), (1000, 96)])
 @pytest.mark.parametrize("m", [2, 33, 128])
 def test_fp8_splitk_every_candidate_matches_reference_and_is_deterministic(n, k, m):
-    from server.engine.fp8_linear import SPLITK_CANDIDATES, fp8_splitk
+    from distserve.server.engine.fp8_linear import SPLITK_CANDIDATES, fp8_splitk
 
     x, q, s, b, ref = _splitk_case(n, k, m, bias=(m == 33))
     locks = torch.zeros(8 * -(-n // 16), dtype=torch.int32, device=DEV)
@@ -92,7 +92,7 @@ def test_fp8_splitk_every_candidate_matches_reference_and_is_deterministic(n, k,
 
 
 def test_fp8_splitk_in_a_cuda_graph_equals_eager():
-    from server.engine.fp8_linear import SPLITK_CANDIDATES, fp8_splitk
+    from distserve.server.engine.fp8_linear import SPLITK_CANDIDATES, fp8_splitk
 
     x, q, s, _, _ = _splitk_case(12288, 4096, 64)
     cfg = next(c for c in SPLITK_CANDIDATES if c["SPLIT_K"] == 4)
@@ -111,7 +111,7 @@ def test_fp8_splitk_in_a_cuda_graph_equals_eager():
 
 
 def test_tuned_fp8_linears_pick_configs_that_compute_the_same_function():
-    from server.engine.fp8_linear import fp8_linear, tune_fp8_linears
+    from distserve.server.engine.fp8_linear import fp8_linear, tune_fp8_linears
 
     class L(torch.nn.Module):
         def __init__(self):
@@ -129,7 +129,7 @@ def test_tuned_fp8_linears_pick_configs_that_compute_the_same_function():
             self.embed_tokens = torch.nn.Embedding(10, 8, dtype=torch.bfloat16)
             self.layers = torch.nn.ModuleList(L() for _ in range(3))
 
-    from server.engine.fp8 import quantize_model_weights
+    from distserve.server.engine.fp8 import quantize_model_weights
 
     model = M().to(DEV)
     quantize_model_weights(model)
@@ -144,8 +144,8 @@ def test_tuned_fp8_linears_pick_configs_that_compute_the_same_function():
 
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])
 def test_every_decode_candidate_config_and_the_tuner(kv_dtype):
-    from server.engine.attention import triton_decode as td
-    from server.engine.fp8 import dequantize, quantize
+    from distserve.server.engine.attention import triton_decode as td
+    from distserve.server.engine.fp8 import dequantize, quantize
 
     heads, kv_heads, d, bs = 32, 8, 128, 16
     g = torch.Generator(device=DEV).manual_seed(3)
@@ -182,8 +182,8 @@ def test_every_decode_candidate_config_and_the_tuner(kv_dtype):
 
 @pytest.mark.parametrize("batch,ctx,heads,kv_heads", [(1, 2048, 32, 32), (8, 700, 32, 8), (64, 1024, 32, 32)])
 def test_paged_decode_reads_fp8_cache(batch, ctx, heads, kv_heads):
-    from server.engine.attention.triton_decode import paged_decode_attention
-    from server.engine.fp8 import dequantize, quantize
+    from distserve.server.engine.attention.triton_decode import paged_decode_attention
+    from distserve.server.engine.fp8 import dequantize, quantize
 
     d, bs = 128, 16
     g = torch.Generator(device=DEV).manual_seed(batch * ctx)
@@ -214,8 +214,8 @@ def test_paged_decode_reads_fp8_cache(batch, ctx, heads, kv_heads):
 
 
 def test_rope_cache_kernel_quantises_like_torch_and_records_amax():
-    from server.engine.fp8 import FP8_DTYPE, dequantize, quantize
-    from server.engine.ops.cuda_ops import rope_and_cache
+    from distserve.server.engine.fp8 import FP8_DTYPE, dequantize, quantize
+    from distserve.server.engine.ops.cuda_ops import rope_and_cache
 
     t, h, hkv, d = 37, 32, 8, 128
     g = torch.Generator(device=DEV).manual_seed(1)
@@ -244,7 +244,7 @@ def test_rope_cache_kernel_quantises_like_torch_and_records_amax():
 
 
 def _engine(**kw):
-    from server.engine.llm_engine import EngineConfig, LLMEngine
+    from distserve.server.engine.llm_engine import EngineConfig, LLMEngine
 
     base = dict(device=DEV, dtype="bfloat16", num_blocks=256, max_num_seqs=8, kv_calibration_requests=0)
     base.update(kw)
@@ -253,7 +253,7 @@ def _engine(**kw):
 
 def _decode_logits(eng, prompts, steps=4):
     """Eager-forward logits of greedy decode rows (prefill, then ``steps`` decode steps)."""
-    from server.engine.sampling_params import SamplingParams
+    from distserve.server.engine.sampling_params import SamplingParams
 
     p = SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True)
     for i, pr in enumerate(prompts):
@@ -299,8 +299,8 @@ def test_fp8_engine_logits_close_to_bf16_and_graph_equals_eager(monkeypatch):
 
 
 def test_pd_with_fp8_kv_equals_colocated_fp8():
-    from server.engine.sampling_params import SamplingParams
-    from server.kv_transfer.base import KVHandle
+    from distserve.server.engine.sampling_params import SamplingParams
+    from distserve.server.kv_transfer.base import KVHandle
 
     p = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     colo = _engine(kv_cache_dtype="fp8_e4m3")

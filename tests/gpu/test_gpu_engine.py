@@ -38,8 +38,8 @@ def _random_tables(lens, block_size, gen, extra_width=3):
 
 
 def _sdpa_reference(q, cache, tables, lens, block_size, scale):
-    from server.engine.attention.base import AttentionMetadata
-    from server.engine.attention.sdpa import SdpaBackend
+    from distserve.server.engine.attention.base import AttentionMetadata
+    from distserve.server.engine.attention.sdpa import SdpaBackend
 
     meta = AttentionMetadata(
         slot_mapping=None,
@@ -68,7 +68,7 @@ LENS = [1, 16, 1024, 2048, 7, 100, 1000, 1537, 3001]
     ],
 )
 def test_triton_decode_matches_sdpa(heads, kv_heads, dtype, block_size):
-    from server.engine.attention.triton_decode import paged_decode_attention
+    from distserve.server.engine.attention.triton_decode import paged_decode_attention
 
     gen = torch.Generator().manual_seed(heads * 131 + kv_heads + block_size)
     d = 128
@@ -94,7 +94,7 @@ def test_triton_decode_matches_sdpa(heads, kv_heads, dtype, block_size):
 
 
 def test_triton_decode_in_cuda_graph():
-    from server.engine.attention.triton_decode import paged_decode_attention
+    from distserve.server.engine.attention.triton_decode import paged_decode_attention
 
     gen = torch.Generator().manual_seed(7)
     bs, h, d = 16, 32, 128
@@ -124,9 +124,9 @@ def test_fused_kernels_match_torch():
     import torch.nn.functional as F
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-    from server.engine.model import RMSNorm, RotaryEmbedding
-    from server.engine.ops import cuda_ops
-    from server.engine.presets import preset_config
+    from distserve.server.engine.model import RMSNorm, RotaryEmbedding
+    from distserve.server.engine.ops import cuda_ops
+    from distserve.server.engine.presets import preset_config
 
     gen = torch.Generator().manual_seed(3)
     t, hid = 37, 4096
@@ -165,7 +165,7 @@ def test_fused_kernels_match_torch():
 
 
 def test_auto_backend_is_triton_on_cuda():
-    from server.engine.attention import get_attention_backend
+    from distserve.server.engine.attention import get_attention_backend
 
     assert get_attention_backend("auto", torch.device("cuda")).name == "triton"
     assert get_attention_backend("triton", torch.device("cuda")).name == "triton"
@@ -173,7 +173,7 @@ def test_auto_backend_is_triton_on_cuda():
 
 
 def _engine(preset="tiny-gpu", **kw):
-    from server.engine.llm_engine import EngineConfig, LLMEngine
+    from distserve.server.engine.llm_engine import EngineConfig, LLMEngine
 
     args = dict(
         model=f"preset:{preset}",
@@ -198,7 +198,7 @@ class _Recorder:
     tokens of the same step instead of its own argmax (teacher forcing)."""
 
     def __init__(self, forced: _Recorder | None = None) -> None:
-        from server.engine.sampler import Sampler
+        from distserve.server.engine.sampler import Sampler
 
         self.greedy = Sampler()
         self.forced = forced
@@ -206,7 +206,7 @@ class _Recorder:
         self.tokens: list[list] = []
 
     def sample(self, logits, params, seeds, indices, *rest):
-        from server.engine.sampler import SamplerOutput
+        from distserve.server.engine.sampler import SamplerOutput
 
         step = len(self.logits)
         self.logits.append(logits.float().cpu())  # (graph logits are a view of a buffer the next replay reuses)
@@ -268,7 +268,7 @@ def test_cuda_graph_decode_tokens_equal_eager(preset, batch):
     on the top two logits at once. At least a third of all rows must be decided (on the CPU copy of this
     run, 58 and 74 of 96 and 16 and 19 of 24 were), so the token check cannot pass vacuously.
     """
-    from server.engine.sampling_params import SamplingParams
+    from distserve.server.engine.sampling_params import SamplingParams
 
     p = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     prompts = _prompts(batch, [5, 37, 64, 100])
@@ -285,8 +285,8 @@ def test_cuda_graph_decode_tokens_equal_eager(preset, batch):
 def test_varlen_prefill_equals_per_sequence_flash(heads, kv_heads):
     """All whole-new prefills of a step in one variable-length flash call == one causal SDPA per sequence
     (lengths odd, tiny, a power of two, and one longer than the others' sum)."""
-    from server.engine.attention.base import AttentionMetadata
-    from server.engine.attention.triton_decode import (
+    from distserve.server.engine.attention.base import AttentionMetadata
+    from distserve.server.engine.attention.triton_decode import (
         full_prefill_attention,
         varlen_prefill_attention,
         varlen_prefill_ok,
@@ -325,7 +325,7 @@ def test_fused_forward_close_to_plain_model(preset):
     Tokens are not compared over long runs: with random weights and bf16 one near-tie flips a token and the
     sequences part ways, which says nothing about the kernels.
     """
-    from server.engine.sampling_params import SamplingParams
+    from distserve.server.engine.sampling_params import SamplingParams
 
     prompts = _prompts(3, [5, 64, 100], seed=3)
     logits = {}
@@ -354,9 +354,9 @@ def test_fused_forward_close_to_plain_model(preset):
 def test_gpu_runs_the_models_forward_over_triton_ops():
     """The GPU path is ``model.py``'s forward: every op of a step, eager and while capturing decode graphs,
     goes through ``model.ops`` (the fused ``TritonLayerOps``), in the model's order."""
-    from server.engine.cuda_graph_runner import CudaGraphRunner
-    from server.engine.ops.cuda_ops import TritonLayerOps
-    from server.engine.sampling_params import SamplingParams
+    from distserve.server.engine.cuda_graph_runner import CudaGraphRunner
+    from distserve.server.engine.ops.cuda_ops import TritonLayerOps
+    from distserve.server.engine.sampling_params import SamplingParams
 
     class Recording(TritonLayerOps):
         def __init__(self) -> None:
@@ -406,7 +406,7 @@ def test_gpu_runs_the_models_forward_over_triton_ops():
 
 @pytest.mark.parametrize("n,k,bias", [(12288, 4096, False), (4096, 11008, False), (1000, 4096, True)])
 def test_triton_gemv_matches_linear(n, k, bias):
-    from server.engine.ops.cuda_ops import GEMV_CANDIDATES, gemv
+    from distserve.server.engine.ops.cuda_ops import GEMV_CANDIDATES, gemv
 
     gen = torch.Generator().manual_seed(n + k)
     w = (0.02 * torch.randn(n, k, generator=gen)).bfloat16().to(DEV)
@@ -421,7 +421,7 @@ def test_triton_gemv_matches_linear(n, k, bias):
 
 def test_cuda_graph_padded_batch_and_long_context():
     """3 sequences in the graph of 4, contexts past one block-table page; logits close to eager."""
-    from server.engine.sampling_params import SamplingParams
+    from distserve.server.engine.sampling_params import SamplingParams
 
     eng = _engine(max_model_len=4096, max_num_seqs=4)
     p = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
@@ -447,7 +447,7 @@ def test_power_of_two_prompts_finite(length):
     results = {}
     for backend in ("triton", "sdpa"):
         eng = _engine(max_model_len=8192, attention_backend=backend, enforce_eager=True)
-        from server.engine.sampling_params import SamplingParams
+        from distserve.server.engine.sampling_params import SamplingParams
 
         eng.add_request("r", _prompts(1, [length], seed=length)[0], SamplingParams(max_tokens=2, temperature=0.0))
         sched = eng.scheduler.schedule()
@@ -459,7 +459,7 @@ def test_power_of_two_prompts_finite(length):
 
 
 def test_preset_7b_shape_builds_lazily():
-    from server.engine.presets import preset_config
+    from distserve.server.engine.presets import preset_config
 
     cfg = preset_config("preset:llama-2-7b")
     assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.intermediate_size) == (
@@ -475,7 +475,7 @@ def test_preset_7b_shape_builds_lazily():
 def test_prefix_cache_hit_logits_match_cold_prefill(length, model):
     """A prompt whose first blocks come from the prefix cache (prefill with context on the GPU
     path: the fused continuation attention over the paged prefix) gives the logits of a cold prefill."""
-    from server.engine.sampling_params import SamplingParams
+    from distserve.server.engine.sampling_params import SamplingParams
 
     eng = _engine(model, enforce_eager=True, block_size=16)
     prompt = _prompts(1, [length], seed=11)[0]

@@ -25,7 +25,7 @@ def _logits(rows: int, seed: int) -> torch.Tensor:
 
 
 def _params():
-    from server.engine.sampling_params import SamplingParams
+    from distserve.server.engine.sampling_params import SamplingParams
 
     return [
         SamplingParams(temperature=0.0),
@@ -40,7 +40,7 @@ def _params():
 
 
 def test_radix_sets_on_the_gpu_are_the_cpu_sets():
-    from server.engine.radix_filter import top_k_mask, top_k_mask_host, top_p_mask
+    from distserve.server.engine.radix_filter import top_k_mask, top_k_mask_host, top_p_mask
 
     x = _logits(64, 1)
     probs = torch.softmax(x, dim=-1)
@@ -52,8 +52,8 @@ def test_radix_sets_on_the_gpu_are_the_cpu_sets():
 
 @pytest.mark.parametrize("n", [1, 5, 8, 33, 64])
 def test_a_graph_replay_gives_the_eager_sampler_s_tokens(n):
-    from server.engine.graph_sampler import GraphSampler
-    from server.engine.sampler import NON_FINITE, Sampler
+    from distserve.server.engine.graph_sampler import GraphSampler
+    from distserve.server.engine.sampler import NON_FINITE, Sampler
 
     graphed = Sampler(GraphSampler(VOCAB, [1, 2, 4, 8, 16, 32, 64], DEV))
     assert graphed.graphs.graphs or DEV.type == "cpu"  # captured (the CPU dry run of this file captures none)
@@ -80,9 +80,9 @@ def test_a_graph_replay_gives_the_eager_sampler_s_tokens(n):
 
 @pytest.mark.parametrize("impl", ["radix", "sort"])
 def test_every_graph_variant_equals_its_eager_function(impl):
-    from server.engine.graph_sampler import VARIANTS, GraphSampler
-    from server.engine.sampler import row_params, sample_rows
-    from server.engine.sampling_params import SamplingParams
+    from distserve.server.engine.graph_sampler import VARIANTS, GraphSampler
+    from distserve.server.engine.sampler import row_params, sample_rows
+    from distserve.server.engine.sampling_params import SamplingParams
 
     gs = GraphSampler(VOCAB, [64], DEV, impl=impl)
     logits = _logits(64, 3)
@@ -107,9 +107,9 @@ def test_every_graph_variant_equals_its_eager_function(impl):
 def test_an_engine_with_decode_graphs_samples_through_the_sampler_graphs():
     """Each step's graphed tokens equal the eager sampler's on the same logits, and a second run with the
     same seeds gives the same tokens."""
-    from server.engine.llm_engine import EngineConfig, LLMEngine
-    from server.engine.sampler import Sampler
-    from server.engine.sampling_params import SamplingParams
+    from distserve.server.engine.llm_engine import EngineConfig, LLMEngine
+    from distserve.server.engine.sampler import Sampler
+    from distserve.server.engine.sampling_params import SamplingParams
 
     engine = LLMEngine(
         EngineConfig(

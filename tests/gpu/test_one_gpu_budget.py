@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from chaos.nan_check import failures, run
-from distbench.loadgen import RunSpec
-from distbench.runner import Options, Workload
-from distbench.runner import run as run_distbench
-from distbench.target import ServeProcess
+from distserve.chaos.nan_check import failures, run
+from distserve.distbench.loadgen import RunSpec
+from distserve.distbench.runner import Options, Workload
+from distserve.distbench.runner import run as run_distbench
+from distserve.distbench.target import ServeProcess
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 ROOT = Path(__file__).resolve().parents[2]

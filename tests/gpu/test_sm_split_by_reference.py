@@ -22,7 +22,7 @@ import aiohttp
 import pytest
 import torch
 
-from distbench.target import ServeProcess
+from distserve.distbench.target import ServeProcess
 from tests.migration import streams_with_decode_kill
 
 # DISTSERVE_GPU_TEST_DEVICE=cpu dry-runs the file on a CPU (no split there: the --sm-split flags are left out)

@@ -13,15 +13,15 @@ MiB = 2**20
 
 
 def _engine(**kw):
-    from server.engine.llm_engine import EngineConfig, LLMEngine
+    from distserve.server.engine.llm_engine import EngineConfig, LLMEngine
 
     cfg = dict(device="cuda", gpu_memory_utilization=0.2, max_num_batched_tokens=1024, max_model_len=2048) | kw
     return LLMEngine(EngineConfig(**cfg))
 
 
 def test_graphs_measured_before_sizing_predict_the_final_ones_and_the_share_holds():
-    from server.engine.memory_profile import MemoryProbe, process_used
-    from server.engine.sampling_params import SamplingParams
+    from distserve.server.engine.memory_profile import MemoryProbe, process_used
+    from distserve.server.engine.sampling_params import SamplingParams
 
     engine = _engine()
     rep, budget = engine.startup_memory, engine.kv_budget

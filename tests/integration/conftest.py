@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from distbench import target
-from distbench.target import deep_merge
+from distserve.distbench import target
+from distserve.distbench.target import deep_merge
 
 TOKEN = "test-token-not-secret"
 

@@ -14,10 +14,10 @@ import time
 
 import pytest
 
-from distbench import result
-from distbench.loadgen import RunSpec
-from distbench.metrics import pkey
-from distbench.runner import Options, Workload, run
+from distserve.distbench import result
+from distserve.distbench.loadgen import RunSpec
+from distserve.distbench.metrics import pkey
+from distserve.distbench.runner import Options, Workload, run
 from tests.stub_server import StubServer
 
 
@@ -31,7 +31,11 @@ def vocab_dir(tmp_path) -> str:
 
 def distbench(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "distbench", *args], capture_output=True, text=True, check=False, timeout=timeout
+        [sys.executable, "-m", "distserve.distbench", *args],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=timeout,
     )
 
 
@@ -169,7 +173,7 @@ def test_sigint_stops_sending_and_writes_a_valid_partial_result(vocab_dir, tmp_p
             [
                 sys.executable,
                 "-m",
-                "distbench",
+                "distserve.distbench",
                 "run",
                 "--url",
                 srv.url,
@@ -219,7 +223,7 @@ def test_against_distserve_serve_run_sweep_compare_plot_merge(serve_factory, tmp
         [
             sys.executable,
             "-m",
-            "distbench",
+            "distserve.distbench",
             "run",
             *common,
             "--request-rate",
@@ -305,7 +309,17 @@ def test_against_distserve_serve_run_sweep_compare_plot_merge(serve_factory, tmp
 @pytest.mark.slow
 def test_demo_serves_loads_and_finds_no_leak():
     p = subprocess.run(
-        [sys.executable, "-m", "distbench.demo", "--requests", "6", "--concurrency", "3", "--max-tokens", "4"],
+        [
+            sys.executable,
+            "-m",
+            "distserve.distbench.demo",
+            "--requests",
+            "6",
+            "--concurrency",
+            "3",
+            "--max-tokens",
+            "4",
+        ],
         capture_output=True,
         text=True,
         timeout=400,

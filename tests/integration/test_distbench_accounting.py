@@ -11,12 +11,12 @@ import sys
 
 import pytest
 
-from distbench import result
-from distbench.loadgen import RunSpec
-from distbench.plot import plot
-from distbench.runner import Options, Workload, run
-from distbench.summary import format_summary
-from distbench.sweep import sweep
+from distserve.distbench import result
+from distserve.distbench.loadgen import RunSpec
+from distserve.distbench.plot import plot
+from distserve.distbench.runner import Options, Workload, run
+from distserve.distbench.summary import format_summary
+from distserve.distbench.sweep import sweep
 from tests.stub_server import StubServer
 
 
@@ -138,7 +138,7 @@ def test_repeat_interleaves_and_compare_tests_between_runs(vocab_dir, tmp_path):
             [
                 sys.executable,
                 "-m",
-                "distbench",
+                "distserve.distbench",
                 "repeat",
                 "2",
                 "--out-dir",

@@ -11,7 +11,7 @@ import threading
 import aiohttp
 import pytest
 
-from server.launchers.drain import drain_worker
+from distserve.server.launchers.drain import drain_worker
 from tests.integration.conftest import TOKEN, http
 
 

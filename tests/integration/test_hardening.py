@@ -20,7 +20,7 @@ import aiohttp
 import pytest
 from safetensors.torch import load_file, save_file
 
-from server.engine.tiny_model import DEFAULT_TINY_MODEL_KWARGS, make_tiny_model
+from distserve.server.engine.tiny_model import DEFAULT_TINY_MODEL_KWARGS, make_tiny_model
 
 from .conftest import http
 from .test_serving import make_prompts
@@ -60,8 +60,8 @@ def server(serve_factory):
 @pytest.fixture(scope="module")
 def poisoned(serve_factory, tmp_path_factory):
     """(server, reference outputs of GOOD, greedy output of GOOD[0], the poisoned token id)."""
-    from server.engine.llm_engine import EngineConfig, LLMEngine
-    from server.engine.sampling_params import SamplingParams
+    from distserve.server.engine.llm_engine import EngineConfig, LLMEngine
+    from distserve.server.engine.sampling_params import SamplingParams
 
     folder = tmp_path_factory.mktemp("poisoned")
     make_tiny_model(folder, **DEFAULT_TINY_MODEL_KWARGS)

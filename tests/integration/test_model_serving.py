@@ -29,7 +29,7 @@ class Serve:
             [
                 sys.executable,
                 "-m",
-                "server.cli",
+                "distserve.server.cli",
                 "serve",
                 "--config",
                 str(cfg),

@@ -10,7 +10,7 @@ import json
 import jsonschema
 import pytest
 
-from server.router.protocol import ChatCompletionRequest, CompletionRequest, declared_fields
+from distserve.server.router.protocol import ChatCompletionRequest, CompletionRequest, declared_fields
 from tests.structured_schemas import SCHEMAS
 
 from .conftest import http
@@ -425,8 +425,8 @@ def test_each_field_is_honoured_or_refused_naming_it(coloc):
 
 
 def test_unknown_fields_pass_when_the_config_allows():
-    from server.config import load_config
-    from server.router.protocol import InvalidRequest, parse
+    from distserve.server.config import load_config
+    from distserve.server.router.protocol import InvalidRequest, parse
 
     assert load_config(overrides={"router": {"allow_unknown_fields": True}}).router.allow_unknown_fields
     body = {"prompt": "hi", "some_vendor_extra": 1}
@@ -520,9 +520,9 @@ def test_sigkill_decode_mid_constrained_stream_migrates_with_the_same_tokens(dis
 
     import aiohttp
 
-    from server.engine.llm_engine import EngineConfig, LLMEngine
-    from server.engine.sampling_params import SamplingParams
-    from server.engine.structured.grammar import Constraint
+    from distserve.server.engine.llm_engine import EngineConfig, LLMEngine
+    from distserve.server.engine.sampling_params import SamplingParams
+    from distserve.server.engine.structured.grammar import Constraint
 
     n, max_tokens = 6, 120
     prompts = [[1, 40 + i, 41, 42] for i in range(n)]

@@ -262,7 +262,7 @@ def test_a_low_open_file_limit_refuses_data_requests_with_503_before_exhaustion(
     env = dict(os.environ, DISTSERVE_ADMIN_TOKEN=TOKEN)
     log = open(tmp_path / "router.log", "wb")  # noqa: SIM115
     proc = subprocess.Popen(
-        [sys.executable, "-m", "server.cli", "router", "--config", str(cfg), "--ready-file", str(ready)],
+        [sys.executable, "-m", "distserve.server.cli", "router", "--config", str(cfg), "--ready-file", str(ready)],
         env=env,
         stdout=log,
         stderr=subprocess.STDOUT,

@@ -11,8 +11,8 @@ import time
 import pytest
 import yaml
 
-from server.engine.llm_engine import EngineConfig, LLMEngine
-from server.engine.sampling_params import SamplingParams
+from distserve.server.engine.llm_engine import EngineConfig, LLMEngine
+from distserve.server.engine.sampling_params import SamplingParams
 from tests.migration import streams_with_decode_kill
 
 from .conftest import TOKEN, free_port, http
@@ -64,7 +64,9 @@ def test_sigkill_decode_worker_mid_stream_streams_complete_identically(serve_fac
 
 def _spawn(argv: list[str], log, extra_env: dict | None = None) -> subprocess.Popen:
     env = dict(os.environ, DISTSERVE_ADMIN_TOKEN=TOKEN, **(extra_env or {}))
-    return subprocess.Popen([sys.executable, "-m", "server.cli", *argv], env=env, stdout=log, stderr=subprocess.STDOUT)
+    return subprocess.Popen(
+        [sys.executable, "-m", "distserve.server.cli", *argv], env=env, stdout=log, stderr=subprocess.STDOUT
+    )
 
 
 def _stop(*procs: subprocess.Popen) -> None:
@@ -133,7 +135,7 @@ def test_workers_started_before_the_router_register(tmp_path, config_file):
 def test_fingerprint_mismatch_is_refused(tmp_path, config_file):
     other = tmp_path / "other-model"
     subprocess.run(
-        [sys.executable, "-m", "server.cli", "make-tiny-model", str(other), "--seed", "1"],
+        [sys.executable, "-m", "distserve.server.cli", "make-tiny-model", str(other), "--seed", "1"],
         check=True,
         capture_output=True,
         timeout=120,
@@ -160,7 +162,7 @@ def test_fingerprint_mismatch_is_refused(tmp_path, config_file):
                 [
                     sys.executable,
                     "-m",
-                    "server.cli",
+                    "distserve.server.cli",
                     "worker",
                     "--role",
                     "decode",
@@ -206,7 +208,7 @@ def test_no_workers_gives_503_and_bad_token_worker_is_refused(tmp_path, config_f
             [
                 sys.executable,
                 "-m",
-                "server.cli",
+                "distserve.server.cli",
                 "worker",
                 "--role",
                 "decode",

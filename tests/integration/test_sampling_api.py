@@ -10,8 +10,8 @@ import urllib.request
 import openai
 import pytest
 
-from server.engine.llm_engine import EngineConfig, LLMEngine
-from server.engine.sampling_params import SamplingParams
+from distserve.server.engine.llm_engine import EngineConfig, LLMEngine
+from distserve.server.engine.sampling_params import SamplingParams
 
 from .conftest import http
 from .test_serving import assert_no_leaks

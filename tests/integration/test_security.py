@@ -325,7 +325,7 @@ def test_a_full_journal_disk_keeps_serving_health_degraded_and_the_audit_incompl
     spec = tmp_path / "spec.yaml"
     spec.write_text("name: t\nwindow_s: 3600\navailability: 0.5\nobjectives: []\n")
     out = subprocess.run(
-        [sys.executable, "-m", "server.cli", "sla", "audit", "--spec", str(spec), "--results", str(journal)]
+        [sys.executable, "-m", "distserve.server.cli", "sla", "audit", "--spec", str(spec), "--results", str(journal)]
         + ["--out", str(tmp_path / "report"), "--formats", "json"],
         capture_output=True,
         text=True,

@@ -18,8 +18,8 @@ import time
 import aiohttp
 import pytest
 
-from server.engine.llm_engine import EngineConfig, LLMEngine
-from server.engine.sampling_params import SamplingParams
+from distserve.server.engine.llm_engine import EngineConfig, LLMEngine
+from distserve.server.engine.sampling_params import SamplingParams
 
 from .conftest import http
 
@@ -144,7 +144,7 @@ def test_generate_cli_matches_server(disagg, reference):
         [
             sys.executable,
             "-m",
-            "server.cli",
+            "distserve.server.cli",
             "generate",
             "--prompt-ids",
             ",".join(map(str, PROMPTS[3])),

@@ -19,9 +19,9 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from sla.audit import audit
-from sla.records import load_records
-from sla.spec import SlaSpec
+from distserve.sla.audit import audit
+from distserve.sla.records import load_records
+from distserve.sla.spec import SlaSpec
 
 from .conftest import TOKEN, http
 

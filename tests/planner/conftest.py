@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from planner.profile import Profile, load
+from distserve.planner.profile import Profile, load
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "planner"
 

@@ -23,13 +23,13 @@ from pathlib import Path
 
 import pytest
 
-from planner.latency import LatencyModel
-from planner.layouts import EngineLimits, Layout
-from planner.profile import load
-from planner.search import Planner
-from planner.slo import SLO, attainment
-from planner.validate import ORDERING_CASES, case_rate_and_slo, measure_layout
-from planner.workload import load_workload
+from distserve.planner.latency import LatencyModel
+from distserve.planner.layouts import EngineLimits, Layout
+from distserve.planner.profile import load
+from distserve.planner.search import Planner
+from distserve.planner.slo import SLO, attainment
+from distserve.planner.validate import ORDERING_CASES, case_rate_and_slo, measure_layout
+from distserve.planner.workload import load_workload
 
 NUM = 12  # measured requests per layout and case
 
@@ -71,7 +71,7 @@ def test_plan_predicts_the_measured_order_of_colocated_and_disaggregated(tmp_pat
         [
             sys.executable,
             "-m",
-            "server.cli",
+            "distserve.server.cli",
             "profile",
             "--device",
             "cpu",

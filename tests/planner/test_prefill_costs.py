@@ -11,10 +11,10 @@ import math
 
 import pytest
 
-from planner.latency import LatencyModel
-from planner.layouts import EngineLimits, Layout
-from planner.profile import ProfileError, from_dict
-from planner.simulator import Simulator
+from distserve.planner.latency import LatencyModel
+from distserve.planner.layouts import EngineLimits, Layout
+from distserve.planner.profile import ProfileError, from_dict
+from distserve.planner.simulator import Simulator
 
 
 def model(floor: float = 20.0, per_seq: float = 6.0, chunk: float = 25.0) -> LatencyModel:

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from planner.latency import LatencyModel
-from planner.profile import ProfileError, from_dict, load
-from planner.slo import SLO, SLOError, meets
-from planner.workload import WorkloadError, load_workload
+from distserve.planner.latency import LatencyModel
+from distserve.planner.profile import ProfileError, from_dict, load
+from distserve.planner.slo import SLO, SLOError, meets
+from distserve.planner.workload import WorkloadError, load_workload
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "planner"
 
@@ -25,7 +25,7 @@ def h200_dict(h200_profile) -> dict:
 
 def cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "server.cli", *args], capture_output=True, text=True, timeout=120, check=False
+        [sys.executable, "-m", "distserve.server.cli", *args], capture_output=True, text=True, timeout=120, check=False
     )
 
 
@@ -155,10 +155,10 @@ def test_profile_bad_device_exits_2(tmp_path):
 
 def test_plan_writes_the_config_its_deploy_line_names(tmp_path):
     """Before: 'plan.yaml, not written' and then `serve --config plan.yaml`, which failed."""
-    from server.config import load_config
+    from distserve.server.config import load_config
 
     p = subprocess.run(
-        [sys.executable, "-m", "server.cli", "plan", "--profile", str(FIXTURES / "cpu-tiny-2026-11-30.json")]
+        [sys.executable, "-m", "distserve.server.cli", "plan", "--profile", str(FIXTURES / "cpu-tiny-2026-11-30.json")]
         + ["--workload", "prompt=512,output=64", "--slo", "ttft:250ms,tpot:50ms", "--devices", "2"]
         + ["--num-requests", "100"],
         capture_output=True,

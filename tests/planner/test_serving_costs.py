@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import math
 
-from planner.latency import LatencyModel
-from planner.layouts import EngineLimits, Layout
-from planner.simulator import Simulator
+from distserve.planner.latency import LatencyModel
+from distserve.planner.layouts import EngineLimits, Layout
+from distserve.planner.simulator import Simulator
 
 
 def model(fixed_d: float, fixed_p: float, per_tok: float = 0.0, per_seq: float = 0.0) -> LatencyModel:

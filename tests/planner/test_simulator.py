@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import math
 
-from planner.latency import LatencyModel
-from planner.layouts import EngineLimits, Layout
-from planner.simulator import Simulator, poisson_arrivals, simulate
+from distserve.planner.latency import LatencyModel
+from distserve.planner.layouts import EngineLimits, Layout
+from distserve.planner.simulator import Simulator, poisson_arrivals, simulate
 
 
 def model(fixed=0.0, per_tok=0.0, per_tok2=0.0, per_seq=0.0, per_ctx=0.0, kv_fixed=0.0, kv_per_byte=0.0):

@@ -11,11 +11,11 @@ import sys
 
 import pytest
 
-from planner.latency import LatencyModel, share_scales
-from planner.layouts import Layout, split_layouts
-from planner.profile import ProfileError, SharePoint, from_dict
-from planner.sm_shares import measure_shares
-from server.config import DistServeConfig
+from distserve.planner.latency import LatencyModel, share_scales
+from distserve.planner.layouts import Layout, split_layouts
+from distserve.planner.profile import ProfileError, SharePoint, from_dict
+from distserve.planner.sm_shares import measure_shares
+from distserve.server.config import DistServeConfig
 
 
 def _shares(decode: dict[int, float], prefill: dict[int, float]) -> tuple[SharePoint, ...]:
@@ -68,7 +68,7 @@ def test_profile_round_trips_share_points_and_refuses_bad_ones(h200_profile):
 
 
 def _plan(tmp_path, shares, *extra: str) -> subprocess.CompletedProcess:
-    from planner.profile import load
+    from distserve.planner.profile import load
 
     prof = dataclasses.replace(load("h200-llama2-7b"), sm_shares=shares)
     path = tmp_path / "h200_sm.json"
@@ -77,7 +77,7 @@ def _plan(tmp_path, shares, *extra: str) -> subprocess.CompletedProcess:
         [
             sys.executable,
             "-m",
-            "server.cli",
+            "distserve.server.cli",
             "plan",
             "--profile",
             str(path),
@@ -127,7 +127,16 @@ def test_cpu_has_no_share_to_measure_and_bad_shares_exit_2(tmp_path):
     points, notes = measure_shares(None, "cpu", [30, 100], log=lambda s: None)
     assert points == [] and "nothing to measure" in notes[0]
     p = subprocess.run(
-        [sys.executable, "-m", "server.cli", "profile", "--sm-shares", "0,200", "--out", str(tmp_path / "p.json")],
+        [
+            sys.executable,
+            "-m",
+            "distserve.server.cli",
+            "profile",
+            "--sm-shares",
+            "0,200",
+            "--out",
+            str(tmp_path / "p.json"),
+        ],
         capture_output=True,
         text=True,
         timeout=120,

@@ -82,7 +82,7 @@ class Deployment:
             [
                 sys.executable,
                 "-m",
-                "server.cli",
+                "distserve.server.cli",
                 "serve",
                 "--launcher",
                 "ray",
@@ -119,7 +119,7 @@ class Deployment:
 
     def scale(self, *args: str) -> dict:
         r = subprocess.run(
-            [sys.executable, "-m", "server.cli", "scale", "--address", self.cluster.address, *args],
+            [sys.executable, "-m", "distserve.server.cli", "scale", "--address", self.cluster.address, *args],
             cwd=REPO,
             env=self.cluster.env,
             capture_output=True,
@@ -136,7 +136,7 @@ class Deployment:
             [
                 sys.executable,
                 "-m",
-                "distbench.cli",
+                "distserve.distbench.cli",
                 "run",
                 "--url",
                 self.url,
@@ -211,7 +211,7 @@ def test_no_cluster_at_the_address_is_one_sentence_in_seconds():
     address = f"127.0.0.2:{free_port('127.0.0.2')}"  # nothing listens there
     for argv in (["scale", "--address", address], ["serve", "--launcher", "ray", "--address", address]):
         r = subprocess.run(
-            [sys.executable, "-m", "server.cli", *argv],
+            [sys.executable, "-m", "distserve.server.cli", *argv],
             cwd=REPO,
             env=_env(),
             capture_output=True,

@@ -14,9 +14,9 @@ import sys
 
 import torch
 
-from server.engine.block_manager import BlockManager
-from server.kv_transfer.by_reference import BlockSource, KVLessee, KVLessor, hand_off
-from server.kv_transfer.kv_arena import ArenaLayout, ArenaOwner
+from distserve.server.engine.block_manager import BlockManager
+from distserve.server.kv_transfer.by_reference import BlockSource, KVLessee, KVLessor, hand_off
+from distserve.server.kv_transfer.kv_arena import ArenaLayout, ArenaOwner
 
 LAYOUT = ArenaLayout(num_layers=2, num_blocks=32, block_size=4, kv_heads=2, head_dim=4, dtype="float32")
 NUM_TOKENS = 10

@@ -9,12 +9,12 @@ import time
 import pytest
 from prometheus_client import CollectorRegistry
 
-from server.config import load_config
-from server.latency_model import prefill_work_ms, queued_ttft_ms
-from server.lograte import RateLimitedLog, describe
-from server.router.admission import Admission, InvalidSlo, Slo, parse_slo
-from server.router.ttft_predictor import RequestPhases, TtftPredictor
-from server.workers.heartbeat import Liveness
+from distserve.server.config import load_config
+from distserve.server.latency_model import prefill_work_ms, queued_ttft_ms
+from distserve.server.lograte import RateLimitedLog, describe
+from distserve.server.router.admission import Admission, InvalidSlo, Slo, parse_slo
+from distserve.server.router.ttft_predictor import RequestPhases, TtftPredictor
+from distserve.server.workers.heartbeat import Liveness
 
 
 def _admission(**adm) -> Admission:
@@ -147,8 +147,8 @@ def test_a_worker_that_cannot_reach_its_router_says_so_with_the_error(caplog):
     import socket
     import threading
 
-    from server.wire import RegisterRequest, WorkerStatus
-    from server.workers.heartbeat import HeartbeatOptions, HeartbeatThread
+    from distserve.server.wire import RegisterRequest, WorkerStatus
+    from distserve.server.workers.heartbeat import HeartbeatOptions, HeartbeatThread
 
     with socket.socket() as s:  # a port nothing listens on: a typo in --router
         s.bind(("127.0.0.1", 0))
@@ -160,7 +160,7 @@ def test_a_worker_that_cannot_reach_its_router_says_so_with_the_error(caplog):
     hb = HeartbeatThread(
         HeartbeatOptions(f"http://127.0.0.1:{port}", "t", 0.05, "prefill"), reg, WorkerStatus, stop.is_set, print
     )
-    with caplog.at_level(logging.WARNING, "server.workers.heartbeat"):
+    with caplog.at_level(logging.WARNING, "distserve.server.workers.heartbeat"):
         hb.start()
         deadline = time.monotonic() + 10
         while not any("cannot register" in r.getMessage() for r in caplog.records) and time.monotonic() < deadline:

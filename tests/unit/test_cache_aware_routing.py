@@ -9,16 +9,16 @@ import time
 import pytest
 from pydantic import ValidationError
 
-from server.config import DistServeConfig, OutlierConfig, load_config
-from server.engine.llm_engine import EngineConfig, LLMEngine
-from server.engine.sampling_params import SamplingParams
-from server.metrics import RouterMetrics, WorkerMetrics
-from server.prefix_hash import chain_digests
-from server.router.pipeline import Pipeline, PipelineOptions
-from server.router.registry import WorkerRegistry
-from server.wire import MAX_PREFIX_BLOCKS, HeartbeatRequest, RegisterRequest, WorkerStatus
-from server.workers.app import WorkerState
-from server.workers.engine_loop import EngineLoop
+from distserve.server.config import DistServeConfig, OutlierConfig, load_config
+from distserve.server.engine.llm_engine import EngineConfig, LLMEngine
+from distserve.server.engine.sampling_params import SamplingParams
+from distserve.server.metrics import RouterMetrics, WorkerMetrics
+from distserve.server.prefix_hash import chain_digests
+from distserve.server.router.pipeline import Pipeline, PipelineOptions
+from distserve.server.router.registry import WorkerRegistry
+from distserve.server.wire import MAX_PREFIX_BLOCKS, HeartbeatRequest, RegisterRequest, WorkerStatus
+from distserve.server.workers.app import WorkerState
+from distserve.server.workers.engine_loop import EngineLoop
 from tests.unit.test_engine_scheduling import assert_engine_empty
 
 BS = 4

@@ -8,10 +8,10 @@ import shutil
 
 import pytest
 
-from server.engine.chat_template import PLAIN_TEMPLATE, ChatTemplate, ChatTemplateError, end_of_turn_ids
-from server.engine.loader import load_tokenizer
-from server.engine.tokenizer import Tokenizer
-from server.router import protocol
+from distserve.server.engine.chat_template import PLAIN_TEMPLATE, ChatTemplate, ChatTemplateError, end_of_turn_ids
+from distserve.server.engine.loader import load_tokenizer
+from distserve.server.engine.tokenizer import Tokenizer
+from distserve.server.router import protocol
 
 SMOLLM2 = (
     "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
@@ -65,7 +65,7 @@ CONVERSATIONS = [
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from server.engine.tiny_model import make_tiny_model
+    from distserve.server.engine.tiny_model import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny") / "m", layers=1, hidden=64, heads=2, kv_heads=2)
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from server.config import (
+from distserve.server.config import (
     BreakerConfig,
     CacheConfig,
     ConfigError,
@@ -451,7 +451,7 @@ def test_replace_revalidates():
 
 
 def test_each_role_reads_its_own_section():
-    from server.workers.worker import engine_config_for
+    from distserve.server.workers.worker import engine_config_for
 
     cfg = load_config(
         overrides={

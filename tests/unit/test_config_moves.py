@@ -7,16 +7,16 @@ import logging
 
 import pytest
 
-from server.config import ConfigError, DecodeConfig, load_config
-from server.config_moves import MOVED, apply_moves
-from server.router.protocol import CompletionRequest
-from server.router.sampling_defaults import default_sampling
+from distserve.server.config import ConfigError, DecodeConfig, load_config
+from distserve.server.config_moves import MOVED, apply_moves
+from distserve.server.router.protocol import CompletionRequest
+from distserve.server.router.sampling_defaults import default_sampling
 
 
 def test_the_old_keys_load_into_the_router_with_one_warning_each_naming_the_new_one(tmp_path, caplog):
     p = tmp_path / "c.yaml"
     p.write_text("decode:\n  sampling_strategy: greedy\n  top_p: 0.5\n  max_batch_size: 7\n")
-    with caplog.at_level(logging.WARNING, logger="server.config"):
+    with caplog.at_level(logging.WARNING, logger="distserve.server.config"):
         c = load_config(p)
     assert (c.router.sampling_strategy, c.router.top_p, c.decode.max_batch_size) == ("greedy", 0.5, 7)
     moved = [r.getMessage() for r in caplog.records if "is read by the router" in r.getMessage()]
@@ -32,7 +32,7 @@ def test_the_old_keys_load_into_the_router_with_one_warning_each_naming_the_new_
 def test_the_new_keys_load_without_a_warning_and_the_old_ones_work_as_overrides(tmp_path, caplog):
     p = tmp_path / "c.yaml"
     p.write_text("router:\n  top_p: 0.6\n")
-    with caplog.at_level(logging.WARNING, logger="server.config"):
+    with caplog.at_level(logging.WARNING, logger="distserve.server.config"):
         assert load_config(p).router.top_p == 0.6
         assert not caplog.records
         c = load_config(p, overrides={"decode": {"top_p": 0.7}})

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from server.engine.attention.triton_decode import causal_lower_right, continuation_attention
+from distserve.server.engine.attention.triton_decode import causal_lower_right, continuation_attention
 
 pytestmark = pytest.mark.skipif(causal_lower_right is None, reason="torch < 2.3 has no causal_lower_right")
 

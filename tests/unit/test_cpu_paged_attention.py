@@ -12,10 +12,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from server.engine.attention import cpu_paged, get_attention_backend
-from server.engine.attention.base import AttentionMetadata
-from server.engine.attention.cpu_paged import CpuPagedBackend, paged_decode_attention
-from server.engine.attention.sdpa import SdpaBackend
+from distserve.server.engine.attention import cpu_paged, get_attention_backend
+from distserve.server.engine.attention.base import AttentionMetadata
+from distserve.server.engine.attention.cpu_paged import CpuPagedBackend, paged_decode_attention
+from distserve.server.engine.attention.sdpa import SdpaBackend
 
 
 @pytest.fixture
@@ -298,8 +298,8 @@ def test_builds_without_ninja(monkeypatch, tmp_path):
 def test_engine_greedy_tokens_match_sdpa():
     """A mixed batch on the built-in tiny model; a small token budget chunks the prefills, so steps mix
     chunked prefills with decodes."""
-    from server.engine.llm_engine import EngineConfig, LLMEngine
-    from server.engine.sampling_params import SamplingParams
+    from distserve.server.engine.llm_engine import EngineConfig, LLMEngine
+    from distserve.server.engine.sampling_params import SamplingParams
 
     prompts = [
         [1, 17, 42, 99, 5],

@@ -10,9 +10,9 @@ import json
 import pytest
 import torch
 
-from server.kv_transfer import KVHandle, KVStagingServer
-from server.kv_transfer import frame as fr
-from server.kv_transfer.cuda_ipc import IpcDescription, IpcError, check_handle, parse_description
+from distserve.server.kv_transfer import KVHandle, KVStagingServer
+from distserve.server.kv_transfer import frame as fr
+from distserve.server.kv_transfer.cuda_ipc import IpcDescription, IpcError, check_handle, parse_description
 
 NBYTES = 4096
 HANDLE = bytes([2, ord("c")]) + bytes(range(64))
@@ -140,7 +140,7 @@ def test_handle_accepts_cuda_ipc_and_staging_checks_device():
 
 
 def test_cuda_ipc_refused_at_worker_start_on_cpu():
-    from server.kv_transfer.factory import choose_transport
+    from distserve.server.kv_transfer.factory import choose_transport
 
     with pytest.raises(ValueError, match="CUDA"):
         choose_transport("cuda_ipc", 0, True, 0.0, kv_on_cuda=False)
@@ -148,7 +148,7 @@ def test_cuda_ipc_refused_at_worker_start_on_cpu():
 
 # ------------------------------------------------------------------ launcher devices
 def test_parse_devices():
-    from server.launcher import parse_devices
+    from distserve.server.launcher import parse_devices
 
     assert parse_devices("cuda:0,cuda:1") == ("cuda:0", "cuda:1")
     assert parse_devices("cpu") == ("cpu",)
@@ -174,7 +174,7 @@ def test_parse_devices():
     ],
 )
 def test_launcher_assigns_devices_round_robin(mode, p, d, devices, want):
-    from server.launcher import plan_workers
+    from distserve.server.launcher import plan_workers
 
     got = [f"{wid}={dev}" for _, wid, dev in plan_workers(mode, p, d, "cuda", devices)]
     assert got == want
@@ -182,11 +182,11 @@ def test_launcher_assigns_devices_round_robin(mode, p, d, devices, want):
 
 # ------------------------------------------------------------------ router tokenizer for presets
 def test_router_tokenizer_for_presets():
-    from server.config import load_config
-    from server.router.app import RouterState
-    from server.router.pipeline import NoWorkersError
-    from server.router.registry import WorkerRegistry
-    from server.wire import RegisterRequest
+    from distserve.server.config import load_config
+    from distserve.server.router.app import RouterState
+    from distserve.server.router.pipeline import NoWorkersError
+    from distserve.server.router.registry import WorkerRegistry
+    from distserve.server.wire import RegisterRequest
 
     reg = WorkerRegistry(3.0)
     state = RouterState(config=load_config(), token="t", registry=reg, model_path="preset:llama-2-7b")

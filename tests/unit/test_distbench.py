@@ -9,12 +9,12 @@ import random
 
 import pytest
 
-from distbench import result
-from distbench.client import base_url
-from distbench.datasets import Lengths, Vocab, jsonl_items, random_items
-from distbench.metrics import decode, meets, merge_histograms, parse_goodput, parse_slo, pkey, summarize
-from distbench.records import RequestRecord
-from distbench.strategies import STRATEGIES, schedule
+from distserve.distbench import result
+from distserve.distbench.client import base_url
+from distserve.distbench.datasets import Lengths, Vocab, jsonl_items, random_items
+from distserve.distbench.metrics import decode, meets, merge_histograms, parse_goodput, parse_slo, pkey, summarize
+from distserve.distbench.records import RequestRecord
+from distserve.distbench.strategies import STRATEGIES, schedule
 
 
 def _cv(times: list[float]) -> float:
@@ -221,7 +221,7 @@ def test_result_file_round_trips_records(tmp_path):
 
 
 def test_sharegpt_from_a_path_uses_the_first_exchange(tmp_path):
-    from distbench.datasets import sharegpt_items
+    from distserve.distbench.datasets import sharegpt_items
 
     convs = [
         {"conversations": [{"from": "human", "value": "q" * 40 * (i + 1)}, {"from": "gpt", "value": "a" * 80}]}

@@ -3,8 +3,8 @@
 
 from __future__ import annotations
 
-from distbench import cli, load_args
-from distbench.cli import main
+from distserve.distbench import cli, load_args
+from distserve.distbench.cli import main
 
 
 def test_repeat_refuses_a_variant_that_is_not_run_arguments(tmp_path, capsys):

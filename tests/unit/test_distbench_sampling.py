@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from distbench.cli import main
-from distbench.client import body_for
-from distbench.datasets import Item
-from distbench.loadgen import RunSpec
-from distbench.runner import Options, Workload, run
-from distbench.sampling import sampling_fields
+from distserve.distbench.cli import main
+from distserve.distbench.client import body_for
+from distserve.distbench.datasets import Item
+from distserve.distbench.loadgen import RunSpec
+from distserve.distbench.runner import Options, Workload, run
+from distserve.distbench.sampling import sampling_fields
 from tests.stub_server import StubServer
 
 

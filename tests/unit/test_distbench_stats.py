@@ -10,16 +10,16 @@ import json
 import numpy as np
 import pytest
 
-from distbench.compare import compare, compare_sides, format_report, split_sides
-from distbench.merge import busy_span, merge
-from distbench.metrics import summarize
-from distbench.records import RequestRecord
-from distbench.summary import format_summary
-from distbench.sweep import goodput_of, non_monotonic
-from sla.audit import audit
-from sla.cli import main as sla_main
-from sla.records import load_records
-from sla.spec import SlaSpec
+from distserve.distbench.compare import compare, compare_sides, format_report, split_sides
+from distserve.distbench.merge import busy_span, merge
+from distserve.distbench.metrics import summarize
+from distserve.distbench.records import RequestRecord
+from distserve.distbench.summary import format_summary
+from distserve.distbench.sweep import goodput_of, non_monotonic
+from distserve.sla.audit import audit
+from distserve.sla.cli import main as sla_main
+from distserve.sla.records import load_records
+from distserve.sla.spec import SlaSpec
 
 
 def scripted_runs(rng, k: int, n: int = 150, shift_ms: float = 0.0, run_sd: float = 0.15) -> list[dict]:
@@ -221,12 +221,12 @@ def test_sweep_goodput_is_below_every_failure_and_non_monotonic_points_are_named
 
 
 def test_compat_vllm_takes_ttft_from_the_actual_send_and_vllms_schedule():
-    from distbench.strategies import schedule
-    from distbench.vllm_compat import vllm_offsets
+    from distserve.distbench.strategies import schedule
+    from distserve.distbench.vllm_compat import vllm_offsets
 
     offs = vllm_offsets(schedule("poisson", 81, 4.0, 1.0, 3), 4.0)
     assert len(offs) == 80 and offs[0] > 0 and offs[-1] == pytest.approx(20.0)  # vLLM 0.32's get_request
-    from distbench import result as result_mod
+    from distserve.distbench import result as result_mod
 
     recs = [
         RequestRecord(

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from distbench import result
-from distbench.cli import main as distbench_main
-from distbench.records import RequestRecord
+from distserve.distbench import result
+from distserve.distbench.cli import main as distbench_main
+from distserve.distbench.records import RequestRecord
 
 
 def _real(path: Path) -> Path:

@@ -12,10 +12,10 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from server.engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
-from server.engine.sampling_params import SamplingParams  # noqa: E402
-from server.engine.scheduler import ScheduledSeq  # noqa: E402
-from server.engine.sequence import Sequence  # noqa: E402
+from distserve.server.engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
+from distserve.server.engine.sampling_params import SamplingParams  # noqa: E402
+from distserve.server.engine.scheduler import ScheduledSeq  # noqa: E402
+from distserve.server.engine.sequence import Sequence  # noqa: E402
 
 # name -> (config class name, kwargs)
 SHAPES = {

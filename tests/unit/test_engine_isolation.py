@@ -6,9 +6,9 @@ import random
 
 import torch
 
-from server.engine.llm_engine import EngineConfig, LLMEngine
-from server.engine.sampler import NON_FINITE, Sampler
-from server.engine.sampling_params import SamplingParams
+from distserve.server.engine.llm_engine import EngineConfig, LLMEngine
+from distserve.server.engine.sampler import NON_FINITE, Sampler
+from distserve.server.engine.sampling_params import SamplingParams
 
 
 def make_prompts(n: int, seed: int = 0) -> list[list[int]]:

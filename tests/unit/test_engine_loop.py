@@ -7,9 +7,9 @@ import time
 
 import pytest
 
-from server.engine.llm_engine import EngineConfig, LLMEngine
-from server.engine.sampling_params import SamplingParams
-from server.workers.engine_loop import EngineLoop, GcPolicy, resolve_engine_thread
+from distserve.server.engine.llm_engine import EngineConfig, LLMEngine
+from distserve.server.engine.sampling_params import SamplingParams
+from distserve.server.workers.engine_loop import EngineLoop, GcPolicy, resolve_engine_thread
 
 PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 

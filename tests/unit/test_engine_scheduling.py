@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from server.engine.block_manager import BlockManager
-from server.engine.llm_engine import EngineConfig, LLMEngine
-from server.engine.sampling_params import SamplingParams
-from server.engine.sequence import Sequence, SequenceStatus
+from distserve.server.engine.block_manager import BlockManager
+from distserve.server.engine.llm_engine import EngineConfig, LLMEngine
+from distserve.server.engine.sampling_params import SamplingParams
+from distserve.server.engine.sequence import Sequence, SequenceStatus
 
 PROMPTS = [[1] + [(7 * i + 13 * j) % 500 + 3 for j in range(n)] for i, n in enumerate([7, 12, 3, 9, 15, 5])]
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)

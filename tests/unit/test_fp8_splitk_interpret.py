@@ -33,8 +33,8 @@ assert t.tolist() == [0, 1, 2, 3]
 
 CASES = """
 import torch
-from server.engine import fp8_linear as fl
-from server.engine.fp8 import quantize_per_channel
+from distserve.server.engine import fp8_linear as fl
+from distserve.server.engine.fp8 import quantize_per_channel
 torch.manual_seed(0)
 worst = 0.0
 for m, n, k, bias in [(5, 70, 96, False), (33, 130, 200, True)]:

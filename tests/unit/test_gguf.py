@@ -12,11 +12,11 @@ import torch
 gguf = pytest.importorskip("gguf")
 pytest.importorskip("transformers")
 
-from server.engine import gguf_loader  # noqa: E402
-from server.engine.gguf_file import GGUFFile  # noqa: E402
-from server.engine.gguf_quants import dequantize  # noqa: E402
-from server.engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
-from server.engine.loader import (  # noqa: E402
+from distserve.server.engine import gguf_loader  # noqa: E402
+from distserve.server.engine.gguf_file import GGUFFile  # noqa: E402
+from distserve.server.engine.gguf_quants import dequantize  # noqa: E402
+from distserve.server.engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
+from distserve.server.engine.loader import (  # noqa: E402
     find_weight_files,
     load_model_config,
     load_state_dict,
@@ -24,7 +24,7 @@ from server.engine.loader import (  # noqa: E402
     model_display_name,
     resolve_model_path,
 )
-from server.engine.sampling_params import SamplingParams  # noqa: E402
+from distserve.server.engine.sampling_params import SamplingParams  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
 SMOLLM2_TEMPLATE = (
@@ -39,7 +39,7 @@ HIDDEN, HEADS, KV_HEADS, LAYERS, FFN = 64, 4, 2, 2, 128
 
 
 def _byte_level_tokens() -> list[str]:
-    from server.engine.tokenizer import _bytes_to_unicode
+    from distserve.server.engine.tokenizer import _bytes_to_unicode
 
     return list(_bytes_to_unicode().values())
 
@@ -186,7 +186,7 @@ def test_tokenizer_equals_transformers(gguf_path):
 
 def test_gguf_of_a_safetensors_folder_equals_the_folder(tmp_path):
     """llama.cpp permutes Q/K rows; unpermuting must give back Hugging Face's layout exactly."""
-    from server.engine.tiny_model import make_tiny_model
+    from distserve.server.engine.tiny_model import make_tiny_model
 
     folder = make_tiny_model(
         tmp_path / "hf",
@@ -263,7 +263,7 @@ def test_unsupported_architecture_is_named(tmp_path):
 def test_named_model_missing_package_names_it(monkeypatch):
     import importlib.util
 
-    from server.engine import named_models
+    from distserve.server.engine import named_models
 
     real = importlib.util.find_spec
     monkeypatch.setattr(

@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from server.engine.attention import get_attention_backend
-from server.engine.cuda_graph_runner import capture_sizes
-from server.engine.presets import init_random_weights, is_preset, preset_config
+from distserve.server.engine.attention import get_attention_backend
+from distserve.server.engine.cuda_graph_runner import capture_sizes
+from distserve.server.engine.presets import init_random_weights, is_preset, preset_config
 
 
 def test_auto_is_cpu_paged_or_sdpa_on_cpu_and_gpu_names_refused():
-    from server.engine.attention.cpu_paged import available
+    from distserve.server.engine.attention.cpu_paged import available
 
     assert get_attention_backend("auto", torch.device("cpu")).name == ("cpu_paged" if available() else "sdpa")
     assert get_attention_backend("sdpa", torch.device("cpu")).name == "sdpa"
@@ -36,8 +36,8 @@ def test_presets():
 
 
 def test_preset_engine_on_cpu_is_finite_and_deterministic():
-    from server.engine.llm_engine import EngineConfig, LLMEngine
-    from server.engine.sampling_params import SamplingParams
+    from distserve.server.engine.llm_engine import EngineConfig, LLMEngine
+    from distserve.server.engine.sampling_params import SamplingParams
 
     cfg = EngineConfig(model="preset:tiny-gpu", dtype="float32", num_blocks=64, max_model_len=128)
     eng = LLMEngine(cfg)
@@ -57,8 +57,8 @@ def test_capture_sizes():
 
 
 def test_init_random_weights_seeded():
-    from server.engine.attention import SdpaBackend
-    from server.engine.model import LlamaForCausalLM
+    from distserve.server.engine.attention import SdpaBackend
+    from distserve.server.engine.model import LlamaForCausalLM
 
     a = LlamaForCausalLM(preset_config("tiny-gpu"), SdpaBackend())
     b = LlamaForCausalLM(preset_config("tiny-gpu"), SdpaBackend())

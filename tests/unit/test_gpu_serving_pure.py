@@ -7,8 +7,8 @@ import math
 import pytest
 
 from bench.serving import gpu_serving
-from distbench import result
-from distbench.records import RequestRecord
+from distserve.distbench import result
+from distserve.distbench.records import RequestRecord
 
 
 def _res(n_ok: int, n_failed: int, ttft: float = 0.1, tpot: float = 0.02) -> dict:

@@ -15,14 +15,14 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from server.engine import model as model_mod
-from server.engine.model_config import ModelConfig
-from server.engine.model_runner import _token_span
-from server.engine.ops.layer_ops import apply_rope
-from server.idle import IdleTimeout
-from server.router import streaming
-from server.router.pipeline import TokenEvent
-from server.workers.app import _line, _token_line
+from distserve.server.engine import model as model_mod
+from distserve.server.engine.model_config import ModelConfig
+from distserve.server.engine.model_runner import _token_span
+from distserve.server.engine.ops.layer_ops import apply_rope
+from distserve.server.idle import IdleTimeout
+from distserve.server.router import streaming
+from distserve.server.router.pipeline import TokenEvent
+from distserve.server.workers.app import _line, _token_line
 
 TEXTS = [
     "",

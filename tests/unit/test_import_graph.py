@@ -111,26 +111,33 @@ def test_the_checker_finds_a_circle():
 
 
 def test_distbench_imports_in_no_circle(graph):
-    distbench = {m for m in graph if m == "distbench" or m.startswith("distbench.")}
-    assert {"distbench.cli", "distbench.commands", "distbench.locust_cmd", "distbench.load_args"} <= distbench
+    distbench = {m for m in graph if m == "distbench" or m.startswith("distserve.distbench.")}
+    assert {
+        "distserve.distbench.cli",
+        "distserve.distbench.commands",
+        "distserve.distbench.locust_cmd",
+        "distserve.distbench.load_args",
+    } <= distbench
     assert _cycles(graph, distbench) == []
-    assert "distbench.cli" not in _reachable(graph, "distbench.commands")
+    assert "distserve.distbench.cli" not in _reachable(graph, "distserve.distbench.commands")
 
 
 def test_the_model_imports_the_ops_and_the_ops_never_the_model(graph):
-    ops = {m for m in graph if m.startswith("server.engine.ops.")}
-    assert {"server.engine.ops.layer_ops", "server.engine.ops.cuda_ops"} <= ops
-    assert "server.engine.ops.layer_ops" in graph["server.engine.model"]
+    ops = {m for m in graph if m.startswith("distserve.server.engine.ops.")}
+    assert {"distserve.server.engine.ops.layer_ops", "distserve.server.engine.ops.cuda_ops"} <= ops
+    assert "distserve.server.engine.ops.layer_ops" in graph["distserve.server.engine.model"]
     for m in sorted(ops):
-        assert "server.engine.model" not in _reachable(graph, m), m
-    assert _cycles(graph, ops | {"server.engine.model"}) == []
-    assert not [m for m in graph if m in ("server.engine.layer_ops", "server.engine.cuda_ops")]  # moved, not copied
+        assert "distserve.server.engine.model" not in _reachable(graph, m), m
+    assert _cycles(graph, ops | {"distserve.server.engine.model"}) == []
+    assert not [
+        m for m in graph if m in ("distserve.server.engine.layer_ops", "distserve.server.engine.cuda_ops")
+    ]  # moved, not copied
 
 
 def test_the_router_http_layer_imports_in_no_circle(graph):
-    router = {m for m in graph if m.startswith("server.router.")}
-    layer = {m for m in router if m.startswith("server.router.routes")} | {
-        f"server.router.{n}"
+    router = {m for m in graph if m.startswith("distserve.server.router.")}
+    layer = {m for m in router if m.startswith("distserve.server.router.routes")} | {
+        f"distserve.server.router.{n}"
         for n in ("app", "state", "auth", "errors", "body", "prompts", "serving", "run", "streaming")
     }
     assert layer <= set(graph)
@@ -138,6 +145,11 @@ def test_the_router_http_layer_imports_in_no_circle(graph):
 
 
 def test_the_moved_modules_import_alone_in_a_fresh_interpreter():
-    for name in ("distbench.cli", "distbench.locust_cmd", "distbench.repeat", "server.engine.ops.layer_ops"):
+    for name in (
+        "distserve.distbench.cli",
+        "distserve.distbench.locust_cmd",
+        "distserve.distbench.repeat",
+        "distserve.server.engine.ops.layer_ops",
+    ):
         r = subprocess.run([sys.executable, "-c", f"import {name}"], cwd=ROOT, capture_output=True, text=True)
         assert r.returncode == 0, (name, r.stderr[-2000:])

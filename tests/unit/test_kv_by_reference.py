@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from server.engine.block_manager import BlockManager
-from server.engine.llm_engine import EngineConfig, LLMEngine
-from server.engine.sampling_params import SamplingParams
-from server.kv_transfer.by_reference import (
+from distserve.server.engine.block_manager import BlockManager
+from distserve.server.engine.llm_engine import EngineConfig, LLMEngine
+from distserve.server.engine.sampling_params import SamplingParams
+from distserve.server.kv_transfer.by_reference import (
     BlockSource,
     KVLessee,
     KVLessor,
@@ -27,7 +27,7 @@ from server.kv_transfer.by_reference import (
     check_block_ids,
     hand_off,
 )
-from server.kv_transfer.kv_arena import (
+from distserve.server.kv_transfer.kv_arena import (
     ARENA_PREFIX,
     ArenaDescription,
     ArenaError,
@@ -36,7 +36,7 @@ from server.kv_transfer.kv_arena import (
     ArenaOwner,
     layout_for,
 )
-from server.preflight import sweep_orphan_segments
+from distserve.server.preflight import sweep_orphan_segments
 from tests.unit.kv_ref_peer import LAYOUT, NUM_TOKENS, known_kv
 
 ROOT = Path(__file__).resolve().parents[2]

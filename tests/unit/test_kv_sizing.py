@@ -3,8 +3,8 @@ measuring path runs in tests/gpu."""
 
 import pytest
 
-from server.config import DistServeConfig
-from server.engine.kv_sizing import kv_blocks_from_memory
+from distserve.server.config import DistServeConfig
+from distserve.server.engine.kv_sizing import kv_blocks_from_memory
 
 GiB = 2**30
 

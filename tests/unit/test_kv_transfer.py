@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from server.kv_transfer import (
+from distserve.server.kv_transfer import (
     FrameError,
     KVHandle,
     KVPuller,
@@ -33,7 +33,7 @@ from server.kv_transfer import (
     receiver,
     shm,
 )
-from server.kv_transfer import frame as fr
+from distserve.server.kv_transfer import frame as fr
 
 REPO = Path(__file__).resolve().parents[2]
 SHAPE = (3, 2, 17, 4, 24)  # [num_layers, 2, num_tokens, num_kv_heads, head_dim]
@@ -501,8 +501,8 @@ def test_close_unlinks_all_segments(prefix, puller):
 # ------------------------------------------------------------------ a real second process
 _CHILD = textwrap.dedent("""
     import hashlib, json, sys
-    from server.kv_transfer import KVHandle, KVPuller
-    from server.kv_transfer.frame import tensor_bytes
+    from distserve.server.kv_transfer import KVHandle, KVPuller
+    from distserve.server.kv_transfer.frame import tensor_bytes
     out = []
     for line in sys.stdin:
         r = KVPuller().pull(KVHandle.from_dict(json.loads(line)), 10)

@@ -13,11 +13,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from server.engine.attention import SdpaBackend
-from server.engine.llm_engine import EngineConfig, LLMEngine
-from server.engine.ops import cuda_ops
-from server.engine.ops.layer_ops import TorchLayerOps, select_layer_ops
-from server.engine.sampling_params import SamplingParams
+from distserve.server.engine.attention import SdpaBackend
+from distserve.server.engine.llm_engine import EngineConfig, LLMEngine
+from distserve.server.engine.ops import cuda_ops
+from distserve.server.engine.ops.layer_ops import TorchLayerOps, select_layer_ops
+from distserve.server.engine.sampling_params import SamplingParams
 
 
 class RecordingOps(TorchLayerOps):

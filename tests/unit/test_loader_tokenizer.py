@@ -13,15 +13,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from server.engine.loader import find_weight_files, load_state_dict, resolve_model_path
-from server.engine.model_config import ModelConfig
-from server.engine.tiny_model import (
+from distserve.server.engine.loader import find_weight_files, load_state_dict, resolve_model_path
+from distserve.server.engine.model_config import ModelConfig
+from distserve.server.engine.tiny_model import (
     build_byte_fallback_tokenizer,
     default_tiny_model_path,
     ensure_default_tiny_model,
     make_tiny_model,
 )
-from server.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from distserve.server.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -400,7 +400,7 @@ def test_ensure_default_tiny_model_concurrent(tmp_path, monkeypatch):
     go = tmp_path / "go"
     script = (
         "import os, sys, time\n"
-        "from server.engine.tiny_model import ensure_default_tiny_model\n"
+        "from distserve.server.engine.tiny_model import ensure_default_tiny_model\n"
         f"go = {str(go)!r}\n"
         "while not os.path.exists(go): time.sleep(0.005)\n"
         "print(ensure_default_tiny_model())\n"

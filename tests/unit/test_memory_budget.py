@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from server.config import DistServeConfig
-from server.engine.kv_sizing import MemoryBudgetError, kv_blocks_from_memory
-from server.launcher import Launcher, plan_workers
-from server.memory_budget import device_key, plan_memory_shares, shared_devices
-from server.workers.worker import engine_config_for
+from distserve.server.config import DistServeConfig
+from distserve.server.engine.kv_sizing import MemoryBudgetError, kv_blocks_from_memory
+from distserve.server.launcher import Launcher, plan_workers
+from distserve.server.memory_budget import device_key, plan_memory_shares, shared_devices
+from distserve.server.workers.worker import engine_config_for
 
 GiB, MiB = 2**30, 2**20
 H200 = int(139.8 * GiB)

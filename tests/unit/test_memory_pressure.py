@@ -10,14 +10,14 @@ import httpx
 import pytest
 import torch
 
-from server.config import DistServeConfig
-from server.engine.llm_engine import EngineConfig, LLMEngine
-from server.engine.memory_pressure import MemoryPressure, is_memory_error
-from server.engine.sampling_params import SamplingParams
-from server.metrics import WorkerMetrics
-from server.workers.app import WorkerState, create_worker_app
-from server.workers.engine_loop import EngineLoop
-from server.workers.fault import arm_oom
+from distserve.server.config import DistServeConfig
+from distserve.server.engine.llm_engine import EngineConfig, LLMEngine
+from distserve.server.engine.memory_pressure import MemoryPressure, is_memory_error
+from distserve.server.engine.sampling_params import SamplingParams
+from distserve.server.metrics import WorkerMetrics
+from distserve.server.workers.app import WorkerState, create_worker_app
+from distserve.server.workers.engine_loop import EngineLoop
+from distserve.server.workers.fault import arm_oom
 
 PARAMS = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 
@@ -122,9 +122,9 @@ def test_worker_reports_oom_on_metrics_and_health_and_keeps_serving(engine):
 
 
 def test_router_health_is_degraded_while_a_worker_reports_memory_errors_and_workers_show_sizing():
-    from server.router.app import RouterState, create_router_app
-    from server.router.registry import WorkerRegistry
-    from server.wire import RegisterRequest, WorkerStatus
+    from distserve.server.router.app import RouterState, create_router_app
+    from distserve.server.router.registry import WorkerRegistry
+    from distserve.server.wire import RegisterRequest, WorkerStatus
 
     reg = WorkerRegistry(heartbeat_timeout_s=30)
     fp = {"architecture": "llama"}
@@ -162,7 +162,7 @@ def test_prefill_worker_out_of_memory_after_its_step_fails_that_request_and_free
     """The KV gather of a prefilled prompt (out of the pool, before staging) runs out of memory: that request
     gets a clear error in its answer (not a 500), its blocks come back, /health says degraded, and the next
     request is served."""
-    from server.wire import PrefillResponse
+    from distserve.server.wire import PrefillResponse
 
     async def main():
         loop = EngineLoop(engine, threaded=True)

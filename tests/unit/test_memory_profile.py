@@ -13,13 +13,13 @@ from dataclasses import replace
 
 import pytest
 
-from server.config import DistServeConfig
-from server.engine.kv_sizing import MemoryBudgetError
-from server.engine.llm_engine import EngineConfig, LLMEngine
-from server.engine.memory_profile import SizingInputs, pinned_limit_bytes, size_kv_pool
-from server.engine.sampling_params import SamplingParams
-from server.launcher import Launcher, StartupRefused
-from server.workers.worker import engine_config_for, process_limit_bytes
+from distserve.server.config import DistServeConfig
+from distserve.server.engine.kv_sizing import MemoryBudgetError
+from distserve.server.engine.llm_engine import EngineConfig, LLMEngine
+from distserve.server.engine.memory_profile import SizingInputs, pinned_limit_bytes, size_kv_pool
+from distserve.server.engine.sampling_params import SamplingParams
+from distserve.server.launcher import Launcher, StartupRefused
+from distserve.server.workers.worker import engine_config_for, process_limit_bytes
 
 MiB, GiB = 2**20, 2**30
 BLOCK = 8 * MiB

@@ -19,11 +19,11 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from server.engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
-from server.engine.model_config import ModelConfig  # noqa: E402
-from server.engine.sampling_params import SamplingParams  # noqa: E402
-from server.engine.scheduler import ScheduledSeq  # noqa: E402
-from server.engine.sequence import Sequence  # noqa: E402
+from distserve.server.engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
+from distserve.server.engine.model_config import ModelConfig  # noqa: E402
+from distserve.server.engine.sampling_params import SamplingParams  # noqa: E402
+from distserve.server.engine.scheduler import ScheduledSeq  # noqa: E402
+from distserve.server.engine.sequence import Sequence  # noqa: E402
 
 SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=300)
 CASES = {
@@ -146,7 +146,7 @@ def test_an_unknown_rope_type_is_one_sentence_exit_2_through_the_cli(tmp_path):
         json.dumps({**BASE, "rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}})
     )
     r = subprocess.run(
-        [sys.executable, "-m", "server.cli", "serve", "--model", str(tmp_path), "--port", "0"],
+        [sys.executable, "-m", "distserve.server.cli", "serve", "--model", str(tmp_path), "--port", "0"],
         capture_output=True,
         text=True,
         timeout=120,

@@ -3,7 +3,7 @@ passes, a GEMM that returns NaN or wrong values in one tile is named in one sent
 
 import torch
 
-from server.mps import gemm_self_check
+from distserve.server.mps import gemm_self_check
 
 
 def test_a_right_gemm_passes():

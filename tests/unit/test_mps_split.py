@@ -11,10 +11,10 @@ import sys
 
 import pytest
 
-from server.commands.serve import sm_split_problem, with_sm_split
-from server.config import DistServeConfig
-from server.engine.presets import counter_normal
-from server.mps import (
+from distserve.server.commands.serve import sm_split_problem, with_sm_split
+from distserve.server.config import DistServeConfig
+from distserve.server.engine.presets import counter_normal
+from distserve.server.mps import (
     LOG_ENV,
     MEM_ENV,
     PIPE_ENV,
@@ -153,8 +153,8 @@ def test_stale_daemon_of_a_killed_launcher_is_quit_and_removed_at_the_next_start
 
 def test_launcher_starts_each_split_worker_as_an_mps_client_and_stops_the_daemon(fake_mps, monkeypatch):
     root, calls = fake_mps
-    monkeypatch.setattr("server.launcher.device_total_mib", lambda index: 143771)
-    monkeypatch.setattr("server.launcher.device_sm_count", lambda index: 132)
+    monkeypatch.setattr("distserve.server.launcher.device_total_mib", lambda index: 143771)
+    monkeypatch.setattr("distserve.server.launcher.device_sm_count", lambda index: 132)
     cfg = with_sm_split(DistServeConfig(), (60, 40))
     la = _RecordingLauncher(cfg, "disaggregated", 1, 1, "t", pinning="none", device="cuda:0")
     la.mps_root = str(root)

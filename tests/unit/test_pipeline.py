@@ -13,10 +13,10 @@ import json
 import aiohttp
 from aiohttp import web
 
-from server.metrics import RouterMetrics
-from server.router.pipeline import EngineRequest, Pipeline, PipelineOptions, TokenEvent
-from server.router.registry import WorkerRegistry
-from server.wire import InternalSampling, RegisterRequest, WorkerStatus
+from distserve.server.metrics import RouterMetrics
+from distserve.server.router.pipeline import EngineRequest, Pipeline, PipelineOptions, TokenEvent
+from distserve.server.router.registry import WorkerRegistry
+from distserve.server.wire import InternalSampling, RegisterRequest, WorkerStatus
 
 
 def _line(tokens, finished=False, reason=None) -> bytes:

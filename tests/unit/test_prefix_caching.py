@@ -10,10 +10,10 @@ import random
 import pytest
 import torch
 
-from server.engine.block_manager import BlockManager, block_digest
-from server.engine.llm_engine import EngineConfig, LLMEngine
-from server.engine.sampling_params import SamplingParams
-from server.engine.sequence import Sequence
+from distserve.server.engine.block_manager import BlockManager, block_digest
+from distserve.server.engine.llm_engine import EngineConfig, LLMEngine
+from distserve.server.engine.sampling_params import SamplingParams
+from distserve.server.engine.sequence import Sequence
 from tests.unit.test_engine_scheduling import assert_engine_empty
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -204,7 +204,7 @@ def test_graph_runner_rows_follow_a_table_rebuilt_after_preemption():
     and re-admission through the prefix cache a sequence can have a table of the same length
     with other block ids. Run the graph runner's static-buffer code eagerly on the CPU
     (use_graphs=False) and compare with the plain runner, with caching on and off."""
-    from server.engine.cuda_graph_runner import CudaGraphRunner
+    from distserve.server.engine.cuda_graph_runner import CudaGraphRunner
 
     prompts = [[1, 46, 336, 238, 14, 72, 156, 368, 277, 155, 392], [1, 46, 336, 238, 301, 176, 345, 93, 272]]
     params = SamplingParams(max_tokens=11, temperature=0.0, ignore_eos=True)

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from server.config import ConfigError, load_config
-from server.launchers.ray_placement import actor_options, parse_resources, torch_threads
+from distserve.server.config import ConfigError, load_config
+from distserve.server.launchers.ray_placement import actor_options, parse_resources, torch_threads
 
 
 def test_cpu_and_gpu_become_ray_options_and_the_rest_stay_custom_resources():
@@ -38,7 +38,9 @@ def test_config_section_validates_and_round_trips():
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "server.cli", *args], capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "distserve.server.cli", *args], capture_output=True, text=True, timeout=120
+    )
 
 
 @pytest.mark.parametrize(
@@ -60,7 +62,7 @@ def test_usage_errors_exit_2_with_one_sentence(args, says):
 
 def test_ray_is_imported_only_by_the_ray_launcher_and_its_absence_is_one_sentence():
     code = (
-        "import sys; import server.cli; assert 'ray' not in sys.modules, 'ray imported by the CLI'; "
+        "import sys; import distserve.server.cli; from distserve import server; assert 'ray' not in sys.modules, 'ray imported by the CLI'; "
         "sys.modules['ray'] = None; sys.exit(server.cli.main(%r))"
     )
     for argv in (["scale", "--decode", "2"], ["serve", "--launcher", "ray"]):

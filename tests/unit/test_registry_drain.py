@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import time
 
-from server.router.registry import WorkerRegistry
-from server.wire import RegisterRequest, WorkerStatus
+from distserve.server.router.registry import WorkerRegistry
+from distserve.server.wire import RegisterRequest, WorkerStatus
 
 
 def _reg(wid: str, role: str = "decode", pid: int = 1) -> RegisterRequest:

@@ -10,11 +10,11 @@ import time
 
 import pytest
 
-from server.config import DistServeConfig
-from server.idle import IdleTimeout
-from server.launcher import Launcher, RestartPolicy, _Worker
-from server.router.registry import WorkerRegistry
-from server.wire import RegisterRequest, WorkerStatus
+from distserve.server.config import DistServeConfig
+from distserve.server.idle import IdleTimeout
+from distserve.server.launcher import Launcher, RestartPolicy, _Worker
+from distserve.server.router.registry import WorkerRegistry
+from distserve.server.wire import RegisterRequest, WorkerStatus
 
 
 def _reg(wid: str, role: str = "decode", pid: int = 1) -> RegisterRequest:
@@ -106,7 +106,7 @@ def _exited(rc: int) -> subprocess.Popen:
 
 
 def test_supervisor_restarts_with_backoff_then_stops_a_crash_loop(launcher):
-    # argv that makes `python -m server.cli` exit 0 at once when restarted
+    # argv that makes `python -m distserve.server.cli` exit 0 at once when restarted
     w = _Worker("decode-0", ["make-tiny-model", "--help"], None, None, _exited(1))
     launcher.supervised["decode-0"] = w
     launcher.procs.append(w.proc)

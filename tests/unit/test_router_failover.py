@@ -12,12 +12,12 @@ import pytest
 from aiohttp import web
 from fastapi.testclient import TestClient
 
-from server.config import RouterConfig, load_config
-from server.router.app import RouterState, create_router_app
-from server.router.backup_pool import endpoint
-from server.router.protocol import CompletionRequest, parse
-from server.router.registry import WorkerRegistry
-from server.router.sampling_defaults import default_sampling
+from distserve.server.config import RouterConfig, load_config
+from distserve.server.router.app import RouterState, create_router_app
+from distserve.server.router.backup_pool import endpoint
+from distserve.server.router.protocol import CompletionRequest, parse
+from distserve.server.router.registry import WorkerRegistry
+from distserve.server.router.sampling_defaults import default_sampling
 
 
 def free_port() -> int:
@@ -53,8 +53,8 @@ def test_no_primary_and_backup_unreachable_is_503_at_once(tmp_path):
 
 
 def test_open_breaker_with_unreachable_backup_falls_back_to_primary(tmp_path):
-    from sla.breaker import BreakerState
-    from sla.window import WindowStats
+    from distserve.sla.breaker import BreakerState
+    from distserve.sla.window import WindowStats
 
     with make_client(
         tmp_path,
@@ -168,7 +168,7 @@ def test_sampling_defaults_from_config(strategy, given, expect):
 def test_fault_request_validation_and_step_choice():
     from pydantic import ValidationError
 
-    from server.workers.fault import FaultRequest, StepDelays
+    from distserve.server.workers.fault import FaultRequest, StepDelays
 
     d = StepDelays.from_request(FaultRequest(prefill_delay_ms=250, decode_delay_ms=10))
     assert d.for_step(has_waiting=True) == 0.25 and d.for_step(has_waiting=False) == 0.01
@@ -215,8 +215,8 @@ class _StatusPrefill:
 def test_a_request_the_worker_refuses_is_not_an_sla_failure(tmp_path, worker_status, counted):
     """A worker's 400 is the client's fault: answered 400, counted "rejected", journaled with status 400,
     which the audit leaves out of availability. A worker's 500 is the server's: a failed request."""
-    from server.wire import RegisterRequest
-    from sla.records import load_records
+    from distserve.server.wire import RegisterRequest
+    from distserve.sla.records import load_records
 
     fake = _StatusPrefill(worker_status)
     try:

@@ -6,11 +6,11 @@ from __future__ import annotations
 from fastapi.routing import APIRoute
 from fastapi.testclient import TestClient
 
-from server.config import load_config
-from server.router.app import ROUTE_FAMILIES, create_router_app
-from server.router.auth import require_admin_token
-from server.router.registry import WorkerRegistry
-from server.router.state import RouterState
+from distserve.server.config import load_config
+from distserve.server.router.app import ROUTE_FAMILIES, create_router_app
+from distserve.server.router.auth import require_admin_token
+from distserve.server.router.registry import WorkerRegistry
+from distserve.server.router.state import RouterState
 
 TOKEN = "s3cret"
 ADMIN_ROUTES = {
@@ -107,12 +107,12 @@ def test_a_worker_leaving_is_logged_like_one_joining(tmp_path, caplog):
     """Before: the router logged 'worker X registered at URL' and nothing when X deregistered on its way out."""
     import logging
 
-    from server.wire import CREDENTIAL_HEADER
+    from distserve.server.wire import CREDENTIAL_HEADER
 
     auth = {"Authorization": f"Bearer {TOKEN}"}
     reg = {"worker_id": "prefill-0", "role": "prefill", "url": "http://127.0.0.1:9", "pid": 4242,
            "fingerprint": {"architecture": "LlamaForCausalLM"}, "max_model_len": 2048}  # fmt: skip
-    with _client(tmp_path) as c, caplog.at_level(logging.INFO, logger="server.router"):
+    with _client(tmp_path) as c, caplog.at_level(logging.INFO, logger="distserve.server.router"):
         r = c.post("/register", json=reg, headers=auth)
         assert r.status_code == 200, r.text
         cred = {CREDENTIAL_HEADER: r.json()["credential"], **auth}

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from server.engine.tokenizer import Tokenizer
-from server.router import protocol
-from server.router.text import TextAssembler
+from distserve.server.engine.tokenizer import Tokenizer
+from distserve.server.router import protocol
+from distserve.server.router.text import TextAssembler
 
 TOK = Tokenizer.byte_tokenizer()
 

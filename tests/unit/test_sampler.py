@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
-from server.engine.llm_engine import EngineConfig, LLMEngine
-from server.engine.sampler import NON_FINITE, Sampler, uniform_reference, uniforms
-from server.engine.sampling_params import SamplingParams
+from distserve.server.engine.llm_engine import EngineConfig, LLMEngine
+from distserve.server.engine.sampler import NON_FINITE, Sampler, uniform_reference, uniforms
+from distserve.server.engine.sampling_params import SamplingParams
 
 VOCAB = 16
 DRAWS = 6000

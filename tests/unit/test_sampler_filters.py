@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from server.engine.graph_sampler import GraphSampler
-from server.engine.radix_filter import top_k_mask, top_k_mask_host, top_p_mask, top_p_mask_host
-from server.engine.sampler import NON_FINITE, Filters, Sampler, row_params, sample_rows
-from server.engine.sampling_params import SamplingParams
+from distserve.server.engine.graph_sampler import GraphSampler
+from distserve.server.engine.radix_filter import top_k_mask, top_k_mask_host, top_p_mask, top_p_mask_host
+from distserve.server.engine.sampler import NON_FINITE, Filters, Sampler, row_params, sample_rows
+from distserve.server.engine.sampling_params import SamplingParams
 from tests.unit.test_sampler import DRAWS, VOCAB, _check_chi2, _reference, _row
 
 V = 3000
@@ -143,8 +143,8 @@ def test_the_graph_function_draws_the_reference_distribution(params):
 
 def test_an_engine_samples_the_same_tokens_through_the_graph_sampler():
     """The engine with the graph sampler attached (its CPU stand-in) generates what it generates without."""
-    from server.engine.cuda_graph_runner import attach_graph_sampler
-    from server.engine.llm_engine import EngineConfig, LLMEngine
+    from distserve.server.engine.cuda_graph_runner import attach_graph_sampler
+    from distserve.server.engine.llm_engine import EngineConfig, LLMEngine
 
     engine = LLMEngine(EngineConfig(max_num_seqs=8))
     prompts = [[1, 5 + i, 9, 2 * i + 3] for i in range(6)]

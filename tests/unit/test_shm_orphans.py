@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from server.kv_transfer.shm import SEGMENT_NAME_RE, create_segment, destroy_segment
-from server.preflight import SHM_PREFIX, sweep_orphan_segments
+from distserve.server.kv_transfer.shm import SEGMENT_NAME_RE, create_segment, destroy_segment
+from distserve.server.preflight import SHM_PREFIX, sweep_orphan_segments
 
 
 def _dead_pid() -> int:

@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from sla.audit import COLUMNS, audit
-from sla.cli import main as sla_main
-from sla.records import RecordsError, load_records
-from sla.spec import SlaSpec
+from distserve.sla.audit import COLUMNS, audit
+from distserve.sla.cli import main as sla_main
+from distserve.sla.records import RecordsError, load_records
+from distserve.sla.spec import SlaSpec
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -320,7 +320,7 @@ def test_distserve_sla_subcommand(tmp_path):
         [
             sys.executable,
             "-m",
-            "server.cli",
+            "distserve.server.cli",
             "sla",
             "audit",
             "--spec",

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from sla.cli import main as sla_main
+from distserve.sla.cli import main as sla_main
 
 SPEC = {"name": "t", "window_s": 3600, "availability": 0.9, "objectives": []}
 T0 = 1_800_000_000.0

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from sla.audit import COLUMNS
-from sla.cli import main as sla_main
+from distserve.sla.audit import COLUMNS
+from distserve.sla.cli import main as sla_main
 
 from .test_sla_audit import spec_file, synthetic_result
 

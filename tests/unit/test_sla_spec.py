@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from sla.spec import SlaSpec, SpecError, load_spec
+from distserve.sla.spec import SlaSpec, SpecError, load_spec
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from sla.breaker import BreakerSettings, BreakerState, CircuitBreaker
-from sla.window import LatencyHistogram, RollingWindow, WindowStats
+from distserve.sla.breaker import BreakerSettings, BreakerState, CircuitBreaker
+from distserve.sla.window import LatencyHistogram, RollingWindow, WindowStats
 
 
 class FakeClock:
@@ -36,7 +36,7 @@ def test_fast_percentile_matches_hdrhistogram():
 
 
 def test_vectorised_indices_match_hdrhistogram():
-    from sla.window import HIGHEST_US, LAYOUT
+    from distserve.sla.window import HIGHEST_US, LAYOUT
 
     rng = random.Random(2)
     values = [1, 2, 1023, 1024, 2047, 2048, 2049, 4095, 4096, 999_999, 1_000_000, HIGHEST_US - 1, HIGHEST_US]

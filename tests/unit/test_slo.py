@@ -8,16 +8,16 @@ import math
 
 import pytest
 
-from distbench.metrics import attainment as distbench_attainment
-from distbench.metrics import meets as distbench_meets
-from distbench.records import RequestRecord
-from distbench.runner import verdict
-from planner import slo as planner_slo
-from sla import slo
-from sla.audit import _latency_row
-from sla.breaker import BreakerSettings, BreakerState, CircuitBreaker
-from sla.spec import Objective
-from sla.window import WindowStats
+from distserve.distbench.metrics import attainment as distbench_attainment
+from distserve.distbench.metrics import meets as distbench_meets
+from distserve.distbench.records import RequestRecord
+from distserve.distbench.runner import verdict
+from distserve.planner import slo as planner_slo
+from distserve.sla import slo
+from distserve.sla.audit import _latency_row
+from distserve.sla.breaker import BreakerSettings, BreakerState, CircuitBreaker
+from distserve.sla.spec import Objective
+from distserve.sla.window import WindowStats
 
 
 def test_the_rules_as_stated():
@@ -89,7 +89,7 @@ def test_the_gate_uses_the_shared_comparison():
     import ast
     import inspect
 
-    from ci import gate
+    from distserve.ci import gate
 
     tree = ast.parse(inspect.getsource(gate))
     calls = {n.func.id for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}

@@ -9,9 +9,9 @@ import json
 import jsonschema
 import pytest
 
-from server.engine.llm_engine import EngineConfig, LLMEngine
-from server.engine.sampling_params import SamplingParams
-from server.engine.structured.grammar import Constraint, GrammarError, validate
+from distserve.server.engine.llm_engine import EngineConfig, LLMEngine
+from distserve.server.engine.sampling_params import SamplingParams
+from distserve.server.engine.structured.grammar import Constraint, GrammarError, validate
 from tests.structured_schemas import SCHEMAS
 
 PROMPT = [1, 40, 41, 42, 43]
@@ -98,7 +98,7 @@ def test_gbnf_grammar_is_converted():
 def test_host_and_device_unpacking_of_the_bitmask_agree():
     import torch
 
-    from server.engine.structured.decoding import unpack_on_device, unpack_on_host
+    from distserve.server.engine.structured.decoding import unpack_on_device, unpack_on_host
 
     g = torch.Generator().manual_seed(0)
     bits = torch.randint(-(2**31), 2**31 - 1, (5, 7), dtype=torch.int32, generator=g)

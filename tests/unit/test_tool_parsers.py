@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from server.router import tool_calls
-from server.router.protocol import ChatCompletionRequest, InvalidRequest, parse
+from distserve.server.router import tool_calls
+from distserve.server.router.protocol import ChatCompletionRequest, InvalidRequest, parse
 
 NAMES = {"get_weather", "get_time"}
 

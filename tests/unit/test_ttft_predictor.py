@@ -11,13 +11,13 @@ import random
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from server.config import load_config
-from server.latency_model import prefill_steps
-from server.router.admission import Admission, Slo
-from server.router.decode_room import DecodeRoom, NoRoom
-from server.router.registry import WorkerRegistry
-from server.router.ttft_predictor import OnlineFit, RequestPhases, TtftPredictor
-from server.wire import RegisterRequest
+from distserve.server.config import load_config
+from distserve.server.latency_model import prefill_steps
+from distserve.server.router.admission import Admission, Slo
+from distserve.server.router.decode_room import DecodeRoom, NoRoom
+from distserve.server.router.registry import WorkerRegistry
+from distserve.server.router.ttft_predictor import OnlineFit, RequestPhases, TtftPredictor
+from distserve.server.wire import RegisterRequest
 
 B, S = 4096, 32  # prefill.max_num_batched_tokens, prefill.max_batch_size (the defaults)
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from server.engine.attention.base import AttentionBackend, AttentionMetadata
-from server.engine.attention.sdpa import SdpaBackend
+from distserve.server.engine.attention.base import AttentionBackend, AttentionMetadata
+from distserve.server.engine.attention.sdpa import SdpaBackend
 
 BACKEND_NAMES = ("auto", "sdpa", "cpu_paged", "flash_attn_v2", "triton")
 
@@ -14,12 +14,12 @@ def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
     if name not in BACKEND_NAMES:
         raise ValueError(f"attention_backend must be one of {', '.join(BACKEND_NAMES)}; got {name!r}")
     if name == "auto" and device.type == "cuda":  # GPU: the Triton paged-decode backend when Triton imports
-        from server.engine.attention.triton_decode import HAS_TRITON, TritonBackend
+        from distserve.server.engine.attention.triton_decode import HAS_TRITON, TritonBackend
 
         if HAS_TRITON:
             return TritonBackend()
     if name in ("auto", "cpu_paged") and device.type == "cpu":  # CPU: the paged C++ decode kernel when it builds
-        from server.engine.attention.cpu_paged import CpuPagedBackend, unavailable_reason
+        from distserve.server.engine.attention.cpu_paged import CpuPagedBackend, unavailable_reason
 
         if CpuPagedBackend.available():
             return CpuPagedBackend()
@@ -32,12 +32,12 @@ def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
     if device.type != "cuda":
         raise ValueError(f"attention_backend {name!r} needs a CUDA device; use 'sdpa' or 'auto' on {device.type}")
     if name == "triton":
-        from server.engine.attention.triton_decode import HAS_TRITON, TritonBackend
+        from distserve.server.engine.attention.triton_decode import HAS_TRITON, TritonBackend
 
         if HAS_TRITON:
             return TritonBackend()
     if name == "flash_attn_v2":
-        from server.engine.attention.flash_attn_backend import HAS_FLASH_ATTN, FlashAttnBackend
+        from distserve.server.engine.attention.flash_attn_backend import HAS_FLASH_ATTN, FlashAttnBackend
 
         if HAS_FLASH_ATTN:
             return FlashAttnBackend()

@@ -41,8 +41,8 @@ from pathlib import Path
 
 import torch
 
-from server.engine.attention.base import AttentionMetadata
-from server.engine.attention.sdpa import SdpaBackend
+from distserve.server.engine.attention.base import AttentionMetadata
+from distserve.server.engine.attention.sdpa import SdpaBackend
 
 log = logging.getLogger(__name__)
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from server.engine.attention.base import AttentionBackend, AttentionMetadata, gather_kv, write_kv
-from server.engine.attention.sdpa import SdpaBackend
-from server.engine.attention.triton_decode import HAS_TRITON, paged_decode_attention, write_kv_triton
+from distserve.server.engine.attention.base import AttentionBackend, AttentionMetadata, gather_kv, write_kv
+from distserve.server.engine.attention.sdpa import SdpaBackend
+from distserve.server.engine.attention.triton_decode import HAS_TRITON, paged_decode_attention, write_kv_triton
 
 try:  # pragma: no cover - optional dependency
     from flash_attn import flash_attn_varlen_func

@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from server.engine.attention.base import AttentionBackend, AttentionMetadata, gather_kv, write_kv
-from server.engine.fp8 import FP8_DTYPE, as_bytes, dequantize, gather_kv_fp8, write_kv_fp8
+from distserve.server.engine.attention.base import AttentionBackend, AttentionMetadata, gather_kv, write_kv
+from distserve.server.engine.fp8 import FP8_DTYPE, as_bytes, dequantize, gather_kv_fp8, write_kv_fp8
 
 
 class SdpaBackend(AttentionBackend):

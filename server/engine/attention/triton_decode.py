@@ -31,8 +31,8 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from server.engine.attention.base import AttentionBackend, AttentionMetadata, gather_kv
-from server.engine.fp8 import FP8_MAX, gather_kv_fp8
+from distserve.server.engine.attention.base import AttentionBackend, AttentionMetadata, gather_kv
+from distserve.server.engine.fp8 import FP8_MAX, gather_kv_fp8
 
 log = logging.getLogger(__name__)
 
@@ -578,7 +578,7 @@ def tune_decode_configs(
     ``check`` (a bf16/fp16 cache): the cache is filled with random values first, and a candidate whose output
     differs from the default config's (or is not finite) at a point is not chosen (``report["rejected"]``):
     the fastest launch must also be right on this device and this SM partition. The cache is zeroed after."""
-    from server.engine.ops.cuda_ops import _graph_ms
+    from distserve.server.engine.ops.cuda_ops import _graph_ms
 
     dev = kv_cache.device
     num_kv_heads, head_dim = kv_cache.shape[2], kv_cache.shape[3]

@@ -26,11 +26,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from server.engine.attention import AttentionBackend, AttentionMetadata
-from server.engine.ops.protocols import RopeInputs
+from distserve.server.engine.attention import AttentionBackend, AttentionMetadata
+from distserve.server.engine.ops.protocols import RopeInputs
 
 if TYPE_CHECKING:  # the model's modules as the ops read them: the ops never import model.py
-    from server.engine.ops.protocols import LlamaAttention, RMSNorm, RotaryEmbedding
+    from distserve.server.engine.ops.protocols import LlamaAttention, RMSNorm, RotaryEmbedding
 
 try:  # pragma: no cover - depends on the install
     import triton

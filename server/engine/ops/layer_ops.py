@@ -27,11 +27,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from server.engine.attention import AttentionBackend, AttentionMetadata
-from server.engine.ops.protocols import RopeInputs
+from distserve.server.engine.attention import AttentionBackend, AttentionMetadata
+from distserve.server.engine.ops.protocols import RopeInputs
 
 if TYPE_CHECKING:  # the model's modules as the ops read them: the ops never import model.py
-    from server.engine.ops.protocols import LlamaAttention, RMSNorm, RotaryEmbedding
+    from distserve.server.engine.ops.protocols import LlamaAttention, RMSNorm, RotaryEmbedding
 
 
 class LayerOps(Protocol):
@@ -135,7 +135,7 @@ def select_layer_ops(backend: AttentionBackend, device: torch.device, head_dim: 
     """The fused Triton ops where they apply (CUDA, Triton importable, a backend with ``attend``, a
     power-of-two head size), PyTorch otherwise."""
     if device.type == "cuda":
-        from server.engine.ops.cuda_ops import TritonLayerOps, can_fuse
+        from distserve.server.engine.ops.cuda_ops import TritonLayerOps, can_fuse
 
         if can_fuse(backend, head_dim):
             return TritonLayerOps()

@@ -23,11 +23,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from server.engine.structured.grammar import Constraint, GrammarError, to_grammar
+from distserve.server.engine.structured.grammar import Constraint, GrammarError, to_grammar
 
 if TYPE_CHECKING:
-    from server.engine.sequence import Sequence
-    from server.engine.tokenizer import Tokenizer
+    from distserve.server.engine.sequence import Sequence
+    from distserve.server.engine.tokenizer import Tokenizer
 
 MASKED = -1e30  # a disallowed token's logit: exp() underflows to 0, the row sum stays finite
 CACHE_SIZE = 256  # compiled grammars kept per engine (least recently used dropped)

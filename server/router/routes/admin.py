@@ -13,14 +13,14 @@ import time
 from fastapi import APIRouter, Request
 from pydantic import ValidationError
 
-from server.router.auth import ADMIN
-from server.router.body import json_body
-from server.router.errors import error, first_error, first_error_field, unavailable
-from server.router.identity import CREDENTIAL_HEADER, IdInUse
-from server.router.protocol import InvalidRequest
-from server.router.registry import RegistrationRefused
-from server.router.state import router_state
-from server.wire import DeregisterRequest, DrainRequest, HeartbeatRequest, RegisterRequest
+from distserve.server.router.auth import ADMIN
+from distserve.server.router.body import json_body
+from distserve.server.router.errors import error, first_error, first_error_field, unavailable
+from distserve.server.router.identity import CREDENTIAL_HEADER, IdInUse
+from distserve.server.router.protocol import InvalidRequest
+from distserve.server.router.registry import RegistrationRefused
+from distserve.server.router.state import router_state
+from distserve.server.wire import DeregisterRequest, DrainRequest, HeartbeatRequest, RegisterRequest
 
 log = logging.getLogger(__name__)
 

@@ -6,8 +6,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from server.router.registry import STATES
-from server.router.state import router_state
+from distserve.server.router.registry import STATES
+from distserve.server.router.state import router_state
 
 router = APIRouter()
 

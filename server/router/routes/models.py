@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
-from server.router.state import router_state
+from distserve.server.router.state import router_state
 
 router = APIRouter()
 

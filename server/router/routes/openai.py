@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
-from server.engine.chat_template import ChatTemplateError, end_of_turn_ids
-from server.router import prompts, protocol, serving, tool_calls
-from server.router.body import json_body
-from server.router.protocol import InvalidRequest
-from server.router.run import ToolContext
-from server.router.state import router_state
+from distserve.server.engine.chat_template import ChatTemplateError, end_of_turn_ids
+from distserve.server.router import prompts, protocol, serving, tool_calls
+from distserve.server.router.body import json_body
+from distserve.server.router.protocol import InvalidRequest
+from distserve.server.router.run import ToolContext
+from distserve.server.router.state import router_state
 
 router = APIRouter()
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
-from server.router.errors import unavailable
-from server.router.state import router_state
+from distserve.server.router.errors import unavailable
+from distserve.server.router.state import router_state
 
 router = APIRouter()
 

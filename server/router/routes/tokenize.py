@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
-from server.engine.chat_template import ChatTemplateError
-from server.router import prompts, protocol
-from server.router.body import json_body
-from server.router.protocol import InvalidRequest
-from server.router.state import router_state
+from distserve.server.engine.chat_template import ChatTemplateError
+from distserve.server.router import prompts, protocol
+from distserve.server.router.body import json_body
+from distserve.server.router.protocol import InvalidRequest
+from distserve.server.router.state import router_state
 
 router = APIRouter()
 
