@@ -16,27 +16,15 @@ import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypedDict
+from typing import Any
 
 import torch
 
 from bench.engine.sampler_before_radix import Sampler as OldSampler
+from bench.engine.sampler_cost import SamplingKw
 from distserve.server.engine.graph_sampler import GraphSampler
 from distserve.server.engine.sampler import Sampler
 from distserve.server.engine.sampling_params import SamplingParams
-
-
-class SamplingKw(TypedDict, total=False):
-    """The ``SamplingParams`` fields a variant sets."""
-
-    temperature: float
-    top_p: float
-    top_k: int
-    presence_penalty: float
-    frequency_penalty: float
-    repetition_penalty: float
-    logprobs: int
-
 
 VARIANTS: dict[str, SamplingKw] = {
     "greedy": dict(temperature=0.0),
