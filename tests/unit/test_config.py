@@ -49,7 +49,7 @@ def test_defaults_match_spec():
     assert c.prefill.attention_backend == "auto"
     assert c.prefill.max_num_batched_tokens == 4096
     assert c.prefill.torch_threads == 0
-    assert (c.decode.max_batch_size, c.decode.max_concurrent_requests) == (128, 64)
+    assert (c.decode.max_batch_size, c.decode.max_concurrent_requests) == (128, 256)
     assert (c.router.sampling_strategy, c.router.top_p) == ("top_p", 0.95)
     assert (c.decode.gc_interval_ms, c.decode.max_stale_slots, c.decode.torch_threads) == (500, 16, 0)
     assert c.cache == CacheConfig(block_size=16, num_gpu_blocks=0, kv_cache_memory_mb=512, dtype="auto")
