@@ -100,14 +100,27 @@ class Decision:
 
 
 class Ticket:
-    """One admitted request's place in the counts; released once, whatever way the request ends."""
+    """One admitted request's place in the ledger; each count released exactly once, whatever way the request
+    ends: *unplaced* when it gets a decode slot (``place``, the pipeline's decode-room gate) or its first
+    token, *queued* at its first token, *in flight* at ``done`` (which releases whatever is left: a failure,
+    a client that left, a 4xx after admission). Every call after the first of each is a no-op."""
 
     def __init__(self, adm: Admission, tokens: int, ahead: tuple[float, float], predicted_ttft_s: float | None) -> None:
         self.adm, self.tokens, self.ahead = adm, tokens, ahead  # ahead: (tokens, requests) queued per worker
         self.predicted_ttft_s = predicted_ttft_s
-        self.queued, self.open = True, True
+        self.queued, self.open, self.unplaced = True, True, True
+        self.placed_at: float | None = None  # when it got its decode slot (perf_counter)
         self.judged = False  # admitted with something queued ahead: its prediction was judged against the SLO
         self.phases = RequestPhases()  # filled in by the pipeline (EngineRequest.phases)
+        self.phases.on_placed = self.place
+
+    def place(self) -> None:
+        """It got a decode slot: no longer ahead of anyone in the wait for decode room."""
+        if self.unplaced:
+            self.unplaced = False
+            self.adm.unplaced -= 1
+            if self.open:
+                self.placed_at = time.perf_counter()
 
     def first_token(self, ttft_s: float) -> None:
         if not self.queued:
@@ -124,6 +137,8 @@ class Ticket:
             self.adm._dequeue(self)
         self.open = False
         self.adm.inflight -= 1
+        if self.placed_at is not None:  # its decode slot is free again
+            self.adm.model.slot_held(time.perf_counter() - self.placed_at)
         if tpot_s is not None:
             self.adm._tpot(tpot_s)
 
@@ -145,6 +160,7 @@ class Admission:
         self.inflight = 0
         self.queued_requests = 0
         self.queued_tokens = 0
+        self.unplaced = 0  # of the queued requests, those not given a decode slot yet
         self.model = TtftPredictor(cfg, workers)
         self.tpot_ewma_s: float | None = None
         self.errors: deque[float] = deque(maxlen=4096)  # |measured - predicted| / measured
@@ -163,6 +179,7 @@ class Admission:
             "idle_call_fixed_ms",
             "idle_call_per_token_ms",
             "room_per_release_ms",
+            "slot_held_ms",
             "overhead_ms",
             "slo_margin",
         ):
@@ -171,6 +188,7 @@ class Admission:
         g.labels("inflight_requests").set_function(lambda: self.inflight)
         g.labels("queued_requests").set_function(lambda: self.queued_requests)
         g.labels("queued_prefill_tokens").set_function(lambda: self.queued_tokens)
+        g.labels("unplaced_requests").set_function(lambda: self.unplaced)
 
     def _term(self, term: str) -> Callable[[], float]:
         return lambda: float(self.model.terms()[term] or 0.0)
@@ -189,7 +207,7 @@ class Admission:
 
     def decide(self, prompt_tokens: int, slo: Slo) -> Decision:
         a = self.cfg
-        parts = self.model.predict_parts(prompt_tokens, self.tokens_ahead(), self.queued_tokens)
+        parts = self.model.predict_parts(prompt_tokens, self.tokens_ahead(), self.queued_tokens, self.unplaced)
         ttft = None if parts is None else sum(parts)
         tpot = self.tpot_ewma_s
         full = None
@@ -221,6 +239,25 @@ class Admission:
                 retry,
                 f"Rate limit reached: predicted time to first token {ttft:.1f} s is more than this server "
                 f"lets a request wait ({self.max_ttft_s:.0f} s). Please retry after {retry} s.",
+            )
+        if (
+            ttft is None
+            and self.queued_requests
+            and slo.on_miss != "queue"
+            and not self.model.starts_at_once(self.unplaced, self.queued_requests)
+        ):
+            # No prediction (the model is still measuring, or this request would wait for decode room before
+            # any such wait was measured): admit only what starts at once. Admitting the rest blind is how a
+            # cold server took a whole burst in (issue 26); once answers come back the model predicts.
+            retry = self._retry_after(None)
+            return Decision(
+                "backup" if a.on_full == "backup" else "shed",
+                "unpredicted_wait",
+                None,
+                tpot,
+                retry,
+                f"Rate limit reached: the server is busy ({self.queued_requests} requests waiting for their first "
+                f"token) and cannot predict this request's wait yet. Please retry after {retry} s.",
             )
         miss = None
         # Nothing queued: admit whatever the model says. Shedding could not help (the SLO is out of reach even
@@ -259,14 +296,16 @@ class Admission:
         t.judged = self.queued_requests > 0
         if d.predicted_parts is not None:
             t.phases.state = {
-                **self.model.state(),
+                **self.model.state(self.unplaced),
                 "queued_requests": self.queued_requests,
                 "queued_prefill_tokens": self.queued_tokens,
+                "unplaced_requests": self.unplaced,
                 "inflight_requests": self.inflight,
             }
         self.inflight += 1
         self.queued_requests += 1
         self.queued_tokens += prompt_tokens
+        self.unplaced += 1
         self.decisions.labels("admitted", d.reason).inc()
         return t
 
@@ -284,6 +323,7 @@ class Admission:
                 "predicted_tpot": None if d.predicted_tpot_s is None else round(d.predicted_tpot_s, 6),
                 "queued_requests": self.queued_requests,
                 "queued_prefill_tokens": self.queued_tokens,
+                "unplaced_requests": self.unplaced,
                 "inflight_requests": self.inflight,
                 "retry_after_s": d.retry_after_s,
             }
@@ -293,6 +333,9 @@ class Admission:
     def _dequeue(self, t: Ticket) -> None:
         self.queued_requests -= 1
         self.queued_tokens -= t.tokens
+        if t.unplaced:  # a first token (colocated, local prefill) or an end without ever getting a decode slot
+            t.unplaced = False
+            self.unplaced -= 1
 
     def _measured(self, t: Ticket, ttft_s: float) -> None:
         if t.predicted_ttft_s is not None and ttft_s > 0:
@@ -317,6 +360,7 @@ class Admission:
             "inflight_requests": self.inflight,
             "queued_requests": self.queued_requests,
             "queued_prefill_tokens": self.queued_tokens,
+            "unplaced_requests": self.unplaced,
             "bounds": {
                 "max_inflight_requests": self.cfg.max_inflight_requests,
                 "max_queued_requests": self.cfg.max_queued_requests,
