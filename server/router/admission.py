@@ -107,6 +107,7 @@ class Ticket:
 
     def __init__(self, adm: Admission, tokens: int, ahead: tuple[float, float], predicted_ttft_s: float | None) -> None:
         self.adm, self.tokens, self.ahead = adm, tokens, ahead  # ahead: (tokens, requests) queued per worker
+        self.admitted_at = time.perf_counter()
         self.predicted_ttft_s = predicted_ttft_s
         self.queued, self.open, self.unplaced = True, True, True
         self.placed_at: float | None = None  # when it got its decode slot (perf_counter)
@@ -137,6 +138,7 @@ class Ticket:
             self.adm._dequeue(self)
         self.open = False
         self.adm.inflight -= 1
+        self.adm.tickets.pop(self, None)
         if self.placed_at is not None:  # its decode slot is free again
             self.adm.model.slot_held(time.perf_counter() - self.placed_at)
         if tpot_s is not None:
@@ -161,6 +163,7 @@ class Admission:
         self.queued_requests = 0
         self.queued_tokens = 0
         self.unplaced = 0  # of the queued requests, those not given a decode slot yet
+        self.tickets: dict[Ticket, None] = {}  # the open tickets, oldest first (len == inflight)
         self.model = TtftPredictor(cfg, workers)
         self.tpot_ewma_s: float | None = None
         self.errors: deque[float] = deque(maxlen=4096)  # |measured - predicted| / measured
@@ -248,8 +251,10 @@ class Admission:
         ):
             # No prediction (the model is still measuring, or this request would wait for decode room before
             # any such wait was measured): admit only what starts at once. Admitting the rest blind is how a
-            # cold server took a whole burst in (issue 26); once answers come back the model predicts.
-            retry = self._retry_after(None)
+            # cold server took a whole burst in (issue 26); once answers come back the model predicts. Nothing
+            # says when it will start, so the client is told to wait as long as the oldest admitted request
+            # has been running (it is at least that far from done): a retry that backs off as it waits.
+            retry = self._retry_after(self.oldest_age_s())
             return Decision(
                 "backup" if a.on_full == "backup" else "shed",
                 "unpredicted_wait",
@@ -284,6 +289,11 @@ class Admission:
             )
         return Decision("primary", miss[0] + "_queued" if miss else "ok", ttft, tpot, predicted_parts=parts)
 
+    def oldest_age_s(self) -> float:
+        """Seconds since the oldest request still open was admitted (0 when none is)."""
+        oldest = next(iter(self.tickets), None)
+        return time.perf_counter() - oldest.admitted_at if oldest is not None else 0.0
+
     def _retry_after(self, seconds: float | None) -> int:
         s = self.cfg.retry_after_s
         if seconds is not None and seconds > s:
@@ -303,6 +313,7 @@ class Admission:
                 "inflight_requests": self.inflight,
             }
         self.inflight += 1
+        self.tickets[t] = None
         self.queued_requests += 1
         self.queued_tokens += prompt_tokens
         self.unplaced += 1
@@ -361,6 +372,7 @@ class Admission:
             "queued_requests": self.queued_requests,
             "queued_prefill_tokens": self.queued_tokens,
             "unplaced_requests": self.unplaced,
+            "oldest_admitted_age_s": round(self.oldest_age_s(), 3),
             "bounds": {
                 "max_inflight_requests": self.cfg.max_inflight_requests,
                 "max_queued_requests": self.cfg.max_queued_requests,
