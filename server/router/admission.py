@@ -1,7 +1,14 @@
 """Admission: bounded queues and SLO-aware admission, decided per request before it reaches a worker.
 
-The router counts what it has admitted (``router.admission``): requests in flight, requests still waiting
-for their first token (*queued*), and those requests' prompt tokens (*queued prefill tokens*). A request
+The router counts what it has admitted (``router.admission``), its own ledger: requests in flight, requests
+still waiting for their first token (*queued*), those requests' prompt tokens (*queued prefill tokens*), and
+those of them not yet given a decode slot (*unplaced*). Each count is taken at admission and released exactly
+once by the request's ``Ticket`` (unplaced when the decode-room gate grants it a slot or at its first token,
+queued at its first token, in flight at its end, whatever the end: failure, client gone, a 4xx raised after
+admission). The ledger, not the workers' heartbeats, is what the prediction reads: the requests of a burst
+are decided before the ones admitted a moment earlier reach the gate or a worker, so request k of a burst is
+predicted behind the k - 1 admitted before it (issue 26: read from the gate alone, a burst was admitted
+whole). A request
 that would push a count past its bound is not admitted: it gets **429 with Retry-After** in OpenAI's
 rate-limit shape, or goes to the backup pool (``on_full: backup``). Overload therefore never becomes an
 unbounded wait, a silent drop or a 5xx.
@@ -19,8 +26,11 @@ client's ``x-slo-on-miss: queue``), or sent to the backup pool — except when n
 request is admitted whatever the prediction (it is also the next measurement, so a model that overestimates
 corrects itself instead of shedding for ever).
 Without any SLO a request predicted to wait longer than ``max_predicted_ttft_s`` is still
-refused: no admitted request waits without bound. Until the model has measured a few prefill calls there
-is no prediction and only the queue bounds apply.
+refused: no admitted request waits without bound. Without a prediction (the model has not measured a few
+prefill calls yet, or the request would wait for decode room before any wait or slot holding time was
+measured) a request is admitted only if it starts at once (a free decode slot behind the unplaced ones; one
+prefill batch per worker when colocated) or nothing is queued; otherwise 429 (``unpredicted_wait``) with a
+Retry-After of the oldest open request's age, so a cold server no longer takes a whole burst in blind.
 
 Every decision is counted in ``/metrics`` (``distserve_admission_total{decision,reason}``), sheds and
 backups are journaled with their reason (``router.event_journal_path``), and each admitted request keeps

@@ -22,7 +22,10 @@ plus a slope per prompt token — the slope fitted on such calls (fast: ``IDLE_F
 ``IDLE_QUANTILE`` of the last ``IDLE_SAMPLES`` of them less their slope part (on a shared CPU the same idle
 call takes 1x-4x from one request to the next; a low quantile of the recent ones is the prediction with the
 smallest relative error, a mean is pulled up by every slow outlier for many calls). The decode-room wait is predicted as
-the slot releases a request would wait for x the measured time per release; the two stages are in tandem,
+the slot releases a request would wait for (behind the admitted requests without a decode slot yet:
+admission's ledger, ``Admission.unplaced``, of which the requests already waiting at the gate are a part)
+x the measured time per release (before any request waited: the slot holding time measured on admitted
+requests / the slots, Little's law; before that, no prediction); the two stages are in tandem,
 so TTFT = max(decode-room wait + idle call, queued work) + the router's **overhead** (the rest of the
 measured TTFT: picking, the first token's way to the client; an EWMA). The parts are reported as
 (decode room, prefill call = the rest of the max, overhead).
