@@ -141,7 +141,6 @@ def test_the_ledger_returns_to_zero_after_clients_leave_before_their_first_token
     try:
         for stream in (True, False, True, False):
             _leave_before_first_token(server.url, stream)
-        assert server.get("/v1/admission")["inflight_requests"] >= 0
     finally:
         http("POST", f"{w['url']}/admin/fault", {})
     assert _ledger_settles(server) == (0, 0, 0, 0)
