@@ -7,8 +7,8 @@ once by the request's ``Ticket`` (unplaced when the decode-room gate grants it a
 queued at its first token, in flight at its end, whatever the end: failure, client gone, a 4xx raised after
 admission). The ledger, not the workers' heartbeats, is what the prediction reads: the requests of a burst
 are decided before the ones admitted a moment earlier reach the gate or a worker, so request k of a burst is
-predicted behind the k - 1 admitted before it (issue 26: read from the gate alone, a burst was admitted
-whole). A request
+predicted behind the k - 1 admitted before it (read from the gate alone, a whole burst was admitted:
+docs/performance/overload-2026-12-02c.md). A request
 that would push a count past its bound is not admitted: it gets **429 with Retry-After** in OpenAI's
 rate-limit shape, or goes to the backup pool (``on_full: backup``). Overload therefore never becomes an
 unbounded wait, a silent drop or a 5xx.
@@ -261,9 +261,9 @@ class Admission:
         ):
             # No prediction (the model is still measuring, or this request would wait for decode room before
             # any such wait was measured): admit only what starts at once. Admitting the rest blind is how a
-            # cold server took a whole burst in (issue 26); once answers come back the model predicts. Nothing
-            # says when it will start, so the client is told to wait as long as the oldest admitted request
-            # has been running (it is at least that far from done): a retry that backs off as it waits.
+            # cold server took a whole burst in; once answers come back the model predicts. Nothing says when
+            # it will start, so the client is told to wait as long as the oldest admitted request has been
+            # running (it is at least that far from done): a retry that backs off as it waits.
             retry = self._retry_after(self.oldest_age_s())
             return Decision(
                 "backup" if a.on_full == "backup" else "shed",
