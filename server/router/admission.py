@@ -1,7 +1,14 @@
 """Admission: bounded queues and SLO-aware admission, decided per request before it reaches a worker.
 
-The router counts what it has admitted (``router.admission``): requests in flight, requests still waiting
-for their first token (*queued*), and those requests' prompt tokens (*queued prefill tokens*). A request
+The router counts what it has admitted (``router.admission``), its own ledger: requests in flight, requests
+still waiting for their first token (*queued*), those requests' prompt tokens (*queued prefill tokens*), and
+those of them not yet given a decode slot (*unplaced*). Each count is taken at admission and released exactly
+once by the request's ``Ticket`` (unplaced when the decode-room gate grants it a slot or at its first token,
+queued at its first token, in flight at its end, whatever the end: failure, client gone, a 4xx raised after
+admission). The ledger, not the workers' heartbeats, is what the prediction reads: the requests of a burst
+are decided before the ones admitted a moment earlier reach the gate or a worker, so request k of a burst is
+predicted behind the k - 1 admitted before it (read from the gate alone, a whole burst was admitted:
+docs/performance/overload-2026-12-02c.md). A request
 that would push a count past its bound is not admitted: it gets **429 with Retry-After** in OpenAI's
 rate-limit shape, or goes to the backup pool (``on_full: backup``). Overload therefore never becomes an
 unbounded wait, a silent drop or a 5xx.
@@ -19,8 +26,11 @@ client's ``x-slo-on-miss: queue``), or sent to the backup pool — except when n
 request is admitted whatever the prediction (it is also the next measurement, so a model that overestimates
 corrects itself instead of shedding for ever).
 Without any SLO a request predicted to wait longer than ``max_predicted_ttft_s`` is still
-refused: no admitted request waits without bound. Until the model has measured a few prefill calls there
-is no prediction and only the queue bounds apply.
+refused: no admitted request waits without bound. Without a prediction (the model has not measured a few
+prefill calls yet, or the request would wait for decode room before any wait or slot holding time was
+measured) a request is admitted only if it starts at once (a free decode slot behind the unplaced ones; one
+prefill batch per worker when colocated) or nothing is queued; otherwise 429 (``unpredicted_wait``) with a
+Retry-After of the oldest open request's age, so a cold server no longer takes a whole burst in blind.
 
 Every decision is counted in ``/metrics`` (``distserve_admission_total{decision,reason}``), sheds and
 backups are journaled with their reason (``router.event_journal_path``), and each admitted request keeps
@@ -100,14 +110,28 @@ class Decision:
 
 
 class Ticket:
-    """One admitted request's place in the counts; released once, whatever way the request ends."""
+    """One admitted request's place in the ledger; each count released exactly once, whatever way the request
+    ends: *unplaced* when it gets a decode slot (``place``, the pipeline's decode-room gate) or its first
+    token, *queued* at its first token, *in flight* at ``done`` (which releases whatever is left: a failure,
+    a client that left, a 4xx after admission). Every call after the first of each is a no-op."""
 
     def __init__(self, adm: Admission, tokens: int, ahead: tuple[float, float], predicted_ttft_s: float | None) -> None:
         self.adm, self.tokens, self.ahead = adm, tokens, ahead  # ahead: (tokens, requests) queued per worker
+        self.admitted_at = time.perf_counter()
         self.predicted_ttft_s = predicted_ttft_s
-        self.queued, self.open = True, True
+        self.queued, self.open, self.unplaced = True, True, True
+        self.placed_at: float | None = None  # when it got its decode slot (perf_counter)
         self.judged = False  # admitted with something queued ahead: its prediction was judged against the SLO
         self.phases = RequestPhases()  # filled in by the pipeline (EngineRequest.phases)
+        self.phases.on_placed = self.place
+
+    def place(self) -> None:
+        """It got a decode slot: no longer ahead of anyone in the wait for decode room."""
+        if self.unplaced:
+            self.unplaced = False
+            self.adm.unplaced -= 1
+            if self.open:
+                self.placed_at = time.perf_counter()
 
     def first_token(self, ttft_s: float) -> None:
         if not self.queued:
@@ -124,6 +148,9 @@ class Ticket:
             self.adm._dequeue(self)
         self.open = False
         self.adm.inflight -= 1
+        self.adm.tickets.pop(self, None)
+        if self.placed_at is not None:  # its decode slot is free again
+            self.adm.model.slot_held(time.perf_counter() - self.placed_at)
         if tpot_s is not None:
             self.adm._tpot(tpot_s)
 
@@ -145,6 +172,8 @@ class Admission:
         self.inflight = 0
         self.queued_requests = 0
         self.queued_tokens = 0
+        self.unplaced = 0  # of the queued requests, those not given a decode slot yet
+        self.tickets: dict[Ticket, None] = {}  # the open tickets, oldest first (len == inflight)
         self.model = TtftPredictor(cfg, workers)
         self.tpot_ewma_s: float | None = None
         self.errors: deque[float] = deque(maxlen=4096)  # |measured - predicted| / measured
@@ -163,6 +192,7 @@ class Admission:
             "idle_call_fixed_ms",
             "idle_call_per_token_ms",
             "room_per_release_ms",
+            "slot_held_ms",
             "overhead_ms",
             "slo_margin",
         ):
@@ -171,6 +201,7 @@ class Admission:
         g.labels("inflight_requests").set_function(lambda: self.inflight)
         g.labels("queued_requests").set_function(lambda: self.queued_requests)
         g.labels("queued_prefill_tokens").set_function(lambda: self.queued_tokens)
+        g.labels("unplaced_requests").set_function(lambda: self.unplaced)
 
     def _term(self, term: str) -> Callable[[], float]:
         return lambda: float(self.model.terms()[term] or 0.0)
@@ -189,7 +220,7 @@ class Admission:
 
     def decide(self, prompt_tokens: int, slo: Slo) -> Decision:
         a = self.cfg
-        parts = self.model.predict_parts(prompt_tokens, self.tokens_ahead(), self.queued_tokens)
+        parts = self.model.predict_parts(prompt_tokens, self.tokens_ahead(), self.queued_tokens, self.unplaced)
         ttft = None if parts is None else sum(parts)
         tpot = self.tpot_ewma_s
         full = None
@@ -222,6 +253,27 @@ class Admission:
                 f"Rate limit reached: predicted time to first token {ttft:.1f} s is more than this server "
                 f"lets a request wait ({self.max_ttft_s:.0f} s). Please retry after {retry} s.",
             )
+        if (
+            ttft is None
+            and self.queued_requests
+            and slo.on_miss != "queue"
+            and not self.model.starts_at_once(self.unplaced, self.queued_requests)
+        ):
+            # No prediction (the model is still measuring, or this request would wait for decode room before
+            # any such wait was measured): admit only what starts at once. Admitting the rest blind is how a
+            # cold server took a whole burst in; once answers come back the model predicts. Nothing says when
+            # it will start, so the client is told to wait as long as the oldest admitted request has been
+            # running (it is at least that far from done): a retry that backs off as it waits.
+            retry = self._retry_after(self.oldest_age_s())
+            return Decision(
+                "backup" if a.on_full == "backup" else "shed",
+                "unpredicted_wait",
+                None,
+                tpot,
+                retry,
+                f"Rate limit reached: the server is busy ({self.queued_requests} requests waiting for their first "
+                f"token) and cannot predict this request's wait yet. Please retry after {retry} s.",
+            )
         miss = None
         # Nothing queued: admit whatever the model says. Shedding could not help (the SLO is out of reach even
         # on an idle server), and an admitted request is a fresh measurement: a model that overestimates
@@ -247,6 +299,11 @@ class Admission:
             )
         return Decision("primary", miss[0] + "_queued" if miss else "ok", ttft, tpot, predicted_parts=parts)
 
+    def oldest_age_s(self) -> float:
+        """Seconds since the oldest request still open was admitted (0 when none is)."""
+        oldest = next(iter(self.tickets), None)
+        return time.perf_counter() - oldest.admitted_at if oldest is not None else 0.0
+
     def _retry_after(self, seconds: float | None) -> int:
         s = self.cfg.retry_after_s
         if seconds is not None and seconds > s:
@@ -259,14 +316,17 @@ class Admission:
         t.judged = self.queued_requests > 0
         if d.predicted_parts is not None:
             t.phases.state = {
-                **self.model.state(),
+                **self.model.state(self.unplaced),
                 "queued_requests": self.queued_requests,
                 "queued_prefill_tokens": self.queued_tokens,
+                "unplaced_requests": self.unplaced,
                 "inflight_requests": self.inflight,
             }
         self.inflight += 1
+        self.tickets[t] = None
         self.queued_requests += 1
         self.queued_tokens += prompt_tokens
+        self.unplaced += 1
         self.decisions.labels("admitted", d.reason).inc()
         return t
 
@@ -284,6 +344,7 @@ class Admission:
                 "predicted_tpot": None if d.predicted_tpot_s is None else round(d.predicted_tpot_s, 6),
                 "queued_requests": self.queued_requests,
                 "queued_prefill_tokens": self.queued_tokens,
+                "unplaced_requests": self.unplaced,
                 "inflight_requests": self.inflight,
                 "retry_after_s": d.retry_after_s,
             }
@@ -293,6 +354,9 @@ class Admission:
     def _dequeue(self, t: Ticket) -> None:
         self.queued_requests -= 1
         self.queued_tokens -= t.tokens
+        if t.unplaced:  # a first token (colocated, local prefill) or an end without ever getting a decode slot
+            t.unplaced = False
+            self.unplaced -= 1
 
     def _measured(self, t: Ticket, ttft_s: float) -> None:
         if t.predicted_ttft_s is not None and ttft_s > 0:
@@ -317,6 +381,8 @@ class Admission:
             "inflight_requests": self.inflight,
             "queued_requests": self.queued_requests,
             "queued_prefill_tokens": self.queued_tokens,
+            "unplaced_requests": self.unplaced,
+            "oldest_admitted_age_s": round(self.oldest_age_s(), 3),
             "bounds": {
                 "max_inflight_requests": self.cfg.max_inflight_requests,
                 "max_queued_requests": self.cfg.max_queued_requests,

@@ -38,14 +38,25 @@ class DecodeRoom:
             max(0, self.slots - w.inflight) for w in self.registry.healthy("decode") if not w.status.num_reserving
         )
 
-    def releases_needed(self) -> int:
-        """Slot releases a request arriving now would wait for before its prefill (0: none)."""
-        if not self.slots or self.registry.mode() != "disaggregated":
+    def gates(self) -> bool:
+        """Requests wait here at all (disaggregated, with a slot bound)."""
+        return bool(self.slots) and self.registry.mode() == "disaggregated"
+
+    def total_slots(self) -> int:
+        return self.slots * len(self.registry.healthy("decode")) if self.gates() else 0
+
+    def releases_needed(self, ahead: int = 0) -> int:
+        """Slot releases a request arriving now would wait for before its prefill (0: none), behind ``ahead``
+        requests admitted before it and not yet given a decode slot (admission's ledger: a request of a burst
+        is decided before the ones admitted a moment earlier have reached this gate, so ``waiters`` alone
+        would miss them; the waiters are among them)."""
+        if not self.gates():
             return 0
         free = self.free_slots()
-        if not self.waiters and free > 0:
+        ahead = max(ahead, len(self.waiters))
+        if not self.waiters and ahead < free:
             return 0
-        return max(1, len(self.waiters) + 1 - free)
+        return max(1, ahead + 1 - free)
 
     async def acquire(
         self, pick: Callable[[], WorkerInfo | None], timeout_s: float

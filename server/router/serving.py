@@ -136,6 +136,8 @@ async def serve(
         logprobs=k if k is not None or best_of == req.n else 0,  # best_of ranks by logprob
         structured=constraint,
     )
+    for ids in (batch or [])[1:]:  # every prompt checked before admission: no 400 once a place is taken
+        check_prompt_fits(state, ids, max_tokens)
     state.running_pipeline().check_available()  # NoWorkersError -> 503 with Retry-After
     tokenizer = state.get_tokenizer()
     # OpenAI bodies prefix the id themselves (cmpl-, chatcmpl-); /generate's id is "gen-" + hex
@@ -143,47 +145,69 @@ async def serve(
     ticket, refusal = await admit(state, request, req, kind, len(prompt_ids))
     if refusal is not None:
         return refusal
-    seed = sampling.seed or 0
-    runs = [
-        Run(
-            state,
-            EngineRequest(
-                rid if i == 0 else f"{rid}-{i}",
-                prompt_ids,
-                sampling if i == 0 else sampling.model_copy(update={"seed": choice_seed(seed, i)}),
-            ),
-            TextAssembler(tokenizer, req.stop_strings()),
-            ticket if i == 0 else None,  # admission counts the prompt once: the first choice holds its place
-        )
-        for i in range(best_of)
-    ]
-    if batch is not None:  # batched prompts: one run per prompt, the same sampling, each its own id
-        runs += [
-            Run(state, EngineRequest(f"{rid}-p{i}", ids, sampling), TextAssembler(tokenizer, req.stop_strings()))
-            for i, ids in enumerate(batch[1:], 1)
-        ]
-        for ids in batch[1:]:
-            check_prompt_fits(state, ids, max_tokens)
-    for r in runs:
-        r.tools = tools
-    group = Choices(runs, len(runs) if batch is not None else req.n, batched=batch is not None)
-    shape = Shape(k, TokenTexts(tokenizer), echo)
-    if req.stream:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        fmt = {"completion": sse_completion, "chat": sse_chat, "generate": ndjson_generate}[kind]
-        media = "application/x-ndjson" if kind == "generate" else "text/event-stream"
-        return StreamingResponse(fmt(group, state.model_name(), include_usage, shape), media_type=media)
     try:
-        await _until_done_or_disconnect(request, group.collect())
-    except _ClientGone:
-        return JSONResponse({}, status_code=499)
-    if group.error:
-        return error(group.error_status, group.error)
-    return JSONResponse(final_body(kind, group, state.model_name(), shape))
+        seed = sampling.seed or 0
+        runs = [
+            Run(
+                state,
+                EngineRequest(
+                    rid if i == 0 else f"{rid}-{i}",
+                    prompt_ids,
+                    sampling if i == 0 else sampling.model_copy(update={"seed": choice_seed(seed, i)}),
+                ),
+                TextAssembler(tokenizer, req.stop_strings()),
+                ticket if i == 0 else None,  # admission counts the prompt once: the first choice holds its place
+            )
+            for i in range(best_of)
+        ]
+        if batch is not None:  # batched prompts: one run per prompt, the same sampling, each its own id
+            runs += [
+                Run(state, EngineRequest(f"{rid}-p{i}", ids, sampling), TextAssembler(tokenizer, req.stop_strings()))
+                for i, ids in enumerate(batch[1:], 1)
+            ]
+        for r in runs:
+            r.tools = tools
+        group = Choices(runs, len(runs) if batch is not None else req.n, batched=batch is not None)
+        shape = Shape(k, TokenTexts(tokenizer), echo)
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            fmt = {"completion": sse_completion, "chat": sse_chat, "generate": ndjson_generate}[kind]
+            media = "application/x-ndjson" if kind == "generate" else "text/event-stream"
+            return _TicketStream(ticket, fmt(group, state.model_name(), include_usage, shape), media_type=media)
+        try:
+            await _until_done_or_disconnect(request, group.collect())
+        except _ClientGone:
+            return JSONResponse({}, status_code=499)
+        finally:
+            if ticket is not None:
+                ticket.done()  # a no-op once the run ended it (with its TPOT); else the place is given back
+        if group.error:
+            return error(group.error_status, group.error)
+        return JSONResponse(final_body(kind, group, state.model_name(), shape))
+    except BaseException:
+        if ticket is not None:
+            ticket.done()  # anything raised once admitted (a cancelled handler too) gives the place back
+        raise
 
 
 class _ClientGone(Exception):
     pass
+
+
+class _TicketStream(StreamingResponse):
+    """A stream that gives its admission place back once the response is over, however it ends: a client that
+    leaves before the body's first iteration never starts the run (whose own ``finally`` releases it)."""
+
+    def __init__(self, ticket: Ticket | None, content, media_type: str) -> None:
+        super().__init__(content, media_type=media_type)
+        self.ticket = ticket
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            if self.ticket is not None:
+                self.ticket.done()
 
 
 async def _until_done_or_disconnect(request: Request, coro) -> None:

@@ -22,7 +22,10 @@ plus a slope per prompt token — the slope fitted on such calls (fast: ``IDLE_F
 ``IDLE_QUANTILE`` of the last ``IDLE_SAMPLES`` of them less their slope part (on a shared CPU the same idle
 call takes 1x-4x from one request to the next; a low quantile of the recent ones is the prediction with the
 smallest relative error, a mean is pulled up by every slow outlier for many calls). The decode-room wait is predicted as
-the slot releases a request would wait for x the measured time per release; the two stages are in tandem,
+the slot releases a request would wait for (behind the admitted requests without a decode slot yet:
+admission's ledger, ``Admission.unplaced``, of which the requests already waiting at the gate are a part)
+x the measured time per release (before any request waited: the slot holding time measured on admitted
+requests / the slots, Little's law; before that, no prediction); the two stages are in tandem,
 so TTFT = max(decode-room wait + idle call, queued work) + the router's **overhead** (the rest of the
 measured TTFT: picking, the first token's way to the client; an EWMA). The parts are reported as
 (decode room, prefill call = the rest of the max, overhead).
@@ -64,15 +67,20 @@ MARGIN_MAX = 4.0
 class RoomState(Protocol):
     """What the decode-room gate tells the predictor (``DecodeRoom``)."""
 
-    def releases_needed(self) -> int: ...
+    def releases_needed(self, ahead: int = 0) -> int: ...
+
+    def gates(self) -> bool: ...
+
+    def total_slots(self) -> int: ...
 
 
 class RequestPhases:
     """One admitted request's measured parts, filled in by the pipeline as it goes."""
 
-    __slots__ = ("room_s", "call_s", "predicted", "call_at_start_s", "state")
+    __slots__ = ("room_s", "call_s", "predicted", "call_at_start_s", "state", "on_placed")
 
     def __init__(self) -> None:
+        self.on_placed: Callable[[], None] | None = None  # told when the request gets its decode slot (ledger)
         self.room_s = 0.0
         self.call_s: float | None = None
         self.predicted: tuple[float, float, float] | None = None  # (room, call, overhead) seconds, at admission
@@ -250,6 +258,8 @@ class TtftPredictor:
         self.call = OnlineFit(4)  # without a pipeline: x = (1, steps, (ahead + own) / 1000, -ahead / 1000)
         self.room_per_release_s: float | None = None
         self.room_samples = 0
+        self.slot_s: float | None = None  # how long an admitted request holds its decode slot (an EWMA)
+        self.slot_samples = 0
         self.overhead_s = 0.0
         self.overhead_samples = 0
         self.known: dict[str, WorkerQueue] = {}  # worker id -> its calls in flight and its measured cost
@@ -331,38 +341,76 @@ class TtftPredictor:
         return (1.0, float(steps), (ahead + own) / 1000.0, -ahead / 1000.0)
 
     def predict_s(
-        self, own_tokens: int, fallback_ahead: tuple[float, float] = (0.0, 0.0), queued_tokens: float = 0.0
+        self,
+        own_tokens: int,
+        fallback_ahead: tuple[float, float] = (0.0, 0.0),
+        queued_tokens: float = 0.0,
+        unplaced: int = 0,
     ) -> float | None:
         """The predicted TTFT of a request of ``own_tokens`` prompt tokens admitted now, in seconds."""
-        parts = self.predict_parts(own_tokens, fallback_ahead, queued_tokens)
+        parts = self.predict_parts(own_tokens, fallback_ahead, queued_tokens, unplaced)
         return None if parts is None else sum(parts)
 
     def predict_parts(
-        self, own_tokens: int, fallback_ahead: tuple[float, float] = (0.0, 0.0), queued_tokens: float = 0.0
+        self,
+        own_tokens: int,
+        fallback_ahead: tuple[float, float] = (0.0, 0.0),
+        queued_tokens: float = 0.0,
+        unplaced: int = 0,
     ) -> tuple[float, float, float] | None:
         """(decode-room wait, prefill call, overhead) predicted for a request admitted now, in seconds, with
-        ``queued_tokens`` prompt tokens admitted before it and still without their first token."""
+        ``queued_tokens`` prompt tokens admitted before it and still without their first token, ``unplaced``
+        of those requests not yet given a decode slot (admission's ledger). None: no prediction (the model
+        has not measured enough, or the request would wait for decode room before any wait or slot was
+        measured)."""
         if not self.ready:
             return None
         if self.room is None:
             t, r = fallback_ahead
             return 0.0, self.call_ms(int(t), int(r), own_tokens) / 1000.0, 0.0
         room = 0.0
-        releases = self.room.releases_needed()
-        if releases and self.room_per_release_s is not None:
-            room = releases * self.room_per_release_s
+        releases = self.room.releases_needed(unplaced)
+        if releases:
+            per = self.release_s()
+            if per is None:  # it would wait for decode room, and nothing says for how long yet
+                return None
+            room = releases * per
         idle_s = self.idle_call_ms(own_tokens) / 1000.0
         queued_s = self._queued_best_ms(own_tokens, queued_tokens, self.clock()) / 1000.0
         return room, max(idle_s, queued_s - room), self.overhead_s  # tandem: max(room + idle, queued)
+
+    def release_s(self) -> float | None:
+        """Seconds per decode-slot release: measured on the requests that waited for room; before any did, a
+        slot held as long as admitted requests have held theirs, over the slots (Little's law: with every slot
+        busy one frees every holding time / slots); None while neither is known."""
+        if self.room_per_release_s is not None:
+            return self.room_per_release_s
+        total = self.room.total_slots() if self.room is not None else 0
+        return self.slot_s / total if self.slot_s is not None and total else None
+
+    def starts_at_once(self, unplaced: int, queued_requests: int) -> bool:
+        """Without a prediction: would a request admitted now start at once, behind the ``unplaced`` requests
+        admitted before it without a decode slot yet (disaggregated), or the ``queued_requests`` admitted
+        before it without their first token (one prefill batch per serving worker, otherwise)?"""
+        if self.room is not None and self.room.gates():
+            return self.room.releases_needed(unplaced) == 0
+        return queued_requests < max(1, self.workers()) * self.batch_size
 
     # --- measurements (the pipeline's hooks) ------------------------------------------------------
     def attach(self, room: RoomState) -> None:
         self.room = room
 
+    def slot_held(self, seconds: float) -> None:
+        """An admitted request gave its decode slot back after holding it ``seconds``."""
+        self.slot_s = seconds if self.slot_s is None else (1 - EWMA) * self.slot_s + EWMA * seconds
+        self.slot_samples += 1
+
     def room_granted(self, phases: RequestPhases | None, waited_s: float, releases: int) -> None:
         """A request got decode room after waiting ``waited_s`` for ``releases`` slot releases (0: no wait)."""
         if phases is not None:
             phases.room_s = waited_s
+            if phases.on_placed is not None:
+                phases.on_placed()
         if releases > 0:
             per = waited_s / releases
             r = self.room_per_release_s
@@ -432,12 +480,13 @@ class TtftPredictor:
         q = s[min(len(s) - 1, math.ceil(MARGIN_QUANTILE * len(s)) - 1)]
         return max(1.0, min(MARGIN_MAX, q))
 
-    def state(self) -> dict:
-        """The queue state a prediction reads, for the journal: slot releases needed and requests waiting for
-        decode room, and per prefill worker [prompt tokens in flight, calls in flight, ms per token]."""
+    def state(self, unplaced: int = 0) -> dict:
+        """The queue state a prediction reads, for the journal: slot releases needed (behind ``unplaced``
+        admitted requests without a decode slot yet) and requests waiting for decode room, and per prefill
+        worker [prompt tokens in flight, calls in flight, ms per token]."""
         out: dict = {}
         if self.room is not None:
-            out["releases"] = self.room.releases_needed()
+            out["releases"] = self.room.releases_needed(unplaced)
             out["room_waiting"] = len(getattr(self.room, "waiters", ()))
         out["workers"] = {w: [q.tokens, len(q.calls), round(q.per_token_ms() or 0.0, 5)] for w, q in self.known.items()}
         return out
@@ -464,6 +513,7 @@ class TtftPredictor:
             "ahead_discount_per_token_ms": round(min(c[3], c[2]) / 1000.0, 5),
             "room_per_release_ms": None if self.room_per_release_s is None else round(self.room_per_release_s * 1e3, 3),
             "room_samples": self.room_samples,
+            "slot_held_ms": None if self.slot_s is None else round(self.slot_s * 1e3, 3),
             "overhead_ms": round(self.overhead_s * 1000.0, 3),
             "slo_margin": round(self.slo_margin(), 3),
         }

@@ -315,3 +315,71 @@ def test_the_decode_room_gives_up_after_its_timeout():
         assert not room.waiters
 
     asyncio.run(go())
+
+
+def _admission_on(slots: int = 2) -> tuple[Admission, Clock, WorkerRegistry]:
+    """Admission attached to a decode-room gate of ``slots`` on one decode worker, its model on a test clock."""
+    reg = _registry()
+
+    class _Pipe:
+        predictor = None
+        room = DecodeRoom(reg, slots=slots)
+
+    adm = Admission(load_config(), CollectorRegistry(), lambda: 1)
+    adm.attach(_Pipe())  # type: ignore[arg-type]
+    clock = Clock()
+    adm.model.clock = clock
+    return adm, clock, reg
+
+
+def test_request_k_of_a_burst_is_predicted_behind_the_k_minus_1_admitted_before_it():
+    adm, clock, reg = _admission_on(slots=2)
+    _warm(adm.model, clock)
+    adm.model.room_per_release_s = 0.150
+    # a burst: every decision is taken before any of the requests admitted before it reaches the gate
+    tickets, rooms = [], []
+    for _ in range(6):
+        d = adm.decide(128, Slo())
+        rooms.append(d.predicted_parts[0])
+        tickets.append(adm.admit(128, d))
+    # 2 free slots: the first two wait for nothing, request k waits for k - 2 releases
+    assert rooms == pytest.approx([0.0, 0.0, 0.150, 0.300, 0.450, 0.600])
+    assert tickets[-1].phases.state["unplaced_requests"] == 5 and tickets[-1].phases.state["releases"] == 4
+    assert (adm.queued_requests, adm.unplaced, adm.queued_tokens) == (6, 6, 6 * 128)
+    # two get their decode slot (the pipeline's gate tells the model, which tells the ticket): they are no
+    # longer ahead of anyone in the wait for room, though still waiting for their first token
+    for t in tickets[:2]:
+        adm.model.room_granted(t.phases, 0.0, 0)
+        adm.model.room_granted(t.phases, 0.0, 0)  # a migration asks again: released once
+        reg.workers["d0"].inflight += 1
+    assert (adm.queued_requests, adm.unplaced) == (6, 4)
+    assert adm.decide(128, Slo()).predicted_parts[0] == pytest.approx(5 * 0.150)  # 4 ahead, no slot free
+    # every way out releases each count once: first token then end, an end without a first token (a failure,
+    # a client that left), an end after the slot, done() again
+    tickets[0].first_token(0.02)
+    for t in tickets:
+        t.done()
+        t.done()
+    assert (adm.inflight, adm.queued_requests, adm.unplaced, adm.queued_tokens, len(adm.tickets)) == (0, 0, 0, 0, 0)
+    assert adm.model.slot_samples == 2  # the two that held a slot said for how long
+
+
+def test_without_a_prediction_only_what_starts_at_once_is_admitted():
+    adm, clock, reg = _admission_on(slots=2)
+    # a cold server (nothing measured): the first two find decode room, the third would wait for an
+    # unknown time: 429 with Retry-After, unless the client accepts a wait
+    a, b = (adm.admit(128, adm.decide(128, Slo())) for _ in range(2))
+    d = adm.decide(128, Slo())
+    assert (d.route, d.reason, d.predicted_ttft_s) == ("shed", "unpredicted_wait", None) and d.retry_after_s >= 1
+    assert adm.decide(128, Slo(None, None, "queue")).route == "primary"
+    # ready, but nobody waited for room yet: a slot is released every (holding time / slots), Little's law
+    _warm(adm.model, clock)
+    assert adm.decide(128, Slo()).reason == "unpredicted_wait"
+    adm.model.slot_held(3.0)
+    d = adm.decide(128, Slo())
+    assert d.route == "primary" and d.predicted_parts[0] == pytest.approx(1 * 3.0 / 2)
+    adm.model.room_per_release_s = 0.4  # measured waits win over the prior
+    assert adm.decide(128, Slo()).predicted_parts[0] == pytest.approx(0.4)
+    a.done()
+    b.done()
+    assert adm.status()["unplaced_requests"] == 0 and adm.status()["oldest_admitted_age_s"] == 0.0
