@@ -389,12 +389,14 @@ class TtftPredictor:
         return self.slot_s / total if self.slot_s is not None and total else None
 
     def starts_at_once(self, unplaced: int, queued_requests: int) -> bool:
-        """Without a prediction: would a request admitted now start at once, behind the ``unplaced`` requests
-        admitted before it without a decode slot yet (disaggregated), or the ``queued_requests`` admitted
-        before it without their first token (one prefill batch per serving worker, otherwise)?"""
-        if self.room is not None and self.room.gates():
-            return self.room.releases_needed(unplaced) == 0
-        return queued_requests < max(1, self.workers()) * self.batch_size
+        """Without a prediction: would a request admitted now start at once? It must fit in the first prefill
+        batch behind the ``queued_requests`` admitted before it without their first token (one batch per
+        worker that prefills) and, where the decode-room gate applies, find a decode slot behind the
+        ``unplaced`` requests admitted before it without one."""
+        first_batch = queued_requests < max(1, self.workers()) * self.batch_size
+        if self.room is not None and self.room.gates():  # a decode slot, and a place in the first prefill batch
+            return first_batch and self.room.releases_needed(unplaced) == 0
+        return first_batch
 
     # --- measurements (the pipeline's hooks) ------------------------------------------------------
     def attach(self, room: RoomState) -> None:
