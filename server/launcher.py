@@ -148,8 +148,13 @@ class RouterProbe:
     interval_s: float = 1.0
     timeout_s: float = 1.0
     frozen_after_s: float = 5.0
+    # a router that answers nothing but keeps using CPU is busy, not frozen (a 2 000-client burst stalls its
+    # loop for seconds): it is restarted only after this long without an answer
+    busy_unanswered_s: float = 60.0
     last_ok: float = field(default_factory=time.monotonic)
     last_probe: float = 0.0
+    last_progress: float = field(default_factory=time.monotonic)  # when its CPU time last moved
+    cpu_s: float | None = None
 
     def due(self, now: float) -> bool:
         if now - self.last_probe < self.interval_s:
@@ -168,11 +173,32 @@ class RouterProbe:
         self.last_ok = now
         return True
 
+    def progressed(self, pid: int, now: float) -> None:
+        """Note the process's CPU time (``/proc``); where it moved since the last probe, it is running."""
+        cpu = process_cpu_s(pid)
+        if cpu is None or self.cpu_s is None or cpu > self.cpu_s:
+            self.last_progress = now
+        self.cpu_s = cpu
+
     def frozen(self, now: float) -> bool:
-        return now - self.last_ok >= self.frozen_after_s
+        """No answer for ``frozen_after_s`` and no CPU used for as long (SIGSTOP, a deadlock), or no answer
+        for ``busy_unanswered_s`` whatever its CPU does."""
+        silent = now - self.last_ok
+        idle = now - max(self.last_progress, self.last_ok)
+        return silent >= self.busy_unanswered_s or (silent >= self.frozen_after_s and idle >= self.frozen_after_s)
 
     def reset(self, now: float) -> None:
-        self.last_ok = self.last_probe = now
+        self.last_ok = self.last_probe = self.last_progress = now
+        self.cpu_s = None
+
+
+def process_cpu_s(pid: int) -> float | None:
+    """User + system CPU seconds of ``pid`` so far (``/proc/PID/stat``), None where it cannot be read."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 @dataclass
@@ -329,12 +355,17 @@ class Launcher:
         if router is None or self.url is None or not self.router_probe.due(now):
             return None
         if router.poll() is None and self.router_probe.answered(self.url, now):
+            self.router_probe.progressed(router.pid, now)
             return None
         frozen = router.poll() is None
+        if frozen:
+            self.router_probe.progressed(router.pid, now)
         if frozen and not self.router_probe.frozen(now):
             return None
+        silent = now - self.router_probe.last_ok
         why = (
-            f"answered no health probe for {self.router_probe.frozen_after_s:g} s"
+            f"answered no health probe for {silent:.0f} s"
+            + ("" if silent >= self.router_probe.busy_unanswered_s else " and used no CPU meanwhile")
             if frozen
             else f"exited with status {router.returncode}"
         )

@@ -16,6 +16,9 @@ Parts (each starts its own `distserve serve` with distbench's shared helper and 
   out: distbench's ``cancelled``, never counted as failed), distbench's verdict line, health codes seen,
   slowest /health, load average before/after, every worker's in-flight count and state afterwards, the
   router's worker-state transition lines, tracebacks in the logs and how long the shutdown took.
+- ``streams``: ``--streams`` (2000) concurrent streaming clients, tiny model, 16/32 tokens, against a server
+  started under a soft open-file limit of ``--streams-soft-limit`` (1024): answers by status (5xx counted),
+  `/health` latency polled every 0.1 s (P50 / P99 / slowest), the router log's growth, in flight afterwards.
 - ``openloop``: tiny model (``--open-model``), TTFT SLO 1 s (``--open-slo-ms``; ``router.admission.slo_ttft_ms``:
   one an idle server meets, e.g. 3 s for SmolLM2 on the 2-vCPU VM), Poisson arrivals at 1x, 2x and
   4x a capacity measured first (the throughput of a closed loop of 8 users): goodput (requests within the
@@ -28,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import resource
 import subprocess
 import sys
 import tempfile
@@ -59,6 +63,7 @@ class HealthPoller(threading.Thread):
         self.codes: dict[str, int] = {}
         self.slowest_ms = 0.0
         self.samples = 0
+        self.latencies_ms: list[float] = []
         self._halt = threading.Event()
 
     def run(self) -> None:
@@ -71,7 +76,9 @@ class HealthPoller(threading.Thread):
                 key = f"{e.code}"
             except (OSError, ValueError) as e:
                 key = type(e).__name__
-            self.slowest_ms = max(self.slowest_ms, (time.perf_counter() - t0) * 1000)
+            ms = (time.perf_counter() - t0) * 1000
+            self.slowest_ms = max(self.slowest_ms, ms)
+            self.latencies_ms.append(ms)
             self.codes[key] = self.codes.get(key, 0) + 1
             self.samples += 1
             self._halt.wait(self.period_s)
@@ -79,7 +86,14 @@ class HealthPoller(threading.Thread):
     def stop(self) -> dict:
         self._halt.set()
         self.join(15)
-        return {"samples": self.samples, "codes": self.codes, "slowest_ms": round(self.slowest_ms, 1)}
+        lat = self.latencies_ms
+        return {
+            "samples": self.samples,
+            "codes": self.codes,
+            "slowest_ms": round(self.slowest_ms, 1),
+            "p50_ms": None if not lat else round(pct(lat, 50) or 0.0, 1),
+            "p99_ms": None if not lat else round(pct(lat, 99) or 0.0, 1),
+        }
 
 
 def distbench(url: str, out: Path, *args: str) -> dict:
@@ -273,6 +287,59 @@ def _loadavg() -> list[str]:
         return f.read().split()[:3]
 
 
+def _raise_nofile() -> None:  # the client's own limit (run in the child before exec)
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+def part_streams(tmp: Path, streams: int = 2000, soft_limit: int = 1024, duration_s: int = 20) -> dict:
+    """``streams`` concurrent streaming clients (distbench's closed loop, 16/32 tokens, tiny model) against a
+    server started under a soft RLIMIT_NOFILE of ``soft_limit`` (the router raises its soft limit to the hard
+    one at start and refuses data requests with 503 + Retry-After past its descriptor budget): every answer by
+    status, 5xx among them, `/health` latency polled every 0.1 s, the router log's growth."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(soft_limit, hard), hard))  # the server inherits it
+    try:
+        s = serve(tmp / "streams", {})
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    res: dict = {"streams": streams, "server_soft_limit_at_start": soft_limit, "hard_limit": hard}
+    try:
+        router_log = s.tmp / "logs" / "router.log"
+        log0 = router_log.stat().st_size if router_log.exists() else 0
+        poll = HealthPoller(s.url, period_s=0.1)
+        load0 = _loadavg()
+        poll.start()
+        out = tmp / "streams.json"
+        cmd = [
+            sys.executable, "-m", "distserve.distbench.cli", "run", "--url", s.url + "/v1", "--no-progress",
+            "--save-result", str(out), "--concurrency", str(streams), "--prompt-len", "16", "--output-len", "32",
+            "--duration", str(duration_s), "--drain-timeout", "120",
+        ]  # fmt: skip
+        subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, preexec_fn=_raise_nofile)
+        r = json.loads(out.read_text())
+        recs = [x for x in r["requests"] if not x.get("warmup")]
+        codes: dict[str, int] = {}
+        for x in recs:
+            err = x.get("error") or ""
+            key = "ok" if not err else (err.split(":")[0][:24] if err.startswith("HTTP") else err[:40])
+            codes[key] = codes.get(key, 0) + 1
+        res.update(summarize(r))
+        res["answers"] = codes
+        res["http_5xx"] = sum(n for k, n in codes.items() if k.startswith("HTTP 5"))
+        res["health"] = poll.stop()
+        res["loadavg_before"], res["loadavg_after"] = load0, _loadavg()
+        res["router_log_growth_kb"] = round(
+            ((router_log.stat().st_size if router_log.exists() else 0) - log0) / 1024, 1
+        )
+        res["workers_inflight_after"] = {w["worker_id"]: w["inflight"] for w in s.workers()}
+    finally:
+        t0 = time.monotonic()
+        s.stop()
+        res["shutdown_s"] = round(time.monotonic() - t0, 1)
+    return res
+
+
 def part_openloop(
     tmp: Path,
     slo_ms: float = 1000.0,
@@ -340,6 +407,8 @@ def main() -> None:
     ap.add_argument("--seed-users", default="100:60,300:30", help="USERS:SECONDS runs of the seed part")
     ap.add_argument("--seed-drain", type=int, default=300, help="seconds the seed runs' requests in flight may finish")
     ap.add_argument("--workdir", default=None, help="keep the result files and logs here (default: a temp dir)")
+    ap.add_argument("--streams", type=int, default=2000, help="concurrent streaming clients of the streams part")
+    ap.add_argument("--streams-soft-limit", type=int, default=1024, help="the server's soft open-file limit at start")
     ap.add_argument("--open-rates", default="1,2,4", help="multiples of the capacity the open loop runs at")
     ap.add_argument("--open-duration", type=int, default=30, help="seconds per open-loop rate")
     ap.add_argument("--open-no-off", action="store_true", help="skip the open loop's admission-off run")
@@ -353,6 +422,7 @@ def main() -> None:
     parts = {
         "hotpath": part_hotpath,
         "seed": lambda t: part_seed(t, runs, a.seed_drain),
+        "streams": lambda t: part_streams(t, a.streams, a.streams_soft_limit),
         "openloop": lambda t: part_openloop(t, a.open_slo_ms, rates, a.open_duration, not a.open_no_off, a.open_model),
     }
     out: dict = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
