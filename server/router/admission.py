@@ -8,7 +8,7 @@ queued at its first token, in flight at its end, whatever the end: failure, clie
 admission). The ledger, not the workers' heartbeats, is what the prediction reads: the requests of a burst
 are decided before the ones admitted a moment earlier reach the gate or a worker, so request k of a burst is
 predicted behind the k - 1 admitted before it (read from the gate alone, a whole burst was admitted:
-docs/performance/overload-2026-12-02c.md). A request
+docs/performance/overload.md). A request
 that would push a count past its bound is not admitted: it gets **429 with Retry-After** in OpenAI's
 rate-limit shape, or goes to the backup pool (``on_full: backup``). Overload therefore never becomes an
 unbounded wait, a silent drop or a 5xx.
