@@ -9,6 +9,7 @@ is ``pipeline.py``; who is alive is ``registry.py``.
 from __future__ import annotations
 
 import asyncio
+import time
 from contextlib import asynccontextmanager
 
 import aiohttp
@@ -38,12 +39,15 @@ def create_router_app(state: RouterState) -> FastAPI:
         """Age worker states on a clock of their own, so the waits on a worker that froze fail
         within a heartbeat timeout even when no request or heartbeat arrives to notice it."""
         period = max(0.05, min(rc.heartbeat_interval_ms, rc.heartbeat_timeout_ms) / 2000.0)
+        late = 0.0
         while True:
             state.registry.sweep()
-            state.registry.tick()
+            state.registry.tick(late)
             if state.pipeline is not None:
                 state.pipeline.request_log.flush()  # the summaries of held-back per-request warnings
+            t0 = time.monotonic()
             await asyncio.sleep(period)
+            late = time.monotonic() - t0 - period
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -90,6 +90,7 @@ class WorkerInfo:
     restart_count: int = 0  # times the launcher restarted this worker id
     memory: dict | None = None  # its device-memory sizing (GPU workers)
     last_seen: float = field(default_factory=time.monotonic)
+    lag_at_seen: float = 0.0  # the router's loop lag total (``WorkerRegistry.lag_s``) at ``last_seen``
     registered_at: float = field(default_factory=time.time)
     state: str = HEALTHY
     state_since: float = field(default_factory=time.monotonic)  # when it entered `state` (transition logs)
@@ -213,6 +214,10 @@ class WorkerRegistry:
         # neighbours), the heartbeats sent meanwhile wait unread in their sockets; judging workers by them
         # right after the stall would make every healthy worker look stale at once (and every request 503).
         self._ticked_at: float | None = None  # None: no sweeper ticks (unit tests): no stall correction
+        # Below a stall the loop can still run behind all the time (thousands of clients on a few cores):
+        # the sweeper adds how late each of its sleeps woke, and a heartbeat's age leaves out the lag
+        # accumulated since it was read (the heartbeats sent meanwhile wait behind the same backlog).
+        self.lag_s = 0.0
         self._grace_from = 0.0  # heartbeat ages count from here at the earliest (the end of a router stall)
 
     def configure(self, rc: RouterConfig, on_eject: Callable[[str], None] | None = None) -> None:
@@ -285,7 +290,7 @@ class WorkerRegistry:
         info.status = status
         self.prefix.update(worker_id, status, now)
         gap = now - info.last_seen
-        info.last_seen = now
+        info.last_seen, info.lag_at_seen = now, self.lag_s
         if info.state != DRAINING and info.state != HEALTHY:
             transition(info, HEALTHY, f"heartbeat after {gap:.1f} s")
         return True
@@ -329,11 +334,14 @@ class WorkerRegistry:
 
     def silent_for(self, info: WorkerInfo, now: float) -> float:
         """How long ``info`` has been silent as far as its heartbeats tell (from the end of a router stall)."""
-        return now - max(info.last_seen, self._grace_from)
+        lag = self.lag_s - info.lag_at_seen if info.last_seen >= self._grace_from else 0.0
+        return max(0.0, now - max(info.last_seen, self._grace_from) - lag)
 
-    def tick(self) -> None:
-        """The router's sweeper ran (every heartbeat timeout / 2 or sooner): its event loop is not stalled."""
+    def tick(self, late_s: float = 0.0) -> None:
+        """The router's sweeper ran (every heartbeat timeout / 2 or sooner): its event loop is not stalled;
+        ``late_s``: how much later than asked its sleep woke (the loop's lag, added to ``lag_s``)."""
         self._ticked_at = time.monotonic()
+        self.lag_s += max(0.0, late_s)
 
     def sweep(self) -> None:
         """Age the states; fail the waits on workers silent for ``fail_waits_after_s`` (frozen).

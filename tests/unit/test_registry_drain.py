@@ -94,3 +94,22 @@ def test_without_a_stall_a_silent_worker_goes_stale_as_before():
     reg.workers["d1"].last_seen -= 2
     reg.sweep()
     assert reg.workers["d1"].state == "stale"
+
+
+def test_a_router_loop_that_runs_behind_ages_heartbeats_by_its_lag_and_a_silent_worker_still_goes_stale():
+    """No stall (every sweeper tick within half a heartbeat timeout) but each woke late: the lag accumulated
+    since a worker's heartbeat was read is left out of its age; a worker silent beyond that goes stale."""
+    reg = WorkerRegistry(heartbeat_timeout_s=1.0)
+    reg.register(_reg("d1"))
+    reg.register(_reg("d2"))
+    reg.tick()
+    for w in reg.workers.values():
+        w.last_seen -= 1.5  # 1.5 s since the heartbeats were read...
+    reg.tick(late_s=0.4)
+    reg.tick(late_s=0.4)  # ...0.8 s of which the router's loop ran behind: aged 0.7 s, not stale
+    reg.sweep()
+    assert [w.state for w in reg.workers.values()] == ["healthy", "healthy"]
+    reg.heartbeat("d1", WorkerStatus())
+    reg.workers["d2"].last_seen -= 1.0  # d2 silent 2.5 s, 0.8 s of lag: 1.7 s > the timeout
+    reg.sweep()
+    assert reg.workers["d1"].state == "healthy" and reg.workers["d2"].state == "stale"
