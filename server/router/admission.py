@@ -28,9 +28,10 @@ corrects itself instead of shedding for ever).
 Without any SLO a request predicted to wait longer than ``max_predicted_ttft_s`` is still
 refused: no admitted request waits without bound. Without a prediction (the model has not measured a few
 prefill calls yet, or the request would wait for decode room before any wait or slot holding time was
-measured) a request is admitted only if it starts at once (a free decode slot behind the unplaced ones; one
-prefill batch per worker when colocated) or nothing is queued; otherwise 429 (``unpredicted_wait``) with a
-Retry-After of the oldest open request's age, so a cold server no longer takes a whole burst in blind.
+measured) a request is admitted only if it starts soon (within the first ``COLD_BATCHES`` prefill batches
+per prefilling worker and, disaggregated, with a free decode slot behind the unplaced ones) or nothing is
+queued; otherwise 429 (``unpredicted_wait``) with a Retry-After of the oldest open request's age, so a cold
+server no longer takes a whole burst in blind.
 
 Every decision is counted in ``/metrics`` (``distserve_admission_total{decision,reason}``), sheds and
 backups are journaled with their reason (``router.event_journal_path``), and each admitted request keeps

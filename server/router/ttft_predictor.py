@@ -57,6 +57,9 @@ IDLE_QUANTILE = 0.3  # ... this quantile (a shared CPU's slow outliers would pul
 RATE_TAU_S = 2.0  # the cost per token is measured over about this many seconds of answers
 FIT_EVERY = 4  # re-solve a fit every this many samples (every sample for the first 32)
 EWMA = 0.1  # weight of a new sample in the decode-room and overhead averages
+# Without a prediction (a cold model) a request is admitted only while it would be prefilled within this many
+# batches: a burst of 40 on a fresh server is served, the seed's 300 users on a CPU are not taken in blind.
+COLD_BATCHES = 2
 ROOM_ERROR_MIN_S = 0.01  # decode-room waits shorter than this are not judged by their relative error
 MARGIN_QUANTILE = 0.95  # admission's margin: this quantile of measured / predicted TTFT ...
 MARGIN_SAMPLES = 256  # ... over the last this many requests admission judged (something queued ahead)
@@ -389,14 +392,14 @@ class TtftPredictor:
         return self.slot_s / total if self.slot_s is not None and total else None
 
     def starts_at_once(self, unplaced: int, queued_requests: int) -> bool:
-        """Without a prediction: would a request admitted now start at once? It must fit in the first prefill
-        batch behind the ``queued_requests`` admitted before it without their first token (one batch per
-        worker that prefills) and, where the decode-room gate applies, find a decode slot behind the
-        ``unplaced`` requests admitted before it without one."""
-        first_batch = queued_requests < max(1, self.workers()) * self.batch_size
-        if self.room is not None and self.room.gates():  # a decode slot, and a place in the first prefill batch
-            return first_batch and self.room.releases_needed(unplaced) == 0
-        return first_batch
+        """Without a prediction: would a request admitted now start soon? It must fit in the first
+        ``COLD_BATCHES`` prefill batches behind the ``queued_requests`` admitted before it without their first
+        token (per worker that prefills) and, where the decode-room gate applies, find a decode slot behind
+        the ``unplaced`` requests admitted before it without one."""
+        soon = queued_requests < COLD_BATCHES * max(1, self.workers()) * self.batch_size
+        if self.room is not None and self.room.gates():  # a decode slot, and a place in the first prefill batches
+            return soon and self.room.releases_needed(unplaced) == 0
+        return soon
 
     # --- measurements (the pipeline's hooks) ------------------------------------------------------
     def attach(self, room: RoomState) -> None:
