@@ -38,8 +38,8 @@ from distserve.distbench.loadgen import RunSpec
 from distserve.distbench.runner import Options
 from distserve.distbench.runner import run as run_distbench
 from distserve.distbench.target import ServeProcess
+from distserve.server.launcher import process_cpu_s
 
-TICK = os.sysconf("SC_CLK_TCK")
 # leaf frames of a thread that waits (py-spy reports waiting threads too)
 IDLE_LEAVES = ("select (", "epoll", "poll (", "_worker (concurrent", "wait (threading", "sleep", "_run_once (asyncio")
 
@@ -73,12 +73,13 @@ def cpu_tree(pid: int) -> dict[int, tuple[float, str]]:
     kids, out, stack = _children(), {}, [pid]
     while stack:
         q = stack.pop()
+        cpu = process_cpu_s(q)  # the launcher's reader of /proc/PID/stat
         try:
-            fields = Path(f"/proc/{q}/stat").read_text().rsplit(")", 1)[1].split()
             cmd = Path(f"/proc/{q}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
             continue
-        out[q] = ((int(fields[11]) + int(fields[12])) / TICK, role_of(cmd))
+        if cpu is not None:
+            out[q] = (cpu, role_of(cmd))
         stack += kids.get(q, [])
     return out
 
