@@ -16,6 +16,10 @@ ms, TTFT mean / P50 / P90 / P95 / P99 / stddev, TPOT P90 / P99, failures by reas
 step and the KV hand-off. ``summary``: per layout, workload and sampling the highest rate at >= 90 %
 attainment and its ratio to colocated's.
 
+``--stop-below A`` (a knee search): rates run in ascending order, and once a point attains less than A the
+higher rates of that workload and sampling are skipped ("above the knee"), so one rate list can span the
+knees of every layout.
+
 ``--variant ab --ab-tree PATH``: the same sweep on fresh servers alternating this tree and the tree at PATH
 (plain files of another commit, e.g. ``git archive e7864e1 | tar -x -C ab-tree``), layouts given as
 ``1p1d,1p1d^ab,...`` (``^ab``: served from PATH); the client is this tree's distbench either way.
@@ -199,9 +203,13 @@ def sweep(srv: ServeProcess, entry: dict, args, doc: dict, t0: float) -> None:
             entry["prewarm"] = {"requests": args.prewarm, "rate": rates[0], "attainment": res.get("slo_attainment")}
     for wname, n, rates in args.workloads:
         for sampling in args.sampling:
-            for rate in rates:
+            knee: float | None = None  # the first rate whose attainment fell below --stop-below
+            for rate in sorted(rates):
                 point: dict = {"workload": wname, "sampling": sampling, "rate": rate, "num_prompts": n}
                 entry["points"].append(point)
+                if knee is not None:
+                    point["skipped"] = f"above the knee: {knee:g}/s attained < {args.stop_below:g}"
+                    continue
                 need = n / rate + args.drain_estimate_s
                 if time.monotonic() - t0 + need > args.budget_s:
                     point["skipped"] = f"needs ~{need:.0f} s"
@@ -223,6 +231,8 @@ def sweep(srv: ServeProcess, entry: dict, args, doc: dict, t0: float) -> None:
                     flush=True,
                 )
                 write_result(args.out, doc)
+                if (point.get("slo_attainment") or 0.0) < args.stop_below:
+                    knee = rate
 
 
 def print_memory(entry: dict) -> None:
@@ -322,6 +332,12 @@ def main() -> int:
     ap.add_argument("--no-bisect", dest="bisect", action="store_false", help="no tuners-off retry of a failed split")
     ap.add_argument("--ab-tree", help="plain files of the other commit (layouts ending ^ab run from there)")
     ap.add_argument("--budget-s", type=float, default=470.0)
+    ap.add_argument(
+        "--stop-below",
+        type=float,
+        default=0.0,
+        help="after a point below this attainment, skip the higher rates of that workload and sampling (0: off)",
+    )
     ap.add_argument("--startup-timeout-s", type=float, default=240.0)
     ap.add_argument("--startup-estimate-s", type=float, default=45.0)
     ap.add_argument("--drain-estimate-s", type=float, default=4.0)
