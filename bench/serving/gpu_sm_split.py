@@ -100,6 +100,13 @@ def parse_workloads(text: str, num_prompts: int) -> list[tuple[str, int, list[fl
     return out
 
 
+def point_seed(rate: float, sampling: str, prewarm: bool = False) -> int:
+    """The prompts' seed of one point. It differs per rate, per sampling and for the pre-warm: the prefix cache is on
+    by default, so two points sending the same prompts would measure cache hits, not prefills (the runs of
+    2026-12-02 seeded by rate only, and each rate's OpenAI-default point re-sent its greedy point's prompts)."""
+    return int(rate * 100) + 100_000 * (1 + sum(map(ord, sampling)) % 97) + (7_777_777 if prewarm else 0)
+
+
 def workload(name: str, seed: int) -> Workload:
     if name == "sharegpt":
         return Workload(dataset=f"jsonl:{SHAREGPT}", seed=seed)
@@ -183,14 +190,14 @@ def one_layout(name: str, args: argparse.Namespace, doc: dict, t0: float) -> Non
                             request_rate=rate,
                             num_prompts=n,
                             warmup=args.warmup,
-                            seed=int(rate * 100),
+                            seed=point_seed(rate, sampling),
                             timeout_s=120.0,
                             sampling=sampling,
                         )
                         res = run_distbench(
                             Options(
                                 spec,
-                                workload(wname, int(rate * 100)),
+                                workload(wname, point_seed(rate, sampling)),
                                 slo=SLO,
                                 percentiles=(50.0, 90.0, 95.0, 99.0),
                                 progress=False,

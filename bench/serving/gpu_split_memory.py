@@ -46,7 +46,17 @@ from pathlib import Path
 import aiohttp
 
 from bench.lib.results import write_result
-from bench.serving.gpu_sm_split import KEEP, SLO, handoff, layout_args, parse_workloads, scrape, summarize, workload
+from bench.serving.gpu_sm_split import (
+    KEEP,
+    SLO,
+    handoff,
+    layout_args,
+    parse_workloads,
+    point_seed,
+    scrape,
+    summarize,
+    workload,
+)
 from distserve.distbench.loadgen import RunSpec
 from distserve.distbench.runner import Options
 from distserve.distbench.runner import run as run_distbench
@@ -171,20 +181,21 @@ def start(name: str, args, tmp: Path, env_extra: dict | None = None) -> tuple[Se
     return srv, entry
 
 
-def _run(srv: ServeProcess, wname: str, n: int, rate: float, sampling: str, warmup: int) -> dict:
+def _run(srv: ServeProcess, wname: str, n: int, rate: float, sampling: str, warmup: int, prewarm: bool = False) -> dict:
+    seed = point_seed(rate, sampling, prewarm)
     spec = RunSpec(
         url=srv.url,
         strategy="poisson",
         request_rate=rate,
         num_prompts=n,
         warmup=warmup,
-        seed=int(rate * 100),
+        seed=seed,
         timeout_s=120.0,
         sampling=sampling,
     )
     opts = Options(
         spec,
-        workload(wname, int(rate * 100)),
+        workload(wname, seed),
         slo=SLO,
         percentiles=(50.0, 90.0, 95.0, 99.0),
         progress=False,
@@ -199,7 +210,8 @@ def sweep(srv: ServeProcess, entry: dict, args, doc: dict, t0: float) -> None:
     if args.prewarm and args.workloads and args.workloads[0][2]:
         wname, _, rates = args.workloads[0]
         if time.monotonic() - t0 + args.prewarm / rates[0] + args.drain_estimate_s <= args.budget_s:
-            res = _run(srv, wname, args.prewarm, rates[0], args.sampling[0], 0)  # not a point: a warm server
+            # not a point: a warm server (prompts of their own, so no point is served from its prefix cache)
+            res = _run(srv, wname, args.prewarm, rates[0], args.sampling[0], 0, prewarm=True)
             entry["prewarm"] = {"requests": args.prewarm, "rate": rates[0], "attainment": res.get("slo_attainment")}
     for wname, n, rates in args.workloads:
         for sampling in args.sampling:

@@ -132,3 +132,16 @@ def test_the_results_writer_stamps_commit_hardware_date_and_command(tmp_path):
     assert re.fullmatch(r"[0-9a-f]{40}(\+dirty)?", prov["commit"])
     assert prov["hardware"]["cpu_cores"] >= 1 and prov["hardware"]["cpu"]
     assert re.match(r"\d{4}-\d\d-\d\dT", prov["date"]) and prov["command"].endswith("bench/x.py --out r.json.gz")
+
+
+def test_one_gpu_points_never_resend_another_points_prompts():
+    """The prefix cache is on by default: two points of a sweep with one seed would measure cache hits."""
+    from bench.serving.gpu_sm_split import point_seed
+
+    seeds = [
+        point_seed(rate, sampling, prewarm)
+        for rate in (3, 5, 20, 60, 100, 120)
+        for sampling in ("greedy", "openai-default")
+        for prewarm in (False, True)
+    ]
+    assert len(set(seeds)) == len(seeds)
