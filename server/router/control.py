@@ -37,6 +37,7 @@ from collections.abc import Callable
 import uvicorn
 from pydantic import ValidationError
 
+from distserve.server.lograte import RateLimitedLog
 from distserve.server.net import listen
 from distserve.server.router.registry import WorkerRegistry
 from distserve.server.wire import CREDENTIAL_HEADER, HeartbeatRequest
@@ -232,6 +233,7 @@ class FrontDoor:
     ) -> None:
         self.sock, self.health, self.main_alive, self.hand_over = sock, health, main_alive, hand_over
         self.answered = 0
+        self.log = RateLimitedLog(log)
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self.sock.setblocking(False)
@@ -246,8 +248,10 @@ class FrontDoor:
                 conn, _ = self.sock.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError as e:  # EMFILE and the like: the main loop's accept would meet the same
-                log.warning("router port: accept failed: %s", e)
+            except OSError as e:  # EMFILE and the like: pause accepting for a second, as asyncio's own accept does
+                self.log.warning("accept", "router port: accept failed (%s); pausing accepts for 1 s", e)
+                loop.remove_reader(self.sock.fileno())
+                loop.call_later(1.0, self.start, loop)
                 return
             conn.setblocking(False)
             loop.create_task(self._sort(loop, conn))
