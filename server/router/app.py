@@ -57,6 +57,7 @@ def front_door(state: RouterState, main: asyncio.AbstractEventLoop) -> FrontDoor
         lambda: health_answer(state, sweep=False),
         lambda: reg.main_loop_ticked_within(MAIN_LOOP_DEAD_S),
         hand_over,
+        state.connections,
     )
 
 

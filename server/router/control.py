@@ -39,6 +39,7 @@ from pydantic import ValidationError
 
 from distserve.server.lograte import RateLimitedLog
 from distserve.server.net import listen
+from distserve.server.router.fdlimit import ConnectionCounter
 from distserve.server.router.registry import WorkerRegistry
 from distserve.server.wire import CREDENTIAL_HEADER, HeartbeatRequest
 
@@ -230,8 +231,10 @@ class FrontDoor:
         health: Callable[[], tuple[int, dict]],
         main_alive: Callable[[], bool],
         hand_over: Callable[[object], None],
+        counter: ConnectionCounter | None = None,
     ) -> None:
         self.sock, self.health, self.main_alive, self.hand_over = sock, health, main_alive, hand_over
+        self.counter = counter  # connections being sorted count against the descriptor budget (fdlimit.py)
         self.answered = 0
         self.log = RateLimitedLog(log)
 
@@ -257,6 +260,16 @@ class FrontDoor:
             loop.create_task(self._sort(loop, conn))
 
     async def _sort(self, loop: asyncio.AbstractEventLoop, conn) -> None:
+        c = self.counter
+        if c is not None:
+            c.sorting += 1
+        try:
+            await self._sort_one(loop, conn)
+        finally:
+            if c is not None:
+                c.sorting -= 1
+
+    async def _sort_one(self, loop: asyncio.AbstractEventLoop, conn) -> None:
         deadline = loop.time() + HANDOVER_AFTER_S
         while True:
             try:
