@@ -289,8 +289,13 @@ class FrontDoor:
                     break
             if loop.time() > deadline:
                 break
-            ready = loop.create_future()
-            loop.add_reader(conn.fileno(), lambda f=ready: f.done() or f.set_result(None))
+            ready: asyncio.Future[None] = loop.create_future()
+
+            def readable(f: asyncio.Future[None] = ready) -> None:
+                if not f.done():
+                    f.set_result(None)
+
+            loop.add_reader(conn.fileno(), readable)
             try:
                 await asyncio.wait_for(ready, max(0.0, deadline - loop.time()))
             except TimeoutError:
