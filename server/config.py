@@ -356,6 +356,10 @@ class RouterConfig(_Section):
     _section: ClassVar[str] = "router"
     host: str = _opt("127.0.0.1", "str")
     port: int = _opt(8080, "int", lo=0, hi=65535)  # 0 = pick a free port
+    # the control plane's server (worker heartbeats, on a thread of its own: server/router/control.py) listens
+    # here, on a free port chosen at start and named to workers in the registration reply; "" = none (every
+    # heartbeat on the main port, read by the data plane's event loop)
+    control_host: str = _opt("127.0.0.1", "str")
     backup_pool: tuple[str, ...] = _opt((), "url_list")
     backup_model: str | None = _opt(None, "str", nullable=True)  # `model` sent to the backup; None = as given
     backup_api_key: str | None = _opt(None, "str", nullable=True)  # Bearer token for the backup pool

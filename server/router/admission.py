@@ -331,8 +331,9 @@ class Admission:
         self.decisions.labels("admitted", d.reason).inc()
         return t
 
-    def refused(self, d: Decision, prompt_tokens: int, route: str) -> None:
-        """Count and journal a request that was not admitted (``route``: shed or backup)."""
+    def refused(self, d: Decision, prompt_tokens: int | None, route: str) -> None:
+        """Count and journal a request that was not admitted (``route``: shed or backup); ``prompt_tokens``
+        None: refused before its body was read (server/router/early_refusal.py)."""
         self.decisions.labels(route, d.reason).inc()
         self.journal(
             {

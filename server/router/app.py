@@ -17,6 +17,8 @@ from fastapi import FastAPI
 
 from distserve.server.router.admission import Admission
 from distserve.server.router.backup_pool import BackupOptions, BackupPool
+from distserve.server.router.control import MAIN_LOOP_DEAD_S, ControlApp, ControlPlane, FrontDoor
+from distserve.server.router.early_refusal import EarlyRefusal
 from distserve.server.router.errors import install_error_handlers
 from distserve.server.router.failover import PoolHeaderMiddleware
 from distserve.server.router.fdlimit import ConnectionLimit
@@ -24,12 +26,39 @@ from distserve.server.router.limits import BodyLimit
 from distserve.server.router.pipeline import Pipeline, PipelineOptions
 from distserve.server.router.request_journal import JournalEveryRequest
 from distserve.server.router.routes import admin, health, models, openai, sla, tokenize
+from distserve.server.router.routes.health import health_answer
 from distserve.server.router.sla_live import SlaLive
 from distserve.server.router.state import RouterState, serving_workers
 
 __all__ = ["ROUTE_FAMILIES", "RouterState", "create_router_app"]
 
 ROUTE_FAMILIES = (admin, health, sla, models, tokenize, openai)  # each module's ``router``, included in this order
+
+
+def front_door(state: RouterState, main: asyncio.AbstractEventLoop) -> FrontDoor | None:
+    """The main port accepted on the control thread (``/health`` answered there), when ``serve_router`` gave
+    its socket; every other connection is adopted by this loop's HTTP server."""
+    if state.front_door is None:
+        return None
+    sock, protocol = state.front_door
+
+    async def adopt(conn) -> None:
+        try:
+            await main.connect_accepted_socket(protocol, conn)
+        except OSError:
+            conn.close()
+
+    def hand_over(conn) -> None:
+        main.call_soon_threadsafe(lambda: main.create_task(adopt(conn)))
+
+    reg = state.registry
+    return FrontDoor(
+        sock,
+        lambda: health_answer(state, sweep=False),
+        lambda: reg.main_loop_ticked_within(MAIN_LOOP_DEAD_S),
+        hand_over,
+        state.connections,
+    )
 
 
 def create_router_app(state: RouterState) -> FastAPI:
@@ -84,9 +113,22 @@ def create_router_app(state: RouterState) -> FastAPI:
             state.admission.attach(state.pipeline)  # the TTFT model learns each request's phases
             ticker = asyncio.ensure_future(state.sla.run())
             sweeper = asyncio.create_task(sweep_registry(), name="registry-sweep")
+            if rc.control_host:
+                ids = state.ids()  # made here: the control thread only reads it
+                period = max(0.05, min(rc.heartbeat_interval_ms, rc.heartbeat_timeout_ms) / 2000.0)
+                state.control = ControlPlane(
+                    ControlApp(state.registry, state.token, ids.holds, lambda: health_answer(state, sweep=False)),
+                    rc.control_host,
+                    period,
+                    front_door(state, asyncio.get_running_loop()),
+                )
+                await asyncio.to_thread(state.control.start)
             try:
                 yield
             finally:
+                if state.control is not None:
+                    await asyncio.to_thread(state.control.stop)
+                    state.control = None
                 sweeper.cancel()
                 ticker.cancel()
                 state.sla.close()
@@ -94,6 +136,7 @@ def create_router_app(state: RouterState) -> FastAPI:
     app = FastAPI(title="distserve router", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.add_middleware(BodyLimit, max_bytes=rc.max_request_body_bytes, body_timeout_s=rc.body_timeout_s)
     app.state.router = state
+    app.add_middleware(EarlyRefusal, state=state)  # a certain 429 before the body is read (early_refusal.py)
     app.add_middleware(PoolHeaderMiddleware)
     if state.connections is not None:  # refuses before the body is read (journaled by the next one)
         app.add_middleware(ConnectionLimit, counter=state.connections, retry_after_s=rc.admission.retry_after_s)

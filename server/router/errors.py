@@ -38,9 +38,14 @@ def unavailable(message: str) -> JSONResponse:
     return error(503, message, headers={"Retry-After": "1"})
 
 
+def rate_limit_kind(reason: str) -> str:
+    """The ``type`` of a 429 refused for admission's ``reason``: ``tokens`` or ``requests``."""
+    return "tokens" if "tokens" in reason or reason.startswith("slo") or "ttft" in reason else "requests"
+
+
 def rate_limited(message: str, reason: str, retry_after_s: int) -> JSONResponse:
     """OpenAI's rate-limit answer: 429, ``rate_limit_exceeded``, Retry-After (whole seconds)."""
-    kind = "tokens" if "tokens" in reason or reason.startswith("slo") or "ttft" in reason else "requests"
+    kind = rate_limit_kind(reason)
     return JSONResponse(
         {"error": {"message": message, "type": kind, "param": None, "code": "rate_limit_exceeded"}},
         status_code=429,

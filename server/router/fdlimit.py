@@ -45,6 +45,9 @@ class ConnectionCounter:
         self.budget = budget
         self.open = 0
         self.refused = 0
+        # accepted by the control thread and not yet handed to the main loop (server/router/control.py,
+        # ``FrontDoor``): changed by that thread only
+        self.sorting = 0
 
     @classmethod
     def for_limit(cls, soft: int, max_connections: int, reserved_fds: int) -> ConnectionCounter:
@@ -58,7 +61,7 @@ class ConnectionCounter:
 
     @property
     def over(self) -> bool:
-        return self.open > self.budget
+        return self.open + self.sorting > self.budget
 
 
 class ConnectionLimit:

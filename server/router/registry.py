@@ -25,6 +25,7 @@ model fingerprint: KV from one prefill worker has to be readable by any decode w
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -91,6 +92,9 @@ class WorkerInfo:
     memory: dict | None = None  # its device-memory sizing (GPU workers)
     last_seen: float = field(default_factory=time.monotonic)
     lag_at_seen: float = 0.0  # the router's loop lag total (``WorkerRegistry.lag_s``) at ``last_seen``
+    # its last heartbeat came through the control plane (server/router/control.py): ``last_seen`` is when the
+    # control thread read it, so the main loop's lag says nothing about its age
+    direct: bool = False
     registered_at: float = field(default_factory=time.time)
     state: str = HEALTHY
     state_since: float = field(default_factory=time.monotonic)  # when it entered `state` (transition logs)
@@ -219,6 +223,14 @@ class WorkerRegistry:
         # accumulated since it was read (the heartbeats sent meanwhile wait behind the same backlog).
         self.lag_s = 0.0
         self._grace_from = 0.0  # heartbeat ages count from here at the earliest (the end of a router stall)
+        # Heartbeats read by the control-plane thread (server/router/control.py) wait here, with the time that
+        # thread read them, until the main loop applies them (every ``sweep``): the registry itself is only
+        # touched by the main loop. The control thread has its own pulse: when it stalled (the whole process
+        # stopped), ages of direct heartbeats count from its recovery, as ``_grace_from`` does for the loop.
+        self._inbox: dict[str, tuple[WorkerStatus, float, float | None]] = {}
+        self._inbox_lock = threading.Lock()
+        self._ctl_ticked_at: float | None = None
+        self._ctl_grace_from = 0.0
 
     def configure(self, rc: RouterConfig, on_eject: Callable[[str], None] | None = None) -> None:
         """Take the router section's routing settings (cache-aware weight, summary age, outlier ejection)."""
@@ -281,19 +293,59 @@ class WorkerRegistry:
         return info
 
     def heartbeat(self, worker_id: str, status: WorkerStatus) -> bool:
+        """A heartbeat read on the main loop (``POST /heartbeat`` on the router's port)."""
         info = self.workers.get(worker_id)
         if info is None or info.state == DEAD:
             return False  # a dead worker that still heartbeats must register again
         now = time.monotonic()
-        if status.num_steps != info.status.num_steps or status.in_step:
-            info.progress_at = now
+        progressed = now if status.num_steps != info.status.num_steps or status.in_step else None
+        self._apply(info, status, now, progressed, direct=False)
+        return True
+
+    def knows(self, worker_id: str) -> bool:
+        """Whether ``worker_id`` is registered and not dead (safe from the control thread: one dict read)."""
+        info = self.workers.get(worker_id)
+        return info is not None and info.state != DEAD
+
+    def receive(self, worker_id: str, status: WorkerStatus, at: float, progressed_at: float | None) -> None:
+        """From the control thread: a heartbeat read at ``at`` (monotonic); applied by the next ``sweep``.
+        ``progressed_at``: ``at`` when that thread saw the worker's step count move or a step running."""
+        with self._inbox_lock:
+            prev = self._inbox.get(worker_id)
+            if progressed_at is None and prev is not None:
+                progressed_at = prev[2]  # an earlier heartbeat not applied yet showed progress
+            self._inbox[worker_id] = (status, at, progressed_at)
+
+    def main_loop_ticked_within(self, seconds: float) -> bool:
+        """Whether the main loop's sweeper ran within ``seconds`` (True before its first tick)."""
+        t = self._ticked_at
+        return t is None or time.monotonic() - t < seconds
+
+    def control_tick(self) -> None:
+        """The control thread's pulse (``ControlPlane``): it reads heartbeats as they come."""
+        self._ctl_ticked_at = time.monotonic()
+
+    def apply_received(self) -> None:
+        """Apply the heartbeats the control thread read (main loop only)."""
+        if not self._inbox:
+            return
+        with self._inbox_lock:
+            got, self._inbox = self._inbox, {}
+        for worker_id, (status, at, progressed) in got.items():
+            info = self.workers.get(worker_id)
+            if info is None or info.state == DEAD or at < info.last_seen:
+                continue  # deregistered, dead or replaced since; or older than what the main port took
+            self._apply(info, status, at, progressed, direct=True)
+
+    def _apply(self, info: WorkerInfo, status: WorkerStatus, at: float, progressed: float | None, direct: bool) -> None:
+        if progressed is not None:
+            info.progress_at = max(info.progress_at, progressed)
         info.status = status
-        self.prefix.update(worker_id, status, now)
-        gap = now - info.last_seen
-        info.last_seen, info.lag_at_seen = now, self.lag_s
+        self.prefix.update(info.worker_id, status, at)
+        gap = at - info.last_seen
+        info.last_seen, info.lag_at_seen, info.direct = at, self.lag_s, direct
         if info.state != DRAINING and info.state != HEALTHY:
             transition(info, HEALTHY, f"heartbeat after {gap:.1f} s")
-        return True
 
     def deregister(self, worker_id: str, pid: int | None = None) -> bool:
         """A worker leaving on purpose (drain, shutdown): forget it. Its calls in flight finish.
@@ -333,7 +385,12 @@ class WorkerRegistry:
             transition(info, SUSPECT, reason)
 
     def silent_for(self, info: WorkerInfo, now: float) -> float:
-        """How long ``info`` has been silent as far as its heartbeats tell (from the end of a router stall)."""
+        """How long ``info`` has been silent as far as its heartbeats tell (from the end of a router stall).
+
+        A heartbeat the control thread read carries its true time of arrival: only a stall of that thread
+        (the whole process stopped) is left out, not the main loop's lag."""
+        if info.direct:
+            return max(0.0, now - max(info.last_seen, self._ctl_grace_from))
         lag = self.lag_s - info.lag_at_seen if info.last_seen >= self._grace_from else 0.0
         return max(0.0, now - max(info.last_seen, self._grace_from) - lag)
 
@@ -348,7 +405,11 @@ class WorkerRegistry:
 
         A heartbeat's age counts from the end of the router's own latest stall at the earliest: a router
         whose loop did not run for over half a heartbeat timeout has not read the heartbeats sent meanwhile."""
+        self.apply_received()
         now = time.monotonic()
+        if self._ctl_ticked_at is not None and now - self._ctl_ticked_at > self.heartbeat_timeout_s / 2:
+            self._ctl_grace_from = now  # the control thread has not run either: what it has not read yet is
+            # not a worker's silence (its own tick moves _ctl_ticked_at on once it runs again)
         if self._ticked_at is not None and now - self._ticked_at > self.heartbeat_timeout_s / 2:
             if now - self._grace_from > self.heartbeat_timeout_s / 2:
                 log.warning(
@@ -370,6 +431,29 @@ class WorkerRegistry:
             if info.state in (STALE, DRAINING) and age > self.fail_waits_after_s:
                 info.expire_waiters()
         self.outliers.release_due(self.workers.values(), now)
+
+    def view(self) -> tuple[str | None, dict[str, dict[str, int]], list[WorkerInfo]]:
+        """(mode, counts, healthy workers) as ``sweep`` would leave them now, without changing anything: safe
+        from the control thread (``GET /health`` there) while the main loop runs behind. A heartbeat waiting
+        in the inbox counts as applied; a silence past the timeout as stale."""
+        now = time.monotonic()
+        with self._inbox_lock:
+            pending = {wid: at for wid, (_, at, _) in self._inbox.items()}
+        out: dict[str, dict[str, int]] = {}
+        healthy: list[WorkerInfo] = []
+        for w in list(self.workers.values()):
+            st = w.state
+            at = pending.get(w.worker_id)
+            if at is not None and at >= w.last_seen and st in (STALE, SUSPECT):
+                st = HEALTHY
+            elif at is None and st in (HEALTHY, SUSPECT) and self.silent_for(w, now) > self.heartbeat_timeout_s:
+                st = STALE
+            out.setdefault(w.role, dict.fromkeys(STATES, 0))[st] += 1
+            if st == HEALTHY:
+                healthy.append(w)
+        roles = {w.role for w in healthy}
+        mode = "disaggregated" if {"prefill", "decode"} <= roles else "colocated" if "colocated" in roles else None
+        return mode, out, healthy
 
     def counts(self) -> dict[str, dict[str, int]]:
         """Workers per role and state (``/health``, ``/metrics``)."""

@@ -6,9 +6,13 @@ in the lifespan, the SLA tracker, admission) and the model the workers serve (to
 
 from __future__ import annotations
 
+import asyncio
+import gc
 import logging
+import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from fastapi import Request
@@ -21,6 +25,7 @@ from distserve.server.lograte import RateLimitedLog
 from distserve.server.metrics import RouterMetrics
 from distserve.server.router.admission import Admission
 from distserve.server.router.backup_pool import BackupPool
+from distserve.server.router.control import ControlPlane
 from distserve.server.router.fdlimit import ConnectionCounter
 from distserve.server.router.identity import WorkerIdentities
 from distserve.server.router.pipeline import NoWorkersError, Pipeline
@@ -49,6 +54,10 @@ class RouterState:
     admission: Admission | None = None  # bounded queues, SLO-aware admission (server/router/admission.py)
     connections: ConnectionCounter | None = None  # open client connections vs the fd budget (fdlimit.py)
     identities: WorkerIdentities | None = None  # per-worker credentials (server/router/identity.py)
+    control: ControlPlane | None = None  # heartbeats' own thread and port (server/router/control.py)
+    # (listening socket, uvicorn protocol factory) of the main port, when the control thread accepts on it
+    # and answers /health there (``FrontDoor``); set by ``serve_router``, None in tests that drive the app alone
+    front_door: tuple[socket.socket, Callable[[], asyncio.Protocol]] | None = None
     overload_log: RateLimitedLog = field(default_factory=lambda: RateLimitedLog(log))  # a line per admission cause
 
     def ids(self) -> WorkerIdentities:
@@ -69,6 +78,8 @@ class RouterState:
             self.get_tokenizer()
         except Exception as e:  # the first request reports it properly
             log.warning("cannot load the tokenizer yet: %s", e)
+            return
+        gc.freeze()  # its vocabulary lives as long as the router: out of every later full collection
 
     def get_tokenizer(self) -> Tokenizer:
         if self.tokenizer is not None:

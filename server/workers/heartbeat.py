@@ -89,6 +89,10 @@ class HeartbeatThread:
         self.should_exit, self.refused, self.liveness = should_exit, refused, liveness
         self.registered = False
         self.credential: str | None = None  # issued by the router at registration; every later call carries it
+        # where heartbeats go: the router's control plane when its registration reply names one (read on a
+        # thread of its own there, server/router/control.py), else the router's URL. A failed heartbeat
+        # registers again through the router's URL, which names the control plane of the router running now.
+        self.heartbeat_url: str | None = None
         self.num_sent = 0
         self._thread = threading.Thread(target=self._main, name="heartbeat", daemon=True)
         self._last_report = 0.0
@@ -177,13 +181,22 @@ class HeartbeatThread:
                     return
                 self.registered = r.status == 200
                 if self.registered:
-                    self.credential = str((await r.json()).get("credential") or "") or None
-                    log.info("Registered with router %s as %s %s", o.router_url, o.role, reg.worker_id)
+                    answer = await r.json()
+                    self.credential = str(answer.get("credential") or "") or None
+                    self.heartbeat_url = str(answer.get("control_url") or "").rstrip("/") or o.router_url
+                    log.info(
+                        "Registered with router %s as %s %s (heartbeats to %s)",
+                        o.router_url,
+                        o.role,
+                        reg.worker_id,
+                        self.heartbeat_url,
+                    )
                 else:
                     self._report("cannot register with %s: HTTP %d; retrying", o.router_url, r.status)
             return
         hb = HeartbeatRequest(worker_id=reg.worker_id, status=self.status())
-        async with http.post(f"{o.router_url}/heartbeat", json=hb.model_dump(), headers=self._mine()) as r:
+        url = self.heartbeat_url or o.router_url
+        async with http.post(f"{url}/heartbeat", json=hb.model_dump(), headers=self._mine()) as r:
             if r.status == 404:  # the router restarted and forgot us
                 log.warning("router %s does not know this worker (restarted?); registering again", o.router_url)
                 self.registered, self.credential = False, None

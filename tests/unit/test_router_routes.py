@@ -20,6 +20,7 @@ ADMIN_ROUTES = {
     ("POST", "/drain"),
     ("GET", "/v1/workers"),
     ("GET", "/v1/admission"),
+    ("POST", "/admin/fault"),
 }
 
 
@@ -71,7 +72,9 @@ def test_with_the_token_the_body_is_read_and_its_faults_named(tmp_path):
             assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"], (path, r.text)
         r = c.post("/drain", json={"worker_id": "nobody"}, headers=auth)
         assert r.status_code == 404 and "nobody" in r.json()["error"]["message"]
-        assert c.get("/v1/workers", headers=auth).json() == {"mode": None, "workers": []}
+        listed = c.get("/v1/workers", headers=auth).json()
+        assert listed["control_url"].startswith("http://127.0.0.1:")  # the control plane's own port
+        assert {k: listed[k] for k in ("mode", "workers")} == {"mode": None, "workers": []}
         adm = c.get("/v1/admission", headers=auth).json()
         assert adm["inflight_requests"] == 0 and "max_inflight_requests" in adm["bounds"]
 

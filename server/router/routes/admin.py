@@ -11,7 +11,7 @@ import logging
 import time
 
 from fastapi import APIRouter, Request
-from pydantic import ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from distserve.server.router.auth import ADMIN
 from distserve.server.router.body import json_body
@@ -25,6 +25,8 @@ from distserve.server.wire import DeregisterRequest, DrainRequest, HeartbeatRequ
 log = logging.getLogger(__name__)
 
 router = APIRouter(dependencies=ADMIN)
+
+MAX_BLOCK_MS = 60_000.0
 
 
 @router.post("/register")
@@ -49,7 +51,11 @@ async def register(request: Request):
     log.info("worker %s (%s, pid %d) registered at %s", info.worker_id, info.role, info.pid, info.url)
     if state.tokenizer is None:  # build it off the event loop now, not inside the first request
         asyncio.get_running_loop().run_in_executor(None, state.warm_tokenizer)
-    return {"registered": info.worker_id, "credential": state.ids().issue(info.worker_id)}
+    out = {"registered": info.worker_id, "credential": state.ids().issue(info.worker_id)}
+    control = state.control.advertised_to(request.client.host if request.client else None) if state.control else None
+    if control:  # heartbeats go there: read on the control plane's own thread (server/router/control.py)
+        out["control_url"] = control
+    return out
 
 
 @router.post("/heartbeat")
@@ -104,6 +110,28 @@ async def drain(request: Request):
     return {"draining": req.worker_id}
 
 
+class RouterFault(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    # block the main event loop (a synchronous sleep on it) for this long, once, right after the answer: what a
+    # data plane saturated by thousands of clients does to everything served on that loop
+    block_loop_ms: float = Field(default=0.0, ge=0.0, le=MAX_BLOCK_MS)
+
+
+@router.post("/admin/fault")
+async def fault(request: Request):
+    """Fault hook for tests and drills (admin token): ``{"block_loop_ms": N}``."""
+    try:
+        req = RouterFault.model_validate(await json_body(request))
+    except ValidationError as e:
+        return error(400, f"invalid fault: {first_error(e)}", first_error_field(e))
+    except (InvalidRequest, ValueError) as e:
+        return error(400, f"invalid fault: {e}")
+    if req.block_loop_ms:
+        log.warning("fault hook: blocking the router's event loop for %.0f ms", req.block_loop_ms)
+        asyncio.get_running_loop().call_soon(time.sleep, req.block_loop_ms / 1000.0)
+    return {"block_loop_ms": req.block_loop_ms}
+
+
 @router.get("/v1/workers")
 async def workers(request: Request):
     reg = router_state(request).registry
@@ -114,7 +142,8 @@ async def workers(request: Request):
         d = w.to_dict(now)
         d["prefix_blocks"] = reg.prefix.num_blocks(w.worker_id)  # in its routing summary (prefix_index.py)
         out.append(d)
-    return {"mode": reg.mode(), "workers": out}
+    control = router_state(request).control
+    return {"mode": reg.mode(), "workers": out, "control_url": control.url if control is not None else None}
 
 
 @router.get("/v1/admission")

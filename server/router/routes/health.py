@@ -7,7 +7,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from distserve.server.router.registry import STATES
-from distserve.server.router.state import router_state
+from distserve.server.router.state import RouterState, router_state
 
 router = APIRouter()
 
@@ -17,36 +17,42 @@ async def health(request: Request):
     """200 ``ok`` (every registered worker healthy), 200 ``degraded`` (serving, with capacity
     lost: some worker stale, suspect or dead), 503 ``down`` (no healthy prefill+decode pair and
     no healthy colocated worker)."""
-    state = router_state(request)
+    status, payload = health_answer(router_state(request))
+    if status != 200:
+        return JSONResponse(payload, status_code=status, headers={"Retry-After": "1"})
+    return payload
+
+
+def health_answer(state: RouterState, sweep: bool = True) -> tuple[int, dict]:
+    """(HTTP status, body) of ``/health``, from the registry's read-only view: the main loop's route (after a
+    sweep) and the control plane's thread (server/router/control.py; ``sweep=False``: it changes nothing)
+    answer the same."""
     reg = state.registry
-    reg.sweep()
-    mode, counts = reg.mode(), reg.counts()
+    if sweep:
+        reg.sweep()
+    mode, counts, healthy = reg.view()
     workers = {role: dict(c) for role, c in counts.items()}
     if mode is None:
-        return JSONResponse(
-            {
-                "status": "down",
-                "mode": None,
-                "workers": workers,
-                "error": {
-                    "message": "no healthy prefill+decode pair or colocated worker",
-                    "type": "service_unavailable",
-                    "code": 503,
-                },
+        return 503, {
+            "status": "down",
+            "mode": None,
+            "workers": workers,
+            "error": {
+                "message": "no healthy prefill+decode pair or colocated worker",
+                "type": "service_unavailable",
+                "code": 503,
             },
-            status_code=503,
-            headers={"Retry-After": "1"},
-        )
+        }
     lost = sum(n for c in counts.values() for st, n in c.items() if st not in ("healthy", "draining"))
     journal = state.sla.journal_problem() if state.sla is not None else None
     # workers whose engine steps fail for lack of device memory (their heartbeats say so)
-    pressure = sorted(w.worker_id for w in reg.workers.values() if w.healthy and w.status.memory_errors_recent)
+    pressure = sorted(w.worker_id for w in healthy if w.status.memory_errors_recent)
     out: dict = {"status": "degraded" if lost or journal or pressure else "ok", "mode": mode, "workers": workers}
     if journal:
         out["reasons"] = [journal]  # a journal write failed: requests are served, records are being lost
     if pressure:
         out["memory_pressure"] = pressure
-    return out
+    return 200, out
 
 
 @router.get("/metrics")
