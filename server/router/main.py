@@ -37,10 +37,11 @@ GC_THRESHOLDS = (5_000, 20, 100)
 def tune_gc() -> None:
     """Keep the garbage collector's full passes short and rare. Under 2 000 streaming clients the default
     thresholds ran a full collection every 1-3 s, each holding the GIL for 100-380 ms (measured with a
-    ``gc.callbacks`` timer, docs/performance/overload-ctlplane-2026-12-02d.md): every thread stopped, the
-    control plane's too. What is alive at start-up (modules, the app, the tokenizer once built: see
+    ``gc.callbacks`` timer, docs/performance/overload.md, "a control plane off the data plane's loop"): every
+    thread stopped, the control plane's too. What is alive at start-up (modules, the app, the tokenizer once built: see
     ``RouterState.warm_tokenizer``) is frozen out of every later pass; collections of the young generation run
-    after 20 000 allocations instead of 700, and full ones a tenth as often."""
+    after 5 000 allocations instead of 700, the middle one after 20 young passes instead of 10, and full ones
+    after 100 middle passes instead of 10 (``GC_THRESHOLDS``)."""
     gc.collect()
     gc.freeze()
     gc.set_threshold(*GC_THRESHOLDS)
