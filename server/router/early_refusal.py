@@ -21,12 +21,10 @@ the rest.
 
 from __future__ import annotations
 
-import json
-
 from starlette.datastructures import Headers
 
 from distserve.server.router.admission import InvalidSlo, parse_slo
-from distserve.server.router.errors import rate_limit_kind
+from distserve.server.router.serving import shed
 from distserve.server.router.state import RouterState
 
 DATA_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/generate"})
@@ -51,23 +49,4 @@ class EarlyRefusal:
         d = adm.decide(1, slo)
         if d.route != "shed":
             return await self.app(scope, receive, send)
-        adm.refused(d, None, "shed")
-        st.metrics.requests.labels("rate_limited").inc()
-        st.overload_log.warning(f"admission: {d.reason}", "429 (%s): %s", d.reason, d.message)
-        kind = rate_limit_kind(d.reason)
-        body = json.dumps(
-            {"error": {"message": d.message, "type": kind, "param": None, "code": "rate_limit_exceeded"}}
-        ).encode()
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 429,
-                "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"content-length", str(len(body)).encode()),
-                    (b"retry-after", str(d.retry_after_s).encode()),
-                    (b"x-distserve-admission", d.reason.encode()),
-                ],
-            }
-        )
-        await send({"type": "http.response.body", "body": body})
+        await shed(st, d, None)(scope, receive, send)  # the normal path's 429, as a Starlette response

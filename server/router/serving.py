@@ -77,10 +77,17 @@ async def admit(
             if resp is not None:
                 adm.refused(d, n_tokens, "backup")
                 return None, resp
-    adm.refused(d, n_tokens, "shed")
+    return None, shed(state, d, n_tokens)
+
+
+def shed(state: RouterState, d, n_tokens: int | None) -> JSONResponse:
+    """Admission's refusal ``d`` answered: counted, journaled (``n_tokens`` None: the body was not read) and
+    logged at a bounded rate; OpenAI's 429 with Retry-After. Also the early refusal's (early_refusal.py)."""
+    assert state.admission is not None
+    state.admission.refused(d, n_tokens, "shed")
     state.metrics.requests.labels("rate_limited").inc()
     state.overload_log.warning(f"admission: {d.reason}", "429 (%s): %s", d.reason, d.message)
-    return None, rate_limited(d.message, d.reason, d.retry_after_s)
+    return rate_limited(d.message, d.reason, d.retry_after_s)
 
 
 async def serve(

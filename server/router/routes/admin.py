@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import TypeVar
 
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -27,6 +28,19 @@ log = logging.getLogger(__name__)
 router = APIRouter(dependencies=ADMIN)
 
 MAX_BLOCK_MS = 60_000.0
+M = TypeVar("M", bound=BaseModel)
+
+
+async def _body_as(request: Request, model: type[M], what: str) -> M:
+    """The request's JSON body as ``model``; otherwise InvalidRequest (a 400 naming the field, errors.py)."""
+    try:
+        return model.model_validate(await json_body(request))
+    except ValidationError as e:
+        raise InvalidRequest(f"invalid {what}: {first_error(e)}", first_error_field(e)) from None
+    except InvalidRequest as e:
+        raise InvalidRequest(f"invalid {what}: {e}", e.param) from None
+    except ValueError as e:
+        raise InvalidRequest(f"invalid {what}: {e}") from None
 
 
 @router.post("/register")
@@ -61,12 +75,7 @@ async def register(request: Request):
 @router.post("/heartbeat")
 async def heartbeat(request: Request):
     state = router_state(request)
-    try:
-        hb = HeartbeatRequest.model_validate(await json_body(request))
-    except ValidationError as e:
-        return error(400, f"invalid heartbeat: {first_error(e)}", first_error_field(e))
-    except (InvalidRequest, ValueError) as e:
-        return error(400, f"invalid heartbeat: {e}")
+    hb = await _body_as(request, HeartbeatRequest, "heartbeat")
     if hb.worker_id in state.registry.workers and not state.ids().holds(
         hb.worker_id, request.headers.get(CREDENTIAL_HEADER)
     ):
@@ -120,12 +129,7 @@ class RouterFault(BaseModel):
 @router.post("/admin/fault")
 async def fault(request: Request):
     """Fault hook for tests and drills (admin token): ``{"block_loop_ms": N}``."""
-    try:
-        req = RouterFault.model_validate(await json_body(request))
-    except ValidationError as e:
-        return error(400, f"invalid fault: {first_error(e)}", first_error_field(e))
-    except (InvalidRequest, ValueError) as e:
-        return error(400, f"invalid fault: {e}")
+    req = await _body_as(request, RouterFault, "fault")
     if req.block_loop_ms:
         log.warning("fault hook: blocking the router's event loop for %.0f ms", req.block_loop_ms)
         asyncio.get_running_loop().call_soon(time.sleep, req.block_loop_ms / 1000.0)
