@@ -197,6 +197,11 @@ class WorkerMetrics:
         self.kv_transfer_failures = Counter(
             "distserve_kv_transfer_failures", "Failed KV pulls.", ["transport"], registry=r
         )
+        self.kv_reference_room_waits = Counter(
+            "distserve_kv_reference_room_waits",
+            "KV leases by reference that waited for room in the decode worker's pool (by_reference: on).",
+            registry=r,
+        )
 
     def set_kv_calibration(self, report: dict | None) -> None:
         """FP8 KV cache (engine.kv_calibration_report): per-layer scales and amax, calibration progress.

@@ -60,6 +60,7 @@ from bench.serving.gpu_sm_split import (
 from distserve.distbench.loadgen import RunSpec
 from distserve.distbench.runner import Options
 from distserve.distbench.runner import run as run_distbench
+from distserve.distbench.sampling import sampling_fields
 from distserve.distbench.target import ServeProcess
 
 REPO = Path(__file__).resolve().parents[2]
@@ -369,6 +370,16 @@ def main() -> int:
     args.workloads = parse_workloads(args.workloads, args.num_prompts)
     for name in layouts:
         layout_args(split_name(name)[0])  # a typo fails here, not after the first server
+    unknown = sorted(swept - set(layouts))
+    if unknown:  # a sweep over nothing would cost a device call and measure no point
+        print(f"gpu_split_memory: error: --sweep names {', '.join(unknown)}, not in --layouts {','.join(layouts)}")
+        return 2
+    for spec in args.sampling:
+        try:
+            sampling_fields(spec)
+        except ValueError as e:  # before any server starts
+            print(f"gpu_split_memory: error: {e} (several: ';'-separated)")
+            return 2
     t0 = time.monotonic()
     doc: dict = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "slo": SLO, "args": vars(args), "layouts": []}
     bisected = False

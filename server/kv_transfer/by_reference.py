@@ -461,6 +461,7 @@ class LesseeStats:
     handed_off: int = 0
     fell_back: int = 0  # a lease refused or a peer unusable: the copy path ran
     released: int = 0
+    room_waits: int = 0  # leases that waited for room in the decode worker's pool (``room_wait_s``)
 
     def to_dict(self) -> dict[str, int]:
         return dict(self.__dict__)
@@ -477,13 +478,28 @@ class KVLessee:
     """Prefill side: peers by address; ``lease`` → write (``ArenaMapping.write``) → ``written``."""
 
     def __init__(
-        self, token: str, local: ArenaLayout, device, *, timeout_s: float = 10.0, lease_ms: float = 30_000
+        self,
+        token: str,
+        local: ArenaLayout,
+        device,
+        *,
+        timeout_s: float = 10.0,
+        lease_ms: float = 30_000,
+        room_wait_s: float = 0.0,
+        on_room_wait: Callable[[], object] | None = None,
     ) -> None:
         self._token = token
         self.local = local
         self.device = device
         self.timeout_s = timeout_s
         self.lease_s = lease_ms / 1000.0
+        # A lease the decode worker refuses for want of room is asked again (backing off) for up to this long:
+        # the copy path's wait for room (``reserve``), by reference. 0: refused at once (the caller copies).
+        self.room_wait_s = room_wait_s
+        self.waiting_for_room = 0  # leases waiting for room now (the prefill answer's proof of progress)
+        self._on_room_wait = on_room_wait  # called once per lease that waits (a metric)
+        self._leasing: set[str] = set()  # requests inside ``lease`` now
+        self._abandoned: set[str] = set()  # ... of which no longer wanted
         self._peers: dict[str, _Peer] = {}
         self._connecting: dict[str, asyncio.Lock] = {}
         self.held: dict[str, _Held] = {}  # request id -> its lease until handed off (for abort)
@@ -517,15 +533,43 @@ class KVLessee:
             return p
 
     async def lease(self, address: str, request_id: str, num_tokens: int) -> tuple[_Peer, str, list[int]]:
+        """Blocks for ``num_tokens`` in the decode worker's pool; a refusal for want of room is asked again
+        every 5-100 ms for up to ``room_wait_s`` (blocks free as its sequences finish), unless ``abandon``ed."""
         p = await self.peer(address)
-        r = await p.call({"op": "lease", "request_id": request_id, "num_tokens": num_tokens}, self.timeout_s)
-        if r.get("ok") is not True:
-            raise RefError(f"lease refused: {r.get('error')}")
+        deadline, delay, waited = time.monotonic() + self.room_wait_s, 0.005, False
+        self._leasing.add(request_id)
+        try:
+            while True:
+                msg = {"op": "lease", "request_id": request_id, "num_tokens": num_tokens}
+                r = await p.call(msg, self.timeout_s)
+                if r.get("ok") is True:
+                    break
+                if r.get("error") != "no room" or request_id in self._abandoned or time.monotonic() >= deadline:
+                    raise RefError(f"lease refused: {r.get('error')}" + (" (after waiting for room)" if waited else ""))
+                if not waited:
+                    waited = True
+                    self.stats.room_waits += 1
+                    if self._on_room_wait is not None:
+                        self._on_room_wait()
+                self.waiting_for_room += 1
+                try:
+                    await asyncio.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+                finally:
+                    self.waiting_for_room -= 1
+                delay = min(delay * 2, 0.1)
+        finally:
+            self._leasing.discard(request_id)
+            self._abandoned.discard(request_id)
         lease_id = _lease_id(r)
         layout = p.mapping.description.layout
         ids = check_block_ids(r.get("block_ids"), layout.num_blocks, blocks_for(num_tokens, layout.block_size))
         self.held[request_id] = _Held(p, lease_id, time.monotonic() + self.lease_s)
         return p, lease_id, ids
+
+    def abandon(self, request_id: str) -> None:
+        """This request's lease, if it is being asked for, is not wanted any more: stop asking."""
+        if request_id in self._leasing:
+            self._abandoned.add(request_id)
 
     async def written(self, p: _Peer, lease_id: str) -> None:
         r = await p.call({"op": "written", "lease_id": lease_id}, self.timeout_s)

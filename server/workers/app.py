@@ -389,7 +389,9 @@ async def _with_progress(state: WorkerState, request: Request, answer) -> Respon
                 now = state.loop.engine.stats.num_steps
                 # a step completed, or one is running (engine thread: the loop is free meanwhile, and the
                 # heartbeat thread withholds heartbeats of a step that runs past max_step_s)
-                if now != steps or state.loop.step_started:
+                # (or a lease waits for room in the decode worker's pool: that worker answered, it is busy)
+                lessee = state.lessee
+                if now != steps or state.loop.step_started or (lessee is not None and lessee.waiting_for_room):
                     steps = now
                     yield b" "
             try:

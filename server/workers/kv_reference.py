@@ -64,7 +64,18 @@ def make_lessee(state) -> KVLessee | None:
     if kvc.by_reference == "off" or engine.runner.kv_calibration is not None:
         return None
     local = layout_for(engine.model_config, 1, engine.config.block_size, engine.runner.kv_dtype)
-    return KVLessee(state.token, local, engine.device, timeout_s=kvc.pull_timeout_ms / 1000.0, lease_ms=kvc.lease_ms)
+    # ``on``: no copy to fall back to, so a lease the decode worker has no room for waits, as a copy waits for
+    # room there (``reserve``, up to ``request_timeout_s``); ``auto`` copies at once and waits on that path
+    wait_s = state.config.router.request_timeout_s if kvc.by_reference == "on" else 0.0
+    return KVLessee(
+        state.token,
+        local,
+        engine.device,
+        timeout_s=kvc.pull_timeout_ms / 1000.0,
+        lease_ms=kvc.lease_ms,
+        room_wait_s=wait_s,
+        on_room_wait=state.metrics.kv_reference_room_waits.inc,
+    )
 
 
 def _write_blocking(mapping: ArenaMapping, ids: list[int], kv: torch.Tensor, ready) -> None:
@@ -98,6 +109,8 @@ def drop_lease(state, rid: str, task: asyncio.Task | None) -> None:
     """An early lease the request will not use (it finished at token #1, failed, or went by copy)."""
     if task is None:
         return
+
+    state.lessee.abandon(rid)  # a lease still waiting for room stops asking
 
     async def drop() -> None:
         with contextlib.suppress(BaseException):

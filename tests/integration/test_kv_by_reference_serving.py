@@ -74,3 +74,29 @@ def test_decode_worker_sigkilled_mid_stream_migrates_with_the_same_tokens(by_ref
     assert run_concurrently(by_ref.url, True, PROMPTS[:4]) == reference[:4]
     assert _metric(by_ref.url, "distserve_kv_transfer_seconds_count", "reference") == before + 4
     assert_no_leaks(by_ref)
+
+
+@pytest.fixture(scope="module")
+def by_ref_full(serve_factory):
+    """``on`` (no copy to fall back to) and a decode pool of 16 blocks: two or three of the 16 requests'
+    sequences fit at a time, so most leases find the pool full."""
+    return serve_factory(
+        decode=1, config={"kv_transfer": {"by_reference": "on", "transport": "shm"}, "cache": {"num_gpu_blocks": 16}}
+    )
+
+
+def _counter(url: str, name: str) -> float:
+    _, text, _ = http("GET", f"{url}/metrics", token=None)
+    return sum(
+        float(ln.split()[-1]) for ln in text.splitlines() if ln.startswith(name + " ") or ln.startswith(name + "{")
+    )
+
+
+def test_on_waits_for_room_in_a_full_decode_pool_instead_of_failing(by_ref_full, reference):  # noqa: F811
+    # before: "KV by reference failed and kv_transfer.by_reference is 'on': lease refused: no room" for every
+    # request that found the pool full (24 of 100 at 2048/128, 12 req/s on an H200)
+    assert run_concurrently(by_ref_full.url, True) == reference
+    prefill = next(w["url"] for w in by_ref_full.workers() if w["role"] == "prefill")
+    assert _counter(prefill, "distserve_kv_reference_room_waits_total") >= 1  # the pool was full
+    assert _metric(by_ref_full.url, "distserve_kv_transfer_seconds_count", "reference") == len(PROMPTS)
+    assert_no_leaks(by_ref_full)

@@ -145,3 +145,19 @@ def test_one_gpu_points_never_resend_another_points_prompts():
         for prewarm in (False, True)
     ]
     assert len(set(seeds)) == len(seeds)
+
+
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (["--sweep", "same"], "--sweep names same, not in --layouts"),
+        (["--sweep", "colocated@2048", "--sampling", "greedy,openai-default"], "--sampling must be greedy"),
+    ],
+)
+def test_the_split_bench_refuses_bad_flags_before_any_server_starts(tmp_path, flags, says):
+    # both cost a device call once: the servers started, then nothing was measured
+    out = tmp_path / "r.json"
+    cmd = [sys.executable, "-m", "bench.serving.gpu_split_memory", "--layouts", "colocated@2048", "--out", str(out)]
+    r = subprocess.run([*cmd, *flags], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and says in r.stdout, (r.returncode, r.stdout, r.stderr)
+    assert not out.exists()

@@ -374,3 +374,47 @@ def test_a_lease_whose_caller_gave_up_is_given_back_when_granted():
             owner.arena.close()
 
     asyncio.run(main())
+
+
+def test_a_lease_refused_for_room_is_asked_again_until_granted_abandoned_or_out_of_time():
+    """``room_wait_s``: a full pool's refusal is asked again (and granted once blocks free); without it, or
+    once abandoned, or past it, the refusal stands and no block is held on either side."""
+
+    async def main() -> None:
+        owner = Owner()
+        address = await owner.lessor.start()
+        hog = owner.bm.take_blocks(owner.bm.num_free_blocks)  # the pool is full
+        at_once = KVLessee(TOKEN, LAYOUT, torch.device("cpu"), timeout_s=5.0)
+        waits: list[int] = []
+        patient = KVLessee(
+            TOKEN, LAYOUT, torch.device("cpu"), timeout_s=5.0, room_wait_s=30.0, on_room_wait=lambda: waits.append(1)
+        )
+        brief = KVLessee(TOKEN, LAYOUT, torch.device("cpu"), timeout_s=5.0, room_wait_s=0.2)
+        try:
+            with pytest.raises(RefError, match="no room"):
+                await at_once.lease(address, "r0", NUM_TOKENS)
+            with pytest.raises(RefError, match="after waiting for room"):
+                await brief.lease(address, "r1", NUM_TOKENS)
+            abandoned = asyncio.ensure_future(patient.lease(address, "r2", NUM_TOKENS))
+            await _until(lambda: patient.waiting_for_room == 1)
+            patient.abandon("r2")
+            with pytest.raises(RefError, match="no room"):
+                await abandoned
+            assert patient.waiting_for_room == 0 and not owner.lessor.leases
+            patient.abandon("r9")  # not leasing: remembered nowhere
+            assert not patient._abandoned
+            waiting = asyncio.ensure_future(patient.lease(address, "r3", NUM_TOKENS))
+            await _until(lambda: patient.waiting_for_room == 1)
+            owner.bm.give_back(hog)  # a sequence finished: room
+            _, lease_id, ids = await asyncio.wait_for(waiting, 5.0)
+            assert len(ids) == -(-NUM_TOKENS // LAYOUT.block_size) and lease_id in owner.lessor.leases
+            assert patient.stats.room_waits == 2 and len(waits) == 2
+            assert await patient.release("r3")
+            owner.assert_all_free()
+        finally:
+            for lessee in (at_once, patient, brief):
+                await lessee.close()
+            await owner.lessor.close()
+            owner.arena.close()
+
+    asyncio.run(main())
