@@ -358,10 +358,13 @@ class LLMEngine:
             return None
         cfg = self.config
         budget = max(1, min(total_tokens, cfg.max_num_batched_tokens))
-        prompt = max(1, min(WARMUP_PROMPT_TOKENS, self.max_model_len - 1, budget))
-        n = max(1, min(cfg.max_num_seqs, budget // prompt))
-        vocab = max(2, self.model_config.vocab_size)
         bm = self.block_manager
+        # within the KV pool too: a prompt and its first token in the free blocks, as many prompts as fit at once
+        prompt = min(WARMUP_PROMPT_TOKENS, self.max_model_len - 1, budget, (bm.num_free_blocks - 1) * bm.block_size - 1)
+        if prompt < 1:
+            return None
+        n = max(1, min(cfg.max_num_seqs, budget // prompt, bm.num_free_blocks // -(-(prompt + 1) // bm.block_size)))
+        vocab = max(2, self.model_config.vocab_size)
         caching, bm.enable_prefix_caching = bm.enable_prefix_caching, False  # dummy prompts stay out of the cache
         params = SamplingParams(max_tokens=1, ignore_eos=True)
         try:
@@ -374,8 +377,9 @@ class LLMEngine:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             t0 = time.perf_counter()
+            failed = False
             while self.has_unfinished_requests():
-                self.step()
+                failed |= any(o.error is not None for o in self.step())
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             ms = (time.perf_counter() - t0) * 1000.0
@@ -386,6 +390,8 @@ class LLMEngine:
             while self.has_unfinished_requests():
                 self.step()
             self.stats = EngineStats()
+        if failed:  # a prompt the engine failed (it would be a timing of nothing): no prior rather than a wrong one
+            return None
         return {"tokens": n * prompt, "requests": n, "ms": round(ms, 3)}
 
     def _load_tokenizer(self):

@@ -217,7 +217,10 @@ async def serve_worker(opts: WorkerOptions) -> int:
         return 2
     warmup = None
     if opts.role != "decode":  # the router's TTFT model predicts from its cost per token until it measures calls
-        warmup = engine.measure_prefill(opts.config.prefill.warmup_tokens)
+        try:
+            warmup = engine.measure_prefill(opts.config.prefill.warmup_tokens)
+        except Exception as e:  # no prior (the router then admits only what starts at once), not a failed start
+            log.warning("start-up prefill not timed: %s: %s", type(e).__name__, e)
         if warmup is not None:
             log.info(
                 "start-up prefill: %d prompt tokens (%d prompts) in %.1f ms, %.4f ms per token",

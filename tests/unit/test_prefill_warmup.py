@@ -28,6 +28,14 @@ def test_the_warmup_prefill_is_timed_within_the_budgets_and_leaves_nothing_behin
     assert w is not None and (w["tokens"], w["requests"]) == (100, 1) and e.requests == {}
 
 
+def test_the_warmup_prefill_fits_a_small_kv_pool():
+    e = LLMEngine(EngineConfig(num_blocks=10, block_size=16, max_num_seqs=8, max_num_batched_tokens=4096))
+    w = e.measure_prefill(512)
+    # one prompt and its first token in the 10 blocks (at most 9 x 16 - 1 tokens), not 2 that could not fit
+    assert w is not None and (w["tokens"], w["requests"]) == (143, 1)
+    assert e.block_manager.num_free_blocks == 10 and e.requests == {}
+
+
 def test_the_warmup_key_is_validated_once_in_the_typed_config():
     assert load_config().prefill.warmup_tokens == 512
     assert load_config(None, {"prefill": {"warmup_tokens": 0}}).prefill.warmup_tokens == 0
