@@ -236,6 +236,11 @@ class PrefillConfig(_Section):
     kv_dtype: str = _opt("auto", "enum", choices=_KV_DTYPE_CHOICES)
     # percent of the SMs of a GPU it shares with other workers, through CUDA MPS (server/mps.py); 0 = no split
     sm_share: int = _opt(0, "int", lo=0, hi=100)
+    # prefill and colocated workers time one prefill batch of about this many prompt tokens at start and report
+    # it at registration: the router's TTFT model predicts from its cost per token until it has measured real
+    # calls (the cold-start prior, server/router/ttft_predictor.py); 0 = none (a cold router then admits only
+    # what starts within its first prefill batches)
+    warmup_tokens: int = _opt(512, "int", lo=0, hi=1_048_576)
 
 
 @dataclass(frozen=True)

@@ -160,6 +160,15 @@ class WorkerStatus(BaseModel):
     prefix_blocks: list[PrefixDigest] | None = Field(default=None, max_length=MAX_PREFIX_BLOCKS)
 
 
+class PrefillWarmup(BaseModel):
+    """A prefill batch the worker timed at start (``LLMEngine.measure_prefill``): the router's TTFT model uses
+    its cost per token (``ms / tokens``) until it has measured the worker's real calls."""
+
+    tokens: int = Field(ge=1, le=1 << 40, strict=True)
+    requests: int = Field(ge=1, le=1 << 20, strict=True)
+    ms: float = Field(ge=0.0, le=1e9, allow_inf_nan=False)
+
+
 class RegisterRequest(BaseModel):
     worker_id: str = Field(min_length=1, max_length=128)
     role: Role
@@ -174,6 +183,7 @@ class RegisterRequest(BaseModel):
     kv_arena: str = Field(default="", max_length=300)  # its KV lessor's host:port (KV by reference), or ""
     restart_count: int = Field(default=0, ge=0)  # times the launcher restarted this worker id
     memory: dict[str, Any] | None = None  # how it sized its device memory (kv_sizing.KVBudget.to_dict), GPU only
+    prefill_warmup: PrefillWarmup | None = None  # its start-up prefill, timed (prefill and colocated workers)
     status: WorkerStatus = Field(default_factory=WorkerStatus)
 
 

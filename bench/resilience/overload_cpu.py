@@ -42,6 +42,8 @@ import urllib.request
 from pathlib import Path
 
 from distserve.distbench.target import ServeProcess
+from distserve.server.config import load_config
+from distserve.server.engine.presets import is_preset, preset_config
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -340,6 +342,36 @@ def part_streams(tmp: Path, streams: int = 2000, soft_limit: int = 1024, duratio
     return res
 
 
+OFF = {"router": {"admission": {"max_inflight_requests": 0, "max_queued_requests": 0, "max_queued_prefill_tokens": 1 << 40, "max_predicted_ttft_s": 1e9}}}  # fmt: skip  # noqa: E501
+
+
+def openloop_plan(
+    tmp: Path,
+    slo_ms: float = 1000.0,
+    model: str | None = None,
+    device: str = "cpu",
+    prompt_len: int = 128,
+    output_len: int = 32,
+    capacity_users: int = 8,
+) -> dict:
+    """What the open-loop part starts and sends (pure: ``--dry-run`` prints it, a unit test checks it): the
+    server's config and ``distserve serve`` arguments (admission on, and off for the 2x comparison), the
+    distbench arguments every run shares, and the closed loop that measures the capacity. ``device`` is the
+    workers' (``distserve serve --device``; ``cpu`` adds nothing: the CPU runs as before)."""
+    journal = tmp / "requests.jsonl"
+    extra: tuple[str, ...] = ("--model", model) if model else ()
+    if device != "cpu":
+        extra += ("--device", device)
+    return {
+        "journal": journal,
+        "config": {"router": {"journal_path": str(journal), "admission": {"slo_ttft_ms": slo_ms}}},
+        "off_config": OFF,
+        "serve_args": extra,
+        "common": ("--prompt-len", str(prompt_len), "--output-len", str(output_len)),
+        "capacity_args": ("--concurrency", str(capacity_users), "--duration", "20"),
+    }
+
+
 def part_openloop(
     tmp: Path,
     slo_ms: float = 1000.0,
@@ -347,19 +379,29 @@ def part_openloop(
     duration_s: int = 30,
     with_off: bool = True,
     model: str | None = None,
+    device: str = "cpu",
+    prompt_len: int = 128,
+    output_len: int = 32,
+    capacity_users: int = 8,
+    capacity_rps: float = 0.0,
 ) -> dict:
-    journal = tmp / "requests.jsonl"
-    cfg = {"router": {"journal_path": str(journal), "admission": {"slo_ttft_ms": slo_ms}}}
-    extra = ("--model", model) if model else ()
-    s = serve(tmp / "open", cfg, extra)
-    res: dict = {"slo_ttft_ms": slo_ms, "model": model or "tiny", "duration_s": duration_s}
-    common = ("--prompt-len", "128", "--output-len", "32")
+    """``capacity_rps`` > 0: the 1x rate as given (no capacity run); else the throughput of a closed loop of
+    ``capacity_users`` (8 on the 2-vCPU VM; a GPU batches far more before it saturates)."""
+    plan = openloop_plan(tmp, slo_ms, model, device, prompt_len, output_len, capacity_users)
+    journal, extra, common = plan["journal"], plan["serve_args"], plan["common"]
+    s = serve(tmp / "open", plan["config"], extra)
+    res: dict = {"slo_ttft_ms": slo_ms, "model": model or "tiny", "device": device, "duration_s": duration_s}
+    res["workers_prefill_warmup"] = {w["worker_id"]: w.get("prefill_warmup") for w in s.workers()}
     capacity = 0.0
     try:
-        cap = distbench(s.url, tmp / "cap.json", "--concurrency", "8", "--duration", "20", *common)
-        c = summarize(cap)
-        capacity = round(c["completed"] / c["duration_s"], 2)
-        res["capacity_rps"] = capacity
+        if capacity_rps > 0:
+            capacity = capacity_rps
+            res["capacity_rps"], res["capacity_given"] = capacity, True
+        else:
+            cap = distbench(s.url, tmp / "cap.json", *plan["capacity_args"], *common)
+            c = summarize(cap)
+            capacity = round(c["completed"] / c["duration_s"], 2)
+            res["capacity_rps"], res["capacity_users"] = capacity, capacity_users
         for mult in rates:
             load = _loadavg()
             t0 = time.time()
@@ -377,10 +419,11 @@ def part_openloop(
         s.stop()
     if not with_off:
         return _goodput_ratios(res)
-    off = {"router": {"admission": {"max_inflight_requests": 0, "max_queued_requests": 0, "max_queued_prefill_tokens": 1 << 40, "max_predicted_ttft_s": 1e9}}}  # fmt: skip  # noqa: E501
-    s = serve(tmp / "off", off)
+    s = serve(tmp / "off", plan["off_config"], extra)  # the same model and device, admission off
     try:
-        r = distbench(s.url, tmp / "off-x2.json", "--request-rate", str(capacity * 2), "--duration", "30", *common)
+        r = distbench(
+            s.url, tmp / "off-x2.json", "--request-rate", str(capacity * 2), "--duration", str(duration_s), *common
+        )
         res["x2_admission_off"] = summarize(r, slo_ms / 1000)
     finally:
         s.stop()
@@ -416,6 +459,16 @@ def main() -> None:
     ap.add_argument(
         "--open-slo-ms", type=float, default=1000.0, help="the open loop's TTFT SLO (one an idle server meets)"
     )
+    ap.add_argument(
+        "--device", default="cpu", help="the open loop's workers' device (distserve serve --device), e.g. cuda"
+    )
+    ap.add_argument("--open-prompt-len", type=int, default=128, help="the open loop's prompt tokens")
+    ap.add_argument("--open-output-len", type=int, default=32, help="the open loop's output tokens")
+    ap.add_argument(
+        "--open-capacity-users", type=int, default=8, help="closed-loop users whose throughput is the 1x rate"
+    )
+    ap.add_argument("--open-capacity-rps", type=float, default=0.0, help="the 1x rate itself (skips the capacity run)")
+    ap.add_argument("--dry-run", action="store_true", help="print what the open loop would start and send, then exit")
     a = ap.parse_args()
     runs = tuple(tuple(int(x) for x in u.split(":")) for u in a.seed_users.split(","))
     rates = tuple(int(x) for x in a.open_rates.split(","))
@@ -423,8 +476,32 @@ def main() -> None:
         "hotpath": part_hotpath,
         "seed": lambda t: part_seed(t, runs, a.seed_drain),
         "streams": lambda t: part_streams(t, a.streams, a.streams_soft_limit),
-        "openloop": lambda t: part_openloop(t, a.open_slo_ms, rates, a.open_duration, not a.open_no_off, a.open_model),
+        "openloop": lambda t: part_openloop(
+            t,
+            a.open_slo_ms,
+            rates,
+            a.open_duration,
+            not a.open_no_off,
+            a.open_model,
+            a.device,
+            a.open_prompt_len,
+            a.open_output_len,
+            a.open_capacity_users,
+            a.open_capacity_rps,
+        ),  # fmt: skip
     }
+    if a.dry_run:
+        plan = openloop_plan(
+            Path(a.workdir or "WORKDIR") / "openloop", a.open_slo_ms, a.open_model, a.device,
+            a.open_prompt_len, a.open_output_len, a.open_capacity_users,
+        )  # fmt: skip
+        for cfg in (plan["config"], plan["off_config"]):  # the typed config validates them as serve would
+            load_config(None, cfg)
+        if a.open_model and is_preset(a.open_model):
+            preset_config(a.open_model)  # an unknown preset name fails here, not on the device
+        cmd = ["distserve", "serve", "--mode", "disaggregated", "--prefill", "1", "--decode", "1", *plan["serve_args"]]
+        print(json.dumps({**plan, "journal": str(plan["journal"]), "serve": " ".join(cmd), "rates": rates}, indent=1))
+        return
     out: dict = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     with open("/proc/loadavg") as f:
         out["loadavg_before"] = f.read().split()[:3]

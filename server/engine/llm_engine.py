@@ -17,6 +17,7 @@ from __future__ import annotations
 import gc
 import logging
 import random
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,6 +49,9 @@ from distserve.server.engine.sequence import Sequence, SequenceStatus
 from distserve.server.engine.structured.decoding import StructuredDecoding
 
 log = logging.getLogger(__name__)
+
+# the start-up prefill the worker times (LLMEngine.measure_prefill): prompts of at most this many tokens
+WARMUP_PROMPT_TOKENS = 256
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # The decode and sampler CUDA graphs are captured over the profiling cache and measured before the KV
@@ -341,6 +345,54 @@ class LLMEngine:
             headroom=config.gpu_memory_headroom_bytes,
         )
         return size_kv_pool(probe, inputs, self._free_at_start, weights, profile, setup, teardown, drop_cache)
+
+    def measure_prefill(self, total_tokens: int) -> dict | None:
+        """Time one prefill batch of about ``total_tokens`` prompt tokens (prompts of at most
+        ``WARMUP_PROMPT_TOKENS`` each, within the scheduler's budgets) on this engine, after an untimed
+        short prefill that pays the first call's one-off costs. Returns ``{"tokens", "requests", "ms"}``:
+        the worker reports it at registration and the router's TTFT model uses its cost per token until it
+        has measured real calls (server/router/ttft_predictor.py). None when there is nothing to measure
+        (``total_tokens`` 0) or measuring would change what requests see (FP8 KV scales still calibrating on
+        the first requests). Leaves no request, cached prefix or step count behind."""
+        if total_tokens <= 0 or self.runner.kv_calibration is not None or self.requests:
+            return None
+        cfg = self.config
+        budget = max(1, min(total_tokens, cfg.max_num_batched_tokens))
+        bm = self.block_manager
+        # within the KV pool too: a prompt and its first token in the free blocks, as many prompts as fit at once
+        prompt = min(WARMUP_PROMPT_TOKENS, self.max_model_len - 1, budget, (bm.num_free_blocks - 1) * bm.block_size - 1)
+        if prompt < 1:
+            return None
+        n = max(1, min(cfg.max_num_seqs, budget // prompt, bm.num_free_blocks // -(-(prompt + 1) // bm.block_size)))
+        vocab = max(2, self.model_config.vocab_size)
+        caching, bm.enable_prefix_caching = bm.enable_prefix_caching, False  # dummy prompts stay out of the cache
+        params = SamplingParams(max_tokens=1, ignore_eos=True)
+        try:
+            self.add_request("warmup-0", [1 + i % (vocab - 1) for i in range(min(16, prompt))], params)
+            while self.has_unfinished_requests():
+                self.step()
+            for r in range(n):  # distinct prompts
+                tokens = [1 + (r * 7919 + i * 31) % (vocab - 1) for i in range(prompt)]
+                self.add_request(f"warmup-{r + 1}", tokens, params)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            t0 = time.perf_counter()
+            failed = False
+            while self.has_unfinished_requests():
+                failed |= any(o.error is not None for o in self.step())
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            ms = (time.perf_counter() - t0) * 1000.0
+        finally:
+            bm.enable_prefix_caching = caching
+            for rid in [r for r in self.requests if r.startswith("warmup-")]:
+                self.abort_request(rid)
+            while self.has_unfinished_requests():
+                self.step()
+            self.stats = EngineStats()
+        if failed:  # a prompt the engine failed (it would be a timing of nothing): no prior rather than a wrong one
+            return None
+        return {"tokens": n * prompt, "requests": n, "ms": round(ms, 3)}
 
     def _load_tokenizer(self):
         """The model's tokenizer (for grammars; loaded on the first constrained request)."""

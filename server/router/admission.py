@@ -164,6 +164,7 @@ class Admission:
         workers: Callable[[], int],
         journal: Callable[[dict], object] = lambda _: None,
         clock: Callable[[], float] = time.time,
+        priors: Callable[[], dict[str, float]] = dict,
     ) -> None:
         a = cfg.router.admission
         self.cfg = a
@@ -175,7 +176,7 @@ class Admission:
         self.queued_tokens = 0
         self.unplaced = 0  # of the queued requests, those not given a decode slot yet
         self.tickets: dict[Ticket, None] = {}  # the open tickets, oldest first (len == inflight)
-        self.model = TtftPredictor(cfg, workers)
+        self.model = TtftPredictor(cfg, workers, priors=priors)  # priors: the workers' start-up cost per token
         self.tpot_ewma_s: float | None = None
         self.errors: deque[float] = deque(maxlen=4096)  # |measured - predicted| / measured
         self.decisions = Counter(
@@ -196,8 +197,11 @@ class Admission:
             "slot_held_ms",
             "overhead_ms",
             "slo_margin",
+            "prior_per_token_ms",
         ):
             terms.labels(term).set_function(self._term(term))
+        # 1 while the prefill part is predicted from the workers' start-up prior, not yet from measured calls
+        terms.labels("prior_in_use").set_function(lambda: 1.0 if self.model.source == "prior" else 0.0)
         g = Gauge("distserve_admission_queue", "Admitted requests by stage", ["what"], registry=registry)
         g.labels("inflight_requests").set_function(lambda: self.inflight)
         g.labels("queued_requests").set_function(lambda: self.queued_requests)

@@ -28,7 +28,7 @@ from distserve.server.router.request_journal import JournalEveryRequest
 from distserve.server.router.routes import admin, health, models, openai, sla, tokenize
 from distserve.server.router.routes.health import health_answer
 from distserve.server.router.sla_live import SlaLive
-from distserve.server.router.state import RouterState, serving_workers
+from distserve.server.router.state import RouterState, prefill_priors, serving_workers
 
 __all__ = ["ROUTE_FAMILIES", "RouterState", "create_router_app"]
 
@@ -108,7 +108,12 @@ def create_router_app(state: RouterState) -> FastAPI:
             )
             state.sla = SlaLive(rc, state.metrics.registry, backup_configured=state.backup.configured)
             if state.admission is None:  # one per state: its metrics live in the state's registry
-                state.admission = Admission(state.config, state.metrics.registry, lambda: serving_workers(state))
+                state.admission = Admission(
+                    state.config,
+                    state.metrics.registry,
+                    lambda: serving_workers(state),
+                    priors=lambda: prefill_priors(state),
+                )
             state.admission.journal = state.sla.events_journal.append
             state.admission.attach(state.pipeline)  # the TTFT model learns each request's phases
             ticker = asyncio.ensure_future(state.sla.run())

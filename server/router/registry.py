@@ -90,6 +90,7 @@ class WorkerInfo:
     kv_arena: str = ""  # its KV lessor's host:port when it takes KV by reference
     restart_count: int = 0  # times the launcher restarted this worker id
     memory: dict | None = None  # its device-memory sizing (GPU workers)
+    prefill_warmup: dict | None = None  # its start-up prefill, timed: {tokens, requests, ms} (the TTFT prior)
     last_seen: float = field(default_factory=time.monotonic)
     lag_at_seen: float = 0.0  # the router's loop lag total (``WorkerRegistry.lag_s``) at ``last_seen``
     # its last heartbeat came through the control plane (server/router/control.py): ``last_seen`` is when the
@@ -170,6 +171,7 @@ class WorkerInfo:
             "num_staged_kv": s.num_staged_kv if live else None,
             "memory_errors_recent": s.memory_errors_recent if live else None,
             "memory": self.memory,
+            "prefill_warmup": self.prefill_warmup,
             "fingerprint": self.fingerprint,
             "model_path": self.model_path,
             "max_model_len": self.max_model_len,
@@ -270,6 +272,7 @@ class WorkerRegistry:
             kv_arena=req.kv_arena,
             restart_count=req.restart_count,
             memory=req.memory,
+            prefill_warmup=req.prefill_warmup.model_dump() if req.prefill_warmup is not None else None,
         )
         old = self.workers.get(req.worker_id)
         if old is not None:

@@ -138,6 +138,18 @@ def router_state(request: Request) -> RouterState:
     return state
 
 
+def prefill_priors(state: RouterState) -> dict[str, float]:
+    """The start-up cost per prompt token (ms) each healthy worker sharing the prefill queue reported at
+    registration (``prefill_warmup``): the TTFT model's cold-start prior."""
+    reg = state.registry
+    role = "prefill" if reg.mode() == "disaggregated" else "colocated"
+    return {
+        w.worker_id: w.prefill_warmup["ms"] / w.prefill_warmup["tokens"]
+        for w in reg.workers.values()  # no sweep: the prediction's hot path reads it (serving_workers sweeps)
+        if w.role == role and w.healthy and w.prefill_warmup is not None
+    }
+
+
 def serving_workers(state: RouterState) -> int:
     """How many workers share the prefill queue: healthy prefill workers, else healthy colocated ones."""
     reg = state.registry

@@ -31,8 +31,16 @@ measured TTFT: picking, the first token's way to the client; an EWMA). The parts
 (decode room, prefill call = the rest of the max, overhead).
 
 Cheap on the hot path: a prediction is O(workers) (each worker's queued tokens are a running sum), a
-measurement a few multiply-adds. Until ``MIN_SAMPLES`` calls are answered there is no prediction (never a
-guess).
+measurement a few multiply-adds.
+
+**Cold start.** Until ``MIN_SAMPLES`` calls are answered the cost per token is a **prior**: what each
+prefill worker measured itself at start (``LLMEngine.measure_prefill``: one prefill batch timed on its own
+device, model and threads, reported at registration as ``prefill_warmup``; ``priors()`` gives them per
+healthy worker, in ms per token), on the worker's own engine, so it leaves out what a call pays besides the
+step (HTTP, KV staging, a neighbour on a shared CPU); the live lower bound above (a worker at its calls
+longer than their tokens cost at the prior is read as slower) corrects it while the first batch runs. From
+the ``MIN_SAMPLES``-th answer on the measurements replace it (``source``: ``prior`` then ``measured``). With
+neither there is no prediction (never a guess): admission then admits only what starts at once.
 
 Without a pipeline attached (unit tests of admission alone) the whole TTFT is taken as the prefill call,
 with the tokens that admission counted as queued ahead of the request, fitted as one line (``call_ms``).
@@ -250,10 +258,18 @@ class OnlineFit:
 
 
 class TtftPredictor:
-    def __init__(self, cfg: DistServeConfig, workers, clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(
+        self,
+        cfg: DistServeConfig,
+        workers,
+        clock: Callable[[], float] = time.perf_counter,
+        priors: Callable[[], dict[str, float]] = dict,
+    ) -> None:
         self.batched_tokens = cfg.prefill.max_num_batched_tokens
         self.batch_size = cfg.prefill.max_batch_size
         self.workers = workers  # how many workers share the prefill queue (admission's callback)
+        # worker id -> the ms per prompt token it measured at start (its registration's prefill_warmup)
+        self.priors = priors
         self.clock = clock
         self.idle_call = OnlineFit(2, IDLE_FORGET)  # a call to an idle worker: x = (1, tokens / 1000), y = ms
         self.idle_calls: deque[tuple[float, int]] = deque(maxlen=IDLE_SAMPLES)  # (ms, prompt tokens)
@@ -278,13 +294,37 @@ class TtftPredictor:
         return {w: q for w, q in self.known.items() if q.calls}
 
     @property
-    def ready(self) -> bool:
+    def measuring(self) -> bool:
+        """Enough calls answered for the measured cost per token to be used (the prior no longer is)."""
         return self.answered >= MIN_SAMPLES if self.room is not None else self.call.count >= MIN_SAMPLES
+
+    @property
+    def ready(self) -> bool:
+        return self.measuring or self.source == "prior"
+
+    @property
+    def source(self) -> str:
+        """What the prefill part is predicted from: ``measured`` calls, the workers' start-up ``prior``, or
+        ``none`` (no prediction). The prior needs the pipeline's phases (it is a cost per prompt token)."""
+        if self.measuring:
+            return "measured"
+        return "prior" if self.room is not None and self.priors() else "none"
+
+    def prior_per_token_ms(self, worker_id: str | None = None) -> float | None:
+        """The start-up cost per token of ``worker_id`` (of the healthy workers, on average, for one that
+        reported none or for None); None when no worker reported one."""
+        p = self.priors()
+        if worker_id is not None and worker_id in p:
+            return p[worker_id]
+        return sum(p.values()) / len(p) if p else None
 
     # --- the model --------------------------------------------------------------------------------
     def per_token_ms(self, wq: WorkerQueue | None = None) -> float:
         """The measured busy milliseconds per prompt token of ``wq``'s worker (of the workers measured, on
-        average, for one not measured yet)."""
+        average, for one not measured yet); before ``MIN_SAMPLES`` answers, the prior."""
+        if not self.measuring:
+            wid = next((w for w, q in self.known.items() if q is wq), None) if wq is not None else None
+            return self.prior_per_token_ms(wid) or 0.0
         own = wq.per_token_ms() if wq is not None else None
         if own is not None:
             return own
@@ -489,7 +529,7 @@ class TtftPredictor:
         """The queue state a prediction reads, for the journal: slot releases needed (behind ``unplaced``
         admitted requests without a decode slot yet) and requests waiting for decode room, and per prefill
         worker [prompt tokens in flight, calls in flight, ms per token]."""
-        out: dict = {}
+        out: dict = {"source": self.source}
         if self.room is not None:
             out["releases"] = self.room.releases_needed(unplaced)
             out["room_waiting"] = len(getattr(self.room, "waiters", ()))
@@ -505,8 +545,11 @@ class TtftPredictor:
 
     def terms(self) -> dict:
         c = self.call.coef
+        prior = self.prior_per_token_ms()
         return {
             "ready": self.ready,
+            "source": self.source,
+            "prior_per_token_ms": None if prior is None else round(prior, 5),
             "samples": self.answered if self.room is not None else self.call.count,
             "busy_per_token_ms": round(self.per_token_ms(), 5),
             "idle_call_fixed_ms": round(self.idle_level_ms(), 3),

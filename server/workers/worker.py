@@ -34,7 +34,7 @@ from distserve.server.kv_transfer.kv_arena import ARENA_PREFIX
 from distserve.server.metrics import WorkerMetrics
 from distserve.server.net import listen
 from distserve.server.preflight import sweep_orphan_segments
-from distserve.server.wire import RegisterRequest, Role
+from distserve.server.wire import PrefillWarmup, RegisterRequest, Role
 from distserve.server.workers import kv_reference
 from distserve.server.workers.app import WorkerState, create_worker_app
 from distserve.server.workers.engine_loop import EngineLoop, GcPolicy, resolve_engine_thread
@@ -215,6 +215,20 @@ async def serve_worker(opts: WorkerOptions) -> int:
     except MemoryBudgetError as e:  # its share cannot hold what it needs: say so, and stay stopped (exit 2)
         print(f"distserve worker: error: {opts.worker_id or opts.role}: {e}", flush=True)
         return 2
+    warmup = None
+    if opts.role != "decode":  # the router's TTFT model predicts from its cost per token until it measures calls
+        try:
+            warmup = engine.measure_prefill(opts.config.prefill.warmup_tokens)
+        except Exception as e:  # no prior (the router then admits only what starts at once), not a failed start
+            log.warning("start-up prefill not timed: %s: %s", type(e).__name__, e)
+        if warmup is not None:
+            log.info(
+                "start-up prefill: %d prompt tokens (%d prompts) in %.1f ms, %.4f ms per token",
+                warmup["tokens"],
+                warmup["requests"],
+                warmup["ms"],
+                warmup["ms"] / warmup["tokens"],
+            )
     loop = asyncio.get_running_loop()
     kvc, dc = opts.config.kv_transfer, opts.config.decode
     sm = mps.probe(engine.device, int(os.environ.get("DISTSERVE_DEVICE_SM_COUNT", "0") or 0)) if on_cuda else None
@@ -301,6 +315,7 @@ async def serve_worker(opts: WorkerOptions) -> int:
         kv_arena=state.lessor.address if state.lessor is not None else "",
         restart_count=opts.restart_count,
         memory=memory_report(engine, state.sender),
+        prefill_warmup=PrefillWarmup(**warmup) if warmup is not None else None,
     )
     if reg.memory is not None and sm is not None:
         reg.memory["mps"] = sm

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+from types import SimpleNamespace
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
@@ -16,8 +17,9 @@ from distserve.server.latency_model import prefill_steps
 from distserve.server.router.admission import Admission, Slo
 from distserve.server.router.decode_room import DecodeRoom, NoRoom
 from distserve.server.router.registry import WorkerRegistry
-from distserve.server.router.ttft_predictor import OnlineFit, RequestPhases, TtftPredictor
-from distserve.server.wire import RegisterRequest
+from distserve.server.router.state import prefill_priors
+from distserve.server.router.ttft_predictor import MIN_SAMPLES, OnlineFit, RequestPhases, TtftPredictor
+from distserve.server.wire import PrefillWarmup, RegisterRequest
 
 B, S = 4096, 32  # prefill.max_num_batched_tokens, prefill.max_batch_size (the defaults)
 
@@ -383,3 +385,98 @@ def test_without_a_prediction_only_what_starts_at_once_is_admitted():
     a.done()
     b.done()
     assert adm.status()["unplaced_requests"] == 0 and adm.status()["oldest_admitted_age_s"] == 0.0
+
+
+# --- the cold-start prior: the workers' own start-up prefill (LLMEngine.measure_prefill) -------------------
+
+
+def _with_warmup(reg: WorkerRegistry, wid: str, ms: float, tokens: int = 512) -> None:
+    """``wid`` registers again, reporting a start-up prefill of ``tokens`` in ``ms`` (as serve_worker does)."""
+    w = reg.workers[wid]
+    reg.register(
+        RegisterRequest(
+            worker_id=wid,
+            role=w.role,
+            url=w.url,
+            pid=w.pid,
+            fingerprint={},
+            max_model_len=64,
+            prefill_warmup=PrefillWarmup(tokens=tokens, requests=2, ms=ms),
+        )
+    )
+
+
+def _admission_with_prior(slots: int = 256, warmup_ms: float | None = 256.0):
+    """Admission as the router builds it: priors from the registry (``prefill_priors``) of one prefill worker
+    that reported 512 tokens in ``warmup_ms`` (0.5 ms per token) at registration, or nothing (None)."""
+    reg = _registry()
+    if warmup_ms is not None:
+        _with_warmup(reg, "p0", warmup_ms)
+    registry = CollectorRegistry()
+    state = SimpleNamespace(registry=reg)  # what prefill_priors reads of a RouterState
+
+    class _Pipe:
+        predictor = None
+        room = DecodeRoom(reg, slots=slots)
+
+    adm = Admission(load_config(), registry, lambda: 1, priors=lambda: prefill_priors(state))  # type: ignore[arg-type]
+    adm.attach(_Pipe())  # type: ignore[arg-type]
+    clock = Clock()
+    adm.model.clock = clock
+    return adm, clock, reg, registry
+
+
+def test_the_prior_predicts_before_any_call_is_answered():
+    adm, _, _, registry = _admission_with_prior()
+    p = adm.model
+    assert p.answered == 0 and p.source == "prior" and p.ready
+    assert p.predict_s(128) == pytest.approx(128 * 0.5 / 1000)  # an idle worker: its own tokens at the prior
+    # ten admitted before it and not answered: their tokens too, at the prior's cost per token
+    assert p.predict_s(128, queued_tokens=1280) == pytest.approx((1280 + 128) * 0.5 / 1000)
+    assert adm.status()["model"]["source"] == "prior" and adm.status()["model"]["prior_per_token_ms"] == 0.5
+    text = generate_latest(registry).decode()
+    assert 'distserve_ttft_model{term="prior_in_use"} 1.0' in text
+    assert 'distserve_ttft_model{term="prior_per_token_ms"} 0.5' in text
+    # a worker that reported nothing: no prior, no prediction (never a guess)
+    cold, _, _, _ = _admission_with_prior(warmup_ms=None)
+    assert cold.model.source == "none" and cold.model.predict_s(128) is None
+
+
+def test_the_prior_yields_to_the_measured_calls():
+    adm, clock, _, registry = _admission_with_prior()
+    p = adm.model
+    _warm(p, clock, n=MIN_SAMPLES - 1, ms=20.0)  # fewer than MIN_SAMPLES answers: still the prior
+    assert p.source == "prior" and p.per_token_ms() == pytest.approx(0.5)
+    _warm(p, clock, n=1, ms=20.0)
+    assert p.source == "measured" and p.per_token_ms() == pytest.approx(20.0 / 128)
+    assert p.predict_s(128, queued_tokens=1280) == pytest.approx((1280 + 128) * 20.0 / 128 / 1000)
+    assert 'distserve_ttft_model{term="prior_in_use"} 0.0' in generate_latest(registry).decode()
+
+
+def test_a_first_batch_slower_than_the_prior_raises_the_prediction_while_it_runs():
+    adm, clock, _, _ = _admission_with_prior()
+    p = adm.model
+    for _ in range(10):  # the first batch: 1280 tokens in flight, 640 ms at the prior
+        p.call_started("p0", 128)
+    clock.t += 2.0  # still no answer after 2 s: the worker is at least 2000 / 1280 ms per token (at the prior
+    # alone the batch would be "done" by now and a new request predicted an idle call, 64 ms)
+    per_token = 2000.0 / 1280
+    assert p.predict_s(128, queued_tokens=1280) == pytest.approx(((1280 + 128) * per_token - 2000.0) / 1000)
+
+
+def test_a_burst_on_a_fresh_server_is_admitted_while_it_fits_the_slo_and_shed_after():
+    adm, _, _, _ = _admission_with_prior()
+    slo = Slo(ttft_s=0.5)  # 0.5 ms per token, 128 tokens each: the first 7 fit (7 x 64 ms = 448 ms)
+    decisions = []
+    for _ in range(12):
+        d = adm.decide(128, slo)
+        decisions.append((d.route, d.reason))
+        if d.route == "primary":
+            adm.admit(128, d)
+    assert decisions == [("primary", "ok")] * 7 + [("shed", "slo_ttft")] * 5
+    # the same burst without any prior: only what starts at once (the first two batches), blind
+    cold, _, _, _ = _admission_with_prior(warmup_ms=None)
+    for _ in range(12):
+        d = cold.decide(128, slo)
+        assert (d.route, d.predicted_ttft_s) == ("primary", None)
+        cold.admit(128, d)
