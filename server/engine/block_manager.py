@@ -42,6 +42,7 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts = [0] * num_blocks
         self._free: deque[int] = deque(range(num_blocks))
+        self.num_leased = 0  # blocks taken with take_blocks, neither adopted by a sequence nor given back yet
         # prefix cache: digest -> block, block -> digest; evictable = cached blocks nobody holds,
         # oldest first (they count as free)
         self._cached: dict[bytes, int] = {}
@@ -74,6 +75,14 @@ class BlockManager:
 
     def can_allocate(self, num_tokens: int) -> bool:
         return self.blocks_needed(num_tokens) <= self.num_free_blocks
+
+    def never_fits(self, num_tokens: int) -> bool:
+        """For a sequence that holds nothing while no other sequence runs: ``num_tokens`` will not fit. Blocks
+        leased out (``take_blocks``) come back, adopted by a sequence or given back, so while any are, only
+        a sequence larger than the whole pool never fits."""
+        if self.can_allocate(num_tokens):
+            return False
+        return not self.num_leased or self.blocks_needed(num_tokens) > self.num_blocks
 
     def can_grow(self, seq: Sequence, num_tokens: int) -> bool:
         return self.num_missing_blocks(seq, num_tokens) <= self.num_free_blocks
@@ -108,7 +117,15 @@ class BlockManager:
         blocks = [self._take_free_block() for _ in range(n)]
         for block in blocks:
             self.ref_counts[block] = 1
+        self.num_leased += n
         return blocks
+
+    def adopt(self, seq: Sequence, blocks: list[int]) -> None:
+        """Leased ``blocks`` (``take_blocks``) become ``seq``'s block table."""
+        if any(self.ref_counts[b] != 1 for b in blocks) or len(blocks) > self.num_leased:
+            raise RuntimeError(f"blocks adopted by {seq.request_id} were not leased")
+        seq.block_table = list(blocks)
+        self.num_leased -= len(blocks)
 
     def give_back(self, blocks: list[int]) -> None:
         """Free blocks taken with ``take_blocks`` and never adopted (last first, as ``free``)."""
@@ -116,6 +133,7 @@ class BlockManager:
             if self.ref_counts[block] != 1:
                 raise RuntimeError(f"block {block} given back with ref count {self.ref_counts[block]}")
             self.ref_counts[block] = 0
+            self.num_leased -= 1
             if block in self._digest_of:  # pragma: no cover - a leased block is never registered
                 self._evictable[block] = None
             else:
@@ -225,6 +243,8 @@ class BlockManager:
             raise AssertionError("a block is on the free list twice")
         if free & set(self._evictable):
             raise AssertionError("a block is both free and evictable")
+        if self.num_leased < 0:
+            raise AssertionError(f"{self.num_leased} blocks leased")
         for block, count in enumerate(self.ref_counts):
             if count < 0:
                 raise AssertionError(f"block {block} has ref count {count}")

@@ -530,7 +530,7 @@ class LLMEngine:
         if self.scheduler.num_running >= self.config.max_num_seqs:
             return False
         self.structured.add(seq)
-        seq.block_table = list(block_ids)
+        self.block_manager.adopt(seq, block_ids)
         seq.num_computed_tokens = seq.num_tokens - 1
         self._register(seq)
         self.scheduler.add_running(seq)

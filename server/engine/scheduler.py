@@ -145,7 +145,7 @@ class Scheduler:
             while not bm.can_grow(seq, needed):
                 victims = [s for s in reversed(self._decode_order()) if id(s) not in scheduled_ids]
                 victim = victims[0]
-                if victim is seq and len(self.running) == 1 and not bm.can_allocate(needed):
+                if victim is seq and len(self.running) == 1 and bm.never_fits(needed):
                     self.running.remove(seq)
                     bm.free(seq)
                     out.rejected.append(seq)
@@ -168,7 +168,7 @@ class Scheduler:
                 needed = seq.num_computed_tokens + num_new
                 if not bm.can_grow(seq, needed):
                     bm.free(seq)  # give the claimed prefix back (it stays cached)
-                    if not self.running and not out.scheduled and not bm.can_allocate(needed):
+                    if not self.running and not out.scheduled and bm.never_fits(needed):
                         self.waiting.remove(seq)  # larger than the whole pool: never fits
                         out.rejected.append(seq)
                         continue

@@ -24,6 +24,7 @@ FIFO that is retried after every step: the decode worker's back-pressure.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import deque
@@ -209,6 +210,7 @@ class EngineLoop:
                 if not engine.has_unfinished_requests():  # all aborted meanwhile
                     continue
             t0 = time.perf_counter()
+            steps_before = engine.stats.num_steps
             try:
                 if self._executor is not None:
                     self._stepping = True
@@ -244,6 +246,13 @@ class EngineLoop:
             # yield a stream fed every step would never be cancelled (and its KV never freed).
             await asyncio.sleep(0)
             await asyncio.sleep(0)
+            if not outputs and engine.stats.num_steps == steps_before:
+                # nothing could run (waiting requests whose blocks are leased out, KV by reference): poll
+                # gently until a call (an adoption, a give-back, an abort) wakes the loop
+                self._wakeup.clear()
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(0.005):
+                        await self._wakeup.wait()
 
     def _step(self) -> tuple[list[RequestOutput], float]:
         """One engine step and the CPU time of the thread that ran it."""

@@ -92,7 +92,7 @@ async def generate_ids(
         ids = []
         async for raw in r.content:
             line = json.loads(raw)
-            assert "error" not in line, line
+            assert "error" not in line, line.get("error")  # the reason, not a truncated line
             ids.extend(line["token_ids"])
         return ids
 

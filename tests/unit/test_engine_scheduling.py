@@ -69,6 +69,33 @@ def test_request_larger_than_pool_is_aborted_not_hung():
     assert_engine_empty(engine)
 
 
+def test_a_request_that_fits_the_pool_waits_while_its_blocks_are_leased_out(reference):
+    # KV by reference: the decode worker's lessor has taken blocks for hand-offs not yet adopted. A request
+    # that fits the pool but not what is left waits for them; before, it was failed as larger than the pool.
+    engine = LLMEngine(EngineConfig(block_size=4, num_blocks=10, max_num_seqs=8))
+    bm = engine.block_manager
+    leased = bm.take_blocks(8)
+    assert leased is not None and bm.num_leased == 8
+    engine.add_request("r", PROMPTS[4], GREEDY)  # 15 + 16 tokens: 8 of the 10 blocks at the end
+    for _ in range(5):
+        assert not any(o.finished for o in engine.step())  # nothing runs, nothing fails
+    assert engine.scheduler.has_work()
+    bm.give_back(leased)  # the lease expired (or was released)
+    tokens: list[int] = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens += out.new_token_ids
+            assert out.finish_reason in (None, "length"), out
+    assert tokens == reference[4] and bm.num_leased == 0
+    assert_engine_empty(engine)
+    # larger than the whole pool is still failed at once, leases or not
+    held = bm.take_blocks(1)
+    engine.add_request("big", list(range(3, 60)), GREEDY)
+    assert [o.finish_reason for o in engine.step()] == ["abort"]
+    bm.give_back(held)
+    assert_engine_empty(engine)
+
+
 def test_abort_mid_generation_frees_blocks(big_engine):
     big_engine.add_request("a", PROMPTS[1], GREEDY)
     big_engine.add_request("b", PROMPTS[2], GREEDY)
