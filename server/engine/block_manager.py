@@ -77,12 +77,11 @@ class BlockManager:
         return self.blocks_needed(num_tokens) <= self.num_free_blocks
 
     def never_fits(self, num_tokens: int) -> bool:
-        """For a sequence that holds nothing while no other sequence runs: ``num_tokens`` will not fit. Blocks
-        leased out (``take_blocks``) come back, adopted by a sequence or given back, so while any are, only
-        a sequence larger than the whole pool never fits."""
-        if self.can_allocate(num_tokens):
-            return False
-        return not self.num_leased or self.blocks_needed(num_tokens) > self.num_blocks
+        """For a sequence asked while no other sequence runs: ``num_tokens`` will never fit. Blocks held by
+        no running sequence come back — leases (``take_blocks``: adopted or given back), finished prefills
+        whose KV is about to be taken, reservations for KV on its way — so what fits the whole pool waits
+        for them; only what is larger than the pool never fits."""
+        return not self.can_allocate(num_tokens) and self.blocks_needed(num_tokens) > self.num_blocks
 
     def can_grow(self, seq: Sequence, num_tokens: int) -> bool:
         return self.num_missing_blocks(seq, num_tokens) <= self.num_free_blocks

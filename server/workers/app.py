@@ -245,6 +245,11 @@ async def _prefill(state: WorkerState, body: PrefillRequest) -> JSONResponse:
                     num_cached_tokens=out.num_cached_tokens,
                 ).model_dump()
             )
+        if leased is not None:
+            # by reference: the KV stays in this worker's pool until the decode worker has room for it (a lease
+            # may wait for room, by_reference 'on'), so a full decode pool backs up into this pool and its
+            # scheduler, not into device memory outside it (a gathered 2k-token 7B prompt is 1 GiB)
+            await asyncio.wait({leased})
         t1 = time.perf_counter()
         phases = state.metrics.prefill_phase_seconds
         phases.labels("queued_and_step").observe(t1 - t0)
