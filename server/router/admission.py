@@ -192,7 +192,11 @@ class Admission:
         self.model = TtftPredictor(cfg, workers, priors=priors)  # priors: the workers' start-up cost per token
         self.tpot_ewma_s: float | None = None
         # the decode-room wait before any slot release was measured: from the streams holding a slot now
-        self.model.room_prior = RoomPrior(lambda: self.tickets, lambda: self.tpot_ewma_s)
+        self.model.room_prior = RoomPrior(
+            lambda: self.tickets,
+            lambda: self.tpot_ewma_s,
+            prefill_s_per_token=lambda: self.model.per_token_ms() / 1000.0 / max(1, self.workers()),
+        )
         self.errors: deque[float] = deque(maxlen=4096)  # |measured - predicted| / measured
         self.decisions = Counter(
             "distserve_admission", "Admission decisions", ["decision", "reason"], registry=registry

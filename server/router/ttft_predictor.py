@@ -51,13 +51,17 @@ none, less the tokens streamed so far) x the time per output token measured on t
 tokens, the TPOT of ended requests, ``Admission.tpot_ewma_s``; with neither, no prior). The k-th release is
 then the k-th smallest of those times left; beyond the streams holding slots now, one more release every
 (their mean ``max_tokens`` x TPOT) / the slots (Little's law on the predicted holding time). It is
-**pessimistic**: ``max_tokens`` is an upper bound (EOS or a stop string ends a stream earlier), so the
-predicted wait is at most too long, never too short, save for two things it leaves out (a holder still in
-its prefill is counted from now, without its prefill; the extra choices of ``n`` > 1 are not holders of
-ours). A request it predicts too late is shed or queued like any other; none is admitted blind. It is
+**pessimistic in the tokens it counts**: ``max_tokens`` is an upper bound (EOS or a stop string ends a
+stream earlier), so at a steady TPOT the predicted wait is at most too long. It is not pessimistic in time:
+the TPOT measured now can rise (a shared CPU, the burst's remaining prefills slowing the decode), and the
+extra choices of ``n`` > 1 hold slots it does not see. A request it predicts too late is shed or queued
+like any other; none is admitted blind. It is
 refreshed at most every ``ROOM_PRIOR_REFRESH_S`` (one pass over the open tickets and a sort), and a
-prediction between refreshes is one lookup (the k-th time left less the time since). Measured releases
-replace it as they come (``room_source``: ``prior``, then ``slot_held``, then ``waits``).
+prediction between refreshes is one lookup (the k-th time left less the time since). A holder still
+waiting for its first token is counted from the end of its prefill (the prompt tokens of the waiting
+holders up to it, in admission order, at the prefill model's cost per token: a burst that took every slot
+is mostly still in its prefill). Measured releases replace it as they come (``room_source``: ``prior``,
+then ``slot_held``, then ``waits``).
 
 Without a pipeline attached (unit tests of admission alone) the whole TTFT is taken as the prefill call,
 with the tokens that admission counted as queued ahead of the request, fitted as one line (``call_ms``).
@@ -96,6 +100,7 @@ ROOM_PRIOR_REFRESH_S = 0.05  # the room prior's times left are recomputed at mos
 class Stream(Protocol):
     """One admitted request as the room prior reads it (``admission.Ticket``)."""
 
+    tokens: int  # its prompt tokens
     max_tokens: int  # its bound on output tokens (the router's default where the client gave none)
     streamed: int  # output tokens streamed so far
     first_at: float | None  # when its first token came (the predictor's clock), None before
@@ -112,8 +117,10 @@ class RoomPrior:
         streams: Callable[[], Iterable[Stream]],
         tpot_fallback: Callable[[], float | None] = lambda: None,
         clock: Callable[[], float] = time.perf_counter,
+        prefill_s_per_token: Callable[[], float] = lambda: 0.0,
     ) -> None:
         self.streams, self.tpot_fallback, self.clock = streams, tpot_fallback, clock
+        self.prefill_s_per_token = prefill_s_per_token  # the prefill queue's cost per prompt token (seconds)
         self.left: list[float] = []  # seconds left of each holder at ``at``, ascending
         self.hold_s = 0.0  # a new holder's predicted holding time (mean max_tokens x TPOT)
         self.tpot_s: float | None = None
@@ -137,7 +144,17 @@ class RoomPrior:
             self.left, self.hold_s = [], 0.0
             return
         t = self.tpot_s
-        self.left = sorted(max(0, s.max_tokens - s.streamed) * t for s in holders)
+        # a holder still waiting for its first token is first prefilled: behind the prompt tokens of the
+        # holders admitted before it that are still waiting too (the prefill is first come first served, the
+        # streams are in admission order), at the prefill model's cost per token, counted in full
+        per_token, queued, left = self.prefill_s_per_token(), 0, []
+        for s in holders:
+            wait = 0.0
+            if s.first_at is None:
+                queued += s.tokens
+                wait = queued * per_token
+            left.append(wait + max(0, s.max_tokens - s.streamed) * t)
+        self.left = sorted(left)
         self.hold_s = sum(s.max_tokens for s in holders) / len(holders) * t
 
     def wait_s(self, releases: int, total_slots: int) -> float | None:

@@ -554,7 +554,9 @@ def test_the_room_prior_needs_a_tpot_and_is_cheap_between_refreshes():
     # a holder that ends (EOS before max_tokens) gives its place up: the next holder's time is read
     tickets[0].done()
     clock.t += 1.0
-    assert adm.model.room_prior.wait_s(1, 2) == pytest.approx(64 * 0.2)
+    # ... and one still waiting for its first token is counted from the end of its prefill (its 128 prompt
+    # tokens at the prefill prior's 0.5 ms each), then its 64 tokens
+    assert adm.model.room_prior.wait_s(1, 2) == pytest.approx(128 * 0.5 / 1000 + 64 * 0.2)
 
 
 def test_the_room_prior_yields_to_measured_releases():
@@ -582,3 +584,14 @@ def test_the_room_prior_is_pessimistic_and_never_admits_blind():
     # a wait the prior puts past the SLO is shed with its prediction (the 2nd release), not admitted blind
     d = adm.decide(128, Slo(ttft_s=1.0))
     assert (d.route, d.reason) == ("shed", "slo_ttft") and d.predicted_ttft_s >= (64 - 13) * tpot
+
+
+def test_holders_still_in_their_prefill_are_counted_from_its_end_in_admission_order():
+    # a burst took every slot and most of it is still waiting for its prefill (first come first served): each
+    # is released after the prompt tokens of the waiting holders up to it (0.5 ms each, the prefill prior),
+    # then its tokens at the TPOT the one decoding measures (0.1 s)
+    adm, clock, tickets, _ = _full_decode(4, [64] * 4, [11, 0, 0, 0])
+    rp = adm.model.room_prior
+    assert [rp.wait_s(k, 4) for k in (1, 2, 3, 4)] == pytest.approx(
+        [53 * 0.1, 128 * 0.5e-3 + 6.4, 256 * 0.5e-3 + 6.4, 384 * 0.5e-3 + 6.4]
+    )
