@@ -28,7 +28,8 @@ corrects itself instead of shedding for ever).
 Without any SLO a request predicted to wait longer than ``max_predicted_ttft_s`` is still
 refused: no admitted request waits without bound. Without a prediction (the model has not measured a few
 prefill calls yet, or the request would wait for decode room before any wait or slot holding time was
-measured) a request is admitted only if it starts soon (within the first ``COLD_BATCHES`` prefill batches
+measured, and no stream holding a slot says when one frees: the room prior of ttft_predictor.py) a request
+is admitted only if it starts soon (within the first ``COLD_BATCHES`` prefill batches
 per prefilling worker and, disaggregated, with a free decode slot behind the unplaced ones) or nothing is
 queued; otherwise 429 (``unpredicted_wait``) with a Retry-After of the oldest open request's age, so a cold
 server no longer takes a whole burst in blind.
@@ -51,7 +52,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from distserve.server.config import DistServeConfig
-from distserve.server.router.ttft_predictor import RequestPhases, TtftPredictor
+from distserve.server.router.ttft_predictor import RequestPhases, RoomPrior, TtftPredictor
 
 if TYPE_CHECKING:
     from distserve.server.router.pipeline import Pipeline
@@ -116,8 +117,19 @@ class Ticket:
     token, *queued* at its first token, *in flight* at ``done`` (which releases whatever is left: a failure,
     a client that left, a 4xx after admission). Every call after the first of each is a no-op."""
 
-    def __init__(self, adm: Admission, tokens: int, ahead: tuple[float, float], predicted_ttft_s: float | None) -> None:
+    def __init__(
+        self,
+        adm: Admission,
+        tokens: int,
+        ahead: tuple[float, float],
+        predicted_ttft_s: float | None,
+        max_tokens: int = 0,
+    ) -> None:
         self.adm, self.tokens, self.ahead = adm, tokens, ahead  # ahead: (tokens, requests) queued per worker
+        # what the room prior reads (ttft_predictor.Stream): its bound on output tokens, the tokens streamed so
+        # far (the run sets it at each event) and when its first token came (perf_counter)
+        self.max_tokens, self.streamed = max_tokens, 0
+        self.first_at: float | None = None
         self.admitted_at = time.perf_counter()
         self.predicted_ttft_s = predicted_ttft_s
         self.queued, self.open, self.unplaced = True, True, True
@@ -138,6 +150,7 @@ class Ticket:
         if not self.queued:
             return
         self.queued = False
+        self.first_at = time.perf_counter()
         self.adm._dequeue(self)
         self.adm._measured(self, ttft_s)
 
@@ -178,6 +191,12 @@ class Admission:
         self.tickets: dict[Ticket, None] = {}  # the open tickets, oldest first (len == inflight)
         self.model = TtftPredictor(cfg, workers, priors=priors)  # priors: the workers' start-up cost per token
         self.tpot_ewma_s: float | None = None
+        # the decode-room wait before any slot release was measured: from the streams holding a slot now
+        self.model.room_prior = RoomPrior(
+            lambda: self.tickets,
+            lambda: self.tpot_ewma_s,
+            prefill_s_per_token=lambda: self.model.per_token_ms() / 1000.0 / max(1, self.workers()),
+        )
         self.errors: deque[float] = deque(maxlen=4096)  # |measured - predicted| / measured
         self.decisions = Counter(
             "distserve_admission", "Admission decisions", ["decision", "reason"], registry=registry
@@ -202,6 +221,10 @@ class Admission:
             terms.labels(term).set_function(self._term(term))
         # 1 while the prefill part is predicted from the workers' start-up prior, not yet from measured calls
         terms.labels("prior_in_use").set_function(lambda: 1.0 if self.model.source == "prior" else 0.0)
+        # 1 while the decode-room wait is predicted from the streams holding slots (no release measured yet)
+        terms.labels("room_prior_in_use").set_function(lambda: 1.0 if self.model.room_source == "prior" else 0.0)
+        terms.labels("room_prior_tpot_ms").set_function(lambda: self._room_prior_term("tpot_ms"))
+        terms.labels("room_prior_next_release_ms").set_function(lambda: self._room_prior_term("next_release_ms"))
         g = Gauge("distserve_admission_queue", "Admitted requests by stage", ["what"], registry=registry)
         g.labels("inflight_requests").set_function(lambda: self.inflight)
         g.labels("queued_requests").set_function(lambda: self.queued_requests)
@@ -210,6 +233,10 @@ class Admission:
 
     def _term(self, term: str) -> Callable[[], float]:
         return lambda: float(self.model.terms()[term] or 0.0)
+
+    def _room_prior_term(self, term: str) -> float:
+        rp = self.model.room_prior
+        return float((rp.terms()[term] if rp is not None else None) or 0.0)
 
     # --- the decision -------------------------------------------------------------------------------
     def tokens_ahead(self) -> tuple[float, float]:
@@ -315,8 +342,9 @@ class Admission:
             s = math.ceil(seconds)
         return min(MAX_RETRY_AFTER_S, s)
 
-    def admit(self, prompt_tokens: int, d: Decision) -> Ticket:
-        t = Ticket(self, prompt_tokens, self.tokens_ahead(), d.predicted_ttft_s)
+    def admit(self, prompt_tokens: int, d: Decision, max_tokens: int = 0) -> Ticket:
+        """``max_tokens``: the request's bound on output tokens (the room prior's tokens left)."""
+        t = Ticket(self, prompt_tokens, self.tokens_ahead(), d.predicted_ttft_s, max_tokens)
         t.phases.predicted = d.predicted_parts
         t.judged = self.queued_requests > 0
         if d.predicted_parts is not None:

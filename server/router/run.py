@@ -65,6 +65,8 @@ class Run:
                             self.itl.append(now - self.last_event_at)
                         self.last_event_at = now
                     self.token_ids.extend(ev.token_ids)
+                    if self.ticket is not None:
+                        self.ticket.streamed = len(self.token_ids)  # the room prior's tokens left
                     if self.cached_tokens is None and ev.num_cached_tokens is not None:
                         self.cached_tokens = ev.num_cached_tokens  # the first prefill's (a migration re-prefills)
                     if ev.logprobs:

@@ -25,7 +25,8 @@ smallest relative error, a mean is pulled up by every slow outlier for many call
 the slot releases a request would wait for (behind the admitted requests without a decode slot yet:
 admission's ledger, ``Admission.unplaced``, of which the requests already waiting at the gate are a part)
 x the measured time per release (before any request waited: the slot holding time measured on admitted
-requests / the slots, Little's law; before that, no prediction); the two stages are in tandem,
+requests / the slots, Little's law; before any slot was released either, the **room prior**, below; with
+none of the three, no prediction); the two stages are in tandem,
 so TTFT = max(decode-room wait + idle call, queued work) + the router's **overhead** (the rest of the
 measured TTFT: picking, the first token's way to the client; an EWMA). The parts are reported as
 (decode room, prefill call = the rest of the max, overhead).
@@ -41,6 +42,26 @@ step (HTTP, KV staging, a neighbour on a shared CPU); the live lower bound above
 longer than their tokens cost at the prior is read as slower) corrects it while the first batch runs. From
 the ``MIN_SAMPLES``-th answer on the measurements replace it (``source``: ``prior`` then ``measured``). With
 neither there is no prediction (never a guess): admission then admits only what starts at once.
+
+**Cold start of the decode room** (``RoomPrior``). A burst that takes every decode slot leaves the next
+request waiting for a release before any was measured. The prior predicts it from the admitted requests
+holding a slot now: each one's tokens left (its ``max_tokens``, the router's default where the client gave
+none, less the tokens streamed so far) x the time per output token measured on the streams decoding now
+(their tokens after the first / the seconds since their first token, pooled; before any stream has two
+tokens, the TPOT of ended requests, ``Admission.tpot_ewma_s``; with neither, no prior). The k-th release is
+then the k-th smallest of those times left; beyond the streams holding slots now, one more release every
+(their mean ``max_tokens`` x TPOT) / the slots (Little's law on the predicted holding time). It is
+**pessimistic in the tokens it counts**: ``max_tokens`` is an upper bound (EOS or a stop string ends a
+stream earlier), so at a steady TPOT the predicted wait is at most too long. It is not pessimistic in time:
+the TPOT measured now can rise (a shared CPU, the burst's remaining prefills slowing the decode), and the
+extra choices of ``n`` > 1 hold slots it does not see. A request it predicts too late is shed or queued
+like any other; none is admitted blind. It is
+refreshed at most every ``ROOM_PRIOR_REFRESH_S`` (one pass over the open tickets and a sort), and a
+prediction between refreshes is one lookup (the k-th time left less the time since). A holder still
+waiting for its first token is counted from the end of its prefill (the prompt tokens of the waiting
+holders up to it, in admission order, at the prefill model's cost per token: a burst that took every slot
+is mostly still in its prefill). Measured releases replace it as they come (``room_source``: ``prior``,
+then ``slot_held``, then ``waits``).
 
 Without a pipeline attached (unit tests of admission alone) the whole TTFT is taken as the prefill call,
 with the tokens that admission counted as queued ahead of the request, fitted as one line (``call_ms``).
@@ -73,6 +94,91 @@ MARGIN_QUANTILE = 0.95  # admission's margin: this quantile of measured / predic
 MARGIN_SAMPLES = 256  # ... over the last this many requests admission judged (something queued ahead)
 MARGIN_MIN_SAMPLES = 16
 MARGIN_MAX = 4.0
+ROOM_PRIOR_REFRESH_S = 0.05  # the room prior's times left are recomputed at most this often
+
+
+class Stream(Protocol):
+    """One admitted request as the room prior reads it (``admission.Ticket``)."""
+
+    tokens: int  # its prompt tokens
+    max_tokens: int  # its bound on output tokens (the router's default where the client gave none)
+    streamed: int  # output tokens streamed so far
+    first_at: float | None  # when its first token came (the predictor's clock), None before
+    placed_at: float | None  # when it got its decode slot, None before (read only while the request is open)
+
+
+class RoomPrior:
+    """The decode-slot releases predicted from the streams holding a slot now (see the module's docstring):
+    the k-th release comes after the k-th smallest (tokens left x TPOT), refreshed at most every
+    ``ROOM_PRIOR_REFRESH_S``. Pessimistic: tokens left are counted to ``max_tokens``."""
+
+    def __init__(
+        self,
+        streams: Callable[[], Iterable[Stream]],
+        tpot_fallback: Callable[[], float | None] = lambda: None,
+        clock: Callable[[], float] = time.perf_counter,
+        prefill_s_per_token: Callable[[], float] = lambda: 0.0,
+    ) -> None:
+        self.streams, self.tpot_fallback, self.clock = streams, tpot_fallback, clock
+        self.prefill_s_per_token = prefill_s_per_token  # the prefill queue's cost per prompt token (seconds)
+        self.left: list[float] = []  # seconds left of each holder at ``at``, ascending
+        self.hold_s = 0.0  # a new holder's predicted holding time (mean max_tokens x TPOT)
+        self.tpot_s: float | None = None
+        self.tpot_live = False  # the TPOT is the live streams' (else the ended requests', or none)
+        self.at: float | None = None
+
+    def refresh(self, now: float) -> None:
+        if self.at is not None and now - self.at < ROOM_PRIOR_REFRESH_S:
+            return
+        self.at = now
+        # a ticket without a bound (max_tokens 0: admission used alone, in unit tests) says nothing: not a holder
+        holders = [s for s in self.streams() if s.placed_at is not None and s.max_tokens > 0]
+        tokens = elapsed = 0.0
+        for s in holders:
+            if s.first_at is not None and s.streamed >= 2:
+                tokens += s.streamed - 1
+                elapsed += max(0.0, now - s.first_at)  # since its first token, to now: a stalled decode counts
+        self.tpot_live = tokens > 0 and elapsed > 0
+        self.tpot_s = elapsed / tokens if self.tpot_live else self.tpot_fallback()
+        if self.tpot_s is None or not holders:
+            self.left, self.hold_s = [], 0.0
+            return
+        t = self.tpot_s
+        # a holder still waiting for its first token is first prefilled: behind the prompt tokens of the
+        # holders admitted before it that are still waiting too (the prefill is first come first served, the
+        # streams are in admission order), at the prefill model's cost per token, counted in full
+        per_token, queued, left = self.prefill_s_per_token(), 0, []
+        for s in holders:
+            wait = 0.0
+            if s.first_at is None:
+                queued += s.tokens
+                wait = queued * per_token
+            left.append(wait + max(0, s.max_tokens - s.streamed) * t)
+        self.left = sorted(left)
+        self.hold_s = sum(s.max_tokens for s in holders) / len(holders) * t
+
+    def wait_s(self, releases: int, total_slots: int) -> float | None:
+        """Seconds until the ``releases``-th slot release from now; None without a prior (no stream holds a
+        slot, or no TPOT is known)."""
+        now = self.clock()
+        self.refresh(now)
+        if not self.left or self.at is None:
+            return None
+        since = now - self.at
+        n = len(self.left)
+        if releases <= n:
+            return max(0.0, self.left[releases - 1] - since)
+        return max(0.0, self.left[-1] - since) + (releases - n) * self.hold_s / max(1, total_slots, n)
+
+    def terms(self) -> dict:
+        return {
+            "tpot_ms": None if self.tpot_s is None else round(self.tpot_s * 1e3, 3),
+            "tpot_live": self.tpot_live,
+            "holders": len(self.left),
+            "next_release_ms": round(max(0.0, self.left[0] - (self.clock() - (self.at or 0.0))) * 1e3, 3)
+            if self.left
+            else None,
+        }
 
 
 class RoomState(Protocol):
@@ -287,6 +393,7 @@ class TtftPredictor:
         self.call_errors: deque[float] = deque(maxlen=1024)
         self.room_errors: deque[float] = deque(maxlen=1024)
         self.ratios: deque[float] = deque(maxlen=MARGIN_SAMPLES)  # measured / predicted TTFT, judged requests
+        self.room_prior: RoomPrior | None = None  # the decode-room wait before any release (admission's streams)
 
     @property
     def queues(self) -> dict[str, WorkerQueue]:
@@ -414,10 +521,10 @@ class TtftPredictor:
         room = 0.0
         releases = self.room.releases_needed(unplaced)
         if releases:
-            per = self.release_s()
-            if per is None:  # it would wait for decode room, and nothing says for how long yet
+            wait = self.room_wait_s(releases)
+            if wait is None:  # it would wait for decode room, and nothing says for how long yet
                 return None
-            room = releases * per
+            room = wait
         idle_s = self.idle_call_ms(own_tokens) / 1000.0
         queued_s = self._queued_best_ms(own_tokens, queued_tokens, self.clock()) / 1000.0
         return room, max(idle_s, queued_s - room), self.overhead_s  # tandem: max(room + idle, queued)
@@ -430,6 +537,30 @@ class TtftPredictor:
             return self.room_per_release_s
         total = self.room.total_slots() if self.room is not None else 0
         return self.slot_s / total if self.slot_s is not None and total else None
+
+    @property
+    def room_source(self) -> str:
+        """What the decode-room wait is predicted from: ``waits`` (measured waits for room), ``slot_held``
+        (measured slot holding times, Little's law), ``prior`` (the streams holding slots now: ``RoomPrior``)
+        or ``none``."""
+        if self.room_per_release_s is not None:
+            return "waits"
+        if self.release_s() is not None:
+            return "slot_held"
+        if self.room_prior is not None and self.room is not None and self.room.gates():
+            if self.room_prior.wait_s(1, self.room.total_slots()) is not None:
+                return "prior"
+        return "none"
+
+    def room_wait_s(self, releases: int) -> float | None:
+        """Seconds a request waits for ``releases`` slot releases: x the measured time per release where one
+        is known, else the room prior's time to the ``releases``-th release; None with neither."""
+        per = self.release_s()
+        if per is not None:
+            return releases * per
+        if self.room_prior is None or self.room is None:
+            return None
+        return self.room_prior.wait_s(releases, self.room.total_slots())
 
     def starts_at_once(self, unplaced: int, queued_requests: int) -> bool:
         """Without a prediction: would a request admitted now start soon? It must fit in the first
@@ -531,6 +662,7 @@ class TtftPredictor:
         worker [prompt tokens in flight, calls in flight, ms per token]."""
         out: dict = {"source": self.source}
         if self.room is not None:
+            out["room_source"] = self.room_source
             out["releases"] = self.room.releases_needed(unplaced)
             out["room_waiting"] = len(getattr(self.room, "waiters", ()))
         out["workers"] = {w: [q.tokens, len(q.calls), round(q.per_token_ms() or 0.0, 5)] for w, q in self.known.items()}
@@ -562,6 +694,8 @@ class TtftPredictor:
             "room_per_release_ms": None if self.room_per_release_s is None else round(self.room_per_release_s * 1e3, 3),
             "room_samples": self.room_samples,
             "slot_held_ms": None if self.slot_s is None else round(self.slot_s * 1e3, 3),
+            "room_source": self.room_source if self.room is not None else "none",
+            "room_prior": self.room_prior.terms() if self.room_prior is not None else None,
             "overhead_ms": round(self.overhead_s * 1000.0, 3),
             "slo_margin": round(self.slo_margin(), 3),
         }

@@ -480,3 +480,118 @@ def test_a_burst_on_a_fresh_server_is_admitted_while_it_fits_the_slo_and_shed_af
         d = cold.decide(128, slo)
         assert (d.route, d.predicted_ttft_s) == ("primary", None)
         cold.admit(128, d)
+
+
+# --- the room prior: the decode-room wait before any slot release (RoomPrior) -----------------------------
+
+
+def _full_decode(slots: int, max_tokens: list[int], streamed: list[int], tpot_s: float = 0.1):
+    """A fresh server (prefill prior, nothing released yet) whose ``slots`` decode slots are all held by
+    admitted requests of ``max_tokens``, each having streamed ``streamed`` tokens at ``tpot_s`` per token
+    (what the pipeline's gate and the run set on each ticket)."""
+    adm, clock, reg, registry = _admission_with_prior(slots=slots)
+    adm.model.room_prior.clock = clock
+    tickets = []
+    for mt, n in zip(max_tokens, streamed, strict=True):
+        t = adm.admit(128, adm.decide(128, Slo()), max_tokens=mt)
+        adm.model.room_granted(t.phases, 0.0, 0)  # it got a decode slot at once
+        tickets.append(t)
+    clock.t += 1.0  # past the room prior's refresh interval (admit() read it, before any slot was held)
+    for t, n in zip(tickets, streamed, strict=True):
+        t.placed_at = clock.t - 1.0
+        if n:
+            t.first_token(0.5)
+            t.first_at, t.streamed = clock.t - (n - 1) * tpot_s, n
+    reg.workers["d0"].inflight = slots
+    return adm, clock, tickets, registry
+
+
+def test_the_room_prior_predicts_the_kth_release_from_the_streams_decoding_now():
+    adm, clock, tickets, registry = _full_decode(4, [64, 32, 64, 16], [11, 11, 1, 11])
+    p = adm.model
+    assert p.slot_samples == 0 and p.room_samples == 0 and p.release_s() is None  # nothing released yet
+    assert p.room_source == "prior"
+    # TPOT pooled over the streams with two tokens or more (0.1 s); tokens left: 53, 21, 63, 5
+    d = adm.decide(128, Slo())
+    assert d.route == "primary" and d.predicted_parts[0] == pytest.approx(5 * 0.1)  # the 1st release
+    t5 = adm.admit(128, d, max_tokens=64)
+    assert adm.decide(128, Slo()).predicted_parts[0] == pytest.approx(21 * 0.1)  # behind t5: the 2nd
+    adm.admit(128, adm.decide(128, Slo()), max_tokens=64)
+    adm.admit(128, adm.decide(128, Slo()), max_tokens=64)
+    assert adm.decide(128, Slo()).predicted_parts[0] == pytest.approx(63 * 0.1)  # the 4th: the last holder
+    for _ in range(2):
+        adm.admit(128, adm.decide(128, Slo()), max_tokens=64)
+    # the 6th release is beyond the holders: one more every (mean max_tokens 44 x TPOT) / 4 slots
+    assert adm.decide(128, Slo()).predicted_parts[0] == pytest.approx(63 * 0.1 + 2 * 44 * 0.1 / 4)
+    st = adm.status()["model"]
+    assert st["room_source"] == "prior" and st["room_prior"]["tpot_ms"] == pytest.approx(100.0)
+    assert st["room_prior"]["tpot_live"] and st["room_prior"]["holders"] == 4
+    assert t5.phases.state["room_source"] == "prior"  # journaled with the request
+    text = generate_latest(registry).decode()
+    assert 'distserve_ttft_model{term="room_prior_in_use"} 1.0' in text
+    assert 'distserve_ttft_model{term="room_prior_tpot_ms"} 100.0' in text
+
+
+def test_the_room_prior_needs_a_tpot_and_is_cheap_between_refreshes():
+    # the slots held, no stream past its first token and no request ended: no prior, the 429 as before
+    adm, clock, tickets, _ = _full_decode(2, [64, 64], [1, 0])
+    assert adm.model.room_source == "none"
+    d = adm.decide(128, Slo())
+    assert (d.route, d.reason) == ("shed", "unpredicted_wait")
+    adm.tpot_ewma_s = 0.2  # ended requests' TPOT (here, of another burst): the prior uses it
+    clock.t += 1.0  # past the refresh interval
+    d = adm.decide(128, Slo())
+    assert d.route == "primary" and d.predicted_parts[0] == pytest.approx(63 * 0.2)  # 63 left x 0.2 s
+    assert adm.status()["model"]["room_prior"]["tpot_live"] is False
+    # between refreshes a prediction is one lookup: the time left less the time since (the streams are not
+    # read again, so a stream that moved on is seen at the next refresh)
+    tickets[0].streamed, tickets[0].first_at = 40, clock.t + 1.01 - 39 * 0.2  # 39 more tokens, 0.2 s each
+    clock.t += 0.01
+    assert adm.model.room_prior.wait_s(1, 2) == pytest.approx(63 * 0.2 - 0.01)
+    clock.t += 1.0
+    assert adm.model.room_prior.wait_s(1, 2) == pytest.approx(24 * 0.2)  # its live TPOT, 24 tokens left
+    assert adm.status()["model"]["room_prior"]["tpot_live"] is True
+    # a holder that ends (EOS before max_tokens) gives its place up: the next holder's time is read
+    tickets[0].done()
+    clock.t += 1.0
+    # ... and one still waiting for its first token is counted from the end of its prefill (its 128 prompt
+    # tokens at the prefill prior's 0.5 ms each), then its 64 tokens
+    assert adm.model.room_prior.wait_s(1, 2) == pytest.approx(128 * 0.5 / 1000 + 64 * 0.2)
+
+
+def test_the_room_prior_yields_to_measured_releases():
+    adm, clock, tickets, registry = _full_decode(4, [64] * 4, [11] * 4)
+    p = adm.model
+    assert adm.decide(128, Slo()).predicted_parts[0] == pytest.approx(53 * 0.1)
+    p.slot_held(8.0)  # a request ended after holding its slot 8 s: Little's law replaces the prior
+    assert p.room_source == "slot_held"
+    assert adm.decide(128, Slo()).predicted_parts[0] == pytest.approx(8.0 / 4)
+    p.room_granted(RequestPhases(), 1.5, 3)  # a request waited 1.5 s for 3 releases: measured waits win
+    assert p.room_source == "waits" and adm.decide(128, Slo()).predicted_parts[0] == pytest.approx(0.5)
+    assert 'distserve_ttft_model{term="room_prior_in_use"} 0.0' in generate_latest(registry).decode()
+
+
+def test_the_room_prior_is_pessimistic_and_never_admits_blind():
+    # streams bounded at 64 tokens that will stop at 30 (EOS): the prior counts to 64, so its wait is at least
+    # the real one and at most what max_tokens allows
+    tpot = 0.1
+    adm, clock, tickets, _ = _full_decode(4, [64] * 4, [11, 12, 13, 14], tpot)
+    d = adm.decide(128, Slo())
+    predicted = d.predicted_parts[0]
+    real = (30 - 14) * tpot  # the holder furthest on stops first
+    assert real <= predicted <= (64 - 14) * tpot + 1e-9
+    adm.admit(128, d, max_tokens=64)  # queued behind the full decode: the next one is judged
+    # a wait the prior puts past the SLO is shed with its prediction (the 2nd release), not admitted blind
+    d = adm.decide(128, Slo(ttft_s=1.0))
+    assert (d.route, d.reason) == ("shed", "slo_ttft") and d.predicted_ttft_s >= (64 - 13) * tpot
+
+
+def test_holders_still_in_their_prefill_are_counted_from_its_end_in_admission_order():
+    # a burst took every slot and most of it is still waiting for its prefill (first come first served): each
+    # is released after the prompt tokens of the waiting holders up to it (0.5 ms each, the prefill prior),
+    # then its tokens at the TPOT the one decoding measures (0.1 s)
+    adm, clock, tickets, _ = _full_decode(4, [64] * 4, [11, 0, 0, 0])
+    rp = adm.model.room_prior
+    assert [rp.wait_s(k, 4) for k in (1, 2, 3, 4)] == pytest.approx(
+        [53 * 0.1, 128 * 0.5e-3 + 6.4, 256 * 0.5e-3 + 6.4, 384 * 0.5e-3 + 6.4]
+    )
