@@ -245,11 +245,11 @@ async def _prefill(state: WorkerState, body: PrefillRequest) -> JSONResponse:
                     num_cached_tokens=out.num_cached_tokens,
                 ).model_dump()
             )
-        if leased is not None:
-            # by reference: the KV stays in this worker's pool until the decode worker has room for it (a lease
-            # may wait for room, by_reference 'on'), so a full decode pool backs up into this pool and its
-            # scheduler, not into device memory outside it (a gathered 2k-token 7B prompt is 1 GiB)
-            await asyncio.wait({leased})
+        # By reference the KV is gathered out of this pool before its lease is awaited, never kept in the pool while
+        # the lease waits for room: early leases hold the decode worker's blocks for requests still queued here,
+        # and a pool full of finished prefills waiting for those blocks would wait for ever (hold and wait; seen
+        # as a hung full-pool test). The price, with by_reference 'on' only: a full decode pool holds gathered KV
+        # in device memory outside this pool while its leases wait (docs/FAILURE_SEMANTICS.md).
         t1 = time.perf_counter()
         phases = state.metrics.prefill_phase_seconds
         phases.labels("queued_and_step").observe(t1 - t0)
