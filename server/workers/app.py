@@ -223,6 +223,11 @@ async def _prefill(state: WorkerState, body: PrefillRequest) -> JSONResponse:
     try:
         params = to_sampling_params(body.sampling)
         await _prepare_grammar(state, params)
+        if rid in state.loop.engine.requests:
+            # only the router sends prefills, with ids it made: the same id again means it gave up on an earlier
+            # attempt here (a progress deadline) before that attempt's abort landed; the new attempt replaces it
+            log.info("request %s sent again: its earlier attempt here is aborted", rid)
+            state.loop.abort_nowait(rid)
         q = await state.loop.add_request(
             rid, body.prompt_token_ids, params, prefill_only=True, output_token_ids=body.output_token_ids
         )
