@@ -46,6 +46,20 @@ def http(method: str, url: str, body=None, token: str | None = TOKEN, timeout: f
         return status, text, headers
 
 
+def complete(url: str, prompt: str, max_tokens: int, headers: dict | None = None) -> tuple[int, dict, dict]:
+    """POST /v1/completions (ignore_eos): (status, JSON body, lower-cased headers), a 4xx/5xx included."""
+    body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True}).encode()
+    req = urllib.request.Request(f"{url}/v1/completions", data=body, method="POST")
+    req.add_header("Content-Type", "application/json")
+    for k, v in (headers or {}).items():
+        req.add_header(k, v)
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, json.loads(r.read()), {k.lower(): v for k, v in r.headers.items()}
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read()), {k.lower(): v for k, v in e.headers.items()}
+
+
 class ServeProcess(target.ServeProcess):
     """``distserve serve`` (distbench's shared helper) with fast heartbeats and the test token."""
 

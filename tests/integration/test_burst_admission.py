@@ -19,12 +19,10 @@ import concurrent.futures
 import json
 import socket
 import time
-import urllib.error
-import urllib.request
 
 import pytest
 
-from tests.integration.conftest import ServeProcess, http
+from tests.integration.conftest import ServeProcess, complete, http
 
 SLOTS = 2
 DECODE_DELAY_MS = 40
@@ -33,16 +31,7 @@ SLO_MS = 1500
 
 
 def _complete(url: str, headers: dict | None = None, max_tokens: int = MAX_TOKENS, prompt="hello there"):
-    body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True}).encode()
-    req = urllib.request.Request(f"{url}/v1/completions", data=body, method="POST")
-    req.add_header("Content-Type", "application/json")
-    for k, v in (headers or {}).items():
-        req.add_header(k, v)
-    try:
-        with urllib.request.urlopen(req, timeout=120) as r:
-            return r.status, json.loads(r.read()), {k.lower(): v for k, v in r.headers.items()}
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read()), {k.lower(): v for k, v in e.headers.items()}
+    return complete(url, prompt, max_tokens, headers)
 
 
 @pytest.fixture(scope="module")

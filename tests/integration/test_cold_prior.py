@@ -18,7 +18,7 @@ import urllib.request
 
 import pytest
 
-from tests.integration.conftest import ServeProcess, http
+from tests.integration.conftest import ServeProcess, complete, http
 
 PROMPT = "hello " * 250  # long enough that the burst's prefill work, at the prior, dwarfs the router's own time
 BURST = 16
@@ -26,16 +26,7 @@ ADMITTED_AT_PRIOR = 4.5  # the SLO: this many of the burst's prompts at the prio
 
 
 def _complete(url: str, headers: dict | None = None, max_tokens: int = 2):
-    body = json.dumps({"prompt": PROMPT, "max_tokens": max_tokens, "ignore_eos": True}).encode()
-    req = urllib.request.Request(f"{url}/v1/completions", data=body, method="POST")
-    req.add_header("Content-Type", "application/json")
-    for k, v in (headers or {}).items():
-        req.add_header(k, v)
-    try:
-        with urllib.request.urlopen(req, timeout=120) as r:
-            return r.status, json.loads(r.read()), {k.lower(): v for k, v in r.headers.items()}
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read()), {k.lower(): v for k, v in e.headers.items()}
+    return complete(url, PROMPT, max_tokens, headers)
 
 
 @pytest.fixture(scope="module")

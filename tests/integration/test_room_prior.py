@@ -17,7 +17,7 @@ import urllib.request
 
 import pytest
 
-from tests.integration.conftest import ServeProcess, http
+from tests.integration.conftest import ServeProcess, complete, http
 
 SLOTS = 2
 DECODE_DELAY_MS = 100
@@ -25,14 +25,7 @@ HOLD_TOKENS = 30
 
 
 def _complete(url: str, max_tokens: int):
-    body = json.dumps({"prompt": "hello there", "max_tokens": max_tokens, "ignore_eos": True}).encode()
-    req = urllib.request.Request(f"{url}/v1/completions", data=body, method="POST")
-    req.add_header("Content-Type", "application/json")
-    try:
-        with urllib.request.urlopen(req, timeout=120) as r:
-            return r.status, json.loads(r.read()), {k.lower(): v for k, v in r.headers.items()}
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read()), {k.lower(): v for k, v in e.headers.items()}
+    return complete(url, "hello there", max_tokens)
 
 
 @pytest.fixture(scope="module")
