@@ -144,6 +144,9 @@ class WorkerStatus(BaseModel):
     num_waiting: int = Field(default=0, ge=0, le=MAX_LOAD_FIGURE, strict=True)
     num_running: int = Field(default=0, ge=0, le=MAX_LOAD_FIGURE, strict=True)
     num_reserving: int = Field(default=0, ge=0, le=MAX_LOAD_FIGURE, strict=True)
+    # of those, the ones waiting because the KV pool refused the first in line for lack of blocks (decode room:
+    # a reservation merely deferred until the running engine step ends is not short of room)
+    num_kv_blocked: int = Field(default=0, ge=0, le=MAX_LOAD_FIGURE, strict=True)
     kv_blocks_used: int = Field(default=0, ge=0, le=MAX_LOAD_FIGURE, strict=True)
     kv_blocks_free: int = Field(default=0, ge=0, le=MAX_LOAD_FIGURE, strict=True)
     num_staged_kv: int = Field(default=0, ge=0, le=MAX_LOAD_FIGURE, strict=True)

@@ -1,7 +1,10 @@
 """Decode room before the prefill, first come first served (``Pipeline._pick_decode``).
 
 In disaggregated mode a request is prefilled only once a decode worker has room for it: fewer than
-``decode.max_concurrent_requests`` requests routed to it and no request of its waiting for KV room. While none
+``decode.max_concurrent_requests`` requests routed to it and no request of its waiting for KV room (its
+heartbeat's ``num_kv_blocked``: reservations the KV pool refused for lack of blocks; a reservation that only
+waits for the running engine step to end is not counted, else a heartbeat that caught one closed the gate
+for a whole heartbeat interval). While none
 has, requests wait here *in arrival order*: the first in line checks for room every ``POLL_S`` (room comes
 back as requests end and heartbeats arrive, neither of which signals); the others sleep until they are
 first. A request that finds ``W`` waiting and ``F`` free slots therefore waits for ``W + 1 - F`` slot
@@ -31,11 +34,11 @@ class DecodeRoom:
         self.waiters: deque[asyncio.Event] = deque()
 
     def has_room(self, w: WorkerInfo) -> bool:
-        return w.inflight < self.slots and not w.status.num_reserving
+        return w.inflight < self.slots and not w.status.num_kv_blocked
 
     def free_slots(self) -> int:
         return sum(
-            max(0, self.slots - w.inflight) for w in self.registry.healthy("decode") if not w.status.num_reserving
+            max(0, self.slots - w.inflight) for w in self.registry.healthy("decode") if not w.status.num_kv_blocked
         )
 
     def gates(self) -> bool:

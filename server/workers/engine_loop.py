@@ -109,6 +109,9 @@ class EngineLoop:
         self._next_gc = 0.0
         self._streams: dict[str, asyncio.Queue] = {}
         self._reservations: deque[_Reservation] = deque()
+        # the head reservation was refused for lack of KV blocks (not merely deferred until a step ends): the
+        # reservations queued now wait for KV room, which heartbeats report as ``num_kv_blocked``
+        self._kv_blocked = False
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._step_seconds = 0.0
@@ -173,6 +176,7 @@ class EngineLoop:
             num_waiting=e.scheduler.num_waiting,
             num_running=e.scheduler.num_running,
             num_reserving=len(self._reservations),
+            num_kv_blocked=len(self._reservations) if self._kv_blocked else 0,
             kv_blocks_used=e.num_used_blocks,
             kv_blocks_free=e.num_free_blocks,
             num_staged_kv=num_staged_kv,
@@ -313,9 +317,12 @@ class EngineLoop:
                 r.future.set_exception(e)
                 continue
             if not ok:
+                self._kv_blocked = True
                 return  # FIFO: later requests wait behind the head
+            self._kv_blocked = False
             self._reservations.popleft()
             r.future.set_result(True)
+        self._kv_blocked = False
 
     def collect_stale_slots(self) -> int:
         """Free the oldest stale slots beyond max_stale_slots, and those stale for too long (GcPolicy)."""

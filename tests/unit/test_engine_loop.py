@@ -187,6 +187,48 @@ def test_thread_mode_queues_engine_calls_made_during_a_step(engine):
     engine.block_manager.check_invariants()
 
 
+def test_status_tells_a_reservation_short_of_blocks_from_one_waiting_for_the_step(engine):
+    """Decode room (the router's gate) closes on ``num_kv_blocked``: a reservation refused by the KV pool. One
+    made while a step runs waits only for that step to end; a heartbeat that caught it must not read it as a
+    full pool (it closed the router's gate for a whole heartbeat interval on the GPU: 17 % of requests shed
+    at 1x capacity)."""
+
+    async def main():
+        loop = EngineLoop(engine, GcPolicy(interval_s=10, stale_after_s=100), threaded=True)
+        loop.start()
+        with _SlowSteps(engine, 0.05) as slow:
+            long = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+            q = await loop.add_request("a", [1, 9, 8, 7], long)
+            await q.get()
+            while not slow.in_step:
+                await asyncio.sleep(0.001)
+            deferred = asyncio.ensure_future(loop.reserve("small", [1, 2, 3], [6], PARAMS, timeout_s=5))
+            await asyncio.sleep(0)
+            during = loop.status()
+            await deferred
+            assert loop.abort_nowait("small")
+            # now a reservation the pool cannot hold while "a" runs: 12 blocks of 4, "a" holds some
+            blocked = asyncio.ensure_future(loop.reserve("big", list(range(3, 44)), [5], PARAMS, timeout_s=5))
+            for _ in range(100):
+                await asyncio.sleep(0.01)
+                if loop.status().num_kv_blocked:
+                    break
+            refused = loop.status()
+            assert loop.abort_nowait("a")  # its blocks come back: "big" fits
+            await blocked
+            after = loop.status()
+            assert loop.abort_nowait("big")
+        loop.stop()
+        return during, refused, after
+
+    during, refused, after = asyncio.run(main())
+    assert during.num_reserving == 1 and during.num_kv_blocked == 0
+    assert refused.num_reserving == 1 and refused.num_kv_blocked == 1
+    assert after.num_reserving == 0 and after.num_kv_blocked == 0
+    assert engine.num_used_blocks == 0 and not engine.requests
+    engine.block_manager.check_invariants()
+
+
 def test_engine_thread_setting():
     assert resolve_engine_thread("auto", "cuda:1") and resolve_engine_thread("on", "cpu")
     assert not resolve_engine_thread("auto", "cpu") and not resolve_engine_thread("off", "cuda")

@@ -118,6 +118,17 @@ def test_the_prediction_adds_the_decode_room_wait_and_the_router_overhead():
     assert p.terms()["room_per_release_ms"] == pytest.approx(150.0)
 
 
+def test_the_gate_closes_on_a_pool_short_of_blocks_not_on_a_reservation_between_steps():
+    # a heartbeat that caught a reservation waiting only for the running step (num_reserving, not blocked)
+    # leaves the room open; one the KV pool refused closes it until a heartbeat says otherwise
+    p, clock, room, reg = _attached(slots=2)
+    d0 = reg.workers["d0"]
+    d0.status = d0.status.model_copy(update={"num_reserving": 3, "num_kv_blocked": 0})
+    assert room.has_room(d0) and room.free_slots() == 2 and room.releases_needed() == 0
+    d0.status = d0.status.model_copy(update={"num_reserving": 3, "num_kv_blocked": 3})
+    assert not room.has_room(d0) and room.free_slots() == 0 and room.releases_needed() == 1
+
+
 def test_the_prediction_is_the_queued_tokens_at_the_measured_cost_per_token():
     # known state: idle calls of 20 ms for 128 tokens measure 20 / 128 ms per token of busy time
     p, clock, room, reg = _attached(slots=2, workers=1)
