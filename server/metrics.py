@@ -197,6 +197,11 @@ class WorkerMetrics:
         self.kv_transfer_failures = Counter(
             "distserve_kv_transfer_failures", "Failed KV pulls.", ["transport"], registry=r
         )
+        self.kv_gather_memory_waits = Counter(
+            "distserve_kv_gather_memory_waits",
+            "Prefills whose KV gather ran out of device memory and waited for the KV other hand-offs held here.",
+            registry=r,
+        )
         self.kv_reference_room_waits = Counter(
             "distserve_kv_reference_room_waits",
             "KV leases by reference that waited for room in the decode worker's pool (by_reference: on).",

@@ -109,8 +109,8 @@ class EngineLoop:
         self._next_gc = 0.0
         self._streams: dict[str, asyncio.Queue] = {}
         self._reservations: deque[_Reservation] = deque()
-        # the head reservation was refused for lack of KV blocks (not merely deferred until a step ends): the
-        # reservations queued now wait for KV room, which heartbeats report as ``num_kv_blocked``
+        # the head reservation was refused for lack of KV blocks (not merely deferred until a step ends, nor
+        # behind a full batch): the reservations queued now wait for KV room (heartbeats: ``num_kv_blocked``)
         self._kv_blocked = False
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -317,7 +317,9 @@ class EngineLoop:
                 r.future.set_exception(e)
                 continue
             if not ok:
-                self._kv_blocked = True
+                # short of KV blocks, unless the batch is full (max_num_seqs running): that queue is the router's
+                # slots' to bound (decode.max_concurrent_requests), a release frees both
+                self._kv_blocked = self.engine.scheduler.num_running < self.engine.config.max_num_seqs
                 return  # FIFO: later requests wait behind the head
             self._kv_blocked = False
             self._reservations.popleft()

@@ -229,6 +229,33 @@ def test_status_tells_a_reservation_short_of_blocks_from_one_waiting_for_the_ste
     engine.block_manager.check_invariants()
 
 
+def test_a_reservation_behind_a_full_batch_is_not_short_of_blocks():
+    """max_num_seqs running: the next reservation waits for a sequence to end, which the router's decode slots
+    already bound; it is not a pool short of KV blocks, so the router's gate stays open."""
+    engine = LLMEngine(EngineConfig(block_size=4, num_blocks=64, max_num_seqs=1))
+
+    async def main():
+        loop = EngineLoop(engine, GcPolicy(interval_s=10, stale_after_s=100))
+        loop.start()
+        q = await loop.add_request("a", [1, 9, 8, 7], SamplingParams(max_tokens=4000, temperature=0.0, ignore_eos=True))
+        await q.get()
+        waiting = asyncio.ensure_future(loop.reserve("b", [1, 2, 3], [6], PARAMS, timeout_s=5))
+        for _ in range(100):
+            await asyncio.sleep(0.01)
+            if loop.status().num_reserving:
+                break
+        full = loop.status()
+        assert loop.abort_nowait("a")
+        await waiting
+        assert loop.abort_nowait("b")
+        loop.stop()
+        return full
+
+    full = asyncio.run(main())
+    assert full.num_reserving == 1 and full.num_kv_blocked == 0
+    assert engine.num_used_blocks == 0 and not engine.requests
+
+
 def test_engine_thread_setting():
     assert resolve_engine_thread("auto", "cuda:1") and resolve_engine_thread("on", "cpu")
     assert not resolve_engine_thread("auto", "cpu") and not resolve_engine_thread("off", "cuda")

@@ -10,7 +10,7 @@ import httpx
 import pytest
 import torch
 
-from distserve.server.config import DistServeConfig
+from distserve.server.config import DistServeConfig, load_config
 from distserve.server.engine.llm_engine import EngineConfig, LLMEngine
 from distserve.server.engine.memory_pressure import MemoryPressure, is_memory_error
 from distserve.server.engine.sampling_params import SamplingParams
@@ -200,4 +200,63 @@ def test_prefill_worker_out_of_memory_after_its_step_fails_that_request_and_free
     assert health["status"] == "degraded"
     nxt = PrefillResponse.model_validate(ok.json())
     assert nxt.error is None and len(nxt.token_ids) == 1
+    engine.block_manager.check_invariants()
+
+
+def _prefill_state(engine, sender=None, request_timeout_s: float | None = None) -> WorkerState:
+    cfg = (
+        DistServeConfig()
+        if request_timeout_s is None
+        else load_config(overrides={"router": {"request_timeout_s": request_timeout_s}})
+    )
+    return WorkerState(
+        role="prefill",
+        worker_id="p0",
+        config=cfg,
+        token="t",
+        loop=EngineLoop(engine, threaded=True),
+        metrics=WorkerMetrics("prefill"),
+        sender=sender,
+    )
+
+
+@pytest.mark.parametrize("persistent", [False, True], ids=["memory-comes-back", "never"])
+def test_a_kv_gather_out_of_memory_waits_while_other_hand_offs_hold_kv_here(engine, persistent):
+    """The gather runs out of device memory while another prefill's KV is staged here (memory that comes back
+    when it is pulled): the request waits and retries with its blocks kept, instead of failing (on one H200 by
+    reference 8 of 100 requests failed so while leases waited for decode room). Memory that never comes back
+    fails it at the request's timeout, its blocks freed."""
+    from distserve.server.kv_transfer import KVStagingServer
+    from distserve.server.wire import PrefillResponse
+
+    async def main(sender):
+        state = _prefill_state(engine, sender, request_timeout_s=1.0 if persistent else None)
+        app = create_worker_app(state)
+        state.loop.start()
+        auth = {"Authorization": "Bearer t"}
+        sampling = {"max_tokens": 4, "temperature": 0.0, "top_p": 1.0, "ignore_eos": True}
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://w") as http:
+            first = {"request_id": "a", "prompt_token_ids": [3, 9, 8, 7, 6, 5], "sampling": sampling}
+            staged = await http.post("/internal/prefill", json=first, headers=auth)
+            assert staged.status_code == 200 and sender.num_staged == 1, staged.text
+            r = await http.post("/admin/fault", json={"oom_kv_takes": 1000 if persistent else 1}, headers=auth)
+            assert r.status_code == 200
+            second = {**first, "request_id": "b", "prompt_token_ids": [3, 4, 5, 6, 7, 8, 9]}
+            answer = await http.post("/internal/prefill", json=second, headers=auth)
+            await http.post("/admin/fault", json={"oom_kv_takes": 0}, headers=auth)
+            metrics = (await http.get("/metrics", headers=auth)).text
+        state.loop.stop()
+        sender.abort("a")
+        sender.abort("b")
+        return PrefillResponse.model_validate(staged.json()), PrefillResponse.model_validate(answer.json()), metrics
+
+    with KVStagingServer() as sender:
+        a, b, metrics = asyncio.run(main(sender))
+    assert a.kv is not None and a.error is None
+    assert "distserve_kv_gather_memory_waits_total 1.0" in metrics
+    if persistent:
+        assert b.finished and b.finish_reason == "abort" and "out of device memory" in (b.error or "")
+    else:
+        assert b.error is None and b.kv is not None and len(b.token_ids) == 1
+    assert engine.num_used_blocks == 0 and engine.requests == {}
     engine.block_manager.check_invariants()
