@@ -68,6 +68,7 @@ DEFAULT_LAYOUTS = "split60:60:40+ref,split60:60:40,split50:50:50+ref,split50:50:
 # (the 50:50 layouts are smoked only, between the 60:40 sweeps and the baselines' sweeps)
 DEFAULT_SWEEP = "split60:60:40+ref,split60:60:40,colocated@512,1p1d"
 DEFAULT_AB = "1p1d,1p1d^ab,1p1d!notune,1p1d,1p1d^ab,1p1d!notune"
+PREWARM_ATTAINMENT = 0.9  # a pre-warm round attaining this share within the SLO ends the pre-warm
 BISECT_ENV = {"DISTSERVE_DECODE_TUNE": "0", "DISTSERVE_GEMV_TUNE": "0", "DISTSERVE_GRAPH_SAMPLER": "0"}
 # layout suffixes "!NAME": the server started with these variables (A/B of one start-up feature at a time)
 ENV_SETS = {
@@ -182,8 +183,9 @@ def start(name: str, args, tmp: Path, env_extra: dict | None = None) -> tuple[Se
     return srv, entry
 
 
-def _run(srv: ServeProcess, wname: str, n: int, rate: float, sampling: str, warmup: int, prewarm: bool = False) -> dict:
-    seed = point_seed(rate, sampling, prewarm)
+def _run(srv: ServeProcess, wname: str, n: int, rate: float, sampling: str, warmup: int, prewarm: int = 0) -> dict:
+    """One point (``prewarm`` 0) or pre-warm round ``prewarm`` (1, 2, ...: prompts of its own each)."""
+    seed = point_seed(rate, sampling, prewarm > 0) + 31 * max(0, prewarm - 1)
     spec = RunSpec(
         url=srv.url,
         strategy="poisson",
@@ -210,10 +212,20 @@ def sweep(srv: ServeProcess, entry: dict, args, doc: dict, t0: float) -> None:
     entry["points"] = []
     if args.prewarm and args.workloads and args.workloads[0][2]:
         wname, _, rates = args.workloads[0]
-        if time.monotonic() - t0 + args.prewarm / rates[0] + args.drain_estimate_s <= args.budget_s:
-            # not a point: a warm server (prompts of their own, so no point is served from its prefix cache)
-            res = _run(srv, wname, args.prewarm, rates[0], args.sampling[0], 0, prewarm=True)
-            entry["prewarm"] = {"requests": args.prewarm, "rate": rates[0], "attainment": res.get("slo_attainment")}
+        # not a point: a warm server (prompts of their own, so no point is served from its prefix cache). A fresh
+        # colocated server attained 7-23 % on its first 30 requests at 50-140 req/s on the H200 (the split 100 %), and
+        # its first point after one round could still be cold: rounds are repeated until one attains
+        # PREWARM_ATTAINMENT, at most --prewarm-rounds
+        rounds: list = []
+        for k in range(1, args.prewarm_rounds + 1):
+            if time.monotonic() - t0 + args.prewarm / rates[0] + args.drain_estimate_s > args.budget_s:
+                break
+            res = _run(srv, wname, args.prewarm, rates[0], args.sampling[0], 0, prewarm=k)
+            rounds.append(res.get("slo_attainment"))
+            if (rounds[-1] or 0.0) >= PREWARM_ATTAINMENT:
+                break
+        if rounds:
+            entry["prewarm"] = {"requests": args.prewarm, "rate": rates[0], "attainment": rounds[-1], "rounds": rounds}
     for wname, n, rates in args.workloads:
         for sampling in args.sampling:
             knee: float | None = None  # the first rate whose attainment fell below --stop-below
@@ -340,6 +352,12 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=8)
     ap.add_argument("--smoke", type=int, default=8, help="smoke requests per layout (0: none)")
     ap.add_argument("--prewarm", type=int, default=None, help="requests before the points (default 0; ab: 150)")
+    ap.add_argument(
+        "--prewarm-rounds",
+        type=int,
+        default=3,
+        help=f"pre-warm rounds at most, until one attains {PREWARM_ATTAINMENT * 100:.0f} %% within the SLO (default 3)",
+    )
     ap.add_argument("--smoke-shape", default="128/64", help="PROMPT/OUTPUT tokens of a smoke request")
     ap.add_argument("--smoke-vocab", type=int, default=32000, help="prompt ids are drawn below this")
     ap.add_argument("--no-bisect", dest="bisect", action="store_false", help="no tuners-off retry of a failed split")
@@ -367,6 +385,9 @@ def main() -> int:
     swept = set(layouts if (ab and args.sweep is None) else (args.sweep or DEFAULT_SWEEP).split(","))
     args.sampling = args.sampling or (["greedy"] if ab else ["greedy", "openai-default"])
     args.prewarm = (150 if ab else 0) if args.prewarm is None else args.prewarm
+    if args.prewarm_rounds < 1:
+        print(f"gpu_split_memory: error: --prewarm-rounds must be at least 1, got {args.prewarm_rounds}")
+        return 2
     args.workloads = parse_workloads(args.workloads, args.num_prompts)
     for name in layouts:
         layout_args(split_name(name)[0])  # a typo fails here, not after the first server

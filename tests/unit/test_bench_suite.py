@@ -152,6 +152,7 @@ def test_one_gpu_points_never_resend_another_points_prompts():
     [
         (["--sweep", "same"], "--sweep names same, not in --layouts"),
         (["--sweep", "colocated@2048", "--sampling", "greedy,openai-default"], "--sampling must be greedy"),
+        (["--sweep", "colocated@2048", "--prewarm-rounds", "0"], "--prewarm-rounds must be at least 1"),
     ],
 )
 def test_the_split_bench_refuses_bad_flags_before_any_server_starts(tmp_path, flags, says):
