@@ -248,6 +248,9 @@ class DecodeConfig(_Section):
     _section: ClassVar[str] = "decode"
     max_batch_size: int = _opt(128, "int", lo=1, hi=4096)
     max_concurrent_requests: int = _opt(256, "int", lo=1, hi=1_000_000)
+    # sequences of the decode steps each decode (or colocated) worker times at start and reports at registration:
+    # the router's decode-room prior takes it as the time per output token before any stream decoded; 0 = none
+    warmup_batch: int = _opt(8, "int", lo=0, hi=4096)
     attention_backend: str = _opt("auto", "enum", choices=("auto", "sdpa", "cpu_paged", "flash_attn_v2", "triton"))
     gc_interval_ms: int = _opt(500, "int", lo=1, hi=_MS_MAX)
     max_stale_slots: int = _opt(16, "int", lo=0, hi=1_000_000)

@@ -172,6 +172,17 @@ class PrefillWarmup(BaseModel):
     ms: float = Field(ge=0.0, le=1e9, allow_inf_nan=False)
 
 
+class DecodeWarmup(BaseModel):
+    """Decode steps the worker timed at start (``LLMEngine.measure_decode``): ``ms`` per step at ``batch``
+    sequences, ``ms_batch1`` at one. The router's decode-room prior reads the step at the batch decoding now
+    off the line through them as the time per output token until a stream has decoded or a request ended."""
+
+    batch: int = Field(ge=1, le=1 << 20, strict=True)
+    steps: int = Field(ge=1, le=1 << 20, strict=True)
+    ms: float = Field(gt=0.0, le=1e9, allow_inf_nan=False)
+    ms_batch1: float = Field(gt=0.0, le=1e9, allow_inf_nan=False)
+
+
 class RegisterRequest(BaseModel):
     worker_id: str = Field(min_length=1, max_length=128)
     role: Role
@@ -187,6 +198,7 @@ class RegisterRequest(BaseModel):
     restart_count: int = Field(default=0, ge=0)  # times the launcher restarted this worker id
     memory: dict[str, Any] | None = None  # how it sized its device memory (kv_sizing.KVBudget.to_dict), GPU only
     prefill_warmup: PrefillWarmup | None = None  # its start-up prefill, timed (prefill and colocated workers)
+    decode_warmup: DecodeWarmup | None = None  # its start-up decode steps, timed (decode and colocated workers)
     status: WorkerStatus = Field(default_factory=WorkerStatus)
 
 

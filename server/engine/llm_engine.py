@@ -52,6 +52,8 @@ log = logging.getLogger(__name__)
 
 # the start-up prefill the worker times (LLMEngine.measure_prefill): prompts of at most this many tokens
 WARMUP_PROMPT_TOKENS = 256
+WARMUP_DECODE_PROMPT_TOKENS = 16  # the start-up decode timing's prompts (measure_decode)
+WARMUP_DECODE_STEPS = 4
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # The decode and sampler CUDA graphs are captured over the profiling cache and measured before the KV
@@ -393,6 +395,59 @@ class LLMEngine:
         if failed:  # a prompt the engine failed (it would be a timing of nothing): no prior rather than a wrong one
             return None
         return {"tokens": n * prompt, "requests": n, "ms": round(ms, 3)}
+
+    def measure_decode(self, batch: int, steps: int = WARMUP_DECODE_STEPS) -> dict | None:
+        """Time ``steps`` decode steps of one short sequence, then of a batch of ``batch`` (at most
+        ``max_num_seqs``, within the KV pool), each after its prefill step and one decode step (untimed).
+        Returns ``{"batch", "steps", "ms", "ms_batch1"}``, ms per step: the worker reports it at registration
+        and the router's decode-room prior reads the step at the batch decoding now off the line through the
+        two points as the time per output token before any stream has decoded
+        (server/router/ttft_predictor.py ``RoomPrior``). None when there is nothing to measure (``batch``
+        0), measuring would change what requests see (FP8 KV scales still calibrating), or a sequence
+        failed. Leaves no request, cached prefix or step count behind."""
+        if batch <= 0 or steps <= 0 or self.runner.kv_calibration is not None or self.requests:
+            return None
+        bm = self.block_manager
+        prompt = min(WARMUP_DECODE_PROMPT_TOKENS, self.max_model_len - steps - 2)
+        per_seq = -(-(prompt + steps + 2) // bm.block_size)
+        n = min(batch, self.config.max_num_seqs, bm.num_free_blocks // max(1, per_seq))
+        if prompt < 1 or n < 1:
+            return None
+        one = self._time_decode_steps(1, prompt, steps)
+        many = one if n == 1 or one is None else self._time_decode_steps(n, prompt, steps)
+        if one is None or many is None:
+            return None
+        return {"batch": n, "steps": steps, "ms": round(many, 3), "ms_batch1": round(one, 3)}
+
+    def _time_decode_steps(self, n: int, prompt: int, steps: int) -> float | None:
+        """ms per decode step of ``n`` sequences of ``prompt`` dummy tokens (``measure_decode``)."""
+        bm = self.block_manager
+        vocab = max(2, self.model_config.vocab_size)
+        caching, bm.enable_prefix_caching = bm.enable_prefix_caching, False  # dummy prompts stay out of the cache
+        params = SamplingParams(max_tokens=steps + 2, ignore_eos=True)
+        failed, done, ms = False, 0, 0.0
+        try:
+            for r in range(n):
+                self.add_request(f"warmup-d{r}", [1 + (r * 7919 + i * 31) % (vocab - 1) for i in range(prompt)], params)
+            for _ in range(2):  # the prefill step, then one decode step that pays one-off costs
+                failed |= any(o.error is not None for o in self.step())
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            t0 = time.perf_counter()
+            while done < steps and self.has_unfinished_requests():
+                failed |= any(o.error is not None for o in self.step())
+                done += 1
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            ms = (time.perf_counter() - t0) * 1000.0
+        finally:
+            bm.enable_prefix_caching = caching
+            for rid in [r for r in self.requests if r.startswith("warmup-d")]:
+                self.abort_request(rid)
+            while self.has_unfinished_requests():
+                self.step()
+            self.stats = EngineStats()
+        return None if failed or done < steps else ms / steps
 
     def _load_tokenizer(self):
         """The model's tokenizer (for grammars; loaded on the first constrained request)."""

@@ -178,6 +178,7 @@ class Admission:
         journal: Callable[[dict], object] = lambda _: None,
         clock: Callable[[], float] = time.time,
         priors: Callable[[], dict[str, float]] = dict,
+        tpot_prior: Callable[[int], float | None] = lambda holders: None,
     ) -> None:
         a = cfg.router.admission
         self.cfg = a
@@ -196,6 +197,7 @@ class Admission:
             lambda: self.tickets,
             lambda: self.tpot_ewma_s,
             prefill_s_per_token=lambda: self.model.per_token_ms() / 1000.0 / max(1, self.workers()),
+            tpot_prior=tpot_prior,  # the decode workers' start-up step, before any stream decoded or request ended
         )
         self.errors: deque[float] = deque(maxlen=4096)  # |measured - predicted| / measured
         self.decisions = Counter(

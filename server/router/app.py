@@ -28,7 +28,7 @@ from distserve.server.router.request_journal import JournalEveryRequest
 from distserve.server.router.routes import admin, health, models, openai, sla, tokenize
 from distserve.server.router.routes.health import health_answer
 from distserve.server.router.sla_live import SlaLive
-from distserve.server.router.state import RouterState, prefill_priors, serving_workers
+from distserve.server.router.state import RouterState, decode_step_prior_s, prefill_priors, serving_workers
 
 __all__ = ["ROUTE_FAMILIES", "RouterState", "create_router_app"]
 
@@ -113,6 +113,7 @@ def create_router_app(state: RouterState) -> FastAPI:
                     state.metrics.registry,
                     lambda: serving_workers(state),
                     priors=lambda: prefill_priors(state),
+                    tpot_prior=lambda holders: decode_step_prior_s(state, holders),
                 )
             state.admission.journal = state.sla.events_journal.append
             state.admission.attach(state.pipeline)  # the TTFT model learns each request's phases

@@ -91,6 +91,7 @@ class WorkerInfo:
     restart_count: int = 0  # times the launcher restarted this worker id
     memory: dict | None = None  # its device-memory sizing (GPU workers)
     prefill_warmup: dict | None = None  # its start-up prefill, timed: {tokens, requests, ms} (the TTFT prior)
+    decode_warmup: dict | None = None  # its start-up decode steps, timed: {batch, steps, ms per step} (room prior)
     last_seen: float = field(default_factory=time.monotonic)
     lag_at_seen: float = 0.0  # the router's loop lag total (``WorkerRegistry.lag_s``) at ``last_seen``
     # its last heartbeat came through the control plane (server/router/control.py): ``last_seen`` is when the
@@ -172,6 +173,7 @@ class WorkerInfo:
             "memory_errors_recent": s.memory_errors_recent if live else None,
             "memory": self.memory,
             "prefill_warmup": self.prefill_warmup,
+            "decode_warmup": self.decode_warmup,
             "fingerprint": self.fingerprint,
             "model_path": self.model_path,
             "max_model_len": self.max_model_len,
@@ -273,6 +275,7 @@ class WorkerRegistry:
             restart_count=req.restart_count,
             memory=req.memory,
             prefill_warmup=req.prefill_warmup.model_dump() if req.prefill_warmup is not None else None,
+            decode_warmup=req.decode_warmup.model_dump() if req.decode_warmup is not None else None,
         )
         old = self.workers.get(req.worker_id)
         if old is not None:

@@ -150,6 +150,25 @@ def prefill_priors(state: RouterState) -> dict[str, float]:
     }
 
 
+def decode_step_prior_s(state: RouterState, holders: int) -> float | None:
+    """The decode step (seconds) at ``holders`` sequences per worker, read off the line through the two steps
+    each healthy worker that decodes (decode workers when disaggregated, else colocated ones) timed at start
+    (``decode_warmup``: at one sequence and at ``batch``; extrapolated beyond it, never below the first),
+    on average: the decode-room prior's time per output token before any stream has decoded and any request
+    has ended. None when none reported one."""
+    reg = state.registry
+    role = "decode" if reg.mode() == "disaggregated" else "colocated"
+    ws = [w.decode_warmup for w in reg.workers.values() if w.role == role and w.healthy and w.decode_warmup]
+    if not ws:
+        return None
+    b = max(1.0, holders / len(ws))
+    ms = []
+    for d in ws:
+        slope = (d["ms"] - d["ms_batch1"]) / (d["batch"] - 1) if d["batch"] > 1 else 0.0
+        ms.append(d["ms_batch1"] + max(0.0, slope) * (b - 1))
+    return sum(ms) / len(ms) / 1000.0
+
+
 def serving_workers(state: RouterState) -> int:
     """How many workers share the prefill queue: healthy prefill workers, else healthy colocated ones."""
     reg = state.registry

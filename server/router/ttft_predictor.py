@@ -48,9 +48,12 @@ request waiting for a release before any was measured. The prior predicts it fro
 holding a slot now: each one's tokens left (its ``max_tokens``, the router's default where the client gave
 none, less the tokens streamed so far) x the time per output token measured on the streams decoding now
 (their tokens after the first / the seconds since their first token, pooled; before any stream has two
-tokens, the TPOT of ended requests, ``Admission.tpot_ewma_s``; with neither, no prior). The k-th release is
-then the k-th smallest of those times left; beyond the streams holding slots now, one more release every
-(their mean ``max_tokens`` x TPOT) / the slots (Little's law on the predicted holding time). It is
+tokens, the TPOT of ended requests, ``Admission.tpot_ewma_s``; before any request ended, the decode step each
+decode worker timed at start at the batch of the holders (its registration's ``decode_warmup``:
+``LLMEngine.measure_decode`` at one and at ``decode.warmup_batch`` sequences, a line through the two); with
+none of the three, no prior; ``tpot_source``: live / ended / prior). The k-th release is then the k-th
+smallest of those times left; beyond the streams holding slots now, one more release every (their mean
+``max_tokens`` x TPOT) / the slots (Little's law on the predicted holding time). It is
 **pessimistic in the tokens it counts**: ``max_tokens`` is an upper bound (EOS or a stop string ends a
 stream earlier), so at a steady TPOT the predicted wait is at most too long. It is not pessimistic in time:
 the TPOT measured now can rise (a shared CPU, the burst's remaining prefills slowing the decode), and the
@@ -118,8 +121,11 @@ class RoomPrior:
         tpot_fallback: Callable[[], float | None] = lambda: None,
         clock: Callable[[], float] = time.perf_counter,
         prefill_s_per_token: Callable[[], float] = lambda: 0.0,
+        tpot_prior: Callable[[int], float | None] = lambda holders: None,
     ) -> None:
         self.streams, self.tpot_fallback, self.clock = streams, tpot_fallback, clock
+        self.tpot_prior = tpot_prior  # the decode workers' start-up step (s) at this many holders: before any measure
+        self.tpot_source = "none"  # live (the streams decoding now) / ended (requests that ended) / prior / none
         self.prefill_s_per_token = prefill_s_per_token  # the prefill queue's cost per prompt token (seconds)
         self.left: list[float] = []  # seconds left of each holder at ``at``, ascending
         self.hold_s = 0.0  # a new holder's predicted holding time (mean max_tokens x TPOT)
@@ -139,7 +145,13 @@ class RoomPrior:
                 tokens += s.streamed - 1
                 elapsed += max(0.0, now - s.first_at)  # since its first token, to now: a stalled decode counts
         self.tpot_live = tokens > 0 and elapsed > 0
-        self.tpot_s = elapsed / tokens if self.tpot_live else self.tpot_fallback()
+        if self.tpot_live:
+            self.tpot_s, self.tpot_source = elapsed / tokens, "live"
+        else:
+            self.tpot_s, self.tpot_source = self.tpot_fallback(), "ended"
+            if self.tpot_s is None:
+                self.tpot_s = self.tpot_prior(len(holders)) if holders else None
+                self.tpot_source = "prior" if self.tpot_s is not None else "none"
         if self.tpot_s is None or not holders:
             self.left, self.hold_s = [], 0.0
             return
@@ -174,6 +186,7 @@ class RoomPrior:
         return {
             "tpot_ms": None if self.tpot_s is None else round(self.tpot_s * 1e3, 3),
             "tpot_live": self.tpot_live,
+            "tpot_source": self.tpot_source,
             "holders": len(self.left),
             "next_release_ms": round(max(0.0, self.left[0] - (self.clock() - (self.at or 0.0))) * 1e3, 3)
             if self.left

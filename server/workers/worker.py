@@ -34,7 +34,7 @@ from distserve.server.kv_transfer.kv_arena import ARENA_PREFIX
 from distserve.server.metrics import WorkerMetrics
 from distserve.server.net import listen
 from distserve.server.preflight import sweep_orphan_segments
-from distserve.server.wire import PrefillWarmup, RegisterRequest, Role
+from distserve.server.wire import DecodeWarmup, PrefillWarmup, RegisterRequest, Role
 from distserve.server.workers import kv_reference
 from distserve.server.workers.app import WorkerState, create_worker_app
 from distserve.server.workers.engine_loop import EngineLoop, GcPolicy, resolve_engine_thread
@@ -229,6 +229,19 @@ async def serve_worker(opts: WorkerOptions) -> int:
                 warmup["ms"],
                 warmup["ms"] / warmup["tokens"],
             )
+    decode_warmup = None
+    if opts.role != "prefill":  # the router's decode-room prior takes its step time as the TPOT before any stream
+        try:
+            decode_warmup = engine.measure_decode(opts.config.decode.warmup_batch)
+        except Exception as e:  # no decode prior, not a failed start
+            log.warning("start-up decode steps not timed: %s: %s", type(e).__name__, e)
+        if decode_warmup is not None:
+            log.info(
+                "start-up decode: %d steps of %d sequences, %.2f ms per step",
+                decode_warmup["steps"],
+                decode_warmup["batch"],
+                decode_warmup["ms"],
+            )
     loop = asyncio.get_running_loop()
     kvc, dc = opts.config.kv_transfer, opts.config.decode
     sm = mps.probe(engine.device, int(os.environ.get("DISTSERVE_DEVICE_SM_COUNT", "0") or 0)) if on_cuda else None
@@ -316,6 +329,7 @@ async def serve_worker(opts: WorkerOptions) -> int:
         restart_count=opts.restart_count,
         memory=memory_report(engine, state.sender),
         prefill_warmup=PrefillWarmup(**warmup) if warmup is not None else None,
+        decode_warmup=DecodeWarmup(**decode_warmup) if decode_warmup is not None else None,
     )
     if reg.memory is not None and sm is not None:
         reg.memory["mps"] = sm

@@ -46,6 +46,8 @@ def test_a_burst_on_a_fresh_server_is_admitted_while_the_prior_says_it_fits_the_
     workers = {w["role"]: w for w in server.workers()}
     warm = workers["prefill"]["prefill_warmup"]
     assert warm["tokens"] > 0 and warm["ms"] > 0 and workers["decode"]["prefill_warmup"] is None
+    step = workers["decode"]["decode_warmup"]  # the decode-room prior's TPOT before any stream decoded
+    assert step["batch"] >= 1 and step["steps"] == 4 and step["ms"] > 0 and workers["prefill"]["decode_warmup"] is None
     model = server.get("/v1/admission")["model"]
     assert (model["source"], model["samples"], model["ready"]) == ("prior", 0, True), model
     per_token = model["prior_per_token_ms"]

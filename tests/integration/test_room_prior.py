@@ -60,8 +60,13 @@ def test_a_wait_for_decode_room_on_a_fresh_server_is_predicted_from_the_streams_
     try:
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
             holders = [pool.submit(_complete, server.url, HOLD_TOKENS) for _ in range(SLOTS)]
-            # both slots held and decoding (two tokens or more each): the prior has its TPOT
-            st = _until(server, lambda st: st["model"]["room_source"] == "prior", "the room prior in use")
+            # both slots held and decoding (two tokens or more each): the prior has their live TPOT (before, it
+            # had the decode worker's start-up step, which knows nothing of the fault's delay)
+            st = _until(
+                server,
+                lambda st: st["model"]["room_source"] == "prior" and (st["model"]["room_prior"] or {}).get("tpot_live"),
+                "the room prior in use, on the live streams",
+            )
             m = st["model"]
             assert m["slot_held_ms"] is None and m["room_per_release_ms"] is None, m  # nothing released yet
             assert m["room_prior"]["holders"] == SLOTS and m["room_prior"]["tpot_ms"] > 0, m

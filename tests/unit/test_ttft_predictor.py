@@ -17,9 +17,9 @@ from distserve.server.latency_model import prefill_steps
 from distserve.server.router.admission import Admission, Slo
 from distserve.server.router.decode_room import DecodeRoom, NoRoom
 from distserve.server.router.registry import WorkerRegistry
-from distserve.server.router.state import prefill_priors
+from distserve.server.router.state import decode_step_prior_s, prefill_priors
 from distserve.server.router.ttft_predictor import MIN_SAMPLES, OnlineFit, RequestPhases, TtftPredictor
-from distserve.server.wire import PrefillWarmup, RegisterRequest
+from distserve.server.wire import DecodeWarmup, PrefillWarmup, RegisterRequest
 
 B, S = 4096, 32  # prefill.max_num_batched_tokens, prefill.max_batch_size (the defaults)
 
@@ -430,7 +430,13 @@ def _admission_with_prior(slots: int = 256, warmup_ms: float | None = 256.0):
         predictor = None
         room = DecodeRoom(reg, slots=slots)
 
-    adm = Admission(load_config(), registry, lambda: 1, priors=lambda: prefill_priors(state))  # type: ignore[arg-type]
+    adm = Admission(
+        load_config(),
+        registry,
+        lambda: 1,
+        priors=lambda: prefill_priors(state),  # type: ignore[arg-type]
+        tpot_prior=lambda holders: decode_step_prior_s(state, holders),  # type: ignore[arg-type]
+    )
     adm.attach(_Pipe())  # type: ignore[arg-type]
     clock = Clock()
     adm.model.clock = clock
@@ -568,6 +574,56 @@ def test_the_room_prior_needs_a_tpot_and_is_cheap_between_refreshes():
     # ... and one still waiting for its first token is counted from the end of its prefill (its 128 prompt
     # tokens at the prefill prior's 0.5 ms each), then its 64 tokens
     assert adm.model.room_prior.wait_s(1, 2) == pytest.approx(128 * 0.5 / 1000 + 64 * 0.2)
+
+
+def test_before_any_stream_decoded_the_room_prior_takes_the_decode_workers_start_up_step():
+    # the first seconds of a burst: every slot held, no stream past its first token, no request ended. With the
+    # decode worker's start-up steps (decode_warmup: 10 ms at one sequence, 90 at nine: 10 ms more a sequence,
+    # so 20 ms at the two holders) the wait is predicted, not refused unseen
+    adm, clock, tickets, _ = _full_decode(2, [64, 64], [1, 0])
+    assert (adm.decide(128, Slo()).reason, adm.model.room_source) == ("unpredicted_wait", "none")
+    w = adm.model.room_prior
+    reg = adm.model.room.registry  # type: ignore[union-attr]
+    d0 = reg.workers["d0"]
+    reg.register(
+        RegisterRequest(
+            worker_id="d0",
+            role="decode",
+            url=d0.url,
+            pid=d0.pid,
+            fingerprint={},
+            max_model_len=64,
+            decode_warmup=DecodeWarmup(batch=9, steps=4, ms=90.0, ms_batch1=10.0),
+        )
+    )
+    reg.workers["d0"].inflight = 2
+    clock.t += 1.0  # past the refresh interval
+    d = adm.decide(128, Slo())
+    # the first release: holder 0's 63 tokens left at 20 ms (holder 1, still in its prefill: its 128 prompt tokens
+    # at 0.5 ms, then 64 tokens, later)
+    assert d.route == "primary" and d.predicted_parts[0] == pytest.approx(63 * 0.02)
+    assert adm.status()["model"]["room_prior"]["tpot_source"] == "prior" and adm.model.room_source == "prior"
+    adm.tpot_ewma_s = 0.2  # a request ended: its measured TPOT replaces the start-up step
+    clock.t += 1.0
+    adm.decide(128, Slo())
+    assert w.tpot_source == "ended" and w.tpot_s == pytest.approx(0.2)
+
+
+def test_a_decode_warmup_on_the_wire_is_validated():
+    base = {"worker_id": "d0", "role": "decode", "url": "http://x", "pid": 1, "fingerprint": {}, "max_model_len": 64}
+    ok = RegisterRequest.model_validate(
+        {**base, "decode_warmup": {"batch": 8, "steps": 4, "ms": 12.5, "ms_batch1": 3.0}}
+    )
+    assert ok.decode_warmup is not None and ok.decode_warmup.ms == 12.5
+    good = {"batch": 8, "steps": 4, "ms": 1.0, "ms_batch1": 1.0}
+    for bad in (
+        {**good, "batch": 0},
+        {**good, "ms": 0.0},
+        {**good, "ms_batch1": float("nan")},
+        {"batch": 8, "steps": 4},
+    ):
+        with pytest.raises(ValueError, match="decode_warmup"):
+            RegisterRequest.model_validate({**base, "decode_warmup": bad})
 
 
 def test_the_room_prior_yields_to_measured_releases():
