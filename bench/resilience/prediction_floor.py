@@ -7,7 +7,11 @@ worker, requests queued ahead). Requests that saw the same state are grouped (ca
 each capped at ``--cap``); in each group the one constant with the smallest P90 relative error over that group's
 measured calls is chosen after the fact. No predictor that reads only those two figures can beat it on these
 requests (it is fitted on them), so when its P90 is above an aim the aim needs information the router does not
-have. Reported: the journal's own predictions (prefill-call part and whole TTFT) and the floor, median and P90 of
+have. Beside it, ``online_fit``: the call predicted by a fit over (1, prefill steps, tokens) of the work ahead and the
+request's own (``server/latency_model.py``'s step form, the config's batch limits), weighted for relative error and
+forgetting (``--forget``), replayed in arrival order, each request predicted before its own call is observed: what a
+fitted step model would have done on the same arrivals (admission's decisions not replayed). Reported: the journal's
+own predictions (prefill-call part and whole TTFT), the online fit and the floor, median and P90 of
 |predicted - measured| / measured, over the admitted requests that got a first token.
 
     .venv/bin/python -m bench.resilience.prediction_floor \
@@ -23,9 +27,14 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
+from distserve.server.config import load_config
+from distserve.server.latency_model import prefill_steps
+from distserve.server.router.ttft_predictor import MIN_SAMPLES, OnlineFit
 
-def _rows(path: Path) -> list[tuple[float, float, float, float, int, int]]:
-    """(predicted call, measured call, predicted TTFT, measured TTFT, calls in flight, queued requests)."""
+
+def _rows(path: Path) -> list[tuple]:
+    """(predicted call, measured call, predicted TTFT, measured TTFT, calls in flight, queued requests, tokens in
+    flight, queued prompt tokens, own prompt tokens, arrival), in arrival order."""
     opener = gzip.open if path.suffix == ".gz" else open
     rows = []
     with opener(path, "rt") as f:
@@ -38,8 +47,13 @@ def _rows(path: Path) -> list[tuple[float, float, float, float, int, int]]:
             if not pred or not meas or meas[1] is None or meas[1] <= 0:
                 continue
             workers = list((state.get("workers") or {}).values())
-            calls = min((w[1] for w in workers), default=0)
-            rows.append((pred[1], meas[1], sum(pred), r["ttft"], calls, int(state.get("queued_requests", 0))))
+            calls, tokens = min(((w[1], w[0]) for w in workers), default=(0, 0))
+            queued, queued_tokens = int(state.get("queued_requests", 0)), int(state.get("queued_prefill_tokens", 0))
+            own = int(r.get("prompt_tokens") or 0)
+            rows.append(
+                (pred[1], meas[1], sum(pred), r["ttft"], calls, queued, tokens, queued_tokens, own, r["start_unix"])
+            )
+    rows.sort(key=lambda x: x[-1])
     return rows
 
 
@@ -55,7 +69,7 @@ def _p90(c: float, xs: list[float]) -> float:
 
 def floor(rows, cap: int) -> tuple[dict, int]:
     groups: dict[tuple[int, int], list[float]] = defaultdict(list)
-    for _, meas, _, _, calls, queued in rows:
+    for _, meas, _, _, calls, queued, *_ in rows:
         groups[(min(calls, cap), min(queued, cap))].append(meas)
     errors: list[float] = []
     for xs in groups.values():
@@ -66,10 +80,27 @@ def floor(rows, cap: int) -> tuple[dict, int]:
     return _q(errors), len(groups)
 
 
+def online_fit(rows, forget: float) -> dict:
+    cfg = load_config()
+    batched, batch = cfg.prefill.max_num_batched_tokens, cfg.prefill.max_batch_size
+    fit, errors = OnlineFit(3, forget), []
+    for i, (_, meas, _, _, calls, queued, tokens, queued_tokens, own, _) in enumerate(rows):
+        ahead = max(tokens, queued_tokens)  # in flight, and the queued ones not in flight yet (one prefill worker)
+        steps = prefill_steps(ahead + own, max(calls, queued) + 1, batched, batch)
+        x = (1.0, float(steps), (ahead + own) / 1000.0)
+        if fit.count >= 2 * MIN_SAMPLES:
+            errors.append(abs(max(1e-4, fit.predict(x)) - meas) / meas)
+        fit.observe_relative(x, meas)
+        if i % 4 == 0:
+            fit.solve()
+    return _q(errors)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("journal", type=Path, help="a router request journal (.jsonl or .jsonl.gz)")
     ap.add_argument("--cap", type=int, default=12, help="calls in flight and queued requests are capped at this")
+    ap.add_argument("--forget", type=float, default=0.95, help="the online fit's forgetting per sample (0, 1]")
     ap.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     args = ap.parse_args()
     if not args.journal.is_file():
@@ -77,6 +108,9 @@ def main() -> int:
         return 2
     if args.cap < 1:
         print(f"prediction_floor: error: --cap must be at least 1, got {args.cap}", file=sys.stderr)
+        return 2
+    if not 0.0 < args.forget <= 1.0:
+        print(f"prediction_floor: error: --forget must be in (0, 1], got {args.forget}", file=sys.stderr)
         return 2
     rows = _rows(args.journal)
     if not rows:
@@ -86,7 +120,8 @@ def main() -> int:
     out = {
         "journal": str(args.journal),
         "prefill_call": _q([abs(p - m) / m for p, m, *_ in rows]),
-        "ttft": _q([abs(p - m) / m for _, _, p, m, _, _ in rows]),
+        "ttft": _q([abs(p - m) / m for _, _, p, m, *_ in rows]),
+        "online_fit_prefill_call": online_fit(rows, args.forget),
         "floor_prefill_call": best,
         "floor_groups": groups,
     }
