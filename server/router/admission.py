@@ -124,11 +124,13 @@ class Ticket:
         ahead: tuple[float, float],
         predicted_ttft_s: float | None,
         max_tokens: int = 0,
+        slots: int = 1,
     ) -> None:
         self.adm, self.tokens, self.ahead = adm, tokens, ahead  # ahead: (tokens, requests) queued per worker
         # what the room prior reads (ttft_predictor.Stream): its bound on output tokens, the tokens streamed so
-        # far (the run sets it at each event) and when its first token came (perf_counter)
-        self.max_tokens, self.streamed = max_tokens, 0
+        # far (the run sets it at each event), when its first token came (perf_counter), and the decode slots it
+        # holds (its worker requests: n / best_of choices, batched prompts)
+        self.max_tokens, self.streamed, self.slots = max_tokens, 0, max(1, slots)
         self.first_at: float | None = None
         self.admitted_at = time.perf_counter()
         self.predicted_ttft_s = predicted_ttft_s
@@ -344,9 +346,10 @@ class Admission:
             s = math.ceil(seconds)
         return min(MAX_RETRY_AFTER_S, s)
 
-    def admit(self, prompt_tokens: int, d: Decision, max_tokens: int = 0) -> Ticket:
-        """``max_tokens``: the request's bound on output tokens (the room prior's tokens left)."""
-        t = Ticket(self, prompt_tokens, self.tokens_ahead(), d.predicted_ttft_s, max_tokens)
+    def admit(self, prompt_tokens: int, d: Decision, max_tokens: int = 0, slots: int = 1) -> Ticket:
+        """``max_tokens``: the request's bound on output tokens (the room prior's tokens left); ``slots``: the
+        worker requests it fans out to, each holding a decode slot (n / best_of choices, batched prompts)."""
+        t = Ticket(self, prompt_tokens, self.tokens_ahead(), d.predicted_ttft_s, max_tokens, slots)
         t.phases.predicted = d.predicted_parts
         t.judged = self.queued_requests > 0
         if d.predicted_parts is not None:

@@ -53,7 +53,7 @@ async def output_constraint(state: RouterState, req):
 
 
 async def admit(
-    state: RouterState, request: Request, req, kind: str, n_tokens: int, max_tokens: int = 0
+    state: RouterState, request: Request, req, kind: str, n_tokens: int, max_tokens: int = 0, slots: int = 1
 ) -> tuple[Ticket | None, Response | None]:
     """(ticket, None) when admitted; (None, response) when shed (429 + Retry-After) or served by the backup."""
     adm = state.admission
@@ -66,7 +66,7 @@ async def admit(
         raise InvalidRequest(str(e), e.header) from None
     d = adm.decide(n_tokens, slo)
     if d.route == "primary":
-        return adm.admit(n_tokens, d, max_tokens), None
+        return adm.admit(n_tokens, d, max_tokens, slots), None
     if d.route == "backup" and state.sla is not None and state.backup is not None and state.backup.configured:
         body = getattr(request.state, "json_body", None)
         path = {"completion": "/v1/completions", "chat": "/v1/chat/completions"}.get(kind)
@@ -149,7 +149,8 @@ async def serve(
     tokenizer = state.get_tokenizer()
     # OpenAI bodies prefix the id themselves (cmpl-, chatcmpl-); /generate's id is "gen-" + hex
     rid = f"{'gen-' if kind == 'generate' else ''}{uuid.uuid4().hex}"
-    ticket, refusal = await admit(state, request, req, kind, len(prompt_ids), max_tokens)
+    slots = best_of + (len(batch) - 1 if batch else 0)  # worker requests, each holding a decode slot
+    ticket, refusal = await admit(state, request, req, kind, len(prompt_ids), max_tokens, slots)
     if refusal is not None:
         return refusal
     try:

@@ -56,8 +56,9 @@ smallest of those times left; beyond the streams holding slots now, one more rel
 ``max_tokens`` x TPOT) / the slots (Little's law on the predicted holding time). It is
 **pessimistic in the tokens it counts**: ``max_tokens`` is an upper bound (EOS or a stop string ends a
 stream earlier), so at a steady TPOT the predicted wait is at most too long. It is not pessimistic in time:
-the TPOT measured now can rise (a shared CPU, the burst's remaining prefills slowing the decode), and the
-extra choices of ``n`` > 1 hold slots it does not see. A request it predicts too late is shed or queued
+the TPOT measured now can rise (a shared CPU, the burst's remaining prefills slowing the decode). A request
+of ``n`` / ``best_of`` choices or batched prompts holds a slot per worker request (``slots``), released
+together. A request it predicts too late is shed or queued
 like any other; none is admitted blind. It is
 refreshed at most every ``ROOM_PRIOR_REFRESH_S`` (one pass over the open tickets and a sort), and a
 prediction between refreshes is one lookup (the k-th time left less the time since). A holder still
@@ -108,6 +109,7 @@ class Stream(Protocol):
     streamed: int  # output tokens streamed so far
     first_at: float | None  # when its first token came (the predictor's clock), None before
     placed_at: float | None  # when it got its decode slot, None before (read only while the request is open)
+    slots: int  # decode slots it holds: its worker requests (n / best_of choices, batched prompts), 1 or more
 
 
 class RoomPrior:
@@ -165,9 +167,9 @@ class RoomPrior:
             if s.first_at is None:
                 queued += s.tokens
                 wait = queued * per_token
-            left.append(wait + max(0, s.max_tokens - s.streamed) * t)
+            left += [wait + max(0, s.max_tokens - s.streamed) * t] * s.slots  # its choices end together
         self.left = sorted(left)
-        self.hold_s = sum(s.max_tokens for s in holders) / len(holders) * t
+        self.hold_s = sum(s.max_tokens * s.slots for s in holders) / sum(s.slots for s in holders) * t
 
     def wait_s(self, releases: int, total_slots: int) -> float | None:
         """Seconds until the ``releases``-th slot release from now; None without a prior (no stream holds a

@@ -626,6 +626,29 @@ def test_a_decode_warmup_on_the_wire_is_validated():
             RegisterRequest.model_validate({**base, "decode_warmup": bad})
 
 
+def test_a_request_of_several_choices_holds_a_slot_per_choice_in_the_room_prior():
+    # 4 decode slots: one request of n=3 (3 slots, 10 tokens each) and one of 1 slot (40 tokens), all decoding at
+    # 0.1 s per token with two tokens out. The 1st to 3rd releases are the n=3 request's (8 tokens left), the 4th
+    # the other's (38 left); counted as one holder, its 3 slots looked like 1 and the 2nd release came at 3.8 s
+    adm, clock, reg, _ = _admission_with_prior(slots=4)
+    adm.model.room_prior.clock = clock
+    three = adm.admit(128, adm.decide(128, Slo()), max_tokens=10, slots=3)
+    one = adm.admit(128, adm.decide(128, Slo()), max_tokens=40)
+    clock.t += 1.0
+    for t in (three, one):
+        adm.model.room_granted(t.phases, 0.0, 0)
+        t.placed_at = clock.t - 1.0
+        t.first_token(0.5)
+        t.first_at, t.streamed = clock.t - 0.1, 2  # two tokens, 0.1 s apart: the live TPOT
+    reg.workers["d0"].inflight = 4
+    prior = adm.model.room_prior
+    assert prior.wait_s(1, 4) == pytest.approx(0.8) and prior.wait_s(3, 4) == pytest.approx(0.8)
+    assert prior.wait_s(4, 4) == pytest.approx(3.8)
+    # beyond the holders: one release every (slot-weighted mean max_tokens 17.5 x 0.1 s) / 4 slots
+    assert prior.wait_s(5, 4) == pytest.approx(3.8 + 17.5 * 0.1 / 4)
+    assert prior.terms()["holders"] == 4
+
+
 def test_the_room_prior_yields_to_measured_releases():
     adm, clock, tickets, registry = _full_decode(4, [64] * 4, [11] * 4)
     p = adm.model
