@@ -369,7 +369,11 @@ def test_serve_restarts_a_frozen_router_on_the_same_port(deployment):
         assert time.monotonic() < deadline, srv.read_log()
         time.sleep(0.5)
     assert not Path(f"/proc/{router}").exists() or Path(f"/proc/{router}/status").read_text().find("zombie") >= 0
-    assert "restarted on the same port" in (srv.tmp / "serve.log").read_text()
+    # the launcher says so once its new router is ready, and the workers may have registered with it (so /health
+    # answered) a moment before that line is written
+    while "restarted on the same port" not in (srv.tmp / "serve.log").read_text():
+        assert time.monotonic() < deadline, srv.read_log()
+        time.sleep(0.1)
     status, body, _ = http("POST", f"{srv.url}/v1/completions", {"prompt": "hi", "max_tokens": 2}, token=None)
     assert status == 200, body
 
