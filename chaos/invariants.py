@@ -67,27 +67,41 @@ def requests_invariant(load: dict) -> dict:
     )
 
 
+KV_SETTLE_S = 1.0  # "back to 0" must still hold this long after (a few heartbeats): not a moment between phases
+
+
 def kv_blocks_invariant(router: str, token: str, within_s: float) -> dict:
+    """Every live worker at 0 KV blocks used and 0 staged, with no request of the router's in flight there, and
+    still so ``KV_SETTLE_S`` later. Without the in-flight condition a storm's requests still waiting for their KV
+    pull read as 0 blocks for a moment, before the pulls failed and a leaky worker kept their blocks (the planted
+    defect passed this check now and then, its leak seen only by the steady state after)."""
     deadline = time.monotonic() + within_s
+    settled_at: float | None = None
     while True:
         try:
             ws = [w for w in list_workers(router, token) if w["healthy"]]  # a dead process holds no blocks
             busy: dict[str, object] = {
-                w["worker_id"]: (w["kv_blocks_used"], w["num_staged_kv"])
+                w["worker_id"]: (w["kv_blocks_used"], w["num_staged_kv"], w.get("inflight", 0))
                 for w in ws
-                if w["kv_blocks_used"] or w["num_staged_kv"]
+                if w["kv_blocks_used"] or w["num_staged_kv"] or w.get("inflight", 0)
             }
         except (OSError, ValueError) as e:
             busy, ws = {"router": str(e)}, []
-        if not busy or time.monotonic() >= deadline:
+        now = time.monotonic()
+        if busy:
+            settled_at = None
+        elif settled_at is None:
+            settled_at = now
+        if (settled_at is not None and now - settled_at >= KV_SETTLE_S) or now >= deadline:
             break
-        time.sleep(0.5)
+        time.sleep(0.25)
+    ok = not busy and settled_at is not None
     return _check(
         "kv blocks used back to 0 on every worker",
-        not busy,
-        f"{len(ws)} live workers, all at 0 blocks used / 0 staged"
-        if not busy
-        else f"after {within_s} s still (blocks used, staged): {busy}",
+        ok,
+        f"{len(ws)} live workers, all at 0 blocks used / 0 staged / 0 in flight"
+        if ok
+        else f"after {within_s} s still (blocks used, staged, in flight): {busy}",
     )
 
 
