@@ -14,10 +14,12 @@ directly. It serves the three roles of disaggregated serving:
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import random
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -367,9 +369,8 @@ class LLMEngine:
             return None
         n = max(1, min(cfg.max_num_seqs, budget // prompt, bm.num_free_blocks // -(-(prompt + 1) // bm.block_size)))
         vocab = max(2, self.model_config.vocab_size)
-        caching, bm.enable_prefix_caching = bm.enable_prefix_caching, False  # dummy prompts stay out of the cache
         params = SamplingParams(max_tokens=1, ignore_eos=True)
-        try:
+        with self._warmup_scope("warmup-"):
             self.add_request("warmup-0", [1 + i % (vocab - 1) for i in range(min(16, prompt))], params)
             while self.has_unfinished_requests():
                 self.step()
@@ -385,13 +386,6 @@ class LLMEngine:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             ms = (time.perf_counter() - t0) * 1000.0
-        finally:
-            bm.enable_prefix_caching = caching
-            for rid in [r for r in self.requests if r.startswith("warmup-")]:
-                self.abort_request(rid)
-            while self.has_unfinished_requests():
-                self.step()
-            self.stats = EngineStats()
         if failed:  # a prompt the engine failed (it would be a timing of nothing): no prior rather than a wrong one
             return None
         return {"tokens": n * prompt, "requests": n, "ms": round(ms, 3)}
@@ -421,12 +415,10 @@ class LLMEngine:
 
     def _time_decode_steps(self, n: int, prompt: int, steps: int) -> float | None:
         """ms per decode step of ``n`` sequences of ``prompt`` dummy tokens (``measure_decode``)."""
-        bm = self.block_manager
         vocab = max(2, self.model_config.vocab_size)
-        caching, bm.enable_prefix_caching = bm.enable_prefix_caching, False  # dummy prompts stay out of the cache
         params = SamplingParams(max_tokens=steps + 2, ignore_eos=True)
         failed, done, ms = False, 0, 0.0
-        try:
+        with self._warmup_scope("warmup-d"):
             for r in range(n):
                 self.add_request(f"warmup-d{r}", [1 + (r * 7919 + i * 31) % (vocab - 1) for i in range(prompt)], params)
             for _ in range(2):  # the prefill step, then one decode step that pays one-off costs
@@ -440,14 +432,23 @@ class LLMEngine:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             ms = (time.perf_counter() - t0) * 1000.0
+        return None if failed or done < steps else ms / steps
+
+    @contextlib.contextmanager
+    def _warmup_scope(self, prefix: str) -> Iterator[None]:
+        """A start-up timing's dummy requests (ids starting with ``prefix``) stay out of the prefix cache and
+        leave nothing behind: aborted if still there, the engine stepped empty, its counters reset."""
+        bm = self.block_manager
+        caching, bm.enable_prefix_caching = bm.enable_prefix_caching, False
+        try:
+            yield
         finally:
             bm.enable_prefix_caching = caching
-            for rid in [r for r in self.requests if r.startswith("warmup-d")]:
+            for rid in [r for r in self.requests if r.startswith(prefix)]:
                 self.abort_request(rid)
             while self.has_unfinished_requests():
                 self.step()
             self.stats = EngineStats()
-        return None if failed or done < steps else ms / steps
 
     def _load_tokenizer(self):
         """The model's tokenizer (for grammars; loaded on the first constrained request)."""

@@ -195,6 +195,16 @@ def memory_report(engine: LLMEngine, sender: KVStagingServer | None) -> dict | N
     return out
 
 
+def _timed_at_start(what: str, measure) -> dict | None:
+    """A start-up timing for the router's priors; one that raises gives no prior (the router then admits only
+    what starts at once), not a failed start."""
+    try:
+        return measure()
+    except Exception as e:
+        log.warning("start-up %s not timed: %s: %s", what, type(e).__name__, e)
+        return None
+
+
 async def serve_worker(opts: WorkerOptions) -> int:
     if opts.cpus:
         os.sched_setaffinity(0, opts.cpus)
@@ -215,33 +225,34 @@ async def serve_worker(opts: WorkerOptions) -> int:
     except MemoryBudgetError as e:  # its share cannot hold what it needs: say so, and stay stopped (exit 2)
         print(f"distserve worker: error: {opts.worker_id or opts.role}: {e}", flush=True)
         return 2
-    warmup = None
-    if opts.role != "decode":  # the router's TTFT model predicts from its cost per token until it measures calls
-        try:
-            warmup = engine.measure_prefill(opts.config.prefill.warmup_tokens)
-        except Exception as e:  # no prior (the router then admits only what starts at once), not a failed start
-            log.warning("start-up prefill not timed: %s: %s", type(e).__name__, e)
-        if warmup is not None:
-            log.info(
-                "start-up prefill: %d prompt tokens (%d prompts) in %.1f ms, %.4f ms per token",
-                warmup["tokens"],
-                warmup["requests"],
-                warmup["ms"],
-                warmup["ms"] / warmup["tokens"],
-            )
-    decode_warmup = None
-    if opts.role != "prefill":  # the router's decode-room prior takes its step time as the TPOT before any stream
-        try:
-            decode_warmup = engine.measure_decode(opts.config.decode.warmup_batch)
-        except Exception as e:  # no decode prior, not a failed start
-            log.warning("start-up decode steps not timed: %s: %s", type(e).__name__, e)
-        if decode_warmup is not None:
-            log.info(
-                "start-up decode: %d steps of %d sequences, %.2f ms per step",
-                decode_warmup["steps"],
-                decode_warmup["batch"],
-                decode_warmup["ms"],
-            )
+    # the router's priors until it measures: the TTFT model's cost per prompt token (prefill and colocated
+    # workers) and the decode-room prior's step time (decode and colocated workers)
+    warmup = (
+        _timed_at_start("prefill", lambda: engine.measure_prefill(opts.config.prefill.warmup_tokens))
+        if opts.role != "decode"
+        else None
+    )
+    if warmup is not None:
+        log.info(
+            "start-up prefill: %d prompt tokens (%d prompts) in %.1f ms, %.4f ms per token",
+            warmup["tokens"],
+            warmup["requests"],
+            warmup["ms"],
+            warmup["ms"] / warmup["tokens"],
+        )
+    decode_warmup = (
+        _timed_at_start("decode steps", lambda: engine.measure_decode(opts.config.decode.warmup_batch))
+        if opts.role != "prefill"
+        else None
+    )
+    if decode_warmup is not None:
+        log.info(
+            "start-up decode: %d steps of %d sequences, %.2f ms per step (%.2f at one)",
+            decode_warmup["steps"],
+            decode_warmup["batch"],
+            decode_warmup["ms"],
+            decode_warmup["ms_batch1"],
+        )
     loop = asyncio.get_running_loop()
     kvc, dc = opts.config.kv_transfer, opts.config.decode
     sm = mps.probe(engine.device, int(os.environ.get("DISTSERVE_DEVICE_SM_COUNT", "0") or 0)) if on_cuda else None
