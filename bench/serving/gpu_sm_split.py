@@ -8,7 +8,8 @@ issue 36):
 - ``1p1d``: 1 prefill + 1 decode worker sharing the SMs freely, KV copied over ``cuda_ipc``;
 - ``LABEL:P:D``: 1P1D with ``--sm-split P:D``; a ``+ref`` suffix (any layout but colocated) sets
   ``kv_transfer.by_reference: on`` (the prefill worker writes into blocks the decode worker leased to it; a
-  request whose hand-off cannot go by reference fails rather than being copied silently).
+  request whose hand-off cannot go by reference fails rather than being copied silently); a ``+bN`` suffix (any
+  layout) sets ``decode.max_batch_size`` = N (the decode or colocated worker's batch; default 128).
 
 On each server, for each workload (``--workloads "NAME[@N]=r1,r2;..."``: ``128/64``-style random lengths, or
 ``sharegpt`` = the lengths in ``bench/data/sharegpt_lengths.jsonl``; N prompts per point, default
@@ -72,11 +73,16 @@ DEFAULT_WORKLOADS = "128/64=50,65,80;2048/128@120=5,8,11"
 def layout_args(name: str) -> tuple[list[str], dict]:
     """(serve arguments, config overrides) of one layout name."""
     cfg: dict = {}
-    if name.endswith("+ref"):
-        name = name[: -len("+ref")]
-        cfg["kv_transfer"] = {"by_reference": "on"}
+    name, *flags = name.split("+")
+    for flag in flags:
+        if flag == "ref":
+            cfg["kv_transfer"] = {"by_reference": "on"}
+        elif flag[:1] == "b" and flag[1:].isdigit() and int(flag[1:]) > 0:
+            cfg["decode"] = {"max_batch_size": int(flag[1:])}
+        else:
+            raise ValueError(f"layout suffix +{flag}: use +ref or +bN (decode.max_batch_size N)")
     if name.split("@")[0] == "colocated":
-        if cfg:
+        if "kv_transfer" in cfg:
             raise ValueError("colocated has no KV hand-off: no +ref")
         if "@" in name:
             cfg["prefill"] = {"max_num_batched_tokens": int(name.split("@")[1])}
