@@ -46,6 +46,7 @@ import argparse
 import dataclasses
 import json
 import statistics
+from collections.abc import Sequence
 from pathlib import Path
 
 from bench.lib.results import write_result
@@ -221,15 +222,34 @@ def print_study(title: str, study: dict) -> None:
         )
 
 
-def one_gpu_main(seeds: int, out: str | None, write_profile: str | None) -> None:
-    """The one-GPU comparison (``records.one_gpu``), printed as the table of docs/performance/planner.md."""
+def _share_scale(text: str) -> tuple[str, int, float]:
+    """'prefill:50=2.0' -> ('prefill', 50, 2.0); ValueError otherwise."""
+    head, x = text.split("=")
+    phase, share = head.split(":")
+    if phase not in ("prefill", "decode") or not 1 <= int(share) < 100 or float(x) <= 0:
+        raise ValueError(text)
+    return phase, int(share), float(x)
+
+
+def one_gpu_main(
+    seeds: int, out: str | None, write_profile: str | None, scales: Sequence[tuple[str, int, float]] = ()
+) -> None:
+    """The one-GPU comparison (``records.one_gpu``), printed as the table of docs/performance/planner.md;
+    ``scales``: (phase, share, ms(share)/ms(100)) replacing the derived curve's points there."""
     from bench.planner.h200_profile import BASELINES, h200_profile_with_shares
+    from distserve.planner.profile import SharePoint
 
     prof = h200_profile_with_shares()
+    for phase, share, x in scales:
+        base = [p for p in prof.sm_shares if p.phase == phase and p.share == 100]
+        kept = [p for p in prof.sm_shares if (p.phase, p.share) != (phase, share)]
+        made = [SharePoint(phase, share, p.batch, p.size, p.ms * x, "derived") for p in base]
+        note = f"sm_shares: {phase} at {share} % set to {x}x by --share-scale"
+        prof = dataclasses.replace(prof, sm_shares=(*kept, *made), notes=(*prof.notes, note))
     if write_profile:
         prof.save(write_profile)
         print(f"profile with the SM-share curve written: {write_profile}")
-    for note in prof.notes[-3:]:
+    for note in prof.notes[-3 - len(scales) :]:
         print(f"  {note}")
     rows = records.one_gpu(prof, BASELINES, seeds)
     print(f"\none H200, SLO {records.ONE_GPU_SLO}, >= 90 % within it; goodput req/s: measured (highest rate measured")
@@ -251,7 +271,7 @@ def one_gpu_main(seeds: int, out: str | None, write_profile: str | None) -> None
         )
         print(f"  {r['workload']} {r['layout']}: {cells}")
     if out:
-        write_result(out, {"one_gpu": rows, "sm_shares_notes": list(prof.notes[-3:])})
+        write_result(out, {"one_gpu": rows, "sm_shares_notes": list(prof.notes[-3 - len(scales) :])})
 
 
 def main() -> None:
@@ -287,9 +307,20 @@ def main() -> None:
         metavar="FILE",
         help="with --one-gpu: also write that profile (for distserve plan --profile FILE --devices 1)",
     )
+    ap.add_argument(
+        "--share-scale",
+        action="append",
+        default=[],
+        metavar="PHASE:SHARE=X",
+        help="with --one-gpu: set the curve's ms(share)/ms(100) of a phase, e.g. prefill:50=2.0 (a sensitivity check)",
+    )
     args = ap.parse_args()
     if args.one_gpu:
-        one_gpu_main(args.seeds, args.out, args.write_sm_profile)
+        try:
+            scales = [_share_scale(x) for x in args.share_scale]
+        except ValueError:
+            ap.error(f"--share-scale must be PHASE:SHARE=X like prefill:50=2.0, got {args.share_scale!r}")
+        one_gpu_main(args.seeds, args.out, args.write_sm_profile, scales)
         return
     RESULTS = Path(args.results)
     if not RESULTS.is_dir():
