@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from distserve.planner import deploy
-from distserve.planner.layouts import DEFAULT_SPLITS, enumerate_layouts, split_layouts
+from distserve.planner.layouts import AUTO_SPLITS, auto_splits, enumerate_layouts, split_layouts
 from distserve.planner.profile import Profile, ProfileError, load
 from distserve.planner.search import Evaluation, Planner
 from distserve.planner.slo import SLO, SLOError
@@ -59,13 +59,15 @@ def cmd_profile(args) -> int:
 
         from distserve.planner.sm_shares import measure_shares
 
-        points, notes = measure_shares(
+        points, notes, wrong = measure_shares(
             prof.model or None,
             args.device,
             sorted(set(shares) | {100}, reverse=True),
             log=lambda s: print(s, file=sys.stderr, flush=True),
         )
-        prof = dataclasses.replace(prof, sm_shares=tuple(points), notes=(*prof.notes, *notes))
+        prof = dataclasses.replace(
+            prof, sm_shares=tuple(points), sm_shares_wrong=tuple(sorted(wrong)), notes=(*prof.notes, *notes)
+        )
     prof.save(out)
     print(
         f"profile written: {out} ({len(prof.prefill)} prefill, {len(prof.decode)} decode, "
@@ -124,9 +126,19 @@ def _inputs(args) -> tuple[Profile, Planner, list, int] | int:
             if args.sm_splits != "auto":
                 return _err("--sm-splits needs a profile with sm_shares: make it with distserve profile --sm-shares")
         else:
-            if args.sm_splits == "auto":  # only splits inside the measured shares (no extrapolation)
-                low = {ph: min(p.share for p in prof.sm_shares if p.phase == ph) for ph in ("prefill", "decode")}
-                splits = tuple(s for s in splits if s[0] >= low["prefill"] and s[1] >= low["decode"])
+            wrong = prof.wrong_shares()
+            if args.sm_splits == "auto":  # inside the measured shares (no extrapolation), no wrong-GEMM share
+                phases = ("prefill", "decode")
+                low = {ph: min((p.share for p in prof.sm_shares if p.phase == ph), default=101) for ph in phases}
+                splits = auto_splits(low, wrong)
+            else:
+                bad = next((s for s in splits if s[0] in wrong or s[1] in wrong), None)
+                if bad:
+                    share = bad[0] if bad[0] in wrong else bad[1]
+                    return _err(
+                        f"--sm-splits {bad[0]}:{bad[1]} uses {share} % of the SMs, where the profile recorded wrong "
+                        "bf16 GEMM results (a server refuses to start on it)"
+                    )
             layouts += split_layouts(cfg, splits)
     if not layouts:
         return _err(f"no layout fits {devices} device(s)")
@@ -139,15 +151,17 @@ def _splits(text: str) -> tuple[tuple[int, int], ...] | str:
     if text in ("none", ""):
         return ()
     if text == "auto":
-        return DEFAULT_SPLITS
+        return AUTO_SPLITS
     out = []
     for part in text.split(","):
         try:
             p, d = (int(x) for x in part.split(":"))
         except ValueError:
-            return f"--sm-splits must be auto, none or P:D pairs like 60:40,70:30, got {text!r}"
+            return f"--sm-splits must be auto, none or P:D pairs like 60:40,100:50, got {text!r}"
         if not (1 <= p <= 100 and 1 <= d <= 100):
             return f"--sm-splits percentages must be in 1..100, got {part!r}"
+        if (p, d) in out:
+            return f"--sm-splits names {part!r} twice"
         out.append((p, d))
     return tuple(out)
 

@@ -108,18 +108,10 @@ class LatencyModel:
         )
 
     # --- one step -----------------------------------------------------------------------------------
-    def step_ms(
-        self,
-        prefill_chunks: Sequence[tuple[int, int]],
-        decode_batch: int,
-        decode_context: int,
-        threads: int = 1,
-        neighbours: int = 0,
-        sm_share: int = 100,
-    ) -> float:
-        """One engine step: ``prefill_chunks`` as (new tokens, context before them) per prompt, plus a
-        decode batch of ``decode_batch`` sequences holding ``decode_context`` tokens in all; on ``sm_share`` %
-        of the GPU's SMs (an MPS split: scaled by the profile's measured share points)."""
+    def _parts(
+        self, prefill_chunks: Sequence[tuple[int, int]], decode_batch: int, decode_context: int, sm_share: float
+    ) -> tuple[str, float, float, float]:
+        """(phase, GPU work, host side, continuations' attention) of one step, ms, before the thread scale."""
         if prefill_chunks:
             t = max(self.fixed_ms, self.prefill_fixed_ms) if decode_batch else self.prefill_fixed_ms
         else:
@@ -128,16 +120,42 @@ class LatencyModel:
         pf = prefill_work_ms(prefill_chunks, self.prefill_per_token_ms, self.prefill_per_token2_ms)
         dc = self.decode_per_seq_ms * decode_batch + self.decode_per_ctx_ms * decode_context
         phase = "prefill" if prefill_chunks and pf >= dc else "decode"
-        step = t + pf + dc
-        if prefill_chunks and not decode_batch:
-            # an eager prefill step's host side (launches, Python: a floor + per sequence) runs ahead of its GPU
-            # work, so the step takes the larger of the two; a chunked continuation adds its slow attention path
-            host = self.prefill_floor_ms + self.prefill_per_seq_ms * (len(prefill_chunks) - 1)
-            step = max(step, host) + self.prefill_chunk_ms * sum(1 for _, before in prefill_chunks if before > 0)
-        step *= self.scale(phase, threads, neighbours)
-        return step * self.share_scale(phase, sm_share) if sm_share < 100 else step
+        sm = self.share_scale(phase, sm_share) if sm_share < 100 else 1.0
+        if not prefill_chunks or decode_batch:
+            return phase, (t + pf + dc) * sm, 0.0, 0.0
+        # an eager prefill step's host side (launches, Python: a floor + per sequence) runs ahead of its GPU work,
+        # so the step takes the larger of the two; a chunked continuation adds its slow attention path
+        host = self.prefill_floor_ms + self.prefill_per_seq_ms * (len(prefill_chunks) - 1)
+        chunk = self.prefill_chunk_ms * sm * sum(1 for _, before in prefill_chunks if before > 0)
+        return phase, (t + pf) * sm, host, chunk
 
-    def share_scale(self, phase: str, share: int) -> float:
+    def step_ms(
+        self,
+        prefill_chunks: Sequence[tuple[int, int]],
+        decode_batch: int,
+        decode_context: int,
+        threads: int = 1,
+        neighbours: int = 0,
+        sm_share: float = 100,
+    ) -> float:
+        """One engine step: ``prefill_chunks`` as (new tokens, context before them) per prompt, plus a
+        decode batch of ``decode_batch`` sequences holding ``decode_context`` tokens in all; on ``sm_share`` %
+        of the GPU's SMs (an MPS split: its GPU work scaled by the profile's measured share points; a prefill
+        step's host side, which runs on the CPU, is not)."""
+        phase, gpu, host, chunk = self._parts(prefill_chunks, decode_batch, decode_context, sm_share)
+        return (max(gpu, host) + chunk) * self.scale(phase, threads, neighbours)
+
+    def gpu_fraction(
+        self, prefill_chunks: Sequence[tuple[int, int]], decode_batch: int, decode_context: int, sm_share: float = 100
+    ) -> float:
+        """The part of a step's time its GPU work fills, 0..1: 1 but for a prefill-only step whose host side (the
+        floor + per sequence) is the longer, which leaves the SMs idle the rest of the time (for the other client
+        of an overlapping MPS split)."""
+        _, gpu, host, chunk = self._parts(prefill_chunks, decode_batch, decode_context, sm_share)
+        step = max(gpu, host) + chunk
+        return 1.0 if step <= 0 else (gpu + chunk) / step
+
+    def share_scale(self, phase: str, share: float) -> float:
         """ms(share) / ms(100) for ``phase``, interpolated linearly between measured shares, and below the
         lowest one scaled by lowest / share (an SM-bound step: never optimistic); 1.0 at 100. ValueError when
         the profile measured none for ``phase``."""

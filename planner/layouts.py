@@ -115,7 +115,20 @@ def enumerate_layouts(
     return out
 
 
-DEFAULT_SPLITS = tuple((p, 100 - p) for p in range(30, 90, 10))
+DEFAULT_SPLITS = tuple((p, 100 - p) for p in range(30, 90, 10))  # disjoint: 30:70 ... 80:20
+# overlapping (MPS percentages are caps, not reservations): both shares 30..100 in steps of 10, 100 < P + D <= 150
+OVERLAP_SPLITS = tuple((p, d) for p in range(30, 101, 10) for d in range(30, 101, 10) if 100 < p + d <= 150)
+AUTO_SPLITS = DEFAULT_SPLITS + OVERLAP_SPLITS
+
+
+def auto_splits(lowest: dict[str, int], wrong: frozenset[int] | set[int] = frozenset()) -> tuple[tuple[int, int], ...]:
+    """``AUTO_SPLITS`` the profile can plan: each share at or above the lowest share measured for its phase (no
+    extrapolation below the curve) and none whose bf16 GEMMs the profile recorded wrong."""
+    return tuple(
+        (p, d)
+        for p, d in AUTO_SPLITS
+        if p >= lowest["prefill"] and d >= lowest["decode"] and p not in wrong and d not in wrong
+    )
 
 
 def split_layouts(cfg: DistServeConfig, splits: tuple[tuple[int, int], ...] = DEFAULT_SPLITS) -> list[Layout]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -107,6 +108,14 @@ class Profile:
     cost_origins: dict[str, str] = field(default_factory=dict)  # e.g. prefill_chunk_ms -> "measured: ..."
     notes: tuple[str, ...] = field(default_factory=tuple)
     sm_shares: tuple[SharePoint, ...] = ()  # steps at SM shares (CUDA MPS); empty: no split can be planned
+    # shares whose bf16 GEMMs came out wrong at start (``server.mps.gemm_self_check``): never measured, never planned
+    sm_shares_wrong: tuple[int, ...] = ()
+
+    def wrong_shares(self) -> frozenset[int]:
+        """``sm_shares_wrong``, and for profiles written before that field, the shares their notes say were not
+        measured because of wrong GEMMs (``planner/sm_shares.py``: "share N % not measured: a bf16 GEMM ...")."""
+        noted = (re.match(r"share (\d+) % not measured: ", n) for n in self.notes)
+        return frozenset(self.sm_shares_wrong) | {int(m.group(1)) for m in noted if m}
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -244,6 +253,9 @@ def from_dict(data: Any) -> Profile:
                 _origin(p, f"sm_shares[{i}]"),
             )
         )
+    wrong = data.get("sm_shares_wrong") or []
+    if not isinstance(wrong, list) or not all(isinstance(x, int) and 1 <= x <= 100 for x in wrong):
+        raise ProfileError(f"profile field 'sm_shares_wrong' must be a list of percentages in 1..100, got {wrong!r}")
     notes = data.get("notes", [])
     if not isinstance(notes, list) or not all(isinstance(n, str) for n in notes):
         raise ProfileError("profile field 'notes' must be a list of strings")
@@ -271,6 +283,7 @@ def from_dict(data: Any) -> Profile:
         cost_origins=_cost_origins(data),
         notes=tuple(notes),
         sm_shares=tuple(shares),
+        sm_shares_wrong=tuple(sorted(set(wrong))),
     )
 
 

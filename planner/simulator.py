@@ -24,6 +24,12 @@ What it simulates, with the server's own policies (``server/engine/scheduler.py`
   next step; an idle worker takes it at once). Prefill workers stream nothing between steps: not applied.
 - KV capacity (when the config fixes it): a sequence holds prompt + output tokens from admission (decode:
   from its reservation) to its end, and waits while they do not fit.
+- one GPU split between a prefill and a decode worker as MPS clients (``layout.sm_split``): each step runs on
+  its worker's share of the SMs; where the shares overlap (P + D > 100) and both workers are in a step at once,
+  each runs on ``planner.sm_shares.contended_share`` (the SMs divided in proportion to the shares), and a step
+  in progress is re-timed whenever the other worker starts or ends one (its remaining work, in ms on its own
+  share, proceeds at step(own share) / step(contended share)); a prefill worker's host work between steps
+  (``prefill_post_ms``) leaves the decode worker its own share;
 - (replays of recorded runs only, ``cold_mixed_steps``) a fresh colocated worker's first mixed steps each cost
   a measured stall more (first-use kernel builds of its eager mixed-step path).
 It ignores: preemption (admission waits instead), prefix caching, the router's and the client's CPU, network
@@ -41,6 +47,7 @@ from typing import Any
 
 from distserve.planner.latency import LatencyModel
 from distserve.planner.layouts import EngineLimits, Layout
+from distserve.planner.sm_shares import contended_share
 
 
 @dataclass
@@ -88,6 +95,18 @@ class Worker:
     prefill_seqs: int = 0  # prefill chunks summed over steps (a prompt split over k steps counts k times)
     continuations: int = 0  # chunked-prefill continuations (a chunk resuming a prompt over its cached context)
     prefill_steps: int = 0  # steps with at least one prefill chunk
+    # an overlapping MPS split (P + D > 100): the other client on the GPU, and this worker's step in progress,
+    # re-timed whenever the other starts or ends a step (``Simulator._retime``)
+    peer: Worker | None = field(default=None, repr=False, compare=False)
+    in_step: bool = False
+    step_plan: tuple = ()  # (prefill chunks, decode batch, context, cold stall ms) of the step in progress
+    step_left: float = 0.0  # of the step, in ms on its own share
+    step_rate: float = 1.0  # ms of own-share work done per ms now
+    step_mark: float = 0.0  # when step_left was last brought up to date
+    step_gen: int = 0  # the step_end event that counts (earlier ones were re-timed away)
+    step_duty: float = 1.0  # the part of the step its GPU work fills (a host-bound prefill step: less than 1)
+    step_started: float = 0.0
+    step_scheduled: list = field(default_factory=list, repr=False)
     post_ms: float = 0.0  # prefill: host work between steps (``prefill_post_ms`` per finished prompt)
     replies: list[SimRequest] = field(default_factory=list)  # prefill: finished, reply after next step
 
@@ -101,6 +120,7 @@ class SimResult:
     mean_ttft_ms: float
     mean_tpot_ms: float
     prefill_stats: dict[str, float] = field(default_factory=dict)  # prefill steps, sequences and continuations
+    step_ms: dict[str, float] = field(default_factory=dict)  # role -> mean engine step (busy ms / steps)
 
 
 class Simulator:
@@ -144,6 +164,9 @@ class Simulator:
             ]
         for w in self.decode if layout.mode == "colocated" else ():
             w.cold_left = cold_mixed_steps[0]
+        if layout.sm_split and sum(layout.sm_split) > 100 and len(self.prefill) == len(self.decode) == 1:
+            # overlapping shares: while both are in a step they divide the SMs (planner.sm_shares.contended_share)
+            self.prefill[0].peer, self.decode[0].peer = self.decode[0], self.prefill[0]
         self._events: list[tuple[float, int, str, Any]] = []
         self._seq = 0
         self.now = 0.0
@@ -164,7 +187,9 @@ class Simulator:
             if kind == "arrive":
                 self._arrive(obj)
             elif kind == "step_end":
-                self._step_end(*obj)
+                w, scheduled, gen = obj
+                if gen == w.step_gen:  # else re-timed: a later event ends this step
+                    self._step_end(w, scheduled)
             elif kind == "kick":
                 obj.kick_pending = False
                 self._start_step(obj)
@@ -185,12 +210,13 @@ class Simulator:
         end = max((r.done_at for r in reqs), default=0.0)
         start = min((r.arrival for r in reqs), default=0.0)
         lat = tuple(r.latencies(self.overhead) for r in reqs)
-        util, batch = {}, {}
+        util, batch, step = {}, {}, {}
         for role, ws in (("prefill", self.prefill), ("decode", self.decode)):
             if ws and end > start:
                 name = role if self.layout.mode == "disaggregated" else "colocated"
                 util[name] = sum(w.busy_ms for w in ws) / len(ws) / (end - start)
                 batch[name] = sum(w.seqs_in_steps for w in ws) / max(1, sum(w.steps for w in ws))
+                step[name] = sum(w.busy_ms for w in ws) / max(1, sum(w.steps for w in ws))
         tpots = [x["tpot"] for x in lat if "tpot" in x]
         pw = self.prefill or self.decode
         stats = {
@@ -208,6 +234,7 @@ class Simulator:
             sum(x["ttft"] for x in lat) / max(1, len(lat)),
             sum(tpots) / max(1, len(tpots)),
             stats,
+            step,
         )
 
     def _least(self, ws: list[Worker]) -> Worker:
@@ -248,18 +275,50 @@ class Simulator:
             return
         chunks, decodes, ctx, scheduled = plan
         dt = self.model.step_ms(chunks, len(decodes), ctx, w.threads, w.neighbours, w.sm_share)
+        stall = 0.0
         if w.cold_left and chunks and decodes:
             w.cold_left -= 1
-            dt += self.cold_stall_ms
+            stall = self.cold_stall_ms
+            dt += stall
         w.busy = True
-        w.busy_ms += dt
         w.steps += 1
         w.seqs_in_steps += len(scheduled)
         if chunks:
             w.prefill_steps += 1
             w.prefill_seqs += len(chunks)
             w.continuations += sum(1 for _, before in chunks if before > 0)
-        self._at(self.now + dt, "step_end", (w, scheduled))
+        if w.peer is None:
+            w.busy_ms += dt
+            self._at(self.now + dt, "step_end", (w, scheduled, w.step_gen))
+            return
+        w.in_step, w.step_started, w.step_mark = True, self.now, self.now
+        w.step_plan = (chunks, len(decodes), ctx, stall)
+        w.step_duty = self.model.gpu_fraction(chunks, len(decodes), ctx, w.sm_share)
+        w.step_left, w.step_rate = dt, 1.0
+        w.step_scheduled = scheduled
+        self._retime(w)
+        self._retime(w.peer)
+
+    def _retime(self, w: Worker) -> None:
+        """Bring ``w``'s step in progress up to date and reschedule its end at the speed it has from now on: on
+        its own share while the other client of an overlapping split is between steps; while the other is in a
+        step, on the contended share (``contended_share``) for the part of that step its GPU work fills
+        (``gpu_fraction``; a host-bound prefill step leaves the SMs idle the rest of the time) and on its own share
+        for the rest. Speed = the step's time on its own share / on the contended one, blended that way."""
+        if not w.in_step or w.peer is None:
+            return
+        w.step_left = max(0.0, w.step_left - (self.now - w.step_mark) * w.step_rate)
+        w.step_mark = self.now
+        chunks, batch, ctx, extra = w.step_plan
+        w.step_rate = 1.0
+        if w.peer.in_step:
+            own = self.model.step_ms(chunks, batch, ctx, w.threads, w.neighbours, w.sm_share) + extra
+            share = contended_share(w.sm_share, w.peer.sm_share)
+            slow = self.model.step_ms(chunks, batch, ctx, w.threads, w.neighbours, share) + extra
+            if slow > 0:
+                w.step_rate = 1.0 - w.peer.step_duty + w.peer.step_duty * own / slow
+        w.step_gen += 1
+        self._at(self.now + w.step_left / w.step_rate, "step_end", (w, w.step_scheduled, w.step_gen))
 
     def _schedule(self, w: Worker):
         lim = w.limits
@@ -316,6 +375,10 @@ class Simulator:
 
     def _step_end(self, w: Worker, scheduled: list[tuple[SimRequest, int]]) -> None:
         w.busy = False
+        if w.in_step:  # an overlapping split: the other client has the SMs to itself from now
+            w.in_step = False
+            w.busy_ms += self.now - w.step_started
+            self._retime(w.peer)  # type: ignore[arg-type]
         ready = w.replies
         w.replies = []
         for s, n in scheduled:

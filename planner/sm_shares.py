@@ -8,7 +8,8 @@ them as one JSON line. The shares are measured in the order given and each is sk
 ``budget_s`` would be exceeded, so a deadline still returns what was measured.
 
 A share measured alone is the step's cost on that many SMs with the rest of the GPU idle; in a split the other
-client also uses memory bandwidth, which this curve does not show (the serving benchmark does).
+client also uses memory bandwidth, which this curve does not show (the serving benchmark does). Where the two
+clients' shares overlap (P + D > 100) and both are in a step, the simulator runs each on ``contended_share``.
 
 Each child first runs the start-up check of a worker under ``--sm-split`` (``server.mps.gemm_self_check``): a
 share whose bf16 GEMMs come out wrong (on an H200 with torch 2.11 + cu130: 40 % and 45 % of the SMs) is not
@@ -46,18 +47,20 @@ def measure_shares(
     budget_s: float = 1e9,
     start_estimate_s: float = 30.0,
     progress=lambda points, notes: None,
-) -> tuple[list[SharePoint], list[str]]:
-    """(points, notes), ``progress`` called after each share. CPU: no points, a note saying why."""
+) -> tuple[list[SharePoint], list[str], list[int]]:
+    """(points, notes, shares whose GEMMs came out wrong), ``progress`` called after each share. CPU: no points, a
+    note saying why."""
     if not device.startswith("cuda"):
         msg = "SM shares apply to CUDA MPS clients (distserve serve --sm-split): on the CPU there is nothing to measure"
         log(msg)
-        return [], [msg]
+        return [], [msg], []
     from distserve.server.mps import MpsDaemon
 
     t0 = time.monotonic()
     daemon = MpsDaemon().start()
     points: list[SharePoint] = []
     notes: list[str] = []
+    wrong: list[int] = []
     index = int(device.split(":")[1]) if ":" in device else 0
     try:
         for share in shares:
@@ -89,6 +92,7 @@ def measure_shares(
             got = json.loads(lines[-1])
             if "wrong" in got:  # not measured, so `plan --sm-splits auto` never proposes a split that uses it
                 notes.append(f"share {share} % not measured: {got['wrong']}")
+                wrong.append(share)
                 log(notes[-1])
                 continue
             for phase, rows in (("prefill", got["prefill"]), ("decode", got["decode"])):
@@ -98,7 +102,18 @@ def measure_shares(
             progress(points, notes)
     finally:
         daemon.stop()
-    return points, notes
+    return points, notes, wrong
+
+
+def contended_share(own: int, other: int) -> float:
+    """The share of the SMs a client of an MPS split runs on while the other client is in a step too.
+
+    MPS thread percentages are caps, not reservations: with ``own + other`` <= 100 the two never compete for an SM
+    and each keeps its own share; above 100 (an overlapping split such as 100:50) the model divides the SMs in
+    proportion to the caps while both run, ``100 x own / (own + other)``, never more than the cap: 100:50 gives
+    66.7 % and 33.3 %. While the other client is idle a client runs on its own share."""
+    total = own + other
+    return float(own) if total <= 100 else min(float(own), 100.0 * own / total)
 
 
 def _child(model: str | None, device: str) -> None:
@@ -149,7 +164,10 @@ def main() -> int:
             Path(args.out).write_text(text)
         return text
 
-    points, notes = measure_shares(args.model or None, args.device, shares, budget_s=args.budget_s, progress=write)
+    points, notes, wrong = measure_shares(
+        args.model or None, args.device, shares, budget_s=args.budget_s, progress=write
+    )
+    doc["wrong"] = wrong
     print(write(points, notes))
     return 0
 

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import dataclasses
 import json
 import math
 import re
@@ -56,7 +57,7 @@ from pathlib import Path
 from bench.lib.results import read_result
 from bench.planner.serving_records import decode_worker_points, fit_handoff, fit_prefill_host, prefill_worker_points
 from distserve.planner.latency import _fit_nonneg
-from distserve.planner.profile import DecodePoint, PrefillPoint, Profile, TransferPoint
+from distserve.planner.profile import DecodePoint, PrefillPoint, Profile, SharePoint, TransferPoint
 
 KV_BYTES_PER_TOKEN = 32 * 2 * 32 * 128 * 2  # layers x (K, V) x heads x head dim x bf16 = 512 KiB
 
@@ -258,6 +259,113 @@ def build_h200_profile(results: Path = RECORDS) -> Profile:
             "one GPU per worker; decode with CUDA graphs; prefill default max_num_batched_tokens 4096",
         ),
     )
+
+
+BASELINES = REPO / "bench" / "baselines" / "h200"
+# SM shares (issue 31): the share curve of `planner/sm_shares.py` (100 and 40 %), the MPS probe of every split
+# worker (bf16 GEMM TFLOP/s on its share), the start-up GEMM check per share, and the serving runs' decode steps
+SHARES_RUN = "serving-sm-shares.json"
+GEMM_CHECK = "serving-mps-gemm-check.json"
+SPLIT_RUNS = (
+    "serving-one-gpu-knees-128-64.json",
+    "serving-one-gpu-knees-2048-128.json",
+    "serving-one-gpu-overlap-2048-128-and-128-64.json",
+    "serving-one-gpu-overlap-gate-fixed.json",
+    "serving-one-gpu-overlap-gates-fixed-edge.json",
+    "serving-one-gpu-overlap-gates-fixed-split-high.json",
+)
+OVERLAP_MEMCHECK = "serving-one-gpu-overlap-memcheck.json"
+UNSPLIT_RUN = "serving-sm-split-2026-12-02.json"  # 1P1D with no split, and the 60:40 split's probes
+
+
+def _mps_tflops(baselines: Path) -> dict[int, float]:
+    """Mean bf16 GEMM TFLOP/s per SM share over every split worker's start-up MPS probe."""
+    got: dict[int, list[float]] = {}
+    for name in (*SPLIT_RUNS, UNSPLIT_RUN):
+        for lay in _read_plain(baselines / name)["layouts"]:
+            for w in lay.get("workers", []):
+                mps = w.get("mps") or (w.get("memory") or {}).get("mps") or {}
+                if mps.get("gemm_bf16_tflops"):
+                    got.setdefault(int(mps["thread_percentage"]), []).append(float(mps["gemm_bf16_tflops"]))
+    return {k: statistics.mean(v) for k, v in got.items()}
+
+
+def _read_plain(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+def _decode_step(baselines: Path, name: str, layout: str, workload: str, sampling: str, rate: float) -> float:
+    for lay in _read_plain(baselines / name)["layouts"]:
+        if lay["layout"] == layout:
+            for p in lay.get("points", []):
+                if (p["workload"], p.get("sampling"), p["rate"]) == (workload, sampling, rate):
+                    return float(p["decode_step_ms"])
+    raise KeyError(f"{name}: no {layout} {workload} {sampling} {rate} point")
+
+
+def share_points(baselines: Path = BASELINES) -> tuple[tuple[SharePoint, ...], tuple[int, ...], tuple[str, ...]]:
+    """(points, shares with wrong bf16 GEMMs, notes): the H200 SM-share curve from the recorded one-GPU runs, for
+    ``distserve plan --devices 1`` (not in the shipped profile: ``h200_profile_with_shares``).
+
+    - 100 %: measured (``serving-sm-shares.json``: 1 x 512 and 1 x 2048 prefill, 16 x 512 and 64 x 1024 decode);
+    - prefill at 50 and 60 %: derived. The share curve measured the prefill at 40 % at 1.89x its 100 % time, where
+      the MPS probe's bf16 GEMM ran at T(100) / T(40) = 2.28x; the step is taken to follow the GEMM throughput with
+      that same fraction: scale(s) = 1 + k (T(100) / T(s) - 1), k = 0.89 / 1.28 (T: the mean probe of the split
+      workers at s). 40 % itself is not kept (its GEMMs are wrong: its timing is of a wrong computation);
+    - decode at 50 %: derived, the 50:50 split's decode worker against the unsplit 1P1D's at the same load
+      (128/64, 60 req/s, OpenAI-default sampling: 8.97 against 8.04 ms per step, one run each): a lower bound,
+      as the unsplit decode worker shared its SMs with the prefill worker;
+    - wrong: every share the start-up check found wrong (``serving-mps-gemm-check.json``: 40, 45) and 80, which
+      the launcher refused in the overlap run (``serving-one-gpu-overlap-memcheck.json``, split80:80:50)."""
+    run = _read_plain(baselines / SHARES_RUN)
+    base = [p for p in run["points"] if p["share"] == 100]
+    at40 = {(p["phase"], p["batch"], p["size"]): p["ms"] for p in run["points"] if p["share"] == 40}
+    tf = _mps_tflops(baselines)
+    t40 = tf[40]  # the 60:40 split's decode worker (its GEMMs wrong, its throughput still the share's)
+    pf40 = statistics.mean(at40[("prefill", p["batch"], p["size"])] / p["ms"] for p in base if p["phase"] == "prefill")
+    k = (pf40 - 1) / (tf[100] / t40 - 1)
+    points = [SharePoint(p["phase"], 100, p["batch"], p["size"], p["ms"], "measured") for p in base]
+    for share in (50, 60):
+        scale = 1 + k * (tf[100] / tf[share] - 1)
+        points += [
+            SharePoint("prefill", share, p["batch"], p["size"], round(p["ms"] * scale, 4), "derived")
+            for p in base
+            if p["phase"] == "prefill"
+        ]
+    split = _decode_step(
+        baselines, "serving-one-gpu-knees-128-64.json", "split50:50:50+ref", "128/64", "openai-default", 60.0
+    )
+    whole = _decode_step(baselines, UNSPLIT_RUN, "1p1d", "128/64", "openai-default", 60.0)
+    points += [
+        SharePoint("decode", 50, p["batch"], p["size"], round(p["ms"] * split / whole, 4), "derived")
+        for p in base
+        if p["phase"] == "decode"
+    ]
+    check = _read_plain(baselines / GEMM_CHECK)["shares"]
+    wrong = {int(s) for s, v in check.items() if v.get("repeats_wrong")}
+    for lay in _read_plain(baselines / OVERLAP_MEMCHECK)["layouts"]:
+        m = re.search(r"share of the GPU \((\d+) % of the SMs\) gave \d+ wrong values", lay.get("error", ""))
+        if m:
+            wrong.add(int(m.group(1)))
+    probe = ", ".join(f"{s} %: {t:.0f}" for s, t in sorted(tf.items()))
+    notes = (
+        f"sm_shares: 100 % measured ({SHARES_RUN}); prefill at 50 and 60 % derived from the 40 % step ({pf40:.2f}x, "
+        f"{SHARES_RUN}) and the split workers' MPS GEMM probe (TFLOP/s {probe}): k = {k:.2f}",
+        f"sm_shares: decode at 50 % derived: the 50:50 split's decode step {split:.2f} ms against the unsplit 1P1D's "
+        f"{whole:.2f} ms (128/64, 60 req/s, OpenAI-default; serving-one-gpu-knees-128-64.json, {UNSPLIT_RUN})",
+        f"sm_shares_wrong {sorted(wrong)}: the start-up GEMM check ({GEMM_CHECK}; {OVERLAP_MEMCHECK}: 80 %)",
+    )
+    return tuple(points), tuple(sorted(wrong)), notes
+
+
+def h200_profile_with_shares(baselines: Path = BASELINES) -> Profile:
+    """The shipped H200 profile plus ``share_points``: what ``distserve plan --devices 1`` needs for the split
+    search (the shipped file has no share points)."""
+    from distserve.planner.profile import load
+
+    points, wrong, notes = share_points(baselines)
+    prof = load(SHIPPED)
+    return dataclasses.replace(prof, sm_shares=points, sm_shares_wrong=wrong, notes=(*prof.notes, *notes))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -30,6 +30,14 @@ definition), and the continuous predicted goodput is printed beside it. CPU part
 The four-GPU predictions: goodput (>= 90 % of requests within TTFT 200 ms and TPOT 50 ms, and within the
 study's tight base at scale 1.5: 300 / 22.5 ms) of 2P2D, 3P1D, 1P3D and 4 colocated for the long (2048/128)
 and ShareGPT workloads.
+
+One GPU split between a prefill and a decode worker (issue 31), ``--one-gpu`` (alone; about 10 s, no
+bench/results needed): the shipped profile plus the H200 SM-share curve of the recorded runs
+(``bench.planner.h200_profile.share_points``), against every greedy point of 50:50, 100:50 and colocated@2048 at
+128/64 and 2048/128 under ``bench/baselines/h200`` (``plan_accuracy_records.one_gpu``): attainment and decode step
+per recorded point (same requests count and rate, ``--seeds`` arrival seeds), measured goodput (the highest rate
+measured at >= 90 %), predicted on the same rates and continuous. ``--write-sm-profile FILE`` also writes that
+profile, for ``distserve plan --profile FILE --devices 1``.
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ import argparse
 import dataclasses
 import json
 import statistics
+from collections.abc import Sequence
 from pathlib import Path
 
 from bench.lib.results import write_result
@@ -213,6 +222,58 @@ def print_study(title: str, study: dict) -> None:
         )
 
 
+def _share_scale(text: str) -> tuple[str, int, float]:
+    """'prefill:50=2.0' -> ('prefill', 50, 2.0); ValueError otherwise."""
+    head, x = text.split("=")
+    phase, share = head.split(":")
+    if phase not in ("prefill", "decode") or not 1 <= int(share) < 100 or float(x) <= 0:
+        raise ValueError(text)
+    return phase, int(share), float(x)
+
+
+def one_gpu_main(
+    seeds: int, out: str | None, write_profile: str | None, scales: Sequence[tuple[str, int, float]] = ()
+) -> None:
+    """The one-GPU comparison (``records.one_gpu``), printed as the table of docs/performance/planner.md;
+    ``scales``: (phase, share, ms(share)/ms(100)) replacing the derived curve's points there."""
+    from bench.planner.h200_profile import BASELINES, h200_profile_with_shares
+    from distserve.planner.profile import SharePoint
+
+    prof = h200_profile_with_shares()
+    for phase, share, x in scales:
+        base = [p for p in prof.sm_shares if p.phase == phase and p.share == 100]
+        kept = [p for p in prof.sm_shares if (p.phase, p.share) != (phase, share)]
+        made = [SharePoint(phase, share, p.batch, p.size, p.ms * x, "derived") for p in base]
+        note = f"sm_shares: {phase} at {share} % set to {x}x by --share-scale"
+        prof = dataclasses.replace(prof, sm_shares=(*kept, *made), notes=(*prof.notes, note))
+    if write_profile:
+        prof.save(write_profile)
+        print(f"profile with the SM-share curve written: {write_profile}")
+    for note in prof.notes[-3 - len(scales) :]:
+        print(f"  {note}")
+    rows = records.one_gpu(prof, BASELINES, seeds)
+    print(f"\none H200, SLO {records.ONE_GPU_SLO}, >= 90 % within it; goodput req/s: measured (highest rate measured")
+    print("at >= 90 % in any run) / predicted on the same rates / predicted continuous (Poisson, >= 30 s)")
+    for r in rows:
+        print(
+            f"  {r['workload']:<9} {r['layout']:<20} {r['measured_goodput']:>6g} / {r['predicted_goodput_grid']:>6g} / "
+            f"{r['predicted_goodput_continuous']:>6g}"
+        )
+    print(
+        "\nper point: rate: attainment measured / predicted, decode step ms measured / predicted"
+        "  (* before the gate fix)"
+    )
+    for r in rows:
+        cells = "; ".join(
+            f"{p['rate']:g}{'*' if p['before_gate_fix'] else ''}: {p['measured']:.0%}/{p['predicted']:.0%} "
+            f"{p['measured_decode_step_ms'] or 0:.1f}/{p['predicted_decode_step_ms']:.1f}"
+            for p in r["points"]
+        )
+        print(f"  {r['workload']} {r['layout']}: {cells}")
+    if out:
+        write_result(out, {"one_gpu": rows, "sm_shares_notes": list(prof.notes[-3 - len(scales) :])})
+
+
 def main() -> None:
     global RESULTS
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -234,7 +295,33 @@ def main() -> None:
         help="override the profile's per-sequence prefill cost (e.g. the engine-only 7.0 ms) to compare",
     )
     ap.add_argument("--results", default=str(RESULTS), help="the recorded results folder (default bench/results)")
+    ap.add_argument(
+        "--one-gpu",
+        action="store_true",
+        help="only the one-GPU split (issue 31): 50:50, 100:50 and colocated@2048 against the kept runs under "
+        "bench/baselines/h200 (no bench/results needed), on the shipped profile plus the recorded SM-share curve",
+    )
+    ap.add_argument(
+        "--write-sm-profile",
+        default=None,
+        metavar="FILE",
+        help="with --one-gpu: also write that profile (for distserve plan --profile FILE --devices 1)",
+    )
+    ap.add_argument(
+        "--share-scale",
+        action="append",
+        default=[],
+        metavar="PHASE:SHARE=X",
+        help="with --one-gpu: set the curve's ms(share)/ms(100) of a phase, e.g. prefill:50=2.0 (a sensitivity check)",
+    )
     args = ap.parse_args()
+    if args.one_gpu:
+        try:
+            scales = [_share_scale(x) for x in args.share_scale]
+        except ValueError:
+            ap.error(f"--share-scale must be PHASE:SHARE=X like prefill:50=2.0, got {args.share_scale!r}")
+        one_gpu_main(args.seeds, args.out, args.write_sm_profile, scales)
+        return
     RESULTS = Path(args.results)
     if not RESULTS.is_dir():
         ap.error(f"no recorded results at {RESULTS} (bench/README.md: restoring the recorded runs)")

@@ -9,6 +9,7 @@ grid, for measured and predicted attainment alike.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import statistics
 from pathlib import Path
@@ -294,3 +295,120 @@ def prefill_worker_replay(prof: Profile, path: Path) -> list[dict]:
             }
         )
     return out
+
+
+# --- one H200 split between a prefill and a decode worker (issue 31; docs/performance/serving-one-gpu.md) --------
+# every recorded one-GPU serving run with a 50:50 or 100:50 split or colocated@2048 point, greedy sampling (each
+# point sent new prompts); ``bench/baselines/h200/`` holds them (no bench/results needed)
+ONE_GPU_RUNS = (
+    "serving-one-gpu-knees-128-64.json",
+    "serving-one-gpu-knees-2048-128.json",
+    "serving-one-gpu-overlap-2048-128-and-128-64.json",
+    "serving-one-gpu-overlap-gate-fixed.json",
+    "serving-one-gpu-overlap-gate-fixed-colocated-low.json",
+    "serving-one-gpu-overlap-gate-fixed-colocated-repeat.json",
+    "serving-one-gpu-overlap-gates-fixed-edge.json",
+    "serving-one-gpu-overlap-gates-fixed-split-high.json",
+)
+# bench layout -> (SM split or None, prefill.max_num_batched_tokens); the runs' max_seq_len was 4096
+ONE_GPU_LAYOUTS = {
+    "split50:50:50+ref": ((50, 50), 4096),
+    "split100:100:50+ref": ((100, 50), 4096),
+    "colocated@2048": (None, 2048),
+}
+ONE_GPU_WORKLOADS = {"128/64": "prompt=128,output=64", "2048/128": "prompt=2048,output=128"}
+ONE_GPU_SLO = "ttft:250ms,tpot:50ms"
+# runs made before the router's decode-room gate was fixed (docs/performance/serving-one-gpu.md, sixth session):
+# the gate, not the GPU, limited the split there (100:50 at 128/64: 90 req/s before, 130 after)
+BEFORE_GATE_FIX = (
+    "serving-one-gpu-knees-128-64.json",
+    "serving-one-gpu-knees-2048-128.json",
+    "serving-one-gpu-overlap-2048-128-and-128-64.json",
+)
+
+
+def one_gpu_points(baselines: Path) -> dict[tuple[str, str], list[dict]]:
+    """{(bench layout, workload): [recorded greedy point, ...]} with each point's file and the workers' KV blocks."""
+    out: dict[tuple[str, str], list[dict]] = {}
+    for name in ONE_GPU_RUNS:
+        doc = json.loads((baselines / name).read_text())
+        for lay in doc["layouts"]:
+            if lay["layout"] not in ONE_GPU_LAYOUTS:
+                continue
+            blocks = {w["role"]: w["memory"]["kv_blocks"] for w in lay.get("workers", [])}
+            for p in lay.get("points", []):
+                if p.get("sampling") != "greedy" or p["workload"] not in ONE_GPU_WORKLOADS or "slo_attainment" not in p:
+                    continue
+                out.setdefault((lay["layout"], p["workload"]), []).append({**p, "file": name, "kv_blocks": blocks})
+    return out
+
+
+def one_gpu_layout(name: str, blocks: dict[str, int], block_size: int = 16) -> Layout:
+    """The simulated layout of a bench layout, with the KV pools its workers reported."""
+    from distserve.planner.layouts import limits_from_config
+    from distserve.server.config import load_config
+
+    split, tokens = ONE_GPU_LAYOUTS[name]
+    cfg = load_config(None, {"prefill": {"max_seq_len": 4096, "max_num_batched_tokens": tokens}})
+    pf, dec, col = limits_from_config(cfg, 0)
+    if split is None:
+        return Layout("colocated", 0, 1, pf, dataclasses.replace(col, kv_tokens=blocks["colocated"] * block_size))
+    return Layout(
+        "disaggregated",
+        1,
+        1,
+        dataclasses.replace(pf, kv_tokens=blocks["prefill"] * block_size),
+        dataclasses.replace(dec, kv_tokens=blocks["decode"] * block_size),
+        sm_split=split,
+    )
+
+
+def one_gpu(prof: Profile, baselines: Path, seeds: int = 3) -> list[dict]:
+    """Per (layout, workload): each recorded point's attainment and decode step against the simulated ones (the
+    same number of requests at the same rate, ``seeds`` arrival seeds), the measured goodput (the highest rate
+    measured at >= 90 % in any run), the predicted one on the same rates, and the continuous prediction
+    (``Planner.goodput``: Poisson, >= 30 s of arrivals)."""
+    from distserve.planner.slo import attainment
+    from distserve.planner.workload import load_workload
+
+    slo = SLO.parse(ONE_GPU_SLO)
+    rows = []
+    for (name, wl_name), points in sorted(one_gpu_points(baselines).items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        wl = load_workload(ONE_GPU_WORKLOADS[wl_name], n=50)
+        layout = one_gpu_layout(name, points[-1]["kv_blocks"])
+        planner = Planner.for_profile(prof, wl, slo)
+        role = "colocated" if layout.mode == "colocated" else "decode"
+        table = []
+        for p in sorted(points, key=lambda p: (p["rate"], p["file"])):
+            atts, steps = [], []
+            for seed in range(seeds):
+                res = dataclasses.replace(planner, seed=seed).run(layout, p["rate"], p["num_prompts"])
+                atts.append(attainment(slo, res.latencies))
+                steps.append(res.step_ms.get(role, 0.0))
+            table.append(
+                {
+                    "rate": p["rate"],
+                    "file": p["file"],
+                    "requests": p["num_prompts"],
+                    "measured": round(p["slo_attainment"], 3),
+                    "predicted": round(statistics.mean(atts), 3),
+                    "measured_decode_step_ms": p.get("decode_step_ms"),
+                    "predicted_decode_step_ms": round(statistics.mean(steps), 2),
+                    "before_gate_fix": p["file"] in BEFORE_GATE_FIX,
+                }
+            )
+        rates = sorted({r["rate"] for r in table})
+        pred_at = {r: statistics.mean(x["predicted"] for x in table if x["rate"] == r) for r in rates}
+        rows.append(
+            {
+                "layout": name,
+                "sm_split": layout.sm_split,
+                "workload": wl_name,
+                "slo": ONE_GPU_SLO,
+                "points": table,
+                "measured_goodput": max((x["rate"] for x in table if x["measured"] >= 0.9), default=0.0),
+                "predicted_goodput_grid": max((r for r in rates if pred_at[r] >= 0.9), default=0.0),
+                "predicted_goodput_continuous": round(planner.goodput(layout), 1),
+            }
+        )
+    return rows

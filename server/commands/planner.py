@@ -100,6 +100,8 @@ def add_parsers(sub) -> None:
         default="auto",
         metavar="auto|none|P:D,...",
         help="one GPU (a cuda profile with sm_shares, --devices 1): also plan 1 prefill + 1 decode worker on these "
-        "SM splits (auto: 30:70 ... 80:20); none: colocated only",
+        "SM splits (auto: the disjoint 30:70 ... 80:20 and the overlapping P:D with both in 30..100 by 10 and "
+        "100 < P + D <= 150, e.g. 100:50, inside the measured shares, never a share with wrong GEMMs); "
+        "none: colocated only",
     )
     p.set_defaults(handler=_plan)

@@ -124,8 +124,8 @@ def test_split_search_needs_share_points_and_valid_splits(tmp_path):
 
 
 def test_cpu_has_no_share_to_measure_and_bad_shares_exit_2(tmp_path):
-    points, notes = measure_shares(None, "cpu", [30, 100], log=lambda s: None)
-    assert points == [] and "nothing to measure" in notes[0]
+    points, notes, wrong = measure_shares(None, "cpu", [30, 100], log=lambda s: None)
+    assert points == [] and wrong == [] and "nothing to measure" in notes[0]
     p = subprocess.run(
         [
             sys.executable,
