@@ -544,6 +544,25 @@ def test_a_burst_on_a_fresh_server_is_admitted_while_it_fits_the_slo_and_shed_af
         cold.admit(128, d)
 
 
+def test_nothing_queued_admits_whatever_the_prefill_prediction_but_not_a_wait_for_decode_room():
+    # Nothing queued: a request is admitted whatever its prefill part is predicted (shedding it could not help,
+    # and it is the model's next measurement). A request that would wait for decode room is not in that case:
+    # every slot is held by admitted requests (the ledger), the wait is real and re-measured as they end. On
+    # the H200's 4x run 11 of the 102 late admitted requests were such (predicted 0.4-0.6 s of decode room,
+    # admitted for nothing queued, measured 0.27-1.05 s).
+    adm, clock, reg, _ = _admission_with_prior(slots=2)
+    slo = Slo(ttft_s=0.25)
+    d = adm.decide(1024, slo)  # 1024 tokens at the prior (0.5 ms each): 512 ms > SLO, yet nothing queued
+    assert (d.route, d.reason) == ("primary", "ok") and d.predicted_ttft_s == pytest.approx(0.512)
+    adm.model.room_per_release_s = 0.4
+    reg.workers["d0"].inflight = 2  # every decode slot held: a release (400 ms) before the prefill
+    assert adm.queued_requests == 0 and adm.model.room.releases_needed(0) == 1
+    d = adm.decide(128, slo)
+    assert (d.route, d.reason) == ("shed", "slo_ttft") and d.predicted_ttft_s == pytest.approx(0.464)
+    reg.workers["d0"].inflight = 1  # a slot free again: admitted
+    assert adm.decide(128, slo).route == "primary"
+
+
 # --- the room prior: the decode-room wait before any slot release (RoomPrior) -----------------------------
 
 
