@@ -348,7 +348,8 @@ class WorkerQueue:
             self.last_answer = now
             self._next_step(now)
         else:  # a failed call: it may have been in the running step, which holds no more than what is left
-            self.step_tokens, self.step_calls = min(self.step_tokens, self.tokens), min(self.step_calls, len(self.calls))
+            self.step_tokens = min(self.step_tokens, self.tokens)
+            self.step_calls = min(self.step_calls, len(self.calls))
             if not self.calls:
                 self.step_at = None
         self.busy_since = now if self.calls else None
