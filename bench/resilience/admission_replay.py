@@ -36,6 +36,7 @@ import sys
 from pathlib import Path
 
 from distserve.server.config import load_config
+from distserve.server.router import ttft_predictor
 from distserve.server.router.ttft_predictor import TtftPredictor
 
 SHED_RE = re.compile(r"predicted TTFT (\d+(?:\.\d+)?) ms")
@@ -142,6 +143,30 @@ def replay(
     return out
 
 
+def _late(late, t0: float) -> dict:
+    """The journal's admitted requests past the SLO: what was predicted, the measured parts (decode room, prefill
+    call, the rest), how many with nothing queued, and the seconds (from the phase's start) they arrived in."""
+    if not late:
+        return {"count": 0}
+    parts = [x[0]["ttft_parts"] for x in late]
+    by_second: dict[int, int] = {}
+    for x in late:
+        k = int(x[0]["start_unix"] - t0)
+        by_second[k] = by_second.get(k, 0) + 1
+    return {
+        "count": len(late),
+        "nothing_queued": sum(1 for p in parts if p["state"].get("queued_requests", 0) == 0),
+        "predicted_p50": _q([x[0]["predicted_ttft"] for x in late], 0.5),
+        "measured_room_call_rest_p50": [_q([p["measured"][i] for p in parts], 0.5) for i in range(3)],
+        "queued_requests_p10_p50_p90": [
+            _q([p["state"].get("queued_requests", 0) for p in parts], q) for q in (0.1, 0.5, 0.9)
+        ],
+        "replayed_margin_p50": _q([x[2] for x in late], 0.5),
+        "replay_admits": sum(1 for x in late if x[3]),
+        "by_second": dict(sorted(by_second.items())),
+    }
+
+
 def summarize(decided, windows: dict[str, tuple[float, float]], slo_s: float) -> dict:
     res = {}
     for name, (a, b) in windows.items():
@@ -173,6 +198,7 @@ def summarize(decided, windows: dict[str, tuple[float, float]], slo_s: float) ->
                 "margin_p50": _q([x[2] for x in d], 0.5),
             },
             "replayed_vs_journal_prediction_p50_p90": [_q(errs, 0.5), _q(errs, 0.9)],
+            "late_admitted": _late([x for x in adm if x[0]["ttft"] > slo_s], a),
         }
     return res
 
@@ -187,8 +213,14 @@ def main() -> int:
         action="store_true",
         help="the rule before 2026-12-07: nothing queued admits a decode-room wait",
     )
+    ap.add_argument("--margin-quantile", type=float, default=None, help="replay with this margin quantile")
+    ap.add_argument("--margin-cap", type=float, default=None, help="replay with this margin cap")
     ap.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     args = ap.parse_args()
+    if args.margin_quantile is not None:
+        ttft_predictor.MARGIN_QUANTILE = args.margin_quantile  # read by slo_margin at each call
+    if args.margin_cap is not None:
+        ttft_predictor.MARGIN_MAX = args.margin_cap
     if not args.journal.is_file():
         print(f"admission_replay: error: no journal at {args.journal}", file=sys.stderr)
         return 2
