@@ -179,6 +179,8 @@ def summarize(decided, windows: dict[str, tuple[float, float]], slo_s: float) ->
         tj = [x[0]["ttft"] for x in adm]
         errs = [abs(x[1] - x[0]["predicted_ttft"]) / x[0]["predicted_ttft"] for x in adm if x[0].get("predicted_ttft")]
         within = [x for x in tt if x <= slo_s]
+        je = [abs(x[0]["predicted_ttft"] - x[0]["ttft"]) / x[0]["ttft"] for x in adm if x[0].get("predicted_ttft")]
+        re_ = [abs(x[1] - x[0]["ttft"]) / x[0]["ttft"] for x in adm]
         res[name] = {
             "arrivals": len(d),
             "journal": {
@@ -198,6 +200,10 @@ def summarize(decided, windows: dict[str, tuple[float, float]], slo_s: float) ->
                 "margin_p50": _q([x[2] for x in d], 0.5),
             },
             "replayed_vs_journal_prediction_p50_p90": [_q(errs, 0.5), _q(errs, 0.9)],
+            "ttft_error_p50_p90": {  # |predicted - measured| / measured TTFT of the admitted requests
+                "journal": [_q(je, 0.5), _q(je, 0.9)],
+                "replay": [_q(re_, 0.5), _q(re_, 0.9)],
+            },
             "late_admitted": _late([x for x in adm if x[0]["ttft"] > slo_s], a),
         }
     return res
