@@ -9,8 +9,15 @@ work admitted before it is done and its own is: **queued prefill tokens x the me
 - *queued prefill tokens*: the prompt tokens of every admitted request still waiting for its first
   token (admission's count, ``Admission.queued_tokens``), on the least-loaded prefill worker: the calls
   in flight there plus its share of those not yet sent anywhere (waiting for decode room, or admitted a
-  moment ago); less what the worker has done of its current work since its last answer (a worker that has
-  been at its calls longer than their tokens cost is read as slower: at least that time per token);
+  moment ago); less what the worker has done of its running step: a worker answers a step's calls together
+  at its end and a call sent while a step runs waits for the next, so the running step holds the calls in
+  flight when it started (its last answer, or the call that found it idle: calls sent within
+  ``STEP_JOIN_S`` of that join it), up to the prefill batch budget, and at most their work is done since.
+  A step that runs past its work at the cost per token is **overdue** (a stall: on one GPU the decode
+  process's work, a neighbour on a CPU): the work behind it is predicted late by as much again as the step
+  has overrun (scaled down to the work behind it when that is smaller than the step: a worker slower per
+  token rather than stalled), so a burst that piles up on a stalled worker is predicted behind it instead of
+  "nearly done" (docs/performance/overload.md, 2026-12-07);
 - *cost per token*: measured on each prefill worker as busy seconds per prompt token answered (a worker
   is busy while a call of ours is in flight there), over the last ``RATE_TAU_S`` seconds. It is the
   worker's throughput as it is now, with everything a call pays on it besides the engine step (HTTP,
@@ -99,6 +106,9 @@ MARGIN_SAMPLES = 256  # ... over the last this many requests admission judged (s
 MARGIN_MIN_SAMPLES = 16
 MARGIN_MAX = 4.0
 ROOM_PRIOR_REFRESH_S = 0.05  # the room prior's times left are recomputed at most this often
+# A call sent this soon after its worker's step started (a burst sent to an idle worker at once) is counted in
+# that step; one sent later waits for the next step.
+STEP_JOIN_S = 0.001
 
 
 class Stream(Protocol):
@@ -259,28 +269,69 @@ class WorkerQueue:
     time since the previous answer (or since the worker became busy) and its prompt tokens; both sums decay
     by ``exp(-dt / RATE_TAU_S)`` between answers, so their ratio is the busy seconds per token of about the
     last ``RATE_TAU_S`` seconds (a step that answers many calls at once counts once, spread over its
-    tokens)."""
+    tokens).
 
-    __slots__ = ("calls", "tokens", "busy_since", "busy_s", "busy_tokens", "last_answer")
+    The running step (``step_at``, ``step_tokens``): the worker answers a step's calls together at its end and
+    schedules the calls waiting then, oldest first, up to its batch budget (``prefill.max_num_batched_tokens``,
+    ``prefill.max_batch_size``); so a step starts at an answer (or when a call finds the worker idle) and holds
+    the calls in flight then (and those sent within ``STEP_JOIN_S``), up to the budget."""
 
-    def __init__(self) -> None:
+    __slots__ = (
+        "calls",
+        "tokens",
+        "busy_since",
+        "busy_s",
+        "busy_tokens",
+        "last_answer",
+        "step_at",
+        "step_tokens",
+        "step_calls",
+        "budget",
+    )
+
+    def __init__(self, batched_tokens: int = 0, batch_size: int = 0) -> None:
         self.calls: list[Call] = []  # in flight, in the order sent
         self.tokens = 0  # their prompt tokens
         self.busy_since: float | None = None  # start of the current busy stretch, or its last answer
         self.busy_s = 0.0
         self.busy_tokens = 0.0
         self.last_answer: float | None = None
+        self.step_at: float | None = None  # when the running step started (None: idle)
+        self.step_tokens = 0  # the prompt tokens of the calls it holds
+        self.step_calls = 0
+        self.budget = (batched_tokens, batch_size)  # a step's most tokens and calls (0: no bound)
 
     def per_token_ms(self) -> float | None:
         return self.busy_s * 1000.0 / self.busy_tokens if self.busy_tokens > 0 else None
 
-    def progress_s(self, now: float) -> float:
-        """Seconds the worker has worked on its calls in flight since its last answer."""
-        return now - self.busy_since if self.busy_since is not None and self.calls else 0.0
+    def step_s(self, now: float) -> float:
+        """Seconds the running step has run (0 when the worker is idle)."""
+        return now - self.step_at if self.step_at is not None and self.calls else 0.0
+
+    def _fits(self, tokens: int) -> bool:
+        most_tokens, most_calls = self.budget
+        if not self.step_calls:
+            return True  # a step holds at least one call, however long
+        return (not most_calls or self.step_calls < most_calls) and (
+            not most_tokens or self.step_tokens + tokens <= most_tokens
+        )
+
+    def _next_step(self, now: float) -> None:
+        """A step ended (an answer): the next holds the calls in flight, oldest first, up to the budget."""
+        self.step_at, self.step_tokens, self.step_calls = (now if self.calls else None), 0, 0
+        for c in self.calls:
+            if not self._fits(c.tokens):
+                break
+            self.step_tokens += c.tokens
+            self.step_calls += 1
 
     def add(self, c: Call, now: float) -> None:
         if not self.calls:
             self.busy_since = now
+            self.step_at, self.step_tokens, self.step_calls = now, 0, 0
+        if self.step_at is not None and now - self.step_at <= STEP_JOIN_S and self._fits(c.tokens):
+            self.step_tokens += c.tokens
+            self.step_calls += 1
         self.calls.append(c)
         self.tokens += c.tokens
 
@@ -295,6 +346,12 @@ class WorkerQueue:
             self.busy_s += max(0.0, now - since)
             self.busy_tokens += c.tokens
             self.last_answer = now
+            self._next_step(now)
+        else:  # a failed call: it may have been in the running step, which holds no more than what is left
+            self.step_tokens = min(self.step_tokens, self.tokens)
+            self.step_calls = min(self.step_calls, len(self.calls))
+            if not self.calls:
+                self.step_at = None
         self.busy_since = now if self.calls else None
 
 
@@ -470,16 +527,25 @@ class TtftPredictor:
 
     def queued_ms(self, wq: WorkerQueue | None, own: int, unsent_tokens: float, now: float) -> float:
         """Until a request of ``own`` prompt tokens sent to this worker (after ``unsent_tokens`` admitted
-        before it and not sent anywhere yet) has its first token: the queued work at the cost per token,
-        less what the worker did of it since its last answer."""
+        before it and not sent anywhere yet) has its first token: the queued work at the cost per token, less
+        what the worker did of its running step (at most that step's work); a step overdue (run past its work
+        at the cost per token) delays the work behind it by its overrun, scaled down to that work when it is
+        smaller than the step."""
         ahead = unsent_tokens + (wq.tokens if wq is not None else 0)
-        done_ms = wq.progress_s(now) * 1000.0 if wq is not None else 0.0
         per_token = self.per_token_ms(wq)
-        if wq is not None and wq.tokens:
-            # a worker that has been at its calls for longer than their tokens cost is slower now than
-            # measured (a stall, a neighbour): at least that time per token, not nearly done
-            per_token = max(per_token, done_ms / wq.tokens)
-        return max(0.0, queued_ttft_ms(ahead, own, 0.0, per_token) - done_ms)
+        work_ms = queued_ttft_ms(ahead, own, 0.0, per_token)
+        if wq is None or not wq.calls:
+            return max(0.0, work_ms)
+        ran_ms = wq.step_s(now) * 1000.0
+        step_ms = wq.step_tokens * per_token
+        done_ms = min(ran_ms, step_ms)
+        late_ms = 0.0
+        if ran_ms > step_ms and wq.step_tokens:
+            # overdue: a stall (as long again as it has overrun) or a worker slower per token than measured
+            # (the work behind at the step's own pace, which is less when that work is smaller than the step)
+            behind = max(0.0, ahead + own - wq.step_tokens)
+            late_ms = (ran_ms - step_ms) * min(1.0, behind / wq.step_tokens)
+        return max(0.0, work_ms - done_ms + late_ms)
 
     def _queued_best_ms(self, own: int, queued_tokens: float, now: float) -> float:
         """``queued_ms`` on the worker that would answer first; the admitted requests not in flight yet
@@ -612,7 +678,7 @@ class TtftPredictor:
         now = self.clock()
         wq = self.known.get(worker_id)
         if wq is None:
-            wq = self.known[worker_id] = WorkerQueue()
+            wq = self.known[worker_id] = WorkerQueue(self.batched_tokens, self.batch_size)
         c = Call(worker_id, tokens, wq.tokens, len(wq.calls), now)
         if self.ready:
             c.at_start_ms = max(self.idle_call_ms(tokens), self.queued_ms(wq, tokens, 0.0, now))

@@ -157,6 +157,51 @@ def test_the_prediction_is_the_queued_tokens_at_the_measured_cost_per_token():
     assert p.predict_s(128, queued_tokens=640) == pytest.approx(0.620)
 
 
+def test_the_progress_credited_since_the_last_answer_is_at_most_the_running_steps_work():
+    # The worker answers a step's calls together at its end; a call sent while a step runs waits for the next.
+    # So what it has done since its last answer is at most the running step's work: the calls in flight when
+    # the step started. Counting all the time since then as progress on every call in flight (calls sent
+    # after the step started included) read a stalled worker as nearly done (the H200's 4x run: 40 calls
+    # piled up behind a 227 ms step of 4 and each new one was predicted ~70 ms).
+    p, clock, _, _ = _attached(workers=1)
+    _warm(p, clock)  # 20 ms per call of 128 tokens: 20 / 128 ms per token
+    c = 20.0 / 128
+    p.call_started("p0", 128)  # finds the worker idle: a step of its 128 tokens, 20 ms
+    clock.t += 0.010
+    for _ in range(9):  # nine more sent 10 ms into that step: they wait for the next one
+        p.call_started("p0", 128)
+    queued = 10 * 128
+    # 10 ms into the step: 10 ms done of it, the rest ahead
+    assert p.predict_s(128, queued_tokens=queued) == pytest.approx(((queued + 128) * c - 10.0) / 1000)
+    clock.t += 0.010  # the step's 20 ms are up: all of it done, nothing of the nine
+    at_end = p.predict_s(128, queued_tokens=queued)
+    assert at_end == pytest.approx(((queued + 128) * c - 20.0) / 1000)
+    # 60 ms more without an answer: the step is 60 ms overdue. Before, the 80 ms since it started counted
+    # as done (the prediction fell to 140 ms as the worker stood still); now the step is read as late,
+    # by as much again as it has overrun: the rest is still ahead, and the prediction grows
+    clock.t += 0.060
+    overdue = p.predict_s(128, queued_tokens=queued)
+    assert overdue == pytest.approx(((queued + 128) * c - 20.0 + 60.0) / 1000)
+    assert overdue > at_end
+
+
+def test_each_request_of_a_burst_on_a_stalled_worker_is_predicted_behind_the_one_before():
+    # the H200's 4x run (docs/performance/overload.md, 2026-12-07): the prefill worker went 200+ ms without
+    # answering while a burst came in; each new request was predicted ~70 ms whatever its place (the time
+    # without an answer was credited as progress on calls sent after the step started), and admitted
+    p, clock, _, _ = _attached(workers=1)
+    _warm(p, clock)
+    p.call_started("p0", 128)  # a step of one call, 20 ms expected
+    preds = []
+    for _ in range(12):  # one call every 20 ms (as much work as the time it waits), no answer for 240 ms
+        clock.t += 0.020
+        queued = sum(q.tokens for q in p.queues.values())
+        preds.append(p.predict_s(128, queued_tokens=queued))
+        p.call_started("p0", 128)
+    assert all(b > a for a, b in zip(preds[1:], preds[2:], strict=False)), preds  # each behind the one before
+    assert preds[-1] > 2 * preds[1]
+
+
 def test_the_idle_call_is_a_low_quantile_of_the_recent_ones_plus_a_slope_per_token():
     p, clock, _, _ = _attached(slots=0)
     _warm(p, clock, n=12, ms=20.0)
@@ -497,6 +542,25 @@ def test_a_burst_on_a_fresh_server_is_admitted_while_it_fits_the_slo_and_shed_af
         d = cold.decide(128, slo)
         assert (d.route, d.predicted_ttft_s) == ("primary", None)
         cold.admit(128, d)
+
+
+def test_nothing_queued_admits_whatever_the_prefill_prediction_but_not_a_wait_for_decode_room():
+    # Nothing queued: a request is admitted whatever its prefill part is predicted (shedding it could not help,
+    # and it is the model's next measurement). A request that would wait for decode room is not in that case:
+    # every slot is held by admitted requests (the ledger), the wait is real and re-measured as they end. On
+    # the H200's 4x run 11 of the 102 late admitted requests were such (predicted 0.4-0.6 s of decode room,
+    # admitted for nothing queued, measured 0.27-1.05 s).
+    adm, clock, reg, _ = _admission_with_prior(slots=2)
+    slo = Slo(ttft_s=0.25)
+    d = adm.decide(1024, slo)  # 1024 tokens at the prior (0.5 ms each): 512 ms > SLO, yet nothing queued
+    assert (d.route, d.reason) == ("primary", "ok") and d.predicted_ttft_s == pytest.approx(0.512)
+    adm.model.room_per_release_s = 0.4
+    reg.workers["d0"].inflight = 2  # every decode slot held: a release (400 ms) before the prefill
+    assert adm.queued_requests == 0 and adm.model.room.releases_needed(0) == 1
+    d = adm.decide(128, slo)
+    assert (d.route, d.reason) == ("shed", "slo_ttft") and d.predicted_ttft_s == pytest.approx(0.464)
+    reg.workers["d0"].inflight = 1  # a slot free again: admitted
+    assert adm.decide(128, slo).route == "primary"
 
 
 # --- the room prior: the decode-room wait before any slot release (RoomPrior) -----------------------------
