@@ -370,6 +370,12 @@ class KVStagingServer(KVSender):
         with self._lock:
             return sum(not c.evicted for c in self._conns.values())
 
+    @property
+    def num_idle_connections(self) -> int:
+        """Control connections between pulls: the ones a new connection over ``max_connections`` may evict."""
+        with self._lock:
+            return sum(not c.evicted and c.idle_since is not None for c in self._conns.values())
+
     def close(self) -> None:
         """Stop threads, close sockets, unlink every shm segment this server created."""
         with self._lock:
