@@ -255,6 +255,12 @@ def gptq_quantize_layers(
         assert hess is not None
         return hess
 
+    def normed(norm: Any) -> Callable[[slice], torch.Tensor]:
+        def inputs(c: slice) -> torch.Tensor:
+            return _rms(x[c], norm)
+
+        return inputs
+
     for i, layer in enumerate(model.layers):
         att, mlp = layer.self_attn, layer.mlp
         if i in keep_layers:
@@ -265,7 +271,7 @@ def gptq_quantize_layers(
                 h = _rms(xc, layer.post_attention_layernorm)
                 x[c] = xc + _linear(_silu_mul(_linear(h, mlp.gate_up_proj)), mlp.down_proj)
             continue
-        quantise(i, "self_attn.qkv_proj", att.qkv_proj, stage(lambda c, n=layer.input_layernorm: _rms(x[c], n)))
+        quantise(i, "self_attn.qkv_proj", att.qkv_proj, stage(normed(layer.input_layernorm)))
         attn_out = torch.empty(n_seq, seq_len, att.q_size, dtype=dtype, device=dev)
 
         def attn_in(c: slice, out: torch.Tensor = attn_out, layer: Any = layer) -> torch.Tensor:
@@ -277,8 +283,7 @@ def gptq_quantize_layers(
         for c in chunks:
             x[c] = x[c] + _linear(attn_out[c], att.o_proj)
         del attn_out
-        norm2 = layer.post_attention_layernorm
-        quantise(i, "mlp.gate_up_proj", mlp.gate_up_proj, stage(lambda c, n=norm2: _rms(x[c], n)))
+        quantise(i, "mlp.gate_up_proj", mlp.gate_up_proj, stage(normed(layer.post_attention_layernorm)))
         inter = mlp.down_proj.weight.shape[1]
         act = torch.empty(n_seq, seq_len, inter, dtype=dtype, device=dev)
 
