@@ -375,9 +375,10 @@ GPTQ_SHAPES = {"o": (4096, 4096), "gate": (11008, 4096), **{k: SHAPES[k] for k i
 def gptq_timing(device: str, shapes: list[str], tokens: int) -> None:
     """Load-time cost of ``decode.fp8_weight_rounding: gptq`` on 7B shapes (random weights; the cost does not
     depend on the values): per projection, the Hessian ``X^T X`` of ``tokens`` calibration rows (float32, as
-    ``fp8_gptq._Hessian``) and ``gptq_round`` (Cholesky, 128-column blocks, act order), each timed once after
-    a warm-up on a small shape. A 7B layer is qkv + o + gate_up + down; the model is 32 of them, plus the
-    calibration forward (not timed here: a few forward passes over ``tokens`` tokens)."""
+    ``fp8_gptq._Hessian``), the MSE scales (which nearest rounding pays too) and ``gptq_round`` (Cholesky,
+    128-column blocks, act order), each timed once after a warm-up on a small shape. A 7B layer is qkv + o +
+    gate_up + down; the model is 32 of them, plus the calibration forward (not timed here: about one forward
+    pass over ``tokens`` tokens)."""
     from distserve.server.engine.fp8 import quantize_per_channel_mse
     from distserve.server.engine.fp8_gptq import gptq_round
 
@@ -402,18 +403,31 @@ def gptq_timing(device: str, shapes: list[str], tokens: int) -> None:
             h.addmm_(c.float().T, c.float())
         sync()
         t1 = time.perf_counter()
-        _, scale = quantize_per_channel_mse(w)
-        q = gptq_round(w, h, scale)
+        _, scale = quantize_per_channel_mse(w)  # nearest rounding pays this too
         sync()
         t2 = time.perf_counter()
-        out[name] = {"shape": [n, k], "hessian_s": round(t1 - t0, 3), "round_s": round(t2 - t1, 3)}
-        print(f"gptq {name} {n}x{k} on {device}: hessian {t1 - t0:.2f}s, scales + rounding {t2 - t1:.2f}s", flush=True)
+        q = gptq_round(w, h, scale)
+        sync()
+        t3 = time.perf_counter()
+        out[name] = {
+            "shape": [n, k],
+            "hessian_s": round(t1 - t0, 3),
+            "mse_scales_s": round(t2 - t1, 3),
+            "round_s": round(t3 - t2, 3),
+        }
+        print(
+            f"gptq {name} {n}x{k} on {device}: hessian {t1 - t0:.2f}s, MSE scales {t2 - t1:.2f}s, "
+            f"GPTQ rounding {t3 - t2:.2f}s",
+            flush=True,
+        )
         del w, x, h, q
         save()
     if all(k in out for k in ("qkv", "o", "gate_up", "down")):
-        layer = sum(out[k]["hessian_s"] + out[k]["round_s"] for k in ("qkv", "o", "gate_up", "down"))
-        out["per_7b_layer_s"] = round(layer, 2)
-        out["per_7b_model_s"] = round(32 * layer, 1)
+        four = ("qkv", "o", "gate_up", "down")
+        extra = sum(out[k]["hessian_s"] + out[k]["round_s"] for k in four)  # what gptq adds to nearest
+        out["gptq_extra_per_7b_layer_s"] = round(extra, 2)
+        out["gptq_extra_per_7b_model_s"] = round(32 * extra, 1)
+        out["mse_scales_per_7b_model_s"] = round(32 * sum(out[k]["mse_scales_s"] for k in four), 1)
         save()
 
 
