@@ -321,6 +321,7 @@ def main() -> None:
     ap.add_argument("--out", default="bench/results/fp8_accuracy_study.json")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)  # before the long reference, not after it
     t0 = time.time()
     path = resolve_model_path("smollm2-135m-instruct")
     m = Model(path)
