@@ -262,6 +262,9 @@ class DecodeConfig(_Section):
     # decoder linears' weights: bf16 = as loaded (the compute dtype), fp8 = e4m3 with per-output-channel scales
     dtype: str = _opt("auto", "enum", choices=_DTYPE_CHOICES)
     weight_dtype: str = _opt("bf16", "enum", choices=("bf16", "fp8"))
+    # fp8 weights only: how each weight is rounded to e4m3 under its row's scale: nearest, or gptq
+    # (error-compensating rounding from shipped calibration text at load: same bytes and kernels, slower start)
+    fp8_weight_rounding: str = _opt("nearest", "enum", choices=("nearest", "gptq"))
     sm_share: int = _opt(0, "int", lo=0, hi=100)  # as prefill.sm_share, for decode and colocated workers
 
 
@@ -477,6 +480,11 @@ def _check_precision(cfg: DistServeConfig) -> None:
                 f"{kv_key!r} fp8_e4m3 needs {role}.attention_backend one of {', '.join(_FP8_KV_BACKENDS)}; "
                 f"got {backend!r}"
             )
+    if cfg.decode.fp8_weight_rounding != "nearest" and cfg.decode.weight_dtype != "fp8":
+        raise ConfigError(
+            f"'decode.fp8_weight_rounding' {cfg.decode.fp8_weight_rounding} applies to FP8 weights only: it needs "
+            f"decode.weight_dtype fp8, got {cfg.decode.weight_dtype!r}"
+        )
     pf, dc = role_dtype(cfg, "prefill"), role_dtype(cfg, "decode")
     if pf != dc:
         raise ConfigError(

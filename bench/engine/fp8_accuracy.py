@@ -173,6 +173,15 @@ def main() -> None:
         # layers 0 and L-1 kept bf16 (fp8_bf16_layers: first_last), the study's cheapest large gain
         "fp8_both_first_last": {"weight_dtype": "fp8", "kv_cache_dtype": "fp8_e4m3", "fp8_bf16_layers": "first_last"},
         "fp8_weights_first_last": {"weight_dtype": "fp8", "fp8_bf16_layers": "first_last"},
+        # GPTQ rounding of the FP8 weights at load (decode.fp8_weight_rounding: gptq, fp8_gptq.py)
+        "fp8_both_gptq": {"weight_dtype": "fp8", "kv_cache_dtype": "fp8_e4m3", "fp8_weight_rounding": "gptq"},
+        "fp8_weights_gptq": {"weight_dtype": "fp8", "fp8_weight_rounding": "gptq"},
+        "fp8_both_gptq_first_last": {
+            "weight_dtype": "fp8",
+            "kv_cache_dtype": "fp8_e4m3",
+            "fp8_weight_rounding": "gptq",
+            "fp8_bf16_layers": "first_last",
+        },
     }
     for v in a.variants.split(","):
         t0 = time.time()

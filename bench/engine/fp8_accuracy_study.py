@@ -85,7 +85,7 @@ def quant_weight(w: torch.Tensor, mode: str) -> torch.Tensor:
 @dataclass
 class Variant:
     name: str
-    weights: str | None = None  # None | channel | block128 | tensor
+    weights: str | None = None  # None | channel | channel_mse | gptq | block128 | tensor
     projections: tuple[str, ...] = PROJ
     bf16_layers: tuple[int, ...] = ()  # decoder layers kept unquantised
     kv: str | None = None  # None | layer | head
@@ -130,6 +130,9 @@ class Model:
         self.embed = self.sd["model.embed_tokens.weight"]
         self.lm = self.sd.get("lm_head.weight", self.embed)
         self.ref_w = [self.layer_weights(i) for i in range(self.L)]
+        self.gptq_reports: dict[tuple[int, ...], dict] = {}
+        tok = load_tokenizer(path)
+        self.encode_calibration = lambda text: tok.encode(text, add_bos=False)
 
     def layer_weights(self, i: int) -> dict[str, torch.Tensor]:
         p = f"model.layers.{i}."
@@ -139,9 +142,53 @@ class Model:
         w["ln2"] = self.sd[p + "post_attention_layernorm.weight"]
         return w
 
+    def gptq_w(self, keep: tuple[int, ...]) -> list[dict[str, torch.Tensor]]:
+        """The decoder weights as the product's GPTQ rounding leaves them (``quantize_model_weights(...,
+        rounding="gptq")`` on the engine's own ``LlamaForCausalLM`` in float32, calibrated on the shipped
+        text), dequantised and split back into q/k/v and gate/up. Cached per set of bf16 layers."""
+        cache = self.__dict__.setdefault("_gptq_w", {})
+        if keep in cache:
+            return cache[keep]
+        from distserve.server.engine.attention import get_attention_backend
+        from distserve.server.engine.fp8 import quantize_model_weights
+        from distserve.server.engine.fp8_gptq import calibration_sequences
+        from distserve.server.engine.model import LlamaForCausalLM
+
+        t0 = time.time()
+        with torch.device("meta"):
+            model = LlamaForCausalLM(self.cfg, get_attention_backend("sdpa", torch.device("cpu")))
+        model = model.to_empty(device="cpu").float()
+        model.load_hf_weights(self.sd)
+        report = quantize_model_weights(model, set(keep), "gptq", calibration_sequences(self.encode_calibration))
+        q_size, kv_size = self.H * self.D, self.Hkv * self.D
+        out = []
+        for i, layer in enumerate(model.layers):
+            if i in keep:
+                out.append(self.ref_w[i])
+                continue
+            w = dict(self.ref_w[i])
+
+            def deq(mod):
+                return mod.weight.float() * mod.weight_scale[:, None]
+
+            qkv = deq(layer.self_attn.qkv_proj)
+            w["q"], w["k"], w["v"] = qkv[:q_size], qkv[q_size : q_size + kv_size], qkv[q_size + kv_size :]
+            w["o"] = deq(layer.self_attn.o_proj)
+            w["gate"], w["up"] = deq(layer.mlp.gate_up_proj).chunk(2)
+            w["down"] = deq(layer.mlp.down_proj)
+            out.append(w)
+        self.gptq_reports[keep] = dict(report, wall_seconds=round(time.time() - t0, 1))
+        print(f"GPTQ (bf16 layers {list(keep)}): {self.gptq_reports[keep]}", flush=True)
+        cache[keep] = out
+        return out
+
     def variant_weights(self, v: Variant) -> tuple[list[dict[str, torch.Tensor]], torch.Tensor]:
         out = []
         base = self.bf16_w() if v.bf16 else self.ref_w
+        if v.weights == "gptq":
+            if v.bf16 or v.projections != PROJ:
+                raise ValueError("gptq variants: all projections, float32 numerics only")
+            return self.gptq_w(tuple(sorted(v.bf16_layers))), self.lm
         for i, w in enumerate(base):
             if v.weights is None or i in v.bf16_layers:
                 out.append(w)
@@ -242,6 +289,19 @@ def kv_scales(cal_kv: list[list[tuple[torch.Tensor, torch.Tensor]]], v: Variant,
     return out
 
 
+def gptq_calibration_overlap(m: Model, eval_p: list, n: int = 12) -> dict:
+    """The GPTQ calibration text must be disjoint from what is evaluated: evaluation prompts (prompt and
+    forced continuation) sharing any ``n``-token run with the shipped calibration text's token stream."""
+    from distserve.server.engine.fp8_gptq import calibration_sequences
+
+    cal = calibration_sequences(m.encode_calibration, max_sequences=10**6).flatten().tolist()
+    grams = {tuple(cal[i : i + n]) for i in range(len(cal) - n + 1)}
+    hits = sum(
+        any(tuple(ids[i : i + n]) in grams for i in range(len(ids) - n + 1)) for ids in (p + r for p, r in eval_p)
+    )
+    return {"ngram": n, "calibration_tokens": len(cal), "eval_prompts": len(eval_p), "eval_prompts_sharing_one": hits}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--prompts", type=int, default=40)
@@ -261,12 +321,15 @@ def main() -> None:
     ap.add_argument("--out", default="bench/results/fp8_accuracy_study.json")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)  # before the long reference, not after it
     t0 = time.time()
     path = resolve_model_path("smollm2-135m-instruct")
     m = Model(path)
     tok = load_tokenizer(path)
     allp = pairs(tok, a.prompts + a.calibration, a.max_prompt, a.tokens)
     cal_p, eval_p = [p for p, _ in allp[: a.calibration]], allp[a.calibration :]
+    overlap = gptq_calibration_overlap(m, eval_p)
+    print(f"GPTQ calibration text vs evaluation prompts: {overlap}", flush=True)
     torch.inference_mode().__enter__()
     # reference: prompt K/V and teacher-forced logits; the forced continuation is the reference's own greedy
     # tokens with --greedy (as bench/fp8_accuracy.py), else the ShareGPT reply's first tokens (one chunk)
@@ -323,6 +386,13 @@ def main() -> None:
         Variant("both_block128_layer_first_last", weights="block128", kv="layer", bf16_layers=(0, m.L - 1)),
         Variant("kv_layer_p99.99", kv="layer", kv_pct=0.9999, kv_headroom=1.0),
         Variant("kv_layer_headroom1", kv="layer", kv_headroom=1.0),
+        # GPTQ rounding (the product's fp8_gptq, MSE-chosen per-channel scales, calibrated on the shipped text)
+        Variant("w_gptq", weights="gptq"),
+        Variant("both_gptq_layer", weights="gptq", kv="layer"),
+        Variant("both_gptq_layer_first_last", weights="gptq", kv="layer", bf16_layers=(0, m.L - 1)),
+        Variant("w_gptq_first_last", weights="gptq", bf16_layers=(0, m.L - 1)),
+        Variant("both_channel_mse_layer", weights="channel_mse", kv="layer"),
+        Variant("both_channel_mse_layer_first_last", weights="channel_mse", kv="layer", bf16_layers=(0, m.L - 1)),
     ]
     if a.layers:
         variants += [
@@ -343,7 +413,8 @@ def main() -> None:
         "calibration_prompts": len(cal_p),
         "tokens": a.tokens,
         "reference": a.ref,
-        "command": "python bench/fp8_accuracy_study.py " + " ".join(sys.argv[1:]),
+        "command": "python -m bench.engine.fp8_accuracy_study " + " ".join(sys.argv[1:]),
+        "gptq_calibration_overlap": overlap,
         "variants": {},
     }
     dec_bytes_bf16 = sum(w[n].numel() * 2 for w in m.ref_w for n in PROJ)
@@ -387,6 +458,7 @@ def main() -> None:
         res["variants"][v.name] = row
         print(v.name, row, flush=True)
         Path(a.out).write_text(json.dumps(res, indent=1))
+    res["gptq"] = {str(list(k)): r for k, r in m.gptq_reports.items()}
     res["seconds"] = round(time.time() - t0, 1)
     Path(a.out).write_text(json.dumps(res, indent=1))
     _ = math  # noqa

@@ -369,6 +369,68 @@ def table() -> str:
     return "\n".join(lines)
 
 
+GPTQ_SHAPES = {"o": (4096, 4096), "gate": (11008, 4096), **{k: SHAPES[k] for k in ("qkv", "gate_up", "down")}}
+
+
+def gptq_timing(device: str, shapes: list[str], tokens: int) -> None:
+    """Load-time cost of ``decode.fp8_weight_rounding: gptq`` on 7B shapes (random weights; the cost does not
+    depend on the values): per projection, the Hessian ``X^T X`` of ``tokens`` calibration rows (float32, as
+    ``fp8_gptq._Hessian``), the MSE scales (which nearest rounding pays too) and ``gptq_round`` (Cholesky,
+    128-column blocks, act order), each timed once after a warm-up on a small shape. A 7B layer is qkv + o +
+    gate_up + down; the model is 32 of them, plus the calibration forward (not timed here: about one forward
+    pass over ``tokens`` tokens)."""
+    from distserve.server.engine.fp8 import quantize_per_channel_mse
+    from distserve.server.engine.fp8_gptq import gptq_round
+
+    dev = torch.device(device)
+
+    def sync() -> None:
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+
+    g = torch.Generator(device="cpu").manual_seed(0)
+    w0 = torch.randn(256, 256, generator=g).to(dev)
+    gptq_round(w0, w0.T @ w0 + torch.eye(256, device=dev), quantize_per_channel_mse(w0)[1])  # warm-up
+    out = RESULTS.setdefault("gptq", {"device": device, "tokens": tokens})
+    for name in shapes:
+        n, k = GPTQ_SHAPES[name]
+        w = (0.02 * torch.randn(n, k, generator=g)).to(dev, torch.bfloat16)
+        x = torch.randn(tokens, k, generator=g).to(dev, torch.bfloat16)
+        sync()
+        t0 = time.perf_counter()
+        h = torch.zeros(k, k, device=dev)
+        for c in x.split(2048):
+            h.addmm_(c.float().T, c.float())
+        sync()
+        t1 = time.perf_counter()
+        _, scale = quantize_per_channel_mse(w)  # nearest rounding pays this too
+        sync()
+        t2 = time.perf_counter()
+        q = gptq_round(w, h, scale)
+        sync()
+        t3 = time.perf_counter()
+        out[name] = {
+            "shape": [n, k],
+            "hessian_s": round(t1 - t0, 3),
+            "mse_scales_s": round(t2 - t1, 3),
+            "round_s": round(t3 - t2, 3),
+        }
+        print(
+            f"gptq {name} {n}x{k} on {device}: hessian {t1 - t0:.2f}s, MSE scales {t2 - t1:.2f}s, "
+            f"GPTQ rounding {t3 - t2:.2f}s",
+            flush=True,
+        )
+        del w, x, h, q
+        save()
+    if all(k in out for k in ("qkv", "o", "gate_up", "down")):
+        four = ("qkv", "o", "gate_up", "down")
+        extra = sum(out[k]["hessian_s"] + out[k]["round_s"] for k in four)  # what gptq adds to nearest
+        out["gptq_extra_per_7b_layer_s"] = round(extra, 2)
+        out["gptq_extra_per_7b_model_s"] = round(32 * extra, 1)
+        out["mse_scales_per_7b_model_s"] = round(32 * sum(out[k]["mse_scales_s"] for k in four), 1)
+        save()
+
+
 def main() -> None:
     global OUT
     ap = argparse.ArgumentParser()
@@ -378,8 +440,20 @@ def main() -> None:
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--smoke", action="store_true", help="tiny model on the CPU: checks the script only")
     ap.add_argument("--handoff", default="", help="(internal) file of the bf16 hand-off KV and logits")
+    ap.add_argument(
+        "--gptq-only",
+        default="",
+        help="only time GPTQ rounding (decode.fp8_weight_rounding: gptq) on these 7B shapes, e.g. "
+        "qkv,o,gate_up,down (or o,gate), then exit",
+    )
+    ap.add_argument("--gptq-device", default="cuda")
+    ap.add_argument("--gptq-tokens", type=int, default=10240, help="calibration rows (the shipped text: 10240)")
     a = ap.parse_args()
     OUT = Path(a.out)
+    if a.gptq_only:
+        RESULTS["device"] = torch.cuda.get_device_name(0) if a.gptq_device.startswith("cuda") else a.gptq_device
+        gptq_timing(a.gptq_device, a.gptq_only.split(","), a.gptq_tokens)
+        return
     if a.smoke:
         MODEL[:] = [None, "cpu"]
     RESULTS["device"] = torch.cuda.get_device_name(0) if not a.smoke else "cpu (smoke)"

@@ -101,30 +101,54 @@ def bf16_layer_set(rule: str, num_layers: int) -> set[int]:
     raise ValueError(f"fp8_bf16_layers must be none or first_last, got {rule!r}")
 
 
-def quantize_model_weights(model: nn.Module, keep_layers: set[int] | frozenset[int] = frozenset()) -> dict[str, Any]:
+def quantize_model_weights(
+    model: nn.Module,
+    keep_layers: set[int] | frozenset[int] = frozenset(),
+    rounding: str = "nearest",
+    calibration: torch.Tensor | None = None,
+) -> dict[str, Any]:
     """Replace the decoder linears' weights by e4m3 + per-output-channel scales (``weight_scale``), in place.
 
+    ``rounding``: ``nearest`` (each weight to its nearest e4m3 value under the row's MSE-chosen scale) or
+    ``gptq`` (the same scales, the rounding chosen to minimise each linear's output error on the
+    ``calibration`` token ids ``[n, seq_len]``, layer by layer: ``fp8_gptq.py``). Same format either way.
     The first rows of the first layer's q/k/v weight are kept as they were loaded (``fingerprint_rows``):
     the worker's model fingerprint digests them, and a bf16 prefill worker must match an FP8 decode one.
     Layers in ``keep_layers`` stay as loaded. Returns what was converted (bytes before/after)."""
+    if rounding not in ("nearest", "gptq"):
+        raise ValueError(f"fp8_weight_rounding must be nearest or gptq, got {rounding!r}")
     before = after = 0
     layers: Any = model.layers
-    for i, layer in enumerate(layers):
-        if i in keep_layers:
-            continue
-        for name in FP8_LINEARS:
-            mod: Any = layer.get_submodule(name)
-            w = mod.weight.detach()
-            if i == 0 and name == "self_attn.qkv_proj":
-                mod.fingerprint_rows = w[:4].clone()
-            q, scale = quantize_per_channel_mse(w)
-            before += w.numel() * w.element_size()
-            after += q.numel() + scale.numel() * 4
-            mod.weight = nn.Parameter(q, requires_grad=False)
-            mod.register_buffer("weight_scale", scale, persistent=False)
-            mod.gemv_cfg = None  # the bf16 GEMV tuning does not apply
+
+    def install(i: int, name: str, mod: Any, q: torch.Tensor, scale: torch.Tensor) -> None:
+        nonlocal before, after
+        w = mod.weight.detach()
+        if i == 0 and name == "self_attn.qkv_proj":
+            mod.fingerprint_rows = w[:4].clone()
+        before += w.numel() * w.element_size()
+        after += q.numel() + scale.numel() * 4
+        mod.weight = nn.Parameter(q, requires_grad=False)
+        mod.register_buffer("weight_scale", scale, persistent=False)
+        mod.gemv_cfg = None  # the bf16 GEMV tuning does not apply
+
+    report: dict[str, Any] = {"rounding": rounding}
+    if rounding == "gptq":
+        from distserve.server.engine.fp8_gptq import gptq_quantize_layers
+
+        if calibration is None:
+            raise ValueError("fp8_weight_rounding gptq needs calibration token ids")
+        report["gptq"] = gptq_quantize_layers(model, calibration, keep_layers, quantize_per_channel_mse, install)
+    else:
+        for i, layer in enumerate(layers):
+            if i in keep_layers:
+                continue
+            for name in FP8_LINEARS:
+                mod: Any = layer.get_submodule(name)
+                q, scale = quantize_per_channel_mse(mod.weight.detach())
+                install(i, name, mod, q, scale)
     n = (len(layers) - len(set(keep_layers) & set(range(len(layers))))) * len(FP8_LINEARS)
-    return {"linears": n, "bytes_before": before, "bytes_after": after, "bf16_layers": sorted(keep_layers)}
+    report.update({"linears": n, "bytes_before": before, "bytes_after": after, "bf16_layers": sorted(keep_layers)})
+    return report
 
 
 def fp8_linear_emulated(x: torch.Tensor, layer: Any) -> torch.Tensor:

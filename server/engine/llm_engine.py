@@ -117,6 +117,9 @@ class EngineConfig:
     # loaded, the compute dtype); the KV cache in e4m3 with per-layer scales calibrated online
     weight_dtype: str = "bf16"
     fp8_bf16_layers: str = "none"  # FP8 weights: decoder layers kept in the compute dtype (none | first_last)
+    # FP8 weights: nearest (round each weight to its nearest e4m3 value) | gptq (error-compensating rounding
+    # from calibration activations at load, fp8_gptq.py: same format and scales, a slower load)
+    fp8_weight_rounding: str = "nearest"
     kv_cache_dtype: str = "auto"  # auto | bf16 (= the compute dtype) | fp8_e4m3
     kv_scale_init: float = 1.0
     kv_calibration_requests: int = 1000  # finished requests before the FP8 KV scales are set; 0 = never
@@ -133,6 +136,8 @@ class EngineConfig:
             raise ValueError(f"weight_dtype must be bf16 or fp8, got {self.weight_dtype!r}")
         if self.fp8_bf16_layers not in ("none", "first_last"):
             raise ValueError(f"fp8_bf16_layers must be none or first_last, got {self.fp8_bf16_layers!r}")
+        if self.fp8_weight_rounding not in ("nearest", "gptq"):
+            raise ValueError(f"fp8_weight_rounding must be nearest or gptq, got {self.fp8_weight_rounding!r}")
         if self.kv_cache_dtype not in ("auto", "bf16", "fp8_e4m3"):
             raise ValueError(f"kv_cache_dtype must be auto, bf16 or fp8_e4m3, got {self.kv_cache_dtype!r}")
 
@@ -204,7 +209,19 @@ class LLMEngine:
         self.weight_report: dict | None = None
         if config.weight_dtype == "fp8":
             keep = bf16_layer_set(config.fp8_bf16_layers, self.model_config.num_hidden_layers)
-            self.weight_report = quantize_model_weights(model, keep)
+            calibration = None
+            if config.fp8_weight_rounding == "gptq":
+                from distserve.server.engine.fp8_gptq import SEQ_LEN, calibration_sequences
+
+                tok = self._load_tokenizer()
+                calibration = calibration_sequences(
+                    lambda text: tok.encode(text, add_bos=False),
+                    seq_len=min(SEQ_LEN, self.model_config.max_position_embeddings),
+                    vocab_size=self.model_config.vocab_size,
+                )
+            self.weight_report = quantize_model_weights(model, keep, config.fp8_weight_rounding, calibration)
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()  # GPTQ's Hessians and activations: not the KV pool's to lose
             log.info("FP8 weights: %s", self.weight_report)
         self.model = model.eval().requires_grad_(False)
         weights = memory_probe.allocated() if memory_probe is not None else 0

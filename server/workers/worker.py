@@ -120,6 +120,7 @@ def engine_config_for(
             torch_threads=dc.torch_threads,
             attention_backend=dc.attention_backend,
             weight_dtype=dc.weight_dtype,
+            fp8_weight_rounding=dc.fp8_weight_rounding,
             kv_cache_dtype=cache.kv_dtype,
             kv_arena=cfg.kv_transfer.by_reference,  # its pool exported to the prefill workers (kv_reference.py)
         )
@@ -129,6 +130,7 @@ def engine_config_for(
         torch_threads=dc.torch_threads,
         attention_backend=dc.attention_backend,
         weight_dtype=dc.weight_dtype,
+        fp8_weight_rounding=dc.fp8_weight_rounding,
         kv_cache_dtype=cache.kv_dtype,
     )
 
