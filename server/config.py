@@ -265,6 +265,9 @@ class DecodeConfig(_Section):
     # fp8 weights only: how each weight is rounded to e4m3 under its row's scale: nearest, or gptq
     # (error-compensating rounding from shipped calibration text at load: same bytes and kernels, slower start)
     fp8_weight_rounding: str = _opt("nearest", "enum", choices=("nearest", "gptq"))
+    # fp8 weights only: decoder layers kept in the compute dtype (first_last: layers 0 and L-1, which carry about
+    # half of the FP8 weights' error on SmolLM2 for 2/L of the bytes; docs/FP8.md)
+    fp8_bf16_layers: str = _opt("none", "enum", choices=("none", "first_last"))
     sm_share: int = _opt(0, "int", lo=0, hi=100)  # as prefill.sm_share, for decode and colocated workers
 
 
@@ -480,11 +483,15 @@ def _check_precision(cfg: DistServeConfig) -> None:
                 f"{kv_key!r} fp8_e4m3 needs {role}.attention_backend one of {', '.join(_FP8_KV_BACKENDS)}; "
                 f"got {backend!r}"
             )
-    if cfg.decode.fp8_weight_rounding != "nearest" and cfg.decode.weight_dtype != "fp8":
-        raise ConfigError(
-            f"'decode.fp8_weight_rounding' {cfg.decode.fp8_weight_rounding} applies to FP8 weights only: it needs "
-            f"decode.weight_dtype fp8, got {cfg.decode.weight_dtype!r}"
-        )
+    for key, value, default in (
+        ("fp8_weight_rounding", cfg.decode.fp8_weight_rounding, "nearest"),
+        ("fp8_bf16_layers", cfg.decode.fp8_bf16_layers, "none"),
+    ):
+        if value != default and cfg.decode.weight_dtype != "fp8":
+            raise ConfigError(
+                f"'decode.{key}' {value} applies to FP8 weights only: it needs decode.weight_dtype fp8, "
+                f"got {cfg.decode.weight_dtype!r}"
+            )
     pf, dc = role_dtype(cfg, "prefill"), role_dtype(cfg, "decode")
     if pf != dc:
         raise ConfigError(

@@ -121,6 +121,7 @@ def engine_config_for(
             attention_backend=dc.attention_backend,
             weight_dtype=dc.weight_dtype,
             fp8_weight_rounding=dc.fp8_weight_rounding,
+            fp8_bf16_layers=dc.fp8_bf16_layers,
             kv_cache_dtype=cache.kv_dtype,
             kv_arena=cfg.kv_transfer.by_reference,  # its pool exported to the prefill workers (kv_reference.py)
         )
@@ -131,6 +132,7 @@ def engine_config_for(
         attention_backend=dc.attention_backend,
         weight_dtype=dc.weight_dtype,
         fp8_weight_rounding=dc.fp8_weight_rounding,
+        fp8_bf16_layers=dc.fp8_bf16_layers,
         kv_cache_dtype=cache.kv_dtype,
     )
 

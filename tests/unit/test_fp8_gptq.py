@@ -176,3 +176,17 @@ def test_config_key_is_validated_and_reaches_decode_engines_only():
         load_config(overrides={"decode": {"weight_dtype": "fp8", "fp8_weight_rounding": "awq"}})
     with pytest.raises(ConfigError, match="'decode.fp8_weight_rounding' gptq .* decode.weight_dtype fp8"):
         load_config(overrides={"decode": {"fp8_weight_rounding": "gptq"}})
+
+
+def test_bf16_layers_key_is_validated_and_reaches_decode_engines_only():
+    from distserve.server.workers.worker import engine_config_for
+
+    c = load_config(overrides={"decode": {"weight_dtype": "fp8", "fp8_bf16_layers": "first_last"}})
+    pf, dc, colo = (engine_config_for(r, c, "cpu") for r in ("prefill", "decode", "colocated"))
+    assert (pf.weight_dtype, pf.fp8_bf16_layers) == ("bf16", "none")
+    assert (dc.fp8_bf16_layers, colo.fp8_bf16_layers) == ("first_last", "first_last")
+    assert load_config().decode.fp8_bf16_layers == "none"
+    with pytest.raises(ConfigError, match="'decode.fp8_bf16_layers' must be one of none, first_last"):
+        load_config(overrides={"decode": {"weight_dtype": "fp8", "fp8_bf16_layers": "all"}})
+    with pytest.raises(ConfigError, match="'decode.fp8_bf16_layers' first_last .* decode.weight_dtype fp8"):
+        load_config(overrides={"decode": {"fp8_bf16_layers": "first_last"}})
