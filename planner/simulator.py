@@ -443,8 +443,14 @@ class Simulator:
         d.blocked.append(s)
         self._admit_blocked(d)
 
+    @staticmethod
+    def _slots_held(d: Worker) -> int:
+        return len(d.running) + d.reserved + sum(1 for j in d.joining if j[2] == "running")
+
     def _admit_blocked(self, d: Worker) -> None:
-        while d.blocked and len(d.running) + d.reserved < d.limits.max_num_seqs and self._fits(d, d.blocked[0]):
+        """A hand-off holds its decode slot from its reservation through the pull and its handler (``joining``)
+        until it runs, as the engine's reservation does: the batch never exceeds ``max_num_seqs``."""
+        while d.blocked and self._slots_held(d) < d.limits.max_num_seqs and self._fits(d, d.blocked[0]):
             s = d.blocked.pop(0)
             d.reserved += 1
             d.kv_used += self._kv_need(d, s)

@@ -58,6 +58,30 @@ def test_disaggregated_adds_the_kv_pull_and_waits_a_step_when_busy():
     assert sorted(x["ttft"] for x in res.latencies) == [12.0, 12.0]
 
 
+def test_a_decode_batch_never_exceeds_max_num_seqs_while_hand_offs_join():
+    # a decode-bound load whose hand-offs wait in the worker's handler for a step (handoff_steps): a request
+    # there holds its slot (the engine's reservation does) — before, it was counted nowhere and the decode
+    # worker ran batches above its limit (mean 152 of at most 128 in a ShareGPT-shaped plan)
+    m = model(fixed=1.0, per_tok=0.001, per_seq=0.2, kv_fixed=1.0)
+    lim = EngineLimits(8, 4096)
+    lay = Layout("disaggregated", 1, 1, lim, lim)
+    sim = Simulator(m, lay, kv_bytes_per_token=0, handoff_steps=2)
+    most = 0
+    start = sim._start_step
+
+    def counting(w):
+        nonlocal most
+        start(w)
+        if w.role == "decode":
+            most = max(most, len(w.running))
+
+    sim._start_step = counting  # type: ignore[method-assign]
+    arrivals = poisson_arrivals(400, 200.0, seed=1)
+    res = sim.run([(a, 16, 64) for a in arrivals])
+    assert len(res.latencies) == 400
+    assert 0 < most <= 8 and res.mean_batch["decode"] <= 8
+
+
 def test_router_spreads_over_replicas_and_more_replicas_serve_more():
     m = model(fixed=10.0)
     lengths = [(64, 1)] * 2000
