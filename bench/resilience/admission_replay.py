@@ -35,6 +35,7 @@ import re
 import sys
 from pathlib import Path
 
+from bench.lib.results import write_result
 from distserve.server.config import load_config
 from distserve.server.router import ttft_predictor
 from distserve.server.router.ttft_predictor import TtftPredictor
@@ -253,10 +254,9 @@ def main() -> int:
         "room_exempt": args.room_exempt,
         "phases": summarize(decided, windows, slo_s),
     }
-    text = json.dumps(out, indent=1)
-    print(text)
+    print(json.dumps(out, indent=1))
     if args.out is not None:
-        args.out.write_text(text + "\n")
+        write_result(args.out, out)  # atomic, with provenance
     return 0
 
 

@@ -27,6 +27,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
+from bench.lib.results import write_result
 from distserve.server.config import load_config
 from distserve.server.latency_model import prefill_steps
 from distserve.server.router.ttft_predictor import MIN_SAMPLES, OnlineFit
@@ -125,10 +126,9 @@ def main() -> int:
         "floor_prefill_call": best,
         "floor_groups": groups,
     }
-    text = json.dumps(out, indent=1)
-    print(text)
+    print(json.dumps(out, indent=1))
     if args.out is not None:
-        args.out.write_text(text + "\n")
+        write_result(args.out, out)  # atomic, with provenance
     return 0
 
 
