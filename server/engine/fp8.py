@@ -101,6 +101,9 @@ def bf16_layer_set(rule: str, num_layers: int) -> set[int]:
     raise ValueError(f"fp8_bf16_layers must be none or first_last, got {rule!r}")
 
 
+ROUNDINGS = ("nearest", "gptq")  # decode.fp8_weight_rounding (server/config.py lists the same choices)
+
+
 def quantize_model_weights(
     model: nn.Module,
     keep_layers: set[int] | frozenset[int] = frozenset(),
@@ -115,7 +118,7 @@ def quantize_model_weights(
     The first rows of the first layer's q/k/v weight are kept as they were loaded (``fingerprint_rows``):
     the worker's model fingerprint digests them, and a bf16 prefill worker must match an FP8 decode one.
     Layers in ``keep_layers`` stay as loaded. Returns what was converted (bytes before/after)."""
-    if rounding not in ("nearest", "gptq"):
+    if rounding not in ROUNDINGS:
         raise ValueError(f"fp8_weight_rounding must be nearest or gptq, got {rounding!r}")
     before = after = 0
     layers: Any = model.layers

@@ -40,7 +40,6 @@ MAX_SEQUENCES = 64  # at most this many sequences (bounds the load-time memory a
 MICRO_BATCH_TOKENS = 2048  # tokens per forward chunk of the calibration pass
 BLOCK = 128  # columns per lazy-update block
 DAMP = 0.01  # added to diag(H): this share of its mean
-ROUNDINGS = ("nearest", "gptq")
 
 
 def calibration_text() -> str:
@@ -173,11 +172,6 @@ def _rms(x: torch.Tensor, norm: Any) -> torch.Tensor:
     return rms_norm(x, norm.weight, norm.eps)
 
 
-def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
-
-
 def _attention(layer: Any, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Causal self-attention of whole sequences, ``qkv [b, S, q+2kv]`` -> ``[b, S, q]`` (dense: calibration only)."""
     from distserve.server.engine.ops.layer_ops import apply_rope
@@ -221,6 +215,9 @@ def gptq_quantize_layers(
     (the nearest rounding's own choice), round with :func:`gptq_round` and hand ``(layer, name, module, q,
     scale)`` to ``install``, which replaces the weight. The calibration hidden states then go through the
     quantised layer to the next one. Returns timings and the calibration size."""
+    from distserve.server.engine.ops.layer_ops import TorchLayerOps
+
+    silu_mul = TorchLayerOps().silu_mul  # the engine's own SiLU x mul on a fused gate/up
     t0 = time.perf_counter()
     dev = model.embed_tokens.weight.device
     dtype = model.embed_tokens.weight.dtype
@@ -269,7 +266,7 @@ def gptq_quantize_layers(
                 h = _rms(xc, layer.input_layernorm)
                 xc = xc + _linear(_attention(layer, _linear(h, att.qkv_proj), cos, sin), att.o_proj)
                 h = _rms(xc, layer.post_attention_layernorm)
-                x[c] = xc + _linear(_silu_mul(_linear(h, mlp.gate_up_proj)), mlp.down_proj)
+                x[c] = xc + _linear(silu_mul(_linear(h, mlp.gate_up_proj)), mlp.down_proj)
             continue
         quantise(i, "self_attn.qkv_proj", att.qkv_proj, stage(normed(layer.input_layernorm)))
         attn_out = torch.empty(n_seq, seq_len, att.q_size, dtype=dtype, device=dev)
@@ -288,7 +285,7 @@ def gptq_quantize_layers(
         act = torch.empty(n_seq, seq_len, inter, dtype=dtype, device=dev)
 
         def down_in(c: slice, out: torch.Tensor = act, layer: Any = layer) -> torch.Tensor:
-            out[c] = _silu_mul(_linear(_rms(x[c], layer.post_attention_layernorm), layer.mlp.gate_up_proj))
+            out[c] = silu_mul(_linear(_rms(x[c], layer.post_attention_layernorm), layer.mlp.gate_up_proj))
             return out[c]
 
         quantise(i, "mlp.down_proj", mlp.down_proj, stage(down_in))
@@ -308,7 +305,6 @@ __all__ = [
     "BLOCK",
     "CALIBRATION_FILE",
     "DAMP",
-    "ROUNDINGS",
     "calibration_sequences",
     "calibration_text",
     "gptq_quantize_layers",

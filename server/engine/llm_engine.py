@@ -36,6 +36,7 @@ from distserve.server.engine.fp8 import (
     quantize_model_weights,
     with_fp8_linears,
 )
+from distserve.server.engine.fp8 import ROUNDINGS as FP8_ROUNDINGS
 from distserve.server.engine.kv_sizing import KVBudget
 from distserve.server.engine.loader import load_model_config, load_state_dict, resolve_model_path
 from distserve.server.engine.memory_pressure import MemoryPressure, is_memory_error, relieve
@@ -136,7 +137,7 @@ class EngineConfig:
             raise ValueError(f"weight_dtype must be bf16 or fp8, got {self.weight_dtype!r}")
         if self.fp8_bf16_layers not in ("none", "first_last"):
             raise ValueError(f"fp8_bf16_layers must be none or first_last, got {self.fp8_bf16_layers!r}")
-        if self.fp8_weight_rounding not in ("nearest", "gptq"):
+        if self.fp8_weight_rounding not in FP8_ROUNDINGS:
             raise ValueError(f"fp8_weight_rounding must be nearest or gptq, got {self.fp8_weight_rounding!r}")
         if self.kv_cache_dtype not in ("auto", "bf16", "fp8_e4m3"):
             raise ValueError(f"kv_cache_dtype must be auto, bf16 or fp8_e4m3, got {self.kv_cache_dtype!r}")
