@@ -171,7 +171,7 @@ def with_fp8_linears(ops: Any) -> Any:
     if ops.name == "triton":
         from distserve.server.engine.fp8_linear import Fp8TritonLayerOps
 
-        return Fp8TritonLayerOps()
+        return Fp8TritonLayerOps(fuse_gemv=ops.fuse_gemv)
     from distserve.server.engine.ops.layer_ops import TorchLayerOps
 
     class Fp8TorchLayerOps(TorchLayerOps):

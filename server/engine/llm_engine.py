@@ -114,6 +114,10 @@ class EngineConfig:
     torch_threads: int = 0  # 0 = leave torch's default
     enable_prefix_caching: bool = True  # reuse the KV of full blocks whose whole prefix matches
     enforce_eager: bool = False  # CUDA only: no CUDA graphs for decode steps
+    # CUDA, Triton ops, bf16 one-token decode (docs/performance/engine-gpu.md, "Fused one-token decode"): the
+    # RMSNorms, residual adds and SiLU x mul inside the tuned Triton GEMVs (three kernels fewer per layer);
+    # False: the unfused kernels. No effect elsewhere (CPU, prefill, batches > 1, FP8 weights, cuBLAS GEMVs)
+    fused_decode_gemv: bool = True
     # FP8 storage (fp8.py, docs/FP8.md): decoder linears in e4m3 with per-channel scales ("bf16" = as
     # loaded, the compute dtype); the KV cache in e4m3 with per-layer scales calibrated online
     weight_dtype: str = "bf16"
@@ -139,6 +143,8 @@ class EngineConfig:
             raise ValueError(f"fp8_bf16_layers must be none or first_last, got {self.fp8_bf16_layers!r}")
         if self.fp8_weight_rounding not in FP8_ROUNDINGS:
             raise ValueError(f"fp8_weight_rounding must be nearest or gptq, got {self.fp8_weight_rounding!r}")
+        if not isinstance(self.fused_decode_gemv, bool):
+            raise ValueError(f"fused_decode_gemv must be true or false, got {self.fused_decode_gemv!r}")
         if self.kv_cache_dtype not in ("auto", "bf16", "fp8_e4m3"):
             raise ValueError(f"kv_cache_dtype must be auto, bf16 or fp8_e4m3, got {self.kv_cache_dtype!r}")
 
@@ -197,7 +203,8 @@ class LLMEngine:
         self._probe = memory_probe
         self._free_at_start = memory_probe.mem_info()[0] if memory_probe is not None else 0
         self._tuned: set[str] = set()  # start-up kernel tunings done (cuda_graph_runner.setup_cuda_engine)
-        ops = select_layer_ops(backend, self.device, self.model_config.head_dim)  # fused Triton ops on a GPU
+        # fused Triton ops on a GPU
+        ops = select_layer_ops(backend, self.device, self.model_config.head_dim, config.fused_decode_gemv)
         if config.weight_dtype == "fp8":
             ops = with_fp8_linears(ops)
         with torch.device("meta"):

@@ -6,7 +6,8 @@ projections are fused at load time: fewer, larger GEMMs matter on CPU and in
 launch-bound GPU decode alike.
 
 The forward is written once, here, over a small op set (``layer_ops.LayerOps``:
-RMSNorm with a fused residual add, linear, SiLU×mul, rotary+KV store+attention)
+RMSNorm with a fused residual add, linear, SiLU×mul, rotary+KV store+attention, and
+the compositions norm→linear, linear→add, SiLU×mul→linear→add that a GPU fuses at one token)
 chosen when the engine builds the model: plain PyTorch on any device
 (``TorchLayerOps``, Hugging Face's ``LlamaForCausalLM`` bit for bit on the CPU, so
 greedy tokens match it exactly) or the fused Triton kernels on a GPU
@@ -163,27 +164,12 @@ class LlamaAttention(nn.Module):
         o_bias = cfg.attention_bias and cfg.architecture != "Qwen2ForCausalLM"
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=o_bias)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        rope: RopeInputs,
-        kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        backend: AttentionBackend,
-        ops: LayerOps,
-    ) -> torch.Tensor:
-        qkv = ops.linear(x, self.qkv_proj)
-        return ops.linear(ops.attention(self, qkv, rope, kv_cache, meta, backend), self.o_proj)
-
 
 class LlamaMLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
-
-    def forward(self, x: torch.Tensor, ops: LayerOps) -> torch.Tensor:
-        return ops.linear(ops.silu_mul(ops.linear(x, self.gate_up_proj)), self.down_proj)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -196,25 +182,29 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor,
+        x: torch.Tensor | None,
         residual: torch.Tensor | None,
         rope: RopeInputs,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         backend: AttentionBackend,
         ops: LayerOps,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(MLP output, residual stream)``. The previous layer's output ``x`` is added into the stream by
-        this layer's first norm (in place), and this layer's MLP output by the next norm: an add+norm is one
-        kernel on a GPU and the same single ``add_`` in PyTorch. The first layer gets ``residual=None`` and
-        the embeddings as ``x``, which become the stream. Submodules are called through ``.forward`` to skip
-        ``nn.Module.__call__``."""
-        h = ops.rms_norm(x, self.input_layernorm, residual)
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """``(MLP output not yet in the stream, residual stream)``. The previous layer's output ``x`` is added
+        into the stream by this layer's first norm (in place), and this layer's MLP output by the next norm: an
+        add+norm is one kernel on a GPU and the same single ``add_`` in PyTorch. Where an op added its output
+        into the stream itself (a GPU's fused one-token GEMV), it returns None and the next norm only
+        normalises. The first layer gets ``residual=None`` and the embeddings as ``x``, which become the
+        stream."""
+        attn, mlp = self.self_attn, self.mlp
+        qkv = ops.norm_linear(x, self.input_layernorm, residual, attn.qkv_proj)
         if residual is None:
+            assert x is not None
             residual = x
-        h = self.self_attn.forward(h, rope, kv_cache, meta, backend, ops)
-        h = ops.rms_norm(h, self.post_attention_layernorm, residual)
-        return self.mlp.forward(h, ops), residual
+        h = ops.attention(attn, qkv, rope, kv_cache, meta, backend)
+        out = ops.linear_add(h, attn.o_proj, residual)
+        gate_up = ops.norm_linear(out, self.post_attention_layernorm, residual, mlp.gate_up_proj)
+        return ops.silu_mul_linear_add(gate_up, mlp.down_proj, residual), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -239,10 +229,11 @@ class LlamaForCausalLM(nn.Module):
         ops, backend = self.ops, self.backend
         x = F.embedding(input_ids, self.embed_tokens.weight)
         rope = ops.rope(self.rotary, positions, x.dtype, max_position)
+        h: torch.Tensor | None = x
         residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x, residual = layer.forward(x, residual, rope, kv_cache, meta, backend, ops)
-        return ops.rms_norm(x, self.norm, residual)
+            h, residual = layer.forward(h, residual, rope, kv_cache, meta, backend, ops)
+        return ops.rms_norm(h, self.norm, residual)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = F.linear(hidden, self.lm_head.weight, self.lm_head.bias)

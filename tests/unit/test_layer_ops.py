@@ -181,3 +181,103 @@ def test_select_layer_ops(monkeypatch):
     assert select_layer_ops(attend, cuda, 96).name == "torch"  # the RoPE kernel spans a power-of-two head
     monkeypatch.setattr(cuda_ops, "HAS_TRITON", False)
     assert select_layer_ops(attend, cuda, 128).name == "torch"
+
+
+# --- the fused one-token GEMVs' wiring (TritonLayerOps.norm_linear / linear_add / silu_mul_linear_add) -------
+def _gemv_fused_contract(x, weight, bias, cfg, *, norm_weight=None, eps=0.0, silu=False, residual=None):
+    """``cuda_ops.gemv_fused``'s contract: the prologue, the linear, the add into ``residual`` (returned)."""
+    if norm_weight is not None:
+        x = _rms_norm_contract(x, norm_weight, eps)
+    if silu:
+        x = _silu_mul_contract(x)
+    y = F.linear(x, weight, bias)
+    return y if residual is None else residual.add_(y)
+
+
+def _one_sequence(eng: LLMEngine, ops=None, backend=None, decodes: int = 3) -> list[torch.Tensor]:
+    """Logits of a prompt's prefill and of ``decodes`` batch-1 decode steps after it, under ``ops``."""
+    if ops is not None:
+        eng.model.ops = ops
+    if backend is not None:
+        eng.model.backend = backend
+    eng.add_request("one", [3 + 11 * j % 1000 for j in range(13)], SamplingParams(max_tokens=8))
+    out = []
+    for _ in range(1 + decodes):
+        sched = eng.scheduler.schedule()
+        logits = eng.runner.execute(sched.scheduled)
+        out.append(logits.clone())
+        for row, s in enumerate(sched.scheduled):
+            s.seq.num_computed_tokens += s.num_new_tokens
+            s.seq.output_token_ids.append(int(logits[row].argmax()))
+    assert eng.abort_request("one")
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_decode_gemvs_around_kernel_contracts_equal_torch_ops(dtype, monkeypatch):
+    """At one token, with a tuned GEMV config on a linear, ``TritonLayerOps`` takes the fused GEMV (norm or
+    SiLU prologue, residual-add epilogue) and returns None where the stream already holds the output; where a
+    linear has no config (cuBLAS was faster) it falls back to the composition, so the next norm adds. Around
+    the kernels' contracts the logits equal the PyTorch ops' bit for bit in every mix, and the number of
+    fused calls is the number of tuned linears per decode step; ``fuse_gemv=False`` fuses nothing."""
+    fused_calls: list[tuple] = []
+
+    def gemv_fused(x, weight, bias, cfg, **kw):
+        fused_calls.append(
+            (tuple(weight.shape), tuple(sorted(k for k, v in kw.items() if v is not None and v is not False)))
+        )
+        return _gemv_fused_contract(x, weight, bias, cfg, **kw)
+
+    monkeypatch.setattr(cuda_ops, "rms_norm", _rms_norm_contract)
+    monkeypatch.setattr(cuda_ops, "rope_and_cache", _rope_and_cache_contract)
+    monkeypatch.setattr(cuda_ops, "silu_mul", _silu_mul_contract)
+    monkeypatch.setattr(cuda_ops, "gemv", lambda x, w, b, cfg: F.linear(x, w, b))
+    monkeypatch.setattr(cuda_ops, "gemv_fused", gemv_fused)
+    monkeypatch.setattr(cuda_ops, "_INTERPRET", True)  # CPU tensors count as the kernels' device
+    eng = _engine(dtype)
+    layers = list(eng.model.layers)
+    for layer in layers:
+        for mod in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+            mod.gemv_cfg = (8, 64, 4)
+    plain = _one_sequence(eng)
+    decodes = 3
+    full = _one_sequence(eng, cuda_ops.TritonLayerOps(), AttendOnlySdpa(), decodes)
+    assert all(torch.isfinite(a).all() and torch.equal(a, b) for a, b in zip(plain, full))
+    assert len(fused_calls) == 4 * len(layers) * decodes
+    h, inter = eng.model_config.hidden_size, eng.model_config.intermediate_size
+    attn = layers[0].self_attn
+    assert fused_calls[0] == ((attn.q_size + 2 * attn.kv_size, h), ("eps", "norm_weight"))  # qkv: norm prologue
+    assert fused_calls[1] == ((h, h), ("residual",))  # o_proj: the add epilogue
+    assert fused_calls[2] == ((2 * inter, h), ("eps", "norm_weight"))  # gate_up
+    assert fused_calls[3] == ((h, inter), ("residual", "silu"))  # down: SiLU prologue, add epilogue
+    # a mix: some linears on cuBLAS (no config), the stream added by the next norm there
+    layers[0].self_attn.o_proj.gemv_cfg = None
+    layers[1].mlp.gate_up_proj.gemv_cfg = None
+    layers[2].mlp.down_proj.gemv_cfg = None
+    layers[-1].self_attn.qkv_proj.gemv_cfg = None
+    fused_calls.clear()
+    mixed = _one_sequence(eng, cuda_ops.TritonLayerOps(), AttendOnlySdpa(), decodes)
+    assert all(torch.equal(a, b) for a, b in zip(plain, mixed))
+    # 4 configs fewer, and layer 0's gate_up norm has o_proj's output still to add (an add+norm, not a prologue)
+    assert len(fused_calls) == (4 * len(layers) - 4 - 1) * decodes
+    fused_calls.clear()
+    off = _one_sequence(eng, cuda_ops.TritonLayerOps(fuse_gemv=False), AttendOnlySdpa(), decodes)
+    assert all(torch.equal(a, b) for a, b in zip(plain, off)) and not fused_calls
+
+
+def test_fused_decode_gemv_option():
+    """``EngineConfig.fused_decode_gemv`` is checked once, reaches the Triton ops, and survives FP8 linears."""
+    from distserve.server.engine.fp8 import with_fp8_linears
+
+    with pytest.raises(ValueError, match="fused_decode_gemv"):
+        EngineConfig(fused_decode_gemv="no")  # type: ignore[arg-type]
+    assert EngineConfig().fused_decode_gemv is True
+    attend, cuda = AttendOnlySdpa(), torch.device("cuda")
+    ops = cuda_ops.TritonLayerOps(fuse_gemv=False)
+    assert with_fp8_linears(ops).fuse_gemv is False and with_fp8_linears(cuda_ops.TritonLayerOps()).fuse_gemv
+    try:
+        saved, cuda_ops.HAS_TRITON = cuda_ops.HAS_TRITON, True
+        assert select_layer_ops(attend, cuda, 128, fuse_gemv=False).fuse_gemv is False  # type: ignore[attr-defined]
+        assert select_layer_ops(attend, cuda, 128).fuse_gemv is True  # type: ignore[attr-defined]
+    finally:
+        cuda_ops.HAS_TRITON = saved

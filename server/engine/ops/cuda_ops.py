@@ -22,6 +22,7 @@ the RoPE kernel already stored K/V); ``layer_ops.select_layer_ops`` checks
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
 import torch
@@ -220,6 +221,132 @@ if HAS_TRITON:
         tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=rmask)
 
 
+if HAS_TRITON:
+
+    @triton.jit
+    def _fused_input(
+        x_ptr,
+        nw_ptr,
+        cols,
+        kmask,
+        K,
+        rstd,
+        dt: tl.constexpr,
+        NORM: tl.constexpr,
+        SILU: tl.constexpr,
+        MASKED: tl.constexpr,
+    ):
+        """The GEMV's input chunk ``cols`` (float32), computed on load.
+
+        NORM: RMSNorm of the row ``x`` with the row's ``rstd``, rounded to ``dt`` before the weight and after it,
+        as ``_rms_norm_kernel``. SILU: ``x`` is a gate|up row of ``2 K``: ``silu(g)`` rounded to ``dt`` before
+        ``* u``, the product rounded, as ``_silu_mul_kernel``. Neither: ``x`` as it is."""
+        if MASKED:
+            xv = tl.load(x_ptr + cols, mask=kmask, other=0.0)
+        else:
+            xv = tl.load(x_ptr + cols)
+        if NORM:
+            if MASKED:
+                nw = tl.load(nw_ptr + cols, mask=kmask, other=0.0).to(tl.float32)
+            else:
+                nw = tl.load(nw_ptr + cols).to(tl.float32)
+            y = (xv.to(tl.float32) * rstd).to(dt).to(tl.float32)
+            return (nw * y).to(dt).to(tl.float32)
+        elif SILU:
+            if MASKED:
+                u = tl.load(x_ptr + K + cols, mask=kmask, other=0.0).to(tl.float32)
+            else:
+                u = tl.load(x_ptr + K + cols).to(tl.float32)
+            g = xv.to(tl.float32)
+            sg = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+            return (sg * u).to(dt).to(tl.float32)
+        else:
+            return xv.to(tl.float32)
+
+    @triton.jit
+    def _gemv_fused_kernel(
+        x_ptr,
+        w_ptr,
+        b_ptr,
+        y_ptr,
+        nw_ptr,
+        N,
+        K,
+        stride_w,
+        eps,
+        HAS_BIAS: tl.constexpr,
+        EVEN_K: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        NORM: tl.constexpr,
+        SILU: tl.constexpr,
+        ADD: tl.constexpr,
+        STAGES: tl.constexpr = 1,
+        EVEN_N: tl.constexpr = False,
+    ):
+        """``_gemv_kernel`` with a prologue on its input and an epilogue on its output (one-token decode).
+
+        Prologue (on every K chunk as it is loaded, ``_fused_input``): NORM: ``x`` is the un-normalised row and
+        ``nw`` the RMSNorm weight; every program first reads the whole row (``K`` values, from L2) for the sum of
+        squares. SILU: ``x`` is the ``[2 K]`` gate|up row. Epilogue: ADD: ``y`` is the residual row, updated in
+        place, ``y[rows] += (W x + b)[rows]`` with the product rounded to the dtype first (as the unfused GEMV
+        stores it) and the sum rounded as ``_rms_norm_kernel``'s add; each program owns its rows, and no program
+        reads ``y`` otherwise. The loop is ``_gemv_kernel``'s (STAGES > 1: pipelined)."""
+        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rmask = rows < N
+        w_rows = w_ptr + rows[:, None].to(tl.int64) * stride_w
+        dt = y_ptr.dtype.element_ty
+        rstd = 0.0
+        if NORM:  # the row's statistics, as _rms_norm_kernel (float32, mean of squares, rsqrt(var + eps))
+            ss = tl.zeros([BLOCK_K], tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                cols = k0 + tl.arange(0, BLOCK_K)
+                xs = tl.load(x_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
+                ss += xs * xs
+            rstd = tl.rsqrt(tl.sum(ss, 0) / K + eps)
+        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        if STAGES > 1:
+            for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+                cols = k0 + tl.arange(0, BLOCK_K)
+                kmask = cols < K
+                if EVEN_K:
+                    if EVEN_N:
+                        w = tl.load(w_rows + cols[None, :], eviction_policy="evict_first")
+                    else:
+                        w = tl.load(
+                            w_rows + cols[None, :], mask=rmask[:, None], other=0.0, eviction_policy="evict_first"
+                        )
+                    x = _fused_input(x_ptr, nw_ptr, cols, kmask, K, rstd, dt, NORM, SILU, False)
+                else:
+                    w = tl.load(
+                        w_rows + cols[None, :],
+                        mask=rmask[:, None] & kmask[None, :],
+                        other=0.0,
+                        eviction_policy="evict_first",
+                    )
+                    x = _fused_input(x_ptr, nw_ptr, cols, kmask, K, rstd, dt, NORM, SILU, True)
+                acc += w.to(tl.float32) * x[None, :]
+        else:
+            for k0 in range(0, K, BLOCK_K):
+                cols = k0 + tl.arange(0, BLOCK_K)
+                kmask = cols < K
+                if EVEN_K:
+                    x = _fused_input(x_ptr, nw_ptr, cols, kmask, K, rstd, dt, NORM, SILU, False)
+                    w = tl.load(w_rows + cols[None, :], mask=rmask[:, None], other=0.0)
+                else:
+                    x = _fused_input(x_ptr, nw_ptr, cols, kmask, K, rstd, dt, NORM, SILU, True)
+                    w = tl.load(w_rows + cols[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+                acc += w.to(tl.float32) * x[None, :]
+        y = tl.sum(acc, 1)
+        if HAS_BIAS:
+            y += tl.load(b_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
+        if ADD:  # residual += y: y rounded as the unfused GEMV stores it, the sum as _rms_norm_kernel's add
+            r = tl.load(y_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
+            tl.store(y_ptr + rows, (y.to(dt).to(tl.float32) + r).to(dt), mask=rmask)
+        else:
+            tl.store(y_ptr + rows, y.to(dt), mask=rmask)
+
+
 # A GEMV config is (BLOCK_N, BLOCK_K, num_warps) or (BLOCK_N, BLOCK_K, num_warps, STAGES) (pipelined
 # loop). tune_gemv stores the winner on each nn.Linear as `gemv_cfg` (absent/None: cuBLAS).
 GemvCfg = tuple
@@ -267,9 +394,75 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg: 
     return y
 
 
+def gemv_fused(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    cfg: GemvCfg,
+    *,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 0.0,
+    silu: bool = False,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One row through ``_gemv_fused_kernel`` (the tuned ``_gemv_kernel`` config ``cfg``).
+
+    ``norm_weight``: ``x [1, K]`` is RMSNorm'd (``eps``) on load; ``silu``: ``x [1, 2 K]`` is a gate|up row,
+    ``silu(gate) * up`` on load. ``residual [1, N]``: the output is added into it in place and it is returned;
+    otherwise a new ``[1, N]`` row. Rounding is the unfused ops' (``_rms_norm_kernel``, ``_silu_mul_kernel``,
+    the GEMV's store, the add of ``_rms_norm_kernel``) except the RMSNorm's sum of squares, summed in another
+    order (``TritonLayerOps.norm_linear``)."""
+    n, k = weight.shape
+    if norm_weight is not None and silu:
+        raise ValueError("gemv_fused: a norm or a SiLU prologue, not both")
+    want = 2 * k if silu else k
+    if x.dim() != 2 or x.shape[0] != 1 or x.shape[1] != want or not x.is_contiguous():
+        raise ValueError(f"gemv_fused: x must be one contiguous row of {want}, got {tuple(x.shape)}")
+    bn, bk, nw = cfg[:3]
+    stages = cfg[3] if len(cfg) > 3 else 1
+    if residual is not None:
+        if residual.shape != (1, n) or not residual.is_contiguous() or residual.dtype != x.dtype:
+            raise ValueError(f"gemv_fused: residual must be a contiguous [1, {n}] row of {x.dtype}")
+        y = residual
+    else:
+        y = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    extra = {"STAGES": stages, "EVEN_N": n % bn == 0, "num_stages": stages} if stages > 1 else {}
+    _gemv_fused_kernel[(triton.cdiv(n, bn),)](
+        x,
+        weight,
+        bias if bias is not None else y,
+        y,
+        norm_weight if norm_weight is not None else y,
+        n,
+        k,
+        weight.stride(0),
+        float(eps),
+        HAS_BIAS=bias is not None,
+        EVEN_K=k % bk == 0,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        NORM=norm_weight is not None,
+        SILU=silu,
+        ADD=residual is not None,
+        num_warps=nw,
+        **extra,
+    )
+    return y
+
+
+# Off the GPU, Triton's interpreter (TRITON_INTERPRET=1, read when the kernels are defined) runs the kernels on
+# CPU tensors: the tests' way to check them without a GPU.
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _kernel_row(x: torch.Tensor) -> bool:
+    """A single contiguous row on a device the kernels run on."""
+    return x.shape[0] == 1 and x.is_contiguous() and (x.is_cuda or _INTERPRET)
+
+
 def linear(x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
     """``layer(x)``; one-token inputs take the Triton GEMV where tuning found it faster than cuBLAS."""
-    if x.shape[0] == 1 and x.is_cuda and x.is_contiguous():
+    if _kernel_row(x):
         cfg = getattr(layer, "gemv_cfg", None)
         if cfg is not None:
             return gemv(x, layer.weight, layer.bias, cfg)
@@ -465,6 +658,22 @@ class TritonLayerOps:
 
     name = "triton"
 
+    def __init__(self, fuse_gemv: bool = True) -> None:
+        # one-token decode: RMSNorm, the residual add and SiLU x mul inside the tuned GEMVs (gemv_fused), three
+        # kernels fewer per layer; False: the unfused kernels at every size (EngineConfig.fused_decode_gemv)
+        self.fuse_gemv = fuse_gemv
+
+    def _fused_cfg(self, x: torch.Tensor, layer: torch.nn.Linear) -> GemvCfg | None:
+        """The GEMV config of ``layer`` when its one-token GEMV can take a prologue/epilogue: fusion on, one
+        contiguous row, a ``tune_gemv`` choice of the Triton GEMV (None: cuBLAS was faster, or an e4m3 weight,
+        whose GEMV is ``fp8_linear``'s), weights in the activation's dtype."""
+        if not self.fuse_gemv or not _kernel_row(x):
+            return None
+        cfg = getattr(layer, "gemv_cfg", None)
+        if cfg is None or layer.weight.dtype != x.dtype:
+            return None
+        return cfg
+
     def rope(
         self, rotary: RotaryEmbedding, positions: torch.Tensor, dtype: torch.dtype, max_position: int
     ) -> RopeInputs:
@@ -472,7 +681,10 @@ class TritonLayerOps:
         cos, sin = rotary.float_tables(max_position, positions.device)
         return positions, cos, sin
 
-    def rms_norm(self, x: torch.Tensor, norm: RMSNorm, residual: torch.Tensor | None) -> torch.Tensor:
+    def rms_norm(self, x: torch.Tensor | None, norm: RMSNorm, residual: torch.Tensor | None) -> torch.Tensor:
+        if x is None:  # the stream already holds the previous output (a fused epilogue added it)
+            assert residual is not None
+            return rms_norm(residual, norm.weight, norm.eps)
         return rms_norm(x, norm.weight, norm.eps, residual=residual)
 
     def linear(self, x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
@@ -480,6 +692,43 @@ class TritonLayerOps:
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return silu_mul(gate_up)
+
+    def norm_linear(
+        self, x: torch.Tensor | None, norm: RMSNorm, residual: torch.Tensor | None, layer: torch.nn.Linear
+    ) -> torch.Tensor:
+        """One row whose norm needs no add (the first layer's embeddings, or a stream a fused epilogue already
+        updated): the RMSNorm is the GEMV's prologue. Its sum of squares is summed in another order than
+        ``_rms_norm_kernel``'s (per BLOCK_K lane, then across lanes): the float32 ``rstd`` may differ in its
+        last bit, and then an element of the bf16 normalised row may round the other way (the tests bound the
+        difference). Anything else: the add+RMSNorm kernel, then ``linear``."""
+        src = residual if x is None else x if residual is None else None
+        cfg = None if src is None else self._fused_cfg(src, layer)
+        if cfg is not None and src is not None:
+            return gemv_fused(src, layer.weight, layer.bias, cfg, norm_weight=norm.weight, eps=norm.eps)
+        return self.linear(self.rms_norm(x, norm, residual), layer)
+
+    def _fusable_residual(self, residual: torch.Tensor, x: torch.Tensor, layer: torch.nn.Linear) -> bool:
+        return _kernel_row(residual) and residual.dtype == x.dtype and residual.shape[1] == layer.weight.shape[0]
+
+    def linear_add(self, x: torch.Tensor, layer: torch.nn.Linear, residual: torch.Tensor) -> torch.Tensor | None:
+        """One row: ``residual += linear(x)`` as the GEMV's epilogue (bit for bit the unfused GEMV's output
+        added by the next add+RMSNorm), returns None. Otherwise ``linear(x)``, for the next norm to add."""
+        cfg = self._fused_cfg(x, layer)
+        if cfg is not None and self._fusable_residual(residual, x, layer):
+            gemv_fused(x, layer.weight, layer.bias, cfg, residual=residual)
+            return None
+        return self.linear(x, layer)
+
+    def silu_mul_linear_add(
+        self, gate_up: torch.Tensor, layer: torch.nn.Linear, residual: torch.Tensor
+    ) -> torch.Tensor | None:
+        """One row: SiLU x mul as the GEMV's prologue (``_silu_mul_kernel``'s rounding, bit for bit) and the
+        residual add as its epilogue, returns None. Otherwise ``linear(silu_mul(gate_up))``."""
+        cfg = self._fused_cfg(gate_up, layer)
+        if cfg is not None and self._fusable_residual(residual, gate_up, layer):
+            gemv_fused(gate_up, layer.weight, layer.bias, cfg, silu=True, residual=residual)
+            return None
+        return self.linear(self.silu_mul(gate_up), layer)
 
     def attention(
         self,

@@ -2,7 +2,10 @@
 
 ``LlamaForCausalLM.forward`` (``model.py``) is written once, over five ops:
 RMSNorm with an optional fused residual add, linear, SiLU×mul, and
-rotary+KV-store+attention (plus the per-step rotary inputs those need). Which
+rotary+KV-store+attention (plus the per-step rotary inputs those need), and three
+compositions of them that a GPU fuses at one token (``norm_linear``: RMSNorm then a
+linear; ``linear_add``: a linear added into the residual stream;
+``silu_mul_linear_add``: SiLU×mul, a linear, the add). Which
 implementation runs is chosen when the engine builds the model
 (``select_layer_ops``) and can be swapped by assigning ``model.ops``:
 
@@ -16,7 +19,9 @@ implementation runs is chosen when the engine builds the model
 The residual stream is carried the way the fused kernel wants it (vLLM's form):
 a layer returns its MLP output and the stream separately, and the next norm adds
 the one into the other before normalising. In PyTorch that add is the same single
-in-place ``add_`` the layer used to do itself, so nothing changes on the CPU.
+in-place ``add_`` the layer used to do itself, so nothing changes on the CPU. A
+fused GEMV may instead add its output into the stream itself (``linear_add`` and
+``silu_mul_linear_add`` return None): the next norm then only normalises.
 """
 
 from __future__ import annotations
@@ -45,14 +50,35 @@ class LayerOps(Protocol):
         """Once per forward: the rotary inputs of this step's tokens for every layer's ``attention``."""
         ...
 
-    def rms_norm(self, x: torch.Tensor, norm: RMSNorm, residual: torch.Tensor | None) -> torch.Tensor:
-        """``norm(x)``; with a ``residual``: ``residual += x`` in place, then ``norm(residual)``."""
+    def rms_norm(self, x: torch.Tensor | None, norm: RMSNorm, residual: torch.Tensor | None) -> torch.Tensor:
+        """``norm(x)``; with a ``residual``: ``residual += x`` in place, then ``norm(residual)``; ``x`` None:
+        ``norm(residual)`` (the stream already holds the last output)."""
         ...
 
     def linear(self, x: torch.Tensor, layer: nn.Linear) -> torch.Tensor: ...
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """``silu(gate) * up`` of a fused ``[T, 2 * I]`` gate/up projection (gate first)."""
+        ...
+
+    # The three compositions the model calls (the ops above are their parts): a GPU fuses each into one kernel
+    # at one token. The residual add of ``linear_add`` and ``silu_mul_linear_add`` is done now or left to the
+    # next norm: they return the addend still to add, or None when the stream holds it already.
+
+    def norm_linear(
+        self, x: torch.Tensor | None, norm: RMSNorm, residual: torch.Tensor | None, layer: nn.Linear
+    ) -> torch.Tensor:
+        """``linear(rms_norm(x, norm, residual), layer)``."""
+        ...
+
+    def linear_add(self, x: torch.Tensor, layer: nn.Linear, residual: torch.Tensor) -> torch.Tensor | None:
+        """``residual += linear(x, layer)``, now (returns None) or by the next norm (returns ``linear(x)``)."""
+        ...
+
+    def silu_mul_linear_add(
+        self, gate_up: torch.Tensor, layer: nn.Linear, residual: torch.Tensor
+    ) -> torch.Tensor | None:
+        """``residual += linear(silu_mul(gate_up), layer)``, now or by the next norm, as ``linear_add``."""
         ...
 
     def attention(
@@ -98,7 +124,10 @@ class TorchLayerOps:
     ) -> RopeInputs:
         return rotary.tables(positions, dtype, max_position)
 
-    def rms_norm(self, x: torch.Tensor, norm: RMSNorm, residual: torch.Tensor | None) -> torch.Tensor:
+    def rms_norm(self, x: torch.Tensor | None, norm: RMSNorm, residual: torch.Tensor | None) -> torch.Tensor:
+        if x is None:
+            assert residual is not None
+            return rms_norm(residual, norm.weight, norm.eps)
         return rms_norm(x if residual is None else residual.add_(x), norm.weight, norm.eps)
 
     def linear(self, x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
@@ -107,6 +136,22 @@ class TorchLayerOps:
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.split(gate_up.shape[-1] // 2, dim=-1)
         return F.silu(gate).mul_(up)
+
+    # the compositions, through the ops above (a subclass that changes one, e.g. FP8 linears, changes these);
+    # the residual add is always left to the next norm: the same single add_ as before the compositions existed
+
+    def norm_linear(
+        self, x: torch.Tensor | None, norm: RMSNorm, residual: torch.Tensor | None, layer: nn.Linear
+    ) -> torch.Tensor:
+        return self.linear(self.rms_norm(x, norm, residual), layer)
+
+    def linear_add(self, x: torch.Tensor, layer: nn.Linear, residual: torch.Tensor) -> torch.Tensor | None:
+        return self.linear(x, layer)
+
+    def silu_mul_linear_add(
+        self, gate_up: torch.Tensor, layer: nn.Linear, residual: torch.Tensor
+    ) -> torch.Tensor | None:
+        return self.linear(self.silu_mul(gate_up), layer)
 
     def attention(
         self,
@@ -131,14 +176,17 @@ class TorchLayerOps:
         return o.reshape(t, attn.q_size)
 
 
-def select_layer_ops(backend: AttentionBackend, device: torch.device, head_dim: int) -> LayerOps:
+def select_layer_ops(
+    backend: AttentionBackend, device: torch.device, head_dim: int, fuse_gemv: bool = True
+) -> LayerOps:
     """The fused Triton ops where they apply (CUDA, Triton importable, a backend with ``attend``, a
-    power-of-two head size), PyTorch otherwise."""
+    power-of-two head size), PyTorch otherwise. ``fuse_gemv``: the Triton ops' one-token GEMVs take the
+    norm / SiLU prologues and the residual-add epilogue (``TritonLayerOps.fuse_gemv``)."""
     if device.type == "cuda":
         from distserve.server.engine.ops.cuda_ops import TritonLayerOps, can_fuse
 
         if can_fuse(backend, head_dim):
-            return TritonLayerOps()
+            return TritonLayerOps(fuse_gemv=fuse_gemv)
     return TorchLayerOps()
 
 
