@@ -10,10 +10,24 @@ boundary costs a few microseconds. With ``TritonLayerOps`` the model's forward
     add+RMSNorm, qkv GEMM, RoPE+KV-cache write, attention, o GEMM,
     add+RMSNorm, gate_up GEMM, SiLU*mul, down GEMM
 
+and at one token (the batch-1 decode graph), where ``tune_gemv`` chose the Triton
+GEMV for a projection, the GEMVs take the small kernels in (``_gemv_fused_kernel``,
+``TritonLayerOps.fuse_gemv``, ``EngineConfig.fused_decode_gemv``):
+
+    qkv GEMV with its RMSNorm, RoPE+KV-cache write, attention, o GEMV adding into
+    the residual, gate_up GEMV with its RMSNorm, down GEMV with SiLU*mul and the add
+
+six kernels instead of nine. Each program of a norm-prologue GEMV reads the whole
+row (from L2) for the RMSNorm's statistics; the residual add moves from the next
+norm into the previous GEMV's epilogue (each program adds its own rows), so no
+fused kernel both reads and writes the stream.
+
 The kernels round their intermediates to the model dtype exactly where the
 PyTorch ops do (``x * cos`` and ``rotate_half(x) * sin`` rounded separately,
 ``silu(gate)`` rounded before ``* up``, RMSNorm cast before the weight), so both
-op sets compute the same function up to float32 reduction order.
+op sets compute the same function up to float32 reduction order. The fused GEMVs
+round where the unfused kernels do; only the norm prologue's sum of squares is
+summed in another order.
 
 Only for backends with an ``attend`` method (attention without the KV write:
 the RoPE kernel already stored K/V); ``layer_ops.select_layer_ops`` checks
