@@ -671,10 +671,12 @@ class TritonLayerOps:
     """``layer_ops.LayerOps`` on the fused kernels above (CUDA tensors; see ``can_fuse``)."""
 
     name = "triton"
+    # one-token decode: RMSNorm, the residual add and SiLU x mul inside the tuned GEMVs (gemv_fused), three
+    # kernels fewer per layer; False: the unfused kernels at every size (EngineConfig.fused_decode_gemv). Read
+    # when a forward runs, so a change takes effect in graphs captured after it.
+    fuse_gemv: bool = True
 
     def __init__(self, fuse_gemv: bool = True) -> None:
-        # one-token decode: RMSNorm, the residual add and SiLU x mul inside the tuned GEMVs (gemv_fused), three
-        # kernels fewer per layer; False: the unfused kernels at every size (EngineConfig.fused_decode_gemv)
         self.fuse_gemv = fuse_gemv
 
     def _fused_cfg(self, x: torch.Tensor, layer: torch.nn.Linear) -> GemvCfg | None:
