@@ -14,6 +14,7 @@ from distserve.server.router.protocol import ChatCompletionRequest, CompletionRe
 from tests.structured_schemas import SCHEMAS
 
 from .conftest import http
+from .test_serving import assert_no_leaks
 
 openai = pytest.importorskip("openai")
 
@@ -435,6 +436,39 @@ def test_unknown_fields_pass_when_the_config_allows():
         parse(CompletionRequest, body)
     with pytest.raises(InvalidRequest):  # a known field we refuse stays refused
         parse(CompletionRequest, {"prompt": "hi", "suffix": "x"}, allow_unknown_fields=True)
+
+
+# --- re-check: cases the tables above did not choose ---------------------------------------------------
+def test_chat_logprob_bytes_rebuild_multibyte_characters(coloc):
+    """OpenAI's ``bytes``: the token's own UTF-8 bytes, so a character split over tokens is rebuilt by joining
+    them (the tiny model's tokens are single bytes: every non-ASCII character is split)."""
+    c = client(coloc)
+    for stream in (False, True):
+        r = c.chat.completions.create(
+            model=MODEL,
+            messages=MSGS,
+            max_tokens=20,
+            logprobs=True,
+            top_logprobs=2,
+            stream=stream,
+            extra_body={"structured_outputs": {"choice": ["日本語 é 🎉"]}},
+        )
+        chunks = list(r) if stream else [r]
+        content = "".join(
+            (ch.choices[0].delta.content or "") if stream else ch.choices[0].message.content
+            for ch in chunks
+            if ch.choices
+        )
+        entries = [e for ch in chunks if ch.choices and ch.choices[0].logprobs for e in ch.choices[0].logprobs.content]
+        assert content == "日本語 é 🎉"
+        assert b"".join(bytes(e.bytes) for e in entries).decode("utf-8") == content
+        for e in entries:
+            for alt in e.top_logprobs:
+                assert len(alt.bytes) >= 1
+
+
+def test_nothing_left_behind_after_the_recheck(coloc):
+    assert_no_leaks(coloc)
 
 
 # --- SmolLM2: a real model writes real JSON and real tool calls ---------------------------------------
