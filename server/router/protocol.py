@@ -371,6 +371,18 @@ def parse_detokenize(body: Any) -> DetokenizeRequest:
     return _parse_plain(DetokenizeRequest, body)
 
 
+def template_messages(messages: list[ChatMessage], template_source: str) -> list[dict[str, Any]]:
+    """The messages as the chat template ``template_source`` sees them. OpenAI's ``developer`` role is its
+    newer name for ``system``: a template that never names ``developer`` gets a ``system`` turn instead
+    (rendered as-is, it would add its own default system prompt and an unknown turn, or refuse the role)."""
+    out = [m.template_dict() for m in messages]
+    if "developer" not in template_source:
+        for d in out:
+            if d["role"] == "developer":
+                d["role"] = "system"
+    return out
+
+
 def render_chat(messages: list[ChatMessage]) -> str:
     """The plain chat format used when a model has no chat template of its own."""
     out = [f"<|{m.role}|>\n{m.text()}\n" for m in messages]
