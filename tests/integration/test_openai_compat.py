@@ -439,6 +439,70 @@ def test_unknown_fields_pass_when_the_config_allows():
 
 
 # --- re-check: cases the tables above did not choose ---------------------------------------------------
+@pytest.mark.parametrize("kind", ["chat", "completions"])
+def test_null_is_the_default_for_openais_nullable_fields(coloc, kind):
+    """OpenAI documents these as "number or null" / "boolean or null" (the SDK sends null for an explicit None):
+    null means the field was left out, so the answer is the one without it, not a 400."""
+    path, base = {
+        "chat": ("/v1/chat/completions", {"messages": MSGS}),
+        "completions": ("/v1/completions", {"prompt": "hi"}),
+    }[kind]
+    base = {**base, "max_tokens": 5, "seed": 7}
+    nulls = dict.fromkeys(("temperature", "top_p", "n", "presence_penalty", "frequency_penalty", "stream"))
+    status, with_nulls = post(coloc, path, {**base, **nulls})
+    assert status == 200, with_nulls
+    status, without = post(coloc, path, base)
+    assert status == 200, without
+    answer = {"chat": lambda d: d["choices"][0]["message"]["content"], "completions": lambda d: d["choices"][0]["text"]}
+    assert len(with_nulls["choices"]) == 1 and answer[kind](with_nulls) == answer[kind](without)
+
+
+@pytest.mark.parametrize(
+    "extra,param",
+    [
+        ({"temperature": "0.5"}, "temperature"),  # a string is not a number
+        ({"temperature": True}, "temperature"),  # nor is a boolean (it would have been 1.0)
+        ({"top_p": "1"}, "top_p"),
+        ({"presence_penalty": False}, "presence_penalty"),
+        ({"logit_bias": {"5": True}}, "logit_bias"),
+        ({"logit_bias": {"1_0": 5}}, "logit_bias"),  # int() reads "1_0" as token 10
+        ({"logit_bias": {"+5": 5}}, "logit_bias"),
+        # the param is the field, not pydantic's name for a member of the field's union
+        ({"stop": 5}, "stop"),
+        ({"stop": ["a", 1]}, "stop"),
+        ({"tool_choice": "always", "tools": TOOLS}, "tool_choice"),
+        ({"messages": [{"role": "user", "content": 5}]}, "messages.content"),
+        # json_schema's keys are name, description, schema, strict: another one is not silently dropped
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {}, "scheme": {}}}},
+            "response_format.json_schema",
+        ),
+        # an earlier call's arguments must be a JSON object, as the message says
+        (
+            {
+                "messages": MSGS
+                + [
+                    {
+                        "role": "assistant",
+                        "tool_calls": [{"id": "c1", "function": {"name": "f", "arguments": "[1, 2]"}}],
+                    }
+                ]
+            },
+            "messages",
+        ),
+    ],
+)
+def test_wrong_types_are_400_naming_the_field(coloc, extra, param):
+    status, data = post(coloc, "/v1/chat/completions", {"messages": MSGS, "max_tokens": 2, **extra})
+    assert status == 400 and data["error"]["param"] == param, data
+    assert data["error"]["message"].startswith(param), data
+
+
+def test_completions_union_errors_name_the_field(coloc):
+    status, data = post(coloc, "/v1/completions", {"prompt": ["a", [1, 2]], "max_tokens": 2})
+    assert status == 400 and data["error"]["param"] == "prompt", data
+
+
 def test_chat_logprob_bytes_rebuild_multibyte_characters(coloc):
     """OpenAI's ``bytes``: the token's own UTF-8 bytes, so a character split over tokens is rebuilt by joining
     them (the tiny model's tokens are single bytes: every non-ASCII character is split)."""
