@@ -118,6 +118,10 @@ class _SamplingFields(BaseModel):
         """How many most-likely alternatives per token the client asked for (None: no logprobs)."""
         return self.logprobs
 
+    def max_tokens_field(self) -> str:
+        """The name under which the client sent the answer's token cap (for the errors that name it)."""
+        return "max_tokens"
+
     def logit_bias_items(self) -> list[tuple[int, float]]:
         """``logit_bias`` as (token id, bias), checked; ids against the vocabulary by the caller."""
         items = []
@@ -277,8 +281,17 @@ class ChatCompletionRequest(_SamplingFields):
     def logprobs_k(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
+    def max_tokens_field(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
     def neutral_checks(self) -> None:
         super().neutral_checks()
+        if self.max_completion_tokens is not None and self.max_tokens not in (None, self.max_completion_tokens):
+            raise InvalidRequest(
+                f"max_completion_tokens: {self.max_completion_tokens} and max_tokens: {self.max_tokens} are two "
+                "different caps; send one (max_tokens is OpenAI's deprecated name for max_completion_tokens)",
+                "max_completion_tokens",
+            )
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequest("top_logprobs: needs logprobs set to true", "top_logprobs")
         if self.tool_choice is not None and not self.tools:

@@ -503,6 +503,19 @@ def test_completions_union_errors_name_the_field(coloc):
     assert status == 400 and data["error"]["param"] == "prompt", data
 
 
+def test_max_tokens_and_max_completion_tokens(coloc):
+    # two different caps: which one the client meant is not ours to guess (one would be silently ignored)
+    body = {"messages": MSGS, "max_completion_tokens": 2, "max_tokens": 8, "ignore_eos": True}
+    status, data = post(coloc, "/v1/chat/completions", body)
+    assert status == 400 and data["error"]["param"] == "max_completion_tokens", data
+    status, data = post(coloc, "/v1/chat/completions", {**body, "max_tokens": 2})  # the same cap twice is one cap
+    assert status == 200 and data["usage"]["completion_tokens"] == 2, data
+    # a cap beyond the context names the field the client sent
+    status, data = post(coloc, "/v1/chat/completions", {"messages": MSGS, "max_completion_tokens": 10**6})
+    assert status == 400 and data["error"]["param"] == "max_completion_tokens", data
+    assert data["error"]["message"].startswith("max_completion_tokens"), data
+
+
 def test_chat_logprob_bytes_rebuild_multibyte_characters(coloc):
     """OpenAI's ``bytes``: the token's own UTF-8 bytes, so a character split over tokens is rebuilt by joining
     them (the tiny model's tokens are single bytes: every non-ASCII character is split)."""
