@@ -239,6 +239,14 @@ class Tokenizer:
             return None
         return self._tok.id_to_token(token_id)
 
+    def token_bytes(self, token_id: int) -> bytes | None:
+        """The bytes token ``token_id`` stands for (a byte-level piece of a multi-byte character is that
+        byte, not U+FFFD), or None when the decoder has no byte table (then only its text is known)."""
+        table = self._table
+        if table is None or not 0 <= token_id < len(table):
+            return None
+        return table[token_id]
+
     def __repr__(self) -> str:
         return (
             f"Tokenizer(kind={self.kind!r}, vocab_size={self.vocab_size}, bos={self.bos_token_id}, "

@@ -8,7 +8,9 @@
   "top_logprobs": [{"token", "logprob", "bytes"}] * k}], "refusal": null}``.
 
 A token's text is the tokenizer's decoding of that id alone (a byte-level piece of a multi-byte character
-shows as U+FFFD; ``bytes`` in the chat shape are its UTF-8 bytes).
+shows as U+FFFD). ``bytes`` in the chat shape are the token's own bytes (OpenAI: "useful when characters are
+represented by multiple tokens and their byte representations must be combined"): the UTF-8 of its text,
+except for a piece of a character, whose bytes come from the tokenizer's byte table.
 """
 
 from __future__ import annotations
@@ -23,12 +25,22 @@ class TokenTexts:
     def __init__(self, tokenizer: Tokenizer) -> None:
         self._tokenizer = tokenizer
         self._cache: dict[int, str] = {}
+        self._bytes: dict[int, list[int]] = {}
 
     def __call__(self, token_id: int) -> str:
         text = self._cache.get(token_id)
         if text is None:
             text = self._cache[token_id] = self._tokenizer.decode([token_id], skip_special_tokens=False)
         return text
+
+    def token_bytes(self, token_id: int) -> list[int]:
+        """OpenAI's ``bytes`` of a token: its text's UTF-8, or its raw bytes when the text is a U+FFFD stand-in."""
+        found = self._bytes.get(token_id)
+        if found is None:
+            text = self(token_id)
+            raw = self._tokenizer.token_bytes(token_id) if "\ufffd" in text else None
+            found = self._bytes[token_id] = list(raw if raw is not None else text.encode("utf-8"))
+        return found
 
 
 def completion_logprobs(
@@ -52,15 +64,15 @@ def completion_logprobs(
     }, offset
 
 
-def _entry(text: str, logprob: float) -> dict:
-    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+def _entry(texts: TokenTexts, token_id: int, logprob: float) -> dict:
+    return {"token": texts(token_id), "logprob": logprob, "bytes": texts.token_bytes(token_id)}
 
 
 def chat_logprobs(token_ids: list[int], logprobs: list[TokenLogprob], texts: TokenTexts) -> dict:
     content = []
     for tid, lp in zip(token_ids, logprobs):
-        e = _entry(texts(tid), lp.logprob)
-        e["top_logprobs"] = [_entry(texts(a), v) for a, v in lp.top]
+        e = _entry(texts, tid, lp.logprob)
+        e["top_logprobs"] = [_entry(texts, a, v) for a, v in lp.top]
         content.append(e)
     return {"content": content, "refusal": None}
 

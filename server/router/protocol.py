@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, ValidationError
 
 from distserve.server.router.openai_fields import refused_field
 
@@ -83,15 +83,16 @@ class StructuredOutputs(BaseModel):
     whitespace_pattern: str | None = None  # refused when set (see structured_spec)
 
 
-# Strict where a lenient parse would change meaning: `max_tokens: true` is not 1 and `stream: "yes"`
-# is not a boolean. Numbers that are floats in OpenAI's API accept integers (1 means 1.0).
+# Strict where a lenient parse would change meaning: `max_tokens: true` is not 1, `stream: "yes"` is not a
+# boolean, `temperature: true` is not 1.0 and `"0.5"` is a string. Numbers that are floats in OpenAI's API
+# accept integers (1 means 1.0): StrictFloat does.
 class _SamplingFields(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
     max_tokens: StrictInt | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    temperature: StrictFloat = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: StrictFloat = Field(default=1.0, gt=0.0, le=1.0)
     top_k: StrictInt = Field(default=-1, ge=-1)
     seed: StrictInt | None = Field(default=None, ge=-(2**63), lt=2**63)
     stop: str | list[str] | None = None
@@ -101,11 +102,11 @@ class _SamplingFields(BaseModel):
     ignore_eos: StrictBool = False
     n: StrictInt = Field(default=1, ge=1, le=MAX_CHOICES)
     logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # completions' and /generate's form
-    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    repetition_penalty: float = Field(default=1.0, gt=0.0, le=10.0)
-    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: StrictFloat = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: StrictFloat = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: StrictFloat = Field(default=1.0, gt=0.0, le=10.0)
+    min_p: StrictFloat = Field(default=0.0, ge=0.0, le=1.0)
+    logit_bias: dict[str, StrictFloat] | None = None
     user: str | None = None  # an end-user id (abuse monitoring): accepted, no effect on the output by design
     safety_identifier: str | None = None  # OpenAI's newer spelling of `user`
     prompt_cache_key: str | None = None  # a cache-routing hint: the prefix cache needs none
@@ -117,16 +118,19 @@ class _SamplingFields(BaseModel):
         """How many most-likely alternatives per token the client asked for (None: no logprobs)."""
         return self.logprobs
 
+    def max_tokens_field(self) -> str:
+        """The name under which the client sent the answer's token cap (for the errors that name it)."""
+        return "max_tokens"
+
     def logit_bias_items(self) -> list[tuple[int, float]]:
         """``logit_bias`` as (token id, bias), checked; ids against the vocabulary by the caller."""
         items = []
         for key, bias in (self.logit_bias or {}).items():
-            try:
-                tok = int(key)
-            except ValueError:
-                raise InvalidRequest(f"logit_bias: key {key!r} is not a token id", "logit_bias") from None
-            if tok < 0:
-                raise InvalidRequest(f"logit_bias: token id {tok} must be >= 0", "logit_bias")
+            if key.startswith("-") and key[1:].isascii() and key[1:].isdigit():
+                raise InvalidRequest(f"logit_bias: token id {key} must be >= 0", "logit_bias")
+            if not (key.isascii() and key.isdigit()):  # int() would also read "1_0", "+5", " 5" and other digits
+                raise InvalidRequest(f"logit_bias: key {key!r} is not a token id", "logit_bias")
+            tok = int(key)
             if not -100.0 <= bias <= 100.0:
                 raise InvalidRequest(f"logit_bias: the bias of token {tok} must be in [-100, 100]", "logit_bias")
             items.append((tok, float(bias)))
@@ -231,9 +235,9 @@ class ChatMessage(BaseModel):
                     try:
                         args = json.loads(args)
                     except ValueError:
-                        raise InvalidRequest(
-                            "messages: tool_calls[].function.arguments must be a JSON object", "messages"
-                        ) from None
+                        args = None
+                if not isinstance(args, dict):
+                    raise InvalidRequest("messages: tool_calls[].function.arguments must be a JSON object", "messages")
                 calls.append({"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": args}})
             d["tool_calls"] = calls
         return d
@@ -277,8 +281,17 @@ class ChatCompletionRequest(_SamplingFields):
     def logprobs_k(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
+    def max_tokens_field(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
     def neutral_checks(self) -> None:
         super().neutral_checks()
+        if self.max_completion_tokens is not None and self.max_tokens not in (None, self.max_completion_tokens):
+            raise InvalidRequest(
+                f"max_completion_tokens: {self.max_completion_tokens} and max_tokens: {self.max_tokens} are two "
+                "different caps; send one (max_tokens is OpenAI's deprecated name for max_completion_tokens)",
+                "max_completion_tokens",
+            )
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequest("top_logprobs: needs logprobs set to true", "top_logprobs")
         if self.tool_choice is not None and not self.tools:
@@ -313,17 +326,32 @@ def declared_fields(model: type[BaseModel]) -> set[str]:
     return {f.alias or name for name, f in model.model_fields.items()}
 
 
+# pydantic's names for the members of a union in an error's location (`str`, `list[str]`,
+# `literal['none','auto','required']`, `NamedToolChoice`): not fields, so not part of the field's name
+_BUILTIN_TAGS = frozenset({"str", "int", "float", "bool", "none", "list", "dict"})
+
+
+def _field_path(loc: tuple) -> str:
+    """An error location as the request's field (``messages.content``), without list indexes, dict keys
+    or union-member names."""
+    parts = [p for p in loc if isinstance(p, str) and p not in _BUILTIN_TAGS and p.isidentifier() and p[:1].islower()]
+    return ".".join(parts) or "body"
+
+
 def parse(model: type[RequestT], body: Any, allow_unknown_fields: bool = False) -> RequestT:
     if not isinstance(body, dict):
         raise InvalidRequest("request body must be a JSON object")
-    refused = refused_field(body, declared_fields(model), allow_unknown_fields)
+    declared = declared_fields(model)
+    refused = refused_field(body, declared, allow_unknown_fields)
     if refused is not None:
         raise InvalidRequest(refused[1], refused[0])
+    # OpenAI's optional fields are "X or null": null is the field left out (its default), not a wrong type
+    body = {k: v for k, v in body.items() if not (v is None and k in declared)}
     try:
         req = model.model_validate(body)
     except ValidationError as e:
         err = e.errors()[0]
-        field = ".".join(str(p) for p in err["loc"] if not isinstance(p, int)) or "body"
+        field = _field_path(err["loc"])
         # pydantic reports every union member; keep the first, human sentence
         raise InvalidRequest(f"{field}: {err['msg']}", field) from None
     req.neutral_checks()
@@ -355,7 +383,7 @@ def _parse_plain(model: type[BaseModel], body: Any) -> Any:
         return model.model_validate(body)
     except ValidationError as e:
         err = e.errors()[0]
-        field = ".".join(str(p) for p in err["loc"] if not isinstance(p, int)) or "body"
+        field = _field_path(err["loc"])
         msg = "unknown field" if err["type"] == "extra_forbidden" else err["msg"]
         raise InvalidRequest(f"{field}: {msg}", field) from None
 
@@ -369,6 +397,18 @@ def parse_tokenize(body: Any) -> TokenizeRequest:
 
 def parse_detokenize(body: Any) -> DetokenizeRequest:
     return _parse_plain(DetokenizeRequest, body)
+
+
+def template_messages(messages: list[ChatMessage], template_source: str) -> list[dict[str, Any]]:
+    """The messages as the chat template ``template_source`` sees them. OpenAI's ``developer`` role is its
+    newer name for ``system``: a template that never names ``developer`` gets a ``system`` turn instead
+    (rendered as-is, it would add its own default system prompt and an unknown turn, or refuse the role)."""
+    out = [m.template_dict() for m in messages]
+    if "developer" not in template_source:
+        for d in out:
+            if d["role"] == "developer":
+                d["role"] = "system"
+    return out
 
 
 def render_chat(messages: list[ChatMessage]) -> str:

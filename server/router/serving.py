@@ -113,10 +113,10 @@ async def serve(
     if max_tokens is None:
         max_tokens = 16 if kind == "completion" else max_len - len(prompt_ids)
     if len(prompt_ids) + max_tokens > max_len:
+        cap = req.max_tokens_field()  # max_completion_tokens when the client sent that
         raise InvalidRequest(
-            f"max_tokens: prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) "
-            f"exceeds max_seq_len ({max_len})",
-            "max_tokens",
+            f"{cap}: prompt ({len(prompt_ids)} tokens) + {cap} ({max_tokens}) exceeds max_seq_len ({max_len})",
+            cap,
         )
     vocab = vocab_size(state)
     if vocab is not None and any(t >= vocab for t in req.stop_token_ids or ()):

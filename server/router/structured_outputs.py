@@ -17,6 +17,7 @@ from distserve.server.router.protocol import InvalidRequest
 from distserve.server.wire import StructuredConstraint
 
 _JSON_OBJECT = json.dumps({"type": "object"})
+_JSON_SCHEMA_KEYS = frozenset({"name", "description", "schema", "strict"})  # OpenAI's json_schema object
 
 
 def constraint_for(req) -> tuple[StructuredConstraint, str] | None:
@@ -31,6 +32,13 @@ def constraint_for(req) -> tuple[StructuredConstraint, str] | None:
         if not isinstance(js, dict) or not isinstance(js.get("schema", {}), dict):
             raise InvalidRequest(
                 "response_format.json_schema: must be an object with a `schema` object", "response_format.json_schema"
+            )
+        unknown = sorted(set(js) - _JSON_SCHEMA_KEYS)
+        if unknown:
+            raise InvalidRequest(
+                f"response_format.json_schema.{unknown[0]}: unknown field (the keys are name, description, schema, "
+                "strict)",
+                "response_format.json_schema",
             )
         if "name" in js and not isinstance(js["name"], str):
             raise InvalidRequest("response_format.json_schema.name: must be a string", "response_format.json_schema")

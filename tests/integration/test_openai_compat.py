@@ -14,6 +14,7 @@ from distserve.server.router.protocol import ChatCompletionRequest, CompletionRe
 from tests.structured_schemas import SCHEMAS
 
 from .conftest import http
+from .test_serving import assert_no_leaks
 
 openai = pytest.importorskip("openai")
 
@@ -435,6 +436,116 @@ def test_unknown_fields_pass_when_the_config_allows():
         parse(CompletionRequest, body)
     with pytest.raises(InvalidRequest):  # a known field we refuse stays refused
         parse(CompletionRequest, {"prompt": "hi", "suffix": "x"}, allow_unknown_fields=True)
+
+
+# --- re-check: cases the tables above did not choose ---------------------------------------------------
+@pytest.mark.parametrize("kind", ["chat", "completions"])
+def test_null_is_the_default_for_openais_nullable_fields(coloc, kind):
+    """OpenAI documents these as "number or null" / "boolean or null" (the SDK sends null for an explicit None):
+    null means the field was left out, so the answer is the one without it, not a 400."""
+    path, base = {
+        "chat": ("/v1/chat/completions", {"messages": MSGS}),
+        "completions": ("/v1/completions", {"prompt": "hi"}),
+    }[kind]
+    base = {**base, "max_tokens": 5, "seed": 7}
+    nulls = dict.fromkeys(("temperature", "top_p", "n", "presence_penalty", "frequency_penalty", "stream"))
+    status, with_nulls = post(coloc, path, {**base, **nulls})
+    assert status == 200, with_nulls
+    status, without = post(coloc, path, base)
+    assert status == 200, without
+    answer = {"chat": lambda d: d["choices"][0]["message"]["content"], "completions": lambda d: d["choices"][0]["text"]}
+    assert len(with_nulls["choices"]) == 1 and answer[kind](with_nulls) == answer[kind](without)
+
+
+@pytest.mark.parametrize(
+    "extra,param",
+    [
+        ({"temperature": "0.5"}, "temperature"),  # a string is not a number
+        ({"temperature": True}, "temperature"),  # nor is a boolean (it would have been 1.0)
+        ({"top_p": "1"}, "top_p"),
+        ({"presence_penalty": False}, "presence_penalty"),
+        ({"logit_bias": {"5": True}}, "logit_bias"),
+        ({"logit_bias": {"1_0": 5}}, "logit_bias"),  # int() reads "1_0" as token 10
+        ({"logit_bias": {"+5": 5}}, "logit_bias"),
+        # the param is the field, not pydantic's name for a member of the field's union
+        ({"stop": 5}, "stop"),
+        ({"stop": ["a", 1]}, "stop"),
+        ({"tool_choice": "always", "tools": TOOLS}, "tool_choice"),
+        ({"messages": [{"role": "user", "content": 5}]}, "messages.content"),
+        # json_schema's keys are name, description, schema, strict: another one is not silently dropped
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {}, "scheme": {}}}},
+            "response_format.json_schema",
+        ),
+        # an earlier call's arguments must be a JSON object, as the message says
+        (
+            {
+                "messages": MSGS
+                + [
+                    {
+                        "role": "assistant",
+                        "tool_calls": [{"id": "c1", "function": {"name": "f", "arguments": "[1, 2]"}}],
+                    }
+                ]
+            },
+            "messages",
+        ),
+    ],
+)
+def test_wrong_types_are_400_naming_the_field(coloc, extra, param):
+    status, data = post(coloc, "/v1/chat/completions", {"messages": MSGS, "max_tokens": 2, **extra})
+    assert status == 400 and data["error"]["param"] == param, data
+    assert data["error"]["message"].startswith(param), data
+
+
+def test_completions_union_errors_name_the_field(coloc):
+    status, data = post(coloc, "/v1/completions", {"prompt": ["a", [1, 2]], "max_tokens": 2})
+    assert status == 400 and data["error"]["param"] == "prompt", data
+
+
+def test_max_tokens_and_max_completion_tokens(coloc):
+    # two different caps: which one the client meant is not ours to guess (one would be silently ignored)
+    body = {"messages": MSGS, "max_completion_tokens": 2, "max_tokens": 8, "ignore_eos": True}
+    status, data = post(coloc, "/v1/chat/completions", body)
+    assert status == 400 and data["error"]["param"] == "max_completion_tokens", data
+    status, data = post(coloc, "/v1/chat/completions", {**body, "max_tokens": 2})  # the same cap twice is one cap
+    assert status == 200 and data["usage"]["completion_tokens"] == 2, data
+    # a cap beyond the context names the field the client sent
+    status, data = post(coloc, "/v1/chat/completions", {"messages": MSGS, "max_completion_tokens": 10**6})
+    assert status == 400 and data["error"]["param"] == "max_completion_tokens", data
+    assert data["error"]["message"].startswith("max_completion_tokens"), data
+
+
+def test_chat_logprob_bytes_rebuild_multibyte_characters(coloc):
+    """OpenAI's ``bytes``: the token's own UTF-8 bytes, so a character split over tokens is rebuilt by joining
+    them (the tiny model's tokens are single bytes: every non-ASCII character is split)."""
+    c = client(coloc)
+    for stream in (False, True):
+        r = c.chat.completions.create(
+            model=MODEL,
+            messages=MSGS,
+            max_tokens=20,
+            logprobs=True,
+            top_logprobs=2,
+            stream=stream,
+            extra_body={"structured_outputs": {"choice": ["日本語 é 🎉"]}},
+        )
+        chunks = list(r) if stream else [r]
+        content = "".join(
+            (ch.choices[0].delta.content or "") if stream else ch.choices[0].message.content
+            for ch in chunks
+            if ch.choices
+        )
+        entries = [e for ch in chunks if ch.choices and ch.choices[0].logprobs for e in ch.choices[0].logprobs.content]
+        assert content == "日本語 é 🎉"
+        assert b"".join(bytes(e.bytes) for e in entries).decode("utf-8") == content
+        for e in entries:
+            for alt in e.top_logprobs:
+                assert len(alt.bytes) >= 1
+
+
+def test_nothing_left_behind_after_the_recheck(coloc):
+    assert_no_leaks(coloc)
 
 
 # --- SmolLM2: a real model writes real JSON and real tool calls ---------------------------------------

@@ -146,3 +146,17 @@ def test_end_of_turn_ids(tmp_path, tiny):
     t = ChatTemplate("{{ '<|im_start|>' }}{{ '<|im_end|>' }}")
     tok_tiny = Tokenizer.from_folder(tiny)
     assert end_of_turn_ids(tok_tiny, t) == list(tok_tiny.eos_token_ids)  # not in this vocabulary: nothing added
+
+
+@pytest.mark.parametrize("name,template", [("smollm2", SMOLLM2), ("llama2", LLAMA2), ("llama3", LLAMA3)])
+def test_developer_role_is_the_system_role_for_templates_without_it(name, template):
+    """OpenAI's ``developer`` role is its newer name for ``system``: a template that knows no ``developer``
+    renders it as its system turn (SmolLM2's used to add its own default system prompt and then an unknown
+    "developer" turn; Llama 2's refused the conversation)."""
+    t = ChatTemplate(template, {"bos_token": "<s>", "eos_token": "</s>"})
+    dev = [protocol.ChatMessage(role="developer", content="Be terse."), protocol.ChatMessage(role="user", content="Hi")]
+    sys = [protocol.ChatMessage(role="system", content="Be terse."), protocol.ChatMessage(role="user", content="Hi")]
+    assert t.render(protocol.template_messages(dev, t.source)) == t.render([m.template_dict() for m in sys])
+    # a template that names the role gets it as sent
+    knows = ChatTemplate("{% for m in messages %}{{ m['role'] }}:{{ m['content'] }};{% endfor %}{# developer #}")
+    assert knows.render(protocol.template_messages(dev, knows.source)) == "developer:Be terse.;user:Hi;"

@@ -53,7 +53,7 @@ async def chat(request: Request):
     state.running_pipeline().check_available()  # 503 before touching the tokenizer when no model is known yet
     await prompts.tokenizer_ready(state)
     tokenizer, template = state.get_tokenizer(), state.get_chat_template()
-    messages = [m.template_dict() for m in req.messages]
+    messages = protocol.template_messages(req.messages, template.source)
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
     if tools and "tools" not in template.source:  # the template ignores tools: describe them ourselves
         messages = tool_calls.with_tools_described(messages, tools)

@@ -28,7 +28,8 @@ async def tokenize(request: Request):
         template = state.get_chat_template()
         try:
             text = template.render(
-                [m.template_dict() for m in req.messages], add_generation_prompt=req.add_generation_prompt
+                protocol.template_messages(req.messages, template.source),
+                add_generation_prompt=req.add_generation_prompt,
             )
         except ChatTemplateError as e:
             raise InvalidRequest(f"messages: {e}", "messages") from None
