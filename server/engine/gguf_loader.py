@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from distserve.server.engine.gguf_file import GGUFFile
-from distserve.server.engine.model_config import ModelConfig, RopeScaling
+from distserve.server.engine.model_config import ModelConfig, RopeScaling, check_attention_shape
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +125,8 @@ def model_config(meta: GGUFMetadata) -> ModelConfig:
         scaling = RopeScaling(rope_type="linear", factor=float(meta.arch("rope.scaling.factor", 1.0)))
     elif meta.arch("rope.scaling.type") not in (None, "none"):
         raise ValueError(f"{meta.path}: rope scaling {meta.arch('rope.scaling.type')!r} is not supported")
+    head_dim = int(meta.arch("rope.dimension_count") or hidden // n_heads)
+    check_attention_shape(str(meta.path), n_heads, n_kv, head_dim)
     eos = meta.get("tokenizer.ggml.eos_token_id")
     return ModelConfig(
         architecture="LlamaForCausalLM",
@@ -134,7 +136,7 @@ def model_config(meta: GGUFMetadata) -> ModelConfig:
         num_hidden_layers=int(need("block_count")),
         num_attention_heads=n_heads,
         num_key_value_heads=n_kv,
-        head_dim=int(meta.arch("rope.dimension_count") or hidden // n_heads),
+        head_dim=head_dim,
         max_position_embeddings=int(meta.arch("context_length", 2048)),
         rms_norm_eps=float(meta.arch("attention.layer_norm_rms_epsilon", 1e-6)),
         rope_theta=float(meta.arch("rope.freq_base", 10000.0)),

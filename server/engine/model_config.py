@@ -124,10 +124,7 @@ class ModelConfig:
         n_kv = int(d.get("num_key_value_heads") or n_heads)
         hidden = int(need("hidden_size"))
         head_dim = int(d.get("head_dim") or hidden // n_heads)
-        if n_heads % n_kv:
-            raise ValueError(
-                f"config.json: num_attention_heads={n_heads} is not a multiple of num_key_value_heads={n_kv}"
-            )
+        check_attention_shape("config.json", n_heads, n_kv, head_dim)
         eos = d.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         # Qwen2 always has q/k/v bias; Llama states it explicitly.
@@ -162,6 +159,16 @@ class ModelConfig:
         if not p.is_file():
             raise FileNotFoundError(f"{path}: no config.json (is this a Hugging Face model folder?)")
         return cls.from_hf_dict(json.loads(p.read_text()))
+
+
+def check_attention_shape(where: str, n_heads: int, n_kv: int, head_dim: int) -> None:
+    """Refuse, in one sentence naming ``where``, an attention shape the engine cannot compute: query heads not
+    grouped evenly over the KV heads, or an odd head_dim (rotary embeddings rotate pairs of dimensions; an odd
+    one loaded, then failed every request inside the forward)."""
+    if n_heads % n_kv:
+        raise ValueError(f"{where}: num_attention_heads={n_heads} is not a multiple of num_key_value_heads={n_kv}")
+    if head_dim < 2 or head_dim % 2:
+        raise ValueError(f"{where}: head_dim={head_dim} must be even (rotary embeddings rotate pairs of dimensions)")
 
 
 def _refuse_unsupported_math(d: dict[str, Any]) -> None:

@@ -227,11 +227,18 @@ async def _prefill(state: WorkerState, body: PrefillRequest) -> JSONResponse:
     try:
         params = to_sampling_params(body.sampling)
         await _prepare_grammar(state, params)
-        if rid in state.loop.engine.requests:
+        staged = state.sender is not None and state.sender.poll(rid) in (
+            TransferStatus.PENDING,
+            TransferStatus.TRANSFERRING,
+        )
+        if rid in state.loop.engine.requests or staged:
             # only the router sends prefills, with ids it made: the same id again means it gave up on an earlier
-            # attempt here (a progress deadline) before that attempt's abort landed; the new attempt replaces it
+            # attempt here (a progress deadline) before that attempt's abort landed; the new attempt replaces it,
+            # its KV still staged included (else staging the new one fails: "already staged")
             log.info("request %s sent again: its earlier attempt here is aborted", rid)
             state.loop.abort_nowait(rid)
+            if state.sender is not None:
+                state.sender.abort(rid)
         q = await state.loop.add_request(
             rid, body.prompt_token_ids, params, prefill_only=True, output_token_ids=body.output_token_ids
         )
@@ -338,12 +345,12 @@ async def _prefill(state: WorkerState, body: PrefillRequest) -> JSONResponse:
             ).model_dump()
         )
     except BaseException:
-        state.loop.abort_nowait(rid)  # client gone or timed out: free the blocks now
+        state.loop.abort_nowait(rid, q)  # client gone or timed out: free the blocks now (unless sent again since)
         raise
     finally:
         if held:
             state.kv_gathered_held -= 1
-        state.loop.close_stream(rid)
+        state.loop.close_stream(rid, q)
         kv_reference.drop_lease(state, rid, leased)  # an early lease nobody used goes back
 
 
@@ -512,6 +519,7 @@ async def _generate_stream(state: WorkerState, body: GenerateRequest):
     rid = body.request_id
     loop = state.loop
     keepalive_s = state.config.router.stream_progress_timeout_s / 4
+    q: asyncio.Queue | None = None
     try:
         params = to_sampling_params(body.sampling)
         await _prepare_grammar(state, params)
@@ -588,8 +596,14 @@ async def _generate_stream(state: WorkerState, body: GenerateRequest):
     except TimeoutError:
         yield _line(finished=True, finish_reason="error", error="worker timed out")
     finally:
-        loop.close_stream(rid)
-        loop.abort_nowait(rid)  # no-op when finished; frees the blocks when the router went away
+        # no-op when finished; frees the blocks when the router went away (by its stream once it has one: a later
+        # attempt under the same id, the router's retry on this worker, is not this handler's to abort)
+        if q is not None:
+            loop.abort_nowait(rid, q)
+            loop.close_stream(rid, q)
+        else:
+            loop.close_stream(rid)
+            loop.abort_nowait(rid)
 
 
 async def _admit_with_kv(state: WorkerState, body: GenerateRequest, params: SamplingParams):

@@ -105,6 +105,7 @@ class EngineLoop:
         self._stepping = False  # a step is running on the engine thread (thread mode only)
         # engine calls made by handlers while a step runs: (fn, future or None for fire-and-forget)
         self._pending: deque[tuple[Callable[[], Any], asyncio.Future | None]] = deque()
+        self._aborted_in_step: set[str] = set()  # ids aborted while the running step ran (its outputs are stale)
         self.num_gc_collected = 0
         self._next_gc = 0.0
         self._streams: dict[str, asyncio.Queue] = {}
@@ -239,9 +240,13 @@ class EngineLoop:
             self._step_seconds += time.perf_counter() - t0
             self._step_cpu_seconds += cpu
             self._apply_pending()
+            # A request aborted while the step ran already got its final "abort" output; the step's output for
+            # its id is the aborted attempt's, not that of a request added again under the same id meanwhile
+            # (a prefill the router sent again): delivered, it told the new attempt "prefilled" before its step.
+            aborted, self._aborted_in_step = self._aborted_in_step, set()
             for out in outputs:
                 q = self._streams.get(out.request_id)
-                if q is not None:
+                if q is not None and out.request_id not in aborted:
                     q.put_nowait(out)
             # Two yields, not one. The first lets handlers stream what this step produced and
             # go back to waiting on their queues; the second runs callbacks scheduled meanwhile
@@ -358,8 +363,11 @@ class EngineLoop:
         self._streams[request_id] = q
         return q
 
-    def close_stream(self, request_id: str) -> None:
-        self._streams.pop(request_id, None)
+    def close_stream(self, request_id: str, q: asyncio.Queue | None = None) -> None:
+        """Stop delivering ``request_id``'s outputs; given its queue ``q``, only if that stream is still ``q``: a
+        handler leaving must not close the stream of a later attempt under the same id (a prefill sent again)."""
+        if q is None or self._streams.get(request_id) is q:
+            self._streams.pop(request_id, None)
 
     async def add_request(
         self,
@@ -378,7 +386,7 @@ class EngineLoop:
                 )
             )
         except ValueError:  # refused by the engine: nothing was added
-            self.close_stream(request_id)
+            self.close_stream(request_id, q)
             raise
         except BaseException:  # cancelled: in thread mode the queued call may have run just before
             self.abort_nowait(request_id)
@@ -407,7 +415,7 @@ class EngineLoop:
         try:
             await self._engine_call(lambda: self.engine.commit_prefilled(request_id, kv, kv_scales))
         except ValueError:
-            self.close_stream(request_id)
+            self.close_stream(request_id, q)
             raise
         except BaseException:  # cancelled, maybe after the queued commit ran: free what it holds
             self.abort_nowait(request_id)
@@ -419,17 +427,23 @@ class EngineLoop:
         """Step soon: work was added outside ``add_request``/``commit`` (KV adopted by reference)."""
         self._wakeup.set()
 
-    def abort_nowait(self, request_id: str) -> bool:
+    def abort_nowait(self, request_id: str, q: asyncio.Queue | None = None) -> bool:
         """Abort now, or right after the running step; safe in ``finally`` blocks of cancelled tasks (no
         await). Returns whether the engine knew the request (when queued behind a step: whether it knows
         it now; the abort itself happens before the next step, so its blocks are freed by then).
         A handler still waiting on the request's stream gets a final "abort" output: it is released now,
-        not at its timeout (POST /internal/abort of a request whose caller gave up)."""
+        not at its timeout (POST /internal/abort of a request whose caller gave up).
+        Given the caller's stream ``q`` (a handler cleaning up after itself), nothing is done unless the id's
+        stream is still ``q``: another stream means a later attempt under the same id replaced this one (and
+        aborted it), no stream means it was aborted already."""
+        if q is not None and self._streams.get(request_id) is not q:
+            return False
         q = self._streams.pop(request_id, None)
         if q is not None:
             q.put_nowait(RequestOutput(request_id, [], True, "abort", 0, 0, error="request was aborted"))
         if self._stepping:
             self._pending.append((lambda: self.engine.abort_request(request_id), None))
+            self._aborted_in_step.add(request_id)
             self._wakeup.set()
             return request_id in self.engine.requests
         return self.engine.abort_request(request_id)

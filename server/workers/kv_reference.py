@@ -200,14 +200,14 @@ async def admit_by_reference(state, body, params: SamplingParams):
                 raise TimeoutError("no decode slot for the adopted KV")
             await asyncio.sleep(0.005)  # max_num_seqs running: back-pressure, as a reservation waits
     except ValueError as e:
-        loop.close_stream(rid)
+        loop.close_stream(rid, q)
         await lessor.give_back(lease)
         return None, {"error": f"kv adopt failed: {e}"}
     except BaseException:
         if adopted:
             loop.abort_nowait(rid)
         else:
-            loop.close_stream(rid)
+            loop.close_stream(rid, q)
             await lessor.give_back(lease)
         raise
     loop.wake()

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
 
+import aiohttp
 import pytest
 import yaml
 
@@ -226,3 +229,56 @@ def test_no_workers_gives_503_and_bad_token_worker_is_refused(tmp_path, config_f
     finally:
         _stop(router)
         log.close()
+
+
+def _prefill_body(rid: str, n: int) -> dict:
+    prompt = [1] + [3 + (7 * i + len(rid)) % 250 for i in range(n - 1)]
+    return {
+        "request_id": rid,
+        "prompt_token_ids": prompt,
+        "sampling": {"max_tokens": 8, "temperature": 0.0, "top_p": 1.0},
+    }
+
+
+def test_a_prefill_sent_again_while_its_first_attempt_is_in_a_step_answers_and_leaks_nothing(serve_factory):
+    """The router re-sends a prefill under the same request id when it gave up on the first attempt (its progress
+    deadline on a worker frozen mid-step, SIGSTOP). Here the first attempt is inside a long engine step (fault hook
+    ``block_step_ms``) when its caller leaves and the same id comes again. Before: the first attempt's output of that
+    step went to the new attempt's stream, which answered "request was aborted during prefill" while the new
+    sequence prefilled later with nobody to take it: its 113 KV blocks stayed used for good. And an id whose earlier
+    attempt's KV was still staged (its abort lost with the frozen worker) got a 500 "already staged"."""
+    server = serve_factory()
+    prefill = next(w for w in server.workers() if w["role"] == "prefill")
+    purl, n = prefill["url"], 1800
+
+    def status() -> dict:
+        return http("GET", f"{purl}/internal/status")[1]
+
+    async def post(s: aiohttp.ClientSession, body: dict) -> tuple[int, dict]:
+        async with s.post(f"{purl}/internal/prefill", json=body) as r:
+            return r.status, json.loads(await r.read())
+
+    async def main() -> list[tuple[int, dict]]:
+        headers = {"Authorization": f"Bearer {TOKEN}"}
+        async with aiohttp.ClientSession(headers=headers, timeout=aiohttp.ClientTimeout(total=120)) as s:
+            first = asyncio.ensure_future(post(s, _prefill_body("again-0", n)))
+            while not (await asyncio.to_thread(status))["in_step"]:
+                await asyncio.sleep(0.01)
+            first.cancel()  # the router gives up on it (its connection closes) ...
+            await asyncio.sleep(0.2)
+            answers = [await post(s, _prefill_body("again-0", n))]  # ... and sends the same id again
+            # the same id once more, its earlier attempt's KV still staged (never pulled, its abort lost)
+            answers.append(await post(s, _prefill_body("again-0", n)))
+            return answers
+
+    http("POST", f"{purl}/admin/fault", {"block_step_ms": 1500})
+    try:
+        answers = asyncio.run(main())
+    finally:
+        http("POST", f"{purl}/admin/fault", {})
+    for code, answer in answers:
+        assert code == 200, answer
+        assert answer["error"] is None and not answer["finished"] and answer["kv"], answer
+    http("POST", f"{purl}/internal/abort", {"request_id": "again-0"})  # the router's abort: its staged KV goes
+    _wait(lambda: status()["kv_blocks_used"] == 0 and status()["num_staged_kv"] == 0, 10, "KV blocks freed")
+    assert_no_leaks(server)

@@ -327,3 +327,32 @@ def test_an_abort_releases_the_handler_waiting_on_its_stream(engine):
         return out.finish_reason
 
     assert asyncio.run(main()) == "abort"
+
+
+def test_thread_mode_an_id_aborted_and_added_again_during_a_step_gets_only_its_own_outputs(engine):
+    """A prefill sent again under the same id (the router's retry) while its first attempt is inside the running
+    step: that step's output of the aborted attempt is not the new attempt's, and the first attempt's handler,
+    closing its stream on the way out, does not close the new attempt's."""
+
+    async def main():
+        loop = EngineLoop(engine, threaded=True)
+        loop.start()
+        with _SlowSteps(engine, 0.2) as slow:
+            q1 = await loop.add_request("same", [1, 9, 8, 7, 6], PARAMS, prefill_only=True)
+            while not slow.in_step:
+                await asyncio.sleep(0.001)
+            loop.abort_nowait("same")  # the worker's "sent again" path
+            q2 = await loop.add_request("same", [1, 9, 8, 7, 6], PARAMS, prefill_only=True)
+            first_out = await q1.get()
+            loop.close_stream("same", q1)  # the first attempt's handler leaves
+            out = await asyncio.wait_for(q2.get(), 10)
+            seq = engine.requests.get("same")
+            status = seq.status.name if seq is not None else None
+            assert out.finish_reason == "prefilled" and status == "FINISHED_PREFILLED", (out, status)
+            engine.take_prefilled_kv("same")
+        loop.stop()
+        return first_out.finish_reason
+
+    assert asyncio.run(main()) == "abort"
+    assert engine.num_used_blocks == 0 and not engine.requests
+    engine.block_manager.check_invariants()

@@ -153,3 +153,23 @@ def test_an_unknown_rope_type_is_one_sentence_exit_2_through_the_cli(tmp_path):
     )
     assert r.returncode == 2 and "'longrope' is not supported" in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_an_odd_head_dim_is_one_sentence_exit_2_through_the_cli(tmp_path):
+    """Rotary embeddings rotate pairs of dimensions: an odd head_dim (hidden 150 / 2 heads = 75) cannot be served.
+    Before: the folder loaded, `serve` said ready, and every request failed inside the forward ("The size of tensor
+    a (75) must match the size of tensor b (76)")."""
+    odd = {**BASE, "hidden_size": 150, "num_attention_heads": 2, "num_key_value_heads": 2}
+    with pytest.raises(ValueError, match="head_dim=75"):
+        ModelConfig.from_hf_dict(odd)
+    with pytest.raises(ValueError, match="head_dim=75"):
+        ModelConfig.from_hf_dict({**BASE, "head_dim": 75})
+    (tmp_path / "config.json").write_text(json.dumps(odd))
+    r = subprocess.run(
+        [sys.executable, "-m", "distserve.server.cli", "serve", "--model", str(tmp_path), "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 2 and "head_dim=75" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
