@@ -263,6 +263,9 @@ def test_tokenize_detokenize_models_version(coloc):
     assert post(coloc, "/detokenize", {"tokens": [10**9]})[1]["error"]["param"] == "tokens"
     m = client(coloc).models.list().data[0]
     assert m.created > 1_600_000_000 and m.owned_by == "distserve"
+    assert client(coloc).models.retrieve(m.id).id == m.id  # GET /v1/models/{id}
+    with pytest.raises(openai.NotFoundError):
+        client(coloc).models.retrieve("no-such-model")
     status, v, _ = http("GET", f"{coloc.url}/version", None, token=None)
     assert status == 200 and v["version"]
 

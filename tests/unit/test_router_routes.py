@@ -89,6 +89,11 @@ def test_open_route_families_answer_from_the_app_state(tmp_path):
         assert "version" in c.get("/version").json()
         models = c.get("/v1/models").json()
         assert models["data"][0]["created"] == state.created
+        # client.models.retrieve(id): the same card under the served name; another name is OpenAI's 404
+        card = c.get(f"/v1/models/{models['data'][0]['id']}")
+        assert card.status_code == 200 and card.json() == models["data"][0]
+        missing = c.get("/v1/models/not-this-model")
+        assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
         # no worker yet: the serving path and the tokenizer answer 503 with Retry-After, in OpenAI's shape
         for path, body in (
             ("/v1/completions", {"prompt": "hi"}),
