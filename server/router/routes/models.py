@@ -6,7 +6,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from distserve.server.router.state import ModelNotFound, RouterState, router_state
+from distserve.server.router.state import RouterState, router_state
 
 router = APIRouter()
 
