@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from bench.lib.cuda_timing import graph_replay_ms
 from bench.lib.results import write_result
 
 AIM_MS = 4.05
@@ -269,18 +270,7 @@ def _steps(eng, n: int) -> list[float]:
 
 
 def _replay_ms(gr, n: int = 30) -> float | None:
-    if not gr.use_graphs:
-        return None
-    g = gr.graphs[1]
-    g.replay()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(n):
-        g.replay()
-    b.record()
-    b.synchronize()
-    return a.elapsed_time(b) / n
+    return graph_replay_ms(gr.graphs[1], n) if gr.use_graphs else None
 
 
 def timing(eng, grs: dict, rng: random.Random, repeats: int, steps: int) -> None:

@@ -36,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from bench.lib.cuda_timing import graph_replay_ms
 from bench.lib.results import write_result
 
 REF_BW = 4.16e12  # bytes/s: the bandwidth the targets are stated against
@@ -309,21 +310,8 @@ def _time_steps(eng, n) -> list[float]:
 
 
 def _replay_ms(gr, bs, n=50) -> float:
-    """GPU time per replay: n back-to-back replays between two events (launch gaps included)."""
-    g = gr.graphs[bs]
-    for _ in range(3):
-        g.replay()
-    torch.cuda.synchronize()
-    vals = []
-    for _ in range(3):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(n):
-            g.replay()
-        b.record()
-        b.synchronize()
-        vals.append(a.elapsed_time(b) / n)
-    return med(vals)
+    """GPU time per replay: n back-to-back replays between two events (launch gaps included), median of 3."""
+    return graph_replay_ms(gr.graphs[bs], n, repeats=3, warmup=3)
 
 
 def _set_mode(eng, mode, graph_runner, backends):

@@ -38,6 +38,8 @@ from pathlib import Path
 
 import torch
 
+from bench.lib.cuda_timing import graph_replay_ms
+
 RESULTS: dict = {"device": None, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 OUT = Path("gpu_fp8.json")
 MODEL = ["preset:llama-2-7b", "cuda"]  # --smoke: the tiny model on the CPU (checks this script, no timing)
@@ -158,16 +160,7 @@ def _until_decoding(eng):
 
 
 def _replay_ms(gr, bs, n=30) -> float:
-    g = gr.graphs[bs]
-    g.replay()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(n):
-        g.replay()
-    b.record()
-    b.synchronize()
-    return a.elapsed_time(b) / n
+    return graph_replay_ms(gr.graphs[bs], n)
 
 
 def engine(variant: str, kw: dict, handoff: dict) -> None:

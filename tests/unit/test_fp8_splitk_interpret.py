@@ -10,26 +10,7 @@ bf16 (tests/gpu/test_fp8.py runs it in bf16 on a GPU).
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
-
-import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
-
-PROBE = """
-import os, torch, triton, triton.language as tl
-@triton.jit
-def k(p, n):
-    for i in range(0, n, 1):
-        tl.store(p + i, i)
-t = torch.zeros(4, dtype=torch.int32)
-k[(1,)](t, 4)
-assert t.tolist() == [0, 1, 2, 3]
-"""
+from tests.triton_interpret import require_interpreter, run_python
 
 CASES = """
 import torch
@@ -57,20 +38,8 @@ print("ok", worst)
 """
 
 
-def _run(code: str) -> subprocess.CompletedProcess:
-    env = dict(
-        os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
-    )
-    return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True, timeout=600, cwd=ROOT
-    )
-
-
 def test_fp8_splitk_kernel_in_the_triton_interpreter():
-    pytest.importorskip("triton")
-    probe = _run(PROBE)
-    if probe.returncode != 0:
-        pytest.skip("Triton's interpreter does not run here: " + probe.stderr.strip().splitlines()[-1][:200])
-    out = _run(CASES)
+    require_interpreter()
+    out = run_python(CASES, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.startswith("ok")

@@ -21,26 +21,9 @@ On a GPU, ``tests/gpu/test_fused_gemv.py`` compares fused with unfused in bf16 o
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-
-PROBE = """
-import os, torch, triton, triton.language as tl
-@triton.jit
-def k(p, n):
-    for i in range(0, n, 1):
-        tl.store(p + i, i)
-t = torch.zeros(4, dtype=torch.int32)
-k[(1,)](t, 4)
-assert t.tolist() == [0, 1, 2, 3]
-"""
+from tests.triton_interpret import require_interpreter, run_python
 
 KERNELS = """
 import torch
@@ -224,43 +207,23 @@ print("ok", n)
 """
 
 
-def _run(code: str) -> subprocess.CompletedProcess:
-    env = dict(
-        os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
-    )
-    return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True, timeout=900, cwd=ROOT
-    )
-
-
-def _interpreter() -> None:
-    pytest.importorskip("triton")
-    probe = _run(PROBE)
-    if probe.returncode != 0:
-        pytest.skip("Triton's interpreter does not run here: " + probe.stderr.strip().splitlines()[-1][:200])
-
-
 def test_fused_gemv_kernel_against_the_unfused_kernels_in_the_interpreter():
-    _interpreter()
-    out = _run(KERNELS)
+    require_interpreter()
+    out = run_python(KERNELS)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.startswith("ok"), out.stdout
 
 
 def test_model_forward_with_fused_decode_gemvs_in_the_interpreter():
-    _interpreter()
-    out = _run(MODEL)
+    require_interpreter()
+    out = run_python(MODEL)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.startswith("ok"), out.stdout
 
 
 def test_fused_gemv_kernel_compiles_for_sm90():
     pytest.importorskip("triton")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
-    out = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(COMPILE)], env=env, capture_output=True, text=True, timeout=600, cwd=ROOT
-    )
+    out = run_python(COMPILE, interpret=False, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     if out.stdout.startswith("skip"):
         pytest.skip("Triton cannot compile for sm_90 here: " + out.stdout.strip())
