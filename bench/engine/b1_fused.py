@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from bench.lib.cuda_timing import graph_replay_ms
+from bench.lib.cuda_timing import graph_replay_ms, step_times_ms
 from bench.lib.results import write_result
 
 AIM_MS = 4.05
@@ -259,14 +259,7 @@ def check(eng, grs: dict, rng: random.Random, steps: int) -> None:
 
 
 def _steps(eng, n: int) -> list[float]:
-    ts = []
-    for _ in range(n):
-        _sync()
-        t0 = time.perf_counter()
-        eng.step()
-        _sync()
-        ts.append((time.perf_counter() - t0) * 1e3)
-    return ts
+    return step_times_ms(eng, n)
 
 
 def _replay_ms(gr, n: int = 30) -> float | None:

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from bench.lib.cuda_timing import graph_replay_ms
+from bench.lib.cuda_timing import graph_replay_ms, step_times_ms
 
 RESULTS: dict = {"device": None, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 OUT = Path("gpu_fp8.json")
@@ -143,15 +143,8 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def _steps(eng, n) -> list[float]:
-    ts = []
-    for _ in range(n):
-        _sync()
-        t0 = time.perf_counter()
-        eng.step()
-        _sync()
-        ts.append((time.perf_counter() - t0) * 1e3)
-    return ts
+def _steps(eng, n: int) -> list[float]:
+    return step_times_ms(eng, n)
 
 
 def _until_decoding(eng):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import statistics
+import time
 
 import torch
 
@@ -23,3 +24,21 @@ def graph_replay_ms(graph: torch.cuda.CUDAGraph, n: int = 30, repeats: int = 1, 
         b.synchronize()
         vals.append(a.elapsed_time(b) / n)
     return statistics.median(vals)
+
+
+def sync() -> None:
+    """``torch.cuda.synchronize()`` where CUDA is present (the scripts' ``--smoke`` runs on a CPU)."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def step_times_ms(eng, n: int) -> list[float]:
+    """Wall milliseconds of ``n`` engine ``step()`` calls, each between device synchronisations."""
+    ts = []
+    for _ in range(n):
+        sync()
+        t0 = time.perf_counter()
+        eng.step()
+        sync()
+        ts.append((time.perf_counter() - t0) * 1e3)
+    return ts
