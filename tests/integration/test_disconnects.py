@@ -123,3 +123,92 @@ def test_a_client_gone_while_its_kv_is_staged_leaves_no_staged_kv(server, stream
     finally:
         _fault(server, "prefill")
     assert_back_to_idle(server)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_clients_gone_while_waiting_for_decode_room_give_their_places_back(server, stream):
+    async def main():
+        async with _session() as s:
+            # two long streams hold both decode slots; four more requests wait at the gate, then leave
+            hold = [asyncio.ensure_future(_leave_after(s, server.url, 4.0, True, "hold", 1500)) for _ in range(SLOTS)]
+            await asyncio.sleep(1.0)
+            waiters = [_leave_after(s, server.url, 1.0, stream, f"waiter {i}") for i in range(4)]
+            assert await asyncio.gather(*waiters) == ["gone"] * 4
+            adm = server.get("/v1/admission")
+            assert adm["inflight_requests"] == SLOTS and adm["unplaced_requests"] == 0, adm
+            return await asyncio.gather(*hold)
+
+    assert asyncio.run(main()) == ["gone"] * SLOTS
+    assert_back_to_idle(server)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_clients_gone_while_their_prefill_runs_free_it(server, stream):
+    _fault(server, "prefill", block_step_ms=1500)  # each prefill step blocks 1.5 s
+    try:
+
+        async def main():
+            async with _session() as s:
+                cuts = [0.2, 0.8, 1.6]  # in the first step, in it later, in the next one (queued behind)
+                return await asyncio.gather(*(_leave_after(s, server.url, c, stream, LONG_PROMPT) for c in cuts))
+
+        assert asyncio.run(main()) == ["gone"] * 3
+    finally:
+        _fault(server, "prefill")
+    assert_back_to_idle(server)
+
+
+def test_streams_cut_mid_stream_and_at_the_hand_off_free_everything(server):
+    _fault(server, "decode", block_step_ms=300)  # decode steps slow: the hand-off and the stream take a while
+
+    async def one(s, lines: int):
+        body = {"prompt": LONG_PROMPT[:200], "max_tokens": 200, "ignore_eos": True, "stream": True}
+        async with s.post(f"{server.url}/v1/completions", json=body) as r:
+            assert r.status == 200
+            for _ in range(lines):  # 1: token #1 came from the prefill, the decode worker's first is pending
+                await r.content.readline()
+
+    async def main():
+        async with _session() as s:
+            await asyncio.gather(*(one(s, n) for n in (1, 1, 3, 10)))
+
+    try:
+        asyncio.run(main())
+    finally:
+        _fault(server, "decode")
+    assert_back_to_idle(server)
+
+
+def test_fifty_clients_gone_at_random_moments(server):
+    rng = random.Random(7)
+
+    async def one(s, i):
+        stream = rng.random() < 0.6
+        prompt = rng.choice(["short", LONG_PROMPT[: rng.randrange(100, 1500)]])
+        path, body = rng.choice(
+            [
+                ("/v1/completions", {"prompt": prompt, "ignore_eos": True}),
+                ("/v1/chat/completions", {"messages": [{"role": "user", "content": prompt}]}),
+                ("/generate", {"prompt": prompt, "ignore_eos": True}),
+                ("/v1/completions", {"prompt": prompt, "ignore_eos": True, "n": 2}),
+            ]
+        )
+        body = {**body, "max_tokens": rng.randrange(1, 120), "stream": stream}
+
+        async def go():
+            async with s.post(f"{server.url}{path}", json=body) as r:
+                await r.read()
+                return r.status
+
+        try:
+            return await asyncio.wait_for(go(), rng.uniform(0.0, 4.0))
+        except TimeoutError:
+            return "gone"
+
+    async def main():
+        async with _session() as s:
+            return await asyncio.gather(*(one(s, i) for i in range(50)))
+
+    outcomes = asyncio.run(main())
+    assert "gone" in outcomes and set(outcomes) <= {"gone", 200, 429}, outcomes
+    assert_back_to_idle(server)
