@@ -347,6 +347,15 @@ class KVStagingServer(KVSender):
     def abort(self, request_id: str) -> bool:
         return self._finish(request_id, TransferStatus.ABORTED)
 
+    def abort_handle(self, handle: KVHandle) -> bool:
+        """Cancel the entry ``handle`` names, if it is still staged and still that one (not a later staging
+        under the same request id); True if it was."""
+        with self._lock:
+            entry = self._entries.get(handle.request_id)
+        if entry is None or not hmac.compare_digest(entry.secret, handle.secret):
+            return False
+        return self._finish(handle.request_id, TransferStatus.ABORTED, only=entry)
+
     def poll(self, request_id: str) -> TransferStatus | None:
         with self._lock:
             entry = self._entries.get(request_id)

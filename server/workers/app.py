@@ -56,6 +56,15 @@ log = logging.getLogger(__name__)
 SUMMARY_RESEND_S = 5.0  # a full prefix summary goes out at least this often, changed or not
 
 
+@dataclass(eq=False)
+class HandOff:
+    """A prefill between its last step and its answer: its KV taken out of the pool and being staged. An abort
+    (``POST /internal/abort``: the router's client left) that lands now finds the request neither in the engine
+    nor in the sender; it marks this instead, and the KV is released as soon as it is staged."""
+
+    aborted: bool = False
+
+
 @dataclass
 class WorkerState:
     role: str
@@ -76,6 +85,7 @@ class WorkerState:
     # their lease's room or writing; by copy: until staged): device memory that comes back when they finish
     kv_gathered_held: int = 0
     kv_gather_waiting: int = 0  # prefills waiting for that memory to gather their own KV (proof of progress)
+    handoffs: dict[str, HandOff] = field(default_factory=dict)  # by request id: prefills staging their KV
 
     def status(self) -> WorkerStatus:
         return self.loop.status(self.sender.num_staged if self.sender else 0)
@@ -199,6 +209,9 @@ def create_worker_app(state: WorkerState) -> FastAPI:
     @app.post("/internal/abort", dependencies=[Depends(require_token)])
     async def abort(body: AbortRequest):
         aborted = await state.loop.abort(body.request_id)
+        handoff = state.handoffs.get(body.request_id)
+        if handoff is not None:  # its KV is being staged: released once it is (_prefill)
+            handoff.aborted = aborted = True
         if state.sender is not None:
             aborted = state.sender.abort(body.request_id) or aborted
         if state.lessee is not None:  # a lease written for it and not adopted goes back to its decode worker
@@ -231,12 +244,14 @@ async def _prefill(state: WorkerState, body: PrefillRequest) -> JSONResponse:
             TransferStatus.PENDING,
             TransferStatus.TRANSFERRING,
         )
-        if rid in state.loop.engine.requests or staged:
+        if rid in state.loop.engine.requests or staged or rid in state.handoffs:
             # only the router sends prefills, with ids it made: the same id again means it gave up on an earlier
             # attempt here (a progress deadline) before that attempt's abort landed; the new attempt replaces it,
             # its KV still staged included (else staging the new one fails: "already staged")
             log.info("request %s sent again: its earlier attempt here is aborted", rid)
             state.loop.abort_nowait(rid)
+            if rid in state.handoffs:  # that attempt is staging its KV: it releases it once staged
+                state.handoffs[rid].aborted = True
             if state.sender is not None:
                 state.sender.abort(rid)
         q = await state.loop.add_request(
@@ -246,6 +261,7 @@ async def _prefill(state: WorkerState, body: PrefillRequest) -> JSONResponse:
         raise HTTPException(status_code=400, detail=str(e)) from None
     t0 = time.perf_counter()
     held = False  # this prefill's KV is gathered and counted in state.kv_gathered_held
+    handoff: HandOff | None = None
     leased = kv_reference.early_lease(state, body)  # by reference: the decode worker's blocks, while we prefill
     try:
         async with asyncio.timeout(state.config.router.request_timeout_s):
@@ -270,6 +286,7 @@ async def _prefill(state: WorkerState, body: PrefillRequest) -> JSONResponse:
         t1 = time.perf_counter()
         phases = state.metrics.prefill_phase_seconds
         phases.labels("queued_and_step").observe(t1 - t0)
+        handoff = state.handoffs[rid] = HandOff()
         try:
             kv, ready, kv_scales = await _take_kv_when_memory(state, rid, t0 + state.config.router.request_timeout_s)
             state.kv_gathered_held += 1
@@ -325,13 +342,27 @@ async def _prefill(state: WorkerState, body: PrefillRequest) -> JSONResponse:
         phases.labels("take_kv").observe(t2 - t1)
         # an FP8 cache's bytes travel with the scales they were quantised with (in the handle)
         scales = tuple((k, v) for k, v in kv_scales) if kv_scales is not None else ()
+        # the staging thread runs to its end whatever happens to this handler: a handler cancelled meanwhile (its
+        # caller gone) releases what it stages; an abort that landed meanwhile marked `handoff` (before: either
+        # left the KV staged, unreachable, until its lease ran out)
+        staging = asyncio.ensure_future(asyncio.to_thread(_stage, state, rid, kv, ready, transport, scales))
         try:
-            handle = await asyncio.to_thread(_stage, state, rid, kv, ready, transport, scales)
+            handle = await asyncio.shield(staging)
+        except asyncio.CancelledError:
+            staging.add_done_callback(lambda f: _release_staged(state, f))
+            raise
         except Exception as e:
             if not is_memory_error(e):
                 raise
             del kv
             return await _out_of_memory(state, rid, f"staging the KV ({transport})", e)
+        if handoff.aborted:
+            _release_staged(state, staging)
+            return JSONResponse(
+                PrefillResponse(
+                    token_ids=[], finished=True, finish_reason="abort", error="request was aborted during prefill"
+                ).model_dump()
+            )
         phases.labels("stage").observe(time.perf_counter() - t2)
         state.metrics.prefill_seconds.observe(time.perf_counter() - t0)
         return JSONResponse(
@@ -350,6 +381,8 @@ async def _prefill(state: WorkerState, body: PrefillRequest) -> JSONResponse:
     finally:
         if held:
             state.kv_gathered_held -= 1
+        if handoff is not None and state.handoffs.get(rid) is handoff:
+            del state.handoffs[rid]
         state.loop.close_stream(rid, q)
         kv_reference.drop_lease(state, rid, leased)  # an early lease nobody used goes back
 
@@ -468,6 +501,16 @@ async def _with_progress(state: WorkerState, request: Request, answer) -> Respon
     return StreamingResponse(body(), media_type="application/json")
 
 
+def _release_staged(state: WorkerState, staging: asyncio.Future) -> None:
+    """Release the KV a staging of an abandoned prefill put in the sender (that entry only: a later attempt
+    under the same request id may have staged its own since)."""
+    if staging.cancelled() or staging.exception() is not None or state.sender is None:
+        return
+    handle = staging.result()
+    if state.sender.abort_handle(handle):
+        log.info("request %s: its KV was staged after its caller left; released", handle.request_id)
+
+
 def _take_kv(state: WorkerState, rid: str):
     """(KV, CUDA event after its gather or None, FP8 scales or None); on the engine's thread, between steps."""
     engine = state.loop.engine
@@ -480,6 +523,8 @@ def _stage(state: WorkerState, rid: str, kv, ready, transport: str, kv_scales: t
     kvc, sender = state.config.kv_transfer, state.sender
     if sender is None:
         raise RuntimeError("this worker stages no KV (it has no KV sender)")
+    if state.loop.fault.stage_s:  # fault hook (tests): a slow copy out of the pool
+        time.sleep(state.loop.fault.stage_s)
     if transport == "cuda_ipc" and kvc.transport == "auto":
         try:
             return sender.stage(rid, kv, kvc.lease_ms, transport=transport, ready_event=ready, kv_scales=kv_scales)

@@ -15,6 +15,10 @@ which is what a slow GPU or a noisy neighbour looks like from outside.
 (a ``time.sleep`` inside the step), as a long CPU prefill step does. On the inline (CPU) engine loop that
 thread is the event loop's, so handlers wait too: the case heartbeats must survive (they are sent
 from their own thread, server/workers/heartbeat.py).
+
+``{"stage_delay_ms": S}`` makes every staging of a prefilled prompt's KV (the copy into host memory or a
+shared-memory segment, on its own thread) take S ms longer, as a big KV copied out of a busy GPU does: it
+widens the moment between a prefill's step and its answer, where the KV is out of the pool and not yet staged.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ class FaultRequest(BaseModel):
     prefill_delay_ms: float = Field(default=0.0, ge=0.0, le=MAX_DELAY_MS)
     decode_delay_ms: float = Field(default=0.0, ge=0.0, le=MAX_DELAY_MS)
     block_step_ms: float = Field(default=0.0, ge=0.0, le=MAX_DELAY_MS)
+    stage_delay_ms: float = Field(default=0.0, ge=0.0, le=MAX_DELAY_MS)
     # the next N model forwards raise torch.cuda.OutOfMemoryError (what a full device does to a step)
     oom_forwards: int = Field(default=0, ge=0, le=1_000_000)
     # the next N gathers of a prefilled prompt's KV (ModelRunner.gather_kv) raise it
@@ -42,10 +47,13 @@ class StepDelays:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     block_s: float = 0.0  # inside the step, blocking its thread
+    stage_s: float = 0.0  # inside each KV staging, on its thread
 
     @classmethod
     def from_request(cls, r: FaultRequest) -> StepDelays:
-        return cls(r.prefill_delay_ms / 1000.0, r.decode_delay_ms / 1000.0, r.block_step_ms / 1000.0)
+        return cls(
+            r.prefill_delay_ms / 1000.0, r.decode_delay_ms / 1000.0, r.block_step_ms / 1000.0, r.stage_delay_ms / 1000.0
+        )
 
     def for_step(self, has_waiting: bool) -> float:
         return self.prefill_s if has_waiting else self.decode_s
@@ -55,6 +63,7 @@ class StepDelays:
             "prefill_delay_ms": self.prefill_s * 1000.0,
             "decode_delay_ms": self.decode_s * 1000.0,
             "block_step_ms": self.block_s * 1000.0,
+            "stage_delay_ms": self.stage_s * 1000.0,
         }
 
 

@@ -140,6 +140,7 @@ def test_breaker_fails_over_to_backup_and_back(serve_factory, tmp_path):
                 "prefill_delay_ms": 1500.0,
                 "decode_delay_ms": 0.0,
                 "block_step_ms": 0.0,
+                "stage_delay_ms": 0.0,
             }
             marks["fault"] = time.monotonic()
             # The breach becomes visible when the judged percentile passes the threshold;
@@ -165,6 +166,7 @@ def test_breaker_fails_over_to_backup_and_back(serve_factory, tmp_path):
                 "prefill_delay_ms": 0.0,
                 "decode_delay_ms": 0.0,
                 "block_step_ms": 0.0,
+                "stage_delay_ms": 0.0,
             }
             await wait_state(s, primary.url, "closed", timeout=60)
             marks["closed"] = time.monotonic()

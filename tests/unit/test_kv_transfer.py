@@ -236,6 +236,16 @@ def test_abort_before_pull(server, puller, prefix):
         assert puller.pull(h, 5).status is TransferStatus.FAILED
 
 
+def test_abort_handle_releases_only_the_staging_it_names(server, prefix):
+    # an abandoned prefill's staging is released by its handle; a later staging under the same id is not its own
+    old = server.stage("r", kv(), transport="shm")
+    assert server.abort_handle(old) is True and server.num_staged == 0 and shm_names(prefix) == []
+    new = server.stage("r", kv(seed=1), transport="shm")
+    assert server.abort_handle(old) is False and server.num_staged == 1
+    assert server.abort_handle(new) is True and server.poll("r") is TransferStatus.ABORTED
+    assert server.num_staged == 0 and shm_names(prefix) == []
+
+
 def test_connection_refused_is_data(puller):
     with socket.create_server(("127.0.0.1", 0)) as s:
         port = s.getsockname()[1]

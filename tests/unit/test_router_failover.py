@@ -176,6 +176,7 @@ def test_fault_request_validation_and_step_choice():
         "prefill_delay_ms": 0.0,
         "decode_delay_ms": 0.0,
         "block_step_ms": 0.0,
+        "stage_delay_ms": 0.0,
     }
     for bad in ({"prefill_delay_ms": -1}, {"decode_delay_ms": 60_001}, {"prefill_delay": 5}):
         with pytest.raises(ValidationError):
