@@ -116,8 +116,9 @@ class EngineConfig:
     enforce_eager: bool = False  # CUDA only: no CUDA graphs for decode steps
     # CUDA, Triton ops, bf16 one-token decode (docs/performance/engine-gpu.md, "Fused one-token decode"): the
     # RMSNorms, residual adds and SiLU x mul inside the tuned Triton GEMVs (three kernels fewer per layer);
-    # False: the unfused kernels. No effect elsewhere (CPU, prefill, batches > 1, FP8 weights, cuBLAS GEMVs)
-    fused_decode_gemv: bool = True
+    # False: the unfused kernels. No effect elsewhere (CPU, prefill, batches > 1, FP8 weights, cuBLAS GEMVs).
+    # Off by default until measured on a GPU (checked so far in Triton's interpreter and by an sm_90 compile only)
+    fused_decode_gemv: bool = False
     # FP8 storage (fp8.py, docs/FP8.md): decoder linears in e4m3 with per-channel scales ("bf16" = as
     # loaded, the compute dtype); the KV cache in e4m3 with per-layer scales calibrated online
     weight_dtype: str = "bf16"

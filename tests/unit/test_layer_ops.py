@@ -271,7 +271,8 @@ def test_fused_decode_gemv_option():
 
     with pytest.raises(ValueError, match="fused_decode_gemv"):
         EngineConfig(fused_decode_gemv="no")  # type: ignore[arg-type]
-    assert EngineConfig().fused_decode_gemv is True
+    assert EngineConfig().fused_decode_gemv is False  # off until measured on a GPU (engine-gpu.md)
+    assert EngineConfig(fused_decode_gemv=True).fused_decode_gemv is True
     attend, cuda = AttendOnlySdpa(), torch.device("cuda")
     ops = cuda_ops.TritonLayerOps(fuse_gemv=False)
     assert with_fp8_linears(ops).fuse_gemv is False and with_fp8_linears(cuda_ops.TritonLayerOps()).fuse_gemv
