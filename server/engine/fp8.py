@@ -308,6 +308,14 @@ def requantize_(q: torch.Tensor, old: torch.Tensor, new: torch.Tensor, chunk: in
         part.copy_(quantize(part.float() * old, new))
 
 
+def _positive_finite(s: float) -> bool:
+    try:
+        f = float(s)
+    except OverflowError:  # an int of hundreds of digits (JSON allows it)
+        return False
+    return math.isfinite(f) and f > 0
+
+
 def check_scales(scales: Any, num_layers: int) -> list[list[float]]:
     """Validate ``[[k, v], ...]`` scales from elsewhere (a KV hand-off): one pair per layer, finite, > 0."""
     if not isinstance(scales, (list, tuple)) or len(scales) != num_layers:
@@ -317,7 +325,7 @@ def check_scales(scales: Any, num_layers: int) -> list[list[float]]:
         if not isinstance(pair, (list, tuple)) or len(pair) != 2:
             raise ValueError("kv_scales entries must be [k, v] pairs")
         for s in pair:
-            if isinstance(s, bool) or not isinstance(s, (int, float)) or not math.isfinite(s) or s <= 0:
+            if isinstance(s, bool) or not isinstance(s, (int, float)) or not _positive_finite(s):
                 raise ValueError(f"kv_scales must be finite numbers > 0, got {s!r}")
         out.append([float(pair[0]), float(pair[1])])
     return out

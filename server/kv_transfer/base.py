@@ -76,6 +76,18 @@ def parse_address(address: str) -> tuple[str, int]:
 MAX_KV_SCALE_LAYERS = 1024
 
 
+def positive_finite(x: Any) -> bool:
+    """An int or float (not a bool) that is finite and > 0 as a float32-bound scale; an int too large for a
+    float (JSON allows 1e400 written as digits) is not finite, never an OverflowError."""
+    if type(x) not in (int, float):
+        return False
+    try:
+        f = float(x)
+    except OverflowError:
+        return False
+    return math.isfinite(f) and f > 0
+
+
 def check_kv_scales(scales: Any, dtype: str, shape: tuple[int, ...]) -> None:
     """FP8 payloads carry one finite, positive [K, V] scale pair per layer; other dtypes carry none."""
     if dtype != "float8_e4m3fn":
@@ -88,7 +100,7 @@ def check_kv_scales(scales: Any, dtype: str, shape: tuple[int, ...]) -> None:
         if not isinstance(pair, tuple) or len(pair) != 2:
             raise ValueError("KVHandle.kv_scales entries must be [k, v] pairs")
         for x in pair:
-            if type(x) not in (int, float) or not math.isfinite(x) or x <= 0:
+            if not positive_finite(x):
                 raise ValueError(f"KVHandle.kv_scales values must be finite numbers > 0, got {x!r}")
 
 

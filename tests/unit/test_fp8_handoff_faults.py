@@ -1,0 +1,146 @@
+"""An FP8 KV hand-off with a bad handle or a lying sender, through the real worker apps and the real data plane.
+
+A prefill worker app with an FP8 KV cache stages each prompt's KV on a real ``KVStagingServer`` (tcp); its
+handle is tampered with as JSON (the scales NaN, inf, 0, negative, a huge integer, the wrong count, present for a
+non-FP8 dtype, missing for FP8) and given to a decode worker app (FP8 cache, real ``KVPuller``) on
+``/internal/generate``. Each is refused with a sentence on the stream (never a traceback or a cut stream), the
+decode worker holds no KV block afterwards, and the untouched handle still pulls and decodes (nothing was
+pulled, hence nothing unstaged, for the refused ones).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from distserve.server.config import load_config
+from distserve.server.engine.llm_engine import EngineConfig, LLMEngine
+from distserve.server.kv_transfer import KVPuller, KVStagingServer
+from distserve.server.metrics import WorkerMetrics
+from distserve.server.workers.app import WorkerState, create_worker_app
+from distserve.server.workers.engine_loop import EngineLoop
+
+AUTH = {"Authorization": "Bearer t"}
+SAMPLING = {"max_tokens": 4, "temperature": 0.0, "top_p": 1.0, "ignore_eos": True}
+PROMPT = [3, 9, 8, 7, 6, 5, 4, 11, 12]
+
+
+def _engine() -> LLMEngine:
+    return LLMEngine(
+        EngineConfig(
+            block_size=4,
+            num_blocks=64,
+            enable_prefix_caching=False,
+            attention_backend="sdpa",
+            kv_cache_dtype="fp8_e4m3",
+            kv_calibration_requests=0,
+        )
+    )
+
+
+def _state(role: str, engine: LLMEngine, **kw) -> WorkerState:
+    cfg = load_config(overrides={"kv_transfer": {"failure_policy": "fail"}})
+    return WorkerState(
+        role=role,
+        worker_id=role[0] + "0",
+        config=cfg,
+        token="t",
+        loop=EngineLoop(engine, threaded=True),
+        metrics=WorkerMetrics(role),
+        **kw,
+    )
+
+
+def _last_line(text: str) -> dict:
+    lines = [json.loads(x) for x in text.splitlines() if x.strip()]
+    assert lines, "empty stream"
+    return lines[-1]
+
+
+def _tampered(kv: dict) -> list[tuple[str, str]]:
+    """(name, the handle as JSON text) for each bad variant; JSON text so NaN/Infinity/huge ints survive."""
+    pairs = kv["kv_scales"]
+    out = []
+    for name, value in (
+        ("nan", "NaN"),
+        ("inf", "Infinity"),
+        ("-inf", "-Infinity"),
+        ("zero", "0"),
+        ("negative", "-0.5"),
+        ("huge-int", "1" + "0" * 400),
+        ("bool", "true"),
+        ("string", '"0.1"'),
+    ):
+        first = [["@"] + pairs[0][1:]] + pairs[1:]
+        text = json.dumps({**kv, "kv_scales": first}).replace('"@"', value)
+        out.append((name, text))
+    out.append(("one-pair-short", json.dumps({**kv, "kv_scales": pairs[:-1]})))
+    out.append(("one-pair-more", json.dumps({**kv, "kv_scales": pairs + [[1.0, 1.0]]})))
+    out.append(("triple", json.dumps({**kv, "kv_scales": [p + [1.0] for p in pairs]})))
+    out.append(("missing", json.dumps({k: v for k, v in kv.items() if k != "kv_scales"})))
+    n = kv["nbytes"]
+    out.append(("non-fp8-dtype", json.dumps({**kv, "dtype": "uint8", "nbytes": n})))
+    return out
+
+
+def test_tampered_fp8_scales_are_refused_by_the_decode_worker_and_leak_nothing():
+    async def main():
+        pre_engine, dec_engine = _engine(), _engine()
+        with KVStagingServer(io_timeout_s=10.0) as sender, KVPuller() as puller:
+            pre = _state("prefill", pre_engine, sender=sender)
+            dec = _state("decode", dec_engine, puller=puller)
+            pre.loop.start()
+            dec.loop.start()
+            try:
+                p_app, d_app = create_worker_app(pre), create_worker_app(dec)
+                async with (
+                    httpx.AsyncClient(transport=httpx.ASGITransport(app=p_app), base_url="http://p") as ph,
+                    httpx.AsyncClient(transport=httpx.ASGITransport(app=d_app), base_url="http://d") as dh,
+                ):
+                    body = {"request_id": "r", "prompt_token_ids": PROMPT, "sampling": SAMPLING}
+                    r = await ph.post("/internal/prefill", json=body, headers=AUTH)
+                    assert r.status_code == 200, r.text
+                    answer = r.json()
+                    kv = answer["kv"]
+                    assert (
+                        kv["dtype"] == "float8_e4m3fn"
+                        and len(kv["kv_scales"]) == pre_engine.model_config.num_hidden_layers
+                    )
+                    gen = {**body, "output_token_ids": answer["token_ids"]}
+                    refused = {}
+                    for name, handle_text in _tampered(kv):
+                        raw = json.dumps({**gen, "kv": "@"}).replace('"@"', handle_text)
+                        headers = {**AUTH, "Content-Type": "application/json"}
+                        g = await dh.post("/internal/generate", content=raw.encode(), headers=headers)
+                        refused[name] = (g.status_code, _last_line(g.text) if g.status_code == 200 else g.text)
+                        assert dec_engine.num_used_blocks == 0, name
+                    assert sender.num_staged == 1  # nothing was pulled
+                    g = await dh.post("/internal/generate", json={**gen, "kv": kv}, headers=AUTH)
+                    good = _last_line(g.text)
+            finally:
+                pre.loop.stop()
+                dec.loop.stop()
+            return refused, good, sender.num_staged, dec_engine
+
+    refused, good, staged, dec_engine = asyncio.run(main())
+    for name, (status, last) in refused.items():
+        assert status == 200, (name, status, last)
+        assert last["finished"] and "invalid kv handle" in (last.get("error") or ""), (name, last)
+    assert good.get("error") is None and good["finished"], good
+    assert staged == 0  # the good pull unstaged it
+    assert dec_engine.num_used_blocks == 0 and dec_engine.requests == {}
+    dec_engine.block_manager.check_invariants()
+
+
+@pytest.mark.parametrize("value", [10**400, -(10**400)])
+def test_huge_integer_scales_are_a_value_error_not_an_overflow(value):
+    from distserve.server.engine.fp8 import check_scales
+    from distserve.server.kv_transfer.base import check_kv_scales
+
+    with pytest.raises(ValueError, match="finite"):
+        check_kv_scales(((value, 1.0),), "float8_e4m3fn", (1, 2, 3, 1, 4))
+    with pytest.raises(ValueError, match="finite"):
+        check_scales([[value, 1.0]], 1)
