@@ -18,7 +18,8 @@ import pytest
 
 from distserve.server.config import load_config
 from distserve.server.engine.llm_engine import EngineConfig, LLMEngine
-from distserve.server.kv_transfer import KVPuller, KVStagingServer
+from distserve.server.engine.sampling_params import SamplingParams
+from distserve.server.kv_transfer import KVHandle, KVPuller, KVStagingServer, TransferStatus
 from distserve.server.metrics import WorkerMetrics
 from distserve.server.workers.app import WorkerState, create_worker_app
 from distserve.server.workers.engine_loop import EngineLoop
@@ -144,3 +145,77 @@ def test_huge_integer_scales_are_a_value_error_not_an_overflow(value):
         check_kv_scales(((value, 1.0),), "float8_e4m3fn", (1, 2, 3, 1, 4))
     with pytest.raises(ValueError, match="finite"):
         check_scales([[value, 1.0]], 1)
+
+
+# ------------------------------------------------------------------ non-finite KV values and the calibration
+def _hand_off_all(pre: LLMEngine, dec: LLMEngine, prompts: dict[str, list[int]], corrupt: str | None) -> dict:
+    """Prefill each prompt on ``pre``, stage its KV over tcp (``corrupt``'s with a NaN and an inf written into
+    it by the prefill side, so its checksum still holds), pull it and commit it on ``dec``; run ``dec`` to the
+    end. Returns (error or None, tokens) by request."""
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    for r, p in prompts.items():
+        pre.add_request(r, p, params, prefill_only=True)
+    first: dict[str, list[int]] = {}
+    while pre.has_unfinished_requests():
+        for o in pre.step():
+            first[o.request_id] = o.new_token_ids
+    with KVStagingServer(io_timeout_s=10.0) as srv, KVPuller() as puller:
+        for r, p in prompts.items():
+            _, kv = pre.take_prefilled_kv(r)
+            if r == corrupt:
+                kv = kv.clone()
+                kv[0, 0, 3, 0, 0] = float("nan")
+                kv[1, 1, 2, 0, 1] = float("inf")
+            h = KVHandle.from_dict(json.loads(json.dumps(srv.stage(r, kv, transport="tcp").to_dict())))
+            got = puller.pull(h, 10)
+            assert got.status is TransferStatus.SUCCESS, got.error
+            assert dec.reserve_prefilled(r, p, first[r], params)
+            dec.commit_prefilled(r, got.tensor)
+    out: dict[str, tuple[str | None, list[int]]] = {r: (None, list(first[r])) for r in prompts}
+    while dec.has_unfinished_requests():
+        for o in dec.step():
+            out[o.request_id] = (o.error, out[o.request_id][1] + o.new_token_ids)
+    return out
+
+
+def _decode_engine(kv_cache_dtype: str, calibration: int = 0) -> LLMEngine:
+    return LLMEngine(
+        EngineConfig(
+            dtype="float32",
+            block_size=4,
+            num_blocks=64,
+            enable_prefix_caching=False,
+            attention_backend="sdpa",
+            kv_cache_dtype=kv_cache_dtype,
+            kv_calibration_requests=calibration,
+        )
+    )
+
+
+def _prefill_engine() -> LLMEngine:
+    return LLMEngine(
+        EngineConfig(
+            dtype="float32", block_size=4, num_blocks=64, enable_prefix_caching=False, attention_backend="sdpa"
+        )
+    )
+
+
+# "c" is the shortest: its padded tail in the batched decode reads the other sequences' blocks
+NAN_PROMPTS = {"bad": PROMPT, "b": [5, 17, 29, 41, 53, 65, 77, 89], "c": [7, 100, 90, 80, 70, 60, 50]}
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
+def test_a_hand_off_with_non_finite_kv_values_fails_only_its_own_request(kv_cache_dtype):
+    """The sdpa backend decodes a batch over padded block tables; the padding reads other sequences' blocks,
+    masked. A NaN in one request's KV (a faulty prefill device: the wire checks sizes, crc and scales, not
+    values) failed another request of the batch too (NaN + -inf is NaN; 0 * NaN is NaN). Now only its own."""
+    dec = _decode_engine(kv_cache_dtype)
+    last = _hand_off_all(_prefill_engine(), dec, NAN_PROMPTS, corrupt="bad")
+    assert last["bad"][0] is not None and "NaN" in last["bad"][0]
+    assert last["b"][0] is None and last["c"][0] is None, (last["b"], last["c"])
+    want = _decode_engine(kv_cache_dtype)
+    clean = _hand_off_all(_prefill_engine(), want, {k: v for k, v in NAN_PROMPTS.items() if k != "bad"}, None)
+    for r in ("b", "c"):
+        assert last[r] == clean[r]
+    assert dec.num_used_blocks == 0
+    dec.block_manager.check_invariants()
