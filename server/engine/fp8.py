@@ -204,7 +204,7 @@ def write_kv_fp8(
     if k.shape[0] == 0:
         return
     if kv_amax is not None:
-        seen = torch.stack([k.detach().abs().amax(), v.detach().abs().amax()]).float()
+        seen = torch.stack([observed_amax(k.detach()), observed_amax(v.detach())])
         torch.maximum(kv_amax, seen, out=kv_amax)
     cache = as_bytes(kv_cache)
     cache[0].index_copy_(0, slot_mapping, as_bytes(quantize(k, kv_scale[0])))
@@ -260,7 +260,7 @@ class KVCalibration:
         self.requests_seen += n
         if self.requests_seen < self.target_requests:
             return False
-        self.apply(scales_from_amax(self.amax), kv_caches)
+        self.apply(scales_from_amax(self.amax, self.scales), kv_caches)
         return True
 
     @torch.inference_mode()
@@ -297,8 +297,20 @@ class KVCalibration:
         }
 
 
-def scales_from_amax(amax: torch.Tensor) -> torch.Tensor:
-    return (amax.float() * HEADROOM / FP8_MAX).clamp(min=MIN_SCALE)
+def observed_amax(x: torch.Tensor, dim: int | tuple[int, ...] | None = None) -> torch.Tensor:
+    """float32 ``amax(|x|)`` over ``dim`` (all of ``x`` when None) of the finite values only: a NaN or inf
+    written by one request (a faulty device, a bad hand-off) must not become every later request's scale."""
+    a = x.float().abs().nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)  # abs() is a new tensor: x is untouched
+    return a.amax() if dim is None else a.amax(dim=dim)
+
+
+def scales_from_amax(amax: torch.Tensor, fallback: torch.Tensor | None = None) -> torch.Tensor:
+    """``amax * headroom / 448``; a layer whose amax is not finite (a writer that does not filter, e.g. a GPU
+    kernel's atomic max of a NaN) keeps ``fallback`` (its current scale) instead of a NaN or inf scale."""
+    scales = (amax.float() * HEADROOM / FP8_MAX).clamp(min=MIN_SCALE)
+    if fallback is None:
+        return scales
+    return torch.where(torch.isfinite(scales), scales, fallback.to(scales.device, torch.float32))
 
 
 def requantize_(q: torch.Tensor, old: torch.Tensor, new: torch.Tensor, chunk: int = 1 << 16) -> None:
@@ -349,6 +361,7 @@ __all__ = [
     "quantize_per_channel",
     "quantize_per_channel_mse",
     "requantize_",
+    "observed_amax",
     "scales_from_amax",
     "with_fp8_linears",
     "write_kv_fp8",

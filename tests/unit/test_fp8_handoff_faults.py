@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 
 import httpx
 import pytest
+import torch
 
 from distserve.server.config import load_config
 from distserve.server.engine.llm_engine import EngineConfig, LLMEngine
@@ -219,3 +221,42 @@ def test_a_hand_off_with_non_finite_kv_values_fails_only_its_own_request(kv_cach
         assert last[r] == clean[r]
     assert dec.num_used_blocks == 0
     dec.block_manager.check_invariants()
+
+
+def test_a_hand_off_with_non_finite_kv_values_fails_alone_and_does_not_poison_the_fp8_scales():
+    """A prefill worker's KV with a NaN and an inf in it (a faulty device, a bug: the wire checks the scales,
+    not every value) goes into a calibrating FP8 decode worker. Only that request may suffer; the calibrated
+    scales stay finite and the next request decodes as on a decode worker that never saw the bad KV (before: the
+    running amax became NaN/inf, every scale NaN or inf after calibration, every later request garbage)."""
+
+    poisoned, clean = _decode_engine("fp8_e4m3", 2), _decode_engine("fp8_e4m3", 2)
+    _hand_off_all(_prefill_engine(), poisoned, NAN_PROMPTS, corrupt="bad")
+    _hand_off_all(_prefill_engine(), clean, NAN_PROMPTS, corrupt=None)
+    got, want = poisoned.kv_calibration_report(), clean.kv_calibration_report()
+    assert got["state"] == want["state"] == "calibrated"
+    for g, w in zip(got["scales"], want["scales"]):
+        for a, b in zip(g, w):
+            assert math.isfinite(a) and a > 0
+            assert abs(a - b) <= 0.25 * b, (got["scales"], want["scales"])
+    after = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    probe = [[3, 30, 31, 32, 33, 34, 35, 36, 37, 38]]
+    assert poisoned.generate(probe, after) == clean.generate(probe, after)
+    assert poisoned.num_used_blocks == 0
+    poisoned.block_manager.check_invariants()
+
+
+def test_a_non_finite_amax_keeps_the_layers_current_scale_at_calibration():
+    """Writers that cannot filter (a GPU kernel's atomic max of a NaN) may leave a NaN or inf amax: that layer
+    keeps its current scale at calibration, the others calibrate; the cache stays finite."""
+    from distserve.server.engine.fp8 import FP8_MAX, HEADROOM, KVCalibration
+
+    cal = KVCalibration.create(3, torch.device("cpu"), 0.5, 1)
+    cal.amax.copy_(torch.tensor([[float("nan"), 2.0], [float("inf"), 4.0], [8.0, 16.0]]))
+    cache = [torch.full((2, 4, 1, 2), 3.0).to(torch.float8_e4m3fn) for _ in range(3)]
+    assert cal.on_finished(1, cache)
+    got = cal.scales.tolist()
+    assert got[0][0] == 0.5 and got[1][0] == 0.5
+    assert got[0][1] == pytest.approx(2.0 * HEADROOM / FP8_MAX) and got[2][1] == pytest.approx(
+        16.0 * HEADROOM / FP8_MAX
+    )
+    assert all(bool(torch.isfinite(c.float()).all()) for c in cache)
