@@ -604,7 +604,11 @@ class KVLessee:
             self._abandoned.discard(request_id)
         lease_id = _lease_id(r)
         layout = p.mapping.description.layout
-        ids = check_block_ids(r.get("block_ids"), layout.num_blocks, blocks_for(num_tokens, layout.block_size))
+        try:
+            ids = check_block_ids(r.get("block_ids"), layout.num_blocks, blocks_for(num_tokens, layout.block_size))
+        except RefError:  # a grant we will not write into: give it back, or it stays leased while we are connected
+            await p._give_back(lease_id)
+            raise
         self.held[request_id] = _Held(p, lease_id, time.monotonic() + self.lease_s)
         return p, lease_id, ids
 

@@ -14,6 +14,7 @@ import torch
 from distserve.server.kv_transfer.by_reference import (
     BlockSource,
     KVLessee,
+    RefError,
     _lease_id,
     blocks_for,
     encode_message,
@@ -182,6 +183,35 @@ def test_duplicate_unknown_foreign_and_lying_messages_change_no_ownership():
             owner.assert_all_free()
             w1.close()
         finally:
+            await owner.lessor.close()
+            owner.arena.close()
+
+    asyncio.run(main())
+
+
+def test_a_grant_the_lessee_refuses_is_given_back():
+    """A lessor whose grant does not check out (here one block more than the lease needs: a bug on the decode
+    side) is refused by the lessee, which now also releases it; before, the lease stayed LEASED on a connection
+    that stays open, and its blocks were never given back."""
+
+    async def main() -> None:
+        owner = Owner()
+        take = owner.lessor.blocks.take
+
+        async def one_more(n):
+            return await take(n + 1)
+
+        owner.lessor.blocks = BlockSource(one_more, owner.lessor.blocks.give_back)
+        address = await owner.lessor.start()
+        lessee = KVLessee(TOKEN, LAYOUT, CPU, timeout_s=5.0)
+        try:
+            with pytest.raises(RefError, match="expected 3"):
+                await lessee.lease(address, "odd", NUM_TOKENS)
+            await _until(lambda: owner.bm.num_used_blocks == 0 and not owner.lessor.leases)
+            owner.assert_all_free()
+            assert owner.lessor.stats.released == 1
+        finally:
+            await lessee.close()
             await owner.lessor.close()
             owner.arena.close()
 
