@@ -13,6 +13,8 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import socket
+import threading
 
 import httpx
 import pytest
@@ -22,6 +24,7 @@ from distserve.server.config import load_config
 from distserve.server.engine.llm_engine import EngineConfig, LLMEngine
 from distserve.server.engine.sampling_params import SamplingParams
 from distserve.server.kv_transfer import KVHandle, KVPuller, KVStagingServer, TransferStatus
+from distserve.server.kv_transfer import frame as fr
 from distserve.server.metrics import WorkerMetrics
 from distserve.server.workers.app import WorkerState, create_worker_app
 from distserve.server.workers.engine_loop import EngineLoop
@@ -260,3 +263,110 @@ def test_a_non_finite_amax_keeps_the_layers_current_scale_at_calibration():
         16.0 * HEADROOM / FP8_MAX
     )
     assert all(bool(torch.isfinite(c.float()).all()) for c in cache)
+
+
+# ------------------------------------------------------------------ a sender whose sizes lie
+class _LyingSender:
+    """Answers one PULL with ``behave(conn)``: a broken or hostile prefill worker against the real decode worker."""
+
+    def __init__(self, behave) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self.sock.getsockname()[1]}"
+        self.release = threading.Event()
+        self.thread = threading.Thread(target=self._run, args=(behave,), daemon=True)
+        self.thread.start()
+
+    def _run(self, behave) -> None:
+        conn, _ = self.sock.accept()
+        with conn:
+            fr.read_frame(conn)
+            behave(conn, self.release)
+
+    def close(self) -> None:
+        self.release.set()
+        self.thread.join(timeout=5)
+        self.sock.close()
+
+
+def _header(shape, dtype=torch.float8_e4m3fn, nbytes=None) -> bytes:
+    n = math.prod(shape) * dtype.itemsize if nbytes is None else nbytes
+    return fr.encode_frame(fr.Frame(fr.FrameType.DATA_INLINE, request_id="r", dtype=dtype, shape=shape, nbytes=n))
+
+
+def test_a_sender_whose_sizes_lie_fails_the_pull_and_leaks_no_block():
+    """More bytes announced than the handle promised, a size that contradicts its own shape, another dtype, fewer
+    bytes then a close, fewer bytes then silence: each fails the pull with its reason (failure_policy fail), no KV
+    block stays reserved, nothing waits past the pull timeout. More bytes *after* the full payload: the payload is
+    verified and used, the connection is not reused."""
+    engine = _engine()
+    shape = engine.runner.kv_shape(len(PROMPT))
+    full = math.prod(shape)
+    bigger = (shape[0], shape[1], shape[2] * 64, *shape[3:])
+    cases = {
+        "more than the handle": (lambda c, _: c.sendall(_header(bigger)), "does not match the handle"),
+        "size against its own shape": (lambda c, _: c.sendall(_header(shape, nbytes=1 << 60)), "payload nbytes"),
+        "another dtype": (lambda c, _: c.sendall(_header(shape, torch.uint8)), "does not match the handle"),
+        "fewer, then closed": (lambda c, _: c.sendall(_header(shape) + b"\0" * (full // 2)), f"of {full} payload"),
+        "fewer, then silent": (
+            lambda c, rel: (c.sendall(_header(shape) + b"\0" * (full // 2)), rel.wait(10)),
+            "timed out",
+        ),
+        "more after the payload": (lambda c, _: c.sendall(_header(shape) + b"\x38" * full + b"garbage" * 9), None),
+    }
+    layers = engine.model_config.num_hidden_layers
+
+    async def main():
+        cfg = load_config(overrides={"kv_transfer": {"failure_policy": "fail", "pull_timeout_ms": 1000}})
+        with KVPuller() as puller:
+            state = WorkerState(
+                role="decode",
+                worker_id="d0",
+                config=cfg,
+                token="t",
+                loop=EngineLoop(engine, threaded=True),
+                metrics=WorkerMetrics("decode"),
+                puller=puller,
+            )
+            state.loop.start()
+            out = {}
+            try:
+                app = create_worker_app(state)
+                async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://d") as http:
+                    for name, (behave, _) in cases.items():
+                        fake = _LyingSender(behave)
+                        handle = {
+                            "request_id": "r",
+                            "transport": "tcp",
+                            "address": fake.address,
+                            "secret": "ab" * 16,
+                            "nbytes": full,
+                            "shape": list(shape),
+                            "dtype": "float8_e4m3fn",
+                            "checksum": None,
+                            "host_id": "h",
+                            "kv_scales": [[0.01, 0.01]] * layers,
+                        }
+                        body = {
+                            "request_id": "r",
+                            "prompt_token_ids": PROMPT,
+                            "output_token_ids": [5],
+                            "sampling": SAMPLING,
+                            "kv": handle,
+                        }
+                        g = await http.post("/internal/generate", json=body, headers=AUTH, timeout=30)
+                        fake.close()
+                        await asyncio.sleep(0.05)
+                        out[name] = (g.status_code, _last_line(g.text), engine.num_used_blocks, len(engine.requests))
+            finally:
+                state.loop.stop()
+        return out
+
+    out = asyncio.run(main())
+    for name, (_, words) in cases.items():
+        status, last, used, live = out[name]
+        assert status == 200 and last["finished"] and (used, live) == (0, 0), (name, out[name])
+        if words is None:
+            assert last.get("error") is None, (name, last)
+        else:
+            assert words in (last.get("error") or ""), (name, last)
+    engine.block_manager.check_invariants()
