@@ -370,3 +370,67 @@ def test_a_sender_whose_sizes_lie_fails_the_pull_and_leaks_no_block():
         else:
             assert words in (last.get("error") or ""), (name, last)
     engine.block_manager.check_invariants()
+
+
+def test_a_handle_larger_than_the_requests_kv_is_refused_before_any_byte_is_pulled():
+    """A handle whose shape is not this request's KV (here 2**22 tokens, 4 GiB of e4m3: under the 64 GiB cap every
+    handle gets) made the decode worker allocate that much and pull it before the commit compared shapes. It is
+    refused on arrival now: the sender is never contacted, nothing is reserved."""
+    engine = _engine()
+    layers = engine.model_config.num_hidden_layers
+    shape = list(engine.runner.kv_shape(1 << 22))
+    contacted, stop = threading.Event(), threading.Event()
+    srv = socket.create_server(("127.0.0.1", 0))
+    srv.settimeout(0.1)
+
+    def watch() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = srv.accept()
+            except TimeoutError:
+                continue
+            contacted.set()
+            conn.close()  # a sender that would then stream 4 GiB
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+
+    async def main():
+        with KVPuller() as puller:
+            state = _state("decode", engine, puller=puller)
+            state.loop.start()
+            try:
+                app = create_worker_app(state)
+                async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://d") as http:
+                    handle = {
+                        "request_id": "r",
+                        "transport": "tcp",
+                        "address": f"127.0.0.1:{srv.getsockname()[1]}",
+                        "secret": "ab" * 16,
+                        "nbytes": math.prod(shape),
+                        "shape": shape,
+                        "dtype": "float8_e4m3fn",
+                        "checksum": None,
+                        "host_id": "h",
+                        "kv_scales": [[0.01, 0.01]] * layers,
+                    }
+                    body = {
+                        "request_id": "r",
+                        "prompt_token_ids": PROMPT,
+                        "output_token_ids": [5],
+                        "sampling": SAMPLING,
+                    }
+                    g = await http.post("/internal/generate", json={**body, "kv": handle}, headers=AUTH, timeout=30)
+                    return _last_line(g.text)
+            finally:
+                state.loop.stop()
+
+    try:
+        last = asyncio.run(main())
+    finally:
+        stop.set()
+        watcher.join(timeout=5)
+        srv.close()
+    assert last["finished"] and "invalid kv handle" in (last.get("error") or "") and "shape" in last["error"], last
+    assert not contacted.is_set(), "the decode worker pulled a KV of another shape"
+    assert engine.num_used_blocks == 0 and engine.requests == {}
