@@ -7,6 +7,7 @@ block lent twice while a write into it may still land."""
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 import torch
@@ -216,3 +217,75 @@ def test_a_grant_the_lessee_refuses_is_given_back():
             owner.arena.close()
 
     asyncio.run(main())
+
+
+def test_a_hand_off_whose_token_count_is_not_the_requests_is_refused_not_adopted():
+    """The by-reference hand-off names its KV's token count; the request that arrives with it may claim more tokens
+    (here one more output token: the lease's 3 blocks hold it too). Before, the blocks were adopted and the decode
+    read a KV slot nobody wrote for the token in between (stale bytes: wrong tokens, no error). Now the hand-off is
+    refused as invalid, its lease kept for the right request until its abort or deadline."""
+    import httpx
+
+    from distserve.server.config import DistServeConfig
+    from distserve.server.engine.llm_engine import EngineConfig, LLMEngine
+    from distserve.server.engine.sampling_params import SamplingParams
+    from distserve.server.kv_transfer.kv_arena import layout_for
+    from distserve.server.metrics import WorkerMetrics
+    from distserve.server.workers import kv_reference
+    from distserve.server.workers.app import WorkerState, create_worker_app
+    from distserve.server.workers.engine_loop import EngineLoop
+
+    prompt = [3, 9, 8, 7, 6, 5, 4, 11, 12]  # 9 tokens: KV of 9, a lease of ceil(10 / 4) = 3 blocks
+    prefill = LLMEngine(EngineConfig(block_size=4, num_blocks=64, attention_backend="sdpa"))
+    decode = LLMEngine(EngineConfig(block_size=4, num_blocks=64, kv_arena="on", attention_backend="sdpa"))
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    prefill.add_request("r", prompt, params, prefill_only=True)
+    while prefill.has_unfinished_requests():
+        prefill.step()
+    seq, kv = prefill.take_prefilled_kv("r")
+    first = list(seq.output_token_ids)
+
+    async def main():
+        state = WorkerState(
+            role="decode",
+            worker_id="d0",
+            config=DistServeConfig(),
+            token=TOKEN,
+            loop=EngineLoop(decode, threaded=True),
+            metrics=WorkerMetrics("decode"),
+        )
+        state.lessor = kv_reference.make_lessor(state, "127.0.0.1")
+        address = await state.lessor.start()
+        state.loop.start()
+        lessee = KVLessee(TOKEN, layout_for(prefill.model_config, 1, 4, prefill.runner.kv_dtype), CPU, timeout_s=5.0)
+        try:
+
+            async def write(mapping, ids):
+                mapping.write(ids, kv)
+
+            done = await hand_off(lessee, address, "r", kv, write)
+            auth = {"Authorization": f"Bearer {TOKEN}"}
+            sampling = {"max_tokens": 4, "temperature": 0.0, "top_p": 1.0, "ignore_eos": True}
+            body = {"request_id": "r", "prompt_token_ids": prompt, "sampling": sampling, "kv": done.handle.to_dict()}
+            app = create_worker_app(state)
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://d") as http:
+                lying = await http.post(
+                    "/internal/generate", json={**body, "output_token_ids": first + [7]}, headers=auth
+                )
+                kept = decode.num_used_blocks
+                r = await http.post("/internal/abort", json={"request_id": "r"}, headers=auth)
+            return lying.text, kept, r.json()
+        finally:
+            await lessee.close()
+            state.loop.stop()
+            await state.lessor.close()
+
+    try:
+        lying, kept, abort = asyncio.run(main())
+        last = [json.loads(x) for x in lying.splitlines() if x.strip()][-1]
+        assert last["finished"] and "invalid kv handle" in (last.get("error") or ""), last
+        assert kept == 3 and abort["aborted"] is True  # kept for the right request; the router's abort frees it
+        assert decode.num_used_blocks == 0 and decode.requests == {}
+        decode.block_manager.check_invariants()
+    finally:
+        decode.kv_arena.close()
