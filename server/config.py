@@ -98,6 +98,21 @@ def _describe(v: Any) -> str:
     return f"{type(v).__name__} {text if len(text) <= 80 else text[:60] + f'... ({len(text)} chars)'}"
 
 
+def _yaml_number_hint(s: _Spec, v: Any) -> str:
+    """YAML 1.1 (PyYAML) reads ``1e-3`` and ``1e3`` as strings: say how to write them."""
+    if s.kind not in ("int", "float") or not isinstance(v, str) or "e" not in v.lower():
+        return ""
+    try:
+        x = float(v)
+    except ValueError:
+        return ""
+    mantissa, _, exp = v.lower().partition("e")
+    written = f"{mantissa if '.' in mantissa else mantissa + '.0'}e{exp}"
+    if s.kind == "int" and x.is_integer() and abs(x) < 1e18:
+        written = str(int(x))
+    return f" (YAML reads a number in e-notation without a dot as a string: write {written})"
+
+
 def _range_text(s: _Spec) -> str:
     if s.hi is None:
         return f"{'>' if s.lo_open else '>='} {_num(s.lo)}"
@@ -147,7 +162,7 @@ def _validate(key: str, s: _Spec, v: Any) -> Any:
         v = tuple(v) if ok else v
     if not ok:
         what = _KIND_NAMES[s.kind] + (" or null" if s.nullable else "")
-        raise ConfigError(f"{key!r} must be {what}, got {_describe(v)}")
+        raise ConfigError(f"{key!r} must be {what}, got {_describe(v)}{_yaml_number_hint(s, v)}")
     if s.lo is not None:
         # Written so that NaN fails every comparison.
         in_range = (v > s.lo if s.lo_open else v >= s.lo) and (s.hi is None or (v < s.hi if s.hi_open else v <= s.hi))

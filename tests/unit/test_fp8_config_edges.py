@@ -60,3 +60,16 @@ def test_a_400_digit_calibration_count_exits_2_with_one_sentence(tmp_path):
     )
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
     assert len(r.stderr.strip().splitlines()) == 1 and "kv_calibration_requests" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize(
+    ("key", "text", "hint"),
+    [("kv_scale_init", "1e-3", "write 1.0e-3"), ("kv_calibration_requests", "1e3", "write 1000")],
+)
+def test_a_yaml_e_notation_string_says_how_to_write_the_number(tmp_path, key, text, hint):
+    """PyYAML (YAML 1.1) reads ``1e-3`` as the string '1e-3': the sentence says so instead of only 'got str'."""
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"cache:\n  {key}: {text}\n")
+    with pytest.raises(ConfigError, match="must be") as info:
+        load_config(cfg)
+    assert hint in str(info.value), str(info.value)
