@@ -37,6 +37,7 @@ FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
 # calibrated scale = amax * HEADROOM / FP8_MAX: values up to 1.25x the calibration amax still fit
 HEADROOM = 1.25
 MIN_SCALE = 1e-8  # an all-zero layer keeps a finite, positive scale
+_F32 = torch.finfo(torch.float32)
 FP8_LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 
 
@@ -321,11 +322,12 @@ def requantize_(q: torch.Tensor, old: torch.Tensor, new: torch.Tensor, chunk: in
 
 
 def _positive_finite(s: float) -> bool:
+    """Finite and > 0 as the float32 it is used as (normal range: 1e300 is inf there, 1e-50 is 0)."""
     try:
         f = float(s)
     except OverflowError:  # an int of hundreds of digits (JSON allows it)
         return False
-    return math.isfinite(f) and f > 0
+    return _F32.tiny <= f <= _F32.max
 
 
 def check_scales(scales: Any, num_layers: int) -> list[list[float]]:
@@ -338,7 +340,7 @@ def check_scales(scales: Any, num_layers: int) -> list[list[float]]:
             raise ValueError("kv_scales entries must be [k, v] pairs")
         for s in pair:
             if isinstance(s, bool) or not isinstance(s, (int, float)) or not _positive_finite(s):
-                raise ValueError(f"kv_scales must be finite numbers > 0, got {s!r}")
+                raise ValueError(f"kv_scales must be finite float32 numbers > 0, got {str(s)[:40]}")
         out.append([float(pair[0]), float(pair[1])])
     return out
 

@@ -77,6 +77,9 @@ def _tampered(kv: dict) -> list[tuple[str, str]]:
         ("zero", "0"),
         ("negative", "-0.5"),
         ("huge-int", "1" + "0" * 400),
+        ("inf-as-float32", "1e300"),  # finite in JSON, inf in the float32 the scales are used in
+        ("zero-as-float32", "1e-50"),  # > 0 in JSON, 0 in float32
+        ("float32-subnormal", "1e-40"),
         ("bool", "true"),
         ("string", '"0.1"'),
     ):
@@ -141,7 +144,7 @@ def test_tampered_fp8_scales_are_refused_by_the_decode_worker_and_leak_nothing()
     dec_engine.block_manager.check_invariants()
 
 
-@pytest.mark.parametrize("value", [10**400, -(10**400)])
+@pytest.mark.parametrize("value", [10**400, -(10**400), 1e300, 1e-50, 1e-40])
 def test_huge_integer_scales_are_a_value_error_not_an_overflow(value):
     from distserve.server.engine.fp8 import check_scales
     from distserve.server.kv_transfer.base import check_kv_scales
