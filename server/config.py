@@ -86,11 +86,31 @@ _KV_DTYPE_CHOICES = ("auto", "bf16", "fp8_e4m3")
 def _num(x: float | None) -> str:
     if x is None:
         return "unbounded"
+    if isinstance(x, int) and x.bit_length() > 64:  # YAML reads 400 digits as an int: no float holds it
+        return f"an integer of {x.bit_length()} bits"
     return str(int(x)) if float(x).is_integer() else repr(x)
 
 
 def _describe(v: Any) -> str:
-    return "null" if v is None else f"{type(v).__name__} {v!r}"
+    if v is None:
+        return "null"
+    text = repr(v)
+    return f"{type(v).__name__} {text if len(text) <= 80 else text[:60] + f'... ({len(text)} chars)'}"
+
+
+def _yaml_number_hint(s: _Spec, v: Any) -> str:
+    """YAML 1.1 (PyYAML) reads ``1e-3`` and ``1e3`` as strings: say how to write them."""
+    if s.kind not in ("int", "float") or not isinstance(v, str) or "e" not in v.lower():
+        return ""
+    try:
+        x = float(v)
+    except ValueError:
+        return ""
+    mantissa, _, exp = v.lower().partition("e")
+    written = f"{mantissa if '.' in mantissa else mantissa + '.0'}e{exp}"
+    if s.kind == "int" and x.is_integer() and abs(x) < 1e18:
+        written = str(int(x))
+    return f" (YAML reads a number in e-notation without a dot as a string: write {written})"
 
 
 def _range_text(s: _Spec) -> str:
@@ -127,7 +147,12 @@ def _validate(key: str, s: _Spec, v: Any) -> Any:
         v = int(v) if ok else v
     elif s.kind == "float":
         ok = isinstance(v, numbers.Real) and not isinstance(v, bool)
-        v = float(v) if ok else v
+        if ok:
+            try:
+                v = float(v)
+            except OverflowError:  # an int of hundreds of digits: out of any range below
+                bound = f" {_range_text(s)}" if s.lo is not None else ""
+                raise ConfigError(f"{key!r} must be a finite number{bound}, got {_num(v)}") from None
     elif s.kind == "bool":
         ok = isinstance(v, bool)
     elif s.kind == "str":
@@ -137,7 +162,7 @@ def _validate(key: str, s: _Spec, v: Any) -> Any:
         v = tuple(v) if ok else v
     if not ok:
         what = _KIND_NAMES[s.kind] + (" or null" if s.nullable else "")
-        raise ConfigError(f"{key!r} must be {what}, got {_describe(v)}")
+        raise ConfigError(f"{key!r} must be {what}, got {_describe(v)}{_yaml_number_hint(s, v)}")
     if s.lo is not None:
         # Written so that NaN fails every comparison.
         in_range = (v > s.lo if s.lo_open else v >= s.lo) and (s.hi is None or (v < s.hi if s.hi_open else v <= s.hi))
@@ -288,7 +313,9 @@ class CacheConfig(_Section):
     # KV cache of decode and colocated workers (the prefill role's is prefill.kv_dtype): auto/bf16 = the
     # compute dtype; fp8_e4m3 = one byte per value with per-layer K and V scales calibrated online
     kv_dtype: str = _opt("auto", "enum", choices=_KV_DTYPE_CHOICES)
-    kv_scale_init: float = _opt(1.0, "float", lo=0, hi=1e6, lo_open=True)  # FP8 scale until calibrated
+    # FP8 scale until calibrated; not below the calibration's own floor (fp8.MIN_SCALE): a smaller one is 0 in
+    # float32 or saturates every value
+    kv_scale_init: float = _opt(1.0, "float", lo=1e-8, hi=1e6)
     # FP8 KV scales are calibrated from the K/V amax of the first N finished requests (0 = keep kv_scale_init)
     kv_calibration_requests: int = _opt(1000, "int", lo=0, hi=100_000_000)
 
@@ -483,6 +510,12 @@ def _check_precision(cfg: DistServeConfig) -> None:
                 f"{kv_key!r} fp8_e4m3 needs {role}.attention_backend one of {', '.join(_FP8_KV_BACKENDS)}; "
                 f"got {backend!r}"
             )
+    fp8_kv = [key for _, key, kv in roles if kv == "fp8_e4m3"]
+    if cfg.kv_transfer.by_reference == "on" and fp8_kv:
+        raise ConfigError(
+            f"'kv_transfer.by_reference' on needs a KV cache in the compute dtype on both roles, got {fp8_kv[0]} "
+            "fp8_e4m3 (an FP8 cache is never shared: each worker has its own scales); use auto or off"
+        )
     for key, value, default in (
         ("fp8_weight_rounding", cfg.decode.fp8_weight_rounding, "nearest"),
         ("fp8_bf16_layers", cfg.decode.fp8_bf16_layers, "none"),

@@ -37,6 +37,7 @@ FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
 # calibrated scale = amax * HEADROOM / FP8_MAX: values up to 1.25x the calibration amax still fit
 HEADROOM = 1.25
 MIN_SCALE = 1e-8  # an all-zero layer keeps a finite, positive scale
+_F32 = torch.finfo(torch.float32)
 FP8_LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 
 
@@ -204,7 +205,7 @@ def write_kv_fp8(
     if k.shape[0] == 0:
         return
     if kv_amax is not None:
-        seen = torch.stack([k.detach().abs().amax(), v.detach().abs().amax()]).float()
+        seen = torch.stack([observed_amax(k.detach()), observed_amax(v.detach())])
         torch.maximum(kv_amax, seen, out=kv_amax)
     cache = as_bytes(kv_cache)
     cache[0].index_copy_(0, slot_mapping, as_bytes(quantize(k, kv_scale[0])))
@@ -260,7 +261,7 @@ class KVCalibration:
         self.requests_seen += n
         if self.requests_seen < self.target_requests:
             return False
-        self.apply(scales_from_amax(self.amax), kv_caches)
+        self.apply(scales_from_amax(self.amax, self.scales), kv_caches)
         return True
 
     @torch.inference_mode()
@@ -297,8 +298,20 @@ class KVCalibration:
         }
 
 
-def scales_from_amax(amax: torch.Tensor) -> torch.Tensor:
-    return (amax.float() * HEADROOM / FP8_MAX).clamp(min=MIN_SCALE)
+def observed_amax(x: torch.Tensor, dim: int | tuple[int, ...] | None = None) -> torch.Tensor:
+    """float32 ``amax(|x|)`` over ``dim`` (all of ``x`` when None) of the finite values only: a NaN or inf
+    written by one request (a faulty device, a bad hand-off) must not become every later request's scale."""
+    a = x.float().abs().nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)  # abs() is a new tensor: x is untouched
+    return a.amax() if dim is None else a.amax(dim=dim)
+
+
+def scales_from_amax(amax: torch.Tensor, fallback: torch.Tensor | None = None) -> torch.Tensor:
+    """``amax * headroom / 448``; a layer whose amax is not finite (a writer that does not filter, e.g. a GPU
+    kernel's atomic max of a NaN) keeps ``fallback`` (its current scale) instead of a NaN or inf scale."""
+    scales = (amax.float() * HEADROOM / FP8_MAX).clamp(min=MIN_SCALE)
+    if fallback is None:
+        return scales
+    return torch.where(torch.isfinite(scales), scales, fallback.to(scales.device, torch.float32))
 
 
 def requantize_(q: torch.Tensor, old: torch.Tensor, new: torch.Tensor, chunk: int = 1 << 16) -> None:
@@ -306,6 +319,15 @@ def requantize_(q: torch.Tensor, old: torch.Tensor, new: torch.Tensor, chunk: in
     for s in range(0, q.shape[0], chunk):
         part = q[s : s + chunk]
         part.copy_(quantize(part.float() * old, new))
+
+
+def _positive_finite(s: float) -> bool:
+    """Finite and > 0 as the float32 it is used as (normal range: 1e300 is inf there, 1e-50 is 0)."""
+    try:
+        f = float(s)
+    except OverflowError:  # an int of hundreds of digits (JSON allows it)
+        return False
+    return _F32.tiny <= f <= _F32.max
 
 
 def check_scales(scales: Any, num_layers: int) -> list[list[float]]:
@@ -317,8 +339,8 @@ def check_scales(scales: Any, num_layers: int) -> list[list[float]]:
         if not isinstance(pair, (list, tuple)) or len(pair) != 2:
             raise ValueError("kv_scales entries must be [k, v] pairs")
         for s in pair:
-            if isinstance(s, bool) or not isinstance(s, (int, float)) or not math.isfinite(s) or s <= 0:
-                raise ValueError(f"kv_scales must be finite numbers > 0, got {s!r}")
+            if isinstance(s, bool) or not isinstance(s, (int, float)) or not _positive_finite(s):
+                raise ValueError(f"kv_scales must be finite float32 numbers > 0, got {str(s)[:40]}")
         out.append([float(pair[0]), float(pair[1])])
     return out
 
@@ -341,6 +363,7 @@ __all__ = [
     "quantize_per_channel",
     "quantize_per_channel_mse",
     "requantize_",
+    "observed_amax",
     "scales_from_amax",
     "with_fp8_linears",
     "write_kv_fp8",

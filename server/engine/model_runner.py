@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from distserve.server.engine.attention import AttentionMetadata
-from distserve.server.engine.fp8 import KVCalibration, as_bytes, dequantize, is_fp8, quantize
+from distserve.server.engine.fp8 import KVCalibration, as_bytes, dequantize, is_fp8, observed_amax, quantize
 from distserve.server.engine.model import LlamaForCausalLM
 from distserve.server.engine.model_config import ModelConfig
 from distserve.server.engine.scheduler import ScheduledSeq
@@ -204,7 +204,8 @@ class ModelRunner:
         if cal is not None and src_scales is not None and torch.equal(src_scales, cal.scales):
             for layer, cache in enumerate(self.kv_caches):  # same scales: the bytes as they came
                 as_bytes(cache).index_copy_(1, slots, as_bytes(kv[layer]))
-            torch.maximum(cal.amax, kv.float().abs().amax(dim=(2, 3, 4)) * src_scales, out=cal.amax)
+            seen = (observed_amax(kv, dim=(2, 3, 4)) * src_scales).nan_to_num_(nan=0.0, posinf=0.0)
+            torch.maximum(cal.amax, seen, out=cal.amax)
             return
         for layer, cache in enumerate(self.kv_caches):
             x = kv[layer]
@@ -213,7 +214,7 @@ class ModelRunner:
             if cal is None:
                 cache.index_copy_(1, slots, x.to(self.dtype))
                 continue
-            amax = x.float().abs().amax(dim=(1, 2, 3))
+            amax = observed_amax(x, dim=(1, 2, 3))
             torch.maximum(cal.amax[layer], amax, out=cal.amax[layer])
             q = quantize(x, cal.scales[layer].view(2, 1, 1, 1))
             as_bytes(cache).index_copy_(1, slots, as_bytes(q))

@@ -76,6 +76,24 @@ def parse_address(address: str) -> tuple[str, int]:
 MAX_KV_SCALE_LAYERS = 1024
 
 
+# The scales are used as float32: a JSON number outside its normal range becomes inf, 0 or a subnormal there
+FLOAT32_TINY = 1.1754943508222875e-38
+FLOAT32_MAX = 3.4028234663852886e38
+
+
+def positive_finite(x: Any) -> bool:
+    """An int or float (not a bool) that is finite and > 0 *as a float32*, without underflowing to a subnormal
+    (1e300 is inf there, 1e-50 is 0); an int too large for a float (JSON allows 400 digits) is not finite,
+    never an OverflowError."""
+    if type(x) not in (int, float):
+        return False
+    try:
+        f = float(x)
+    except OverflowError:
+        return False
+    return FLOAT32_TINY <= f <= FLOAT32_MAX
+
+
 def check_kv_scales(scales: Any, dtype: str, shape: tuple[int, ...]) -> None:
     """FP8 payloads carry one finite, positive [K, V] scale pair per layer; other dtypes carry none."""
     if dtype != "float8_e4m3fn":
@@ -88,8 +106,8 @@ def check_kv_scales(scales: Any, dtype: str, shape: tuple[int, ...]) -> None:
         if not isinstance(pair, tuple) or len(pair) != 2:
             raise ValueError("KVHandle.kv_scales entries must be [k, v] pairs")
         for x in pair:
-            if type(x) not in (int, float) or not math.isfinite(x) or x <= 0:
-                raise ValueError(f"KVHandle.kv_scales values must be finite numbers > 0, got {x!r}")
+            if not positive_finite(x):
+                raise ValueError(f"KVHandle.kv_scales values must be finite float32 numbers > 0, got {str(x)[:40]}")
 
 
 @dataclass(frozen=True)

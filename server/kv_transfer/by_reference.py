@@ -22,10 +22,13 @@ Ownership protocol (the blocks are always the decode worker's; a lease lends the
     RELEASE lease (prefill failed or was aborted before the hand-off) → blocks freed
     /internal/abort rid on decode                                     → its WRITTEN lease freed
     WRITTEN lease past its deadline (hand-off never came)             → freed (sweeper)
-    lessee connection closed (prefill killed, or it gave up on us)    → its LEASED leases freed
-                                                                         (nobody writes them now);
-                                                                         WRITTEN ones wait for their
-                                                                         hand-off or deadline
+    lessee connection closed (prefill killed, or it gave up on us)    → its LEASED leases freed once
+                                                                         its process (pid in HELLO) is
+                                                                         gone, at once when it is; while
+                                                                         it lives (a reset connection) it
+                                                                         may still be writing: held to
+                                                                         the deadline. WRITTEN ones wait
+                                                                         for their hand-off or deadline
     decode killed                                                      → its pool goes with it; the
                                                                          lessee's connection breaks,
                                                                          it drops the mapping and the
@@ -33,7 +36,9 @@ Ownership protocol (the blocks are always the decode worker's; a lease lends the
                                                                          path; streams migrate as usual
 
 A LEASED lease is never freed while its connection is open, however long it takes: the lessee may
-still be writing into it, and a block reused under a late write would corrupt another sequence.
+still be writing into it, and a block reused under a late write would corrupt another sequence. A connection
+that closes while the lessee's process lives (reset on the way: the lessee cannot tell us its writes are done)
+leaves its LEASED leases *orphaned*: freed when that process exits or at ``lease_ms``, whichever comes first.
 
 Wire: each message is a 4-byte big-endian length and a JSON object of at most ``MAX_MESSAGE``
 bytes; every field is checked (exact key sets, ints in range, block ids unique and inside the
@@ -48,6 +53,7 @@ import contextlib
 import hmac
 import json
 import logging
+import os
 import re
 import secrets
 import struct
@@ -130,6 +136,23 @@ def check_block_ids(ids: Any, num_blocks: int, expected: int | None = None) -> l
     return ids
 
 
+def process_alive(pid: int) -> bool:
+    """Whether ``pid`` is a live process of this host (a zombie is not: its writes are over)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's: it exists
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:  # no /proc: trust kill
+        return True
+    end = stat.rfind(b")")  # "pid (comm) S ...": comm may hold spaces and parentheses
+    return stat[end + 2 : end + 3] != b"Z"
+
+
 def blocks_for(num_tokens: int, block_size: int) -> int:
     """Blocks a lease for a KV of ``num_tokens`` holds: the KV and the slot of the next token."""
     return -(-(num_tokens + 1) // block_size)
@@ -183,8 +206,9 @@ class Lease:
     num_tokens: int
     block_ids: list[int]
     conn: int  # the lessee connection it was granted on
-    state: str = "leased"  # leased -> written -> (adopted | freed)
+    state: str = "leased"  # leased -> written -> (adopted | freed); leased -> orphaned -> freed
     deadline: float = 0.0
+    writer_pid: int | None = None  # the lessee's process (its HELLO), None when it did not say
 
 
 @dataclass
@@ -274,6 +298,9 @@ class KVLessor:
             for lease in [x for x in self.leases.values() if x.state == "written" and x.deadline <= now]:
                 log.warning("KV lease of %s expired before its hand-off: blocks freed", lease.request_id)
                 await self._free(lease, "expired")
+            for lease in [x for x in self.leases.values() if x.state == "orphaned"]:
+                if lease.deadline <= now or lease.writer_pid is None or not process_alive(lease.writer_pid):
+                    await self._free(lease, "reclaimed")
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if self._conns >= self.max_connections:
@@ -300,10 +327,12 @@ class KVLessor:
             ):
                 await reply({"seq": 0, "ok": False, "error": "auth"})
                 return
+            pid = hello.get("pid")
+            writer_pid = pid if type(pid) is int and 0 < pid < 1 << 31 else None
             await reply({"seq": 0, "ok": True, "arena": self.description.to_dict()})
             while True:
                 msg = await read_message(reader)
-                task = asyncio.create_task(self._handle(conn, msg, reply))
+                task = asyncio.create_task(self._handle(conn, msg, reply, writer_pid))
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
         except (asyncio.IncompleteReadError, ConnectionError, TimeoutError, RefError, OSError):
@@ -313,23 +342,35 @@ class KVLessor:
             for t in list(tasks):
                 with contextlib.suppress(BaseException):
                     await t
-            # the lessee is gone: nobody writes its LEASED blocks any more
+            # the connection is gone: its LEASED blocks are free once nobody writes them. A writer whose process
+            # lives (the connection was reset, not the process killed) may still be writing: orphaned until it
+            # exits or the lease deadline, never lent again under a late write.
+            deadline = time.monotonic() + self.lease_s
             for lease in [x for x in self.leases.values() if x.conn == conn and x.state == "leased"]:
-                await self._free(lease, "reclaimed")
+                if lease.writer_pid is not None and process_alive(lease.writer_pid):
+                    lease.state, lease.deadline = "orphaned", deadline
+                    log.warning(
+                        "KV lease of %s: its lessee's connection closed while its process lives; blocks held until "
+                        "it exits or %.0f s",
+                        lease.request_id,
+                        self.lease_s,
+                    )
+                else:
+                    await self._free(lease, "reclaimed")
             writer.close()
 
-    async def _handle(self, conn: int, msg: dict, reply) -> None:
+    async def _handle(self, conn: int, msg: dict, reply, writer_pid: int | None = None) -> None:
         seq = msg.get("seq")
         if type(seq) is not int or not 1 <= seq < 1 << 62:
             seq = -1
         try:
-            out = await self._op(conn, msg)
+            out = await self._op(conn, msg, writer_pid)
         except RefError as e:
             out = {"ok": False, "error": str(e)}
         with contextlib.suppress(ConnectionError, OSError):
             await reply({"seq": seq, **out})
 
-    async def _op(self, conn: int, msg: dict) -> dict:
+    async def _op(self, conn: int, msg: dict, writer_pid: int | None = None) -> dict:
         op = msg.get("op")
         if op == "lease":
             rid = _str(msg, "request_id")
@@ -341,7 +382,7 @@ class KVLessor:
             if ids is None:
                 self.stats.refused += 1
                 return {"ok": False, "error": "no room"}
-            lease = Lease(secrets.token_hex(16), rid, n, list(ids), conn)
+            lease = Lease(secrets.token_hex(16), rid, n, list(ids), conn, writer_pid=writer_pid)
             self.leases[lease.lease_id] = lease
             self.stats.granted += 1
             return {"ok": True, "lease_id": lease.lease_id, "block_ids": lease.block_ids}
@@ -355,7 +396,7 @@ class KVLessor:
             r = self.leases.get(_lease_id(msg))
             if r is None:
                 return {"ok": True, "released": False}  # adopted, expired or freed already
-            if r.conn != conn and r.state == "leased":
+            if r.conn != conn and r.state in ("leased", "orphaned"):
                 raise RefError("a lease being written is released by its writer only")
             await self._free(r, "released")
             return {"ok": True, "released": True}
@@ -518,7 +559,8 @@ class KVLessee:
             host, port = parse_address(address)
             reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), self.timeout_s)
             try:
-                writer.write(encode_message({"op": "hello", "token": self._token}))
+                # our pid: a lessor that loses this connection holds what we may still be writing while we live
+                writer.write(encode_message({"op": "hello", "token": self._token, "pid": os.getpid()}))
                 await writer.drain()
                 hello = await asyncio.wait_for(read_message(reader), self.timeout_s)
                 if hello.get("ok") is not True:
@@ -562,7 +604,11 @@ class KVLessee:
             self._abandoned.discard(request_id)
         lease_id = _lease_id(r)
         layout = p.mapping.description.layout
-        ids = check_block_ids(r.get("block_ids"), layout.num_blocks, blocks_for(num_tokens, layout.block_size))
+        try:
+            ids = check_block_ids(r.get("block_ids"), layout.num_blocks, blocks_for(num_tokens, layout.block_size))
+        except RefError:  # a grant we will not write into: give it back, or it stays leased while we are connected
+            await p._give_back(lease_id)
+            raise
         self.held[request_id] = _Held(p, lease_id, time.monotonic() + self.lease_s)
         return p, lease_id, ids
 

@@ -663,6 +663,11 @@ async def _admit_with_kv(state: WorkerState, body: GenerateRequest, params: Samp
     if handle.request_id != rid:
         return None, {"error": "kv handle belongs to another request"}
     outputs = body.output_token_ids
+    # the KV of every token but the newest, in this worker's layout: checked before anything is reserved or pulled
+    # (the handle's own cap is 64 GiB: a handle of another shape would be allocated and pulled whole first)
+    want = loop.engine.runner.kv_shape(len(body.prompt_token_ids) + len(outputs) - 1)
+    if handle.shape != want:
+        return None, {"error": f"invalid kv handle: shape {list(handle.shape)}, this request's KV here is {list(want)}"}
     await loop.reserve(rid, body.prompt_token_ids, outputs, params, state.config.router.request_timeout_s)
     t0 = time.perf_counter()
     if state.puller is None:

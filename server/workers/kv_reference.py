@@ -163,6 +163,9 @@ async def admit_by_reference(state, body, params: SamplingParams):
         return None, {"error": f"invalid kv handle: {e}"}
     if handle.request_id != rid:
         return None, {"error": "kv handle belongs to another request"}
+    want = len(body.prompt_token_ids) + len(body.output_token_ids) - 1  # every token but the newest
+    if handle.num_tokens != want:  # the blocks may hold one more token: adopted, a slot nobody wrote would be read
+        return None, {"error": f"invalid kv handle: the KV of {handle.num_tokens} tokens, this request's is {want}"}
     t0 = time.perf_counter()
     try:
         lease = lessor.claim(handle)

@@ -86,6 +86,10 @@ def sdpa_decode(q, kv_cache, meta: AttentionMetadata, scale: float, gqa: bool, k
         kv = dequantize(kv.view(FP8_DTYPE), kv_scale.view(2, 1, 1, 1, 1), q.dtype)
     length = kv.shape[2]
     mask = torch.arange(length, device=q.device)[None, :] < seq_lens[:, None]
+    # The padded tail reads whatever the padding blocks and the last block's unused slots hold: another
+    # sequence's KV, or a finished one's. Masked out, but a NaN/inf there would still reach the output (the
+    # masked score is NaN + -inf, and 0 * NaN of V), failing this row for another request's bad KV: zero it.
+    kv.masked_fill_(~mask[None, :, :, None, None], 0)  # kv is this call's own copy (index_select / dequantize)
     o = F.scaled_dot_product_attention(
         q[:, :, None, :],  # [B, H, 1, D]
         kv[0].transpose(1, 2),
