@@ -25,7 +25,9 @@ When a prediction misses the SLO the request is shed (429), queued anyway (``on_
 client's ``x-slo-on-miss: queue``), or sent to the backup pool — except when nothing is queued and no decode
 room is waited for: then a request is admitted whatever the prediction (it is also the next measurement, so a
 model that overestimates corrects itself instead of shedding for ever; a wait for decode room is the slots
-held by admitted requests, real, and measured again as they end).
+held by admitted requests, real, and measured again as they end). That exemption is the TTFT model's: a TPOT SLO
+is judged whenever a stream is in flight (the batch the request joins), and only with none in flight is a
+request admitted whatever its TPOT SLO.
 Without any SLO a request predicted to wait longer than ``max_predicted_ttft_s`` is still
 refused: no admitted request waits without bound. Without a prediction (the model has not measured a few
 prefill calls yet, or the request would wait for decode room before any wait or slot holding time was
@@ -318,13 +320,21 @@ class Admission:
         # wait for decode room: every slot is held by admitted requests (the ledger), the wait is real, and
         # its measure is renewed as they end (on the H200's 4x run such requests, predicted 0.4-0.6 s and
         # admitted for nothing queued, were 11 of the 102 admitted past the SLO).
-        if self.queued_requests == 0 and not (parts is not None and parts[0] > 0):
-            pass
-        elif slo.ttft_s is not None and ttft is not None and ttft * (margin := self.model.slo_margin()) > slo.ttft_s:
+        # A TPOT SLO is about the decode batch the request joins, not the TTFT model: it is judged whenever a
+        # stream is in flight (before, a request with nothing queued ahead was admitted with its TPOT SLO
+        # unread however many streams were decoding); with none in flight there is no batch, and an admitted
+        # request is the next TPOT sample.
+        ttft_exempt = self.queued_requests == 0 and not (parts is not None and parts[0] > 0)
+        if (
+            not ttft_exempt
+            and slo.ttft_s is not None
+            and ttft is not None
+            and ttft * (margin := self.model.slo_margin()) > slo.ttft_s
+        ):
             late = f" (x {margin:.2f}, the recent late tail)" if margin > 1 else ""
             what = f"predicted TTFT {ttft * 1000:.0f} ms{late} > SLO {slo.ttft_s * 1000:g} ms"
             miss = ("slo_ttft", what, ttft * margin - slo.ttft_s)
-        elif slo.tpot_s is not None and tpot is not None and tpot > slo.tpot_s:
+        elif slo.tpot_s is not None and tpot is not None and self.inflight and tpot > slo.tpot_s:
             miss = ("slo_tpot", f"predicted TPOT {tpot * 1000:.1f} ms > SLO {slo.tpot_s * 1000:g} ms", 0.0)
         if miss is not None and slo.on_miss != "queue":
             reason, what, over = miss
