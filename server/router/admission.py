@@ -78,11 +78,24 @@ class Slo:
     on_miss: str = "shed"
 
 
+def _single(headers, name: str) -> str | None:
+    """The header's one value. Sent twice with different values it is refused (``InvalidSlo``): HTTP reads
+    repeated fields as one comma-separated list, and taking the first (Starlette's ``get``) ignored the rest."""
+    getlist = getattr(headers, "getlist", None)
+    if getlist is None:  # a plain mapping (tests, the unit helpers)
+        return headers.get(name)
+    values = getlist(name)
+    if len(set(values)) > 1:
+        shown = ", ".join(repr(v[:20]) for v in values[:3])
+        raise InvalidSlo(name, f"given {len(values)} times with different values ({shown}); send it once")
+    return values[0] if values else None
+
+
 def parse_slo(headers, defaults_ttft_ms: float, defaults_tpot_ms: float, on_miss: str) -> Slo:
     """The request's SLO from its headers (milliseconds, > 0) over the config defaults (0 = none)."""
     values = []
     for name, default in zip(SLO_HEADERS, (defaults_ttft_ms, defaults_tpot_ms), strict=True):
-        raw = headers.get(name)
+        raw = _single(headers, name)
         if raw is None:
             values.append(default / 1000.0 if default > 0 else None)
             continue
@@ -93,7 +106,7 @@ def parse_slo(headers, defaults_ttft_ms: float, defaults_tpot_ms: float, on_miss
         if not math.isfinite(v) or v <= 0:
             raise InvalidSlo(name, f"must be a positive number of milliseconds, got {raw[:40]!r}")
         values.append(v / 1000.0)
-    miss = headers.get(ON_MISS_HEADER)
+    miss = _single(headers, ON_MISS_HEADER)
     if miss is not None:
         if miss not in ("shed", "queue", "backup"):
             raise InvalidSlo(ON_MISS_HEADER, f"must be shed, queue or backup, got {miss[:40]!r}")
