@@ -217,6 +217,7 @@ class Admission:
         self.tickets: dict[Ticket, None] = {}  # the open tickets, oldest first (len == inflight)
         # the queued tickets in the prefill worker's shortest-first order: their order keys (sorted) and tokens
         self.shortest_first = shortest_first
+        self.prefill_budget = (max(1, cfg.prefill.max_batch_size), cfg.prefill.max_num_batched_tokens)
         self._order_keys: list[float] = []
         self._order_tokens: list[int] = []
         self.model = TtftPredictor(cfg, workers, priors=priors)  # priors: the workers' start-up cost per token
@@ -284,13 +285,25 @@ class Admission:
     def ahead_share(self, prompt_tokens: int) -> float:
         """The share of the queued prompt tokens a request of ``prompt_tokens`` arriving now would wait for:
         under shortest first, those of the queued prompts its worker's order puts ahead of it (shorter, or
-        longer but waiting long enough); else all of them. Before (2026-12-07), a burst of ShareGPT prompts
-        on SmolLM2 predicted every request behind every prompt admitted before it: 5-token prompts answered
-        in 2.5 s were predicted 40 s, prediction error P90 908 %."""
+        longer but waiting long enough) and those that share its step; else all of them. Before (2026-12-07),
+        a burst of ShareGPT prompts on SmolLM2 predicted every request behind every prompt admitted before it:
+        5-token prompts answered in 2.5 s were predicted 40 s, prediction error P90 908 %."""
         if not self.queued_tokens or not self.shortest_first():
             return 1.0
+        toks = self._order_tokens
         k = bisect.bisect_right(self._order_keys, ahead_under_shortest_first(prompt_tokens, time.perf_counter()))
-        return sum(self._order_tokens[:k]) / self.queued_tokens
+        # its own step: the worker answers a step's prompts together, so the queued ones ranked after it that
+        # fill its step (up to the prefill batch's prompts and tokens) are waited for as well; with prompts of
+        # one length nothing ranks after it and this is first come first served. The step's tokens leave its
+        # own out, so a longer prompt never waits for less (the early refusal, early_refusal.py, relies on it)
+        most_seqs, most_tokens = self.prefill_budget
+        first = k - k % most_seqs
+        in_step = sum(toks[first:k])
+        j, end = k, min(len(toks), first + most_seqs - 1)
+        while j < end and in_step + toks[j] <= most_tokens:
+            in_step += toks[j]
+            j += 1
+        return min(1.0, sum(toks[:j]) / self.queued_tokens)
 
     def decide(self, prompt_tokens: int, slo: Slo) -> Decision:
         a = self.cfg
