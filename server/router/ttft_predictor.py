@@ -1,9 +1,11 @@
 """A request's time to first token, predicted from the live queue state (admission asks).
 
-Everything before a request's first token is first come first served: the wait for decode room
-(``server/router/decode_room.py``, disaggregated), then the prefill call on the worker it is sent to (its
-scheduler takes prompts oldest first). So a request admitted now gets its first token once the prefill
-work admitted before it is done and its own is: **queued prefill tokens x the measured cost per token**,
+The wait for decode room (``server/router/decode_room.py``, disaggregated) is first come first served, then
+the prefill call on the worker it is sent to: a colocated worker takes prompts oldest first, a prefill worker
+shortest first with aging (the engine's ``wfs``), so there only the queued prompts its order puts ahead of a
+request, and those that share its step, are ahead of it (``ahead_share``: admission reads its ledger,
+server/latency_model.py has the order). So a request admitted now gets its first token once the prefill
+work ahead of it is done and its own is: **queued prefill tokens x the measured cost per token**,
 ``queued_ttft_ms`` of server/latency_model.py (the planner's prefill formula, the one model), with
 
 - *queued prefill tokens*: the prompt tokens of every admitted request still waiting for its first
