@@ -10,8 +10,9 @@ Parts (each starts its own `distserve serve` with distbench's shared helper and 
   32/64 tokens, TPOT median and output tokens/s. Which one keeps liveness cheaper for decode.
 - ``seed``: the seed's form on SmolLM2-135M: ``distbench run --concurrency 100 --prompt-len 128
   --output-len 64 --duration 60`` (and 300 users, 30 s) against ``distserve serve --model
-  smollm2-135m-instruct`` with the default config, `/health` polled every 0.5 s throughout; the requests in
-  flight at the end may finish for ``--seed-drain`` s (default 300: the router's bound on a wait). Reported:
+  smollm2-135m-instruct`` with the default config (and the router journal), `/health` polled every 0.5 s
+  throughout; the requests in flight at the end may finish for ``--seed-drain`` s (default 300: the router's
+  bound on a wait). Reported:
   completed, 429 (with Retry-After), other failures, unfinished at the end (in flight when the drain ran
   out: distbench's ``cancelled``, never counted as failed), distbench's verdict line, health codes seen,
   slowest /health, load average before/after, every worker's in-flight count and state afterwards, the
