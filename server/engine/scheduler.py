@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from distserve.server.engine.block_manager import BlockManager
 from distserve.server.engine.sequence import Sequence, SequenceStatus
+from distserve.server.latency_model import PREFILL_AGING_TOKENS_PER_S
 
 PREFILL_POLICIES = ("fcfs", "wfs")
 DECODE_POLICIES = ("fcfs", "fewest_remaining")
@@ -33,7 +34,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     prefill_policy: str = "fcfs"
     decode_policy: str = "fcfs"
-    aging_tokens_per_s: float = 1000.0
+    aging_tokens_per_s: float = PREFILL_AGING_TOKENS_PER_S  # the router's TTFT prediction assumes this rate
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

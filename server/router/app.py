@@ -114,6 +114,8 @@ def create_router_app(state: RouterState) -> FastAPI:
                     lambda: serving_workers(state),
                     priors=lambda: prefill_priors(state),
                     tpot_prior=lambda holders: decode_step_prior_s(state, holders),
+                    # prefill workers serve shortest first (the engine's wfs order); colocated ones in arrival order
+                    shortest_first=lambda: state.registry.mode() == "disaggregated",
                 )
             state.admission.journal = state.sla.events_journal.append
             state.admission.attach(state.pipeline)  # the TTFT model learns each request's phases

@@ -1,9 +1,11 @@
 """A request's time to first token, predicted from the live queue state (admission asks).
 
-Everything before a request's first token is first come first served: the wait for decode room
-(``server/router/decode_room.py``, disaggregated), then the prefill call on the worker it is sent to (its
-scheduler takes prompts oldest first). So a request admitted now gets its first token once the prefill
-work admitted before it is done and its own is: **queued prefill tokens x the measured cost per token**,
+The wait for decode room (``server/router/decode_room.py``, disaggregated) is first come first served, then
+the prefill call on the worker it is sent to: a colocated worker takes prompts oldest first, a prefill worker
+shortest first with aging (the engine's ``wfs``), so there only the queued prompts its order puts ahead of a
+request, and those that share its step, are ahead of it (``ahead_share``: admission reads its ledger,
+server/latency_model.py has the order). So a request admitted now gets its first token once the prefill
+work ahead of it is done and its own is: **queued prefill tokens x the measured cost per token**,
 ``queued_ttft_ms`` of server/latency_model.py (the planner's prefill formula, the one model), with
 
 - *queued prefill tokens*: the prompt tokens of every admitted request still waiting for its first
@@ -525,13 +527,20 @@ class TtftPredictor:
         s = sorted(ms - tokens * m for ms, tokens in self.idle_calls)
         return s[min(len(s) - 1, max(0, math.ceil(IDLE_QUANTILE * len(s)) - 1))] if s else 0.0
 
-    def queued_ms(self, wq: WorkerQueue | None, own: int, unsent_tokens: float, now: float) -> float:
+    def queued_ms(
+        self, wq: WorkerQueue | None, own: int, unsent_tokens: float, now: float, ahead_share: float = 1.0
+    ) -> float:
         """Until a request of ``own`` prompt tokens sent to this worker (after ``unsent_tokens`` admitted
         before it and not sent anywhere yet) has its first token: the queued work at the cost per token, less
         what the worker did of its running step (at most that step's work); a step overdue (run past its work
         at the cost per token) delays the work behind it by its overrun, scaled down to that work when it is
-        smaller than the step."""
+        smaller than the step. ``ahead_share``: the share of the queued prompt tokens the worker's order puts
+        ahead of this request (1: all, first come first served; less under shortest first); the running
+        step's are ahead whatever the order."""
         ahead = unsent_tokens + (wq.tokens if wq is not None else 0)
+        if ahead_share < 1.0:
+            running = min(ahead, wq.step_tokens) if wq is not None and wq.calls else 0.0
+            ahead = running + max(0.0, ahead_share) * (ahead - running)
         per_token = self.per_token_ms(wq)
         work_ms = queued_ttft_ms(ahead, own, 0.0, per_token)
         if wq is None or not wq.calls:
@@ -547,16 +556,16 @@ class TtftPredictor:
             late_ms = (ran_ms - step_ms) * min(1.0, behind / wq.step_tokens)
         return max(0.0, work_ms - done_ms + late_ms)
 
-    def _queued_best_ms(self, own: int, queued_tokens: float, now: float) -> float:
+    def _queued_best_ms(self, own: int, queued_tokens: float, now: float, ahead_share: float = 1.0) -> float:
         """``queued_ms`` on the worker that would answer first; the admitted requests not in flight yet
         (``queued_tokens`` less the calls in flight) are shared among the workers."""
         busy = self.queues
         n = max(1, self.workers(), len(busy))
         in_flight = sum(q.tokens for q in busy.values())
         share = max(0.0, queued_tokens - in_flight) / n
-        best = self.queued_ms(None, own, share, now) if len(busy) < n else math.inf
+        best = self.queued_ms(None, own, share, now, ahead_share) if len(busy) < n else math.inf
         for wq in busy.values():
-            best = min(best, self.queued_ms(wq, own, share, now))
+            best = min(best, self.queued_ms(wq, own, share, now, ahead_share))
         return best
 
     def call_ms(self, ahead: int, ahead_requests: int, own: int) -> float:
@@ -588,12 +597,13 @@ class TtftPredictor:
         fallback_ahead: tuple[float, float] = (0.0, 0.0),
         queued_tokens: float = 0.0,
         unplaced: int = 0,
+        ahead_share: float = 1.0,
     ) -> tuple[float, float, float] | None:
         """(decode-room wait, prefill call, overhead) predicted for a request admitted now, in seconds, with
         ``queued_tokens`` prompt tokens admitted before it and still without their first token, ``unplaced``
-        of those requests not yet given a decode slot (admission's ledger). None: no prediction (the model
-        has not measured enough, or the request would wait for decode room before any wait or slot was
-        measured)."""
+        of those requests not yet given a decode slot (admission's ledger), ``ahead_share`` of those tokens
+        ahead of it in the prefill worker's order (``queued_ms``). None: no prediction (the model has not
+        measured enough, or the request would wait for decode room before any wait or slot was measured)."""
         if not self.ready:
             return None
         if self.room is None:
@@ -607,7 +617,7 @@ class TtftPredictor:
                 return None
             room = wait
         idle_s = self.idle_call_ms(own_tokens) / 1000.0
-        queued_s = self._queued_best_ms(own_tokens, queued_tokens, self.clock()) / 1000.0
+        queued_s = self._queued_best_ms(own_tokens, queued_tokens, self.clock(), ahead_share) / 1000.0
         return room, max(idle_s, queued_s - room), self.overhead_s  # tandem: max(room + idle, queued)
 
     def release_s(self) -> float | None:

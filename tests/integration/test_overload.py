@@ -219,6 +219,85 @@ def test_slo_headers_shed_queue_or_route_to_backup(server, backup):
         assert {"releases", "workers", "queued_requests", "queued_prefill_tokens"} <= set(parts["state"])
 
 
+def _post(url: str, stream: bool, headers: list[tuple[str, str]], max_tokens: int = 2):
+    """POST /v1/completions with ``headers`` sent as given (a name may repeat): (status, JSON or text, headers)."""
+    import http.client
+    from urllib.parse import urlsplit
+
+    u = urlsplit(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=120)
+    body = json.dumps({"prompt": "hello there", "max_tokens": max_tokens, "ignore_eos": True, "stream": stream})
+    try:
+        conn.putrequest("POST", "/v1/completions")
+        for k, v in [("content-type", "application/json"), ("content-length", str(len(body))), *headers]:
+            conn.putheader(k, v)
+        conn.endheaders(body.encode())
+        r = conn.getresponse()
+        raw, hdrs = r.read().decode(errors="replace"), {k.lower(): v for k, v in r.getheaders()}
+    finally:
+        conn.close()
+    try:
+        return r.status, json.loads(raw), hdrs
+    except ValueError:  # a stream's SSE
+        return r.status, raw, hdrs
+
+
+ODD_SLO_VALUES = ("0", "-0", "-5", "", "abc", "50ms", "0x10", "nan", "inf", "-inf", "1e999")
+
+
+def test_odd_slo_header_values_are_honoured_or_refused_naming_the_header(server):
+    """Every SLO header value is either honoured or a 400 naming the header, streaming or not; never accepted and
+    ignored. Before: a header sent twice with different values took the first silently, and a TPOT SLO was not
+    read at all while nothing was queued (however many streams were decoding)."""
+    for stream in (False, True):
+        for name in ("x-slo-ttft-ms", "x-slo-tpot-ms"):
+            for v in ODD_SLO_VALUES:
+                code, body, _ = _post(server.url, stream, [(name, v)])
+                assert code == 400 and body["error"]["param"] == name, (stream, name, v, code, body)
+                assert body["error"]["message"].startswith(f"{name}: "), body
+            code, body, _ = _post(server.url, stream, [(name, "50"), (name, "600000")])
+            assert code == 400 and body["error"]["param"] == name and "2 times" in body["error"]["message"], body
+        for v in ("", "QUEUE", "drop"):
+            code, body, _ = _post(server.url, stream, [("x-slo-ttft-ms", "600000"), ("x-slo-on-miss", v)])
+            assert code == 400 and body["error"]["param"] == "x-slo-on-miss", (v, body)
+        # floats, a huge finite value, both headers, the same value twice: honoured (met on the primary)
+        for hs in (
+            [("x-slo-ttft-ms", "600000.5"), ("x-slo-tpot-ms", "1e300")],
+            [("x-slo-ttft-ms", " 600000 "), ("x-slo-ttft-ms", " 600000 ")],
+        ):
+            code, body, headers = _post(server.url, stream, hs)
+            assert code == 200 and headers["x-distserve-pool"] == "primary", (hs, code, body)
+    # honoured when they miss, streaming or not: a TPOT SLO no stream meets while one decodes (nothing queued),
+    # then a TTFT SLO no request meets while one is queued
+    for _ in range(3):  # the TPOT of ended requests is measured
+        assert _complete(server.url, 4)[0] == 200
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    try:
+        for role, fault, tokens, name, reason in (
+            ("decode", 300, 16, "x-slo-tpot-ms", "slo_tpot"),
+            ("prefill", 1500, 2, "x-slo-ttft-ms", "slo_ttft"),
+        ):
+            _fault(server, role, block_step_ms=fault)
+            held = pool.submit(_complete, server.url, tokens)
+            deadline = time.monotonic() + 30
+            while True:
+                st = server.get("/v1/admission")
+                if st["inflight_requests"] >= 1 and (st["queued_requests"] == 0) == (role == "decode"):
+                    break
+                assert time.monotonic() < deadline, st
+                time.sleep(0.05)
+            for stream in (False, True):
+                code, body, headers = _post(server.url, stream, [(name, "0.001")])
+                assert code == 429 and headers["x-distserve-admission"] == reason, (stream, name, code, body)
+                assert int(headers["retry-after"]) >= 1 and body["error"]["code"] == "rate_limit_exceeded"
+            assert held.result()[0] == 200
+            _fault(server, role)
+    finally:
+        _fault(server, "prefill")
+        _fault(server, "decode")
+        pool.shutdown()
+
+
 def test_a_frozen_worker_still_goes_stale_and_the_router_says_so(server):
     decode = _worker(server, "decode")
     os.kill(decode["pid"], signal.SIGSTOP)

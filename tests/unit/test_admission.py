@@ -72,6 +72,28 @@ def test_slo_miss_sheds_queues_or_routes_to_backup_and_the_error_is_measured():
     assert a.status()["prediction_error"]["samples"] >= 1
 
 
+def test_a_tpot_slo_is_judged_while_streams_decode_even_with_nothing_queued():
+    """The "nothing queued: admit whatever the prediction" rule is the TTFT model's (an admitted request is its next
+    measurement); a TPOT SLO is about the decode batch the request joins. Before: a request with
+    ``x-slo-tpot-ms: 1`` was admitted, its SLO ignored, whenever no other request waited for a first token, however
+    many streams were decoding at 20 ms per token."""
+    a = _admission()
+    for tokens in range(100, 1100, 100):
+        t = a.admit(tokens, a.decide(tokens, Slo()))
+        t.first_token((10.0 + 1.0 * tokens) / 1000.0)
+        t.done(0.02)  # measured TPOT 20 ms
+    slo = Slo(None, 0.001, "shed")
+    assert a.decide(100, slo).route == "primary"  # nothing in flight: no batch to join (and a fresh TPOT sample)
+    decoding = a.admit(100, a.decide(100, Slo()))
+    decoding.first_token(0.11)  # one stream decoding, nothing queued
+    assert a.queued_requests == 0 and a.inflight == 1
+    d = a.decide(100, slo)
+    assert (d.route, d.reason) == ("shed", "slo_tpot") and "predicted TPOT 20.0 ms > SLO 1 ms" in d.message, d
+    assert a.decide(100, Slo(None, 0.001, "queue")).reason == "slo_tpot_queued"
+    assert a.decide(100, Slo(None, 0.05, "shed")).route == "primary"  # an SLO the batch meets
+    decoding.done(0.02)
+
+
 def test_an_slo_is_judged_on_the_late_tail_of_the_prediction_once_it_is_measured():
     a = _admission()
     for tokens in range(100, 1100, 100):  # 10 ms + 1 ms per token, measured with nothing queued

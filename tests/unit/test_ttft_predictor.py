@@ -462,7 +462,7 @@ def _with_warmup(reg: WorkerRegistry, wid: str, ms: float, tokens: int = 512) ->
     )
 
 
-def _admission_with_prior(slots: int = 256, warmup_ms: float | None = 256.0):
+def _admission_with_prior(slots: int = 256, warmup_ms: float | None = 256.0, shortest_first: bool = False):
     """Admission as the router builds it: priors from the registry (``prefill_priors``) of one prefill worker
     that reported 512 tokens in ``warmup_ms`` (0.5 ms per token) at registration, or nothing (None)."""
     reg = _registry()
@@ -481,6 +481,7 @@ def _admission_with_prior(slots: int = 256, warmup_ms: float | None = 256.0):
         lambda: 1,
         priors=lambda: prefill_priors(state),  # type: ignore[arg-type]
         tpot_prior=lambda holders: decode_step_prior_s(state, holders),  # type: ignore[arg-type]
+        shortest_first=lambda: shortest_first,
     )
     adm.attach(_Pipe())  # type: ignore[arg-type]
     clock = Clock()
@@ -542,6 +543,46 @@ def test_a_burst_on_a_fresh_server_is_admitted_while_it_fits_the_slo_and_shed_af
         d = cold.decide(128, slo)
         assert (d.route, d.predicted_ttft_s) == ("primary", None)
         cold.admit(128, d)
+
+
+def test_under_shortest_first_a_short_prompt_is_predicted_behind_only_what_the_prefill_order_puts_ahead(monkeypatch):
+    """A prefill worker serves its waiting prompts shortest first with aging (the engine's wfs order) and answers a
+    step's prompts together. Before: a 5-token prompt admitted behind 8 000 tokens of a ShareGPT burst was predicted
+    behind all of them (40 s; it had its first token in 2.5 s, in the first step), prediction error P90 908 % on
+    SmolLM2 (2026-12-07)."""
+    from distserve.server.router import admission as admission_module
+
+    now = [1000.0]
+    monkeypatch.setattr(admission_module, "time", SimpleNamespace(perf_counter=lambda: now[0], time=lambda: 0.0))
+    ms = 0.5 / 1000  # the prior: 0.5 ms per token, nothing answered yet
+    fcfs, _, _, _ = _admission_with_prior()
+    wfs, _, _, _ = _admission_with_prior(shortest_first=True)
+    tickets = [a.admit(2000, a.decide(2000, Slo())) for a in (fcfs, wfs) for _ in range(4)]  # a burst: 8 000 tokens
+    assert fcfs.decide(10, Slo()).predicted_ttft_s == pytest.approx((8000 + 10) * ms)  # arrival order: all ahead
+    # shortest first: ahead of all four, but its step (4 096 tokens) also holds two of them, answered together
+    d = wfs.decide(10, Slo())
+    assert d.ahead_share == 0.5 and d.predicted_ttft_s == pytest.approx((4000 + 10) * ms)
+    # a prompt as long or longer waits for them all, as in arrival order
+    assert wfs.decide(2000, Slo()).predicted_ttft_s == pytest.approx((8000 + 2000) * ms)
+    assert wfs.decide(5000, Slo()).ahead_share == 1.0
+    short = wfs.admit(10, d)
+    assert wfs.decide(20, Slo()).predicted_ttft_s == pytest.approx((4010 + 20) * ms)  # the 10, then its step
+    # a longer prompt never waits for less (the early refusal decides for a one-token prompt)
+    waits = [wfs.decide(n, Slo()).predicted_ttft_s for n in range(1, 3000, 7)]
+    assert waits == sorted(waits)
+    # aging: 1.5 s later the 2 000-token prompts (2000 - 1500) go before a new 600-token one, not a 400-token one
+    now[0] += 1.5
+    assert wfs.decide(600, Slo()).ahead_share == 1.0
+    assert wfs.decide(400, Slo()).ahead_share == pytest.approx(4010 / 8010)
+    # the order forgets each prompt once it has its first token (or ends without one), exactly once
+    tickets[4].first_token(0.1)
+    short.done()
+    short.done()
+    assert (wfs.queued_tokens, wfs._order_tokens) == (6000, [2000, 2000, 2000])
+    for t in tickets:
+        t.done()
+    assert (wfs.queued_tokens, wfs._order_keys, wfs._order_tokens) == (0, [], [])
+    assert fcfs.decide(10, Slo()).ahead_share == 1.0
 
 
 def test_nothing_queued_admits_whatever_the_prefill_prediction_but_not_a_wait_for_decode_room():
