@@ -533,14 +533,19 @@ class LLMEngine:
         *,
         prefill_only: bool = False,
         output_token_ids: list[int] | None = None,
+        arrival_time: float | None = None,
     ) -> None:
         """Queue a request. ``output_token_ids`` resumes a request that already produced
         tokens elsewhere (migration, or a KV transfer that failed under policy ``recompute``):
-        they are prefilled with the prompt and generation continues after them."""
+        they are prefilled with the prompt and generation continues after them. ``arrival_time``
+        (``time.monotonic()``, default now) is when the request reached the caller: the ``wfs``
+        prefill order ages prompts from it."""
         outputs = list(output_token_ids or [])
         self._check_new(request_id, prompt_token_ids, len(outputs))
         self._check_params(params)
         seq = Sequence(request_id, list(prompt_token_ids), params, prefill_only=prefill_only, output_token_ids=outputs)
+        if arrival_time is not None:
+            seq.arrival_time = min(arrival_time, seq.arrival_time)
         self.structured.add(seq)  # its grammar's matcher, replaying `outputs` (GrammarError is a ValueError)
         self._register(seq)
         self.scheduler.add(seq)

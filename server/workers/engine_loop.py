@@ -379,10 +379,18 @@ class EngineLoop:
         output_token_ids: list[int] | None = None,
     ) -> asyncio.Queue:
         q = self.open_stream(request_id)
+        # its arrival is now, not when the call is applied: a call made during a step waits for the step's end,
+        # and the prompts of a burst would all tie there, so the wfs order's aging would not see who came first
+        arrived = time.monotonic()
         try:
             await self._engine_call(
                 lambda: self.engine.add_request(
-                    request_id, prompt, params, prefill_only=prefill_only, output_token_ids=output_token_ids
+                    request_id,
+                    prompt,
+                    params,
+                    prefill_only=prefill_only,
+                    output_token_ids=output_token_ids,
+                    arrival_time=arrived,
                 )
             )
         except ValueError:  # refused by the engine: nothing was added

@@ -356,3 +356,35 @@ def test_thread_mode_an_id_aborted_and_added_again_during_a_step_gets_only_its_o
     assert asyncio.run(main()) == "abort"
     assert engine.num_used_blocks == 0 and not engine.requests
     engine.block_manager.check_invariants()
+
+
+def test_a_request_added_during_a_step_arrives_when_it_was_sent_not_when_the_step_ends(engine):
+    """The wfs prefill order ages a prompt from its arrival. A call made while a step runs is applied after
+    the step, and before, the sequence took that moment as its arrival: every prompt of a burst tied at the
+    step's end (on a CPU step of seconds, whoever came first), so aging did not tell them apart."""
+
+    async def main():
+        loop = EngineLoop(engine, threaded=True)
+        loop.start()
+        with _SlowSteps(engine, 0.2) as slow:
+            long = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+            q = await loop.add_request("a", [1, 9, 8, 7], long)
+            await q.get()
+            while not slow.in_step:
+                await asyncio.sleep(0.001)
+            t0 = time.monotonic()
+            task = asyncio.ensure_future(loop.add_request("b", [1, 2, 3], PARAMS))
+            await asyncio.sleep(0)  # the handler runs up to its queued engine call
+            t1 = time.monotonic()
+            still_in_step = slow.in_step
+            q2 = await task
+            arrival = engine.requests["b"].arrival_time
+            loop.abort_nowait("a")
+            await drain(q2)
+        loop.stop()
+        return t0, t1, still_in_step, arrival
+
+    t0, t1, still_in_step, arrival = asyncio.run(main())
+    assert still_in_step  # the add waited for the step (else this test shows nothing)
+    assert t0 <= arrival <= t1
+    assert engine.num_used_blocks == 0 and not engine.requests
