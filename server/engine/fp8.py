@@ -321,11 +321,16 @@ def requantize_(q: torch.Tensor, old: torch.Tensor, new: torch.Tensor, chunk: in
         part.copy_(quantize(part.float() * old, new))
 
 
-def _positive_finite(s: float) -> bool:
-    """Finite and > 0 as the float32 it is used as (normal range: 1e300 is inf there, 1e-50 is 0)."""
+def positive_finite(x: Any) -> bool:
+    """An int or float (not a bool) that is finite and > 0 *as the float32 a scale is used as*, in its normal
+    range (1e300 is inf there, 1e-50 is 0, 1e-40 a subnormal); an int too large for a float (JSON allows 400
+    digits) is not finite, never an OverflowError. The one check of a scale from elsewhere: ``check_scales``
+    here and ``KVHandle``'s (server/kv_transfer/base.py)."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return False
     try:
-        f = float(s)
-    except OverflowError:  # an int of hundreds of digits (JSON allows it)
+        f = float(x)
+    except OverflowError:
         return False
     return _F32.tiny <= f <= _F32.max
 
@@ -339,7 +344,7 @@ def check_scales(scales: Any, num_layers: int) -> list[list[float]]:
         if not isinstance(pair, (list, tuple)) or len(pair) != 2:
             raise ValueError("kv_scales entries must be [k, v] pairs")
         for s in pair:
-            if isinstance(s, bool) or not isinstance(s, (int, float)) or not _positive_finite(s):
+            if not positive_finite(s):
                 raise ValueError(f"kv_scales must be finite float32 numbers > 0, got {str(s)[:40]}")
         out.append([float(pair[0]), float(pair[1])])
     return out
@@ -364,6 +369,7 @@ __all__ = [
     "quantize_per_channel_mse",
     "requantize_",
     "observed_amax",
+    "positive_finite",
     "scales_from_amax",
     "with_fp8_linears",
     "write_kv_fp8",

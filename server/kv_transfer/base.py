@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from distserve.server.engine.fp8 import positive_finite
+
 from .frame import DEFAULT_MAX_NBYTES, DTYPE_NAMES, MAX_NDIM, MAX_REQUEST_ID_BYTES, MAX_SECRET_BYTES
 
 TRANSPORTS = ("tcp", "shm", "cuda_ipc")
@@ -74,24 +76,6 @@ def parse_address(address: str) -> tuple[str, int]:
 
 
 MAX_KV_SCALE_LAYERS = 1024
-
-
-# The scales are used as float32: a JSON number outside its normal range becomes inf, 0 or a subnormal there
-FLOAT32_TINY = 1.1754943508222875e-38
-FLOAT32_MAX = 3.4028234663852886e38
-
-
-def positive_finite(x: Any) -> bool:
-    """An int or float (not a bool) that is finite and > 0 *as a float32*, without underflowing to a subnormal
-    (1e300 is inf there, 1e-50 is 0); an int too large for a float (JSON allows 400 digits) is not finite,
-    never an OverflowError."""
-    if type(x) not in (int, float):
-        return False
-    try:
-        f = float(x)
-    except OverflowError:
-        return False
-    return FLOAT32_TINY <= f <= FLOAT32_MAX
 
 
 def check_kv_scales(scales: Any, dtype: str, shape: tuple[int, ...]) -> None:
