@@ -66,6 +66,22 @@ def _last_line(text: str) -> dict:
     return lines[-1]
 
 
+def _fp8_handle(address: str, shape: list[int], nbytes: int, layers: int) -> dict:
+    """An FP8 KV handle (as the router passes it on) naming ``address`` as its sender."""
+    return {
+        "request_id": "r",
+        "transport": "tcp",
+        "address": address,
+        "secret": "ab" * 16,
+        "nbytes": nbytes,
+        "shape": list(shape),
+        "dtype": "float8_e4m3fn",
+        "checksum": None,
+        "host_id": "h",
+        "kv_scales": [[0.01, 0.01]] * layers,
+    }
+
+
 def _tampered(kv: dict) -> list[tuple[str, str]]:
     """(name, the handle as JSON text) for each bad variant; JSON text so NaN/Infinity/huge ints survive."""
     pairs = kv["kv_scales"]
@@ -337,18 +353,7 @@ def test_a_sender_whose_sizes_lie_fails_the_pull_and_leaks_no_block():
                 async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://d") as http:
                     for name, (behave, _) in cases.items():
                         fake = _LyingSender(behave)
-                        handle = {
-                            "request_id": "r",
-                            "transport": "tcp",
-                            "address": fake.address,
-                            "secret": "ab" * 16,
-                            "nbytes": full,
-                            "shape": list(shape),
-                            "dtype": "float8_e4m3fn",
-                            "checksum": None,
-                            "host_id": "h",
-                            "kv_scales": [[0.01, 0.01]] * layers,
-                        }
+                        handle = _fp8_handle(fake.address, shape, full, layers)
                         body = {
                             "request_id": "r",
                             "prompt_token_ids": PROMPT,
@@ -405,18 +410,7 @@ def test_a_handle_larger_than_the_requests_kv_is_refused_before_any_byte_is_pull
             try:
                 app = create_worker_app(state)
                 async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://d") as http:
-                    handle = {
-                        "request_id": "r",
-                        "transport": "tcp",
-                        "address": f"127.0.0.1:{srv.getsockname()[1]}",
-                        "secret": "ab" * 16,
-                        "nbytes": math.prod(shape),
-                        "shape": shape,
-                        "dtype": "float8_e4m3fn",
-                        "checksum": None,
-                        "host_id": "h",
-                        "kv_scales": [[0.01, 0.01]] * layers,
-                    }
+                    handle = _fp8_handle(f"127.0.0.1:{srv.getsockname()[1]}", shape, math.prod(shape), layers)
                     body = {
                         "request_id": "r",
                         "prompt_token_ids": PROMPT,
