@@ -41,6 +41,17 @@ class DecodeRoom:
             max(0, self.slots - w.inflight) for w in self.registry.healthy("decode") if not w.status.num_kv_blocked
         )
 
+    def kv_blocked(self) -> int:
+        """Reservations the healthy decode workers' KV pools refused for lack of blocks (their heartbeats)."""
+        return sum(w.status.num_kv_blocked for w in self.registry.healthy("decode"))
+
+    def kv_bound(self) -> bool:
+        """No decode worker has room and one is short of KV blocks, not slots: room then comes back as streams
+        end and free their blocks, at the pace of the streams holding them, not of slot releases (on ShareGPT on
+        SmolLM2 with 95 of 256 slots held, waits of 22-29 s were predicted 0.1-0.9 s as slot releases)."""
+        ws = self.registry.healthy("decode")
+        return any(w.status.num_kv_blocked for w in ws) and not any(self.has_room(w) for w in ws)
+
     def gates(self) -> bool:
         """Requests wait here at all (disaggregated, with a slot bound)."""
         return bool(self.slots) and self.registry.mode() == "disaggregated"
@@ -59,7 +70,10 @@ class DecodeRoom:
         ahead = max(ahead, len(self.waiters))
         if not self.waiters and ahead < free:
             return 0
-        return max(1, ahead + 1 - free)
+        # with no slot free, the reservations a KV pool refused (past this gate, holding a slot) take the first
+        # blocks freed before anyone waiting here
+        blocked = self.kv_blocked() if not free else 0
+        return max(1, ahead + blocked + 1 - free)
 
     async def acquire(
         self, pick: Callable[[], WorkerInfo | None], timeout_s: float

@@ -217,6 +217,8 @@ class RoomState(Protocol):
 
     def total_slots(self) -> int: ...
 
+    def kv_bound(self) -> bool: ...
+
 
 class RequestPhases:
     """One admitted request's measured parts, filled in by the pipeline as it goes."""
@@ -647,6 +649,12 @@ class TtftPredictor:
         """Seconds a request waits for ``releases`` slot releases: x the measured time per release where one
         is known, else the room prior's time to the ``releases``-th release; None with neither."""
         per = self.release_s()
+        if self.room is not None and self.room_prior is not None and self.room.kv_bound():
+            # short of KV blocks, not slots: room comes back as the streams holding blocks end (the room prior's
+            # k-th stream end), never sooner than the pace of releases measured so far
+            ends = self.room_prior.wait_s(releases, 0)
+            if ends is not None:
+                return max(ends, releases * per) if per is not None else ends
         if per is not None:
             return releases * per
         if self.room_prior is None or self.room is None:

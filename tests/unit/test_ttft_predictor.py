@@ -126,7 +126,9 @@ def test_the_gate_closes_on_a_pool_short_of_blocks_not_on_a_reservation_between_
     d0.status = d0.status.model_copy(update={"num_reserving": 3, "num_kv_blocked": 0})
     assert room.has_room(d0) and room.free_slots() == 2 and room.releases_needed() == 0
     d0.status = d0.status.model_copy(update={"num_reserving": 3, "num_kv_blocked": 3})
-    assert not room.has_room(d0) and room.free_slots() == 0 and room.releases_needed() == 1
+    assert not room.has_room(d0) and room.free_slots() == 0 and room.kv_bound()
+    # the three refused reservations (past the gate, holding slots) take the first blocks freed: a fourth release
+    assert room.releases_needed() == 4
 
 
 def test_the_prediction_is_the_queued_tokens_at_the_measured_cost_per_token():
@@ -766,6 +768,26 @@ def test_the_room_prior_yields_to_measured_releases():
     assert 'distserve_ttft_model{term="room_prior_in_use"} 0.0' in generate_latest(registry).decode()
 
 
+def test_a_gate_closed_by_kv_blocks_is_predicted_from_the_streams_ending_not_from_slot_releases():
+    # 4 of 8 slots held, but the decode worker's KV pool refused a reservation: room comes back when a stream ends
+    # and frees its blocks. Before: predicted as slot releases at the slot-held pace over all 8 slots (on ShareGPT
+    # on SmolLM2, waits of 22-29 s predicted 0.1-0.9 s, 2026-12-07)
+    adm, clock, tickets, _ = _full_decode(8, [64] * 4, [11] * 4)
+    d0 = adm.model.room.registry.workers["d0"]
+    d0.inflight = 4
+    p = adm.model
+    p.slot_held(8.0)  # measured: a slot held 8 s, so one release every second over 8 slots
+    assert adm.decide(128, Slo()).predicted_parts[0] == 0.0  # slots free, no KV shortage: no wait
+    d0.status = d0.status.model_copy(update={"num_kv_blocked": 1})
+    assert adm.model.room.kv_bound() and adm.model.room.releases_needed(0) == 2  # the refused one, then this one
+    # the 2nd stream to end: 53 tokens left at 0.1 s each (as slot releases: 2 x 1 s)
+    assert adm.decide(128, Slo()).predicted_parts[0] == pytest.approx(53 * 0.1)
+    p.room_granted(RequestPhases(), 20.0, 2)  # measured waits slower than the streams say: never below them
+    assert adm.decide(128, Slo()).predicted_parts[0] == pytest.approx(2 * 10.0)
+    d0.status = d0.status.model_copy(update={"num_kv_blocked": 0})  # blocks free again: the slot pace
+    assert not adm.model.room.kv_bound() and adm.decide(128, Slo()).predicted_parts[0] == 0.0
+
+
 def test_the_room_prior_is_pessimistic_and_never_admits_blind():
     # streams bounded at 64 tokens that will stop at 30 (EOS): the prior counts to 64, so its wait is at least
     # the real one and at most what max_tokens allows
@@ -839,3 +861,11 @@ def test_under_shortest_first_a_prompt_that_would_make_a_queued_request_miss_its
     fcfs.admit(2000, fcfs.decide(2000, Slo(ttft_s=1.0001)))
     assert fcfs.decide(10, Slo()).route == "primary"
     guarded.done()
+    # a longer prompt ranked after a queued one still delays it when both fit one prefill step (4 096 tokens): the
+    # worker answers the step's prompts together, at its end
+    wfs.cfg = replace(wfs.cfg, protect_admitted=True)
+    short = wfs.admit(100, wfs.decide(100, Slo(ttft_s=0.2)))  # predicted at most 0.05 s behind what is queued
+    assert short.slack_s is not None and short.slack_s >= 0
+    d = wfs.decide(3000, Slo())  # after it in the order, in its step: 1.5 s more
+    assert (d.route, d.reason) == ("shed", "slo_ttft_overtakes")
+    assert wfs.decide(4000, Slo()).route == "primary"  # too long for its step: the next one, no delay to it
