@@ -63,6 +63,9 @@ class _NoRoom:
     def total_slots(self) -> int:
         return 0
 
+    def kv_bound(self) -> bool:
+        return False
+
 
 def _load(path: Path) -> list[dict]:
     opener = gzip.open if path.suffix == ".gz" else open
