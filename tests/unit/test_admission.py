@@ -13,7 +13,7 @@ from distserve.server.config import load_config
 from distserve.server.latency_model import prefill_work_ms, queued_ttft_ms
 from distserve.server.lograte import RateLimitedLog, describe
 from distserve.server.router.admission import Admission, InvalidSlo, Slo, parse_slo
-from distserve.server.router.ttft_predictor import RequestPhases, TtftPredictor
+from distserve.server.router.ttft_predictor import MARGIN_COLD, RequestPhases, TtftPredictor
 from distserve.server.workers.heartbeat import Liveness
 
 
@@ -100,10 +100,13 @@ def test_an_slo_is_judged_on_the_late_tail_of_the_prediction_once_it_is_measured
         t = a.admit(tokens, a.decide(tokens, Slo()))
         t.first_token((10.0 + 1.0 * tokens) / 1000.0)
         t.done()
-    assert a.model.slo_margin() == 1.0 and not a.model.ratios  # nothing judged: the prediction as it is
+    # nothing judged yet: the cold margin, the least any kept run settled at (the prediction taken as a bound
+    # let a ShareGPT burst fill each request's slack to the SLO exactly)
+    assert a.model.slo_margin() == MARGIN_COLD == 1.5 and not a.model.ratios
     held = a.admit(100, a.decide(100, Slo()))  # one request queued: the following ones are judged
     slo = Slo(0.5, None, "shed")
-    assert a.decide(300, slo).route == "primary"  # predicted 10 + 400 ms < 500 ms
+    assert a.decide(300, Slo(0.62, None, "shed")).route == "primary"  # predicted (10 + 400 ms) x 1.5 < 620 ms
+    assert a.decide(300, slo).reason == "slo_ttft"  # ... > 500 ms
     t = a.admit(300, a.decide(300, Slo()))
     t.first_token(t.predicted_ttft_s * 3.0)  # a judged request: its measured / predicted is kept
     t.done()
