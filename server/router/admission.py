@@ -20,7 +20,10 @@ plus an idle worker's prefill call, plus the router's own part, each calibrated 
 measures (server/router/ttft_predictor.py, with the prefill formula of server/latency_model.py). TPOT is
 predicted as the recent measured TPOT (an EWMA). A TTFT SLO bounds a tail and the prediction is a median,
 so the prediction is compared with the SLO times a margin: the P95 of measured / predicted TTFT of the
-requests admission judged lately (``TtftPredictor.slo_margin``, 1 to 4).
+requests admission judged lately (``TtftPredictor.slo_margin``, 1 to 4; 1.5 until 16 were judged).
+A request admitted keeps its slack (SLO - prediction x margin); under shortest first, each later prompt the order
+puts ahead of it takes its own prefill work off that slack, and one that would make it miss is refused
+(``slo_ttft_overtakes``: ``Admission.overtaking``, ``router.admission.protect_admitted``).
 When a prediction misses the SLO the request is shed (429), queued anyway (``on_slo_miss: queue``, or the
 client's ``x-slo-on-miss: queue``), or sent to the backup pool — except when nothing is queued and no decode
 room is waited for: then a request is admitted whatever the prediction (it is also the next measurement, so a
