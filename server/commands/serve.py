@@ -101,7 +101,7 @@ def cmd_serve(args) -> int:
             else f"{args.decode} colocated worker{'' if args.decode == 1 else 's'}"
         )
         if args.ready_file:  # before the ready line: a script that saw the line can read the file
-            from distserve.server.router.main import write_ready_file
+            from distserve.server.private_files import write_ready_file
 
             write_ready_file(args.ready_file, {"url": url, "pid": os.getpid(), "token": launcher.token})
         print(f"distserve ready: {url} ({args.mode}, {n})", flush=True)

@@ -27,12 +27,13 @@ import logging
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from distserve.server.engine.gguf_file import GGUFFile
 from distserve.server.engine.model_config import ModelConfig, RopeScaling, check_attention_shape
+
+if TYPE_CHECKING:  # torch is imported where tensors are loaded: the router reads metadata and tokenizers only
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -170,6 +171,8 @@ def load_state_dict(
     meta: GGUFMetadata | None = None,
 ) -> dict[str, torch.Tensor]:
     """Every tensor of the file, dequantized to float32, unpermuted, cast to ``dtype``, under HF names."""
+    import torch
+
     from distserve.server.engine.gguf_quants import dequantize
 
     reader = _reader(path)

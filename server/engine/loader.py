@@ -28,13 +28,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from distserve.server.engine import gguf_loader
 from distserve.server.engine.model_config import ModelConfig
 from distserve.server.engine.named_models import NAMED_MODELS, is_named_model, resolve_named_model
 from distserve.server.engine.tokenizer import Tokenizer
+
+if TYPE_CHECKING:  # torch is imported where tensors are loaded: the router reads configs and tokenizers only
+    import torch
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -61,6 +63,7 @@ def load_state_dict(
     so a float32 checkpoint loaded as bfloat16 on a GPU never occupies float32
     GPU memory.
     """
+    import torch
     from safetensors import safe_open
 
     if gguf_loader.is_gguf_file(folder):

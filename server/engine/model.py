@@ -215,7 +215,13 @@ class LlamaForCausalLM(nn.Module):
         # how the forward computes (layer_ops.select_layer_ops); the engine picks it with the backend, and
         # a benchmark may swap both (ops and backend must agree: TritonLayerOps needs backend.attend)
         self.ops: LayerOps = ops if ops is not None else TorchLayerOps()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # nn.Embedding's own init, but skipped on the meta device (where the engine builds the model before it
+        # loads or draws every weight): there a normal_ goes through torch._refs, whose first call imports
+        # torch._dynamo, 1.5 s of CPU in every worker's start-up for a draw that is thrown away
+        weight = torch.empty(cfg.vocab_size, cfg.hidden_size)
+        if not weight.is_meta:
+            nn.init.normal_(weight)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=weight)
         self.rotary = RotaryEmbedding(cfg)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

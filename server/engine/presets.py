@@ -13,11 +13,12 @@ activation finite in bf16.
 
 from __future__ import annotations
 
-from typing import TypeGuard
-
-import torch
+from typing import TYPE_CHECKING, TypeGuard
 
 from distserve.server.engine.model_config import ModelConfig
+
+if TYPE_CHECKING:  # torch is imported where weights are drawn: the shapes (preflight, the launcher) need none
+    import torch
 
 PRESET_PREFIX = "preset:"
 INIT_STD = 0.02
@@ -110,6 +111,8 @@ def counter_normal(n: int, seed: int, offset: int, device: torch.device) -> torc
     then Box-Muller. Element-wise, so the values do not depend on the launch grid — torch's own CUDA
     generator sizes its grid from the SM count, which an MPS thread percentage lowers: two workers at
     different SM shares would make different "same" preset weights (and be refused as a model mismatch)."""
+    import torch
+
     key = _signed(((seed * 0x5851F42D + 1) * (_GOLDEN % (1 << 64))) % (1 << 64))
     z = torch.arange(offset, offset + n, dtype=torch.int64, device=device) + key
     z = (z ^ _shr(z, 30)) * _MIX1
@@ -120,35 +123,37 @@ def counter_normal(n: int, seed: int, offset: int, device: torch.device) -> torc
     return torch.sqrt(-2.0 * torch.log(u1)) * torch.cos(6.283185307179586 * u2)
 
 
-@torch.no_grad()
 def init_random_weights(model: torch.nn.Module, seed: int = 0, std: float = INIT_STD) -> None:
     """Fill every parameter in place on its own device: norms 1, biases 0, matrices N(0, std). On CUDA
     the draws come from :func:`counter_normal` (the same weights whatever share of the SMs the process has)."""
-    params = list(model.named_parameters())
-    device = params[0][1].device if params else torch.device("cpu")
-    gen = torch.Generator(device=device)
-    gen.manual_seed(seed)
-    drawn = 0
-    for name, p in params:
-        if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
-            p.fill_(1.0)
-        elif name.endswith(".bias"):
-            p.zero_()
-        elif device.type == "cuda":
-            flat = p.view(-1)
-            step = 1 << 24
-            for i in range(0, flat.numel(), step):
-                chunk = flat[i : i + step]
-                chunk.copy_(counter_normal(chunk.numel(), seed, drawn + i, device) * std)
-            drawn += flat.numel()
-        elif p.dtype in (torch.float16, torch.bfloat16):
-            # draw in float32 chunk by chunk (normal_ on bf16 is fine too, this keeps draws dtype-independent)
-            flat = p.view(-1)
-            step = 1 << 26
-            for i in range(0, flat.numel(), step):
-                chunk = flat[i : i + step]
-                chunk.copy_(torch.randn(chunk.shape, generator=gen, device=device, dtype=torch.float32) * std)
-        else:
-            p.normal_(0.0, std, generator=gen)
-    if getattr(model.config, "tie_word_embeddings", False):
-        model.lm_head.weight = model.embed_tokens.weight  # type: ignore[union-attr]  # modules typed loosely by torch
+    import torch
+
+    with torch.no_grad():
+        params = list(model.named_parameters())
+        device = params[0][1].device if params else torch.device("cpu")
+        gen = torch.Generator(device=device)
+        gen.manual_seed(seed)
+        drawn = 0
+        for name, p in params:
+            if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+                p.fill_(1.0)
+            elif name.endswith(".bias"):
+                p.zero_()
+            elif device.type == "cuda":
+                flat = p.view(-1)
+                step = 1 << 24
+                for i in range(0, flat.numel(), step):
+                    chunk = flat[i : i + step]
+                    chunk.copy_(counter_normal(chunk.numel(), seed, drawn + i, device) * std)
+                drawn += flat.numel()
+            elif p.dtype in (torch.float16, torch.bfloat16):
+                # draw in float32 chunk by chunk (normal_ on bf16 is fine too, this keeps draws dtype-independent)
+                flat = p.view(-1)
+                step = 1 << 26
+                for i in range(0, flat.numel(), step):
+                    chunk = flat[i : i + step]
+                    chunk.copy_(torch.randn(chunk.shape, generator=gen, device=device, dtype=torch.float32) * std)
+            else:
+                p.normal_(0.0, std, generator=gen)
+        if getattr(model.config, "tie_word_embeddings", False):
+            model.lm_head.weight = model.embed_tokens.weight  # type: ignore[union-attr]  # modules typed loosely by torch

@@ -32,9 +32,10 @@ import shutil
 import tempfile
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # torch is imported where weights are drawn: finding the model (the launcher) needs none
+    import torch
 
 DEFAULT_TINY_MODEL_NAME = "tiny-llama-v1"
 DEFAULT_TINY_MODEL_KWARGS: dict[str, Any] = dict(
@@ -52,7 +53,7 @@ NUM_SPECIAL_TOKENS = 3  # <unk>, <s>, </s>
 BYTE_TOKEN_OFFSET = NUM_SPECIAL_TOKENS
 MIN_VOCAB = NUM_SPECIAL_TOKENS + 256  # 259
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_DTYPES = ("float32", "float16", "bfloat16")  # torch dtypes, by name
 _INIT_STD = 0.02
 _NORM_NOISE_STD = 0.1
 _SPECIAL_TOKENS = ("<unk>", "<s>", "</s>")
@@ -149,6 +150,8 @@ def make_tiny_model(
         {"_from_model_config": True, "bos_token_id": 1, "eos_token_id": 2},
     )
 
+    import torch
+
     tensors = _random_weights(
         layers=layers,
         hidden=hidden,
@@ -159,7 +162,7 @@ def make_tiny_model(
         vocab=vocab,
         seed=seed,
         tie_word_embeddings=tie_word_embeddings,
-        dtype=_DTYPES[dtype],
+        dtype=getattr(torch, dtype),
     )
     from safetensors.torch import save_file
 
@@ -183,6 +186,8 @@ def _random_weights(
     tie_word_embeddings: bool,
     dtype: torch.dtype,
 ) -> dict[str, torch.Tensor]:
+    import torch
+
     g = torch.Generator().manual_seed(seed)
 
     def linear(*shape: int) -> torch.Tensor:

@@ -55,7 +55,7 @@ def connect(address: str | None, namespace: str, quiet: bool) -> None:
 
 
 def serve(spec: RaySpec, address: str | None, ready_file: str | None) -> int:
-    from distserve.server.router.main import write_ready_file
+    from distserve.server.private_files import write_ready_file
 
     connect(address, spec.namespace, quiet=False)
     node_id = ray.get_runtime_context().get_node_id()

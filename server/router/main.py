@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import json
 import logging
 import os
 import signal
@@ -13,7 +12,7 @@ import uvicorn
 
 from distserve.server.config import DistServeConfig
 from distserve.server.net import listen
-from distserve.server.private_files import write_private
+from distserve.server.private_files import write_ready_file
 from distserve.server.router.app import create_router_app
 from distserve.server.router.fdlimit import ConnectionCounter, raise_nofile_limit
 from distserve.server.router.limits import guarded_http_protocol
@@ -21,14 +20,6 @@ from distserve.server.router.registry import WorkerRegistry
 from distserve.server.router.state import RouterState
 
 log = logging.getLogger(__name__)
-
-
-def write_ready_file(path: str | None, payload: dict) -> None:
-    """Atomically publish ``payload`` (tmp file + rename): a reader never sees half a file. Mode 0600
-    from the first byte: ``distserve serve``'s ready file holds the admin token."""
-    if not path:
-        return
-    write_private(path, json.dumps(payload))
 
 
 GC_THRESHOLDS = (5_000, 20, 100)

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import socket
 import urllib.error
 import urllib.request
@@ -93,5 +94,8 @@ def serve_factory(tmp_path_factory):
         return s
 
     yield make
+    for s in started:  # all told to stop first, so their shutdowns overlap
+        if s.proc.poll() is None:
+            s.proc.send_signal(signal.SIGTERM)
     for s in started:
         s.stop()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import aiohttp
 import pytest
@@ -23,7 +24,7 @@ from distserve.sla.audit import audit
 from distserve.sla.records import load_records
 from distserve.sla.spec import SlaSpec
 
-from .conftest import TOKEN, http
+from .conftest import TOKEN, free_port, http
 
 pytestmark = pytest.mark.slow
 
@@ -95,21 +96,30 @@ async def fault(s, worker_url: str, body: dict) -> dict:
 
 
 def test_breaker_fails_over_to_backup_and_back(serve_factory, tmp_path):
-    # the backup names its model differently, as a vLLM deployment would: the router rewrites `model` for it
-    backup = serve_factory(mode="colocated", extra_args=("--served-model-name", "tiny-backup"))
+    # the backup names its model differently, as a vLLM deployment would: the router rewrites `model` for it.
+    # Its port is chosen here, so both servers start at once (the primary only calls its backup once the
+    # breaker opens, and the scenario starts once both are ready)
+    backup_url = f"http://127.0.0.1:{free_port()}"
     journal, events = tmp_path / "requests.jsonl", tmp_path / "events.jsonl"
-    primary = serve_factory(
-        config={
-            "router": {
-                "backup_pool": [backup.url],
-                "backup_model": "tiny-backup",
-                "sla_window_s": 3,
-                "journal_path": str(journal),
-                "event_journal_path": str(events),
-                "breaker": BREAKER,
-            }
+    primary_config = {
+        "router": {
+            "backup_pool": [backup_url],
+            "backup_model": "tiny-backup",
+            "sla_window_s": 3,
+            "journal_path": str(journal),
+            "event_journal_path": str(events),
+            "breaker": BREAKER,
         }
-    )
+    }
+    with ThreadPoolExecutor(2) as pool:
+        starting_backup = pool.submit(
+            serve_factory,
+            mode="colocated",
+            extra_args=("--served-model-name", "tiny-backup", "--port", backup_url.rsplit(":", 1)[1]),
+        )
+        starting_primary = pool.submit(serve_factory, config=primary_config)
+        backup, primary = starting_backup.result(), starting_primary.result()
+    assert backup.url == backup_url
     prefill = next(w for w in primary.workers() if w["role"] == "prefill")
 
     # the fault hook is an admin endpoint

@@ -44,7 +44,8 @@ async def _worker(script) -> tuple[web.AppRunner, str, list[dict]]:
     app = web.Application()
     app.router.add_post("/internal/generate", generate)
     app.router.add_post("/internal/abort", abort)
-    runner = web.AppRunner(app)
+    # a stream still open at cleanup (a silent one the router gave up on) is cancelled there, not waited for
+    runner = web.AppRunner(app, shutdown_timeout=0.5)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()

@@ -222,6 +222,8 @@ def test_a_request_the_worker_refuses_is_not_an_sla_failure(tmp_path, worker_sta
     fake = _StatusPrefill(worker_status)
     try:
         with make_client(tmp_path, []) as c:
+            # no worker comes back after the 500: the wait for one (10 s by default) only delays the answer
+            c.app.state.router.pipeline.options.worker_wait_s = 0.2
             reg = c.app.state.router.registry
             for wid, role in (("p0", "prefill"), ("d0", "decode")):
                 reg.register(
