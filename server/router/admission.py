@@ -70,6 +70,10 @@ ON_MISS_HEADER = "x-slo-on-miss"
 MAX_RETRY_AFTER_S = 60
 
 
+def _order_key(t: Ticket) -> float:
+    return t.order_key
+
+
 class InvalidSlo(ValueError):
     def __init__(self, header: str, message: str) -> None:
         super().__init__(f"{header}: {message}")
@@ -225,12 +229,10 @@ class Admission:
         self.queued_tokens = 0
         self.unplaced = 0  # of the queued requests, those not given a decode slot yet
         self.tickets: dict[Ticket, None] = {}  # the open tickets, oldest first (len == inflight)
-        # the queued tickets in the prefill worker's shortest-first order: their order keys (sorted) and tokens
+        # the prefill worker's shortest-first order
         self.shortest_first = shortest_first
         self.prefill_budget = (max(1, cfg.prefill.max_batch_size), cfg.prefill.max_num_batched_tokens)
-        self._order_keys: list[float] = []
-        self._order_tokens: list[int] = []
-        self._order_tickets: list[Ticket] = []
+        self._order: list[Ticket] = []  # the queued tickets in that order (bisect by ``Ticket.order_key``)
         self.model = TtftPredictor(cfg, workers, priors=priors)  # priors: the workers' start-up cost per token
         self.tpot_ewma_s: float | None = None
         # the decode-room wait before any slot release was measured: from the streams holding a slot now
@@ -301,8 +303,8 @@ class Admission:
         5-token prompts answered in 2.5 s were predicted 40 s, prediction error P90 908 %."""
         if not self.queued_tokens or not self.shortest_first():
             return 1.0
-        toks = self._order_tokens
-        k = bisect.bisect_right(self._order_keys, ahead_under_shortest_first(prompt_tokens, time.perf_counter()))
+        toks = [t.tokens for t in self._order]
+        k = self._place(prompt_tokens)
         # its own step: the worker answers a step's prompts together, so the queued ones ranked after it that
         # fill its step (up to the prefill batch's prompts and tokens) are waited for as well; with prompts of
         # one length nothing ranks after it and this is first come first served. The step's tokens leave its
@@ -316,6 +318,12 @@ class Admission:
             j += 1
         return min(1.0, sum(toks[:j]) / self.queued_tokens)
 
+    def _place(self, prompt_tokens: int) -> int:
+        """Where a prompt of ``prompt_tokens`` arriving now goes among the queued ones in the prefill order."""
+        return bisect.bisect_right(
+            self._order, ahead_under_shortest_first(prompt_tokens, time.perf_counter()), key=_order_key
+        )
+
     def overtaking(self, prompt_tokens: int, margin: float) -> tuple[float, Ticket | None]:
         """What admitting a prompt of ``prompt_tokens`` now would cost the queued requests the prefill worker's
         shortest-first order would put it ahead of: its prefill work (seconds, x ``margin``, shared among the
@@ -323,14 +331,14 @@ class Admission:
         token was still predicted in time: ``Ticket.slack_s`` >= 0); (0, None) when it goes ahead of none."""
         if not self.queued_requests or not self.shortest_first():
             return 0.0, None
-        k = bisect.bisect_right(self._order_keys, ahead_under_shortest_first(prompt_tokens, time.perf_counter()))
-        if k >= len(self._order_tickets):
+        k = self._place(prompt_tokens)
+        if k >= len(self._order):
             return 0.0, None
         # Only those it goes ahead of: a later prompt that merely shares a queued one's step is the ordinary
         # first-come-first-served case, already inside the measured cost per token every prediction uses (charging
         # it too shed 935 requests of 128 tokens each on the H100's 7B open loop, 24 % of them at 1x capacity).
         cost = prompt_tokens * self.model.per_token_ms() / 1000.0 / max(1, self.workers()) * margin
-        for t in self._order_tickets[k:]:
+        for t in self._order[k:]:
             if t.slack_s is not None and 0.0 <= t.slack_s < cost:
                 return cost, t
         return cost, None
@@ -410,12 +418,14 @@ class Admission:
         # request is the next TPOT sample.
         ttft_exempt = self.queued_requests == 0 and not (parts is not None and parts[0] > 0)
         margin = self.model.slo_margin()
-        slack = slo.ttft_s - ttft * margin if slo.ttft_s is not None and ttft is not None else None
-        if not ttft_exempt and slack is not None and slack < 0 and ttft is not None and slo.ttft_s is not None:
-            late = f" (x {margin:.2f}, the recent late tail)" if margin > 1 else ""
-            what = f"predicted TTFT {ttft * 1000:.0f} ms{late} > SLO {slo.ttft_s * 1000:g} ms"
-            miss = ("slo_ttft", what, ttft * margin - slo.ttft_s)
-        elif slo.tpot_s is not None and tpot is not None and self.inflight and tpot > slo.tpot_s:
+        slack = None  # what it has to spare; kept on its ticket for the overtaking guard
+        if slo.ttft_s is not None and ttft is not None:
+            slack = slo.ttft_s - ttft * margin
+            if slack < 0 and not ttft_exempt:
+                late = f" (x {margin:.2f}, the recent late tail)" if margin > 1 else ""
+                what = f"predicted TTFT {ttft * 1000:.0f} ms{late} > SLO {slo.ttft_s * 1000:g} ms"
+                miss = ("slo_ttft", what, -slack)
+        if miss is None and slo.tpot_s is not None and tpot is not None and self.inflight and tpot > slo.tpot_s:
             miss = ("slo_tpot", f"predicted TPOT {tpot * 1000:.1f} ms > SLO {slo.tpot_s * 1000:g} ms", 0.0)
         if miss is not None and slo.on_miss != "queue":
             reason, what, over = miss
@@ -489,13 +499,11 @@ class Admission:
         self.tickets[t] = None
         self.queued_requests += 1
         self.queued_tokens += prompt_tokens
-        i = bisect.bisect_right(self._order_keys, t.order_key)
-        self._order_keys.insert(i, t.order_key)
-        self._order_tokens.insert(i, prompt_tokens)
-        self._order_tickets.insert(i, t)
+        i = bisect.bisect_right(self._order, t.order_key, key=_order_key)
+        self._order.insert(i, t)
         t.slack_s = d.slack_s
         if d.overtakes_s:  # the queued requests it goes ahead of wait for its prefill too
-            for later in self._order_tickets[i + 1 :]:
+            for later in self._order[i + 1 :]:
                 if later.slack_s is not None:
                     later.slack_s -= d.overtakes_s
         self.unplaced += 1
@@ -527,11 +535,11 @@ class Admission:
     def _dequeue(self, t: Ticket) -> None:
         self.queued_requests -= 1
         self.queued_tokens -= t.tokens
-        i = bisect.bisect_left(self._order_keys, t.order_key)
-        while i < len(self._order_tickets) and self._order_tickets[i] is not t:
+        i = bisect.bisect_left(self._order, t.order_key, key=_order_key)
+        while i < len(self._order) and self._order[i] is not t:
             i += 1
-        if i < len(self._order_tickets):
-            del self._order_keys[i], self._order_tokens[i], self._order_tickets[i]
+        if i < len(self._order):
+            del self._order[i]
         if t.unplaced:  # a first token (colocated, local prefill) or an end without ever getting a decode slot
             t.unplaced = False
             self.unplaced -= 1

@@ -587,10 +587,10 @@ def test_under_shortest_first_a_short_prompt_is_predicted_behind_only_what_the_p
     tickets[4].first_token(0.1)
     short.done()
     short.done()
-    assert (wfs.queued_tokens, wfs._order_tokens) == (6000, [2000, 2000, 2000])
+    assert (wfs.queued_tokens, [t.tokens for t in wfs._order]) == (6000, [2000, 2000, 2000])
     for t in tickets:
         t.done()
-    assert (wfs.queued_tokens, wfs._order_keys, wfs._order_tokens) == (0, [], [])
+    assert (wfs.queued_tokens, wfs._order) == (0, [])
     assert fcfs.decide(10, Slo()).ahead_share == 1.0
 
 
