@@ -47,8 +47,9 @@ def http(method: str, url: str, body=None, token: str | None = TOKEN, timeout: f
         return status, text, headers
 
 
-def complete(url: str, prompt: str, max_tokens: int, headers: dict | None = None) -> tuple[int, dict, dict]:
-    """POST /v1/completions (ignore_eos): (status, JSON body, lower-cased headers), a 4xx/5xx included."""
+def complete(url: str, prompt: str | list[int], max_tokens: int, headers: dict | None = None) -> tuple[int, dict, dict]:
+    """POST /v1/completions (ignore_eos; ``prompt`` text or token ids): (status, JSON body, lower-cased headers),
+    a 4xx/5xx included."""
     body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True}).encode()
     req = urllib.request.Request(f"{url}/v1/completions", data=body, method="POST")
     req.add_header("Content-Type", "application/json")

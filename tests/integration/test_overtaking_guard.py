@@ -12,13 +12,11 @@ then six short prompts arrive at once. Without the SLO header the same six are a
 from __future__ import annotations
 
 import concurrent.futures
-import json
 import time
-import urllib.request
 
 import pytest
 
-from tests.integration.conftest import ServeProcess, http
+from tests.integration.conftest import ServeProcess, complete, http
 
 LONG, SHORT = 1500, 5  # prompt tokens; a short one overtakes the long one within (1500 - 5) / 1000 s (aging)
 COLD_MARGIN = 1.5  # ttft_predictor.MARGIN_COLD: no request is judged here (nothing queued ahead)
@@ -33,16 +31,7 @@ def server(tmp_path_factory):
 
 
 def _send(url: str, tokens: int, headers: dict | None = None) -> tuple[int, dict, dict]:
-    body = json.dumps({"prompt": [7] * tokens, "max_tokens": 2, "ignore_eos": True}).encode()
-    req = urllib.request.Request(f"{url}/v1/completions", data=body, method="POST")
-    req.add_header("Content-Type", "application/json")
-    for k, v in (headers or {}).items():
-        req.add_header(k, v)
-    try:
-        with urllib.request.urlopen(req, timeout=120) as r:
-            return r.status, json.loads(r.read()), {k.lower(): v for k, v in r.headers.items()}
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read()), {k.lower(): v for k, v in e.headers.items()}
+    return complete(url, [7] * tokens, 2, headers)
 
 
 def _prefill_delay(s: ServeProcess, ms: float) -> None:
